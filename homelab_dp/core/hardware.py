@@ -1,0 +1,198 @@
+"""What the machine has (probe results) and what a plan is made for (planning hardware).
+
+Pure data and parsing; the probing itself lives in `homelab_dp.probe`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from homelab_dp.errors import HardwareSpecError
+
+GiB = 1024**3
+MiB = 1024**2
+
+DeviceKind = Literal["cuda", "cpu"]
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML reports it. Every field NVML may not support is optional (None)."""
+
+    index: int
+    name: str
+    memory_total: int
+    """Bytes of device memory."""
+    uuid: str | None = None
+    memory_free: int | None = None
+    memory_used: int | None = None
+    utilization_pct: int | None = None
+    """GPU (SM) utilisation over NVML's last sample period, percent."""
+    memory_utilization_pct: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    energy_mj: int | None = None
+    """Total energy counter since the driver loaded, millijoules (Volta and newer)."""
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    pcie_gen_max: int | None = None
+    pcie_width_max: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """How two GPUs reach each other."""
+
+    a: int
+    b: int
+    kind: Literal["nvlink", "p2p", "pcie", "unknown"]
+    """nvlink: NVLink between the pair; p2p: PCIe peer-to-peer; pcie: through host memory."""
+    nvlink_links: int = 0
+    """Active NVLink links between the pair."""
+    topology: str | None = None
+    """NVML topology level between the pair (e.g. "same board", "host bridge", "system")."""
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """The CPU host: used when there is no GPU and for `cpu:N` plans."""
+
+    cpu_model: str
+    logical_cores: int
+    physical_cores: int | None
+    ram_total: int
+    ram_available: int | None = None
+
+
+@dataclass(frozen=True)
+class HardwareReport:
+    """Everything `homelab-dp probe` reports."""
+
+    kind: DeviceKind
+    host: HostInfo
+    gpus: tuple[GpuInfo, ...] = ()
+    links: tuple[GpuLink, ...] = ()
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    notice: str | None = None
+    """Why there are no GPUs (no driver, no device) and what to do about it."""
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (the `probe --json` document)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    """One device a plan budgets for."""
+
+    name: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class PlanHardware:
+    """The devices a plan is made for: one process (rank) per device."""
+
+    kind: DeviceKind
+    devices: tuple[PlanDevice, ...]
+    source: str = "probe"
+    """Where the devices came from: "probe", "--gpus <spec>", "preset"."""
+    indices: tuple[int, ...] = field(default=())
+    """GPU indices used (CUDA_VISIBLE_DEVICES) when planned from the probe."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def min_memory(self) -> int:
+        """The smallest device's memory: mixed cards are limited by the smallest."""
+        return min(d.memory_bytes for d in self.devices)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t)?\s*$", re.IGNORECASE)
+_UNIT = {
+    None: GiB,
+    "g": GiB,
+    "gib": GiB,
+    "gb": GiB,
+    "m": MiB,
+    "mib": MiB,
+    "mb": MiB,
+    "t": 1024 * GiB,
+    "tib": 1024 * GiB,
+    "tb": 1024 * GiB,
+}
+_GPUS_HINT = "use e.g. --gpus 2x24GiB, --gpus 24GiB,12GiB, --gpus 4x80GiB or --gpus cpu:2"
+
+
+def parse_size(text: str) -> int:
+    """Parse "24GiB", "24", "11.5G", "512MiB" into bytes (binary units; a bare number is GiB)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(text)
+    unit = m.group(2).lower() if m.group(2) else None
+    value = float(m.group(1)) * _UNIT[unit]
+    if value <= 0:
+        raise ValueError(text)
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1.5 GiB, 300 MiB, 12 KiB."""
+    for unit, size in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if abs(n) < 10 * size else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_gpus_spec(spec: str, host_ram: int) -> PlanHardware:
+    """Parse a what-if `--gpus` spec.
+
+    ``2x24GiB`` two cards of 24 GiB; ``24GiB,12GiB`` a mixed pair; ``cpu:2`` two CPU processes
+    sharing the host RAM (``host_ram`` bytes); ``cpu:2:64GiB`` the same with 64 GiB of RAM.
+    """
+    text = spec.strip()
+    if not text:
+        raise HardwareSpecError("--gpus: empty spec", _GPUS_HINT)
+    if text.lower().startswith("cpu"):
+        m = re.match(r"^cpu(?::(\d+))?(?::(.+))?$", text, re.IGNORECASE)
+        if not m:
+            raise HardwareSpecError(f"--gpus: cannot read {spec!r}", _GPUS_HINT)
+        nproc = int(m.group(1) or 1)
+        if nproc < 1:
+            raise HardwareSpecError(f"--gpus: {spec!r} asks for {nproc} processes", _GPUS_HINT)
+        ram = host_ram
+        if m.group(2):
+            try:
+                ram = parse_size(m.group(2))
+            except ValueError:
+                raise HardwareSpecError(
+                    f"--gpus: cannot read the RAM size {m.group(2)!r} in {spec!r}", _GPUS_HINT
+                ) from None
+        per_proc = ram // nproc
+        devices = tuple(PlanDevice(f"cpu process {i}", per_proc) for i in range(nproc))
+        return PlanHardware("cpu", devices, source=f"--gpus {spec}")
+    devices: list[PlanDevice] = []
+    for part in text.split(","):
+        part = part.strip()
+        m = re.match(r"^(?:(\d+)\s*[x×*]\s*)?(.+)$", part, re.IGNORECASE)
+        if not m or not part:
+            raise HardwareSpecError(f"--gpus: cannot read {part!r} in {spec!r}", _GPUS_HINT)
+        count = int(m.group(1)) if m.group(1) else 1
+        try:
+            size = parse_size(m.group(2))
+        except ValueError:
+            raise HardwareSpecError(
+                f"--gpus: cannot read the memory size {m.group(2)!r} in {spec!r}", _GPUS_HINT
+            ) from None
+        if count < 1 or count > 64:
+            raise HardwareSpecError(
+                f"--gpus: {count} cards in {spec!r} is out of range (1 to 64)", _GPUS_HINT
+            )
+        devices.extend(PlanDevice(f"what-if {format_bytes(size)}", size) for _ in range(count))
+    return PlanHardware("cuda", tuple(devices), source=f"--gpus {spec}")

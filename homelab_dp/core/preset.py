@@ -1,0 +1,409 @@
+"""Presets: the TOML schema of a fine-tune as typed dataclasses.
+
+A preset is data, never code: it is parsed with `tomllib`, every key is checked against the
+dataclasses below, unknown keys and wrong types are rejected, and every problem is reported at
+once, each naming its key (``train.micro_batch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from homelab_dp.errors import PresetError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+DataFormat = Literal["auto", "text", "completion", "instruction", "chat"]
+Method = Literal["auto", "full", "lora", "qlora"]
+Distribution = Literal["auto", "ddp", "zero1", "fsdp-grad-op", "fsdp-full"]
+Optimizer = Literal["adamw", "adamw8bit", "sgd"]
+AutoBool = Literal["auto"] | bool
+
+METHODS = ("full", "lora", "qlora")
+DISTRIBUTIONS = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")
+
+
+@dataclass
+class ModelSection:
+    """The model to fine-tune."""
+
+    path: str = ""
+    """A local Hugging Face model folder (config.json, tokenizer, weights). Relative paths are
+    looked up from the current folder, then beside the preset file, then one folder above it."""
+    dtype: Dtype = "auto"
+    """Compute dtype: auto (bf16 on CUDA where supported, fp32 on CPU) | bf16 | fp16 | fp32."""
+    trust_remote_code: bool = False
+    """Allow the model folder's own Python code to run. Off unless you trust the folder."""
+
+
+@dataclass
+class DataSection:
+    """The training data."""
+
+    path: str = ""
+    """A local .jsonl (one JSON object a line) or .txt file."""
+    format: DataFormat = "auto"
+    """text ({"text"}) | completion ({"prompt","completion"}, loss on the completion only) |
+    instruction ({"instruction","input","output"}) | chat ({"messages"}, loss on assistant
+    turns only) | auto (detected from the first record's keys)."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    pack: bool = True
+    """Pack samples end to end into seq_len blocks (attention may cross sample boundaries,
+    as in most pre-training recipes); false pads each sample to seq_len with a mask instead."""
+
+
+@dataclass
+class TrainSection:
+    """How to train."""
+
+    method: Method = "auto"
+    """auto (the planner picks) | full | lora | qlora."""
+    distribution: Distribution = "auto"
+    """auto (the planner picks) | ddp | zero1 | fsdp-grad-op | fsdp-full."""
+    micro_batch: int = 4
+    """Sequences per device per forward pass."""
+    grad_accum: int = 1
+    """Micro-steps accumulated before each optimizer step."""
+    max_steps: int = 0
+    """Optimizer steps to run; 0 means use `epochs`."""
+    epochs: float = 1.0
+    """Passes over the data, used when max_steps is 0."""
+    lr: float = 3e-4
+    """Peak learning rate, for the preset's effective batch."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale lr when the effective batch differs from `reference_batch`: none | linear | sqrt."""
+    reference_batch: int = 0
+    """The effective batch `lr` was tuned for (0: the effective batch of this preset as planned)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr × min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    optimizer: Optimizer = "adamw"
+    """adamw | adamw8bit (bitsandbytes) | sgd."""
+    activation_checkpointing: AutoBool = "auto"
+    """auto (the planner turns it on when that makes the run fit) | true | false."""
+    seed: int = 42
+    """Seeds the model init of adapters, dropout and the global sample order."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint every N optimizer steps (0: only at a stop and the end)."""
+    keep_checkpoints: int = 2
+    """How many complete checkpoints to keep."""
+    log_every: int = 1
+    """Write a step event every N optimizer steps."""
+    merge: bool = False
+    """LoRA/QLoRA: also write the adapter merged into the base model (final/merged)."""
+
+
+@dataclass
+class LoraSection:
+    """LoRA adapters (used when the method is lora or qlora)."""
+
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """Scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: str | list[str] = "all-linear"
+    """Which linear layers get adapters: "all-linear" or a list of module names."""
+
+
+@dataclass
+class HardwareSection:
+    """Where to run."""
+
+    devices: Literal["auto", "cpu"] | list[int] = "auto"
+    """auto (every GPU NVML sees, else the CPU) | cpu | a list of GPU indices like [0, 1]."""
+    nproc: int = 2
+    """Processes when running on the CPU."""
+
+
+@dataclass
+class CostSection:
+    """Electricity cost, to price a run's energy."""
+
+    per_kwh: float = 0.0
+    """Price of one kWh in your currency (0: not shown)."""
+    currency: str = ""
+    """Currency label shown beside the price."""
+
+
+@dataclass
+class Preset:
+    """One fine-tune: model, data, training, adapters, hardware."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    hardware: HardwareSection = field(default_factory=HardwareSection)
+    cost: CostSection = field(default_factory=CostSection)
+    source: str = ""
+    """The file the preset was read from (not a TOML key)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The preset as TOML-ready nested dicts (without `source`)."""
+        out = dataclasses.asdict(self)
+        out.pop("source", None)
+        return out
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "train": TrainSection,
+    "lora": LoraSection,
+    "hardware": HardwareSection,
+    "cost": CostSection,
+}
+
+# Sizes that must be at least 1 (0 and negatives are rejected).
+_POSITIVE = {
+    "data.seq_len",
+    "train.micro_batch",
+    "train.grad_accum",
+    "train.log_every",
+    "train.keep_checkpoints",
+    "lora.r",
+    "lora.alpha",
+    "hardware.nproc",
+}
+_NON_NEGATIVE = {
+    "train.max_steps",
+    "train.epochs",
+    "train.warmup_steps",
+    "train.checkpoint_every",
+    "train.weight_decay",
+    "train.max_grad_norm",
+    "train.reference_batch",
+    "cost.per_kwh",
+    "lora.dropout",
+    "train.min_lr_ratio",
+}
+_POSITIVE_FLOAT = {"train.lr"}
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) if isinstance(a, str) else str(a).lower() for a in get_args(tp))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, str(tp)
+    )
+
+
+def _check_value(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Return (ok, converted) for a TOML value against a type annotation."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        for option in get_args(tp):
+            if type(value) is type(option) and value == option:
+                return True, value
+        return False, value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for option in get_args(tp):
+            ok, conv = _check_value(value, option)
+            if ok:
+                return True, conv
+        return False, value
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        (inner,) = get_args(tp)
+        out = []
+        for item in value:
+            ok, conv = _check_value(item, inner)
+            if not ok:
+                return False, value
+            out.append(conv)
+        return True, out
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    return False, value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, globalns=globals())
+
+
+def preset_from_dict(data: dict[str, Any], source: str = "") -> Preset:
+    """Validate nested dicts (as TOML gives them) into a Preset; every problem raised at once."""
+    problems: list[str] = []
+    sections: dict[str, Any] = {}
+    for key in data:
+        if key not in SECTIONS:
+            problems.append(
+                f"unknown section [{key}] (known: {', '.join('[' + s + ']' for s in SECTIONS)})"
+            )
+    for name, cls in SECTIONS.items():
+        raw = data.get(name, {})
+        if not isinstance(raw, dict):
+            problems.append(f"{name}: expected a [{name}] table, got {type(raw).__name__}")
+            sections[name] = cls()
+            continue
+        hints = _hints(cls)
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            dotted = f"{name}.{key}"
+            if key not in hints:
+                known = ", ".join(hints)
+                problems.append(f"{dotted}: unknown key (known in [{name}]: {known})")
+                continue
+            ok, conv = _check_value(value, hints[key])
+            if not ok:
+                problems.append(f"{dotted}: expected {_type_name(hints[key])}, got {value!r}")
+                continue
+            if dotted in _POSITIVE and conv < 1:
+                problems.append(f"{dotted}: must be at least 1, got {value!r}")
+                continue
+            if dotted in _NON_NEGATIVE and conv < 0:
+                problems.append(f"{dotted}: must not be negative, got {value!r}")
+                continue
+            if dotted in _POSITIVE_FLOAT and conv <= 0:
+                problems.append(f"{dotted}: must be greater than 0, got {value!r}")
+                continue
+            values[key] = conv
+        sections[name] = cls(**values)
+    preset = Preset(**sections, source=source)
+    problems.extend(_cross_checks(preset, data))
+    if problems:
+        where = f"{source}: " if source else ""
+        first = f"{where}{problems[0]}"
+        if len(problems) > 1:
+            first += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
+        raise PresetError(
+            first,
+            hint="fix each key named; `homelab-dp presets show tiny-demo` shows a valid preset",
+            problems=[f"{where}{p}" for p in problems],
+        )
+    return preset
+
+
+def _cross_checks(preset: Preset, data: dict[str, Any]) -> list[str]:
+    problems = []
+    if not preset.model.path and isinstance(data.get("model", {}), dict):
+        problems.append("model.path: required (a local Hugging Face model folder)")
+    if not preset.data.path and isinstance(data.get("data", {}), dict):
+        problems.append("data.path: required (a local .jsonl or .txt file)")
+    if preset.train.max_steps == 0 and preset.train.epochs <= 0:
+        problems.append("train.epochs: must be greater than 0 when train.max_steps is 0")
+    devices = preset.hardware.devices
+    if isinstance(devices, list):
+        if not devices:
+            problems.append("hardware.devices: the list of GPU indices is empty")
+        elif any(i < 0 for i in devices) or len(set(devices)) != len(devices):
+            problems.append(f"hardware.devices: indices must be distinct and >= 0, got {devices}")
+    if preset.train.method == "qlora" and preset.train.distribution not in ("auto", "ddp"):
+        problems.append(
+            f"train.distribution: qlora runs under ddp only, got {preset.train.distribution!r}"
+        )
+    return problems
+
+
+def load_preset(path: str | Path) -> Preset:
+    """Read and validate a preset file. Raises PresetError naming the file and key."""
+    p = Path(path)
+    if not p.is_file():
+        raise PresetError(
+            f"{p}: no such preset file", hint="`homelab-dp presets list` shows the known presets"
+        )
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise PresetError(
+            f"{p}: not valid TOML: {exc}", hint="check the quoting and brackets on that line"
+        ) from None
+    except UnicodeDecodeError:
+        raise PresetError(f"{p}: not a UTF-8 text file", hint="a preset is a TOML file") from None
+    return preset_from_dict(data, source=str(p))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse one ``--set section.key=VALUE``; VALUE is read as a TOML value, else as a string."""
+    if "=" not in text:
+        raise PresetError(
+            f"--set {text}: expected KEY=VALUE", hint="e.g. --set train.micro_batch=2"
+        )
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key.count(".") != 1 or not all(key.split(".")):
+        raise PresetError(
+            f"--set {text}: the key must be section.key", hint="e.g. --set train.micro_batch=2"
+        )
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
+    """Return a new Preset with ``--set`` overrides applied and validated."""
+    if not overrides:
+        return preset
+    data = preset.to_dict()
+    for text in overrides:
+        key, value = parse_override(text)
+        section, name = key.split(".")
+        if section not in SECTIONS:
+            raise PresetError(
+                f"--set {key}: unknown section [{section}]",
+                hint=f"sections are {', '.join(SECTIONS)}",
+            )
+        if name not in _hints(SECTIONS[section]):
+            raise PresetError(
+                f"--set {key}: unknown key",
+                hint=f"keys in [{section}] are {', '.join(_hints(SECTIONS[section]))}",
+            )
+        data[section][name] = value
+    return preset_from_dict(data, source=preset.source)
+
+
+def field_docs() -> dict[str, str]:
+    """Each ``section.key`` with the first line of its docstring (for `presets show`, the TUI)."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    for name, cls in SECTIONS.items():
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[f"{name}.{node.target.id}"] = " ".join(nxt.value.value.split())
+    return docs

@@ -1,0 +1,1 @@
+"""Hardware probing: the only package that imports pynvml."""

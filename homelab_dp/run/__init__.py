@@ -1,0 +1,1 @@
+"""Starting, following and stopping runs (torchrun launcher, controller, device monitor)."""
