@@ -40,6 +40,8 @@ class GpuInfo:
     pcie_width: int | None = None
     pcie_gen_max: int | None = None
     pcie_width_max: int | None = None
+    pci_bus_id: str | None = None
+    """PCI bus id as NVML writes it ("00000000:01:00.0"); NVML indices follow the bus order."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,10 @@ class GpuLink:
     nvlink_links: int = 0
     """Active NVLink links between the pair."""
     topology: str | None = None
-    """NVML topology level between the pair (e.g. "same board", "host bridge", "system")."""
+    """Where the pair's PCIe paths meet, in words: "same board", "single PCIe switch",
+    "multiple PCIe switches", "host bridge", "same CPU", "across CPUs"."""
+    p2p: bool | None = None
+    """PCIe peer-to-peer reads between the pair supported (None: NVML did not say)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,10 @@ class HardwareReport:
     driver_version: str | None = None
     cuda_driver_version: str | None = None
     notice: str | None = None
-    """Why there are no GPUs (no driver, no device) and what to do about it."""
+    """Why there are no GPUs (no driver, no device) and what to do about it, or a warning
+    about a card that could not be read."""
+    source: str | None = None
+    """Where the GPU facts came from: "nvml", or "recording <file>" for recorded hardware."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict (the `probe --json` document)."""
