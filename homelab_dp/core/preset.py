@@ -397,7 +397,7 @@ def field_docs() -> dict[str, str]:
     for name, cls in SECTIONS.items():
         tree = ast.parse(inspect.getsource(cls))
         body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
+        for node, nxt in zip(body, body[1:], strict=False):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)

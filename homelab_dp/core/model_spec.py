@@ -1,0 +1,298 @@
+"""Model shape and exact parameter count from a Hugging Face `config.json` alone (no torch).
+
+Supported families: LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Phi-3 and GPT-2. The counts
+match instantiating the model through transformers on the meta device, parameter for
+parameter (the tests check it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.errors import ModelSpecError
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+SUPPORTED = (*LLAMA_LIKE, "phi3", "gpt2")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer inside a decoder block (repeated in every layer)."""
+
+    name: str
+    d_in: int
+    d_out: int
+    bias: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.d_in * self.d_out + (self.d_out if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to know about a model."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    tied_embeddings: bool
+    linears: tuple[Linear, ...]
+    """The linear layers of one decoder block (what LoRA adapts and QLoRA quantizes)."""
+    embedding_params: int
+    """Token (and position) embeddings."""
+    lm_head_params: int
+    """0 when tied to the embeddings."""
+    norm_params_per_layer: int
+    final_norm_params: int
+    other_params_per_layer: int = 0
+    """Anything else per layer (biases outside linears, q/k norms)."""
+    source: str = "config.json"
+    """How the count was obtained: "config.json" or "meta-device"."""
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        return sum(lin.params for lin in self.linears)
+
+    @property
+    def layer_params(self) -> int:
+        return (
+            self.linear_params_per_layer + self.norm_params_per_layer + self.other_params_per_layer
+        )
+
+    @property
+    def params(self) -> int:
+        """Exact total parameter count (tied weights counted once)."""
+        return (
+            self.embedding_params
+            + self.lm_head_params
+            + self.layers * self.layer_params
+            + self.final_norm_params
+        )
+
+    @property
+    def quantizable_params(self) -> int:
+        """Parameters in decoder linear layers: what 4-bit QLoRA quantizes."""
+        return self.layers * self.linear_params_per_layer
+
+    def lora_params(self, r: int, targets: str | list[str] = "all-linear") -> int:
+        """Trainable LoRA parameters: r·(d_in + d_out) per adapted linear, in every layer."""
+        chosen = self.lora_targets(targets)
+        return self.layers * sum(r * (lin.d_in + lin.d_out) for lin in chosen)
+
+    def lora_targets(self, targets: str | list[str]) -> list[Linear]:
+        """The decoder linears a LoRA target spec selects ("all-linear" or module names)."""
+        if targets == "all-linear":
+            return list(self.linears)
+        names = set(targets)
+        return [
+            lin for lin in self.linears if lin.name.split(".")[-1] in names or lin.name in names
+        ]
+
+    def summary(self) -> dict[str, int]:
+        """The `model` block of `plan --json` (without trainable_params)."""
+        return {
+            "params": self.params,
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "vocab": self.vocab,
+        }
+
+
+def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def _require(cfg: dict[str, Any], source: str, *names: str) -> int:
+    value = _get(cfg, *names)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelSpecError(
+            f"{source}: missing or invalid {names[0]!r}",
+            hint="config.json must be a Hugging Face model config with the model's sizes",
+        )
+    return value
+
+
+def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """Build a ModelSpec from a parsed config.json. Raises ModelSpecError for unknown families."""
+    model_type = str(cfg.get("model_type", "")).lower()
+    if model_type not in SUPPORTED:
+        known = ", ".join(SUPPORTED)
+        raise ModelSpecError(
+            f"{source}: unknown architecture model_type={model_type or None!r} "
+            f"(architectures={cfg.get('architectures')})",
+            hint=f"supported families: {known}",
+        )
+    if model_type == "gpt2":
+        return _gpt2(cfg, source)
+    if model_type == "phi3":
+        return _phi3(cfg, source)
+    return _llama_like(cfg, model_type, source)
+
+
+def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
+    h = _require(cfg, source, "hidden_size")
+    layers = _require(cfg, source, "num_hidden_layers")
+    heads = _require(cfg, source, "num_attention_heads")
+    kv = _get(cfg, "num_key_value_heads", default=heads)
+    inter = _require(cfg, source, "intermediate_size")
+    vocab = _require(cfg, source, "vocab_size")
+    head_dim = _get(cfg, "head_dim", default=h // heads)
+    # Gemma always ties; the others follow the config (transformers' default is True for
+    # Qwen2/Qwen3/Gemma configs and False for LLaMA/Mistral).
+    tie_default = model_type in ("qwen2", "qwen3", "gemma", "gemma2")
+    tied = bool(_get(cfg, "tie_word_embeddings", default=tie_default))
+    if model_type == "qwen2":
+        qkv_bias, o_bias, mlp_bias = True, False, False
+    elif model_type in ("llama",):
+        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+    elif model_type in ("qwen3", "gemma", "gemma2"):
+        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = False
+    else:  # mistral
+        qkv_bias = o_bias = mlp_bias = False
+    linears = (
+        Linear("self_attn.q_proj", h, heads * head_dim, qkv_bias),
+        Linear("self_attn.k_proj", h, kv * head_dim, qkv_bias),
+        Linear("self_attn.v_proj", h, kv * head_dim, qkv_bias),
+        Linear("self_attn.o_proj", heads * head_dim, h, o_bias),
+        Linear("mlp.gate_proj", h, inter, mlp_bias),
+        Linear("mlp.up_proj", h, inter, mlp_bias),
+        Linear("mlp.down_proj", inter, h, mlp_bias),
+    )
+    norms = 4 * h if model_type == "gemma2" else 2 * h
+    other = 2 * head_dim if model_type == "qwen3" else 0  # q_norm and k_norm
+    return ModelSpec(
+        model_type=model_type,
+        layers=layers,
+        hidden=h,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        intermediate=inter,
+        vocab=vocab,
+        max_positions=int(_get(cfg, "max_position_embeddings", default=0) or 0),
+        tied_embeddings=tied,
+        linears=linears,
+        embedding_params=vocab * h,
+        lm_head_params=0 if tied else vocab * h,
+        norm_params_per_layer=norms,
+        final_norm_params=h,
+        other_params_per_layer=other,
+        source=source,
+    )
+
+
+def _phi3(cfg: dict[str, Any], source: str) -> ModelSpec:
+    h = _require(cfg, source, "hidden_size")
+    layers = _require(cfg, source, "num_hidden_layers")
+    heads = _require(cfg, source, "num_attention_heads")
+    kv = _get(cfg, "num_key_value_heads", default=heads)
+    inter = _require(cfg, source, "intermediate_size")
+    vocab = _require(cfg, source, "vocab_size")
+    head_dim = _get(cfg, "head_dim", default=h // heads)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    linears = (
+        Linear("self_attn.qkv_proj", h, heads * head_dim + 2 * kv * head_dim),
+        Linear("self_attn.o_proj", heads * head_dim, h),
+        Linear("mlp.gate_up_proj", h, 2 * inter),
+        Linear("mlp.down_proj", inter, h),
+    )
+    return ModelSpec(
+        model_type="phi3",
+        layers=layers,
+        hidden=h,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        intermediate=inter,
+        vocab=vocab,
+        max_positions=int(_get(cfg, "max_position_embeddings", default=0) or 0),
+        tied_embeddings=tied,
+        linears=linears,
+        embedding_params=vocab * h,
+        lm_head_params=0 if tied else vocab * h,
+        norm_params_per_layer=2 * h,
+        final_norm_params=h,
+        source=source,
+    )
+
+
+def _gpt2(cfg: dict[str, Any], source: str) -> ModelSpec:
+    h = _require(cfg, source, "n_embd", "hidden_size")
+    layers = _require(cfg, source, "n_layer", "num_hidden_layers")
+    heads = _require(cfg, source, "n_head", "num_attention_heads")
+    vocab = _require(cfg, source, "vocab_size")
+    positions = _require(cfg, source, "n_positions", "max_position_embeddings")
+    inner = _get(cfg, "n_inner", default=None) or 4 * h
+    linears = (
+        Linear("attn.c_attn", h, 3 * h, True),
+        Linear("attn.c_proj", h, h, True),
+        Linear("mlp.c_fc", h, inner, True),
+        Linear("mlp.c_proj", inner, h, True),
+    )
+    return ModelSpec(
+        model_type="gpt2",
+        layers=layers,
+        hidden=h,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=h // heads,
+        intermediate=inner,
+        vocab=vocab,
+        max_positions=positions,
+        tied_embeddings=True,  # GPT2LMHeadModel always ties lm_head to wte
+        linears=linears,
+        embedding_params=vocab * h + positions * h,
+        lm_head_params=0,
+        norm_params_per_layer=4 * h,  # ln_1 and ln_2, weight and bias
+        final_norm_params=2 * h,
+        source=source,
+    )
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """Read a model folder's config.json with errors that name the file."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise ModelSpecError(
+            f"model.path: {folder} is not a folder",
+            hint="model.path must be a local Hugging Face model folder (with config.json)",
+        )
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelSpecError(
+            f"{path}: missing",
+            hint="a Hugging Face model folder has config.json beside the weights and tokenizer",
+        )
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelSpecError(
+            f"{path}: not valid JSON ({exc})", hint="re-download or re-save the model's config"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ModelSpecError(f"{path}: expected a JSON object", hint="a config.json is an object")
+    # Multimodal wrappers keep the text model's sizes in text_config.
+    if "text_config" in cfg and isinstance(cfg["text_config"], dict) and "model_type" not in cfg:
+        cfg = cfg["text_config"]
+    return cfg
+
+
+def load_model_spec(model_dir: str | Path) -> ModelSpec:
+    """The ModelSpec of a local model folder, from its config.json alone."""
+    cfg = read_config(model_dir)
+    return spec_from_config(cfg, source=str(Path(model_dir) / "config.json"))

@@ -1,0 +1,78 @@
+"""From a preset to a plan: choose the devices (probe or what-if) and run the planner.
+
+Shared by the CLI, the TUI and the run controller; imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from homelab_dp.core.hardware import HardwareReport, PlanDevice, PlanHardware, parse_gpus_spec
+from homelab_dp.core.model_spec import ModelSpec, load_model_spec
+from homelab_dp.core.planner import Plan, plan
+from homelab_dp.core.preset import Preset
+from homelab_dp.errors import HardwareSpecError, PresetError
+from homelab_dp.probe import nvml
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A plan with what it was made from."""
+
+    preset: Preset
+    spec: ModelSpec
+    hardware: PlanHardware
+    plan: Plan
+    report: HardwareReport | None
+    """The probe, when the devices came from it (None for a what-if --gpus plan)."""
+
+
+def cpu_hardware(nproc: int, ram_total: int, source: str) -> PlanHardware:
+    """``nproc`` CPU processes sharing the host RAM."""
+    cores = os.cpu_count() or 1
+    if nproc > cores:
+        raise PresetError(
+            f"hardware.nproc: {nproc} processes but this machine has {cores} CPU cores",
+            hint=f"set hardware.nproc to at most {cores} (e.g. --set hardware.nproc={cores})",
+        )
+    per = ram_total // nproc
+    return PlanHardware(
+        "cpu", tuple(PlanDevice(f"cpu process {i}", per) for i in range(nproc)), source=source
+    )
+
+
+def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, HardwareReport | None]:
+    """The devices to plan for: a what-if ``--gpus`` spec, else the preset's choice of probed ones."""
+    if gpus:
+        host_ram = nvml.host_info().ram_total
+        return parse_gpus_spec(gpus, host_ram), None
+    devices = preset.hardware.devices
+    if devices == "cpu":
+        host = nvml.host_info()
+        return cpu_hardware(preset.hardware.nproc, host.ram_total, "preset: cpu"), None
+    report = nvml.probe()
+    if not report.gpus:
+        if isinstance(devices, list):
+            raise HardwareSpecError(
+                f"hardware.devices: GPUs {devices} asked for, but no GPU was found",
+                hint=(report.notice or "") + ' Use devices = "cpu" or plan with --gpus.',
+            )
+        return cpu_hardware(preset.hardware.nproc, report.host.ram_total, "probe: no GPU"), report
+    by_index = {g.index: g for g in report.gpus}
+    indices = list(by_index) if devices == "auto" else devices
+    missing = [i for i in indices if i not in by_index]
+    if missing:
+        raise HardwareSpecError(
+            f"hardware.devices: no GPU with index {missing} (found {sorted(by_index)})",
+            hint="`homelab-dp probe` lists the GPUs and their indices",
+        )
+    chosen = tuple(PlanDevice(by_index[i].name, by_index[i].memory_total) for i in indices)
+    return PlanHardware("cuda", chosen, source="probe", indices=tuple(indices)), report
+
+
+def make_plan(preset: Preset, gpus: str | None = None) -> Planned:
+    """Plan ``preset`` (paths already resolved) on the probed or what-if hardware."""
+    spec = load_model_spec(preset.model.path)
+    hardware, report = select_hardware(preset, gpus)
+    return Planned(preset, spec, hardware, plan(spec, preset, hardware), report)

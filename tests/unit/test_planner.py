@@ -1,0 +1,236 @@
+"""Planner decisions on fixtures, and the memory model's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from homelab_dp.core.hardware import GiB, parse_gpus_spec
+from homelab_dp.core.memory import NF4_BYTES_PER_PARAM, TrainShape, budget
+from homelab_dp.core.model_spec import spec_from_config
+from homelab_dp.core.planner import plan
+from homelab_dp.core.preset import preset_from_dict
+from homelab_dp.errors import HardwareSpecError
+
+SMOLLM_135M = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+LLAMA3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+
+
+def _preset(**train):
+    seq_len = train.pop("seq_len", 1024)
+    base = {"micro_batch": 2, "grad_accum": 8}
+    return preset_from_dict(
+        {
+            "model": {"path": "m"},
+            "data": {"path": "d", "seq_len": seq_len},
+            "train": {**base, **train},
+        }
+    )
+
+
+def _plan(cfg, gpus, **train):
+    return plan(spec_from_config(cfg), _preset(**train), parse_gpus_spec(gpus, 64 * GiB))
+
+
+def test_small_model_on_two_24gb_cards_is_full_ddp() -> None:
+    p = _plan(SMOLLM_135M, "2x24GiB")
+    assert (p.chosen.method, p.chosen.distribution, p.fits) == ("full", "ddp", True)
+    assert p.effective_batch == 2 * 2 * 8
+    j = p.to_json()
+    assert j["training"]["world_size"] == 2 and j["training"]["effective_batch"] == 32
+
+
+def test_8b_full_on_two_24gb_cards_is_never_ddp() -> None:
+    p = _plan(LLAMA3_8B, "2x24GiB", method="full")
+    assert p.chosen.distribution != "ddp"
+    assert not p.fits  # 16 bytes/param of model state is 128 GB: not on 48 GB in total
+    ddp = [c for c in p.candidates if (c.method, c.distribution) == ("full", "ddp")][0]
+    assert not ddp.fits and ddp.budget.weights == 8_030_261_248 * 4
+
+
+def test_8b_auto_on_one_24gb_card_falls_back_to_qlora() -> None:
+    p = _plan(LLAMA3_8B, "24GiB", micro_batch=2, grad_accum=8, seq_len=2048)
+    assert (p.chosen.method, p.chosen.distribution, p.fits) == ("qlora", "ddp", True)
+    assert any("Too big: full fine-tune" in r for r in p.reasons)
+    assert any("Too big: LoRA" in r for r in p.reasons)
+
+
+def test_8b_auto_on_two_24gb_cards_shards_lora_before_quantizing() -> None:
+    p = _plan(LLAMA3_8B, "2x24GiB", micro_batch=2, grad_accum=8, seq_len=2048)
+    assert (p.chosen.method, p.fits) == ("lora", True)
+    assert p.chosen.distribution in ("fsdp-grad-op", "fsdp-full")
+
+
+def test_8b_on_four_80gb_cards_is_full_and_sharded() -> None:
+    p = _plan(LLAMA3_8B, "4x80GiB")
+    assert p.chosen.method == "full" and p.fits
+    assert p.chosen.distribution in ("zero1", "fsdp-grad-op", "fsdp-full")
+
+
+def test_8b_on_one_8gb_card_does_not_fit_and_says_what_would() -> None:
+    p = _plan(LLAMA3_8B, "8GiB")
+    assert not p.fits
+    j = p.to_json()
+    assert j["fits"] is False and j["advice"]
+    assert any("Larger cards" in a for a in j["advice"])
+    assert any("GiB per device" in a for a in j["advice"])
+
+
+def test_advice_for_micro_batch_keeps_the_effective_batch() -> None:
+    p = _plan(LLAMA3_8B, "2x24GiB", method="qlora", micro_batch=8, grad_accum=2, seq_len=2048)
+    assert not p.fits
+    line = [a for a in p.advice if "Smaller micro-batch" in a][0]
+    # effective batch 8 × 2 × 2 = 32 stays 32 with the proposed micro-batch and accumulation
+    assert "(effective batch 32)" in line
+
+
+def test_pinned_method_and_distribution_are_respected() -> None:
+    p = _plan(SMOLLM_135M, "2x24GiB", method="lora", distribution="fsdp-full")
+    assert (p.chosen.method, p.chosen.distribution) == ("lora", "fsdp-full")
+    assert any("pins" in r for r in p.reasons)
+
+
+def test_mixed_cards_are_limited_by_the_smallest() -> None:
+    # 135M full fine-tune with long sequences: fits 24 GiB but not 6 GiB.
+    big = _plan(
+        SMOLLM_135M,
+        "2x24GiB",
+        method="full",
+        distribution="ddp",
+        activation_checkpointing=False,
+        seq_len=2048,
+        micro_batch=4,
+    )
+    mixed = _plan(
+        SMOLLM_135M,
+        "24GiB,6GiB",
+        method="full",
+        distribution="ddp",
+        activation_checkpointing=False,
+        seq_len=2048,
+        micro_batch=4,
+    )
+    assert big.fits and not mixed.fits
+    assert any("smallest" in r for r in mixed.reasons)
+
+
+def test_activation_checkpointing_is_turned_on_only_when_it_makes_the_run_fit() -> None:
+    roomy = _plan(SMOLLM_135M, "2x80GiB", micro_batch=2)
+    assert not roomy.chosen.activation_checkpointing
+    tight = _plan(
+        SMOLLM_135M, "2x12GiB", method="full", distribution="ddp", micro_batch=4, seq_len=2048
+    )
+    off = [c for c in tight.candidates if (c.method, c.distribution) == ("full", "ddp")]
+    assert tight.fits and tight.chosen.activation_checkpointing
+    assert off[0].activation_checkpointing  # the candidate listed is the fitting one
+
+
+def test_lr_scaling_when_the_effective_batch_differs_from_the_reference() -> None:
+    p = _plan(
+        SMOLLM_135M,
+        "4x24GiB",
+        lr=1e-4,
+        reference_batch=16,
+        lr_scaling="sqrt",
+        micro_batch=2,
+        grad_accum=8,
+    )
+    assert p.effective_batch == 64
+    assert p.lr.linear == pytest.approx(4e-4) and p.lr.sqrt == pytest.approx(2e-4)
+    assert p.lr.applied == pytest.approx(2e-4)
+    assert any("square-root rule" in r for r in p.reasons)
+
+
+def test_cpu_plan_uses_fp32_and_host_ram() -> None:
+    p = _plan(SMOLLM_135M, "cpu:2:32GiB")
+    assert p.dtype == "fp32" and p.hardware.kind == "cpu"
+    assert [d.memory_bytes for d in p.hardware.devices] == [16 * GiB, 16 * GiB]
+    assert p.chosen.budget.weights == 134_515_008 * 4
+
+
+def _shape(**kw) -> TrainShape:
+    base = dict(
+        method="full",
+        distribution="ddp",
+        world_size=4,
+        device="cuda",
+        dtype="bf16",
+        micro_batch=1,
+        seq_len=512,
+        grad_accum=2,
+    )
+    return TrainShape(**{**base, **kw})
+
+
+def test_zero_and_fsdp_shard_the_model_states() -> None:
+    spec = spec_from_config(LLAMA3_8B)
+    psi = spec.params
+    ddp = budget(spec, _shape())
+    zero1 = budget(spec, _shape(distribution="zero1"))
+    grad_op = budget(spec, _shape(distribution="fsdp-grad-op"))
+    full = budget(spec, _shape(distribution="fsdp-full"))
+    assert (ddp.weights, ddp.gradients, ddp.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    assert (zero1.weights, zero1.optimizer) == (4 * psi, 8 * psi // 4)
+    assert grad_op.weights == psi and grad_op.optimizer == 2 * psi and grad_op.gradients == psi
+    assert full.weights == psi and full.buffers < grad_op.buffers
+    assert ddp.total > zero1.total > grad_op.total > full.total
+
+
+def test_qlora_weights_are_4bit_linears_and_fp32_rest() -> None:
+    spec = spec_from_config(LLAMA3_8B)
+    b = budget(spec, _shape(method="qlora", world_size=1))
+    other = spec.params - spec.quantizable_params
+    adapters = spec.lora_params(16)
+    assert b.weights == int(
+        spec.quantizable_params * NF4_BYTES_PER_PARAM + other * 4 + adapters * 4
+    )
+    assert b.gradients == adapters * 4 and b.optimizer == adapters * 8
+
+
+def test_communication_bytes_follow_the_ring_formulas() -> None:
+    spec = spec_from_config(SMOLLM_135M)
+    g = spec.params * 4
+    assert budget(spec, _shape(world_size=1)).comm_bytes_per_step == 0
+    assert budget(spec, _shape()).comm_bytes_per_step == int(2 * 3 / 4 * g)
+    lora = budget(spec, _shape(method="lora"))
+    assert lora.comm_bytes_per_step == int(2 * 3 / 4 * spec.lora_params(16) * 4)
+
+
+def test_logits_dominate_for_small_models_with_big_vocabularies() -> None:
+    spec = spec_from_config(SMOLLM_135M)
+    b = budget(spec, _shape(micro_batch=8, seq_len=2048, world_size=1))
+    assert b.logits == 8 * 2048 * 49152 * 14
+    assert b.logits > b.weights
+
+
+@pytest.mark.parametrize("spec", ["", "x24GiB", "2x", "2xlots", "0x24GiB", "cpu:two", "24GiB,,"])
+def test_bad_gpus_specs(spec: str) -> None:
+    with pytest.raises(HardwareSpecError) as err:
+        parse_gpus_spec(spec, 64 * GiB)
+    assert "--gpus" in err.value.message and err.value.hint
+
+
+def test_gpus_specs() -> None:
+    assert [d.memory_bytes for d in parse_gpus_spec("24GiB,12GiB", 0).devices] == [
+        24 * GiB,
+        12 * GiB,
+    ]
+    assert parse_gpus_spec("4x80GiB", 0).world_size == 4
+    assert parse_gpus_spec("cpu:3", 30 * GiB).devices[0].memory_bytes == 10 * GiB
