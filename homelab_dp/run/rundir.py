@@ -51,3 +51,10 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def read_spec(run_dir: Path) -> dict[str, Any]:
     """Read a run's spec.json."""
     return json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
+
+
+def append_event(run_dir: Path, event: dict[str, Any]) -> None:
+    """Append one controller event (a JSON line with "type" and "time") to events.jsonl."""
+    line = json.dumps({"time": time.time(), **event})
+    with open(run_dir / "events.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(line + "\n")

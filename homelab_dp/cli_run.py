@@ -1,0 +1,190 @@
+"""The run commands of the CLI: run, runs, status, attach, stop, resume (thin, over the controller)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from homelab_dp.core.hardware import format_bytes
+
+
+def _controller():
+    from homelab_dp.run.controller import make_controller
+
+    return make_controller()
+
+
+def _mode(args: argparse.Namespace) -> str:
+    if getattr(args, "json", False):
+        return "json"
+    return "live" if sys.stdout.isatty() else "plain"
+
+
+def _multinode(args: argparse.Namespace):
+    from homelab_dp.run.controller import MultiNode
+
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        from homelab_dp.errors import HomelabError
+
+        raise HomelabError(
+            f"--node-rank {args.node_rank}: must be between 0 and --nnodes - 1 ({args.nnodes - 1})",
+            hint="number the machines 0, 1, … and start the same command on each",
+        )
+    return MultiNode(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from homelab_dp.watch import follow
+
+    controller = _controller()
+    multinode = _multinode(args)
+    prepared = controller.prepare(
+        args.preset,
+        overrides=args.set,
+        gpus=args.gpus,
+        force=args.force,
+        nnodes=multinode.nnodes,
+    )
+    run_id = controller.start(prepared, multinode)
+    if args.detach:
+        if args.json:
+            print(json.dumps({"type": "detached", "run_id": run_id}))
+        else:
+            print(f"started {run_id}\nfollow it with: homelab-dp attach {run_id}")
+        return 0
+    if not args.json:
+        print(f"started {run_id} (Ctrl-C detaches; stop with: homelab-dp stop {run_id})")
+    return follow(controller, run_id, _mode(args))
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    from homelab_dp.watch import follow
+
+    controller = _controller()
+    run_id = controller.run_dir(args.run).name
+    return follow(controller, run_id, _mode(args))
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from homelab_dp.watch import follow
+
+    controller = _controller()
+    run_id = controller.resume(args.run, _multinode(args))
+    if args.detach:
+        print(
+            json.dumps({"type": "detached", "run_id": run_id}) if args.json else f"resumed {run_id}"
+        )
+        return 0
+    return follow(controller, run_id, _mode(args))
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    controller = _controller()
+    state = controller.stop(args.run, timeout=args.timeout)
+    print(
+        f"{controller.run_dir(args.run).name}: {state.get('status')} — {state.get('reason') or ''}"
+    )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    doc = _controller().status(args.run)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    lines = [
+        f"run       {doc['run_id']}",
+        f"status    {doc['status']}" + (f" — {doc['reason']}" if doc.get("reason") else ""),
+        f"strategy  {doc['method']} · {doc['distribution']} · {doc['world_size']} process(es)",
+        f"progress  step {doc['step']}/{doc['total_steps']}"
+        + (f", loss {doc['loss']:.4f}" if doc.get("loss") is not None else ""),
+    ]
+    if doc.get("tokens_per_s"):
+        lines.append(f"speed     {doc['tokens_per_s']:,.0f} tokens/s")
+    if doc.get("peak_memory_bytes"):
+        peaks = ", ".join(format_bytes(b) for b in doc["peak_memory_bytes"])
+        est = (
+            f" (estimate {format_bytes(doc['estimate_bytes'])})"
+            if doc.get("estimate_bytes")
+            else ""
+        )
+        lines.append(f"memory    peak per rank {peaks}{est}")
+    if doc.get("energy_wh"):
+        extra = f", {doc['tokens_per_wh']:,.0f} tokens/Wh" if doc.get("tokens_per_wh") else ""
+        cost = f", cost {doc['cost']:.3f}" if doc.get("cost") is not None else ""
+        lines.append(f"energy    {doc['energy_wh']:.2f} Wh{extra}{cost}")
+    if doc.get("last_checkpoint_step") is not None:
+        lines.append(f"checkpoint step {doc['last_checkpoint_step']}")
+    if doc.get("final_path"):
+        lines.append(f"result    {doc['final_path']}")
+    for warning in doc.get("stragglers") or []:
+        lines.append(f"warning   {warning}")
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    rows = _controller().list_runs()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no runs yet; start one with: homelab-dp run tiny-demo")
+        return 0
+    print(f"{'run':<44} {'status':<12} {'steps':>11} {'loss':>8} {'energy':>9}")
+    for r in rows:
+        loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "–"
+        energy = f"{r['energy_wh']:.2f} Wh" if r.get("energy_wh") else "–"
+        steps = f"{r['step']}/{r['total_steps']}"
+        print(f"{r['run_id']:<44} {r['status']:<12} {steps:>11} {loss:>8} {energy:>9}")
+    return 0
+
+
+def _add_multinode(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the run (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0..nnodes-1")
+    p.add_argument(
+        "--master-addr", default="127.0.0.1", help="address of node 0 (c10d rendezvous host)"
+    )
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0")
+
+
+def add_commands(sub: Any) -> None:
+    """Register the run commands on the main parser's subparsers."""
+    p = sub.add_parser("run", help="start a fine-tune (follows it unless --detach)")
+    p.add_argument("preset")
+    p.add_argument("--gpus", help="cpu:N runs on N CPU processes")
+    p.add_argument("--detach", action="store_true", help="return at once; the run goes on")
+    p.add_argument("--json", action="store_true", help="events as JSON lines")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--force", action="store_true", help="start even if the plan does not fit")
+    _add_multinode(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("runs", help="every run, newest first")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("status", help="one run's state and figures")
+    p.add_argument("run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("attach", help="follow a run until it ends (Ctrl-C detaches)")
+    p.add_argument("run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_attach)
+
+    p = sub.add_parser("stop", help="graceful stop: all ranks agree, checkpoint, exit")
+    p.add_argument("run")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("resume", help="continue a stopped or failed run from its last checkpoint")
+    p.add_argument("run")
+    p.add_argument("--detach", action="store_true")
+    p.add_argument("--json", action="store_true")
+    _add_multinode(p)
+    p.set_defaults(func=cmd_resume)

@@ -1,0 +1,316 @@
+"""The run controller: start, list, inspect, follow, stop and resume runs.
+
+One object behind both front ends (the CLI and the TUI build it through `make_controller`,
+and so do the tests). A run is a folder under the runs root; the controller never keeps state
+of its own, so a run started over one SSH connection is seen and followed from any other.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.events import RunView
+from homelab_dp.core.planner import Plan
+from homelab_dp.core.preset import Preset
+from homelab_dp.core.preset_store import open_preset
+from homelab_dp.core.spec import Resolved, make_spec
+from homelab_dp.errors import HomelabError, RunNotFoundError, RunStateError
+from homelab_dp.run import preflight
+from homelab_dp.run.follow import RunTail, read_all
+from homelab_dp.run.planning import Planned, cpu_hardware, make_plan
+from homelab_dp.run.rundir import (
+    append_event,
+    create_run_dir,
+    new_run_id,
+    read_spec,
+    runs_root,
+    write_json_atomic,
+)
+from homelab_dp.run.state import (
+    ACTIVE,
+    alive_pids,
+    current_state,
+    update_state,
+)
+
+STOP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class MultiNode:
+    """torchrun's c10d rendezvous across machines (single node: the defaults, on loopback)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def keeper_args(self) -> list[str]:
+        args = ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank)]
+        args += ["--master-addr", self.master_addr]
+        if self.master_port:
+            args += ["--master-port", str(self.master_port)]
+        return args
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A run that passed every check and is ready to start."""
+
+    preset: Preset
+    planned: Planned
+    resolved: Resolved
+    blocks: int
+
+    @property
+    def plan(self) -> Plan:
+        return self.planned.plan
+
+
+class RunController:
+    """Everything the front ends do with runs."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = (root or runs_root()).absolute()
+
+    # ------------------------------------------------------------------ lookup
+    def run_dir(self, run_id: str) -> Path:
+        """The folder of a run by id (or unique id prefix)."""
+        path = self.root / run_id
+        if run_id and "/" not in run_id and (path / "spec.json").is_file():
+            return path
+        matches = [p for p in self._run_dirs() if p.name.startswith(run_id)] if run_id else []
+        if len(matches) == 1:
+            return matches[0]
+        hint = "`homelab-dp runs` lists the runs"
+        if len(matches) > 1:
+            raise RunNotFoundError(f"run {run_id!r}: ambiguous ({len(matches)} runs match)", hint)
+        raise RunNotFoundError(f"run {run_id!r}: no such run under {self.root}", hint)
+
+    def _run_dirs(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return [p for p in self.root.iterdir() if (p / "spec.json").is_file()]
+
+    # ------------------------------------------------------------------ preparing
+    def prepare(
+        self,
+        preset_ref: str,
+        *,
+        overrides: list[str] | None = None,
+        gpus: str | None = None,
+        force: bool = False,
+        nnodes: int = 1,
+    ) -> Prepared:
+        """Preflight in this process: preset, model folder, plan, data. Raises HomelabError."""
+        preset = open_preset(preset_ref, overrides)
+        if gpus and not gpus.lower().startswith("cpu"):
+            raise HomelabError(
+                f"--gpus {gpus}: `run` uses real devices; sizes are for `plan` what-ifs",
+                hint="choose GPUs with hardware.devices (e.g. --set hardware.devices=[0,1]) "
+                "or run on the CPU with --gpus cpu:2",
+            )
+        planned = make_plan(preset, gpus)
+        if gpus:  # cpu:N — check the count against this machine's cores
+            cpu_hardware(planned.hardware.world_size, planned.hardware.min_memory, "run")
+        p = planned.plan
+        if not p.fits and not force:
+            chosen = [r for r in p.reasons if r.startswith("Chosen:")]
+            raise HomelabError(
+                "the plan does not fit: " + (chosen[0] if chosen else p.reasons[-1]),
+                hint=("; ".join(p.advice) or "see `homelab-dp plan`")
+                + " — or pass --force to try anyway",
+            )
+        preflight.check_model_folder(preset)
+        ws = p.world_size * nnodes  # multi-node: every node runs the same devices
+        blocks = preflight.check_data(preset, planned.spec.max_positions, ws, p.micro_batch)
+        resolved = Resolved(
+            method=p.chosen.method,  # type: ignore[arg-type]
+            distribution=p.chosen.distribution,  # type: ignore[arg-type]
+            activation_checkpointing=p.chosen.activation_checkpointing,
+            device=planned.hardware.kind,
+            world_size=ws,
+            dtype=p.dtype,  # type: ignore[arg-type]
+            micro_batch=p.micro_batch,
+            grad_accum=p.grad_accum,
+            lr=p.lr.applied,
+        )
+        return Prepared(preset, planned, resolved, blocks)
+
+    # ------------------------------------------------------------------ starting
+    def start(self, prepared: Prepared, multinode: MultiNode | None = None) -> str:
+        """Create the run folder and start its keeper in the background; return the run id."""
+        multinode = multinode or MultiNode()
+        name = Path(prepared.preset.source).stem if prepared.preset.source else "run"
+        run_id = new_run_id(name)
+        spec = make_spec(prepared.preset, prepared.resolved, run_id, prepared.plan.to_json())
+        spec["gpu_indices"] = list(prepared.planned.hardware.indices)
+        spec["nproc_per_node"] = prepared.resolved.world_size // multinode.nnodes
+        spec["blocks"] = prepared.blocks
+        run_dir = create_run_dir(spec, self.root)
+        update_state(run_dir, status="starting", run_id=run_id, created=time.time(), attempt=1)
+        append_event(run_dir, {"type": "state", "status": "starting", "run_id": run_id})
+        self._spawn_keeper(run_dir, multinode)
+        return run_id
+
+    def _spawn_keeper(self, run_dir: Path, multinode: MultiNode) -> int:
+        log = open(run_dir / "logs" / "keeper.log", "ab")  # noqa: SIM115 - the child owns it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "homelab_dp.run.keeper", str(run_dir), *multinode.keeper_args()],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # closing the terminal or killing the CLI changes nothing
+            cwd=run_dir,
+        )
+        log.close()
+        update_state(run_dir, pids={"keeper": proc.pid})
+        return proc.pid
+
+    def resume(self, run_id: str, multinode: MultiNode | None = None) -> str:
+        """Continue a stopped or failed run from its newest complete checkpoint."""
+        run_dir = self.run_dir(run_id)
+        state = current_state(run_dir)
+        status = state.get("status")
+        if status == "completed":
+            raise RunStateError(
+                f"run {run_dir.name}: already completed; nothing to resume",
+                hint=f"the result is in {run_dir / 'final'}",
+            )
+        if status in ACTIVE:
+            raise RunStateError(
+                f"run {run_dir.name}: still {status}",
+                hint=f"follow it with `homelab-dp attach {run_dir.name}`",
+            )
+        spec = read_spec(run_dir)
+        spec["resume"] = True
+        write_json_atomic(run_dir / "spec.json", spec)
+        update_state(
+            run_dir,
+            status="starting",
+            reason="resuming",
+            attempt=int(state.get("attempt", 1)) + 1,
+            pids={"workers": [], "agent": None, "monitor": None},
+        )
+        append_event(run_dir, {"type": "state", "status": "starting", "resume": True})
+        self._spawn_keeper(run_dir, multinode or MultiNode())
+        return run_dir.name
+
+    # ------------------------------------------------------------------ stopping
+    def stop(self, run_id: str, timeout: float = STOP_TIMEOUT_S) -> dict[str, Any]:
+        """Graceful stop: the keeper tells every rank; they agree, checkpoint and exit."""
+        run_dir = self.run_dir(run_id)
+        state = current_state(run_dir)
+        if state.get("status") not in ACTIVE:
+            raise RunStateError(
+                f"run {run_dir.name}: not running ({state.get('status')})",
+                hint="`homelab-dp status RUN` shows its state",
+            )
+        keeper = (state.get("pids") or {}).get("keeper")
+        workers = (state.get("pids") or {}).get("workers") or []
+        targets = [keeper] if keeper and keeper in alive_pids(state) else workers
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = current_state(run_dir)
+            if state.get("status") not in ACTIVE and not alive_pids(state):
+                return state
+            time.sleep(0.3)
+        raise RunStateError(
+            f"run {run_dir.name}: still running {timeout:.0f} s after the stop request",
+            hint="a rank may be stuck in a collective; check its logs, then kill its pids",
+        )
+
+    # ------------------------------------------------------------------ inspecting
+    def view(self, run_id: str) -> RunView:
+        """Every event and sample of the run folded into a RunView, with the current status."""
+        run_dir = self.run_dir(run_id)
+        view = self.new_view(run_dir)
+        for event in read_all(run_dir / "events.jsonl"):
+            view.apply(event)
+        for sample in read_all(run_dir / "devices.jsonl"):
+            view.apply(sample)
+        state = current_state(run_dir)
+        view.status = state.get("status", view.status)
+        if view.status == "failed":
+            view.error = state.get("reason") or view.error
+        return view
+
+    def new_view(self, run_dir: Path) -> RunView:
+        spec = read_spec(run_dir)
+        cost = spec.get("preset", {}).get("cost", {})
+        plan = spec.get("plan") or {}
+        return RunView(
+            run_id=run_dir.name,
+            per_kwh=float(cost.get("per_kwh") or 0.0),
+            currency=str(cost.get("currency") or ""),
+            estimate_bytes=(plan.get("per_device_bytes") or {}).get("total"),
+        )
+
+    def tail(self, run_id: str) -> RunTail:
+        return RunTail(self.run_dir(run_id))
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        """The `status --json` document: state, progress and final figures."""
+        run_dir = self.run_dir(run_id)
+        return summarize(run_dir, self.view(run_id), current_state(run_dir))
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        """Every run, newest first (`runs --json`)."""
+        rows = []
+        for run_dir in self._run_dirs():
+            state = current_state(run_dir)
+            view = self.view(run_dir.name)
+            rows.append(summarize(run_dir, view, state))
+        return sorted(rows, key=lambda r: r.get("created") or 0, reverse=True)
+
+
+def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, Any]:
+    """One run as a JSON-ready dict."""
+    started = state.get("created")
+    ended = state.get("ended")
+    duration = (ended or time.time()) - started if started and state.get("status") else None
+    return {
+        "run_id": run_dir.name,
+        "path": str(run_dir),
+        "status": state.get("status"),
+        "reason": state.get("reason"),
+        "created": started,
+        "duration_s": duration,
+        "method": view.method,
+        "distribution": view.distribution,
+        "world_size": view.world_size,
+        "step": view.step,
+        "total_steps": view.total_steps,
+        "loss": view.loss,
+        "tokens": view.tokens,
+        "tokens_per_s": view.tokens_per_s,
+        "effective_batch": view.effective_batch,
+        "energy_wh": view.energy_wh,
+        "tokens_per_wh": view.tokens_per_wh,
+        "cost": view.cost,
+        "last_checkpoint_step": view.last_checkpoint_step,
+        "final_path": view.final_path,
+        "peak_memory_bytes": view.peak_memory_bytes,
+        "estimate_bytes": view.estimate_bytes,
+        "stragglers": [view.stragglers[k] for k in sorted(view.stragglers)],
+        "pids": state.get("pids"),
+        "exit_code": state.get("exit_code"),
+        "attempt": state.get("attempt"),
+    }
+
+
+def make_controller(root: Path | None = None) -> RunController:
+    """The one factory both front ends (and the tests) use."""
+    return RunController(root)

@@ -1,0 +1,63 @@
+"""Tailing a run's JSON-lines files (events and device samples) — for the CLI and the TUI.
+
+Readers never block writers: they poll the files, remember their offsets and only ever hand
+out complete lines, so a line being written is picked up on the next poll.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class JsonlTail:
+    """New complete JSON lines of one file since the last call."""
+
+    def __init__(self, path: Path, start: int = 0) -> None:
+        self.path = path
+        self.offset = start
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # "" when the chunk ended on a newline
+        out = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn line from a crash mid-write; the next one is whole
+            if isinstance(value, dict):
+                out.append(value)
+        return out
+
+
+class RunTail:
+    """Events and device samples of one run, merged in arrival order."""
+
+    def __init__(self, run_dir: Path, *, devices: bool = True) -> None:
+        self.events = JsonlTail(run_dir / "events.jsonl")
+        self.devices = JsonlTail(run_dir / "devices.jsonl") if devices else None
+
+    def read(self) -> list[dict[str, Any]]:
+        out = self.events.read()
+        if self.devices is not None:
+            out += self.devices.read()
+        return out
+
+
+def read_all(path: Path) -> Iterator[dict[str, Any]]:
+    """Every JSON line of a file (for `status` and replays)."""
+    yield from JsonlTail(path).read()

@@ -1,0 +1,74 @@
+"""Checks made in the parent process before anything is spawned: model folder, data, plan.
+
+Every problem found here is a `HomelabError` (exit 2, nothing started, nothing written).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.preset import Preset
+from homelab_dp.errors import DataError, ModelSpecError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_model_folder(preset: Preset) -> None:
+    """The folder has safetensors weights and a tokenizer; remote code only when allowed."""
+    folder = Path(preset.model.path)
+    if not any(folder.glob("*.safetensors")):
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelSpecError(
+                f"{folder}: only pickle weights ({', '.join(pickles[:3])}); refused, never loaded",
+                hint="pickle files can run code when loaded; convert the model to safetensors "
+                "(save_pretrained(..., safe_serialization=True)) on a machine you trust",
+            )
+        raise ModelSpecError(
+            f"{folder}: no weights (*.safetensors)",
+            hint="model.path must be a full Hugging Face model folder, not just its config",
+        )
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise ModelSpecError(
+            f"{folder}: no tokenizer (tokenizer.json or tokenizer.model)",
+            hint="copy the tokenizer files of the model into its folder",
+        )
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("auto_map") and not preset.model.trust_remote_code:
+        raise ModelSpecError(
+            f"{folder / 'config.json'}: the model needs its own Python code (auto_map), "
+            "and model.trust_remote_code is false",
+            hint="read the folder's .py files first; then set model.trust_remote_code = true",
+        )
+
+
+def load_tokenizer(preset: Preset) -> Any:
+    """The model's tokenizer, offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        preset.model.path,
+        trust_remote_code=preset.model.trust_remote_code,
+        local_files_only=True,
+    )
+
+
+def check_data(preset: Preset, max_positions: int, world_size: int, micro_batch: int) -> int:
+    """Load and validate the dataset as the worker will; returns the number of blocks."""
+    from homelab_dp.train.data import load_dataset
+
+    if not Path(preset.data.path).is_file():
+        raise DataError(
+            f"data.path: {preset.data.path} does not exist",
+            hint="data.path must be a local .jsonl or .txt file",
+        )
+    tokenizer = load_tokenizer(preset)
+    blocks = load_dataset(
+        preset.data,
+        tokenizer,
+        seq_len_limit=max_positions or None,
+        min_blocks=world_size * micro_batch,
+    )
+    return len(blocks)

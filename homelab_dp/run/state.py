@@ -1,0 +1,125 @@
+"""A run's `state.json`: status, pids, exit reason — and the truth when its writer died.
+
+`state.json` is written by the controller at start and by the keeper (the supervisor that
+outlives the terminal) at the end. When every recorded process is gone but the file still
+says starting/running/stopping, the run died without saying so: `current_state` then reports
+failed, with the reason read from torchrun's error files and the logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.run.rundir import write_json_atomic
+
+ACTIVE = ("starting", "running", "stopping")
+FINAL = ("completed", "failed", "interrupted", "stopped")
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    """The raw state.json (an empty "unknown" state when it is missing or unreadable)."""
+    try:
+        return json.loads((run_dir / "state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {"status": "unknown", "pids": {}}
+
+
+def update_state(run_dir: Path, **changes: Any) -> dict[str, Any]:
+    """Merge ``changes`` into state.json (pids are merged key by key)."""
+    state = read_state(run_dir)
+    if state.get("status") == "unknown" and "status" not in changes:
+        changes["status"] = "starting"
+    pids = dict(state.get("pids") or {})
+    pids.update(changes.pop("pids", {}) or {})
+    state.update(changes)
+    state["pids"] = pids
+    state["updated"] = time.time()
+    write_json_atomic(run_dir / "state.json", state)
+    return state
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process with this pid exists and is not a zombie."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited; only its parent has not reaped it yet
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def recorded_pids(state: dict[str, Any]) -> list[int]:
+    """Every pid the state records: keeper, agent, monitor and workers."""
+    pids = state.get("pids") or {}
+    out = [pids.get(k) for k in ("keeper", "agent", "monitor")]
+    out += list(pids.get("workers") or [])
+    return [int(p) for p in out if p]
+
+
+def alive_pids(state: dict[str, Any]) -> list[int]:
+    return [p for p in recorded_pids(state) if pid_alive(p)]
+
+
+def current_state(run_dir: Path) -> dict[str, Any]:
+    """state.json, corrected when the run's processes are gone without a final status."""
+    state = read_state(run_dir)
+    if state.get("status") in ACTIVE and not alive_pids(state):
+        # Re-read: the keeper may have written the final state between the two reads.
+        state = read_state(run_dir)
+        if state.get("status") in ACTIVE and not alive_pids(state):
+            state["status"] = "failed"
+            state["reason"] = diagnose_failure(run_dir) or "its processes are gone"
+            state["reason"] = "the run's processes died without a final state: " + state["reason"]
+    return state
+
+
+_SIGNAL_RE = re.compile(r"[Ss]ignal (\d+) \((SIG\w+)\)|exitcode\s*:\s*(-?\d+)")
+
+
+def diagnose_failure(run_dir: Path) -> str | None:
+    """Which rank failed and how, from torchrun's error files and the logs."""
+    for err_file in sorted((run_dir / "logs").rglob("error.json")):
+        try:
+            doc = json.loads(err_file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        message = doc.get("message")
+        if isinstance(message, dict):
+            message = message.get("message")
+        rank = re.search(r"rank_?(\d+)|/(\d+)/error.json", str(err_file))
+        where = f"rank {next(g for g in rank.groups() if g)}" if rank else str(err_file)
+        first = str(message or "").strip().splitlines()
+        return f"{where}: {first[-1] if first else 'error'} (see {err_file})"
+    launcher_log = run_dir / "logs" / "launcher.log"
+    if launcher_log.is_file():
+        text = launcher_log.read_text(encoding="utf-8", errors="replace")[-20000:]
+        found = _SIGNAL_RE.findall(text)
+        ranks = re.findall(r"rank\s*:\s*(\d+)", text)
+        if found:
+            num, name, code = found[-1]
+            how = f"signal {name} ({num})" if name else _describe_exit(int(code))
+            rank = f"rank {ranks[-1]}: " if ranks else ""
+            return f"{rank}{how} (see {launcher_log})"
+    return None
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name} ({-code})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
