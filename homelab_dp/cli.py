@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--force", action="store_true", help="overwrite an existing preset")
     p.set_defaults(func=cmd_presets)
 
+    from homelab_dp import cli_run
+
+    cli_run.add_commands(sub)
     return parser
 
 
