@@ -133,8 +133,9 @@ class RunView:
         self.micro_batch = e.get("micro_batch", self.micro_batch)
         self.grad_accum = e.get("grad_accum", self.grad_accum)
         self.effective_batch = e.get("effective_batch", self.effective_batch)
-        if e.get("estimate_bytes") is not None:
-            self.estimate_bytes = int(e["estimate_bytes"])
+        estimate = e.get("estimate")  # the plan's per_device_bytes
+        if isinstance(estimate, dict) and estimate.get("total") is not None:
+            self.estimate_bytes = int(estimate["total"])
         self.step = e.get("start_step", self.step)
 
     def _on_micro(self, e: dict[str, Any]) -> None:

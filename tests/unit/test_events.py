@@ -39,7 +39,7 @@ def test_steps_give_progress_eta_and_loss_trend() -> None:
             "world_size": 2,
             "method": "full",
             "distribution": "ddp",
-            "estimate_bytes": 999,
+            "estimate": {"total": 999},
         }
     )
     for i, loss in enumerate([4.0, 3.8, 3.5, 3.1, 2.9, 2.6], start=1):
