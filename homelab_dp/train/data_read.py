@@ -1,0 +1,275 @@
+"""Reading and validating dataset files (part of `homelab_dp.train.data`; import from there).
+
+Pure standard library: the parent process checks a dataset before anything is launched.
+
+Accepted files:
+
+- ``.txt``: format text, one document per paragraph; paragraphs are separated by blank lines.
+- anything else (``.jsonl`` …): JSON lines, one object a line; blank lines are skipped.
+
+Fields per format (extra keys are ignored):
+
+==============  ===========================================================================
+text            ``text``: non-empty string
+completion      ``prompt``: string; ``completion``: non-empty string
+instruction     ``instruction``: non-empty string; ``output``: non-empty string;
+                ``input``: optional string (missing or null means none)
+chat            ``messages``: non-empty list of ``{"role", "content"}``, role one of
+                system / user / assistant, content a string; at least one assistant turn
+==============  ===========================================================================
+
+Every problem names ``file:line`` and the field; all lines are checked, the first problem is
+reported with the count of the others.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.errors import DataError
+
+FORMATS = ("text", "completion", "instruction", "chat")
+ROLES = ("system", "user", "assistant")
+_ACCEPTED = '{"text"} | {"prompt","completion"} | {"instruction","input","output"} | {"messages"}'
+_FORMAT_HINT = (
+    f"accepted records: {_ACCEPTED}; set data.format to say which (text | completion | "
+    "instruction | chat)"
+)
+
+
+def _open_text(path: Path) -> str:
+    """The file's text, or a DataError for a missing, unreadable or empty file."""
+    if not path.exists():
+        raise DataError(
+            f"{path}: no such data file", hint="check data.path (a local .jsonl or .txt file)"
+        )
+    if not path.is_file():
+        raise DataError(f"{path}: not a file", hint="data.path must name a .jsonl or .txt file")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}:{line}: not UTF-8 text", hint="save the dataset as UTF-8"
+        ) from None
+    if not text.strip():
+        raise DataError(
+            f"{path}: the file is empty",
+            hint="a dataset needs at least one record (one JSON object a line)",
+        )
+    return text
+
+
+def _json_lines(path: Path, text: str) -> tuple[list[Any], list[int], list[str]]:
+    """Parse every non-blank line; return values, their line numbers and the problems found."""
+    values, lines, problems = [], [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})")
+            continue
+        if not isinstance(value, dict):
+            problems.append(f"{path}:{number}: expected a JSON object, got {_kind(value)}")
+            continue
+        values.append(value)
+        lines.append(number)
+    return values, lines, problems
+
+
+def _kind(value: Any) -> str:
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "true/false",
+        int: "a number",
+        float: "a number",
+    }.get(type(value), "null")
+
+
+def format_from_keys(keys: list[str]) -> str | None:
+    """The format a record's keys point to, or None (a distinguishing key is enough)."""
+    if "messages" in keys:
+        return "chat"
+    if "instruction" in keys:
+        return "instruction"
+    if "prompt" in keys or "completion" in keys:
+        return "completion"
+    if "text" in keys:
+        return "text"
+    return None
+
+
+def detect_format(path: Path) -> str:
+    """The format of a dataset: ``.txt`` is text; otherwise from the first record's keys.
+
+    Raises DataError for a missing or empty file, a bad first line, or keys that fit no format
+    (naming the keys found and the accepted ones).
+    """
+    path = Path(path)
+    text = _open_text(path)
+    if path.suffix.lower() == ".txt":
+        return "text"
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})",
+                hint="each line must be one JSON object",
+            ) from None
+        if not isinstance(value, dict):
+            raise DataError(
+                f"{path}:{number}: expected a JSON object, got {_kind(value)}",
+                hint="each line must be one JSON object",
+            )
+        fmt = format_from_keys(list(value))
+        if fmt is None:
+            found = ", ".join(repr(k) for k in value) or "none"
+            raise DataError(
+                f"{path}:{number}: cannot tell the data format from the keys ({found})",
+                hint=_FORMAT_HINT,
+            )
+        return fmt
+    raise AssertionError("unreachable: _open_text rejects blank files")
+
+
+def _check_str(record: dict, key: str, where: str, *, required: bool, non_empty: bool) -> str:
+    """One problem for ``record[key]`` or "" when it is fine."""
+    if key not in record or (record[key] is None and not required):
+        return f"{where}: field '{key}' missing" if required else ""
+    value = record[key]
+    if not isinstance(value, str):
+        return f"{where}: field '{key}' must be a string, got {_kind(value)}"
+    if non_empty and not value:
+        return f"{where}: field '{key}' is empty"
+    return ""
+
+
+def _check_chat(record: dict, where: str) -> list[str]:
+    messages = record.get("messages")
+    if "messages" not in record:
+        return [f"{where}: field 'messages' missing"]
+    if not isinstance(messages, list) or not messages:
+        what = "empty" if isinstance(messages, list) else _kind(messages)
+        return [f"{where}: field 'messages' must be a non-empty list, got {what}"]
+    problems = []
+    for i, message in enumerate(messages):
+        field = f"messages[{i}]"
+        if not isinstance(message, dict):
+            problems.append(f"{where}: field '{field}' must be an object, got {_kind(message)}")
+            continue
+        role = message.get("role")
+        if role not in ROLES:
+            got = "missing" if "role" not in message else repr(role)
+            problems.append(
+                f"{where}: field '{field}.role' is {got}; expected one of {', '.join(ROLES)}"
+            )
+        if not isinstance(message.get("content"), str):
+            got = "missing" if "content" not in message else _kind(message["content"])
+            problems.append(f"{where}: field '{field}.content' must be a string, got {got}")
+    if not problems and not any(m["role"] == "assistant" for m in messages):
+        roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+        problems.append(
+            f"{where}: field 'messages' has no assistant turn (roles: {roles}), "
+            "so nothing to learn from"
+        )
+    return problems
+
+
+def check_record(record: dict, fmt: str, where: str) -> list[str]:
+    """Every problem of one record against its format (empty list: the record is fine)."""
+    if fmt == "chat":
+        return _check_chat(record, where)
+    checks = {
+        "text": [("text", True, True)],
+        "completion": [("prompt", True, False), ("completion", True, True)],
+        "instruction": [
+            ("instruction", True, True),
+            ("input", False, False),
+            ("output", True, True),
+        ],
+    }[fmt]
+    problems = [
+        _check_str(record, key, where, required=req, non_empty=non_empty)
+        for key, req, non_empty in checks
+    ]
+    problems = [p for p in problems if p]
+    if problems and format_from_keys(list(record)) not in (None, fmt):
+        problems[0] += f" (this record looks like {format_from_keys(list(record))} format)"
+    return problems
+
+
+def read_with_lines(path: Path, fmt: str) -> tuple[list[dict], list[int], str]:
+    """Validated records, the line each starts on, and the format (``auto`` resolved)."""
+    path = Path(path)
+    if fmt not in (*FORMATS, "auto"):
+        raise DataError(
+            f"data.format: unknown format {fmt!r}",
+            hint="one of auto, text, completion, instruction, chat",
+        )
+    text = _open_text(path)
+    if path.suffix.lower() == ".txt":
+        if fmt not in ("auto", "text"):
+            raise DataError(
+                f"{path}: a .txt file holds plain text, but data.format is {fmt!r}",
+                hint='set data.format = "text" (or auto), or use a .jsonl file for this format',
+            )
+        return _paragraphs(text)
+    if fmt == "auto":
+        fmt = detect_format(path)
+    values, lines, problems = _json_lines(path, text)
+    for value, number in zip(values, lines, strict=True):
+        problems.extend(check_record(value, fmt, f"{path}:{number}"))
+    if problems:
+        first = problems[0]
+        more = len(problems) - 1
+        if more:
+            first += f" (and {more} more problem{'s' if more > 1 else ''} in the file)"
+        hint = (
+            "each line must be one JSON object"
+            if "JSON" in problems[0]
+            else f"the {fmt} format needs {_needs(fmt)}; {_FORMAT_HINT}"
+        )
+        raise DataError(first, hint=hint)
+    return values, lines, fmt
+
+
+def _needs(fmt: str) -> str:
+    return {
+        "text": "a non-empty 'text'",
+        "completion": "'prompt' and a non-empty 'completion'",
+        "instruction": "non-empty 'instruction' and 'output' (and an optional 'input')",
+        "chat": "'messages': a list of {role, content} with at least one assistant turn",
+    }[fmt]
+
+
+def _paragraphs(text: str) -> tuple[list[dict], list[int], str]:
+    """A .txt file as text records: one per blank-line-separated paragraph."""
+    records: list[dict] = []
+    lines: list[int] = []
+    current: list[str] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            if not current:
+                lines.append(number)
+            current.append(line.rstrip())
+        elif current:
+            records.append({"text": "\n".join(current)})
+            current = []
+    if current:
+        records.append({"text": "\n".join(current)})
+    return records, lines, "text"
+
+
+def read_records(path: Path, fmt: str) -> list[dict]:
+    """Validated records of a dataset file (``fmt`` may be ``auto``); DataError on problems."""
+    return read_with_lines(Path(path), fmt)[0]
