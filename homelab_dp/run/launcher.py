@@ -1,0 +1,136 @@
+"""Build and start the torchrun command of a run (PyTorch's own elastic launcher, no home-made one).
+
+Single node: the c10d rendezvous is bound to 127.0.0.1 on a free port, and gloo / NCCL's socket
+bootstrap are told to use the loopback interface. (torch's TCPStore itself still listens on all
+interfaces; that is torch's choice, not configurable.) Multi-node: the same worker over c10d at
+``master_addr:master_port``.
+
+torchrun runs in a new session with its output in ``RUN_DIR/logs/launcher.log`` (never a pipe to
+the parent: a dead parent must not kill training); each rank's stdout/stderr are also written
+under ``RUN_DIR/logs/<run>/attempt_0/<local rank>/``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from homelab_dp.run.rundir import read_spec
+
+WORKER_MODULE = "homelab_dp.train.worker"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_command(
+    run_dir: Path,
+    nproc_per_node: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    resume: bool = False,
+) -> list[str]:
+    """The argv that starts ``nproc_per_node`` workers of ``run_dir`` under torchrun."""
+    run_dir = Path(run_dir).absolute()
+    if nnodes == 1:
+        endpoint = f"127.0.0.1:{master_port or free_port()}"
+        local = ["--local-addr", "127.0.0.1"]
+    else:
+        if master_port is None:
+            raise ValueError("multi-node runs need master_port (the same on every node)")
+        endpoint = f"{master_addr}:{master_port}"
+        local = []
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_dir.name}",
+        *local,
+        "--max-restarts=0",
+        "--log-dir", str(run_dir / "logs"),
+        "--redirects=3",
+        "--tee=3",
+        "-m", WORKER_MODULE, str(run_dir),
+    ]  # fmt: skip
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def worker_env(run_dir: Path, nproc_per_node: int, nnodes: int = 1) -> dict[str, str]:
+    """The environment of the torchrun agent (inherited by its workers)."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"  # rank logs reach their files as they are written
+    try:
+        device = read_spec(Path(run_dir))["resolved"]["device"]
+    except (OSError, ValueError, KeyError):
+        device = "cpu"
+    if device == "cpu" and "OMP_NUM_THREADS" not in env:
+        # torchrun would set 1; the cores are better shared out between the ranks.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node)))
+    if nnodes == 1:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return env
+
+
+def launch(
+    run_dir: Path,
+    nproc_per_node: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    resume: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start torchrun for ``run_dir`` in a new session; output goes to ``logs/launcher.log``."""
+    run_dir = Path(run_dir).absolute()
+    cmd = torchrun_command(run_dir, nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                           master_addr=master_addr, master_port=master_port,
+                           resume=resume)  # fmt: skip
+    env = worker_env(run_dir, nproc_per_node, nnodes)
+    env.update(extra_env or {})
+    logs = run_dir / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    with open(logs / "launcher.log", "ab") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def run_foreground(run_dir: Path, nproc_per_node: int, **kwargs: object) -> int:
+    """Launch and wait; returns torchrun's exit code (130 after Ctrl-C, once the run stopped).
+
+    Ctrl-C asks torchrun for a graceful stop (SIGTERM, forwarded to the workers: they agree,
+    checkpoint and exit) and waits for it.
+    """
+    proc = launch(run_dir, nproc_per_node, **kwargs)  # type: ignore[arg-type]
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        return 130

@@ -1,0 +1,272 @@
+"""Resumable checkpoints with ``torch.distributed.checkpoint`` (DCP), stored as safetensors.
+
+Layout of ``checkpoints/step-N/``::
+
+    shard-0000R-model-00001-of-00001.safetensors   DCP shards, one per rank (trainable weights and
+                                                   optimizer state, keyed by parameter name)
+    rng-rank-R.json                                each rank's torch / CUDA / python RNG state
+    trainer.json                                   step, epoch, offset, tokens, scheduler state
+    COMPLETE                                       JSON {step, world_size, time}, written last
+
+A checkpoint is written into ``checkpoints/.tmp-step-N/`` and renamed to ``step-N`` only after its
+marker is on disk, so a folder named ``step-N`` is complete unless damaged afterwards. Nothing is
+pickled: DCP's safetensors storage (``HuggingFaceStorageWriter/Reader``) keeps its metadata as JSON
+inside each file, and the rest is JSON. Shards are keyed by parameter names and global offsets, so
+a checkpoint written by N ranks loads on M ranks (DDP and FSDP2; zero1 as well, its optimizer
+state being saved per parameter).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from homelab_dp.run.rundir import write_json_atomic
+from homelab_dp.train.strategy import Strategy
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+# Only trainable weights are saved: LoRA/QLoRA checkpoints hold the adapters, not the frozen base.
+_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazy state with one zero-gradient, zero-lr step.
+
+    Loading fills existing state tensors in place, so a fresh optimizer needs them first. With lr 0
+    and zero gradients, AdamW, SGD and 8-bit AdamW leave every weight bitwise unchanged.
+    """
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
+
+
+def _zero_state(strategy: Strategy, optimizer: Any) -> dict[str, dict[str, Any]]:
+    """This rank's ZeRO-1 shard of optimizer state, keyed by parameter name (world-size free)."""
+    names = {id(p): n for n, p in strategy.inner.named_parameters()}
+    local = optimizer.optim
+    _init_state(local)
+    return {
+        names[id(p)]: local.state[p]
+        for group in local.param_groups
+        for p in group["params"]
+        if p in local.state
+    }
+
+
+def _tensorize(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Plain numbers (e.g. bitsandbytes' integer ``step``) become 0-d tensors for safetensors."""
+    return {
+        name: {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in entry.items()}
+        for name, entry in state.items()
+    }
+
+
+def _untensorize(original: dict[str, dict[str, Any]], loaded: dict[str, dict[str, Any]]) -> None:
+    """Write loaded values back into ``original`` where it held plain numbers."""
+    for name, entry in original.items():
+        for k, v in entry.items():
+            if not isinstance(v, torch.Tensor):
+                entry[k] = type(v)(loaded[name][k].item())
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state().tolist(),
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def _collect(strategy: Strategy, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the DCP state: tensors only, the optimizer state dict in the shape ``set_*`` expects).
+
+    The tensors are the live ones (no copies), so ``dcp.load`` fills model and optimizer in place.
+    """
+    model_sd = get_model_state_dict(strategy.model, options=_OPTIONS)
+    if _is_zero(optimizer):
+        optim_sd: dict[str, Any] = {"state": _zero_state(strategy, optimizer)}
+    else:
+        optim_sd = get_optimizer_state_dict(strategy.model, optimizer, options=_OPTIONS)
+    state = {"model": _dedup_storage(model_sd), "optim": _tensorize(optim_sd["state"])}
+    return state, optim_sd
+
+
+def _dedup_storage(sd: dict[str, Any]) -> dict[str, Any]:
+    """safetensors refuses tensors sharing memory (tied weights): give repeats their own copy."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in sd.items():
+        local = v.to_local() if hasattr(v, "to_local") else v
+        ptr = local.untyped_storage().data_ptr() if local.numel() else -1
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    strategy: Strategy,
+    optimizer: Any,
+    trainer_state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write ``root/step-<step>`` (a collective: every rank calls it). Returns its path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = root / f"step-{step}"
+    if is_complete(final):  # e.g. stopped again right after resuming from this very step
+        dist.barrier()
+        return final
+    tmp = root / f".tmp-step-{step}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state, _ = _collect(strategy, optimizer)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    write_json_atomic(tmp / f"rng-rank-{rank}.json", _rng_state())
+    dist.barrier()
+    if rank == 0:
+        write_json_atomic(tmp / "trainer.json", trainer_state)
+        marker = {"step": step, "world_size": world, "time": time.time()}
+        write_json_atomic(tmp / MARKER, marker)
+        _fsync_dir(tmp)
+        tmp.rename(final)
+        _fsync_dir(root)
+        _rotate(root, keep)
+    dist.barrier()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rotate(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints; drop older ones and stale temporaries."""
+    complete = [p for _, p in _step_dirs(root) if is_complete(p)]
+    for old in complete[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for tmp in root.glob(".tmp-step-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``step-N`` folders, newest first."""
+    found = []
+    for p in root.iterdir() if root.is_dir() else []:
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found, reverse=True)
+
+
+def is_complete(path: Path) -> bool:
+    """True when the folder holds a readable completion marker."""
+    try:
+        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and "step" in marker
+
+
+def check_checkpoint(path: Path) -> str | None:
+    """Why the checkpoint cannot be used, or None when its marker, state and shards read back."""
+    if not is_complete(path):
+        return f"{path / MARKER}: missing or unreadable completion marker"
+    try:
+        json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"{path / 'trainer.json'}: {exc}"
+    from safetensors import safe_open
+
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        return f"{path}: no safetensors shards"
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors raises its own error types for damaged files
+            return f"{shard}: unreadable ({exc})"
+    return None
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest usable checkpoint under ``root``; skipped ones are logged with the reason."""
+    for _, path in _step_dirs(root):
+        problem = check_checkpoint(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path.name, problem)
+    return None
+
+
+def load_checkpoint(path: Path, strategy: Strategy, optimizer: Any) -> dict[str, Any]:
+    """Load weights, optimizer state and this rank's RNG from ``path``; returns trainer.json.
+
+    A collective: every rank calls it. The scheduler is restored by the caller from the step.
+    """
+    rank = dist.get_rank()
+    state, optim_sd = _collect(strategy, optimizer)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    set_model_state_dict(strategy.model, state["model"], options=_OPTIONS)
+    _untensorize(optim_sd["state"], state["optim"])
+    if not _is_zero(optimizer):  # ZeRO's shard was filled in place by dcp.load
+        set_optimizer_state_dict(strategy.model, optimizer, optim_sd, options=_OPTIONS)
+    rng = path / f"rng-rank-{rank}.json"
+    if rng.is_file():
+        _set_rng_state(json.loads(rng.read_text(encoding="utf-8")))
+    else:
+        log.warning("%s has no RNG state for rank %d; keeping this rank's seeded RNG", path, rank)
+    return json.loads((path / "trainer.json").read_text(encoding="utf-8"))

@@ -1,0 +1,234 @@
+"""Data-parallel strategies, optimizers and the learning-rate schedule.
+
+- ``ddp``: ``DistributedDataParallel``; gradients all-reduced (averaged) once per optimizer step.
+- ``zero1``: DDP plus ``ZeroRedundancyOptimizer`` (optimizer state sharded, ZeRO-1).
+- ``fsdp-grad-op``: FSDP2 ``fully_shard`` per decoder layer and on the root with
+  ``reshard_after_forward=False`` (gradients and optimizer state sharded, ZeRO-2-like).
+- ``fsdp-full``: the same with ``reshard_after_forward=True`` (parameters sharded too, ZeRO-3-like).
+
+Every strategy averages gradients over ranks, so the worker multiplies its globally normalised
+loss by the world size. On CUDA, FSDP2 computes in bf16/fp16 with fp32 gradient reduction
+(``MixedPrecisionPolicy``); DDP keeps fp32 weights and the worker autocasts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from homelab_dp.core.preset import TrainSection
+from homelab_dp.core.spec import Resolved
+from homelab_dp.errors import HomelabError
+from homelab_dp.train.model import LoadedModel, compute_dtype
+
+
+@dataclass
+class Strategy:
+    """A wrapped model and how to accumulate, clip and checkpoint it."""
+
+    kind: str
+    """ddp | zero1 | fsdp-grad-op | fsdp-full."""
+    model: nn.Module
+    """What the forward pass is called on (the DDP wrapper, or the fully_shard-ed model)."""
+    inner: nn.Module
+    """The unwrapped Hugging Face / peft model (for FSDP2 the same object as ``model``)."""
+    trainable: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.kind.startswith("fsdp")
+
+    @contextlib.contextmanager
+    def accumulate(self, final: bool) -> Iterator[None]:
+        """Context for one micro-step: gradients are synchronised only on the final one."""
+        if self.is_fsdp:
+            self.model.set_requires_gradient_sync(final)  # type: ignore[operator]
+            yield
+        elif final:
+            yield
+        else:
+            with self.model.no_sync():  # type: ignore[operator]
+                yield
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm (before clipping); clips to ``max_norm`` when it is > 0."""
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a partial DTensor, reduce it over ranks
+            norm = norm.full_tensor()
+        if max_norm > 0:
+            params = [p for p in self.trainable if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+
+def wrap_model(loaded: LoadedModel, resolved: Resolved, device: torch.device) -> Strategy:
+    """Wrap the model for ``resolved.distribution`` on an initialised process group."""
+    model = loaded.model
+    kind = resolved.distribution
+    if kind in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [device.index] if device.type == "cuda" else None
+        wrapped = DDP(model, device_ids=ids)
+        return Strategy(kind, wrapped, model, _trainable(model))
+    if kind not in ("fsdp-grad-op", "fsdp-full"):
+        raise HomelabError(f"resolved.distribution: unknown {kind!r}", "use ddp|zero1|fsdp-*")
+    if resolved.method == "qlora":
+        raise HomelabError(
+            "qlora runs under ddp only (4-bit weights cannot be sharded by FSDP2 here)",
+            hint="set train.distribution = 'ddp'",
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda" and resolved.dtype in ("bf16", "fp16"):
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype(resolved), reduce_dtype=torch.float32)
+    reshard = kind == "fsdp-full"
+    for layer in loaded.decoder_layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    return Strategy(kind, model, model, _trainable(model))
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _param_groups(strategy: Strategy, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only; norms and biases (1-d) are not decayed."""
+    if weight_decay == 0:
+        return [{"params": strategy.trainable, "weight_decay": 0.0}]
+    decay = [p for p in strategy.trainable if p.ndim >= 2]
+    other = [p for p in strategy.trainable if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if other:
+        groups.append({"params": other, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(
+    strategy: Strategy, train: TrainSection, lr: float, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW (fused on CUDA, foreach on CPU), bitsandbytes 8-bit AdamW, or SGD with momentum.
+
+    ``zero1`` wraps the same optimizer class in ``ZeroRedundancyOptimizer``.
+    """
+    kwargs: dict[str, Any] = {"lr": lr}
+    if train.optimizer == "adamw":
+        cls: type = torch.optim.AdamW
+        kwargs.update(fused=True) if device.type == "cuda" else kwargs.update(foreach=True)
+    elif train.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+
+        if strategy.is_fsdp:
+            raise HomelabError(
+                "train.optimizer: adamw8bit cannot update FSDP2's sharded (DTensor) parameters",
+                hint="use optimizer = 'adamw' with fsdp, or distribution = 'ddp' / 'zero1'",
+            )
+        cls = bnb.optim.AdamW8bit
+    elif train.optimizer == "sgd":
+        cls = torch.optim.SGD
+        kwargs.update(momentum=0.9, foreach=True)
+    else:
+        raise HomelabError(f"train.optimizer: unknown {train.optimizer!r}", "adamw|adamw8bit|sgd")
+    groups = _param_groups(strategy, train.weight_decay)
+    if strategy.kind == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        first = groups[0]
+        zero = ZeroRedundancyOptimizer(
+            first["params"], optimizer_class=cls, weight_decay=first["weight_decay"], **kwargs
+        )
+        for group in groups[1:]:
+            zero.add_param_group(group)
+        return zero
+    return cls(groups, **kwargs)
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based).
+
+    Linear warm-up reaching the peak on step ``warmup - 1``, then a cosine decay that reaches
+    ``min_ratio`` on the last step.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    span = total - warmup - 1
+    progress = 1.0 if span <= 0 else min(1.0, (step - warmup) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, train: TrainSection, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over :func:`lr_factor`; stepped once per optimizer step."""
+    warmup, ratio = train.warmup_steps, train.min_lr_ratio
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, warmup, total_steps, ratio)
+    )
+
+
+def set_lr_for_step(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, step: int
+) -> None:
+    """Put the schedule's lr for ``step`` into every param group, exactly as LambdaLR computes it.
+
+    A resumed run needs this: loading a scheduler's state does not touch the optimizer's lr.
+    """
+    scheduler.last_epoch = step
+    groups = optimizer.param_groups
+    for group, base, fn in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * fn(step)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # type: ignore[attr-defined]
+
+
+class SampleOrder:
+    """The global sample order: a permutation of the blocks per epoch, seeded by seed and epoch.
+
+    It never depends on the world size. Position p of the endless stream is block
+    ``perm(p // n)[p % n]``; optimizer step i consumes positions [i·E, (i+1)·E).
+    """
+
+    def __init__(self, n_blocks: int, seed: int) -> None:
+        self.n = n_blocks
+        self.seed = seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
+            self._perms = {epoch: torch.randperm(self.n, generator=gen)}  # keep one epoch
+        return self._perms[epoch]
+
+    def blocks(self, start: int, count: int) -> list[int]:
+        """Block indices at stream positions [start, start + count)."""
+        out = []
+        for p in range(start, start + count):
+            out.append(int(self.perm(p // self.n)[p % self.n]))
+        return out
+
+
+def rank_slices(step: int, micro: int, world: int, accum: int, rank: int) -> list[range]:
+    """Stream positions of each micro-step of ``rank`` in optimizer step ``step``.
+
+    Micro-step k of rank r takes the ``micro`` positions from i·E + (k·W + r)·M: a fixed
+    assignment, so the token-normalised loss makes the result independent of W, M and A.
+    """
+    effective = micro * world * accum
+    base = step * effective
+    return [
+        range(base + (k * world + rank) * micro, base + (k * world + rank + 1) * micro)
+        for k in range(accum)
+    ]

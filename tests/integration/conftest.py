@@ -1,0 +1,160 @@
+"""Helpers for the torchrun integration tests: a tiny model, small data sets, and real runs.
+
+Every run goes through the real launcher (`run_foreground` → torchrun → the worker, gloo on the
+CPU); nothing of ours is mocked. The tiny model (hidden 32, 2 layers, the demo tokenizer) is
+built once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from homelab_dp.core.preset import preset_from_dict
+from homelab_dp.core.spec import Resolved, make_spec
+from homelab_dp.run.launcher import run_foreground
+from homelab_dp.run.rundir import create_run_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
+DEMO_DATA = ROOT / "assets" / "data" / "tiny-instruct.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded random LLaMA-style model (hidden 32, 2 layers, GQA) with the demo tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Instruction data of varied lengths: with pack = false every block has its own token count."""
+    out = tmp_path_factory.mktemp("data")
+    lines = DEMO_DATA.read_text(encoding="utf-8").splitlines()
+    for n in (12, 16, 64):
+        (out / f"ragged-{n}.jsonl").write_text("\n".join(lines[:n]) + "\n", encoding="utf-8")
+    return out
+
+
+def make_run(
+    root: Path,
+    model: Path,
+    data: Path,
+    *,
+    name: str,
+    distribution: str = "ddp",
+    method: str = "full",
+    world: int = 2,
+    micro: int = 2,
+    accum: int = 1,
+    dtype: str = "fp32",
+    lr: float = 1e-3,
+    seq_len: int = 32,
+    train: dict[str, Any] | None = None,
+) -> Path:
+    """A run folder with spec.json for the given plan (what the controller would write)."""
+    preset = preset_from_dict(
+        {
+            "model": {"path": str(model)},
+            "data": {"path": str(data), "seq_len": seq_len, "pack": False},
+            "train": {
+                "method": method,
+                "distribution": distribution,
+                "micro_batch": micro,
+                "grad_accum": accum,
+                "max_steps": 3,
+                "lr": lr,
+                "seed": 7,
+                **(train or {}),
+            },
+            "lora": {"r": 4, "alpha": 8},
+            "hardware": {"devices": "cpu", "nproc": world},
+        }
+    )
+    resolved = Resolved(
+        method=method,  # type: ignore[arg-type]
+        distribution=distribution,  # type: ignore[arg-type]
+        activation_checkpointing=False,
+        device="cpu",
+        world_size=world,
+        dtype=dtype,  # type: ignore[arg-type]
+        micro_batch=micro,
+        grad_accum=accum,
+        lr=lr,
+    )
+    return create_run_dir(make_spec(preset, resolved, name), root)
+
+
+def run(run_dir: Path, nproc: int, *, stop_at: int | None = None, resume: bool = False) -> int:
+    """Run to the end (or to a test stop after ``stop_at`` steps) under the real launcher."""
+    env = {} if stop_at is None else {"HOMELAB_DP_STOP_AT_STEP": str(stop_at)}
+    rc = run_foreground(run_dir, nproc, resume=resume, extra_env=env)
+    if rc != 0:
+        print((run_dir / "logs" / "launcher.log").read_text(encoding="utf-8")[-6000:])
+    return rc
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The run's events, optionally only one type."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    out = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return [e for e in out if kind is None or e["type"] == kind]
+
+
+def final_weights(run_dir: Path) -> dict[str, Any]:
+    """The result's tensors (model.safetensors or adapter_model.safetensors)."""
+    from safetensors.torch import load_file
+
+    final = run_dir / "final"
+    name = "adapter_model.safetensors" if (final / "adapter_config.json").exists() else None
+    return load_file(final / (name or "model.safetensors"))
+
+
+def copy_run(src: Path, dst_root: Path, name: str) -> Path:
+    """A copy of a run folder (to resume one stopped run in several ways)."""
+    dst = dst_root / name
+    shutil.copytree(src, dst)
+    spec = json.loads((dst / "spec.json").read_text(encoding="utf-8"))
+    spec["run_id"] = name
+    (dst / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
+    return dst
+
+
+def max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Largest elementwise difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same keys and every tensor identical bit for bit."""
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
