@@ -133,9 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
-    if func is None:  # the Textual TUI will live here; until then, say what there is
-        parser.print_help(sys.stderr)
-        return EXIT_BAD_INPUT
+    if func is None:  # no command: the Textual TUI
+        from homelab_dp.tui.app import run_tui
+
+        return run_tui()
     try:
         return func(args)
     except HomelabError as exc:

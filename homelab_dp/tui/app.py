@@ -1,0 +1,137 @@
+"""The Textual app: five screens on the number keys, one run followed in the background.
+
+Screens are Textual modes, so each keeps its state while another is shown. A thread worker
+follows the chosen run (`homelab_dp.tui.follower`) and posts `RunUpdated` messages that
+coalesce, so a burst of events never queues up more than one repaint. Quitting only stops
+following: runs belong to their own process trees and go on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.worker import get_current_worker
+
+from homelab_dp.errors import HomelabError
+from homelab_dp.run.controller import RunController, make_controller
+from homelab_dp.tui.errors import error_text
+from homelab_dp.tui.follower import RunFollower, Snapshot
+from homelab_dp.tui.messages import RunUpdated
+from homelab_dp.tui.screens.hardware import HardwareScreen
+from homelab_dp.tui.screens.launch import LaunchScreen
+from homelab_dp.tui.screens.monitor import MonitorScreen
+from homelab_dp.tui.screens.plan import PlanScreen
+from homelab_dp.tui.screens.runs import RunsScreen
+from homelab_dp.tui.session import DEFAULT_PRESET, Session, preset_names
+
+FOLLOW_INTERVAL_S = 0.25
+
+
+class HomelabApp(App[None]):
+    """homelab-dp's TUI: Hardware, Plan, Launch, Monitor and Runs."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "homelab-dp"
+    ENABLE_COMMAND_PALETTE = False  # its footer entry would not fit at 80 columns
+    MODES = {
+        "hardware": HardwareScreen,
+        "plan": PlanScreen,
+        "launch": LaunchScreen,
+        "monitor": MonitorScreen,
+        "runs": RunsScreen,
+    }
+    BINDINGS = [
+        Binding("1", "switch_mode('hardware')", "Hardware"),
+        Binding("2", "switch_mode('plan')", "Plan"),
+        Binding("3", "switch_mode('launch')", "Launch"),
+        Binding("4", "switch_mode('monitor')", "Monitor"),
+        Binding("5", "switch_mode('runs')", "Runs"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(
+        self,
+        controller: RunController | None = None,
+        *,
+        mode: str = "hardware",
+        preset: str | None = None,
+        follow: str | None = None,
+        follow_interval: float = FOLLOW_INTERVAL_S,
+    ) -> None:
+        super().__init__()
+        self.controller = controller or make_controller()
+        self.session = Session()
+        self.start_mode = mode
+        self.follow_interval = follow_interval
+        self.followed: str | None = None
+        """The id of the run the Monitor shows."""
+        self.snapshot: Snapshot | None = None
+        """The latest state of the followed run."""
+        self.updates_handled = 0
+        """RunUpdated messages handled (fewer than posted when they coalesce)."""
+        self._initial_preset = preset
+        self._initial_follow = follow
+
+    def on_mount(self) -> None:
+        names = preset_names()
+        name = self._initial_preset or (DEFAULT_PRESET if DEFAULT_PRESET in names else None)
+        name = name or (names[0] if names else None)
+        if name:
+            try:
+                self.session.load(name)
+            except HomelabError as exc:
+                self.show_error(exc)
+        if self._initial_follow:
+            self.follow(self._initial_follow)
+        self.switch_mode(self.start_mode)
+
+    # ------------------------------------------------------------------ errors
+    def show_error(self, exc: HomelabError) -> None:
+        """A user error as a notification, worded as the CLI words it."""
+        self.notify(error_text(exc), severity="error", timeout=10)
+
+    # ------------------------------------------------------------------ following a run
+    def follow(self, run_id: str) -> bool:
+        """Follow a run in the Monitor (stops following the previous one, never the run)."""
+        try:
+            run_dir = self.controller.run_dir(run_id)
+        except HomelabError as exc:
+            self.show_error(exc)
+            return False
+        self.followed = run_dir.name
+        self.snapshot = None
+        self._follow_worker(run_dir.name)
+        if isinstance(self.screen, MonitorScreen):
+            self.screen.show(None)
+        return True
+
+    @work(thread=True, exclusive=True, group="follow", exit_on_error=False)
+    def _follow_worker(self, run_id: str) -> None:
+        """Poll the run's files and post a snapshot whenever something changed."""
+        worker = get_current_worker()
+        try:
+            follower = RunFollower(self.controller, run_id)
+            while not worker.is_cancelled:
+                snapshot = follower.poll()
+                if snapshot is not None:
+                    self.post_message(RunUpdated(snapshot))
+                worker.cancelled_event.wait(self.follow_interval)
+        except HomelabError as exc:  # the run folder vanished while we followed it
+            self.call_from_thread(self.show_error, exc)
+
+    def on_run_updated(self, message: RunUpdated) -> None:
+        if message.snapshot.run_id != self.followed:
+            return  # from the previous run's follower, posted before it was cancelled
+        self.updates_handled += 1
+        self.snapshot = message.snapshot
+        if isinstance(self.screen, MonitorScreen):
+            self.screen.show(message.snapshot)
+
+
+def run_tui(root: Path | None = None) -> int:
+    """Run the TUI until the user quits; running runs go on. Returns the exit code."""
+    HomelabApp(make_controller(root)).run()
+    return 0

@@ -1,0 +1,135 @@
+"""Following a run from a background thread: tail its files, fold them, hand out snapshots.
+
+No Textual here: `RunFollower.poll` is called from a worker thread and returns a `Snapshot` —
+a private copy of the run's state, so the UI thread can read it while the follower goes on.
+A snapshot is a whole state, never a delta: any number of them may be dropped in favour of
+the newest one (that is what makes the TUI's update messages safe to coalesce).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from homelab_dp.core.events import RunView
+from homelab_dp.run.controller import RunController
+from homelab_dp.run.state import current_state
+
+LOG_LINES = 200
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The state of one followed run at one moment."""
+
+    run_id: str
+    view: RunView
+    log_lines: tuple[str, ...]
+    """The last LOG_LINES lines of the run's logs."""
+    log_seq: int
+    """How many log lines were read in all, so a reader can tell which lines are new."""
+    log_files: tuple[str, ...]
+
+
+def copy_view(view: RunView) -> RunView:
+    """A copy that shares nothing mutable with ``view`` (cheaper than deepcopy)."""
+    out = copy.copy(view)
+    out.losses = deque(view.losses, maxlen=view.losses.maxlen)
+    out.tokens_per_s_history = deque(
+        view.tokens_per_s_history, maxlen=view.tokens_per_s_history.maxlen
+    )
+    out.rank_step_times_s = list(view.rank_step_times_s)
+    out.peak_memory_bytes = list(view.peak_memory_bytes)
+    out.devices = {k: dataclasses.replace(d) for k, d in view.devices.items()}
+    out.stragglers = dict(view.stragglers)
+    out._slow_streak = dict(view._slow_streak)
+    return out
+
+
+class LogTail:
+    """New lines of every ``*.log`` under a run's ``logs/`` folder (files may appear later)."""
+
+    def __init__(self, folder: Path, keep: int = LOG_LINES) -> None:
+        self.folder = folder
+        self.lines: deque[str] = deque(maxlen=keep)
+        self.seq = 0
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(str(p.relative_to(self.folder)) for p in self._offsets)
+
+    def read(self) -> int:
+        """Read what was appended since the last call; return the number of new lines."""
+        if not self.folder.is_dir():
+            return 0
+        paths = sorted(self.folder.rglob("*.log"))
+        several = len(paths) > 1
+        before = self.seq
+        for path in paths:
+            offset = self._offsets.setdefault(path, 0)
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(offset)
+                    chunk = fh.read()
+            except OSError:
+                continue  # rotated or removed between listing and reading
+            self._offsets[path] = offset + len(chunk)
+            data = self._partial.pop(path, b"") + chunk
+            *whole, rest = data.split(b"\n")
+            if rest:
+                self._partial[path] = rest
+            prefix = f"{path.stem}: " if several else ""
+            for raw in whole:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r")
+                if line.strip():
+                    self.lines.append(prefix + line)
+                    self.seq += 1
+        return self.seq - before
+
+
+class RunFollower:
+    """Polls one run's events, device samples, state and logs (call `poll` from one thread)."""
+
+    def __init__(self, controller: RunController, run_id: str) -> None:
+        self.run_dir = controller.run_dir(run_id)
+        self.run_id = self.run_dir.name
+        self.view = controller.new_view(self.run_dir)
+        self._tail = controller.tail(self.run_id)
+        self._logs = LogTail(self.run_dir / "logs")
+        self._status: tuple[str | None, str | None] | None = None
+        self.events_read = 0
+
+    def poll(self) -> Snapshot | None:
+        """Fold what is new; a snapshot when anything changed, else None."""
+        events = self._tail.read()
+        for event in events:
+            self.view.apply(event)
+        self.events_read += len(events)
+        new_lines = self._logs.read()
+        # state.json is the truth about the processes (a crashed run writes no event).
+        state = current_state(self.run_dir)
+        status = (state.get("status"), state.get("reason"))
+        changed = bool(events or new_lines) or status != self._status
+        self._status = status
+        if status[0] and status[0] != "unknown":
+            self.view.status = status[0]
+            if status[0] == "failed":
+                self.view.error = self.view.error or status[1]
+        if not changed:
+            return None
+        return self.snapshot()
+
+    def snapshot(self) -> Snapshot:
+        """The current state as a snapshot."""
+        return Snapshot(
+            run_id=self.run_id,
+            view=copy_view(self.view),
+            log_lines=tuple(self._logs.lines),
+            log_seq=self._logs.seq,
+            log_files=self._logs.files,
+        )

@@ -1,0 +1,1 @@
+"""The five screens of the TUI, one module each."""

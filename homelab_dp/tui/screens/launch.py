@@ -1,0 +1,181 @@
+"""Screen 3, Launch: start the chosen plan in the background, or save it as a preset."""
+
+from __future__ import annotations
+
+import shlex
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Button, Checkbox, Footer, Header, Input, Label, Static
+from textual.worker import Worker, WorkerState, get_current_worker
+
+from homelab_dp.core.planner import PLAIN
+from homelab_dp.core.preset_store import save_preset
+from homelab_dp.errors import HomelabError
+from homelab_dp.tui.errors import error_text
+from homelab_dp.tui.session import Session
+
+
+class LaunchScreen(Screen[None]):
+    """What will run, the equivalent command, Start; and Save as a named preset."""
+
+    BINDINGS = [
+        Binding("s", "start", "Start"),
+        Binding("w", "save", "Save"),
+        Binding("escape", "blur", "Leave field", show=False),
+    ]
+    AUTO_FOCUS = "#start"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launching = False
+        self.started: str | None = None
+        """The id of the run this screen started last."""
+
+    @property
+    def session(self) -> Session:
+        return self.app.session  # type: ignore[attr-defined]
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with VerticalScroll(id="launch-body"):
+            yield Static(id="launch-summary", classes="panel")
+            with Horizontal(classes="row"):
+                yield Label("--set")
+                yield Input(
+                    placeholder="train.max_steps=20 train.lr=1e-4 …", id="extra", compact=True
+                )
+            yield Static(id="launch-command")
+            with Horizontal(classes="buttons"):
+                yield Button("Start run", id="start", variant="success", compact=True)
+                yield Checkbox("--force (start even if it does not fit)", id="force", compact=True)
+            yield Static(id="launch-status")
+            yield Label("Save these settings as a preset", classes="section")
+            with Horizontal(classes="row"):
+                yield Label("name")
+                yield Input(placeholder="my-finetune", id="save-name", compact=True)
+            with Horizontal(classes="buttons"):
+                yield Button("Save preset", id="save", compact=True)
+                yield Checkbox("overwrite (--force)", id="overwrite", compact=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = "3 Launch"
+        self.query_one("#launch-summary").border_title = "what will run"
+        self.refresh_summary()
+
+    def on_screen_resume(self) -> None:
+        if self.is_mounted:
+            self.refresh_summary()
+
+    # ------------------------------------------------------------------ showing
+    def refresh_summary(self) -> None:
+        """Show the preset, the overrides, the last plan and the equivalent CLI command."""
+        s = self.session
+        out = Text()
+        out.append("preset ").append(s.preset_name or "(none)", style="bold")
+        if s.gpus:
+            out.append(f"  --gpus {s.gpus}")
+        overrides = s.overrides()
+        out.append("\nchanged: " + (", ".join(overrides) if overrides else "nothing"))
+        planned = s.planned
+        if planned is None and s.preset_name:
+            try:
+                planned = s.plan()
+            except HomelabError as exc:
+                out.append("\n" + error_text(exc), style="red")
+        if planned is not None:
+            p = planned.plan
+            out.append("\nplan: ")
+            out.append("fits" if p.fits else "does not fit", style="green" if p.fits else "red")
+            out.append(
+                f" · {PLAIN[p.chosen.method]} · {p.chosen.distribution} · {planned.hardware.kind}"
+                f" × {p.world_size} · effective batch {p.effective_batch} · lr {p.lr.applied:.3g}"
+            )
+        self.query_one("#launch-summary", Static).update(out)
+        self.query_one("#launch-command", Static).update(Text(s.command(), style="bright_black"))
+
+    @on(Input.Changed, "#extra")
+    def _extra_changed(self, event: Input.Changed) -> None:
+        try:
+            self.session.extra = shlex.split(event.value)
+        except ValueError:  # an unfinished quote while typing
+            return
+        self.session.planned = None  # the overrides changed: the Plan screen re-plans on show
+        self.refresh_summary()
+
+    def _status(self, text: str, style: str = "") -> None:
+        self.query_one("#launch-status", Static).update(Text(text, style=style))
+
+    def action_blur(self) -> None:
+        """Leave the field, so that the screen's keys work again."""
+        self.set_focus(None)
+
+    # ------------------------------------------------------------------ starting
+    @on(Button.Pressed, "#start")
+    def action_start(self) -> None:
+        """Prepare (model, data, plan) and start the run, off the UI thread."""
+        if self.launching:
+            self.app.notify("a run is already being prepared", severity="warning")
+            return
+        if not self.session.preset_name:
+            self.app.notify("error: no preset chosen\nhint: choose one on 2 Plan", severity="error")
+            return
+        self.launching = True
+        self._status("preparing: reading the model and the data, checking the plan…", "cyan")
+        force = self.query_one("#force", Checkbox).value
+        s = self.session
+        self._launch(s.preset_name, s.overrides(), s.gpus or None, force)
+
+    @work(thread=True, exclusive=True, group="launch", exit_on_error=False)
+    def _launch(self, preset: str, overrides: list[str], gpus: str | None, force: bool) -> str:
+        controller = self.app.controller  # type: ignore[attr-defined]
+        prepared = controller.prepare(preset, overrides=overrides, gpus=gpus, force=force)
+        if get_current_worker().is_cancelled:  # the TUI was closed while preparing
+            raise RuntimeError("launch cancelled")
+        return controller.start(prepared)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group != "launch" or event.state not in (
+            WorkerState.SUCCESS,
+            WorkerState.ERROR,
+        ):
+            return
+        self.launching = False
+        if event.state == WorkerState.SUCCESS:
+            run_id = str(event.worker.result)
+            self.started = run_id
+            self._status(f"started {run_id}", "green")
+            self.app.notify(f"started run {run_id}\nfollow it with: homelab-dp attach {run_id}")
+            if self.app.follow(run_id):  # type: ignore[attr-defined]
+                self.app.switch_mode("monitor")
+            return
+        error = event.worker.error
+        if isinstance(error, HomelabError):
+            self._status("not started", "red")
+            self.app.show_error(error)  # type: ignore[attr-defined]
+        else:
+            self._status(f"not started: {error}", "red")
+            self.app.notify(f"error: could not start the run: {error}", severity="error")
+
+    # ------------------------------------------------------------------ saving
+    @on(Button.Pressed, "#save")
+    def action_save(self) -> None:
+        """Save the preset with the edits under the typed name (as `presets save` does)."""
+        name = self.query_one("#save-name", Input).value.strip()
+        force = self.query_one("#overwrite", Checkbox).value
+        try:
+            path = save_preset(name, self.session.open(), force=force)
+        except HomelabError as exc:
+            self.app.show_error(exc)  # type: ignore[attr-defined]
+            return
+        self._status(f"saved {path}", "green")
+        self.app.notify(f"saved {path}\nrun it with: homelab-dp run {name}")
+
+    @on(Input.Submitted, "#save-name")
+    def _save_submitted(self) -> None:
+        self.action_save()

@@ -1,0 +1,132 @@
+"""Screen 4, Monitor: the followed run live — charts, accumulation, devices, stragglers, log."""
+
+from __future__ import annotations
+
+import statistics
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Log, Static
+
+from homelab_dp.errors import HomelabError
+from homelab_dp.run.state import ACTIVE
+from homelab_dp.tui.follower import Snapshot
+from homelab_dp.tui.screens.confirm import ConfirmScreen
+from homelab_dp.tui.widgets.chart import Chart
+from homelab_dp.tui.widgets.run_panels import (
+    accum_text,
+    devices_text,
+    head_text,
+    stragglers_text,
+)
+
+NOTHING = (
+    "No run followed yet.\n\nStart one on 3 Launch, or choose one on 5 Runs "
+    "(runs started from the CLI or over SSH are there too)."
+)
+
+
+class MonitorScreen(Screen[None]):
+    """Shows the app's latest snapshot of the followed run; repaints only while visible."""
+
+    BINDINGS = [Binding("x", "stop", "Stop run")]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: Snapshot | None = None
+        self._log_seq = 0
+        self._log_run: str | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with VerticalScroll(id="mon-body"):
+            yield Static(NOTHING, id="mon-head")
+            with Horizontal(id="charts"):
+                yield Chart("tokens/s", "{:,.0f}", max, id="chart-tps")
+                yield Chart("loss", "{:.3f}", statistics.fmean, id="chart-loss")
+            yield Static(id="accum")
+            yield Static(id="devices", classes="panel")
+            yield Static(id="stragglers")
+            yield Log(id="log", max_lines=500, auto_scroll=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = "4 Monitor"
+        self.query_one("#devices").border_title = "devices"
+        self.query_one("#log").border_title = "log"
+        self.show(self.app.snapshot)  # type: ignore[attr-defined]
+
+    def on_screen_resume(self) -> None:
+        snapshot = self.app.snapshot  # type: ignore[attr-defined]
+        if self.is_mounted and snapshot is not self.shown:
+            self.show(snapshot)
+
+    def show(self, snapshot: Snapshot | None) -> None:
+        """Repaint every panel from one snapshot (None: nothing followed yet)."""
+        self.shown = snapshot
+        parts = ("#charts", "#accum", "#devices", "#stragglers", "#log")
+        for selector in parts:
+            self.query_one(selector).display = snapshot is not None
+        head = self.query_one("#mon-head", Static)
+        if snapshot is None:
+            followed = self.app.followed  # type: ignore[attr-defined]
+            head.update(f"loading {followed}…" if followed else NOTHING)
+            return
+        view = snapshot.view
+        head.update(head_text(view))
+        self.query_one("#chart-tps", Chart).set_values([v for _, v in view.tokens_per_s_history])
+        self.query_one("#chart-loss", Chart).set_values([v for _, v in view.losses])
+        self.query_one("#accum", Static).update(accum_text(view))
+        self.query_one("#devices", Static).update(devices_text(view))
+        stragglers = self.query_one("#stragglers", Static)
+        stragglers.update(stragglers_text(view))
+        stragglers.display = bool(view.stragglers)
+        self._show_log(snapshot)
+
+    def _show_log(self, snapshot: Snapshot) -> None:
+        log = self.query_one("#log", Log)
+        if snapshot.log_files:
+            log.border_title = "log: " + ", ".join(snapshot.log_files)
+        new = snapshot.log_seq - self._log_seq
+        if snapshot.run_id != self._log_run or new > len(snapshot.log_lines) or new < 0:
+            log.clear()  # another run, or more new lines than the snapshot keeps
+            new = len(snapshot.log_lines)
+        if new:
+            log.write_lines(snapshot.log_lines[-new:])
+        self._log_run = snapshot.run_id
+        self._log_seq = snapshot.log_seq
+
+    # ------------------------------------------------------------------ stopping
+    def action_stop(self) -> None:
+        """Ask, then stop the run gracefully (all ranks agree, checkpoint, exit)."""
+        snapshot = self.shown
+        if snapshot is None:
+            self.app.notify("no run followed", severity="warning")
+            return
+        if snapshot.view.status not in ACTIVE:
+            self.app.notify(f"run {snapshot.run_id} is {snapshot.view.status}: nothing to stop")
+            return
+        run_id = snapshot.run_id
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.app.notify(f"stopping {run_id}: the ranks checkpoint, then exit")
+                self._stop(run_id)
+
+        self.app.push_screen(
+            ConfirmScreen(f"Stop run {run_id}?\nIt saves a checkpoint; resume it from 5 Runs."),
+            confirmed,
+        )
+
+    @work(thread=True, group="stop", exit_on_error=False)
+    def _stop(self, run_id: str) -> None:
+        controller = self.app.controller  # type: ignore[attr-defined]
+        try:
+            state = controller.stop(run_id)
+        except HomelabError as exc:
+            self.app.call_from_thread(self.app.show_error, exc)  # type: ignore[attr-defined]
+            return
+        self.app.call_from_thread(self.app.notify, f"run {run_id}: {state.get('status')}")

@@ -1,0 +1,124 @@
+"""Screen 5, Runs: every run under the runs folder; follow one, resume a stopped one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Static
+
+from homelab_dp.errors import HomelabError
+from homelab_dp.tui.widgets.run_panels import STATUS_STYLE, duration
+
+REFRESH_S = 3.0
+COLUMNS = ("status", "steps", "loss", "energy", "time", "run")
+
+
+def row_cells(run: dict[str, Any]) -> tuple[Text | str, ...]:
+    """One history row: status, steps, final loss, energy, duration, id."""
+    status = str(run.get("status") or "unknown")
+    steps = f"{run.get('step') or 0}/{run.get('total_steps') or '?'}"
+    loss = "-" if run.get("loss") is None else f"{run['loss']:.3f}"
+    energy = f"{run.get('energy_wh') or 0.0:.1f} Wh"
+    return (
+        Text(status, style=STATUS_STYLE.get(status, "")),
+        steps,
+        loss,
+        energy,
+        duration(run.get("duration_s")),
+        str(run["run_id"]),
+    )
+
+
+class RunsScreen(Screen[None]):
+    """The run history, newest first, refreshed every few seconds."""
+
+    BINDINGS = [
+        Binding("enter", "follow", "Follow", show=False),
+        Binding("r", "refresh", "Refresh"),
+        Binding("R", "resume", "Resume"),
+    ]
+    AUTO_FOCUS = "#runs"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: list[dict[str, Any]] = []
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield Static(
+            "enter: follow in 4 Monitor · R: resume a stopped or failed run · r: refresh",
+            id="runs-help",
+        )
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = "5 Runs"
+        table = self.query_one(DataTable)
+        for name in COLUMNS:
+            table.add_column(name, key=name)
+        self.action_refresh()
+        self.set_interval(REFRESH_S, self.action_refresh)
+
+    def on_screen_resume(self) -> None:
+        if self.is_mounted:
+            self.action_refresh()
+
+    def action_refresh(self) -> None:
+        """Re-read the runs folder (off the UI thread: it folds every run's events)."""
+        self._load()
+
+    @work(thread=True, exclusive=True, group="runs", exit_on_error=False)
+    def _load(self) -> None:
+        runs = self.app.controller.list_runs()  # type: ignore[attr-defined]
+        self.app.call_from_thread(self.show, runs)
+
+    def show(self, runs: list[dict[str, Any]]) -> None:
+        """Fill the table, keeping the cursor on the same run."""
+        table = self.query_one(DataTable)
+        selected = self.selected()
+        self.runs = runs
+        table.clear()
+        for run in runs:
+            table.add_row(*row_cells(run), key=run["run_id"])
+        ids = [r["run_id"] for r in runs]
+        if selected in ids:
+            table.move_cursor(row=ids.index(selected))
+        if not runs:
+            root = self.app.controller.root  # type: ignore[attr-defined]
+            self.query_one("#runs-help", Static).update(
+                f"No runs under {root} yet: start one on 3 Launch or with `homelab-dp run`."
+            )
+
+    def selected(self) -> str | None:
+        """The id of the run under the cursor."""
+        table = self.query_one(DataTable)
+        if not self.runs or table.cursor_row < 0 or table.cursor_row >= len(self.runs):
+            return None
+        return self.runs[table.cursor_row]["run_id"]
+
+    @on(DataTable.RowSelected)
+    def action_follow(self) -> None:
+        """Follow the selected run on the Monitor screen."""
+        run_id = self.selected()
+        if run_id and self.app.follow(run_id):  # type: ignore[attr-defined]
+            self.app.switch_mode("monitor")
+
+    def action_resume(self) -> None:
+        """Resume the selected run from its newest complete checkpoint, then follow it."""
+        run_id = self.selected()
+        if run_id is None:
+            return
+        try:
+            resumed = self.app.controller.resume(run_id)  # type: ignore[attr-defined]
+        except HomelabError as exc:
+            self.app.show_error(exc)  # type: ignore[attr-defined]
+            return
+        self.app.notify(f"resuming {resumed}")
+        if self.app.follow(resumed):  # type: ignore[attr-defined]
+            self.app.switch_mode("monitor")

@@ -1,0 +1,128 @@
+"""What the user has chosen so far: a preset, edits to its main fields, what-if hardware.
+
+Shared by the Plan and Launch screens. Edits are kept as the text typed and become ``--set``
+overrides, so the TUI plans and launches exactly what the equivalent CLI command would.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Literal
+
+from homelab_dp.core.preset import Preset, load_preset
+from homelab_dp.core.preset_store import find_preset, list_presets, open_preset
+from homelab_dp.run.planning import Planned, make_plan
+
+DEFAULT_PRESET = "tiny-demo"
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One editable preset field."""
+
+    key: str
+    """``section.name`` as in ``--set``."""
+    label: str
+    kind: Literal["text", "int", "choice"]
+    choices: tuple[str, ...] = ()
+
+
+FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec("model.path", "model folder", "text"),
+    FieldSpec("data.path", "data", "text"),
+    FieldSpec("data.seq_len", "seq_len", "int"),
+    FieldSpec("train.micro_batch", "micro-batch", "int"),
+    FieldSpec("train.grad_accum", "accumulation", "int"),
+    FieldSpec("train.method", "method", "choice", ("auto", "full", "lora", "qlora")),
+    FieldSpec(
+        "train.distribution",
+        "distribution",
+        "choice",
+        ("auto", "ddp", "zero1", "fsdp-grad-op", "fsdp-full"),
+    ),
+    FieldSpec("lora.r", "LoRA r", "int"),
+    FieldSpec("train.activation_checkpointing", "act. ckpt", "choice", ("auto", "true", "false")),
+)
+FIELDS_BY_KEY = {f.key: f for f in FIELDS}
+
+
+def field_value(preset: Preset, key: str) -> str:
+    """A preset field as the text shown in its editor (booleans as true/false)."""
+    section, name = key.split(".")
+    value = getattr(getattr(preset, section), name)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def override(key: str, text: str) -> str:
+    """The ``--set`` override for a field's text: numbers and booleans bare, strings quoted."""
+    spec = FIELDS_BY_KEY[key]
+    text = text.strip()
+    if spec.kind == "int" or (spec.kind == "choice" and text in ("true", "false")):
+        return f"{key}={text}"
+    return f"{key}={json.dumps(text)}"  # a JSON string is a valid TOML basic string
+
+
+def preset_names() -> list[str]:
+    """Every preset found, by name."""
+    return [name for name, _ in list_presets()]
+
+
+@dataclass
+class Session:
+    """The choices the Plan and Launch screens share."""
+
+    preset_name: str = ""
+    base: Preset | None = None
+    """The preset as its file says (paths not yet resolved)."""
+    edits: dict[str, str] = field(default_factory=dict)
+    extra: list[str] = field(default_factory=list)
+    """Further ``--set KEY=VALUE`` overrides typed on the Launch screen."""
+    gpus: str = ""
+    """A what-if ``--gpus`` spec; empty plans for the probed devices."""
+    planned: Planned | None = None
+    """The latest successful plan of these choices."""
+
+    def load(self, name: str) -> None:
+        """Choose a preset by name; forgets the edits. Raises PresetError."""
+        self.base = load_preset(find_preset(name))
+        self.preset_name = name
+        self.edits.clear()
+        self.planned = None
+
+    def value(self, key: str) -> str:
+        """The current text of a field: the edit, else the preset's value."""
+        if key in self.edits:
+            return self.edits[key]
+        return field_value(self.base, key) if self.base is not None else ""
+
+    def overrides(self) -> list[str]:
+        """``--set`` overrides: the edited fields that differ from the preset, then the extras."""
+        out = [
+            override(key, text)
+            for key, text in self.edits.items()
+            if self.base is not None and text.strip() != field_value(self.base, key)
+        ]
+        return out + list(self.extra)
+
+    def command(self, verb: str = "run") -> str:
+        """The CLI command that does the same (``homelab-dp run NAME --set …``)."""
+        args = ["homelab-dp", verb, self.preset_name or "PRESET"]
+        if self.gpus:
+            args += ["--gpus", self.gpus]
+        for item in self.overrides():
+            args += ["--set", item]
+        return shlex.join(args)
+
+    def open(self) -> Preset:
+        """The preset with the overrides applied and paths resolved. Raises HomelabError."""
+        return open_preset(self.preset_name, self.overrides())
+
+    def plan(self) -> Planned:
+        """Plan the current choices (fast: no torch). Raises HomelabError."""
+        self.planned = None  # a failed re-plan must not leave the old plan looking current
+        self.planned = make_plan(self.open(), self.gpus.strip() or None)
+        return self.planned

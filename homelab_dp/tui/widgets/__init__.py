@@ -1,0 +1,1 @@
+"""Widgets and rich renderings used by the TUI screens."""

@@ -1,0 +1,115 @@
+"""Renderings of the probe: a card per GPU, the links between cards and what they mean."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from homelab_dp.core.hardware import GpuInfo, HardwareReport, HostInfo, format_bytes
+from homelab_dp.tui.widgets.bars import gauge, load_style
+
+CARD_BAR = 12
+
+LINK_MEANING = {
+    "nvlink": "fast: gradient sync and sharding cost little",
+    "p2p": "PCIe peer-to-peer: cards talk directly over PCIe",
+    "pcie": "through host memory: sharding and large syncs are slow",
+    "unknown": "not reported by the driver",
+}
+
+
+def _na(value: object, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value}{unit}"
+
+
+def gpu_title(g: GpuInfo) -> str:
+    """The card's border title: index and short name."""
+    return f"GPU {g.index} · {g.name.removeprefix('NVIDIA ').removeprefix('GeForce ')}"
+
+
+def gpu_card(g: GpuInfo) -> Text:
+    """Memory, utilisation, temperature, power and PCIe link of one card."""
+    out = Text()
+    frac = g.memory_used / g.memory_total if g.memory_used is not None else None
+    out.append("memory ").append_text(gauge(frac, CARD_BAR, load_style(frac)))
+    used = format_bytes(g.memory_used) if g.memory_used is not None else "n/a"
+    out.append(f" {used}\n       of {format_bytes(g.memory_total)}\n")
+    util = g.utilization_pct / 100 if g.utilization_pct is not None else None
+    out.append("util   ").append_text(gauge(util, CARD_BAR, "cyan"))
+    out.append(f" {_na(g.utilization_pct, '%')}\n")
+    out.append(f"temp   {_na(g.temperature_c, '°C')}   power ")
+    if g.power_w is not None and g.power_limit_w:
+        out.append(f"{g.power_w:.0f} / {g.power_limit_w:.0f} W\n")
+    else:
+        out.append(f"{_na(None if g.power_w is None else round(g.power_w), ' W')}\n")
+    out.append("PCIe   ")
+    if g.pcie_gen and g.pcie_width:
+        out.append(f"gen{g.pcie_gen} x{g.pcie_width}")
+        if (g.pcie_gen_max, g.pcie_width_max) not in ((None, None), (g.pcie_gen, g.pcie_width)):
+            out.append(f" (card max gen{g.pcie_gen_max} x{g.pcie_width_max})", style="yellow")
+    else:
+        out.append("n/a")
+    return out
+
+
+def topology_meaning(report: HardwareReport) -> str:
+    """What the links between the cards mean for data-parallel training."""
+    if len(report.gpus) < 2:
+        return "One card: no traffic between cards; DDP with world size 1 is a plain run."
+    kinds = {link.kind for link in report.links}
+    if kinds == {"nvlink"}:
+        return (
+            "Every pair is on NVLink: the all-reduce of DDP and the all-gathers of FSDP are "
+            "cheap, so sharding (ZeRO / FSDP) to fit a bigger model costs little speed."
+        )
+    if "pcie" in kinds or "unknown" in kinds or not kinds:
+        return (
+            "Some cards reach each other only through host memory: gradient sync is slow. "
+            "Prefer DDP or LoRA (small gradients) with more gradient accumulation (fewer syncs "
+            "per sample); shard with FSDP only when nothing else fits."
+        )
+    return (
+        "PCIe peer-to-peer between the cards: DDP runs well; FSDP moves about 1.5x more data "
+        "per step and costs some throughput."
+    )
+
+
+def topology_text(report: HardwareReport) -> Text:
+    """Each pair of cards with its link, then what it means."""
+    out = Text()
+    for link in report.links:
+        kind = f"NVLink ×{link.nvlink_links}" if link.kind == "nvlink" else link.kind
+        style = {"nvlink": "green", "p2p": "cyan", "pcie": "yellow"}.get(link.kind, "")
+        out.append(f"GPU {link.a} ↔ GPU {link.b}  ").append(kind, style=f"bold {style}")
+        if link.topology:
+            out.append(f" · {link.topology}")
+        if link.p2p is not None:
+            out.append(f" · peer-to-peer {'yes' if link.p2p else 'no'}")
+        out.append(f"\n  {LINK_MEANING[link.kind]}\n", style="bright_black")
+    out.append(topology_meaning(report))
+    return out
+
+
+def host_text(host: HostInfo) -> Text:
+    """The CPU host in one line."""
+    cores = f"{host.logical_cores} logical cores"
+    if host.physical_cores:
+        cores += f" ({host.physical_cores} physical)"
+    ram = f"{format_bytes(host.ram_total)} RAM"
+    if host.ram_available:
+        ram += f" ({format_bytes(host.ram_available)} available)"
+    return Text(f"{host.cpu_model}\n{cores}, {ram}")
+
+
+def summary_text(report: HardwareReport) -> Text:
+    """One line: how many cards, the driver and where the facts came from."""
+    if not report.gpus:
+        return Text("No GPU: plans and runs use the CPU host.", style="bold yellow")
+    driver = f"driver {report.driver_version}" if report.driver_version else "driver n/a"
+    if report.cuda_driver_version:
+        driver += f", CUDA {report.cuda_driver_version}"
+    source = ""
+    if report.source and report.source.startswith("recording "):
+        source = " · recorded: " + report.source.split("/")[-1]  # file name: same on any machine
+    total = sum(g.memory_total for g in report.gpus)
+    n = len(report.gpus)
+    return Text(f"{n} GPU{'s' if n > 1 else ''}, {format_bytes(total)} in all · {driver}{source}")
