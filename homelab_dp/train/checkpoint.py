@@ -89,20 +89,27 @@ def _zero_state(strategy: Strategy, optimizer: Any) -> dict[str, dict[str, Any]]
     }
 
 
-def _tensorize(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
-    """Plain numbers (e.g. bitsandbytes' integer ``step``) become 0-d tensors for safetensors."""
-    return {
-        name: {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in entry.items()}
-        for name, entry in state.items()
-    }
+def _tensorize(state: Any) -> Any:
+    """Plain numbers (e.g. bitsandbytes' integer ``step``) become 0-d tensors for safetensors.
+
+    Nested dicts (bitsandbytes' ``__bnb_optimizer_quant_state__``) keep their nesting.
+    """
+    if isinstance(state, dict):
+        return {k: _tensorize(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return state
+    if isinstance(state, (bool, int, float)):
+        return torch.tensor(state)
+    raise TypeError(f"optimizer state holds a {type(state).__name__}; only tensors and numbers")
 
 
-def _untensorize(original: dict[str, dict[str, Any]], loaded: dict[str, dict[str, Any]]) -> None:
+def _untensorize(original: dict[str, Any], loaded: dict[str, Any]) -> None:
     """Write loaded values back into ``original`` where it held plain numbers."""
-    for name, entry in original.items():
-        for k, v in entry.items():
-            if not isinstance(v, torch.Tensor):
-                entry[k] = type(v)(loaded[name][k].item())
+    for k, v in original.items():
+        if isinstance(v, dict):
+            _untensorize(v, loaded[k])
+        elif not isinstance(v, torch.Tensor):
+            original[k] = type(v)(loaded[k].item())
 
 
 def _rng_state() -> dict[str, Any]:

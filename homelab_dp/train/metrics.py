@@ -38,9 +38,9 @@ class EventLog:
         self.path = path
         self.enabled = enabled
 
-    def emit(self, kind: str, force: bool = False, **fields: Any) -> dict[str, Any]:
-        """Write one event line (flushed at once) and return it."""
-        event = {"type": kind, "time": time.time(), **fields}
+    def emit(self, event_type: str, /, force: bool = False, **fields: Any) -> dict[str, Any]:
+        """Write one event line (flushed at once) and return it; ``force`` writes on any rank."""
+        event = {"type": event_type, "time": time.time(), **fields}
         if self.enabled or force:
             line = (json.dumps(event, default=_jsonable) + "\n").encode("utf-8")
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

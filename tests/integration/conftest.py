@@ -75,6 +75,7 @@ def make_run(
     dtype: str = "fp32",
     lr: float = 1e-3,
     seq_len: int = 32,
+    activation_checkpointing: bool = False,
     train: dict[str, Any] | None = None,
 ) -> Path:
     """A run folder with spec.json for the given plan (what the controller would write)."""
@@ -99,7 +100,7 @@ def make_run(
     resolved = Resolved(
         method=method,  # type: ignore[arg-type]
         distribution=distribution,  # type: ignore[arg-type]
-        activation_checkpointing=False,
+        activation_checkpointing=activation_checkpointing,
         device="cpu",
         world_size=world,
         dtype=dtype,  # type: ignore[arg-type]

@@ -1,0 +1,117 @@
+"""Checkpoints and exact resume.
+
+11 ragged blocks (12 records, one without a target within seq_len), effective batch 4,
+2 epochs → 6 steps. A run stopped after k steps (``HOMELAB_DP_STOP_AT_STEP``, the test hook that
+acts like SIGTERM at a step boundary) and resumed ends with weights bit for bit equal to an
+uninterrupted run: mid-epoch (k = 2; the resumed part crosses into the second epoch) and right
+after the step that crossed the epoch boundary (k = 3: samples 8-11 are 3 of epoch 1 and 1 of
+epoch 2). A 2-rank checkpoint resumes on
+1 process (accumulation 2 keeps the effective batch); that run matches to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from homelab_dp.train.checkpoint import check_checkpoint
+from tests.integration.conftest import (
+    bitwise_equal,
+    copy_run,
+    events,
+    final_weights,
+    make_run,
+    max_abs_diff,
+    run,
+)
+
+pytestmark = pytest.mark.slow
+TRAIN = {"max_steps": 0, "epochs": 2.0, "warmup_steps": 1, "checkpoint_every": 2}
+FP32_TOL = 1e-5  # 1 vs 2 processes: summation order only
+
+
+def _stopped(rd: Path, k: int) -> None:
+    end = events(rd, "end")[-1]
+    assert end["reason"] == "stopped" and end["steps"] == k and end["final_path"] is None
+    assert check_checkpoint(rd / "checkpoints" / f"step-{k}") is None
+    assert not (rd / "final").exists()
+
+
+def _resumed_from(rd: Path, k: int) -> dict:
+    start = events(rd, "start")[-1]
+    assert start["start_step"] == k and start["resumed_from"].endswith(f"step-{k}")
+    assert events(rd, "end")[-1]["reason"] == "completed"
+    return start
+
+
+def _setup(root: Path, model: Path, data: Path, distribution: str, name: str) -> Path:
+    return make_run(root, model, data, name=name, distribution=distribution, train=TRAIN)
+
+
+def test_ddp_resume_is_bitwise_mid_epoch_and_at_epoch_boundary(
+    tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    data = data_dir / "ragged-12.jsonl"
+    full = _setup(tmp_path, tiny_model, data, "ddp", "full")
+    assert run(full, 2) == 0
+    reference = final_weights(full)
+    assert events(full, "start")[0]["total_steps"] == 6
+    # keep_checkpoints = 2: the periodic step-2 was rotated away.
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step-4", "step-6"]
+
+    n = events(full, "start")[0]["samples"]
+    assert n == 11
+    for k, (epoch, offset) in ((2, (0, 8)), (3, (1, 12 - n))):
+        rd = _setup(tmp_path, tiny_model, data, "ddp", f"stop{k}")
+        assert run(rd, 2, stop_at=k) == 0
+        _stopped(rd, k)
+        trainer = json.loads((rd / "checkpoints" / f"step-{k}" / "trainer.json").read_text())
+        assert (trainer["step"], trainer["epoch"], trainer["offset"]) == (k, epoch, offset)
+        if k == 2:
+            on_one = copy_run(rd, tmp_path, "stop2-on-1-rank")
+        # An incomplete newer checkpoint (no marker) must be skipped.
+        (rd / "checkpoints" / "step-5").mkdir()
+        (rd / "checkpoints" / "step-5" / "shard-00001-model-00001-of-00001.safetensors").write_text(
+            ""
+        )
+        assert run(rd, 2, resume=True) == 0
+        _resumed_from(rd, k)
+        assert bitwise_equal(final_weights(rd), reference)
+
+    assert run(on_one, 1, resume=True) == 0
+    start = _resumed_from(on_one, 2)
+    assert (start["world_size"], start["grad_accum"], start["effective_batch"]) == (1, 2, 4)
+    assert max_abs_diff(final_weights(on_one), reference) < FP32_TOL
+
+
+def test_fsdp_resume_bitwise_and_on_one_process(
+    tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    data = data_dir / "ragged-12.jsonl"
+    full = _setup(tmp_path, tiny_model, data, "fsdp-full", "full")
+    assert run(full, 2) == 0
+    reference = final_weights(full)
+    rd = _setup(tmp_path, tiny_model, data, "fsdp-full", "stop")
+    assert run(rd, 2, stop_at=2) == 0
+    _stopped(rd, 2)
+    on_one = copy_run(rd, tmp_path, "stop-on-1-rank")
+    assert run(rd, 2, resume=True) == 0
+    _resumed_from(rd, 2)
+    assert bitwise_equal(final_weights(rd), reference)
+    assert run(on_one, 1, resume=True) == 0
+    _resumed_from(on_one, 2)
+    assert max_abs_diff(final_weights(on_one), reference) < FP32_TOL
+
+
+def test_zero1_resume_is_bitwise(tiny_model: Path, data_dir: Path, tmp_path: Path) -> None:
+    data = data_dir / "ragged-12.jsonl"
+    full = _setup(tmp_path, tiny_model, data, "zero1", "full")
+    assert run(full, 2) == 0
+    rd = _setup(tmp_path, tiny_model, data, "zero1", "stop")
+    assert run(rd, 2, stop_at=3) == 0
+    _stopped(rd, 3)
+    assert run(rd, 2, resume=True) == 0
+    _resumed_from(rd, 3)
+    assert bitwise_equal(final_weights(rd), final_weights(full))
