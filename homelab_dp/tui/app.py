@@ -91,7 +91,7 @@ class HomelabApp(App[None]):
     # ------------------------------------------------------------------ errors
     def show_error(self, exc: HomelabError) -> None:
         """A user error as a notification, worded as the CLI words it."""
-        self.notify(error_text(exc), severity="error", timeout=10)
+        self.notify(error_text(exc), severity="error", timeout=10, markup=False)
 
     # ------------------------------------------------------------------ following a run
     def follow(self, run_id: str) -> bool:

@@ -49,6 +49,14 @@ def copy_view(view: RunView) -> RunView:
     return out
 
 
+def log_label(path: Path) -> str:
+    """A short name for a log file: torchrun's ``attempt_0/1/stderr.log`` is ``rank1``."""
+    parent = path.parent.name
+    if parent.isdigit() and path.parent.parent.name.startswith("attempt_"):
+        return f"rank{parent}" + ("" if path.stem == "stderr" else f" {path.stem}")
+    return path.stem
+
+
 class LogTail:
     """New lines of every ``*.log`` under a run's ``logs/`` folder (files may appear later)."""
 
@@ -61,7 +69,8 @@ class LogTail:
 
     @property
     def files(self) -> tuple[str, ...]:
-        return tuple(str(p.relative_to(self.folder)) for p in self._offsets)
+        """The labels of the log files read so far."""
+        return tuple(dict.fromkeys(log_label(p) for p in self._offsets))
 
     def read(self) -> int:
         """Read what was appended since the last call; return the number of new lines."""
@@ -83,10 +92,12 @@ class LogTail:
             *whole, rest = data.split(b"\n")
             if rest:
                 self._partial[path] = rest
-            prefix = f"{path.stem}: " if several else ""
+            prefix = f"{log_label(path)}: " if several else ""
             for raw in whole:
-                line = raw.decode("utf-8", errors="replace").rstrip("\r")
-                if line.strip():
+                # A progress bar redraws with \r: only its last state is worth a line.
+                parts = raw.decode("utf-8", errors="replace").split("\r")
+                line = next((p for p in reversed(parts) if p.strip()), "")
+                if line:
                     self.lines.append(prefix + line)
                     self.seq += 1
         return self.seq - before

@@ -160,7 +160,9 @@ class LaunchScreen(Screen[None]):
             self.app.show_error(error)  # type: ignore[attr-defined]
         else:
             self._status(f"not started: {error}", "red")
-            self.app.notify(f"error: could not start the run: {error}", severity="error")
+            self.app.notify(
+                f"error: could not start the run: {error}", severity="error", markup=False
+            )
 
     # ------------------------------------------------------------------ saving
     @on(Button.Pressed, "#save")
@@ -174,7 +176,7 @@ class LaunchScreen(Screen[None]):
             self.app.show_error(exc)  # type: ignore[attr-defined]
             return
         self._status(f"saved {path}", "green")
-        self.app.notify(f"saved {path}\nrun it with: homelab-dp run {name}")
+        self.app.notify(f"saved {path}\nrun it with: homelab-dp run {name}", markup=False)
 
     @on(Input.Submitted, "#save-name")
     def _save_submitted(self) -> None:

@@ -89,7 +89,7 @@ class MonitorScreen(Screen[None]):
     def _show_log(self, snapshot: Snapshot) -> None:
         log = self.query_one("#log", Log)
         if snapshot.log_files:
-            log.border_title = "log: " + ", ".join(snapshot.log_files)
+            log.border_title = "logs: " + ", ".join(snapshot.log_files)
         new = snapshot.log_seq - self._log_seq
         if snapshot.run_id != self._log_run or new > len(snapshot.log_lines) or new < 0:
             log.clear()  # another run, or more new lines than the snapshot keeps

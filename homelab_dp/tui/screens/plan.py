@@ -201,5 +201,5 @@ class PlanScreen(Screen[None]):
         text = error_text(exc)
         self.query_one("#plan-view", Static).update(Text(text, style="bold red"))
         if text != self._last_error:  # typing must not pile up the same notification
-            self.app.notify(text, severity="error", timeout=10)
+            self.app.notify(text, severity="error", timeout=10, markup=False)
         self._last_error = text

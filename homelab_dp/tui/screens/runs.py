@@ -92,7 +92,7 @@ class RunsScreen(Screen[None]):
         if not runs:
             root = self.app.controller.root  # type: ignore[attr-defined]
             self.query_one("#runs-help", Static).update(
-                f"No runs under {root} yet: start one on 3 Launch or with `homelab-dp run`."
+                Text(f"No runs under {root} yet: start one on 3 Launch or with `homelab-dp run`.")
             )
 
     def selected(self) -> str | None:

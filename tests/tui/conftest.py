@@ -1,0 +1,112 @@
+"""TUI fixtures: recorded hardware, a runs folder holding the recorded run, helpers to wait."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import io
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from textual.pilot import Pilot
+from textual.widgets import Static
+
+from homelab_dp.run.controller import RunController, make_controller
+from homelab_dp.tui.app import HomelabApp
+from tests.conftest import DATA
+
+RUN_ID = "20250301-101500-smollm2-135m-lora-7f3a"
+RECORDED = DATA / "events" / RUN_ID
+NVML_ENV = "HOMELAB_DP_FAKE_NVML"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run ``async def`` tests (Pilot needs an event loop) without an asyncio plugin."""
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    names = pyfuncitem._fixtureinfo.argnames
+    asyncio.run(pyfuncitem.obj(**{name: pyfuncitem.funcargs[name] for name in names}))
+    return True
+
+
+def use_gpus(monkeypatch: pytest.MonkeyPatch, recording: str) -> None:
+    """Answer NVML from ``tests/data/nvml/<recording>.json`` (a relative path: the same
+    text on every machine, because the Hardware screen names the recording)."""
+    monkeypatch.setenv(NVML_ENV, f"tests/data/nvml/{recording}.json")
+
+
+@pytest.fixture
+def gpus_2x3090(in_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_gpus(monkeypatch, "2x3090-nvlink")
+
+
+@pytest.fixture
+def runs_root(tmp_path: Path) -> Path:
+    """A runs folder holding a copy of the recorded, completed run."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    shutil.copytree(RECORDED, root / RUN_ID)
+    return root
+
+
+@pytest.fixture
+def controller(runs_root: Path) -> RunController:
+    return make_controller(runs_root)
+
+
+def copy_run(root: Path, run_id: str, *, status: str, events: bool = True) -> Path:
+    """Another run folder from the recording, with its own id and status (no process)."""
+    run_dir = root / run_id
+    shutil.copytree(RECORDED, run_dir)
+    state = json.loads((run_dir / "state.json").read_text())
+    state.update(status=status, run_id=run_id, created=state["created"] - 3600)
+    (run_dir / "state.json").write_text(json.dumps(state))
+    spec = json.loads((run_dir / "spec.json").read_text())
+    spec["run_id"] = run_id
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    if not events:
+        (run_dir / "events.jsonl").write_text("")
+        (run_dir / "devices.jsonl").write_text("")
+        (run_dir / "logs" / "launcher.log").write_text("")
+    return run_dir
+
+
+def capture_notifications(app: HomelabApp) -> list[tuple[str, str]]:
+    """Record (message, severity) of every notification the app shows from now on."""
+    seen: list[tuple[str, str]] = []
+    original = app.notify
+
+    def notify(message: str, *args: Any, **kwargs: Any) -> None:
+        seen.append((str(message), str(kwargs.get("severity", "information"))))
+        original(message, *args, **kwargs)
+
+    app.notify = notify  # type: ignore[method-assign]
+    return seen
+
+
+async def wait_for(
+    pilot: Pilot, condition: Callable[[], object], timeout: float = 10.0, what: str = ""
+) -> None:
+    """Let the app run until ``condition()`` is true (thread workers finish on their own time)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+        await pilot.pause(0.05)
+    await pilot.pause()
+
+
+def plain(app: HomelabApp, selector: str, width: int = 200) -> str:
+    """The text of a Static on the current screen, wide enough not to wrap."""
+    content = app.screen.query_one(selector, Static).content
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    with console.capture() as captured:
+        console.print(content)
+    return captured.get()

@@ -1,0 +1,173 @@
+"""Following under load: coalescing updates, a responsive UI, and runs that outlive the TUI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.events import RunView
+from homelab_dp.run.controller import RunController
+from homelab_dp.run.follow import read_all
+from homelab_dp.run.state import pid_alive, read_state
+from homelab_dp.tui.app import HomelabApp
+from homelab_dp.tui.follower import RunFollower, Snapshot, copy_view
+from homelab_dp.tui.messages import RunUpdated
+from tests.tui.conftest import RECORDED, RUN_ID, copy_run, wait_for
+
+RESPONSIVE_S = 0.5
+"""A key press must be answered within this while updates pour in."""
+
+
+def _snapshot(run_id: str, step: int) -> Snapshot:
+    return Snapshot(run_id, RunView(run_id=run_id, step=step), (), 0, ())
+
+
+def test_a_newer_update_of_the_same_run_replaces_a_pending_one() -> None:
+    old, new = RunUpdated(_snapshot("a", 1)), RunUpdated(_snapshot("a", 2))
+    assert old.can_replace(new)
+    assert not old.can_replace(RunUpdated(_snapshot("b", 2)))  # another run's update stays
+
+
+def test_a_snapshot_shares_nothing_mutable_with_the_live_view(controller: RunController) -> None:
+    view = controller.view(RUN_ID)
+    copy = copy_view(view)
+    view.apply({"type": "step", "step": 41, "loss": 0.5, "rank_step_times_s": [1.0, 1.0]})
+    view.apply({"type": "devices", "devices": [{"key": "gpu0", "temperature_c": 99}]})
+    assert copy.step == 40 and len(copy.losses) == 40
+    assert copy.devices["gpu0"].temperature_c != 99 and copy.stragglers
+
+
+async def test_a_burst_of_updates_is_coalesced(controller: RunController) -> None:
+    app = HomelabApp(controller, mode="monitor", follow=RUN_ID)
+    async with app.run_test() as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None, what="the first snapshot")
+        app.workers.cancel_group(app, "follow")  # only our updates from now on
+        handled_before = app.updates_handled
+        posted = 1000
+
+        def burst() -> None:
+            for step in range(1, posted + 1):
+                app.post_message(RunUpdated(_snapshot(RUN_ID, step)))
+
+        thread = threading.Thread(target=burst)
+        thread.start()
+        thread.join()
+        await wait_for(pilot, lambda: app.snapshot.view.step == posted, what="the last update")
+        handled = app.updates_handled - handled_before
+        assert handled < posted / 2  # most were replaced while pending
+        assert app.screen.shown.view.step == posted  # the newest one is what is on screen
+
+
+async def test_stays_responsive_while_1000_events_arrive(runs_root: Path) -> None:
+    """1000 events written at ~500 a second; keys are still answered at once."""
+    run_dir = copy_run(runs_root, "20250301-141500-fast-0003", status="running", events=False)
+    _set_state(run_dir, status="running", pids={"keeper": os.getpid()})
+    events = _thousand_events(run_dir.name)
+    app = HomelabApp(RunController(runs_root), mode="monitor", follow=run_dir.name)
+    app.follow_interval = 0.01
+    async with app.run_test() as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None, what="the first snapshot")
+        writer = threading.Thread(target=_write_slowly, args=(run_dir / "events.jsonl", events))
+        writer.start()
+        latencies = []
+        while writer.is_alive():
+            for key, mode in (("5", "runs"), ("4", "monitor")):
+                latencies.append(await _key_latency(app, key, mode))
+        writer.join()
+        await wait_for(pilot, lambda: app.snapshot.view.step == 998, what="the last step")
+        view = app.snapshot.view
+        steps = [e for e in events if e["type"] == "step"]
+        assert view.loss == steps[-1]["loss"] and len(view.losses) == len(steps)
+        assert view.micro_step == 0 and view.events_seen >= len(events)
+        assert max(latencies) < RESPONSIVE_S, latencies
+        assert app.updates_handled < len(events)
+
+
+def test_the_follower_reads_every_event_once(runs_root: Path) -> None:
+    follower = RunFollower(RunController(runs_root), RUN_ID)
+    snapshot = follower.poll()
+    assert snapshot is not None
+    assert follower.events_read == sum(
+        1 for name in ("events.jsonl", "devices.jsonl") for _ in read_all(RECORDED / name)
+    )
+    assert follower.poll() is None  # nothing new, nothing posted
+
+
+async def test_quitting_the_tui_leaves_the_run_going(runs_root: Path) -> None:
+    run_dir = copy_run(runs_root, "20250301-151500-long-0004", status="running")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _set_state(run_dir, status="running", pids={"keeper": worker.pid, "workers": [worker.pid]})
+        stops: list[str] = []
+
+        class NoStop(RunController):
+            def stop(self, run_id: str, timeout: float = 1.0) -> dict[str, Any]:
+                stops.append(run_id)
+                return {}
+
+        app = HomelabApp(NoStop(runs_root), mode="monitor", follow=run_dir.name)
+        async with app.run_test() as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None, what="the snapshot")
+            await pilot.press("q")
+        assert stops == []
+        assert pid_alive(worker.pid)
+        assert read_state(run_dir)["status"] == "running"
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+async def _key_latency(app: HomelabApp, key: str, mode: str) -> float:
+    """Seconds from a key press to its effect. (Pilot.press waits for the CPU to go idle,
+    which it does not while events pour in, so it would measure the load, not the UI.)"""
+    started = time.perf_counter()
+    app.simulate_key(key)
+    while app.current_mode != mode:
+        await asyncio.sleep(0.002)
+        assert time.perf_counter() - started < 5, f"key {key} not handled"
+    return time.perf_counter() - started
+
+
+def _thousand_events(run_id: str) -> list[dict[str, Any]]:
+    """A start event, then 333 optimizer steps of two micro-steps each: 1000 events."""
+    t = 1740830000.0
+    out: list[dict[str, Any]] = [
+        {"type": "start", "time": t, "run_id": run_id, "method": "full", "distribution": "ddp",
+         "total_steps": 333, "world_size": 2, "micro_batch": 4, "grad_accum": 2,
+         "effective_batch": 16}
+    ]  # fmt: skip
+    step = 0
+    while len(out) < 1000:
+        step += 1
+        for k in (1, 2):
+            out.append({"type": "micro", "time": t, "step": step, "micro_step": k, "grad_accum": 2})
+        t += 0.5
+        out.append(
+            {"type": "step", "time": t, "step": step * 3 - 1, "loss": 3.0 / (1 + step / 50),
+             "lr": 1e-4, "tokens_per_s": 8000.0 + step, "step_time_s": 0.5,
+             "rank_step_times_s": [0.5, 0.5], "micro_batch": 4, "grad_accum": 2,
+             "world_size": 2, "effective_batch": 16}
+        )  # fmt: skip
+    return out
+
+
+def _write_slowly(path: Path, events: list[dict[str, Any]], per_s: float = 500.0) -> None:
+    """Append in chunks of 10 lines at ``per_s`` events a second, as rank 0 would."""
+    with open(path, "a", encoding="utf-8") as fh:
+        for i in range(0, len(events), 10):
+            fh.writelines(json.dumps(e) + "\n" for e in events[i : i + 10])
+            fh.flush()
+            time.sleep(10 / per_s)
+
+
+def _set_state(run_dir: Path, **changes: Any) -> None:
+    state = json.loads((run_dir / "state.json").read_text())
+    state.update(changes)
+    (run_dir / "state.json").write_text(json.dumps(state))

@@ -1,0 +1,93 @@
+"""Screen 1, Hardware, against recorded probes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.widgets import Static
+
+from homelab_dp.run.controller import RunController
+from homelab_dp.tui.app import HomelabApp
+from homelab_dp.tui.screens.hardware import HardwareScreen
+from tests.tui.conftest import plain, use_gpus, wait_for
+
+
+async def _probed(app: HomelabApp, pilot) -> HardwareScreen:
+    screen = app.screen
+    assert isinstance(screen, HardwareScreen)
+    await wait_for(pilot, lambda: screen.report is not None, what="the probe")
+    return screen
+
+
+def _cards(app: HomelabApp) -> list[Static]:
+    return list(app.screen.query(".gpu-card").results(Static))
+
+
+@pytest.mark.usefixtures("in_repo")
+async def test_nvlink_pair_shows_two_cards_and_what_nvlink_means(
+    monkeypatch: pytest.MonkeyPatch, controller: RunController
+) -> None:
+    use_gpus(monkeypatch, "2x3090-nvlink")
+    app = HomelabApp(controller)
+    async with app.run_test() as pilot:
+        await _probed(app, pilot)
+        cards = _cards(app)
+        assert [c.border_title for c in cards] == ["GPU 0 · RTX 3090", "GPU 1 · RTX 3090"]
+        assert "24.0 GiB" in plain(app, ".gpu-card")
+        assert "gen4 x16" in plain(app, ".gpu-card")
+        topology = plain(app, "#topology")
+        assert "GPU 0 ↔ GPU 1  NVLink ×4" in topology
+        assert "Every pair is on NVLink" in topology
+        assert not app.screen.query_one("#hw-notice").display
+        assert "2 GPUs, 48.0 GiB in all" in plain(app, "#hw-summary")
+
+
+@pytest.mark.usefixtures("in_repo")
+async def test_mixed_cards_over_host_memory_say_sync_is_slow(
+    monkeypatch: pytest.MonkeyPatch, controller: RunController
+) -> None:
+    use_gpus(monkeypatch, "3090+3060")
+    app = HomelabApp(controller)
+    async with app.run_test() as pilot:
+        await _probed(app, pilot)
+        assert len(_cards(app)) == 2
+        assert "(card max gen4 x16)" in plain(app, "#gpu-cards > .gpu-card:last-child")
+        topology = plain(app, "#topology")
+        assert "pcie · host bridge · peer-to-peer no" in topology
+        assert "through host memory" in topology
+
+
+@pytest.mark.usefixtures("in_repo")
+async def test_no_driver_shows_the_notice_and_the_cpu_host(
+    monkeypatch: pytest.MonkeyPatch, controller: RunController
+) -> None:
+    use_gpus(monkeypatch, "no-driver")
+    app = HomelabApp(controller)
+    async with app.run_test() as pilot:
+        await _probed(app, pilot)
+        notice = app.screen.query_one("#hw-notice", Static)
+        assert notice.display
+        assert "No NVIDIA driver found" in plain(app, "#hw-notice")
+        assert _cards(app) == []
+        assert not app.screen.query_one("#topology").display
+        assert "No GPU: plans and runs use the CPU host." in plain(app, "#hw-summary")
+        assert "logical cores" in plain(app, "#host")
+
+
+@pytest.mark.usefixtures("in_repo")
+async def test_refresh_probes_again(
+    monkeypatch: pytest.MonkeyPatch, controller: RunController, tmp_path: Path
+) -> None:
+    use_gpus(monkeypatch, "2x3090-nvlink")
+    app = HomelabApp(controller)
+    async with app.run_test() as pilot:
+        screen = await _probed(app, pilot)
+        first = screen.report
+        use_gpus(monkeypatch, "1x4090")  # the machine changed under us
+        await pilot.press("r")
+        await wait_for(pilot, lambda: screen.report is not first, what="the second probe")
+        assert [c.border_title for c in _cards(app)] == ["GPU 0 · RTX 4090"]
+        assert (
+            "One card" in plain(app, "#topology") or not app.screen.query_one("#topology").display
+        )

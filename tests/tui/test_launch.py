@@ -1,0 +1,133 @@
+"""Screen 3, Launch: the equivalent command, starting in the background, saving presets."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.widgets import Input, Select
+
+from homelab_dp.core.preset_store import user_presets_dir
+from homelab_dp.run.controller import RunController
+from homelab_dp.tui.app import HomelabApp
+from homelab_dp.tui.screens.launch import LaunchScreen
+from homelab_dp.tui.screens.monitor import MonitorScreen
+from homelab_dp.tui.screens.plan import field_id
+from tests.tui.conftest import RUN_ID, capture_notifications, plain, wait_for
+
+SMOLLM = "smollm2-135m-lora-2x12gb"
+
+
+class StubController(RunController):
+    """The real controller, except that prepare/start only record what they were given."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.prepared: list[dict[str, Any]] = []
+        self.release = threading.Event()
+
+    def prepare(self, preset_ref: str, **kwargs: Any) -> Any:
+        self.prepared.append({"preset": preset_ref, **kwargs})
+        assert self.release.wait(10), "the test never let prepare finish"
+        return "prepared"
+
+    def start(self, prepared: Any, multinode: Any = None) -> str:
+        assert prepared == "prepared"
+        return RUN_ID  # the recorded run stands in for the new one
+
+
+@pytest.mark.usefixtures("gpus_2x3090")
+async def test_edits_become_the_equivalent_cli_command(controller: RunController) -> None:
+    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        app.screen.query_one(f"#{field_id('train.micro_batch')}", Input).value = "2"
+        await pilot.pause(0.4)  # the debounce
+        await pilot.press("3")
+        assert isinstance(app.screen, LaunchScreen)
+        app.screen.query_one("#extra", Input).value = "train.max_steps=10"
+        await pilot.pause()
+        command = plain(app, "#launch-command")
+        assert command.strip() == (
+            f"homelab-dp run {SMOLLM} --set train.micro_batch=2 --set train.max_steps=10"
+        )
+        summary = plain(app, "#launch-summary")
+        assert "plan: fits · LoRA · ddp · cuda × 2 · effective batch 16" in summary
+
+
+@pytest.mark.usefixtures("gpus_2x3090")
+async def test_start_prepares_off_the_ui_thread_then_follows_the_run(runs_root: Path) -> None:
+    controller = StubController(runs_root)
+    app = HomelabApp(controller, mode="launch", preset="tiny-demo")
+    async with app.run_test() as pilot:
+        notes = capture_notifications(app)
+        await pilot.pause()
+        app.screen.query_one("#extra", Input).value = "train.max_steps=4"
+        app.screen.set_focus(None)
+        await pilot.press("s")
+        await wait_for(pilot, lambda: controller.prepared, what="prepare")
+        # prepare is still running in its thread: the UI answers keys meanwhile
+        assert "preparing" in plain(app, "#launch-status")
+        await pilot.press("s")  # a second start while preparing is refused
+        assert any("already being prepared" in text for text, _ in notes)
+        controller.release.set()
+        await wait_for(pilot, lambda: isinstance(app.screen, MonitorScreen), what="the Monitor")
+        assert controller.prepared == [
+            {
+                "preset": "tiny-demo",
+                "overrides": ["train.max_steps=4"],
+                "gpus": None,
+                "force": False,
+            }
+        ]
+        assert app.followed == RUN_ID
+        assert any(text.startswith(f"started run {RUN_ID}") for text, _ in notes)
+
+
+@pytest.mark.usefixtures("gpus_2x3090")
+async def test_a_refused_launch_says_why_in_cli_words(controller: RunController) -> None:
+    app = HomelabApp(controller, mode="launch", preset="tiny-demo")
+    async with app.run_test() as pilot:
+        notes = capture_notifications(app)
+        app.session.gpus = "2x24GiB"  # sizes are for what-if plans, not for runs
+        app.screen.set_focus(None)
+        await pilot.press("s")
+        await wait_for(pilot, lambda: not app.screen.launching, what="the refusal")
+        (error,) = [text for text, severity in notes if severity == "error"]
+        assert error.splitlines()[0] == (
+            "error: --gpus 2x24GiB: `run` uses real devices; sizes are for `plan` what-ifs"
+        )
+        assert error.splitlines()[1].startswith("hint: choose GPUs with hardware.devices")
+        assert controller.list_runs()[0]["run_id"] == RUN_ID  # no run folder was made
+        assert len(controller.list_runs()) == 1
+        assert isinstance(app.screen, LaunchScreen)
+
+
+@pytest.mark.usefixtures("gpus_2x3090")
+async def test_save_writes_a_preset_with_a_header_and_the_edits(controller: RunController) -> None:
+    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
+    async with app.run_test() as pilot:
+        notes = capture_notifications(app)
+        await pilot.pause()
+        app.session.edits["lora.r"] = "8"
+        await pilot.press("3")
+        name = app.screen.query_one("#save-name", Input)
+        name.focus()
+        await pilot.press(*"my-lora", "enter")
+        path = user_presets_dir() / "my-lora.toml"
+        text = path.read_text()
+        assert text.startswith("# homelab-dp run my-lora\n")
+        assert "r = 8\n" in text
+        assert f"saved {path}" in plain(app, "#launch-status")
+        await pilot.press("enter")  # again, without overwrite: refused as the CLI refuses it
+        error = [text for text, severity in notes if severity == "error"][-1]
+        assert error == (
+            f"error: presets save: {path} already exists\nhint: choose another name or pass --force"
+        )
+        await pilot.press("escape", "2")  # the Plan screen now offers the new preset
+        app.screen.query_one("#preset", Select).value = "my-lora"  # raises if not offered
+        await pilot.pause()
+        assert app.session.preset_name == "my-lora"
+        assert app.session.open().lora.r == 8
