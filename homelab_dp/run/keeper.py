@@ -129,7 +129,7 @@ class Keeper:
         ends = [e for e in read_all(self.run_dir / "events.jsonl") if e.get("type") == "end"]
         errors = [e for e in read_all(self.run_dir / "events.jsonl") if e.get("type") == "error"]
         if rc == 0 and ends and ends[-1].get("reason") == "completed":
-            return "completed", f"completed {ends[-1].get('steps', '')} steps".strip()
+            return "completed", f"{ends[-1].get('steps', '?')} steps, result in final/"
         if rc == 0 and ends and ends[-1].get("reason") == "stopped":
             return "interrupted", "stopped by request; resume with `homelab-dp resume`"
         if errors:
