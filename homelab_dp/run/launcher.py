@@ -40,8 +40,13 @@ def torchrun_command(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     resume: bool = False,
+    rdzv_id: str | None = None,
 ) -> list[str]:
-    """The argv that starts ``nproc_per_node`` workers of ``run_dir`` under torchrun."""
+    """The argv that starts ``nproc_per_node`` workers of ``run_dir`` under torchrun.
+
+    Multi-node: every node passes the same ``master_addr:master_port`` and ``rdzv_id`` (default:
+    the run folder's name, so name the run the same on every node).
+    """
     run_dir = Path(run_dir).absolute()
     if nnodes == 1:
         endpoint = f"127.0.0.1:{master_port or free_port()}"
@@ -58,7 +63,7 @@ def torchrun_command(
         f"--node-rank={node_rank}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={run_dir.name}",
+        f"--rdzv-id={rdzv_id or run_dir.name}",
         *local,
         "--max-restarts=0",
         "--log-dir", str(run_dir / "logs"),
@@ -97,13 +102,14 @@ def launch(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     resume: bool = False,
+    rdzv_id: str | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start torchrun for ``run_dir`` in a new session; output goes to ``logs/launcher.log``."""
     run_dir = Path(run_dir).absolute()
     cmd = torchrun_command(run_dir, nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                            master_addr=master_addr, master_port=master_port,
-                           resume=resume)  # fmt: skip
+                           resume=resume, rdzv_id=rdzv_id)  # fmt: skip
     env = worker_env(run_dir, nproc_per_node, nnodes)
     env.update(extra_env or {})
     logs = run_dir / "logs"

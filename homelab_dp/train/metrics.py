@@ -75,6 +75,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
+def all_gather_flat(out: torch.Tensor, mine: torch.Tensor) -> None:
+    """Every rank's ``mine`` concatenated into ``out`` (torch 2.13 renamed the collective)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine)
+
+
 class RankStats:
     """The one all-gather per logged step: loss sum, step time and peak memory of every rank."""
 
@@ -91,5 +97,5 @@ class RankStats:
         mine[1] = step_time_s
         mine[2] = float(peak_memory_bytes(self.device))
         out = torch.empty(self.world * self.FIELDS, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(out, mine)
+        all_gather_flat(out, mine)
         return out.view(self.world, self.FIELDS).tolist()

@@ -204,13 +204,12 @@ class Trainer:
 
     def _start_event(self) -> None:
         import torch
-        import torch.distributed as dist
 
-        from homelab_dp.train.metrics import RankStats, peak_memory_kind
+        from homelab_dp.train.metrics import RankStats, all_gather_flat, peak_memory_kind
 
         pid = torch.tensor([os.getpid()], dtype=torch.int64, device=self.device)
         pids = torch.empty(self.world, dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(pids, pid)  # once per run: who is who, for the controller
+        all_gather_flat(pids, pid)  # once per run: who is who, for the controller
         self.stats = RankStats(self.device)
         self.memory_kind = peak_memory_kind(self.device)
         per_device = (self.spec.get("plan") or {}).get("per_device_bytes") or None
@@ -400,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s"
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only, never the network
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in rank logs
     from homelab_dp.errors import HomelabError
     from homelab_dp.run.rundir import read_spec
     from homelab_dp.train.metrics import EventLog

@@ -1,0 +1,80 @@
+"""A minimal hand-written torchrun DDP loop: the baseline for benchmarks/throughput.py.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/plain_ddp_loop.py \\
+        --model assets/models/tiny-llama --data assets/data/tiny-text.jsonl --steps 30
+
+nanoGPT-style: DDP, AdamW (foreach), per-micro-batch mean loss, ``no_sync`` while accumulating,
+gradient clipping at 1.0, no events, no checkpoints. Rank 0 prints one JSON line with the
+tokens/s of the steps after ``--warmup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from homelab_dp.core.preset import DataSection
+from homelab_dp.train.data import load_dataset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--pack", type=int, default=1)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(42)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    cfg = DataSection(path=args.data, seq_len=args.seq_len, pack=bool(args.pack))
+    blocks = load_dataset(cfg, tokenizer, seq_len_limit=None, min_blocks=world * args.micro)
+    ids = torch.tensor([b.input_ids for b in blocks])
+    labels = torch.tensor([b.labels for b in blocks])
+    mask = torch.tensor([b.attention_mask for b in blocks])
+    model = DDP(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(42))
+
+    tokens, t_start = 0, 0.0
+    per_step = args.micro * world * args.accum
+    for step in range(args.steps):
+        if step == args.warmup:
+            t_start = time.perf_counter()
+            tokens = 0
+        for k in range(args.accum):
+            start = (step * per_step + (k * world + rank) * args.micro) % len(blocks)
+            idx = order[torch.arange(start, start + args.micro) % len(blocks)]
+            model.require_backward_grad_sync = k == args.accum - 1
+            logits = model(input_ids=ids[idx], attention_mask=mask[idx], use_cache=False).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels[idx].flatten())
+            (loss / args.accum).backward()
+            tokens += int(mask[idx].sum()) * world  # every rank sees the same shapes here
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - t_start
+    if rank == 0:
+        timed = args.steps - args.warmup
+        print(json.dumps({"tokens_per_s": tokens / seconds, "steps": timed, "seconds": seconds,
+                          "world_size": world, "omp_threads": os.environ.get("OMP_NUM_THREADS")}))  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
