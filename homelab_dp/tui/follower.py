@@ -77,6 +77,10 @@ class LogTail:
         if not self.folder.is_dir():
             return 0
         paths = sorted(self.folder.rglob("*.log"))
+        if (self.folder / "launcher.log") in paths:
+            # torchrun tees every rank's output into launcher.log ("[default0]:…"): its
+            # per-rank copies under attempt_N/ would show each line twice.
+            paths = [p for p in paths if not p.parent.parent.name.startswith("attempt_")]
         several = len(paths) > 1
         before = self.seq
         for path in paths:

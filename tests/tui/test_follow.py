@@ -17,7 +17,7 @@ from homelab_dp.run.controller import RunController
 from homelab_dp.run.follow import read_all
 from homelab_dp.run.state import pid_alive, read_state
 from homelab_dp.tui.app import HomelabApp
-from homelab_dp.tui.follower import RunFollower, Snapshot, copy_view
+from homelab_dp.tui.follower import LogTail, RunFollower, Snapshot, copy_view
 from homelab_dp.tui.messages import RunUpdated
 from tests.tui.conftest import RECORDED, RUN_ID, copy_run, wait_for
 
@@ -171,3 +171,19 @@ def _set_state(run_dir: Path, **changes: Any) -> None:
     state = json.loads((run_dir / "state.json").read_text())
     state.update(changes)
     (run_dir / "state.json").write_text(json.dumps(state))
+
+
+def test_the_log_tail_keeps_whole_lines_and_skips_torchruns_copies(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    rank = logs / "run_x" / "attempt_0" / "1"
+    rank.mkdir(parents=True)
+    (rank / "stderr.log").write_text("[rank1] a line launcher.log has too\n")
+    (logs / "launcher.log").write_text("[default0]:Loading 0%\r[default0]:Loading 100%\n[def")
+    (logs / "keeper.log").write_text("keeper started\n")
+    tail = LogTail(logs)
+    assert tail.read() == 2
+    assert list(tail.lines) == ["keeper: keeper started", "launcher: [default0]:Loading 100%"]
+    with open(logs / "launcher.log", "a") as fh:
+        fh.write("ault1]:step 1\n")  # the rest of the half-written line
+    assert tail.read() == 1 and tail.lines[-1] == "launcher: [default1]:step 1"
+    assert tail.seq == 3 and tail.files == ("keeper", "launcher")

@@ -63,10 +63,14 @@ class RunsScreen(Screen[None]):
         for name in COLUMNS:
             table.add_column(name, key=name)
         self.action_refresh()
-        self.set_interval(REFRESH_S, self.action_refresh)
+        self.set_interval(REFRESH_S, self._refresh_if_shown)
 
     def on_screen_resume(self) -> None:
         if self.is_mounted:
+            self.action_refresh()
+
+    def _refresh_if_shown(self) -> None:
+        if self.app.screen is self:  # hidden screens need no reading of every run's files
             self.action_refresh()
 
     def action_refresh(self) -> None:
