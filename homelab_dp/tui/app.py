@@ -76,6 +76,7 @@ class HomelabApp(App[None]):
         self._initial_follow = follow
 
     def on_mount(self) -> None:
+        """Load the first preset, start following a run if asked, show the first screen."""
         names = preset_names()
         name = self._initial_preset or (DEFAULT_PRESET if DEFAULT_PRESET in names else None)
         name = name or (names[0] if names else None)
@@ -123,6 +124,7 @@ class HomelabApp(App[None]):
             self.call_from_thread(self.show_error, exc)
 
     def on_run_updated(self, message: RunUpdated) -> None:
+        """Keep the newest snapshot; repaint the Monitor only while it is the screen shown."""
         if message.snapshot.run_id != self.followed:
             return  # from the previous run's follower, posted before it was cancelled
         self.updates_handled += 1

@@ -140,6 +140,7 @@ class LaunchScreen(Screen[None]):
         return controller.start(prepared)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """The launch thread ended: follow the new run, or show why it did not start."""
         if event.worker.group != "launch" or event.state not in (
             WorkerState.SUCCESS,
             WorkerState.ERROR,
