@@ -1,6 +1,6 @@
 """Resumable checkpoints with ``torch.distributed.checkpoint`` (DCP), stored as safetensors.
 
-Layout of ``checkpoints/step-N/``::
+Also writes the run's result (`save_result`). Layout of ``checkpoints/step-N/``::
 
     shard-0000R-model-00001-of-00001.safetensors   DCP shards, one per rank (trainable weights and
                                                    optimizer state, keyed by parameter name)
@@ -277,3 +277,32 @@ def load_checkpoint(path: Path, strategy: Strategy, optimizer: Any) -> dict[str,
     else:
         log.warning("%s has no RNG state for rank %d; keeping this rank's seeded RNG", path, rank)
     return json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+
+
+def save_result(
+    run_dir: Path, strategy: Strategy, is_peft: bool, tokenizer: Any, preset: Any
+) -> Path:
+    """Write ``run_dir/final``: an HF model folder, or a peft adapter (+ ``final/merged``).
+
+    A collective for FSDP2 (the shards are gathered onto rank 0's CPU); rank 0 writes into
+    ``.final-tmp`` and renames it, so ``final/`` is never half written. Other ranks return at once.
+    """
+    from homelab_dp.train.model import merge_adapter, save_adapter, save_full_model
+
+    out, tmp = run_dir / "final", run_dir / ".final-tmp"
+    state_dict = None
+    if strategy.is_fsdp:
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=is_peft
+        )
+        state_dict = get_model_state_dict(strategy.model, options=options)
+    if dist.get_rank() != 0:
+        return out
+    shutil.rmtree(tmp, ignore_errors=True)
+    save = save_adapter if is_peft else save_full_model
+    save(strategy.inner, state_dict, tokenizer, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    if is_peft and preset.train.merge:
+        merge_adapter(preset, out, tokenizer, out / "merged")
+    return out

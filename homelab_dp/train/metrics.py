@@ -12,6 +12,8 @@ flushes every line because the controller tails the file. Types:
   samples_per_s, micro_batch, grad_accum, world_size, effective_batch, step_time_s,
   rank_step_times_s, peak_memory_bytes (one per rank), peak_memory_kind, tokens (cumulative,
   non-padding input tokens), samples (cumulative).
+- ``micro`` (only when grad_accum > 1): step (the optimizer step in progress, 1-based),
+  micro_step (1..grad_accum done), grad_accum — gradient-accumulation progress, no sync.
 - ``checkpoint``: step, path, seconds.
 - ``end``: reason (completed | stopped), loss, steps, seconds, final_path (null when stopped).
 - ``error``: message, rank, kind (exception class). Any rank may write it (a single O_APPEND

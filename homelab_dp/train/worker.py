@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -238,7 +237,12 @@ class Trainer:
         reason, step = self._loop()
         if step > 0:
             self._checkpoint(step)
-        final = self._save_result() if reason == "completed" else None
+        final = None
+        if reason == "completed":
+            from homelab_dp.train.checkpoint import save_result
+
+            final = save_result(self.run_dir, self.strategy, self.loaded.is_peft, self.tokenizer,
+                                self.preset)  # fmt: skip
         self.events.emit("end", reason=reason, final_loss=self.last_loss, steps=step,
                          seconds=time.time() - self.t_start,
                          final_path=str(final) if final else None)  # fmt: skip
@@ -354,30 +358,6 @@ class Trainer:
         path = save_checkpoint(self.run_dir / "checkpoints", step, self.strategy, self.optimizer,
                                state, keep=self.train.keep_checkpoints)  # fmt: skip
         self.events.emit("checkpoint", step=step, path=str(path), seconds=time.time() - t)
-
-    def _save_result(self) -> Path:
-        """``final/``: an HF model folder or a peft adapter (+ ``final/merged``), rank 0 writes."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from homelab_dp.train.model import merge_adapter, save_adapter, save_full_model
-
-        out, tmp = self.run_dir / "final", self.run_dir / ".final-tmp"
-        peft = self.loaded.is_peft
-        state_dict = None
-        if self.strategy.is_fsdp:  # a collective: gather the shards onto rank 0's CPU
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                       ignore_frozen_params=peft)  # fmt: skip
-            state_dict = get_model_state_dict(self.strategy.model, options=options)
-        if self.rank != 0:
-            return out
-        shutil.rmtree(tmp, ignore_errors=True)
-        save = save_adapter if peft else save_full_model
-        save(self.strategy.inner, state_dict, self.tokenizer, tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        if peft and self.train.merge:
-            merge_adapter(self.preset, out, self.tokenizer, out / "merged")
-        return out
 
 
 def main(argv: list[str] | None = None) -> int:
