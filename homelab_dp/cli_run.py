@@ -56,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     if not args.json:
         print(f"started {run_id} (Ctrl-C detaches; stop with: homelab-dp stop {run_id})")
-    return follow(controller, run_id, _mode(args))
+    return follow(controller, run_id, _mode(args), history_until=0)
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
@@ -68,16 +68,19 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from homelab_dp.run.follow import file_size
     from homelab_dp.watch import follow
 
     controller = _controller()
+    # Only what the resumed run writes is printed; earlier events are history.
+    history = file_size(controller.run_dir(args.run) / "events.jsonl")
     run_id = controller.resume(args.run, _multinode(args))
     if args.detach:
         print(
             json.dumps({"type": "detached", "run_id": run_id}) if args.json else f"resumed {run_id}"
         )
         return 0
-    return follow(controller, run_id, _mode(args))
+    return follow(controller, run_id, _mode(args), history_until=history)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

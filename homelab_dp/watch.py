@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from homelab_dp.core.events import RunView
 from homelab_dp.core.hardware import format_bytes
 from homelab_dp.run.controller import RunController
+from homelab_dp.run.follow import file_size
 from homelab_dp.run.state import ACTIVE, current_state
 
 POLL_S = 0.25
@@ -124,11 +125,26 @@ def render_live(v: RunView):
     return Panel(Group(*lines), title="homelab-dp", subtitle="Ctrl-C detaches; the run goes on")
 
 
-def follow(controller: RunController, run_id: str, mode: str, out: TextIO = sys.stdout) -> int:
-    """Follow ``run_id`` until it ends; ``mode`` is "live", "plain" or "json". Returns exit code."""
+def follow(
+    controller: RunController,
+    run_id: str,
+    mode: str,
+    out: TextIO = sys.stdout,
+    history_until: int | None = None,
+) -> int:
+    """Follow ``run_id`` until it ends; ``mode`` is "live", "plain" or "json". Returns exit code.
+
+    Events before byte ``history_until`` of events.jsonl (default: all there are now) are
+    history: folded into the view without being printed, so only what happens from now on is.
+    """
     run_dir = controller.run_dir(run_id)
     view = controller.new_view(run_dir)
     tail = controller.tail(run_id)
+    until = file_size(run_dir / "events.jsonl") if history_until is None else history_until
+    for event in tail.events.read(until):
+        view.apply(event)
+    if mode == "plain" and view.step:
+        sys.stderr.write(f"attached at step {view.step}/{view.total_steps}\n")
     printer = _Printer(mode, out, view)
     try:
         with printer:

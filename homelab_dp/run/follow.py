@@ -20,11 +20,12 @@ class JsonlTail:
         self.offset = start
         self._partial = b""
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self, until: int | None = None) -> list[dict[str, Any]]:
+        """New complete lines; with ``until``, only what lies before that byte offset."""
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self.offset)
-                chunk = fh.read()
+                chunk = fh.read() if until is None else fh.read(max(until - self.offset, 0))
         except FileNotFoundError:
             return []
         self.offset += len(chunk)
@@ -52,6 +53,7 @@ class RunTail:
         self.devices = JsonlTail(run_dir / "devices.jsonl") if devices else None
 
     def read(self) -> list[dict[str, Any]]:
+        """New events and samples since the last call."""
         out = self.events.read()
         if self.devices is not None:
             out += self.devices.read()
@@ -61,3 +63,11 @@ class RunTail:
 def read_all(path: Path) -> Iterator[dict[str, Any]]:
     """Every JSON line of a file (for `status` and replays)."""
     yield from JsonlTail(path).read()
+
+
+def file_size(path: Path) -> int:
+    """Bytes in a file so far (0 when it does not exist yet)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0

@@ -64,10 +64,10 @@ class Keeper:
 
     def request_stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         """Graceful stop: every worker gets SIGTERM; the ranks agree, checkpoint and exit."""
+        # The supervision loop sends each worker one SIGTERM: a second one could land while a
+        # rank is already shutting down with the default handler back in place.
         self.stop_requested = True
         update_state(self.run_dir, status="stopping", reason="stop requested")
-        for pid in self.worker_pids():
-            _signal(pid, signal.SIGTERM)
 
     # -------------------------------------------------------------- lifecycle
     def run(self) -> int:
@@ -86,14 +86,16 @@ class Keeper:
             pids={"agent": self.agent.pid, "monitor": self.monitor.pid},
         )
         recorded: list[int] = []
+        signalled: set[int] = set()
         while self.agent.poll() is None:
-            workers = self.worker_pids()
-            if workers and workers != recorded:
-                recorded = workers
-                update_state(self.run_dir, pids={"workers": workers})
-                if self.stop_requested:  # a stop that came before the workers existed
-                    for pid in workers:
-                        _signal(pid, signal.SIGTERM)
+            new = [p for p in self.worker_pids() if p not in recorded]
+            if new:  # record every worker ever seen; exited ones stay for the post-mortem
+                recorded += new
+                update_state(self.run_dir, pids={"workers": recorded})
+            if self.stop_requested:  # also reaches workers that appeared after the request
+                for pid in set(recorded) - signalled:
+                    _signal(pid, signal.SIGTERM)
+                signalled.update(recorded)
             time.sleep(0.2)
         rc = self.agent.returncode
         self._end_orphans(recorded)
@@ -132,6 +134,10 @@ class Keeper:
             return "completed", f"{ends[-1].get('steps', '?')} steps, result in final/"
         if rc == 0 and ends and ends[-1].get("reason") == "stopped":
             return "interrupted", "stopped by request; resume with `homelab-dp resume`"
+        if rc == 0 and not ends and int(self.multinode.get("nnodes") or 1) > 1:
+            # c10d hands out global ranks in joining order: rank 0 (events, checkpoints'
+            # metadata, the result) may live on another node's run folder.
+            return "completed", "this node's workers finished; rank 0 ran on another node"
         if errors:
             e = errors[-1]
             return "failed", f"rank {e.get('rank', '?')}: {e.get('message', 'error')}"
@@ -169,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         "master_addr": args.master_addr,
         "master_port": args.master_port,
     }
+    if args.nnodes > 1:  # every node names the rendezvous the same; run folders differ per node
+        multinode["rdzv_id"] = f"homelab-dp-{args.master_addr}-{args.master_port}"
     return Keeper(args.run_dir, multinode).run()
 
 

@@ -1,0 +1,216 @@
+"""The run controller end to end, through the real console script, torchrun and gloo on CPU.
+
+Detached runs, attach, killing the follower, graceful stop and resume, two runs at once, and a
+two-"node" run over loopback that must match a one-node run of the same world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from homelab_dp.run.state import alive_pids, read_state
+
+EXE = Path(sys.executable).with_name("homelab-dp")
+pytestmark = pytest.mark.slow
+
+
+def write_preset(
+    tmp: Path, model: Path, data: Path, *, steps: int, seq_len: int = 64, **train
+) -> Path:
+    """A small CPU preset for the integration model."""
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
+    path = tmp / f"p-{steps}-{seq_len}.toml"
+    path.write_text(
+        f"# homelab-dp run {path}\n"
+        f'[model]\npath = "{model}"\n'
+        f'[data]\npath = "{data}"\nseq_len = {seq_len}\n'
+        f'[train]\nmethod = "full"\ndistribution = "ddp"\nmicro_batch = 2\ngrad_accum = 2\n'
+        f"max_steps = {steps}\nlr = 1e-3\n{extra}"
+        f'[hardware]\ndevices = "cpu"\nnproc = 2\n'
+    )
+    return path
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(EXE), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def start_detached(env: dict[str, str], preset: Path, *extra: str) -> str:
+    out = cli(env, "run", str(preset), "--detach", "--json", *extra)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["run_id"]
+
+
+def wait_status(env: dict[str, str], run_id: str, statuses: set[str], timeout: float = 240) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        doc = json.loads(cli(env, "status", run_id, "--json").stdout)
+        if doc["status"] in statuses:
+            return doc
+        time.sleep(0.5)
+    raise AssertionError(f"{run_id} did not reach {statuses}: {doc}")
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    runs = tmp_path / "runs"
+    return {**os.environ, "HOMELAB_DP_RUNS": str(runs)}
+
+
+def test_two_detached_runs_at_once_complete_with_their_figures(
+    env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=6)
+    first = start_detached(env, preset)
+    second = start_detached(env, preset)
+    assert first != second
+    docs = [wait_status(env, r, {"completed", "failed"}) for r in (first, second)]
+    for doc in docs:
+        assert doc["status"] == "completed", doc["reason"]
+        assert (doc["step"], doc["total_steps"]) == (6, 6)
+        assert doc["loss"] > 0 and doc["tokens"] > 0 and doc["tokens_per_s"] > 0
+        assert len(doc["peak_memory_bytes"]) == 2 and doc["estimate_bytes"] > 0
+        assert Path(doc["final_path"], "model.safetensors").is_file()
+        assert not alive_pids(read_state(Path(doc["path"])))
+        assert stat.S_IMODE(os.stat(doc["path"]).st_mode) == 0o700
+    runs = json.loads(cli(env, "runs", "--json").stdout)
+    assert {r["run_id"] for r in runs} == {first, second}
+
+
+def test_attach_kill_follower_stop_and_resume(
+    env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=400, seq_len=64)
+    run_id = start_detached(env, preset)
+    follower = subprocess.Popen(
+        [str(EXE), "attach", run_id, "--json"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert follower.stdout is not None
+    kinds = []
+    for line in follower.stdout:  # attach receives the run's events as they come
+        kinds.append(json.loads(line)["type"])
+        if kinds[-1] == "step":
+            break
+    assert "step" in kinds
+    follower.kill()  # the follower dies; the run does not
+    follower.wait()
+    time.sleep(1.0)
+    assert json.loads(cli(env, "status", run_id, "--json").stdout)["status"] == "running"
+
+    stopped = cli(env, "stop", run_id)
+    assert stopped.returncode == 0, stopped.stderr
+    doc = json.loads(cli(env, "status", run_id, "--json").stdout)
+    assert doc["status"] == "interrupted" and doc["step"] < 400
+    run_dir = Path(doc["path"])
+    assert not alive_pids(read_state(run_dir))
+    complete = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file()]
+    assert complete, "a graceful stop leaves a complete checkpoint"
+
+    resumed = cli(env, "resume", run_id, "--json", timeout=400)
+    assert resumed.returncode == 0, resumed.stderr
+    events = [json.loads(line) for line in resumed.stdout.splitlines()]
+    steps = [e["step"] for e in events if e["type"] == "step"]
+    assert steps and steps[0] == doc["step"] + 1 and steps[-1] == 400
+    final = json.loads(cli(env, "status", run_id, "--json").stdout)
+    assert final["status"] == "completed" and final["attempt"] == 2
+
+    again = cli(env, "resume", run_id)
+    assert again.returncode == 2 and "already completed" in again.stderr
+
+
+def test_two_nodes_over_loopback_match_one_node(
+    env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=5)
+    one = start_detached(env, preset)
+    port = _free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                str(EXE),
+                "run",
+                str(preset),
+                "--json",
+                "--gpus",
+                "cpu:1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1] for o in outs]
+    # c10d assigns global ranks in joining order: rank 0's folder has the events and result.
+    events = [json.loads(line) for out, _ in outs for line in out.splitlines()]
+    start = next(e for e in events if e["type"] == "start")
+    assert start["world_size"] == 2
+    runs = Path(env["HOMELAB_DP_RUNS"])
+    two_node_ids = {e["run_id"] for e in events if e.get("run_id")}
+    assert len(two_node_ids) == 2
+    holder = [r for r in two_node_ids if (runs / r / "final" / "model.safetensors").is_file()]
+    assert len(holder) == 1
+    single = wait_status(env, one, {"completed", "failed"})
+    assert single["status"] == "completed"
+    a = load_file(str(runs / one / "final" / "model.safetensors"))
+    b = load_file(str(runs / holder[0] / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] == b[name]).all(), name
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stop_and_attach_of_unknown_runs(env: dict[str, str]) -> None:
+    for cmd in ("stop", "attach", "status", "resume"):
+        out = cli(env, cmd, "no-such-run")
+        assert out.returncode == 2 and "no such run" in out.stderr and "hint:" in out.stderr
+
+
+def test_sigint_to_the_follower_detaches(
+    env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=300)
+    proc = subprocess.Popen(
+        [str(EXE), "run", str(preset)], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    run_id = first.split()[1]
+    for line in proc.stdout:  # plain mode (not a terminal): one line per logged step
+        if " step " in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and f"homelab-dp attach {run_id}" in err
+    assert json.loads(cli(env, "status", run_id, "--json").stdout)["status"] == "running"
+    assert cli(env, "stop", run_id).returncode == 0
