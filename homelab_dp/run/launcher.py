@@ -3,7 +3,8 @@
 Single node: the c10d rendezvous is bound to 127.0.0.1 on a free port, and gloo / NCCL's socket
 bootstrap are told to use the loopback interface. (torch's TCPStore itself still listens on all
 interfaces; that is torch's choice, not configurable.) Multi-node: the same worker over c10d at
-``master_addr:master_port``.
+``master_addr:master_port``; checkpoints and resume then need the run folder on a filesystem
+every node shares (training and the result on node 0 work without one).
 
 torchrun runs in a new session with its output in ``RUN_DIR/logs/launcher.log`` (never a pipe to
 the parent: a dead parent must not kill training); each rank's stdout/stderr are also written
@@ -44,18 +45,21 @@ def torchrun_command(
 ) -> list[str]:
     """The argv that starts ``nproc_per_node`` workers of ``run_dir`` under torchrun.
 
-    Multi-node: every node passes the same ``master_addr:master_port`` and ``rdzv_id`` (default:
-    the run folder's name, so name the run the same on every node).
+    ``rdzv_id`` names the rendezvous: by default the run folder's name on a single node, and
+    ``homelab-dp-<master_addr>-<master_port>`` on several nodes, so that nodes whose run folders
+    are named differently still meet.
     """
     run_dir = Path(run_dir).absolute()
     if nnodes == 1:
         endpoint = f"127.0.0.1:{master_port or free_port()}"
         local = ["--local-addr", "127.0.0.1"]
+        rdzv_id = rdzv_id or run_dir.name
     else:
         if master_port is None:
             raise ValueError("multi-node runs need master_port (the same on every node)")
         endpoint = f"{master_addr}:{master_port}"
         local = []
+        rdzv_id = rdzv_id or f"homelab-dp-{master_addr}-{master_port}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}",
@@ -63,7 +67,7 @@ def torchrun_command(
         f"--node-rank={node_rank}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={rdzv_id or run_dir.name}",
+        f"--rdzv-id={rdzv_id}",
         *local,
         "--max-restarts=0",
         "--log-dir", str(run_dir / "logs"),

@@ -171,10 +171,15 @@ def save_checkpoint(
         dist.barrier()
         return final
     tmp = root / f".tmp-step-{step}"
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: leftovers of a crash
+        for stale in root.glob(".tmp-step-*"):
+            if stale != tmp:
+                shutil.rmtree(stale, ignore_errors=True)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    tmp.mkdir(parents=True, exist_ok=True)  # nodes without a shared run folder need their own
     state, _ = _collect(strategy, optimizer)
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
     write_json_atomic(tmp / f"rng-rank-{rank}.json", _rng_state())

@@ -182,6 +182,7 @@ class Trainer:
         if not self.resume:
             return
         path = find_latest(self.run_dir / "checkpoints")
+        self._agree_on_checkpoint(path)
         if path is None:
             log.warning("no complete checkpoint in %s: starting from step 0", self.run_dir)
             return
@@ -200,6 +201,22 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.resumed_from = str(path)
         log.info("resumed from %s at step %d", path, self.start_step)
+
+    def _agree_on_checkpoint(self, path: Path | None) -> None:
+        """Every rank must resume from the same step (it differs when nodes share no folder)."""
+        import torch
+        import torch.distributed as dist
+
+        from homelab_dp.errors import RunStateError
+
+        mine = int(path.name.split("-")[1]) if path else -1
+        seen = torch.tensor([mine, -mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        if int(seen[0]) != -int(seen[1]):
+            raise RunStateError(
+                f"ranks see different newest checkpoints (steps {-int(seen[1])}..{int(seen[0])})",
+                hint="multi-node resume needs the run folder on a filesystem every node shares",
+            )
 
     def _start_event(self) -> None:
         import torch

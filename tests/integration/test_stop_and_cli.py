@@ -78,3 +78,30 @@ def test_torchrun_command_single_node_is_loopback(tmp_path: Path) -> None:
                              master_port=29500, resume=True)  # fmt: skip
     assert "--rdzv-endpoint=10.0.0.2:29500" in multi and "--node-rank=1" in multi
     assert multi[-1] == "--resume"
+
+
+@pytest.mark.slow
+def test_two_nodes_over_loopback(tiny_model: Path, data_dir: Path, tmp_path: Path) -> None:
+    """Two launches as two "nodes" (one process each, own run folders, as two machines would
+    have) meet over c10d on loopback and train as world size 2; checkpoints on the node without
+    rank 0 do not fail the run."""
+    from homelab_dp.run.launcher import free_port
+
+    data = data_dir / "ragged-16.jsonl"
+    train = {"checkpoint_every": 1}
+    dirs = [make_run(tmp_path, tiny_model, data, name=f"node{r}", train=train) for r in (0, 1)]
+    port = free_port()
+    procs = [launch(d, 1, nnodes=2, node_rank=r, master_addr="127.0.0.1", master_port=port)
+             for r, d in enumerate(dirs)]  # fmt: skip
+    try:
+        rcs = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert rcs == [0, 0], (dirs[1] / "logs" / "launcher.log").read_text()[-4000:]
+    start = events(dirs[0], "start")[0]
+    assert start["world_size"] == 2 and len(start["pids"]) == 2
+    assert events(dirs[0], "end")[-1]["reason"] == "completed"
+    assert (dirs[0] / "final" / "model.safetensors").exists()
+    assert events(dirs[1]) == []  # rank 0 writes the events
