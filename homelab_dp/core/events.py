@@ -18,6 +18,39 @@ STRAGGLER_STEPS = 3
 """…for this many logged steps in a row."""
 
 
+class StragglerDetector:
+    """Flags ranks whose step time stays over STRAGGLER_RATIO × the median of all ranks.
+
+    Used by rank 0 of the worker (which writes a `straggler` event when a rank is first
+    flagged) and by every follower (which shows the warning).
+    """
+
+    def __init__(self) -> None:
+        self.streak: dict[int, int] = {}
+        self.flagged: dict[int, str] = {}
+        """rank → warning text."""
+
+    def update(self, step_times: list[float]) -> list[int]:
+        """Feed one logged step's per-rank step times; return the ranks newly flagged."""
+        if len(step_times) < 2:
+            return []
+        median = statistics.median(step_times)
+        newly = []
+        for rank, t in enumerate(step_times):
+            slow = median > 0 and t > STRAGGLER_RATIO * median
+            self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
+            if self.streak[rank] >= STRAGGLER_STEPS:
+                if rank not in self.flagged:
+                    newly.append(rank)
+                self.flagged[rank] = (
+                    f"rank {rank} is {100 * (t / median - 1):.0f}% slower than the median "
+                    f"for {self.streak[rank]} steps: every rank waits for it"
+                )
+            elif not slow:
+                self.flagged.pop(rank, None)
+        return newly
+
+
 @dataclass
 class DeviceView:
     """The latest sample of one GPU or CPU rank."""
@@ -77,7 +110,7 @@ class RunView:
     final_path: str | None = None
     stragglers: dict[int, str] = field(default_factory=dict)
     """rank → warning text, for ranks slow for STRAGGLER_STEPS logged steps in a row."""
-    _slow_streak: dict[int, int] = field(default_factory=dict)
+    _detector: StragglerDetector = field(default_factory=lambda: StragglerDetector())
     events_seen: int = 0
 
     # ------------------------------------------------------------------ derived figures
@@ -161,20 +194,8 @@ class RunView:
         self._check_stragglers()
 
     def _check_stragglers(self) -> None:
-        times = self.rank_step_times_s
-        if len(times) < 2:
-            return
-        median = statistics.median(times)
-        for rank, t in enumerate(times):
-            slow = median > 0 and t > STRAGGLER_RATIO * median
-            self._slow_streak[rank] = self._slow_streak.get(rank, 0) + 1 if slow else 0
-            if self._slow_streak[rank] >= STRAGGLER_STEPS:
-                self.stragglers[rank] = (
-                    f"rank {rank} is {100 * (t / median - 1):.0f}% slower than the median "
-                    f"for {self._slow_streak[rank]} steps: every rank waits for it"
-                )
-            elif not slow:
-                self.stragglers.pop(rank, None)
+        self._detector.update(self.rank_step_times_s)
+        self.stragglers = dict(self._detector.flagged)
 
     def _on_straggler(self, e: dict[str, Any]) -> None:
         self.stragglers[int(e["rank"])] = str(e.get("message", "slow rank"))

@@ -103,3 +103,15 @@ def test_unknown_and_error_events() -> None:
     v.apply({"type": "something-new", "time": 5})
     v.apply({"type": "error", "message": "CUDA out of memory", "rank": 1})
     assert v.status == "failed" and v.error == "CUDA out of memory" and v.events_seen == 2
+
+
+def test_straggler_detector_reports_each_rank_once_per_episode() -> None:
+    from homelab_dp.core.events import StragglerDetector
+
+    d = StragglerDetector()
+    slow = [1.0, 1.0, 1.3]
+    assert [d.update(slow) for _ in range(STRAGGLER_STEPS)][-1] == [2]
+    assert d.update(slow) == []  # still slow: already reported
+    d.update([1.0, 1.0, 1.0])  # recovered
+    assert d.flagged == {}
+    assert [d.update(slow) for _ in range(STRAGGLER_STEPS)][-1] == [2]
