@@ -106,6 +106,13 @@ class TrainSection:
     """Write a step event every N optimizer steps."""
     merge: bool = False
     """LoRA/QLoRA: also write the adapter merged into the base model (final/merged)."""
+    watchdog_s: int = 600
+    """Seconds without progress (no rank starting a micro-step, a checkpoint or the result)
+    before the run's keeper ends it as stalled, naming the rank; 0 turns the watchdog off.
+    Keep it above your slowest micro-step and checkpoint write."""
+    collective_timeout_s: int = 0
+    """Seconds a collective (all-reduce, barrier) waits for the other ranks before it fails the
+    run; 0: 60 on the CPU, 600 on CUDA."""
 
 
 @dataclass
@@ -190,6 +197,8 @@ _NON_NEGATIVE = {
     "train.weight_decay",
     "train.max_grad_norm",
     "train.reference_batch",
+    "train.watchdog_s",
+    "train.collective_timeout_s",
     "cost.per_kwh",
     "lora.dropout",
     "train.min_lr_ratio",
