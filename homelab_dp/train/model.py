@@ -93,6 +93,9 @@ def load_model(preset: Preset, resolved: Resolved, device: torch.device) -> Load
     if method != "qlora":
         model.to(device)
     model.config.use_cache = False  # no KV cache while training
+    # from_pretrained returns the model in eval mode, where dropout is off and transformers
+    # silently skips activation checkpointing (it recomputes only while training).
+    model.train()
     ac = resolved.activation_checkpointing
     if method == "qlora":
         from peft import prepare_model_for_kbit_training

@@ -246,12 +246,22 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         """Set up, train to the end or to a stop, checkpoint, save the result."""
+        from homelab_dp.train.memtrack import WorkerMemory
+
         self._init_distributed()
         self._load_data()
+        self.memory = WorkerMemory(self.spec, self.device, self.total_steps)
+        self.memory.before_build()
         self._build()
+        self.memory.after_build(self.strategy.inner, self.optimizer)
         self._maybe_resume()
         self._start_event()
         reason, step = self._loop()
+        if self.memory.measuring:  # `homelab-dp measure`: figures only, no checkpoint or result
+            self.memory.report(self.events, mode="measure")
+            self.events.emit("end", reason="measured", final_loss=self.last_loss, steps=step,
+                             seconds=time.time() - self.t_start, final_path=None)  # fmt: skip
+            return EXIT_OK
         if step > 0:
             self._checkpoint(step)
         final = None
@@ -268,7 +278,6 @@ class Trainer:
     def _loop(self) -> tuple[str, int]:
         import torch
         import torch.distributed as dist
-        import torch.nn.functional as F
 
         from homelab_dp.train.strategy import rank_slices
 
@@ -277,6 +286,7 @@ class Trainer:
         while step < self.total_steps:
             t0 = time.perf_counter()
             wall0 = time.time()
+            probe = self.memory.begin_step(step, self.strategy, self.optimizer)  # None mostly
             micro_idx = [
                 torch.tensor(self.order.blocks(s.start, len(s)))
                 for s in rank_slices(step, self.micro, self.world, self.accum, self.rank)
@@ -297,26 +307,17 @@ class Trainer:
             loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
             for k, idx in enumerate(micro_idx):
                 with self.strategy.accumulate(final=k == self.accum - 1):
-                    with self.autocast():
-                        logits = self.strategy.model(
-                            input_ids=self.input_ids[idx].to(dev),
-                            attention_mask=self.mask[idx].to(dev),
-                            use_cache=False,
-                        ).logits
-                    token_loss = F.cross_entropy(
-                        logits.to(self.loss_dtype).flatten(0, 1),
-                        self.labels[idx].to(dev).flatten(),
-                        ignore_index=-100,
-                        reduction="sum",
-                    )
-                    scaled = token_loss * scale
-                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-                loss_sum += token_loss.detach()
+                    loss_sum += micro_step(
+                        self.strategy, self.input_ids[idx].to(dev), self.mask[idx].to(dev),
+                        self.labels[idx].to(dev), scale, autocast=self.autocast,
+                        loss_dtype=self.loss_dtype, scaler=self.scaler, probe=probe,
+                    )  # fmt: skip
                 if self.accum > 1 and self.rank == 0:
                     self.events.emit("micro", step=step + 1, micro_step=k + 1,
                                      grad_accum=self.accum)  # fmt: skip
             lr = self.optimizer.param_groups[0]["lr"]
             grad_norm = self._optimizer_step()
+            self.memory.end_step(step, self.events)
             step += 1
             self.tokens += int(tokens)
             if step % self.train.log_every == 0 or step == self.total_steps:
@@ -346,17 +347,8 @@ class Trainer:
         return "completed", step
 
     def _optimizer_step(self) -> Any:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = self.strategy.clip_grad_norm(self.train.max_grad_norm)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return optimizer_step(self.strategy, self.optimizer, self.scheduler, self.scaler,
+                              self.train.max_grad_norm)  # fmt: skip
 
     # ------------------------------------------------------------------ outputs
     def _checkpoint(self, step: int) -> None:
@@ -375,6 +367,50 @@ class Trainer:
         path = save_checkpoint(self.run_dir / "checkpoints", step, self.strategy, self.optimizer,
                                state, keep=self.train.keep_checkpoints)  # fmt: skip
         self.events.emit("checkpoint", step=step, path=str(path), seconds=time.time() - t)
+
+
+def micro_step(
+    strategy: Any, input_ids: Any, mask: Any, labels: Any, scale: float, *, autocast: Any,
+    loss_dtype: Any, scaler: Any = None, probe: Any = None,
+) -> Any:  # fmt: skip
+    """Forward, loss and backward of one micro-batch; returns the detached sum of token losses.
+
+    The loss is the sum of token cross-entropies times ``scale`` (world / global target tokens).
+    The logits are not kept past the loss: autograd saved what backward needs, and holding them
+    would keep one more batch × seq_len × vocab tensor alive through the backward pass.
+    ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
+    """
+    import torch.nn.functional as F
+
+    with autocast():
+        logits = strategy.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+    token_loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), labels.flatten(),
+                                 ignore_index=-100, reduction="sum")  # fmt: skip
+    del logits
+    if probe is not None:
+        probe.mark("forward")
+    scaled = token_loss * scale
+    (scaler.scale(scaled) if scaler else scaled).backward()
+    if probe is not None:
+        probe.mark("backward")
+    return token_loss.detach()
+
+
+def optimizer_step(
+    strategy: Any, optimizer: Any, scheduler: Any, scaler: Any, max_grad_norm: float
+) -> Any:
+    """Unscale (fp16), clip, update, advance the schedule, free the gradients; the grad norm."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = strategy.clip_grad_norm(max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def main(argv: list[str] | None = None) -> int:
