@@ -47,7 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         force=args.force,
         nnodes=multinode.nnodes,
     )
-    run_id = controller.start(prepared, multinode)
+    run_id = controller.start(prepared, multinode, auto_fit=args.auto_fit)
     if args.detach:
         if args.json:
             print(json.dumps({"type": "detached", "run_id": run_id}))
@@ -163,6 +163,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="events as JSON lines")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--force", action="store_true", help="start even if the plan does not fit")
+    p.add_argument(
+        "--auto-fit",
+        action="store_true",
+        help="fit the micro-batch to memory; after an out-of-memory error, resume with a smaller "
+        "micro-batch and more accumulation (same effective batch) by itself",
+    )
     _add_multinode(p)
     p.set_defaults(func=cmd_run)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ from homelab_dp.run.state import (
 )
 
 STOP_TIMEOUT_S = 120.0
+MAX_OOM_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -145,15 +147,26 @@ class RunController:
         return Prepared(preset, planned, resolved, blocks)
 
     # ------------------------------------------------------------------ starting
-    def start(self, prepared: Prepared, multinode: MultiNode | None = None) -> str:
-        """Create the run folder and start its keeper in the background; return the run id."""
+    def start(
+        self, prepared: Prepared, multinode: MultiNode | None = None, *, auto_fit: bool = False
+    ) -> str:
+        """Create the run folder and start its keeper in the background; return the run id.
+
+        ``auto_fit``: when a rank runs out of memory, the keeper resumes the run with the
+        worker's proposal (smaller micro-batch, more accumulation, same effective batch; or
+        activation checkpointing) by itself, up to `MAX_OOM_RETRIES` times.
+        """
         multinode = multinode or MultiNode()
+        check_port(multinode)
         name = Path(prepared.preset.source).stem if prepared.preset.source else "run"
         run_id = new_run_id(name)
         spec = make_spec(prepared.preset, prepared.resolved, run_id, prepared.plan.to_json())
         spec["gpu_indices"] = list(prepared.planned.hardware.indices)
         spec["nproc_per_node"] = prepared.resolved.world_size // multinode.nnodes
         spec["blocks"] = prepared.blocks
+        spec["auto_fit"] = auto_fit
+        if prepared.preset.train.collective_timeout_s:  # the worker's default otherwise
+            spec["collective_timeout_s"] = prepared.preset.train.collective_timeout_s
         run_dir = create_run_dir(spec, self.root)
         update_state(run_dir, status="starting", run_id=run_id, created=time.time(), attempt=1)
         append_event(run_dir, {"type": "state", "status": "starting", "run_id": run_id})
@@ -309,6 +322,48 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
         "exit_code": state.get("exit_code"),
         "attempt": state.get("attempt"),
     }
+
+
+def check_port(multinode: MultiNode) -> None:
+    """A single-node run given ``--master-port`` needs it free: say so before anything starts."""
+    if multinode.nnodes != 1 or not multinode.master_port:
+        return
+    port = multinode.master_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise HomelabError(
+                f"--master-port {port}: 127.0.0.1:{port} is already in use ({exc.strerror})",
+                hint="leave out --master-port (a single-node run takes a free port by itself) "
+                "or choose another port",
+            ) from None
+
+
+def apply_oom_proposal(run_dir: Path, failure: dict[str, Any]) -> str | None:
+    """Rewrite a run's spec with an out-of-memory proposal, ready to resume; None if there is none.
+
+    The effective batch is unchanged, so the resumed run continues exactly from its last
+    checkpoint. Returns a one-line description of the change.
+    """
+    proposal = failure.get("proposal") if failure.get("kind") == "oom" else None
+    if not proposal:
+        return None
+    spec = read_spec(run_dir)
+    resolved, train = spec["resolved"], spec["preset"]["train"]
+    before = (resolved["micro_batch"], resolved["grad_accum"], resolved["activation_checkpointing"])
+    for key in ("micro_batch", "grad_accum", "activation_checkpointing"):
+        resolved[key] = train[key] = proposal[key]
+    after = (resolved["micro_batch"], resolved["grad_accum"], resolved["activation_checkpointing"])
+    if after == before:
+        return None
+    spec["resume"] = True
+    spec.setdefault("retries", []).append({"time": time.time(), "from": before, "to": after})
+    write_json_atomic(run_dir / "spec.json", spec)
+    ac = ", activation checkpointing on" if after[2] and not before[2] else ""
+    effective = after[0] * resolved["world_size"] * after[1]
+    return (f"out of memory: retrying with micro-batch {after[0]} × accumulation {after[1]}"
+            f"{ac} (same effective batch {effective})")  # fmt: skip
 
 
 def make_controller(root: Path | None = None) -> RunController:

@@ -3,8 +3,19 @@
 ``python -m homelab_dp.run.keeper RUN_DIR`` is started by the controller in a new session with
 its output in ``logs/keeper.log`` (never a pipe to a terminal). It starts torchrun and the
 device monitor, records every pid in ``state.json``, forwards a graceful stop to the workers,
-waits for torchrun, and writes the final status with the reason. When the torchrun agent dies
-(even by SIGKILL) its workers are not left running as orphans: the keeper ends them.
+waits for torchrun, and writes the final status with the reason. It guarantees three things:
+
+- **No orphans.** When the torchrun agent dies (even by SIGKILL) its workers — which run in
+  sessions of their own — are stopped gracefully (they checkpoint), then killed after a grace
+  period. (The workers also notice by themselves: `homelab_dp.train.guard`.)
+- **No hang.** A watchdog (`homelab_dp.run.watchdog`, limit ``train.watchdog_s``) ends a run
+  whose ranks all stopped making progress, naming the rank that stalled. A rank that dies is
+  seen by torchrun at once, and its peers' collectives fail on the closed connection or after
+  ``train.collective_timeout_s``.
+- **The true reason.** The final status names the root cause, not its echo: the rank torchrun
+  saw fail first and its signal, an out-of-memory proposal, or the stall — never the
+  "connection reset" of the ranks that were left waiting. Only this launch's events and log
+  lines count (a resumed run appends to the same files).
 """
 
 from __future__ import annotations
@@ -12,6 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,12 +35,30 @@ from typing import Any
 import psutil
 
 from homelab_dp.run import launcher
-from homelab_dp.run.follow import read_all
+from homelab_dp.run.follow import JsonlTail
 from homelab_dp.run.rundir import append_event, read_spec
-from homelab_dp.run.state import diagnose_failure, pid_alive, read_state, update_state
+from homelab_dp.run.state import (
+    diagnose_failure,
+    pid_alive,
+    read_log_since,
+    read_state,
+    torchrun_root_cause,
+    update_state,
+)
+from homelab_dp.run.watchdog import Stall, Watchdog, heartbeat_dir
 
 WORKER_GRACE_S = 20.0
 """How long orphaned workers get to exit after SIGTERM before SIGKILL."""
+AGENT_GRACE_S = 15.0
+"""How long torchrun gets to exit after the watchdog killed its stalled workers."""
+DEFAULT_WATCHDOG_S = 600.0
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 class Keeper:
@@ -40,6 +71,15 @@ class Keeper:
         self.agent: subprocess.Popen | None = None
         self.monitor: subprocess.Popen | None = None
         self.stop_requested = False
+        self.stall: Stall | None = None
+        self.orphans: list[int] = []
+        self.exit_code: int | None = None
+        # This launch's part of the append-only files (a resume appends to the same ones).
+        self.events = JsonlTail(run_dir / "events.jsonl", _file_size(run_dir / "events.jsonl"))
+        self.log_from = _file_size(run_dir / "logs" / "launcher.log")
+        train = (self.spec.get("preset") or {}).get("train") or {}
+        self.watchdog = Watchdog(run_dir, float(train.get("watchdog_s", DEFAULT_WATCHDOG_S)))
+        self.attempt_events: list[dict[str, Any]] = []
 
     # -------------------------------------------------------------- processes
     def _start_monitor(self) -> subprocess.Popen:
@@ -71,12 +111,18 @@ class Keeper:
 
     # -------------------------------------------------------------- lifecycle
     def run(self) -> int:
+        """Launch, supervise, and write the final state; the keeper's exit code."""
+        return self.finish(*self.launch_and_wait())
+
+    def launch_and_wait(self) -> tuple[str, str, dict[str, Any] | None]:
+        """Start torchrun and the monitor, supervise until torchrun exits; the verdict."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         resolved = self.spec["resolved"]
         nproc = int(self.spec.get("nproc_per_node") or resolved["world_size"])
         if self.spec.get("gpu_indices"):
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.spec["gpu_indices"]))
+        shutil.rmtree(heartbeat_dir(self.run_dir), ignore_errors=True)  # an earlier launch's
         update_state(self.run_dir, status="starting", pids={"keeper": os.getpid()})
         self.agent = launcher.launch(self.run_dir, nproc, **self.multinode)
         self.monitor = self._start_monitor()
@@ -85,29 +131,71 @@ class Keeper:
             status="running",
             pids={"agent": self.agent.pid, "monitor": self.monitor.pid},
         )
+        recorded = self._supervise()
+        rc = self.agent.returncode
+        self.orphans = [p for p in recorded if pid_alive(p)]
+        self._end_orphans(self.orphans)
+        self._stop_monitor()
+        self.exit_code = rc
+        return self.final_status(rc)
+
+    def finish(self, status: str, reason: str, failure: dict[str, Any] | None) -> int:
+        """Write the final state and event of the run."""
+        rc = self.exit_code
+        update_state(
+            self.run_dir,
+            status=status,
+            reason=reason,
+            exit_code=rc,
+            ended=time.time(),
+            failure=failure,
+        )
+        append_event(self.run_dir, {"type": "state", "status": status, "reason": reason})
+        return 0 if status in ("completed", "interrupted") else 1
+
+    def _supervise(self) -> list[int]:
+        """Poll until torchrun exits: record workers, forward a stop, run the watchdog."""
+        assert self.agent is not None
         recorded: list[int] = []
         signalled: set[int] = set()
+        killed_at: float | None = None
         while self.agent.poll() is None:
             new = [p for p in self.worker_pids() if p not in recorded]
             if new:  # record every worker ever seen; exited ones stay for the post-mortem
                 recorded += new
                 update_state(self.run_dir, pids={"workers": recorded})
-            if self.stop_requested:  # also reaches workers that appeared after the request
+            if self.stop_requested and self.stall is None:  # also reaches late workers
                 for pid in set(recorded) - signalled:
                     _signal(pid, signal.SIGTERM)
                 signalled.update(recorded)
+            if self.stall is None:
+                stall = self.watchdog.check()
+                if stall is not None:
+                    self._end_stalled(stall, recorded)
+                    killed_at = time.monotonic()
+            elif killed_at is not None and time.monotonic() - killed_at > AGENT_GRACE_S:
+                self.agent.kill()  # torchrun itself is stuck: nothing else will end it
             time.sleep(0.2)
-        rc = self.agent.returncode
-        self._end_orphans(recorded)
-        self._stop_monitor()
-        status, reason = self.final_status(rc)
-        update_state(self.run_dir, status=status, reason=reason, exit_code=rc, ended=time.time())
-        append_event(self.run_dir, {"type": "state", "status": status, "reason": reason})
-        return 0 if status in ("completed", "interrupted") else 1
+        return recorded
 
-    def _end_orphans(self, workers: list[int]) -> None:
+    def _end_stalled(self, stall: Stall, workers: list[int]) -> None:
+        """A stalled run cannot stop gracefully (that needs every rank): kill its workers."""
+        self.stall = stall
+        update_state(self.run_dir, status="stopping", reason=f"stalled: {stall.message}")
+        append_event(
+            self.run_dir,
+            {
+                "type": "error",
+                "kind": "Stall",
+                "rank": stall.rank,
+                "message": f"stalled: {stall.message}",
+            },
+        )
+        for pid in workers:  # SIGKILL also ends a stopped (SIGSTOP) process; SIGTERM would wait
+            _signal(pid, signal.SIGKILL)
+
+    def _end_orphans(self, alive: list[int]) -> None:
         """Workers still alive after the agent is gone (agent killed): stop them, then kill."""
-        alive = [p for p in workers if pid_alive(p)]
         for pid in alive:
             _signal(pid, signal.SIGTERM)
         deadline = time.time() + WORKER_GRACE_S
@@ -126,25 +214,123 @@ class Keeper:
                 self.monitor.kill()
                 self.monitor.wait()
 
-    def final_status(self, rc: int | None) -> tuple[str, str]:
-        """(status, reason) from the worker's end event, torchrun's exit code and error files."""
-        ends = [e for e in read_all(self.run_dir / "events.jsonl") if e.get("type") == "end"]
-        errors = [e for e in read_all(self.run_dir / "events.jsonl") if e.get("type") == "error"]
-        if rc == 0 and ends and ends[-1].get("reason") == "completed":
-            return "completed", f"{ends[-1].get('steps', '?')} steps, result in final/"
-        if rc == 0 and ends and ends[-1].get("reason") == "stopped":
-            return "interrupted", "stopped by request; resume with `homelab-dp resume`"
+    # -------------------------------------------------------------- verdict
+    def final_status(self, rc: int | None) -> tuple[str, str, dict[str, Any] | None]:
+        """(status, reason, failure details) of this launch; see the module docstring."""
+        self.attempt_events += self.events.read()
+        ends = [e for e in self.attempt_events if e.get("type") == "end"]
+        errors = [e for e in self.attempt_events if e.get("type") == "error"]
+        log_text = read_log_since(self.run_dir / "logs" / "launcher.log", self.log_from)
+        agent_sig = _signal_name(-rc) if rc is not None and rc < 0 else None
+        if self.stall is not None:
+            s = self.stall
+            return (
+                "failed",
+                f"stalled: {s.message}; the watchdog ended the run",
+                {
+                    "kind": "stall",
+                    "rank": s.rank,
+                    "pid": s.pid,
+                    "step": s.step,
+                    "idle_s": round(s.idle_s, 1),
+                },
+            )
+        end = ends[-1] if ends else None
+        if end and end.get("reason") == "completed" and rc == 0:
+            return "completed", f"{end.get('steps', '?')} steps, result in final/", None
+        if end and end.get("reason") == "stopped" and not errors:
+            at = f"stopped at step {end.get('steps')} with a checkpoint"
+            if agent_sig and not self.stop_requested:
+                return (
+                    "failed",
+                    f"the torchrun agent was killed by {agent_sig}; the keeper "
+                    f"stopped its workers ({at}); resume with `homelab-dp resume`",
+                    {"kind": "agent", "signal": agent_sig, "orphans": self.orphans},
+                )
+            return (
+                "interrupted",
+                f"{self._stop_cause(log_text)}: {at}; resume with `homelab-dp resume`",
+                None,
+            )
         if rc == 0 and not ends and int(self.multinode.get("nnodes") or 1) > 1:
             # c10d hands out global ranks in joining order: rank 0 (events, checkpoints'
             # metadata, the result) may live on another node's run folder.
-            return "completed", "this node's workers finished; rank 0 ran on another node"
-        if errors:
-            e = errors[-1]
-            return "failed", f"rank {e.get('rank', '?')}: {e.get('message', 'error')}"
-        diagnosis = diagnose_failure(self.run_dir)
-        if rc is not None and rc < 0:
-            return "failed", f"torchrun agent killed by signal {signal.Signals(-rc).name}"
-        return "failed", diagnosis or f"torchrun exited with code {rc}"
+            return "completed", "this node's workers finished; rank 0 ran on another node", None
+        return self._failure(rc, errors, log_text, agent_sig)
+
+    def _stop_cause(self, log_text: str) -> str:
+        if self.stop_requested:
+            return "stopped by request"
+        received = re.findall(r"Received (\d+) death signal", log_text)
+        if received:
+            return f"the torchrun agent received {_signal_name(int(received[-1]))}"
+        return "stopped"
+
+    def _failure(
+        self, rc: int | None, errors: list[dict[str, Any]], log_text: str, agent_sig: str | None
+    ) -> tuple[str, str, dict[str, Any] | None]:
+        root = torchrun_root_cause(log_text)
+        oom = [e for e in errors if e.get("kind") == "OutOfMemoryError"]
+        if oom:  # the rank that ran out of memory, with its proposal; its peers only echo it
+            e = oom[0]
+            return (
+                "failed",
+                f"rank {e.get('rank', '?')}: {e.get('message')}",
+                {
+                    "kind": "oom",
+                    "rank": e.get("rank"),
+                    "proposal": e.get("proposal"),
+                    "hint": e.get("hint"),
+                },
+            )
+        if root is not None and root.signal:
+            return (
+                "failed",
+                root.describe(),
+                {"kind": "signal", "rank": root.rank, "pid": root.pid, "signal": root.signal},
+            )
+        if errors:  # the root-cause rank's own error event, else the first one
+            mine = [e for e in errors if root is not None and e.get("rank") == root.rank]
+            e = (mine or errors)[0]
+            return (
+                "failed",
+                f"rank {e.get('rank', '?')}: {e.get('message', 'error')}",
+                {
+                    "kind": "error",
+                    "rank": e.get("rank"),
+                    "error": e.get("kind"),
+                    "hint": e.get("hint"),
+                },
+            )
+        if root is not None:
+            return (
+                "failed",
+                root.describe(),
+                {"kind": "exit", "rank": root.rank, "exitcode": root.exitcode},
+            )
+        if agent_sig:
+            return (
+                "failed",
+                f"the torchrun agent was killed by {agent_sig}",
+                {"kind": "agent", "signal": agent_sig, "orphans": self.orphans},
+            )
+        if "address already in use" in log_text:
+            port = re.search(r"(\d+\.\d+\.\d+\.\d+:\d+): address already in use", log_text)
+            where = port.group(1) if port else "the rendezvous port"
+            return (
+                "failed",
+                f"{where} is already in use: the rendezvous could not start",
+                {"kind": "port"},
+            )
+        diagnosis = diagnose_failure(self.run_dir, self.log_from)
+        return "failed", diagnosis or f"torchrun exited with code {rc}", {"kind": "unknown"}
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:
@@ -177,7 +363,31 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.nnodes > 1:  # every node names the rendezvous the same; run folders differ per node
         multinode["rdzv_id"] = f"homelab-dp-{args.master_addr}-{args.master_port}"
-    return Keeper(args.run_dir, multinode).run()
+    return supervise(args.run_dir, multinode)
+
+
+def supervise(run_dir: Path, multinode: dict[str, Any]) -> int:
+    """Run the launch; with ``auto_fit`` in the spec, resume after out-of-memory with the
+    worker's proposal (same effective batch), up to `MAX_OOM_RETRIES` times."""
+    from homelab_dp.run.controller import MAX_OOM_RETRIES, apply_oom_proposal
+
+    retries = 0
+    while True:
+        keeper = Keeper(run_dir, multinode)
+        status, reason, failure = keeper.launch_and_wait()
+        change = None
+        wanted = keeper.spec.get("auto_fit") and not keeper.stop_requested
+        if failure and wanted and retries < MAX_OOM_RETRIES:
+            change = apply_oom_proposal(run_dir, failure)
+        if change is None:
+            return keeper.finish(status, reason, failure)
+        retries += 1
+        attempt = int(read_state(run_dir).get("attempt") or 1) + 1
+        update_state(run_dir, status="starting", reason=change, attempt=attempt,
+                     pids={"workers": [], "agent": None, "monitor": None})  # fmt: skip
+        append_event(run_dir, {"type": "retry", "reason": change, "after": reason,
+                               "attempt": attempt})  # fmt: skip
+        append_event(run_dir, {"type": "state", "status": "starting", "reason": change})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Build and start the torchrun command of a run (PyTorch's own elastic launcher, no home-made one).
 
-Single node: the c10d rendezvous is bound to 127.0.0.1 on a free port, and gloo / NCCL's socket
-bootstrap are told to use the loopback interface. (torch's TCPStore itself still listens on all
-interfaces; that is torch's choice, not configurable.) Multi-node: the same worker over c10d at
-``master_addr:master_port``; checkpoints and resume then need the run folder on a filesystem
-every node shares (training and the result on node 0 work without one).
+Single node: everything listens on 127.0.0.1 only — the c10d rendezvous on a port the kernel
+picks at bind time (no race between two runs started at once), torchrun's TCP stores through
+`homelab_dp.run.agent` (torchrun's own main, with each store's socket bound to loopback), and
+gloo / NCCL's socket bootstrap on the loopback interface. An explicit ``master_port`` that is
+taken fails at once (``is_host=1``: never a client of someone else's store). Multi-node: the
+same worker over c10d at ``master_addr:master_port``; checkpoints and resume then need the run
+folder on a filesystem every node shares (training and the result on node 0 work without one).
 
 torchrun runs in a new session with its output in ``RUN_DIR/logs/launcher.log`` (never a pipe to
 the parent: a dead parent must not kill training); each rank's stdout/stderr are also written
@@ -23,6 +25,7 @@ from pathlib import Path
 from homelab_dp.run.rundir import read_spec
 
 WORKER_MODULE = "homelab_dp.train.worker"
+AGENT_MODULE = "homelab_dp.run.agent"  # torchrun's main, its stores on loopback (single node)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,8 +54,8 @@ def torchrun_command(
     """
     run_dir = Path(run_dir).absolute()
     if nnodes == 1:
-        endpoint = f"127.0.0.1:{master_port or free_port()}"
-        local = ["--local-addr", "127.0.0.1"]
+        endpoint = f"127.0.0.1:{master_port or 0}"  # 0: the kernel picks a free port at bind
+        local = ["--local-addr", "127.0.0.1", "--rdzv-conf=is_host=1"]
         rdzv_id = rdzv_id or run_dir.name
     else:
         if master_port is None:
@@ -61,7 +64,7 @@ def torchrun_command(
         local = []
         rdzv_id = rdzv_id or f"homelab-dp-{master_addr}-{master_port}"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", AGENT_MODULE,
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_per_node}",
         f"--node-rank={node_rank}",
@@ -94,6 +97,7 @@ def worker_env(run_dir: Path, nproc_per_node: int, nnodes: int = 1) -> dict[str,
     if nnodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        env["HOMELAB_DP_LOOPBACK"] = "1"  # homelab_dp.run.agent: TCP stores on 127.0.0.1
     return env
 
 

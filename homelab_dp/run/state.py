@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +88,68 @@ def current_state(run_dir: Path) -> dict[str, Any]:
 
 
 _SIGNAL_RE = re.compile(r"[Ss]ignal (\d+) \((SIG\w+)\)|exitcode\s*:\s*(-?\d+)")
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):(.*?)(?:\n={8,}|\Z)", re.S)
 
 
-def diagnose_failure(run_dir: Path) -> str | None:
-    """Which rank failed and how, from torchrun's error files and the logs."""
+@dataclass(frozen=True)
+class RankFailure:
+    """The first failure torchrun observed: which rank, and its exit code or signal."""
+
+    rank: int | None
+    exitcode: int | None
+    pid: int | None
+    signal: str | None
+    """"SIGKILL" when the rank was killed by a signal, else None."""
+
+    def describe(self) -> str:
+        who = f"rank {self.rank}" if self.rank is not None else "a rank"
+        pid = f" (pid {self.pid})" if self.pid else ""
+        if self.signal:
+            num = int(signal.Signals[self.signal])
+            return f"{who}{pid} was killed by signal {self.signal} ({num})"
+        return f"{who}{pid} exited with code {self.exitcode}"
+
+
+def torchrun_root_cause(text: str) -> RankFailure | None:
+    """Parse the last "Root Cause (first observed failure)" block of torchrun's summary."""
+    blocks = _ROOT_CAUSE.findall(text)
+    if not blocks:
+        return None
+    block = blocks[-1]
+    rank = re.search(r"rank\s*:\s*(\d+)", block)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?", block)
+    exitcode = int(code.group(1)) if code else None
+    sig = None
+    if exitcode is not None and exitcode < 0:
+        try:
+            sig = signal.Signals(-exitcode).name
+        except ValueError:
+            sig = f"signal {-exitcode}"
+    return RankFailure(
+        rank=int(rank.group(1)) if rank else None,
+        exitcode=exitcode,
+        pid=int(code.group(2)) if code and code.group(2) else None,
+        signal=sig,
+    )
+
+
+def read_log_since(path: Path, offset: int = 0) -> str:
+    """The text of a log file from byte ``offset`` (this launch's part of an appended log)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def diagnose_failure(run_dir: Path, since: int = 0) -> str | None:
+    """Which rank failed and how, from torchrun's summary, its error files and the logs."""
+    launcher_log = run_dir / "logs" / "launcher.log"
+    text = read_log_since(launcher_log, since)
+    root = torchrun_root_cause(text)
+    if root is not None:
+        return f"{root.describe()} (see {launcher_log})"
     for err_file in sorted((run_dir / "logs").rglob("error.json")):
         try:
             doc = json.loads(err_file.read_text(encoding="utf-8"))
@@ -103,9 +162,8 @@ def diagnose_failure(run_dir: Path) -> str | None:
         where = f"rank {next(g for g in rank.groups() if g)}" if rank else str(err_file)
         first = str(message or "").strip().splitlines()
         return f"{where}: {first[-1] if first else 'error'} (see {err_file})"
-    launcher_log = run_dir / "logs" / "launcher.log"
-    if launcher_log.is_file():
-        text = launcher_log.read_text(encoding="utf-8", errors="replace")[-20000:]
+    if text:
+        text = text[-20000:]
         found = _SIGNAL_RE.findall(text)
         ranks = re.findall(r"rank\s*:\s*(\d+)", text)
         if found:

@@ -6,11 +6,17 @@ Also writes the run's result (`save_result`). Layout of ``checkpoints/step-N/``:
                                                    optimizer state, keyed by parameter name)
     rng-rank-R.json                                each rank's torch / CUDA / python RNG state
     trainer.json                                   step, epoch, offset, tokens, scheduler state
-    COMPLETE                                       JSON {step, world_size, time}, written last
+    COMPLETE                                       JSON {step, world_size, time, files}, last
 
 A checkpoint is written into ``checkpoints/.tmp-step-N/`` and renamed to ``step-N`` only after its
-marker is on disk, so a folder named ``step-N`` is complete unless damaged afterwards. Nothing is
-pickled: DCP's safetensors storage (``HuggingFaceStorageWriter/Reader``) keeps its metadata as JSON
+marker is on disk, so a folder named ``step-N`` is complete unless damaged afterwards. The marker
+lists every shard with its size; `check_checkpoint` (in `checkpoint_check`) verifies them, the
+shards' DCP metadata and ``trainer.json`` before a resume trusts a checkpoint, and resume falls
+back to the newest usable one, naming each file it skipped. A failed write (disk full, I/O
+error) removes its temporary folder and fails the run with `CheckpointError`, older checkpoints
+untouched; a damaged ``step-N`` is moved aside (``damaged-step-N-…``) before it is rewritten.
+
+Nothing is pickled: DCP's safetensors storage (``HuggingFaceStorageWriter/Reader``) keeps its metadata as JSON
 inside each file, and the rest is JSON. Shards are keyed by parameter names and global offsets, so
 a checkpoint written by N ranks loads on M ranks (DDP and FSDP2; zero1 as well, its optimizer
 state being saved per parameter).
@@ -18,11 +24,11 @@ state being saved per parameter).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -32,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,13 +47,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from homelab_dp.errors import HomelabError
 from homelab_dp.run.rundir import write_json_atomic
+from homelab_dp.train.checkpoint_check import (
+    MARKER,
+    check_checkpoint,
+    find_usable,
+    is_complete,
+    shard_files,
+    step_dirs,
+)
+from homelab_dp.train.guard import inject_write_fault
 from homelab_dp.train.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
-MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 # Only trainable weights are saved: LoRA/QLoRA checkpoints hold the adapters, not the frozen base.
 _OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
@@ -156,6 +171,27 @@ def _dedup_storage(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class CheckpointError(HomelabError):
+    """A checkpoint that cannot be written (disk full, I/O error) or loaded: the run fails."""
+
+    exit_code = 1
+
+
+class _GuardedWriter(HuggingFaceStorageWriter):
+    """DCP's safetensors writer with the test-only write faults of `homelab_dp.train.guard`."""
+
+    def __init__(self, path: Path, run_dir: Path, step: int) -> None:
+        super().__init__(str(path), save_distributed=True)
+        self._where = (run_dir, dist.get_rank(), step)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        inject_write_fault(*self._where, after_shard=False)
+        written = super().write_data(plan, planner)
+        written.wait()  # the shard is on disk (the thread-count-1 writer writes synchronously)
+        inject_write_fault(*self._where, after_shard=True)
+        return written
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -164,13 +200,37 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write ``root/step-<step>`` (a collective: every rank calls it). Returns its path."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Write ``root/step-<step>`` (a collective: every rank calls it). Returns its path.
+
+    Raises `CheckpointError` (on every rank whose write failed, and on every rank for a failure
+    inside DCP's collective save) with the temporary folder removed and older checkpoints kept.
+    """
     final = root / f"step-{step}"
-    if is_complete(final):  # e.g. stopped again right after resuming from this very step
-        dist.barrier()
-        return final
+    if final.exists():
+        damaged = check_checkpoint(final)
+        if damaged is None:  # e.g. stopped again right after resuming from this very step
+            dist.barrier()
+            return final
+        dist.barrier()  # every rank has looked before the damaged folder is moved aside
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and final.exists():
+            aside = root / f"damaged-{final.name}-{int(time.time())}"
+            final.rename(aside)
+            log.warning("%s; moved to %s and written again", damaged, aside)
     tmp = root / f".tmp-step-{step}"
+    try:
+        _write(root, tmp, final, step, strategy, optimizer, trainer_state, keep)
+    except (OSError, CheckpointException) as exc:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+        raise _write_error(exc, root, step, tmp) from None
+    return final
+
+
+def _write(
+    root: Path, tmp: Path, final: Path, step: int, strategy: Strategy, optimizer: Any,
+    trainer_state: dict[str, Any], keep: int,
+) -> None:  # fmt: skip
+    rank, world = dist.get_rank(), dist.get_world_size()
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: leftovers of a crash
         for stale in root.glob(".tmp-step-*"):
             if stale != tmp:
@@ -181,19 +241,41 @@ def save_checkpoint(
     dist.barrier()
     tmp.mkdir(parents=True, exist_ok=True)  # nodes without a shared run folder need their own
     state, _ = _collect(strategy, optimizer)
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    dcp.save(state, storage_writer=_GuardedWriter(tmp, root.parent, step))
     write_json_atomic(tmp / f"rng-rank-{rank}.json", _rng_state())
     dist.barrier()
     if rank == 0:
         write_json_atomic(tmp / "trainer.json", trainer_state)
-        marker = {"step": step, "world_size": world, "time": time.time()}
+        files = shard_files(tmp)  # the marker lists every shard: resume checks each one
+        marker = {"step": step, "world_size": world, "time": time.time(), "files": files}
         write_json_atomic(tmp / MARKER, marker)
         _fsync_dir(tmp)
         tmp.rename(final)
         _fsync_dir(root)
         _rotate(root, keep)
     dist.barrier()
-    return final
+
+
+def _write_error(exc: BaseException, root: Path, step: int, tmp: Path) -> CheckpointError:
+    """One clear message for a failed write: what failed, where, and what was kept."""
+    cause: BaseException = exc
+    if isinstance(exc, CheckpointException):  # DCP gathers every rank's failure
+        rank, (cause, _) = next(iter(sorted(exc.failures.items())))
+        where = f"rank {rank}"
+    else:
+        where = f"rank {dist.get_rank()}"
+    kept = [p.name for _, p in step_dirs(root) if is_complete(p)]
+    previous = f"the previous checkpoint {kept[0]} is kept" if kept else "no earlier checkpoint"
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        return CheckpointError(
+            f"checkpoint step-{step}: no space left on device writing {tmp} ({where}); {previous}",
+            hint=f"free space on the disk of {root} (df -h), then `homelab-dp resume` the run",
+        )
+    return CheckpointError(
+        f"checkpoint step-{step}: writing {tmp} failed ({where}: {type(cause).__name__}: "
+        f"{cause}); {previous}",
+        hint=f"check that {root} is writable and its disk healthy, then `homelab-dp resume`",
+    )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -205,63 +287,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _rotate(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints; drop older ones and stale temporaries."""
-    complete = [p for _, p in _step_dirs(root) if is_complete(p)]
-    for old in complete[keep:]:
+    """Keep the newest ``keep`` usable checkpoints; drop older ones and stale temporaries."""
+    usable = [p for _, p in step_dirs(root) if check_checkpoint(p) is None]
+    for old in usable[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     for tmp in root.glob(".tmp-step-*"):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """``step-N`` folders, newest first."""
-    found = []
-    for p in root.iterdir() if root.is_dir() else []:
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found, reverse=True)
-
-
-def is_complete(path: Path) -> bool:
-    """True when the folder holds a readable completion marker."""
-    try:
-        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and "step" in marker
-
-
-def check_checkpoint(path: Path) -> str | None:
-    """Why the checkpoint cannot be used, or None when its marker, state and shards read back."""
-    if not is_complete(path):
-        return f"{path / MARKER}: missing or unreadable completion marker"
-    try:
-        json.loads((path / "trainer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return f"{path / 'trainer.json'}: {exc}"
-    from safetensors import safe_open
-
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        return f"{path}: no safetensors shards"
-    for shard in shards:
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                f.keys()
-        except Exception as exc:  # safetensors raises its own error types for damaged files
-            return f"{shard}: unreadable ({exc})"
-    return None
-
-
 def find_latest(root: Path) -> Path | None:
     """The newest usable checkpoint under ``root``; skipped ones are logged with the reason."""
-    for _, path in _step_dirs(root):
-        problem = check_checkpoint(path)
-        if problem is None:
-            return path
-        log.warning("skipping checkpoint %s: %s", path.name, problem)
-    return None
+    path, skipped = find_usable(root)
+    for reason in skipped:
+        log.warning("%s", reason)
+    return path
 
 
 def load_checkpoint(path: Path, strategy: Strategy, optimizer: Any) -> dict[str, Any]:
@@ -271,7 +310,14 @@ def load_checkpoint(path: Path, strategy: Strategy, optimizer: Any) -> dict[str,
     """
     rank = dist.get_rank()
     state, optim_sd = _collect(strategy, optimizer)
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    try:
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    except CheckpointException as exc:  # a BaseException: would escape the worker's handlers
+        rank, (cause, _) = next(iter(sorted(exc.failures.items())))
+        raise CheckpointError(
+            f"{path}: cannot be loaded (rank {rank}: {type(cause).__name__}: {cause})",
+            hint=f"move {path.name} out of {path.parent}; resume then uses the one before it",
+        ) from None
     set_model_state_dict(strategy.model, state["model"], options=_OPTIONS)
     _untensorize(optim_sd["state"], state["optim"])
     if not _is_zero(optimizer):  # ZeRO's shard was filled in place by dcp.load

@@ -24,8 +24,15 @@ turns any other worker code into a failure); 1 the run failed (an ``error`` even
 2 bad input (spec, data, model folder), or not started by a launcher.
 
 Environment: ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) acts as if a stop were requested once k
-optimizer steps are done. A spec may set ``"collective_timeout_s"`` (default 60 on CPU, 600 on
-CUDA). ``resolved.dtype = "fp64"`` is accepted on the CPU for exactness tests.
+optimizer steps are done; ``HOMELAB_DP_FAULT`` (tests only) injects faults (`train.guard`). A
+spec may set ``"collective_timeout_s"`` (default 60 on CPU, 600 on CUDA; the controller copies
+``train.collective_timeout_s``). ``resolved.dtype = "fp64"`` is accepted on the CPU for
+exactness tests.
+
+Safety (`train.guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
+and checks that the torchrun agent is still its parent (if not, the rank stops gracefully);
+out of memory ends the rank with an ``error`` event that proposes a smaller micro-batch with
+more accumulation (same effective batch) or activation checkpointing.
 """
 
 from __future__ import annotations
@@ -175,13 +182,17 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         from homelab_dp.errors import RunStateError
-        from homelab_dp.train.checkpoint import find_latest, load_checkpoint
+        from homelab_dp.train.checkpoint import find_usable, load_checkpoint
         from homelab_dp.train.strategy import set_lr_for_step
 
         self.start_step, self.tokens, self.resumed_from = 0, 0, None
         if not self.resume:
             return
-        path = find_latest(self.run_dir / "checkpoints")
+        path, skipped = find_usable(self.run_dir / "checkpoints")
+        for reason in skipped:  # a damaged checkpoint is named, and the one before it used
+            log.warning("%s", reason)
+            self.events.emit("warning", message=f"{reason}; resuming from "
+                             f"{path.name if path else 'step 0'}")  # fmt: skip
         self._agree_on_checkpoint(path)
         if path is None:
             log.warning("no complete checkpoint in %s: starting from step 0", self.run_dir)
@@ -246,8 +257,10 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         """Set up, train to the end or to a stop, checkpoint, save the result."""
+        from homelab_dp.train.guard import RankGuard
         from homelab_dp.train.memtrack import WorkerMemory
 
+        self.guard = RankGuard(self.run_dir, int(os.environ["RANK"]))  # heartbeats, orphan check
         self._init_distributed()
         self._load_data()
         self.memory = WorkerMemory(self.spec, self.device, self.total_steps)
@@ -306,6 +319,8 @@ class Trainer:
             scale = self.world / max(targets, 1.0)
             loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
             for k, idx in enumerate(micro_idx):
+                if self.guard.beat(step + 1, k):  # orphaned (agent gone): stop gracefully
+                    self.stop.requested = True
                 with self.strategy.accumulate(final=k == self.accum - 1):
                     loss_sum += micro_step(
                         self.strategy, self.input_ids[idx].to(dev), self.mask[idx].to(dev),
@@ -354,6 +369,7 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         from homelab_dp.train.checkpoint import save_checkpoint
 
+        self.guard.beat(step, phase="checkpoint")
         t = time.time()
         position = step * self.effective
         state = {
@@ -461,6 +477,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.message}\nhint: {exc.hint}", file=sys.stderr)
         return exc.exit_code
     except Exception as exc:  # any crash: tell the controller which rank, then fail
+        if _is_oom(exc):  # with what to change; `run --auto-fit` applies the proposal itself
+            from homelab_dp.train.guard import oom_advice
+
+            message, hint, proposal = oom_advice(spec["resolved"], exc)
+            events.emit("error", force=True, message=message, hint=hint, rank=rank,
+                        kind="OutOfMemoryError", proposal=proposal)  # fmt: skip
+            print(f"error: {message}\nhint: {hint}", file=sys.stderr)
+            return EXIT_FAILED
         events.emit("error", force=True, message=f"{type(exc).__name__}: {exc}", rank=rank,
                     kind=type(exc).__name__)  # fmt: skip
         traceback.print_exc()
@@ -468,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""What each rank does for the run's safety: heartbeats, an orphan check, and (tests) faults.
+
+`RankGuard.beat` is called at the start of every micro-step, checkpoint and result write. It
+writes the rank's heartbeat for the keeper's watchdog (`homelab_dp.run.watchdog`) and tells the
+worker when its launcher is gone (the rank was re-parented: the torchrun agent died), so that
+the rank stops gracefully instead of running on as an orphan.
+
+Fault injection, for the reliability tests only — never set in normal use::
+
+    HOMELAB_DP_FAULT="KIND:rank=R:step=S"      (several faults separated by ";")
+
+fires once per run folder (a marker in ``logs/`` keeps a resumed or retried run from firing it
+again) on global rank R at optimizer step S (1-based, the step being computed):
+
+    sigkill           the rank SIGKILLs itself at the start of a micro-step (mid-step)
+    sigstop           the rank SIGSTOPs itself at the start of a micro-step (a hang)
+    oom               the micro-step raises torch.OutOfMemoryError (as a too-large batch would)
+    kill-after-shard  the rank SIGKILLs itself after writing its checkpoint shard, before the
+                      checkpoint's completion marker
+    enospc            writing the rank's checkpoint shard fails with OSError(ENOSPC)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.run.watchdog import heartbeat_dir, write_heartbeat
+
+FAULT_ENV = "HOMELAB_DP_FAULT"
+FAULT_KINDS = ("sigkill", "sigstop", "oom", "kill-after-shard", "enospc")
+
+
+def _parse_faults(text: str) -> list[tuple[str, int, int]]:
+    """``"oom:rank=1:step=2;sigkill:rank=0:step=5"`` → [("oom", 1, 2), ("sigkill", 0, 5)]."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, *fields = item.split(":")
+        values = dict(f.split("=", 1) for f in fields)
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (known: {FAULT_KINDS})")
+        faults.append((kind, int(values.get("rank", 0)), int(values.get("step", 1))))
+    return faults
+
+
+def fault_armed(kind: str, run_dir: Path, rank: int, step: int) -> bool:
+    """True (once per run folder) when the test environment asks for ``kind`` here and now."""
+    text = os.environ.get(FAULT_ENV)
+    if not text or (kind, rank, step) not in _parse_faults(text):
+        return False
+    marker = Path(run_dir) / "logs" / f"fault-{kind}-rank{rank}-step{step}"
+    try:  # O_EXCL: exactly one firing, even across a resume or an auto-fit retry
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
+def inject_write_fault(run_dir: Path, rank: int, step: int, after_shard: bool) -> None:
+    """Checkpoint writer faults: ENOSPC before the shard, or SIGKILL right after it."""
+    if not after_shard and fault_armed("enospc", run_dir, rank, step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected: {FAULT_ENV})")
+    if after_shard and fault_armed("kill-after-shard", run_dir, rank, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RankGuard:
+    """One rank's heartbeat writer, orphan check and fault-injection point."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.parent = os.getppid()  # the torchrun agent
+        folder = heartbeat_dir(self.run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"rank-{rank}.json"
+        self.faults = bool(os.environ.get(FAULT_ENV))
+
+    def beat(self, step: int, micro: int = 0, phase: str = "train") -> bool:
+        """Record progress; returns True when the rank is orphaned and should stop.
+
+        ``step`` is the optimizer step being computed (1-based), ``micro`` the micro-step.
+        """
+        beat = {"rank": self.rank, "pid": os.getpid(), "step": step, "micro": micro,
+                "phase": phase, "time": time.time()}  # fmt: skip
+        write_heartbeat(self.path, beat)
+        if self.faults and phase == "train":
+            self._inject(step)
+        return os.getppid() != self.parent
+
+    def _inject(self, step: int) -> None:
+        if fault_armed("sigkill", self.run_dir, self.rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault_armed("sigstop", self.run_dir, self.rank, step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if fault_armed("oom", self.run_dir, self.rank, step):
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"out of memory: tried to allocate the activations of step {step} "
+                f"(injected: {FAULT_ENV})"
+            )
+
+
+def _smallest_factor(n: int) -> int:
+    return next(d for d in range(2, n + 1) if n % d == 0)
+
+
+def oom_advice(
+    resolved: dict[str, Any], exc: BaseException
+) -> tuple[str, str, dict[str, Any] | None]:
+    """(message, hint, proposal) for a rank that ran out of memory.
+
+    The proposal keeps the effective batch (so the run, and a resume from its checkpoint, stay
+    exact): the micro-batch divided by its smallest factor and the accumulation multiplied by
+    it; at micro-batch 1, activation checkpointing; beyond that, nothing this run can change.
+    """
+    micro, accum = int(resolved["micro_batch"]), int(resolved["grad_accum"])
+    world, ac = int(resolved["world_size"]), bool(resolved.get("activation_checkpointing"))
+    effective = micro * world * accum
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    message = (f"out of memory with micro-batch {micro} × accumulation {accum} on {world} "
+               f"rank(s) ({first})")  # fmt: skip
+    retry = "; `homelab-dp run PRESET --auto-fit` retries with it by itself"
+    if micro > 1:
+        d = _smallest_factor(micro)
+        proposal = {"micro_batch": micro // d, "grad_accum": accum * d,
+                    "activation_checkpointing": ac, "effective_batch": effective}  # fmt: skip
+        hint = (f"set train.micro_batch = {micro // d} and train.grad_accum = {accum * d} "
+                f"(same effective batch {effective})")  # fmt: skip
+        hint += "" if ac else ", or train.activation_checkpointing = true"
+        return message, hint + retry, proposal
+    if not ac:
+        proposal = {"micro_batch": micro, "grad_accum": accum,
+                    "activation_checkpointing": True, "effective_batch": effective}  # fmt: skip
+        return message, "set train.activation_checkpointing = true" + retry, proposal
+    hint = ("micro-batch 1 with activation checkpointing does not fit: use lora or qlora, "
+            "fsdp-full, a shorter data.seq_len or more devices (see `homelab-dp plan`)")  # fmt: skip
+    return message, hint, None
