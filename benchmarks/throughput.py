@@ -1,13 +1,18 @@
 """Worker throughput against a minimal hand-written torchrun DDP loop (target: at least 95%).
 
-    python benchmarks/throughput.py [--steps 30] [--warmup 5] [--repeats 2] [--nproc 1 2]
+    python benchmarks/throughput.py [--steps 40] [--warmup 5] [--repeats 3] [--nproc 1 2]
 
 Both run the demo model (assets/models/tiny-llama) on the same packed demo text, with the same
 micro-batch, accumulation, steps, AdamW and clipping, on the CPU with gloo and the same
 OMP_NUM_THREADS (cores / processes). The worker runs as in production: started by the launcher,
 full DDP, a step event every step (one all-gather), its per-step token-count all-reduce; its
-end-of-run checkpoint and result saving fall outside the timed steps, as does start-up. Figures
-are tokens/s over the steps after the warm-up; the best of ``--repeats`` runs counts.
+end-of-run checkpoint and result saving fall outside the timed steps, as does start-up.
+
+Each step is timed end to end (end of the previous step to the end of this one: for the worker,
+the gaps between its step events, so its all-reduce, all-gather and event writing are inside);
+a run's figure is the median over its steps after the warm-up of tokens / step time, which a
+busy neighbour on a shared machine disturbs far less than a total; the best of ``--repeats``
+interleaved runs counts.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +39,11 @@ DATA = ROOT / "assets" / "data" / "tiny-text.jsonl"
 SEQ_LEN, MICRO, ACCUM, LR = 128, 4, 2, 3e-4
 
 
+def median_rate(ends: list[float], tokens: list[int]) -> float:
+    """Median over steps of tokens / step time; ``ends`` has one more entry (the step before)."""
+    return statistics.median(t / (b - a) for a, b, t in zip(ends, ends[1:], tokens, strict=False))
+
+
 def plain(nproc: int, steps: int, warmup: int) -> float:
     """tokens/s of benchmarks/plain_ddp_loop.py under torchrun."""
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -42,8 +53,8 @@ def plain(nproc: int, steps: int, warmup: int) -> float:
            "--micro", str(MICRO), "--accum", str(ACCUM), "--steps", str(steps),
            "--warmup", str(warmup), "--lr", str(LR)]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith("{"))
-    return float(json.loads(line)["tokens_per_s"])
+    line = json.loads(next(ln for ln in out.splitlines() if ln.startswith("{")))
+    return median_rate(line["step_ends"], line["step_tokens"])
 
 
 def worker(nproc: int, steps: int, warmup: int, root: Path, name: str) -> float:
@@ -70,15 +81,16 @@ def worker(nproc: int, steps: int, warmup: int, root: Path, name: str) -> float:
         raise SystemExit(f"worker run failed: see {run_dir / 'logs' / 'launcher.log'}")
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     by_step = {e["step"]: e for e in events if e["type"] == "step"}
-    first, last = by_step[warmup], by_step[steps]
-    return (last["tokens"] - first["tokens"]) / (last["time"] - first["time"])
+    timed = [by_step[s] for s in range(warmup, steps + 1)]
+    tokens = [b["tokens"] - a["tokens"] for a, b in zip(timed, timed[1:], strict=False)]
+    return median_rate([e["time"] for e in timed], tokens)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     rows = []
@@ -90,7 +102,8 @@ def main() -> None:
                 w = max(w, worker(nproc, args.steps, args.warmup, Path(tmp), f"w{nproc}-{r}"))
             rows.append((nproc, p, w))
     print(f"tiny-llama, seq_len {SEQ_LEN}, micro {MICRO} x accum {ACCUM}, {args.steps} steps "
-          f"({args.warmup} warm-up), CPU gloo, {os.cpu_count()} cores, best of {args.repeats}")  # fmt: skip
+          f"({args.warmup} warm-up), CPU gloo, {os.cpu_count()} cores, median step, "
+          f"best of {args.repeats}, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"{'processes':>9}  {'plain DDP tok/s':>15}  {'worker tok/s':>12}  {'ratio':>6}")
     for nproc, p, w in rows:
         print(f"{nproc:>9}  {p:>15.0f}  {w:>12.0f}  {w / p:>6.1%}")
