@@ -1,28 +1,34 @@
 """Per-device memory budget of one training configuration (pure arithmetic, no torch).
 
-The budget is the tensor memory alive at the moment of the peak, split into components, plus
-an overhead term for what is not a tensor (CUDA context, NCCL or gloo buffers, allocator
-fragmentation, the Python runtime on CPU). References: ZeRO (Rajbhandari et al. 2020) §3.1/§5
-for model states, Korthikanti et al. 2022 §4 for activations, QLoRA (Dettmers et al. 2023) §3.
+The budget is the tensor memory alive at the moment of the peak, split into components, plus an
+overhead term for what is not a tensor (CUDA context, NCCL buffers, allocator fragmentation, the
+Python runtime on CPU). References: ZeRO (Rajbhandari et al. 2020) §3.1/§5 for model states,
+Korthikanti et al. 2022 §4 for activations, QLoRA (Dettmers et al. 2023) §3.
 
-How the numbers follow the implementation in `homelab_dp.train`:
+The peak is modelled as it happens in `homelab_dp.train` (checked against measured live tensor
+bytes on the CPU by `benchmarks/memory_accuracy.py`). Four moments are budgeted and the largest
+is the peak (`Budget.phases`, `Budget.peak_phase`):
 
-* CPU runs are fp32 throughout. CUDA runs keep fp32 master weights and autocast to bf16/fp16;
-  autocast's 16-bit weight copies stay referenced by the autograd graph until backward, so
-  DDP/ZeRO-1 pay them as a buffer. FSDP2 all-gathers 16-bit parameters instead.
-* Gradients are fp32. With gradient accumulation they live through the forward pass of every
-  micro-step but the first; without it only the lm_head gradient exists when the peak (the
-  start of backward) happens.
-* Logits: the lm_head output, its log-softmax (saved for backward) and the gradient of the
-  log-softmax, all b·s·V; on CUDA the 16-bit logits are upcast to fp32 first.
-* QLoRA: decoder linears in NF4 with double quantization (0.5 + ~0.016 bytes/param);
-  `prepare_model_for_kbit_training` upcasts everything else (embeddings, lm_head, norms) to
-  fp32 — 4 bytes/param, often the largest weight term for big-vocabulary models.
+* ``forward``: the end of the forward pass, while the log-softmax is computed (logits alive).
+* ``backward``: the larger of (a) the start of backward — every saved activation, the
+  log-softmax output and two gradients of vocabulary size (3 × b·s·V fp32; the worker drops the
+  logits after the loss) — and (b) inside the last layer's backward, when the logits are freed
+  but the lm_head gradient, with activation checkpointing one recomputed layer, and the MLP's
+  backward temporaries are alive. Gradients are alive here only with accumulation (from the
+  second micro-step; FSDP2 then keeps them unsharded).
+* ``optimizer``: weights, every gradient, the optimizer state and foreach AdamW's one temporary
+  per parameter (CPU; CUDA uses fused AdamW, which has none).
+* ``load``: weights and DDP's buckets before the first step.
+
+Component by component: ``buffers`` are DDP's gradient buckets (the reducer keeps one flat fp32
+copy of the trainable gradients, ``gradient_as_bucket_view`` being off), FSDP's gathered
+parameters, autocast's 16-bit weight copies and QLoRA's dequantized weight. ``activations``
+include the batch's token ids, masks and labels and, at the in-backward moment, the temporaries.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from homelab_dp.core.model_spec import ModelSpec
@@ -33,7 +39,7 @@ MiB = 1024**2
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 """NF4 weights with double quantization: 4 bits, an 8-bit absmax per 64-block, fp32 per 256 blocks."""
 
-# Assumed, not measured (stated as such in every plan): see `overhead_terms`.
+# Assumed, not measured (stated as such in every plan) unless a calibration replaces them.
 CUDA_CONTEXT_BYTES = 512 * MiB
 NCCL_BUFFER_BYTES = 256 * MiB
 CUDA_FRAGMENTATION = 0.10
@@ -41,6 +47,7 @@ CPU_RUNTIME_BYTES = 700 * MiB
 CPU_FRAGMENTATION = 0.05
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
+PHASES = ("load", "forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,24 @@ class TrainShape:
     optimizer: Literal["adamw", "adamw8bit", "sgd"] = "adamw"
     lora_r: int = 16
     lora_targets: str | tuple[str, ...] = "all-linear"
+    packed: bool = True
+    """Packed blocks have no padding; padded batches add a b·s² attention mask (and GQA's
+    key/value heads are repeated for SDPA)."""
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What is not a tensor: a fixed part per process and a fraction of the tensor bytes."""
+
+    runtime_bytes: int
+    """CUDA context and NCCL buffers, or the Python/torch runtime on the CPU."""
+    fragmentation: float
+    """Allocator slack as a fraction of the tensor peak."""
+    source: str = "assumed"
+    """"assumed", or where the figures were measured (a calibration)."""
+
+    def bytes_for(self, tensor_bytes: float) -> float:
+        return self.runtime_bytes + self.fragmentation * tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -73,9 +98,11 @@ class Budget:
     buffers: int
     overhead: int
     peak_phase: str
-    """When the peak happens: "backward" (start of backward) or "optimizer step"."""
+    """When the peak happens: "backward" or "optimizer" (see the module docstring)."""
     comm_bytes_per_step: int
     trainable_params: int
+    phases: dict[str, int] = field(default_factory=dict)
+    """Predicted live tensor bytes at each budgeted moment (load, forward, backward, optimizer)."""
 
     @property
     def tensors(self) -> int:
@@ -97,61 +124,98 @@ class Budget:
         return asdict(self)
 
 
-def _compute_bytes(shape: TrainShape) -> int:
+def _width(shape: TrainShape) -> int:
     """Bytes per element of activations and gathered weights."""
     return 4 if shape.dtype == "fp32" else 2
 
 
-def activation_elements_per_token(spec: ModelSpec) -> int:
-    """Elements saved for backward per token by one decoder layer (SDPA attention, no s² term).
+def _fsdp(shape: TrainShape) -> bool:
+    return shape.distribution in ("fsdp-grad-op", "fsdp-full")
 
-    LLaMA-style layer: the layer input, two norm outputs, q and k after RoPE, v, the attention
-    output and its re-laid-out copy for o_proj, the mid-layer residual (≈ 7h + 2·kv·head_dim),
-    and four intermediate-sized MLP tensors (gate, SiLU(gate), up, their product).
+
+def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
+    """Bytes one decoder layer saves for backward, per token (SDPA; no checkpointing).
+
+    LLaMA-style, fp32 (elements): the two residual sums, per RMSNorm its normalised input and
+    its output (4h), q and k after RoPE, v, the attention output, and four intermediate-sized MLP
+    tensors (gate, up, SiLU(gate), their product). 16-bit on CUDA: the residual stream and the
+    norms stay fp32 under autocast, and the norm output is cast to 16-bit once more. GPT-2: the
+    two LayerNorm outputs and residual sums, c_attn's q/k/v, the merged heads, c_fc's output and
+    gelu_new's four tanh-formula tensors; dropout keeps one mask per site.
     """
-    h, kvd = spec.hidden, spec.kv_heads * spec.head_dim
-    attn = spec.heads * spec.head_dim
+    h, inter, a = spec.hidden, spec.intermediate, spec.heads
+    attn, kvd = a * spec.head_dim, spec.kv_heads * spec.head_dim
+    w = _width(shape)
+    cpu = shape.device == "cpu"
+    small = 4 * (2 + a)  # per-token norm statistics and SDPA's log-sum-exp, fp32
     if spec.model_type == "gpt2":
-        # ln_1/ln_2 outputs, fused qkv, attention out and merge copy, residuals; fc and GELU.
-        return 6 * h + 3 * h + 3 * spec.intermediate
-    return 4 * h + 3 * attn + 2 * kvd + 4 * spec.intermediate
+        out = w * (8 * h + 5 * inter) + small
+        if spec.hidden_dropout > 0:
+            out += 2 * h * (w if cpu else 1)  # CPU dropout keeps a float mask, CUDA a bool one
+    else:
+        if not shape.packed and spec.kv_heads != a:
+            kvd = attn  # with a padding mask SDPA gets key/value heads repeated to all heads
+        rest = 2 * attn + 2 * kvd + 4 * inter
+        if spec.model_type == "phi3":
+            rest += attn + kvd  # the fused qkv output stays alive beside the rotated q and k
+        out = (24 * h if w == 4 else 28 * h) + w * rest + small
+        if spec.model_type == "gemma2":
+            out += 4 * h * 4  # post-attention and post-MLP norms keep their input and output
+    if cpu and spec.attention_dropout > 0:
+        # SDPA has no fused CPU kernel with dropout: the math kernel keeps the softmax, the
+        # dropout mask and the dropped probabilities, each heads × seq per token. With one
+        # sequence it scales q and k as views of c_attn's output, which then stays alive.
+        out += 3 * a * shape.seq_len * w + (2 * h * w if shape.micro_batch == 1 else 0)
+    if shape.method != "full":
+        out += len(spec.lora_targets(_targets(shape))) * shape.lora_r * w  # lora_A outputs
+    return out
+
+
+def outer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
+    """Bytes per token outside the decoder layers: embeddings, final norm, the batch itself."""
+    h, w = spec.hidden, _width(shape)
+    if spec.model_type == "gpt2":
+        embed = 2 if spec.embedding_dropout > 0 else 1  # the dropout output and its mask
+        out = (embed + 1) * h * 4 if w == 4 else embed * h * 2 + h * 6
+    else:
+        out = 3 * h * 4 if w == 4 else 14 * h  # embedding output, final norm input/output
+    out += 3 * 8  # input ids, attention mask and labels (int64)
+    if not shape.packed:
+        out += shape.seq_len * w  # the additive b·s² attention mask, once per forward
+    return out
 
 
 def activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
-    """Activations saved for backward on one device (logits excluded)."""
+    """Activations saved for backward at the end of the forward pass (logits excluded)."""
     tokens = shape.micro_batch * shape.seq_len
-    width = _compute_bytes(shape)
-    per_layer = activation_elements_per_token(spec) * tokens * width
-    if shape.dtype != "fp32":
-        # HF RMSNorm/LayerNorm upcast to fp32 and keep the fp32 input and normed copy (2 norms).
-        per_layer += 2 * 2 * spec.hidden * tokens * 4
-    # Embedding output, final norm input and output.
-    outer = 3 * spec.hidden * tokens * width
+    outer = outer_activation_bytes(spec, shape) * tokens + 2 * shape.seq_len * spec.head_dim * 4
     if shape.activation_checkpointing:
-        # Each layer keeps only its input; one layer is recomputed in full during backward.
-        return spec.layers * spec.hidden * tokens * width + per_layer + outer
-    return spec.layers * per_layer + outer
+        # Each layer keeps only its output (the next layer's input), in the residual dtype.
+        res = 4 if shape.dtype == "fp32" or not _fsdp(shape) else 2
+        return int(spec.layers * spec.hidden * res * tokens + outer)
+    return int(spec.layers * layer_activation_bytes(spec, shape) * tokens + outer)
 
 
 def logits_bytes(spec: ModelSpec, shape: TrainShape) -> int:
-    """Logits, their log-softmax and its gradient at the start of backward."""
-    elements = shape.micro_batch * shape.seq_len * spec.vocab
-    per_element = 12 if shape.dtype == "fp32" else 2 + 4 + 4 + 4
-    return elements * per_element
+    """The log-softmax output and two fp32 gradients of vocabulary size (start of backward)."""
+    return shape.micro_batch * shape.seq_len * spec.vocab * 12
 
 
 def trainable_params(spec: ModelSpec, shape: TrainShape) -> int:
     """Parameters that receive gradients."""
     if shape.method == "full":
         return spec.params
-    targets = (
-        shape.lora_targets if isinstance(shape.lora_targets, str) else list(shape.lora_targets)
-    )
-    return spec.lora_params(shape.lora_r, targets)
+    return spec.lora_params(shape.lora_r, _targets(shape))
+
+
+def _targets(shape: TrainShape) -> str | list[str]:
+    t = shape.lora_targets
+    return t if isinstance(t, str) else list(t)
 
 
 def _optimizer_bytes_per_param(shape: TrainShape) -> float:
-    return {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 0.0}[shape.optimizer]
+    """AdamW: m and v in fp32; 8-bit AdamW: two bytes; SGD: the momentum buffer."""
+    return {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 4.0}[shape.optimizer]
 
 
 def comm_bytes_per_step(spec: ModelSpec, shape: TrainShape) -> int:
@@ -169,7 +233,7 @@ def comm_bytes_per_step(spec: ModelSpec, shape: TrainShape) -> int:
     grad_bytes = trainable_params(spec, shape) * 4
     if shape.method != "full":
         return int(2 * ring * grad_bytes)
-    gather = spec.params * _compute_bytes(shape)
+    gather = spec.params * _width(shape)
     if shape.distribution == "ddp":
         return int(2 * ring * grad_bytes)
     if shape.distribution == "zero1":
@@ -178,97 +242,154 @@ def comm_bytes_per_step(spec: ModelSpec, shape: TrainShape) -> int:
     return int(ring * (gathers * shape.grad_accum * gather + grad_bytes))
 
 
-def budget(spec: ModelSpec, shape: TrainShape) -> Budget:
-    """The per-device memory budget of ``shape`` for the model ``spec``."""
-    n = shape.world_size
-    width = _compute_bytes(shape)
-    mixed = shape.device == "cuda" and shape.dtype != "fp32"
+def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
+    """Weights, gradients, optimizer state and the buffers of the step, before activations."""
+    n, w = shape.world_size, _width(shape)
     trainable = trainable_params(spec, shape)
-    opt_per_param = _optimizer_bytes_per_param(shape)
-    sharded = shape.distribution in ("fsdp-grad-op", "fsdp-full")
-
-    buffers = 0
+    opt = trainable * _optimizer_bytes_per_param(shape)
+    fsdp = _fsdp(shape)
+    buffers = 0.0
     if shape.method == "full":
-        master = spec.params * 4  # fp32 master weights
-        if sharded:
-            weights = master / n
-            if shape.distribution == "fsdp-grad-op":
-                # Unsharded (16-bit on CUDA) parameters kept from forward through backward.
-                buffers += spec.params * width
-            else:
-                # The root unit (embeddings, final norm, lm_head) stays gathered after forward,
-                # plus the current and the prefetched decoder layer.
-                root = spec.embedding_params + spec.lm_head_params + spec.final_norm_params
-                buffers += (root + 2 * spec.layer_params) * width
-        else:
-            weights = master
-            if mixed:
-                buffers += spec.params * width  # autocast's 16-bit weight copies
-        grads_full = trainable * 4 / (n if sharded else 1)
-        opt_full = trainable * opt_per_param / (n if shape.distribution != "ddp" else 1)
+        weights = spec.params * 4 / (n if fsdp else 1)  # fp32 master weights
+        grads = trainable * 4 / (n if fsdp else 1)
+        opt = opt / (1 if shape.distribution == "ddp" else n)
+        if shape.distribution == "fsdp-grad-op":
+            buffers += spec.params * w  # unsharded parameters kept from forward to backward
+        elif shape.distribution == "fsdp-full":
+            # The root unit (embeddings, final norm, lm_head) stays gathered after forward,
+            # plus the current and the prefetched decoder layer.
+            root = spec.embedding_params + spec.lm_head_params + spec.final_norm_params
+            buffers += (root + 2 * spec.layer_params) * w
+        elif shape.device == "cuda" and w == 2:
+            buffers += spec.params * w  # autocast's 16-bit weight copies, saved for backward
     else:
-        # LoRA/QLoRA: a frozen base plus fp32 adapters with their own grads and optimizer state.
-        base_width = width if shape.device == "cuda" else 4
+        base_w = w if shape.device == "cuda" else 4
         if shape.method == "qlora":
             other = spec.params - spec.quantizable_params
             base = spec.quantizable_params * NF4_BYTES_PER_PARAM + other * 4
-            # One linear dequantized at a time for the matmul.
             largest = max(lin.d_in * lin.d_out for lin in spec.linears)
-            buffers += 2 * largest * base_width
+            buffers += 2 * largest * base_w  # one linear dequantized at a time for the matmul
         else:
-            base = spec.params * base_width
-            if sharded:
-                base = base / n + (2 * spec.layer_params) * base_width
+            base = spec.params * base_w
+            if fsdp:
+                base = base / n + 2 * spec.layer_params * base_w
         weights = base + trainable * 4
-        grads_full = trainable * 4
-        opt_full = trainable * opt_per_param
+        grads = trainable * 4
+    buckets = trainable * 4 if shape.distribution in ("ddp", "zero1") else 0.0
+    # foreach AdamW (the CPU) makes one temporary per parameter (sqrt of v); fused AdamW none.
+    local = trainable / (1 if shape.distribution == "ddp" or shape.method != "full" else n)
+    step_temp = local * 4 if shape.optimizer == "adamw" and shape.device == "cpu" else 0.0
+    # Accumulated gradients; FSDP2 keeps them unsharded while gradient sync is off.
+    accum_grads = (trainable * 4 if fsdp else grads) if shape.grad_accum > 1 else 0.0
+    return {"weights": weights, "grads": grads, "opt": opt, "buffers": buffers,
+            "buckets": buckets, "step_temp": step_temp, "accum_grads": accum_grads,
+            "trainable": trainable}  # fmt: skip
 
-    activations = activation_bytes(spec, shape)
-    logits = logits_bytes(spec, shape)
-    lm_head_grad = (
-        (spec.lm_head_params or spec.embedding_params) * 4 if shape.method == "full" else 0
-    )
-    if shape.method == "full" and sharded:
-        lm_head_grad = lm_head_grad / n
 
-    # Peak candidate 1: start of backward. Accumulated gradients are alive from the second
-    # micro-step on; otherwise only the lm_head gradient has been produced yet.
-    grads_at_backward = grads_full if shape.grad_accum > 1 else min(lm_head_grad, grads_full)
-    backward_peak = weights + buffers + opt_full + grads_at_backward + activations + logits
-    # Peak candidate 2: the optimizer step (fused AdamW: no per-parameter temporaries).
-    # FSDP frees the gathered parameters after backward, so buffers do not count here.
-    step_peak = weights + grads_full + opt_full
-    if backward_peak >= step_peak:
-        phase = "backward"
-        grads, acts, lgts, bufs = grads_at_backward, activations, logits, buffers
+def _inside_backward(
+    spec: ModelSpec, shape: TrainShape, s: dict[str, float]
+) -> tuple[float, float]:
+    """Gradients and activations while a decoder layer is back-propagated (logits freed).
+
+    Going down the layers, the parameter gradients made so far grow while the activations
+    still saved shrink, so the larger total is at the first or the last layer processed. The
+    layer in hand holds its saved (or, with checkpointing, recomputed) activations, and its
+    backward the gradients of its input and of the MLP's intermediate tensors.
+    """
+    tokens, w, n = shape.micro_batch * shape.seq_len, _width(shape), shape.world_size
+    fsdp = _fsdp(shape)
+    layer = layer_activation_bytes(spec, shape) * tokens
+    res = 4 if shape.dtype == "fp32" or not fsdp else 2
+    saved = spec.hidden * res * tokens if shape.activation_checkpointing else layer
+    outer = activation_bytes(spec, shape) - spec.layers * saved
+    temps = (spec.hidden + 2 * spec.intermediate) * tokens * w
+    if shape.method == "full":
+        head = (spec.lm_head_params or spec.embedding_params) * 4 / (n if fsdp else 1)
+        per_layer = spec.layer_params * 4 / (n if fsdp else 1)
+        if fsdp:
+            temps += spec.layer_params * 4  # the layer's unsharded gradient before reduce-scatter
     else:
-        phase = "optimizer step"
-        grads, acts, lgts, bufs = grads_full, 0, 0, 0
-    tensors = weights + grads + opt_full + acts + lgts + bufs
+        head, per_layer = 0.0, s["trainable"] * 4 / spec.layers
+    rest = spec.layers - 1
+    if shape.grad_accum > 1:  # every gradient exists already
+        return s["accum_grads"], outer + layer + temps + rest * saved
+    first = (head, rest * saved)  # the last layer: every lower layer's activations saved
+    last = (head + rest * per_layer, 0.0)  # the first layer: every other gradient made
+    grads, kept = max(first, last, key=sum)
+    return grads, outer + layer + temps + kept
+
+
+def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None) -> Budget:
+    """The per-device memory budget of ``shape`` for the model ``spec``."""
+    s = _model_states(spec, shape)
+    tokens = shape.micro_batch * shape.seq_len
+    w = _width(shape)
+    acts = activation_bytes(spec, shape)
+    logits = logits_bytes(spec, shape)
+    bufs = s["buffers"] + s["buckets"]
+    base = s["weights"] + s["opt"] + bufs
+    in_grads, in_acts = _inside_backward(spec, shape, s)
+    start = base + s["accum_grads"] + acts + logits
+    inside = base + in_grads + in_acts
+    # The end of backward: every gradient exists; a tied embedding adds its second gradient
+    # to the lm_head's out of place (three vocab × hidden tensors at that moment).
+    tied = shape.method == "full" and spec.tied_embeddings and not _fsdp(shape)
+    end_grads = s["grads"] + (2 * spec.vocab * spec.hidden * 4 if tied else 0)
+    end = base + end_grads + outer_activation_bytes(spec, shape) * tokens
+    # forward: the logits (16-bit and their fp32 copy on CUDA) beside the log-softmax output.
+    fwd_logits = tokens * spec.vocab * (8 if w == 4 else 10)
+    step_bufs = s["buckets"]  # FSDP frees gathered parameters after backward
+    phases = {
+        "load": s["weights"] + s["buckets"],
+        "forward": base + s["accum_grads"] + acts + fwd_logits,
+        "backward": max(start, inside, end),
+        "optimizer": s["weights"] + step_bufs + s["grads"] + s["opt"] + s["step_temp"],
+    }
+    if phases["optimizer"] > phases["backward"]:
+        phase = "optimizer"
+        parts = (s["weights"], s["grads"], s["opt"] + s["step_temp"], 0, 0, step_bufs)
+    elif start >= max(inside, end):
+        phase = "backward"
+        parts = (s["weights"], s["accum_grads"], s["opt"], acts, logits, bufs)
+    elif inside >= end:
+        phase = "backward"
+        parts = (s["weights"], in_grads, s["opt"], in_acts, 0, bufs)
+    else:
+        phase = "backward"
+        parts = (s["weights"], end_grads, s["opt"], end - base - end_grads, 0, bufs)
+    ints = [int(p) for p in parts]
+    tensors = sum(ints)
+    ov = overhead or assumed_overhead(shape.device, shape.world_size)
     return Budget(
-        weights=int(weights),
-        gradients=int(grads),
-        optimizer=int(opt_full),
-        activations=int(acts),
-        logits=int(lgts),
-        buffers=int(bufs),
-        overhead=int(overhead_bytes(tensors, shape)),
-        peak_phase=phase,
-        comm_bytes_per_step=comm_bytes_per_step(spec, shape),
-        trainable_params=int(trainable),
-    )
+        weights=ints[0], gradients=ints[1], optimizer=ints[2], activations=ints[3],
+        logits=ints[4], buffers=ints[5], overhead=int(ov.bytes_for(tensors)), peak_phase=phase,
+        comm_bytes_per_step=comm_bytes_per_step(spec, shape), trainable_params=int(s["trainable"]),
+        phases={k: int(v) for k, v in phases.items()},
+    )  # fmt: skip
+
+
+def assumed_overhead(device: str, world_size: int = 1) -> Overhead:
+    """The overhead used when nothing was measured on this hardware."""
+    if device == "cuda":
+        comm = NCCL_BUFFER_BYTES if world_size > 1 else 0
+        return Overhead(CUDA_CONTEXT_BYTES + comm, CUDA_FRAGMENTATION)
+    return Overhead(CPU_RUNTIME_BYTES, CPU_FRAGMENTATION)
 
 
 def overhead_bytes(tensor_bytes: float, shape: TrainShape) -> float:
-    """Memory that is not a tensor: runtime, communication buffers, allocator fragmentation."""
-    if shape.device == "cuda":
-        comm = NCCL_BUFFER_BYTES if shape.world_size > 1 else 0
-        return CUDA_CONTEXT_BYTES + comm + CUDA_FRAGMENTATION * tensor_bytes
-    return CPU_RUNTIME_BYTES + CPU_FRAGMENTATION * tensor_bytes
+    """Memory that is not a tensor (assumed figures): runtime, comm buffers, fragmentation."""
+    return assumed_overhead(shape.device, shape.world_size).bytes_for(tensor_bytes)
 
 
-def overhead_terms(device: str) -> list[str]:
-    """Plain-words description of the assumed overhead terms (shown in every plan)."""
+def overhead_terms(device: str, measured: Overhead | None = None) -> list[str]:
+    """Plain-words description of the overhead terms (shown in every plan)."""
+    if measured is not None and measured.source != "assumed":
+        what = "CUDA context and NCCL buffers" if device == "cuda" else "Python/torch runtime"
+        return [
+            f"{what} {measured.runtime_bytes // MiB} MiB per process ({measured.source})",
+            f"allocator fragmentation {measured.fragmentation * 100:.0f}% of tensors "
+            f"({measured.source})",
+        ]
     if device == "cuda":
         return [
             f"CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB (assumed)",

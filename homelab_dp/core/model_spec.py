@@ -58,6 +58,13 @@ class ModelSpec:
     """Anything else per layer (biases outside linears, q/k norms)."""
     source: str = "config.json"
     """How the count was obtained: "config.json" or "meta-device"."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (GPT-2's attn_pdrop). On the CPU it makes SDPA
+    fall back to the math kernel, which keeps batch × heads × seq² tensors for backward."""
+    hidden_dropout: float = 0.0
+    """Dropout on each residual branch (GPT-2's resid_pdrop, Phi-3's resid_pdrop)."""
+    embedding_dropout: float = 0.0
+    """Dropout on the embeddings (GPT-2's embd_pdrop)."""
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -193,6 +200,7 @@ def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
         final_norm_params=h,
         other_params_per_layer=other,
         source=source,
+        attention_dropout=float(cfg.get("attention_dropout") or 0.0),
     )
 
 
@@ -228,6 +236,9 @@ def _phi3(cfg: dict[str, Any], source: str) -> ModelSpec:
         norm_params_per_layer=2 * h,
         final_norm_params=h,
         source=source,
+        attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+        hidden_dropout=float(cfg.get("resid_pdrop") or 0.0),
+        embedding_dropout=float(cfg.get("embd_pdrop") or 0.0),
     )
 
 
@@ -261,6 +272,10 @@ def _gpt2(cfg: dict[str, Any], source: str) -> ModelSpec:
         norm_params_per_layer=4 * h,  # ln_1 and ln_2, weight and bias
         final_norm_params=2 * h,
         source=source,
+        # transformers' GPT2Config defaults, which every released GPT-2 keeps.
+        attention_dropout=float(_get(cfg, "attn_pdrop", default=0.1)),
+        hidden_dropout=float(_get(cfg, "resid_pdrop", default=0.1)),
+        embedding_dropout=float(_get(cfg, "embd_pdrop", default=0.1)),
     )
 
 

@@ -1,0 +1,226 @@
+"""The memory model against measurement, in this process: one rank, the worker's own step.
+
+Each case writes a seeded random model of a tiny config to a temporary folder and then runs what
+the worker runs, through the worker's functions: ``load_model`` (train mode, activation
+checkpointing), ``wrap_model`` (DDP on a one-process gloo group), ``build_optimizer`` (foreach
+AdamW on the CPU), ``build_scheduler``, ``micro_step`` (the token-summed loss, scaled) inside
+``Strategy.accumulate`` and ``optimizer_step`` (clipping, update, zero_grad). The probe is on from
+before the model load, like a `homelab-dp measure` run, and the peak over a few steps (so that the
+optimizer state exists and DDP has rebuilt its buckets) is compared with the planner's predicted
+peak of tensor memory, ``Budget.tensors``. `benchmarks/memory_accuracy.py` prints the grid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.memory import Budget, TrainShape, budget
+from homelab_dp.core.model_spec import spec_from_config
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    # LLaMA-style with grouped-query attention, untied lm_head.
+    "llama-gqa": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 4096,
+        "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    },
+    # Qwen2-style: tied embeddings, q/k/v biases.
+    "qwen2-tied": {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 6000,
+        "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    },
+    # GPT-2 (learned positions, LayerNorm, GELU, dropout 0.1 everywhere, tied lm_head).
+    "gpt2": {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 2000,
+        "n_embd": 128, "n_layer": 3, "n_head": 4, "n_positions": 512,
+    },
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Case:
+    """One grid point: a family and a batch geometry (full fine-tune, fp32, DDP, AdamW)."""
+
+    family: str
+    micro_batch: int
+    seq_len: int
+    activation_checkpointing: bool = False
+    grad_accum: int = 1
+
+    @property
+    def name(self) -> str:
+        ck = " ckpt" if self.activation_checkpointing else ""
+        acc = f" ×{self.grad_accum}acc" if self.grad_accum > 1 else ""
+        return f"{self.family} b{self.micro_batch} s{self.seq_len}{acc}{ck}"
+
+
+GRID: tuple[Case, ...] = tuple(
+    Case(fam, b, s, ck, acc)
+    for fam in FAMILIES
+    for (b, s, acc) in ((1, 64, 1), (1, 256, 1), (4, 64, 1), (4, 128, 1), (2, 128, 2))
+    for ck in (False, True)
+)
+"""Every family × five shapes × activation checkpointing off/on (30 cases)."""
+
+
+@dataclass
+class Result:
+    """Estimate against measurement for one case."""
+
+    case: Case
+    estimate: Budget
+    measured: int
+    measured_phase: str
+    phases: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def error(self) -> float:
+        """(estimate − measured) / measured: positive when the plan over-estimates."""
+        return (self.estimate.tensors - self.measured) / self.measured
+
+
+def shape_of(case: Case) -> TrainShape:
+    """The planner's shape for a case (what `plan` would budget)."""
+    return TrainShape(
+        method="full", distribution="ddp", world_size=1, device="cpu", dtype="fp32",
+        micro_batch=case.micro_batch, seq_len=case.seq_len, grad_accum=case.grad_accum,
+        activation_checkpointing=case.activation_checkpointing, optimizer="adamw",
+    )  # fmt: skip
+
+
+def estimate(case: Case) -> Budget:
+    """The planner's budget for a case."""
+    return budget(spec_from_config(FAMILIES[case.family]), shape_of(case))
+
+
+@contextlib.contextmanager
+def single_rank_group(folder: Path) -> Any:
+    """A one-process gloo group (reused when the caller already has one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _write_model(cfg: dict[str, Any], folder: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def measure_case(case: Case, steps: int = 3) -> Result:
+    """Run ``steps`` optimizer steps of ``case`` under the probe; the peak against the estimate."""
+    import torch
+
+    from homelab_dp.core.preset import preset_from_dict
+    from homelab_dp.core.spec import Resolved
+    from homelab_dp.train.memtrack import MemoryProbe, model_state
+    from homelab_dp.train.model import load_model
+    from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
+    from homelab_dp.train.worker import micro_step, optimizer_step
+
+    cfg = FAMILIES[case.family]
+    with tempfile.TemporaryDirectory(prefix="homelab-dp-memcheck-") as tmp:
+        folder = Path(tmp)
+        _write_model(cfg, folder / "model")
+        preset = preset_from_dict({
+            "model": {"path": str(folder / "model")},
+            "data": {"path": str(folder / "data.jsonl"), "seq_len": case.seq_len},
+            "train": {"method": "full", "distribution": "ddp", "micro_batch": case.micro_batch,
+                      "grad_accum": case.grad_accum, "max_steps": steps,
+                      "activation_checkpointing": case.activation_checkpointing},
+        })  # fmt: skip
+        resolved = Resolved(method="full", distribution="ddp",
+                            activation_checkpointing=case.activation_checkpointing,
+                            device="cpu", world_size=1, dtype="fp32",
+                            micro_batch=case.micro_batch, grad_accum=case.grad_accum,
+                            lr=preset.train.lr)  # fmt: skip
+        device = torch.device("cpu")
+        gen = torch.Generator().manual_seed(1)
+        vocab = int(cfg["vocab_size"])
+        shape = (steps, case.grad_accum, case.micro_batch, case.seq_len)
+        ids = torch.randint(0, vocab, shape, generator=gen)
+        labels = torch.randint(0, vocab, shape, generator=gen)
+        mask = torch.ones(shape, dtype=torch.long)
+        probe = MemoryProbe(device)
+        with single_rank_group(folder):
+            probe.start()
+            try:
+                loaded = load_model(preset, resolved, device)
+                strategy = wrap_model(loaded, resolved, device)
+                optimizer = build_optimizer(strategy, preset.train, resolved.lr, device)
+                scheduler = build_scheduler(optimizer, preset.train, steps)
+                probe.state = lambda: model_state(strategy.inner, optimizer)
+                probe.mark("load")
+                scale = 1.0 / (case.micro_batch * case.seq_len * case.grad_accum)
+                for step in range(steps):
+                    for k in range(case.grad_accum):
+                        with strategy.accumulate(final=k == case.grad_accum - 1):
+                            # Copies, as the worker's indexing of its data set makes.
+                            batch = (ids[step, k].clone(), mask[step, k].clone(),
+                                     labels[step, k].clone())  # fmt: skip
+                            micro_step(strategy, *batch,
+                                       scale, autocast=contextlib.nullcontext,
+                                       loss_dtype=torch.float32, probe=probe)  # fmt: skip
+                    optimizer_step(strategy, optimizer, scheduler, None,
+                                   preset.train.max_grad_norm)  # fmt: skip
+                    probe.mark("optimizer")
+            finally:
+                probe.stop()
+    out = probe.to_json()
+    return Result(case, estimate(case), int(out["peak_bytes"]), out["peak_phase"], out["phases"])
+
+
+def table(results: list[Result]) -> str:
+    """The accuracy table as text: case, estimate, measured, error, phases."""
+    mib = 1024**2
+    rows = [f"{'case':<30} {'estimate':>10} {'measured':>10} {'error':>7}  peak phase (est/meas)"]
+    for r in results:
+        rows.append(
+            f"{r.case.name:<30} {r.estimate.tensors / mib:>8.2f}Mi {r.measured / mib:>8.2f}Mi "
+            f"{100 * r.error:>+6.1f}%  {r.estimate.peak_phase} / {r.measured_phase}"
+        )
+    worst = max((abs(r.error) for r in results), default=0.0)
+    rows.append(f"worst |error| {100 * worst:.1f}% over {len(results)} cases")
+    return "\n".join(rows)
+
+
+def to_json(results: list[Result]) -> str:
+    """The same as JSON lines (one case a line)."""
+    return "\n".join(
+        json.dumps(
+            {
+                "case": r.case.name,
+                "estimate_bytes": r.estimate.tensors,
+                "measured_bytes": r.measured,
+                "error": r.error,
+                "estimate_phase": r.estimate.peak_phase,
+                "measured_phase": r.measured_phase,
+                "estimate": r.estimate.per_device_bytes(),
+                "phases": r.phases,
+            }
+        )  # fmt: skip
+        for r in results
+    )
