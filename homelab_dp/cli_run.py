@@ -23,7 +23,7 @@ def _mode(args: argparse.Namespace) -> str:
 
 
 def _multinode(args: argparse.Namespace):
-    from homelab_dp.run.controller import MultiNode
+    from homelab_dp.run.controller import MultiNode, check_port
 
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         from homelab_dp.errors import HomelabError
@@ -32,7 +32,9 @@ def _multinode(args: argparse.Namespace):
             f"--node-rank {args.node_rank}: must be between 0 and --nnodes - 1 ({args.nnodes - 1})",
             hint="number the machines 0, 1, … and start the same command on each",
         )
-    return MultiNode(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    multinode = MultiNode(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    check_port(multinode)  # a taken --master-port: a clear error before anything is prepared
+    return multinode
 
 
 def cmd_run(args: argparse.Namespace) -> int:

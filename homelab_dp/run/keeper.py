@@ -292,9 +292,12 @@ class Keeper:
         if errors:  # the root-cause rank's own error event, else the first one
             mine = [e for e in errors if root is not None and e.get("rank") == root.rank]
             e = (mine or errors)[0]
+            message = str(e.get("message", "error"))
+            # A checkpoint write failure names its own rank (DCP gathers every rank's failure).
+            who = "" if e.get("kind") == "CheckpointError" else f"rank {e.get('rank', '?')}: "
             return (
                 "failed",
-                f"rank {e.get('rank', '?')}: {e.get('message', 'error')}",
+                who + message,
                 {
                     "kind": "error",
                     "rank": e.get("rank"),
