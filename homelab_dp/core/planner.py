@@ -17,12 +17,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from homelab_dp.core.calibration import (
+    HardwareCalibration,
+    Measurement,
+    calibration_json,
+    config_key,
+    measured_reasons,
+)
 from homelab_dp.core.hardware import PlanHardware, format_bytes
-from homelab_dp.core.memory import Budget, TrainShape, budget, overhead_terms
+from homelab_dp.core.memory import (
+    Budget,
+    TrainShape,
+    assumed_overhead,
+    budget,
+    overhead_terms,
+)
 from homelab_dp.core.model_spec import ModelSpec
 from homelab_dp.core.preset import DISTRIBUTIONS, METHODS, Preset
+
+if TYPE_CHECKING:
+    from homelab_dp.core.fit import Fit
 
 SAFETY_MARGIN = 0.95
 """A plan fits when its total is at most this fraction of the smallest device's memory."""
@@ -70,6 +86,7 @@ class Candidate:
             "fits": self.fits,
             "supported": self.supported,
             "peak_phase": self.budget.peak_phase,
+            "phase_tensor_bytes": dict(self.budget.phases),
             "per_device_bytes": self.budget.per_device_bytes(),
             "comm_bytes_per_step": self.budget.comm_bytes_per_step,
             "note": self.note,
@@ -118,6 +135,12 @@ class Plan:
     reasons: tuple[str, ...]
     advice: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = field(default=())
+    calibration: HardwareCalibration | None = None
+    """What was measured on this hardware (None: nothing looked up, e.g. in tests)."""
+    measured: Measurement | None = None
+    """A measurement of exactly the chosen configuration on this hardware, if there is one."""
+    fit: Fit | None = None
+    """The micro-batch finder's answer, when it chose the micro-batch."""
 
     @property
     def fits(self) -> bool:
@@ -156,6 +179,7 @@ class Plan:
             "distribution": self.chosen.distribution,
             "fits": self.fits,
             "peak_phase": b.peak_phase,
+            "phase_tensor_bytes": dict(b.phases),
             "per_device_bytes": b.per_device_bytes(),
             "comm_bytes_per_step": b.comm_bytes_per_step,
             "lr": self.lr.to_json(),
@@ -163,7 +187,14 @@ class Plan:
             "reasons": list(self.reasons),
             "advice": list(self.advice),
             "assumptions": list(self.assumptions),
+            "calibration": self._calibration_json(),
+            "micro_batch_finder": self.fit.to_json() if self.fit else None,
         }
+
+    def _calibration_json(self) -> dict[str, Any]:
+        """Which numbers are measured on this hardware and which are estimated or assumed."""
+        ov = assumed_overhead(self.hardware.kind, self.world_size)
+        return calibration_json(self.calibration, self.measured, self.chosen.budget, ov)
 
 
 def resolve_dtype(preset: Preset, kind: str) -> str:
@@ -188,6 +219,7 @@ def _shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool,
         optimizer=preset.train.optimizer,
         lora_r=preset.lora.r,
         lora_targets=targets if isinstance(targets, str) else tuple(targets),
+        packed=preset.data.pack,
     )
 
 
@@ -202,10 +234,21 @@ def _supported(method: str, dist: str, hw: PlanHardware) -> tuple[bool, str]:
 
 
 def evaluate(
-    spec: ModelSpec, preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool, **kw: Any
+    spec: ModelSpec,
+    preset: Preset,
+    hw: PlanHardware,
+    method: str,
+    dist: str,
+    ckpt: bool,
+    calibration: HardwareCalibration | None = None,
+    **kw: Any,
 ) -> Candidate:
-    """Budget one (method, distribution, checkpointing) option on ``hw``."""
-    b = budget(spec, _shape(preset, hw, method, dist, ckpt, **kw))
+    """Budget one (method, distribution, checkpointing) option on ``hw``.
+
+    A calibration of this hardware replaces the assumed overhead terms with measured ones.
+    """
+    overhead = calibration.overhead if calibration else None
+    b = budget(spec, _shape(preset, hw, method, dist, ckpt, **kw), overhead)
     ok, note = _supported(method, dist, hw)
     fits = ok and b.total <= SAFETY_MARGIN * hw.min_memory
     return Candidate(method, dist, ckpt, b, fits, ok, note)
@@ -224,14 +267,19 @@ def _allowed(preset: Preset) -> list[tuple[str, str]]:
     return pairs
 
 
-def plan(spec: ModelSpec, preset: Preset, hw: PlanHardware) -> Plan:
-    """Run the decision tree for ``preset`` on ``hw``."""
+def plan(
+    spec: ModelSpec,
+    preset: Preset,
+    hw: PlanHardware,
+    calibration: HardwareCalibration | None = None,
+) -> Plan:
+    """Run the decision tree for ``preset`` on ``hw`` (with what was measured on it, if known)."""
     ckpts = _ckpt_options(preset)
     chosen: Candidate | None = None
     tried: list[Candidate] = []
     for method, dist in _allowed(preset):
         for ckpt in ckpts:
-            cand = evaluate(spec, preset, hw, method, dist, ckpt)
+            cand = evaluate(spec, preset, hw, method, dist, ckpt, calibration)
             tried.append(cand)
             if cand.fits:
                 chosen = cand
@@ -245,13 +293,19 @@ def plan(spec: ModelSpec, preset: Preset, hw: PlanHardware) -> Plan:
     candidates = []
     for method in METHODS:
         for dist in DISTRIBUTIONS:
-            options = [evaluate(spec, preset, hw, method, dist, c) for c in ckpts]
+            options = [evaluate(spec, preset, hw, method, dist, c, calibration) for c in ckpts]
             fitting = [c for c in options if c.fits]
             candidates.append(fitting[0] if fitting else options[-1])
     dtype = resolve_dtype(preset, hw.kind)
     lr = lr_advice(preset, hw.world_size)
     reasons = _reasons(spec, preset, hw, best_effort, tried, dtype)
-    advice = () if chosen else tuple(_advice(spec, preset, hw, best_effort))
+    advice = () if chosen else tuple(_advice(spec, preset, hw, best_effort, calibration))
+    measured = None
+    if calibration is not None and calibration.fingerprint:
+        c = best_effort
+        shape = _shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
+        measured = calibration.match(config_key(_model_key(spec), shape))
+        reasons += measured_reasons(best_effort.budget.tensors, measured, calibration)
     return Plan(
         spec=spec,
         hardware=hw,
@@ -264,8 +318,32 @@ def plan(spec: ModelSpec, preset: Preset, hw: PlanHardware) -> Plan:
         lr=lr,
         reasons=tuple(reasons + _lr_reasons(lr)),
         advice=advice,
-        assumptions=tuple(overhead_terms(hw.kind)),
+        assumptions=tuple(overhead_terms(hw.kind, calibration.overhead if calibration else None)),
+        calibration=calibration,
+        measured=measured,
     )
+
+
+def _model_key(spec: ModelSpec) -> dict[str, Any]:
+    return {**spec.summary(), "model_type": spec.model_type}
+
+
+def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candidate) -> dict:
+    """The calibration key of candidate ``c`` (what `homelab-dp measure` stores)."""
+    shape = _shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
+    return config_key(_model_key(spec), shape)
+
+
+def find_micro_batch(
+    spec: ModelSpec,
+    preset: Preset,
+    hw: PlanHardware,
+    calibration: HardwareCalibration | None = None,
+) -> Plan:
+    """`plan --find-micro-batch`: see `homelab_dp.core.fit.plan_micro_batch`."""
+    from homelab_dp.core.fit import plan_micro_batch
+
+    return plan_micro_batch(spec, preset, hw, calibration)
 
 
 def lr_advice(preset: Preset, world_size: int) -> LrAdvice:
@@ -362,7 +440,13 @@ def _reasons(
     return out
 
 
-def _advice(spec: ModelSpec, preset: Preset, hw: PlanHardware, best: Candidate) -> list[str]:
+def _advice(
+    spec: ModelSpec,
+    preset: Preset,
+    hw: PlanHardware,
+    best: Candidate,
+    calibration: HardwareCalibration | None = None,
+) -> list[str]:
     """What would make the run fit, each checked with the same budget arithmetic."""
     m, d, ck = best.method, best.distribution, best.activation_checkpointing
     usable = SAFETY_MARGIN * hw.min_memory
@@ -370,7 +454,7 @@ def _advice(spec: ModelSpec, preset: Preset, hw: PlanHardware, best: Candidate) 
     t = preset.train
 
     def fits(**kw: Any) -> bool:
-        return evaluate(spec, preset, hw, m, d, ck, **kw).budget.total <= usable
+        return evaluate(spec, preset, hw, m, d, ck, calibration, **kw).budget.total <= usable
 
     seq = preset.data.seq_len
     while seq > 16 and not fits(seq_len=seq):

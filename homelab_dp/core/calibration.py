@@ -1,0 +1,262 @@
+"""Measured memory, kept per hardware fingerprint, and the overhead terms corrected from it.
+
+`homelab-dp measure` records, for one configuration on one machine, the planner's estimate beside
+the measured peak of tensor memory (live tensor bytes on the CPU, ``max_memory_allocated`` on
+CUDA) and the process-level peak (the resident set on the CPU, ``max_memory_reserved`` and the
+device's used memory on CUDA). Later plans on the same hardware:
+
+* show the measured figures beside the estimate when the configuration matches one measured;
+* replace the assumed overhead (runtime, fragmentation) with what was measured: on CUDA the
+  fragmentation is ``reserved / allocated - 1`` and the runtime (context, NCCL) is the device's
+  used memory minus the reserved; on the CPU everything the process holds beyond its tensors is
+  runtime, and with measurements of different sizes a line ``runtime + fraction × tensors`` is
+  fitted to them.
+
+The file is ``$XDG_DATA_HOME/homelab-dp/calibration.json`` (``~/.local/share`` by default). A
+fingerprint is the device kind, the GPU model (or the CPU model), the driver and torch's version
+— read from package metadata, so that nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.hardware import format_bytes
+from homelab_dp.core.memory import COMPONENTS, Budget, Overhead, TrainShape
+
+FILE_VERSION = 1
+KEEP_PER_FINGERPRINT = 50
+"""Older measurements of a fingerprint are dropped beyond this many."""
+
+
+def data_dir() -> Path:
+    """``$XDG_DATA_HOME/homelab-dp`` (``~/.local/share/homelab-dp`` when unset)."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "homelab-dp"
+
+
+def calibration_path() -> Path:
+    return data_dir() / "calibration.json"
+
+
+def torch_version() -> str | None:
+    """torch's installed version, from package metadata (torch is not imported)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def fingerprint(
+    kind: str,
+    *,
+    device_names: Iterable[str] = (),
+    driver: str | None = None,
+    cpu_model: str | None = None,
+    torch: str | None = None,
+) -> str:
+    """One line naming the hardware and software that memory figures depend on."""
+    parts = [kind]
+    if kind == "cuda":
+        parts += [" + ".join(sorted(set(device_names))) or "unknown GPU", f"driver {driver or '?'}"]
+    else:
+        parts.append(cpu_model or "unknown CPU")
+    parts.append(f"torch {torch or '?'}")
+    return " | ".join(parts)
+
+
+def config_key(model: dict[str, Any], shape: TrainShape) -> dict[str, Any]:
+    """What makes two measurements comparable: the model's sizes and the training shape."""
+    keep = ("model_type", "params", "layers", "hidden", "vocab")
+    return {"model": {k: model.get(k) for k in keep}, "shape": asdict(shape)}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One configuration measured on one machine (the largest figure over its ranks)."""
+
+    fingerprint: str
+    key: dict[str, Any]
+    kind: str
+    """"live_tensor_bytes" (CPU) or "cuda_max_allocated"."""
+    estimate_tensor_bytes: int
+    estimate_peak_phase: str
+    measured_tensor_bytes: int
+    measured_peak_phase: str
+    estimate_phases: dict[str, int] = field(default_factory=dict)
+    measured_phases: dict[str, int] = field(default_factory=dict)
+    process_peak_bytes: int | None = None
+    """CPU: the resident-set peak; CUDA: ``max_memory_reserved``."""
+    runtime_bytes: int | None = None
+    """CUDA only: device memory in use beyond the caching allocator (context, NCCL)."""
+    time: float = 0.0
+    run_id: str = ""
+
+    @property
+    def error(self) -> float:
+        """(estimate − measured) / measured: positive when the plan over-estimates."""
+        return (self.estimate_tensor_bytes - self.measured_tensor_bytes) / max(
+            self.measured_tensor_bytes, 1
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Measurement:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in doc.items() if k in names})
+
+
+def corrected_overhead(measurements: list[Measurement], assumed: Overhead) -> Overhead:
+    """The overhead terms as measured; ``assumed`` fills what the measurements cannot tell."""
+    usable = [m for m in measurements if m.process_peak_bytes and m.measured_tensor_bytes > 0]
+    if not usable:
+        return assumed
+    when = time.strftime("%Y-%m-%d", time.localtime(max(m.time for m in usable)))
+    source = f"measured on this hardware, {len(usable)} run(s), last {when}"
+    if usable[0].kind == "cuda_max_allocated":
+        frag = _mean((m.process_peak_bytes or 0) / m.measured_tensor_bytes - 1 for m in usable)
+        runtimes = [m.runtime_bytes for m in usable if m.runtime_bytes is not None]
+        runtime = int(_mean(runtimes)) if runtimes else assumed.runtime_bytes
+        return Overhead(max(runtime, 0), min(max(frag, 0.0), 1.0), source)
+    # CPU: non-tensor bytes o = runtime + f × tensors; fit f only when the sizes differ enough.
+    t = [float(m.measured_tensor_bytes) for m in usable]
+    o = [float((m.process_peak_bytes or 0) - m.measured_tensor_bytes) for m in usable]
+    frac = assumed.fragmentation
+    if len(usable) > 1 and max(t) > 1.5 * min(t):
+        tm, om = _mean(t), _mean(o)
+        cov = sum((a - tm) * (b - om) for a, b in zip(t, o, strict=True))
+        var = sum((a - tm) ** 2 for a in t)
+        frac = min(max(cov / var, 0.0), 0.5)
+    runtime = _mean(oi - frac * ti for oi, ti in zip(o, t, strict=True))
+    return Overhead(int(max(runtime, 0.0)), frac, source)
+
+
+def _mean(values: Iterable[float]) -> float:
+    vals = list(values)
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+@dataclass(frozen=True)
+class HardwareCalibration:
+    """What is known about one machine: its measurements and the overhead derived from them."""
+
+    fingerprint: str | None
+    """None when the plan is for hardware that is not here (a what-if ``--gpus`` size)."""
+    measurements: tuple[Measurement, ...] = ()
+    overhead: Overhead | None = None
+    """The measured overhead terms, or None when nothing was measured."""
+
+    def match(self, key: dict[str, Any]) -> Measurement | None:
+        """The newest measurement of exactly this configuration."""
+        found = [m for m in self.measurements if m.key == key]
+        return max(found, key=lambda m: m.time) if found else None
+
+
+class CalibrationStore:
+    """The calibration file: measurements of every fingerprint seen on this account."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or calibration_path()
+        self.measurements: list[Measurement] = []
+        self.problem: str | None = None
+        """Why the file could not be read (it is then treated as empty and rewritten)."""
+        if self.path.is_file():
+            try:
+                doc = json.loads(self.path.read_text(encoding="utf-8"))
+                self.measurements = [Measurement.from_json(m) for m in doc["measurements"]]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self.problem = f"{self.path}: unreadable ({exc}); starting afresh"
+
+    def for_hardware(self, fp: str | None, assumed: Overhead) -> HardwareCalibration:
+        """The calibration of one fingerprint (empty for None or an unknown machine)."""
+        if fp is None:
+            return HardwareCalibration(None)
+        mine = tuple(m for m in self.measurements if m.fingerprint == fp)
+        overhead = corrected_overhead(list(mine), assumed) if mine else None
+        if overhead is not None and overhead.source == "assumed":
+            overhead = None
+        return HardwareCalibration(fp, mine, overhead)
+
+    def add(self, m: Measurement) -> None:
+        """Record ``m``, replacing an earlier measurement of the same configuration."""
+        keep = [x for x in self.measurements if (x.fingerprint, x.key) != (m.fingerprint, m.key)]
+        keep.append(m)
+        same = [x for x in keep if x.fingerprint == m.fingerprint]
+        if len(same) > KEEP_PER_FINGERPRINT:
+            drop = {id(x) for x in sorted(same, key=lambda x: x.time)[:-KEEP_PER_FINGERPRINT]}
+            keep = [x for x in keep if id(x) not in drop]
+        self.measurements = keep
+
+    def save(self) -> Path:
+        """Write the file atomically (private to the user)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"version": FILE_VERSION, "measurements": [m.to_json() for m in self.measurements]}
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, self.path)
+        return self.path
+
+
+def calibration_json(
+    cal: HardwareCalibration | None, measured: Measurement | None, chosen: Budget, assumed: Overhead
+) -> dict[str, Any]:
+    """The plan's ``calibration`` block: which numbers are measured, estimated or assumed."""
+    ov = (cal.overhead if cal else None) or assumed
+    sources = dict.fromkeys(COMPONENTS, "estimate")
+    sources["overhead"] = "assumed" if ov.source == "assumed" else "measured"
+    sources["tensors"] = "measured" if measured is not None else "estimate"
+    seen = None
+    if measured is not None:
+        m, est = measured, chosen.tensors
+        seen = {
+            "kind": m.kind,
+            "tensor_bytes": m.measured_tensor_bytes,
+            "peak_phase": m.measured_peak_phase,
+            "phases": m.measured_phases,
+            "process_peak_bytes": m.process_peak_bytes,
+            "estimate_tensor_bytes": est,
+            "error": (est - m.measured_tensor_bytes) / max(m.measured_tensor_bytes, 1),
+            "time": m.time,
+            "run_id": m.run_id,
+        }
+    return {
+        "fingerprint": cal.fingerprint if cal else None,
+        "measurements": len(cal.measurements) if cal else 0,
+        "overhead": {
+            "runtime_bytes": ov.runtime_bytes,
+            "fragmentation": ov.fragmentation,
+            "source": ov.source,
+        },
+        "measured": seen,
+        "sources": sources,
+    }
+
+
+def measured_reasons(
+    estimate: int, m: Measurement | None, calibration: HardwareCalibration
+) -> list[str]:
+    """The plan's reasons about measurements on this hardware."""
+    if m is None:
+        n = len(calibration.measurements)
+        if not n:
+            return []
+        return [f"{n} measurement(s) on this hardware correct the overhead terms; this exact "
+                "configuration was not measured (`homelab-dp measure` does it)."]  # fmt: skip
+    err = (estimate - m.measured_tensor_bytes) / max(m.measured_tensor_bytes, 1)
+    return [
+        f"Measured on this hardware: peak tensor memory {format_bytes(m.measured_tensor_bytes)} "
+        f"in the {m.measured_peak_phase} phase, estimate {format_bytes(estimate)} "
+        f"({100 * err:+.1f}%)."
+    ]
