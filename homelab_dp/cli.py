@@ -49,7 +49,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from homelab_dp.run.planning import make_plan
 
     preset = open_preset(args.preset, args.set)
-    planned = make_plan(preset, args.gpus)
+    planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch)
     if args.json:
         print(json.dumps(planned.plan.to_json(), indent=2))
     else:
@@ -57,6 +57,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         _console().print(render_plan(planned.plan))
     return EXIT_OK  # whether or not it fits: the answer is in `fits`
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    from homelab_dp.measure import measure, render_measure
+
+    report = measure(args.preset, steps=args.steps, gpus=args.gpus, overrides=args.set,
+                     force=args.force, store=not args.no_store)  # fmt: skip
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        _console().print(render_measure(report))
+    return EXIT_OK
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -98,7 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", help="plan for other hardware: 2x24GiB, 24GiB,12GiB, cpu:2")
     p.add_argument("--json", action="store_true", help="one JSON document")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--find-micro-batch",
+        action="store_true",
+        help="the largest micro-batch that fits; accumulation keeps the effective batch",
+    )
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("measure", help="run a few real steps and measure memory against the plan")
+    p.add_argument("preset", help="a preset file or the name of one")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps to measure (default 3)")
+    p.add_argument("--gpus", help="cpu:N measures on N CPU processes")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.add_argument("--force", action="store_true", help="measure even if the plan does not fit")
+    p.add_argument("--no-store", action="store_true", help="do not keep the result for later plans")
+    p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("presets", help="list, show and save presets")
     psub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)

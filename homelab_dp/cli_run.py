@@ -42,9 +42,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     controller = _controller()
     multinode = _multinode(args)
+    overrides = list(args.set) + (_fitted(args) if args.auto_fit else [])
     prepared = controller.prepare(
         args.preset,
-        overrides=args.set,
+        overrides=overrides,
         gpus=args.gpus,
         force=args.force,
         nnodes=multinode.nnodes,
@@ -59,6 +60,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"started {run_id} (Ctrl-C detaches; stop with: homelab-dp stop {run_id})")
     return follow(controller, run_id, _mode(args), history_until=0)
+
+
+def _fitted(args: argparse.Namespace) -> list[str]:
+    """`run --auto-fit` before launch: the micro-batch finder's choice as ``--set`` overrides."""
+    from homelab_dp.core.preset_store import open_preset
+    from homelab_dp.run.planning import make_plan
+
+    preset = open_preset(args.preset, args.set)
+    fit = make_plan(preset, args.gpus, find_micro_batch=True).plan.fit
+    if fit is None or not fit.fits:
+        return []  # nothing fits: the plan refuses the run with its reasons
+    if args.json:
+        print(json.dumps({"type": "auto_fit", **fit.to_json()}))
+    else:
+        print(fit.describe())
+    out = [f"train.micro_batch={fit.micro_batch}", f"train.grad_accum={fit.grad_accum}"]
+    if not fit.exact and not preset.train.reference_batch:  # lr scaling refers to the asked batch
+        out.append(f"train.reference_batch={fit.requested_effective_batch}")
+    return out
 
 
 def cmd_attach(args: argparse.Namespace) -> int:

@@ -122,16 +122,20 @@ def render_plan(plan: Plan) -> RenderableType:
         f"{t['dtype']} · lr {j['lr']['applied']:.3g}"
     )
     per = j["per_device_bytes"]
+    measured = (j.get("calibration") or {}).get("measured")
     devices = Table(title=f"Memory per device at the {j['peak_phase']} peak", box=None)
     devices.add_column("device")
     devices.add_column("budget")
     devices.add_column("estimate / capacity", justify="right")
+    if measured:  # this very configuration was measured here: show it beside the estimate
+        devices.add_column("tensors: estimate / measured", justify="right")
     for d in plan.hardware.devices:
-        devices.add_row(
-            d.name,
-            memory_bar(per, d.memory_bytes),
-            f"{format_bytes(per['total'])} / {format_bytes(d.memory_bytes)}",
-        )
+        row = [d.name, memory_bar(per, d.memory_bytes),
+               f"{format_bytes(per['total'])} / {format_bytes(d.memory_bytes)}"]  # fmt: skip
+        if measured:
+            row.append(f"{format_bytes(measured['estimate_tensor_bytes'])} / "
+                       f"{format_bytes(measured['tensor_bytes'])} ({100 * measured['error']:+.1f}%)")  # fmt: skip
+        devices.add_row(*row)
 
     cands = Table(title="Every candidate (per device)")
     for col in ("method", "distribution", "ckpt", "total", "comm/step", "fits"):
@@ -171,5 +175,22 @@ def render_plan(plan: Plan) -> RenderableType:
                 expand=False,
             )
         )
-    blocks.append(Text("Assumed, not measured: " + "; ".join(j["assumptions"]), style="dim"))
+    if j.get("micro_batch_finder"):
+        f = j["micro_batch_finder"]
+        blocks.append(Text(f"micro-batch finder: {f['micro_batch']} × accumulation "
+                           f"{f['grad_accum']} = effective batch {f['effective_batch']}"
+                           + ("" if f["exact"] else f" (asked {f['requested_effective_batch']})")))  # fmt: skip
+    blocks.append(Text(_provenance(j), style="dim"))
     return Group(*blocks)
+
+
+def _provenance(j: dict) -> str:
+    """Which numbers are measured on this hardware and which are estimated or assumed."""
+    cal = j.get("calibration") or {}
+    out = "Overhead: " + "; ".join(j["assumptions"]) + "."
+    if not cal.get("fingerprint"):
+        return out + " Tensor components are estimates (what-if hardware: nothing measured)."
+    if cal.get("measured"):
+        return out + f" Tensor peak measured on {cal['fingerprint']}; components are estimates."
+    return (out + f" Tensor components are estimates; `homelab-dp measure` measures them on "
+            f"{cal['fingerprint']}.")  # fmt: skip

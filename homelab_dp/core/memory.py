@@ -67,8 +67,9 @@ class TrainShape:
     lora_r: int = 16
     lora_targets: str | tuple[str, ...] = "all-linear"
     packed: bool = True
-    """Packed blocks have no padding; padded batches add a b·s² attention mask (and GQA's
-    key/value heads are repeated for SDPA)."""
+    """No padding in the micro-batch. Padded batches keep a b·s² attention mask per layer (and
+    GQA's key/value heads repeated for SDPA). Note: with data.pack the last block of the data
+    set is padded, so one micro-batch per epoch takes the padded path."""
 
 
 @dataclass(frozen=True)
@@ -153,12 +154,16 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         if spec.hidden_dropout > 0:
             out += 2 * h * (w if cpu else 1)  # CPU dropout keeps a float mask, CUDA a bool one
     else:
-        if not shape.packed and spec.kv_heads != a:
-            kvd = attn  # with a padding mask SDPA gets key/value heads repeated to all heads
+        if not shape.packed:
+            # With a padding mask every layer keeps its own additive fp32 (b, 1, s, s) mask, and
+            # SDPA gets the key/value heads repeated to all heads.
+            kvd = attn
         rest = 2 * attn + 2 * kvd + 4 * inter
         if spec.model_type == "phi3":
             rest += attn + kvd  # the fused qkv output stays alive beside the rotated q and k
         out = (24 * h if w == 4 else 28 * h) + w * rest + small
+        if not shape.packed:
+            out += shape.seq_len * w
         if spec.model_type == "gemma2":
             out += 4 * h * 4  # post-attention and post-MLP norms keep their input and output
     if cpu and spec.attention_dropout > 0:
@@ -180,8 +185,6 @@ def outer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
     else:
         out = 3 * h * 4 if w == 4 else 14 * h  # embedding output, final norm input/output
     out += 3 * 8  # input ids, attention mask and labels (int64)
-    if not shape.packed:
-        out += shape.seq_len * w  # the additive b·s² attention mask, once per forward
     return out
 
 

@@ -71,8 +71,20 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
     return PlanHardware("cuda", chosen, source="probe", indices=tuple(indices)), report
 
 
-def make_plan(preset: Preset, gpus: str | None = None) -> Planned:
-    """Plan ``preset`` (paths already resolved) on the probed or what-if hardware."""
+def make_plan(
+    preset: Preset, gpus: str | None = None, *, find_micro_batch: bool = False
+) -> Planned:
+    """Plan ``preset`` (paths already resolved) on the probed or what-if hardware.
+
+    What `homelab-dp measure` stored for this hardware corrects the overhead terms and is shown
+    beside the estimate. ``find_micro_batch``: the largest micro-batch that fits, accumulation
+    keeping the preset's effective batch (`homelab_dp.core.fit`).
+    """
+    from homelab_dp.core.planner import find_micro_batch as finder
+    from homelab_dp.measure import hardware_calibration
+
     spec = load_model_spec(preset.model.path)
     hardware, report = select_hardware(preset, gpus)
-    return Planned(preset, spec, hardware, plan(spec, preset, hardware), report)
+    calibration = hardware_calibration(hardware, report)
+    make = finder if find_micro_batch else plan
+    return Planned(preset, spec, hardware, make(spec, preset, hardware, calibration), report)

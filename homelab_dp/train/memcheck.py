@@ -54,12 +54,15 @@ class Case:
     seq_len: int
     activation_checkpointing: bool = False
     grad_accum: int = 1
+    padded: bool = False
+    """A quarter of the first sequence of every micro-batch is padding (pack = false)."""
 
     @property
     def name(self) -> str:
         ck = " ckpt" if self.activation_checkpointing else ""
         acc = f" ×{self.grad_accum}acc" if self.grad_accum > 1 else ""
-        return f"{self.family} b{self.micro_batch} s{self.seq_len}{acc}{ck}"
+        pad = " pad" if self.padded else ""
+        return f"{self.family} b{self.micro_batch} s{self.seq_len}{acc}{pad}{ck}"
 
 
 GRID: tuple[Case, ...] = tuple(
@@ -67,8 +70,10 @@ GRID: tuple[Case, ...] = tuple(
     for fam in FAMILIES
     for (b, s, acc) in ((1, 64, 1), (1, 256, 1), (4, 64, 1), (4, 128, 1), (2, 128, 2))
     for ck in (False, True)
-)
-"""Every family × five shapes × activation checkpointing off/on (30 cases)."""
+) + tuple(Case(fam, 4, 128, ck, 1, padded=True) for fam in ("llama-gqa", "qwen2-tied")
+          for ck in (False, True))  # fmt: skip
+"""Every family × five shapes × activation checkpointing off/on, and padded batches of the
+LLaMA-style families (34 cases)."""
 
 
 @dataclass
@@ -93,6 +98,7 @@ def shape_of(case: Case) -> TrainShape:
         method="full", distribution="ddp", world_size=1, device="cpu", dtype="fp32",
         micro_batch=case.micro_batch, seq_len=case.seq_len, grad_accum=case.grad_accum,
         activation_checkpointing=case.activation_checkpointing, optimizer="adamw",
+        packed=not case.padded,
     )  # fmt: skip
 
 
@@ -147,7 +153,8 @@ def measure_case(case: Case, steps: int = 3) -> Result:
         _write_model(cfg, folder / "model")
         preset = preset_from_dict({
             "model": {"path": str(folder / "model")},
-            "data": {"path": str(folder / "data.jsonl"), "seq_len": case.seq_len},
+            "data": {"path": str(folder / "data.jsonl"), "seq_len": case.seq_len,
+                     "pack": not case.padded},
             "train": {"method": "full", "distribution": "ddp", "micro_batch": case.micro_batch,
                       "grad_accum": case.grad_accum, "max_steps": steps,
                       "activation_checkpointing": case.activation_checkpointing},
@@ -164,6 +171,9 @@ def measure_case(case: Case, steps: int = 3) -> Result:
         ids = torch.randint(0, vocab, shape, generator=gen)
         labels = torch.randint(0, vocab, shape, generator=gen)
         mask = torch.ones(shape, dtype=torch.long)
+        if case.padded:
+            mask[:, :, 0, -case.seq_len // 4 :] = 0
+            labels[:, :, 0, -case.seq_len // 4 :] = -100
         probe = MemoryProbe(device)
         with single_rank_group(folder):
             probe.start()

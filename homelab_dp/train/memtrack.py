@@ -228,7 +228,7 @@ class MemoryProbe:
                 self.track(self.state())
             t.reset_peak()
         old = self.phases.get(phase)
-        if old is None or now.peak > old.peak:
+        if old is None or now.peak >= old.peak:  # ties: the later (steady-state) breakdown
             self.phases[phase] = now
         if now.peak > self.peak:
             self.peak = now.peak
@@ -247,6 +247,23 @@ class MemoryProbe:
             return ""
         return max(self.phases, key=lambda p: self.phases[p].peak)
 
+    def process_figures(self) -> dict[str, int | None]:
+        """What the process holds beyond its tensors' peak, for the overhead calibration.
+
+        CPU: the resident-set peak of the process. CUDA: the caching allocator's reserved peak,
+        and the device memory in use beyond what it reserved (context, NCCL; other processes
+        on the same card count too).
+        """
+        if not self.cuda:
+            import resource
+
+            return {"process_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "runtime_bytes": None}  # fmt: skip
+        reserved = [p.reserved_peak or 0 for p in self.phases.values()]
+        free, total = torch.cuda.mem_get_info(self.device)
+        runtime = total - free - int(torch.cuda.memory_reserved(self.device))
+        return {"process_peak_bytes": max(reserved, default=0), "runtime_bytes": runtime}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -254,6 +271,7 @@ class MemoryProbe:
             "peak_phase": self.peak_phase,
             "peak_by_category": dict(self.peak_by_category),
             "phases": {p: self.phases[p].to_json() for p in PHASES if p in self.phases},
+            **self.process_figures(),
         }
 
 

@@ -1,0 +1,257 @@
+"""`homelab-dp measure PRESET`: a few real steps of the planned run, measured rank by rank.
+
+The preset is prepared exactly as `homelab-dp run` prepares it (preflight, plan, data), then run
+under torchrun through the launcher from a run folder whose spec.json carries
+``"measure_steps": N`` (``train.max_steps = N``, no checkpoints). The worker probes every step
+from before the model load (`homelab_dp.train.memtrack`): peak live tensor bytes on the CPU,
+``max_memory_allocated`` / ``max_memory_reserved`` on CUDA, per phase (load, forward, backward,
+optimizer), and writes one ``memory`` event with every rank's figures. The result is shown beside
+the plan's estimate and stored in the calibration file for this hardware, so later plans show the
+measured figure and use measured overhead terms (`homelab_dp.core.calibration`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.calibration import (
+    CalibrationStore,
+    HardwareCalibration,
+    Measurement,
+    fingerprint,
+    torch_version,
+)
+from homelab_dp.core.hardware import HardwareReport, PlanHardware, format_bytes
+from homelab_dp.core.memory import PHASES, assumed_overhead
+from homelab_dp.errors import HomelabError
+
+DEFAULT_STEPS = 3
+"""Enough for the steady state: the optimizer state exists after step 1, DDP rebuilds its
+buckets in step 2."""
+
+
+def hardware_fingerprint(hw: PlanHardware, report: HardwareReport | None) -> str | None:
+    """The fingerprint of the devices a plan is for, or None for a what-if GPU size."""
+    if hw.kind == "cuda":
+        if report is None or not report.gpus:
+            return None  # `--gpus 2x24GiB`: hardware that is not here
+        names = [g.name for g in report.gpus if not hw.indices or g.index in hw.indices]
+        return fingerprint("cuda", device_names=names, driver=report.driver_version,
+                           torch=torch_version())  # fmt: skip
+    if report is not None:
+        cpu = report.host.cpu_model
+    else:
+        from homelab_dp.probe import nvml
+
+        cpu = nvml.host_info().cpu_model
+    return fingerprint("cpu", cpu_model=cpu, torch=torch_version())
+
+
+def hardware_calibration(hw: PlanHardware, report: HardwareReport | None) -> HardwareCalibration:
+    """What was measured on the plan's hardware (nothing for a what-if GPU size)."""
+    fp = hardware_fingerprint(hw, report)
+    if fp is None:
+        return HardwareCalibration(None)
+    return CalibrationStore().for_hardware(fp, assumed_overhead(hw.kind, hw.world_size))
+
+
+@dataclass
+class MeasureReport:
+    """A measure run: every rank's figures beside the plan's estimate."""
+
+    run_id: str
+    run_dir: Path
+    fingerprint: str | None
+    plan: dict[str, Any]
+    memory: dict[str, Any]
+    """The worker's ``memory`` event (kind, ranks, measured_peak_bytes, …)."""
+    stored: Path | None = None
+
+    @property
+    def estimate_tensor_bytes(self) -> int:
+        per = self.plan["per_device_bytes"]
+        return sum(v for k, v in per.items() if k not in ("overhead", "total"))
+
+    @property
+    def measured_tensor_bytes(self) -> int:
+        return int(self.memory["measured_peak_bytes"])
+
+    @property
+    def error(self) -> float:
+        return (self.estimate_tensor_bytes - self.measured_tensor_bytes) / max(
+            self.measured_tensor_bytes, 1
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "run_dir": str(self.run_dir),
+            "fingerprint": self.fingerprint,
+            "kind": self.memory["kind"],
+            "steps": self.memory.get("steps"),
+            "method": self.plan["method"],
+            "distribution": self.plan["distribution"],
+            "training": self.plan["training"],
+            "estimate": {
+                "per_device_bytes": self.plan["per_device_bytes"],
+                "tensor_bytes": self.estimate_tensor_bytes,
+                "peak_phase": self.plan.get("peak_phase"),
+                "phases": self.plan.get("phase_tensor_bytes"),
+            },
+            "measured_peak_bytes": self.measured_tensor_bytes,
+            "error": self.error,
+            "ranks": self.memory["ranks"],
+            "calibration_file": str(self.stored) if self.stored else None,
+        }
+
+
+def measure(
+    preset_ref: str,
+    *,
+    steps: int = DEFAULT_STEPS,
+    gpus: str | None = None,
+    overrides: list[str] | None = None,
+    force: bool = False,
+    store: bool = True,
+    controller: Any = None,
+) -> MeasureReport:
+    """Run ``steps`` measured steps of ``preset_ref`` as planned; store the calibration."""
+    from homelab_dp.core.spec import make_spec
+    from homelab_dp.run.controller import make_controller
+    from homelab_dp.run.launcher import run_foreground
+    from homelab_dp.run.rundir import create_run_dir, new_run_id
+    from homelab_dp.run.state import update_state
+
+    if steps < 1:
+        raise HomelabError(f"--steps {steps}: must be at least 1", hint="e.g. --steps 3")
+    controller = controller or make_controller()
+    sets = [*(overrides or []), f"train.max_steps={steps}", "train.checkpoint_every=0"]
+    prepared = controller.prepare(preset_ref, overrides=sets, gpus=gpus, force=force)
+    name = Path(prepared.preset.source).stem if prepared.preset.source else "run"
+    run_id = new_run_id(f"measure-{name}")
+    plan = prepared.plan.to_json()
+    spec = make_spec(prepared.preset, prepared.resolved, run_id, plan)
+    spec.update(measure_steps=steps, gpu_indices=list(prepared.planned.hardware.indices),
+                nproc_per_node=prepared.resolved.world_size, blocks=prepared.blocks)  # fmt: skip
+    run_dir = create_run_dir(spec, controller.root)
+    update_state(run_dir, status="running", run_id=run_id, created=time.time(), reason="measure")
+    env = {}
+    if spec["gpu_indices"]:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["gpu_indices"]))
+    rc = run_foreground(run_dir, prepared.resolved.world_size, extra_env=env)
+    event = _memory_event(run_dir)
+    ok = rc == 0 and event is not None
+    update_state(run_dir, status="completed" if ok else "failed", ended=time.time(),
+                 exit_code=rc, reason="measured" if ok else f"measure run failed (exit {rc})")  # fmt: skip
+    if not ok:
+        raise HomelabError(
+            f"the measure run {run_id} failed (exit code {rc})",
+            hint=f"see {run_dir / 'logs'} and `homelab-dp status {run_id}`",
+        )
+    assert event is not None
+    fp = hardware_fingerprint(prepared.planned.hardware, prepared.planned.report)
+    report = MeasureReport(run_id, run_dir, fp, plan, event)
+    if store and fp is not None:
+        report.stored = _store(report, prepared)
+    return report
+
+
+def _memory_event(run_dir: Path) -> dict[str, Any] | None:
+    """The last ``memory`` event of a measure run."""
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return None
+    found = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("type") == "memory" and event.get("mode") == "measure":
+            found = event
+    return found
+
+
+def _store(report: MeasureReport, prepared: Any) -> Path:
+    """Add the measurement to the calibration file of this hardware."""
+    from homelab_dp.core.planner import measurement_key
+
+    p, planned = prepared.plan, prepared.planned
+    ranks = report.memory["ranks"]
+    phases = {ph: max(r["phases"].get(ph, {}).get("peak_bytes", 0) for r in ranks)
+              for ph in PHASES if any(ph in r["phases"] for r in ranks)}  # fmt: skip
+    top = max(ranks, key=lambda r: r["peak_bytes"])
+    process = [r.get("process_peak_bytes") for r in ranks if r.get("process_peak_bytes")]
+    runtime = [r.get("runtime_bytes") for r in ranks if r.get("runtime_bytes") is not None]
+    m = Measurement(
+        fingerprint=report.fingerprint or "",
+        key=measurement_key(planned.spec, planned.preset, planned.hardware, p.chosen),
+        kind=report.memory["kind"],
+        estimate_tensor_bytes=report.estimate_tensor_bytes,
+        estimate_peak_phase=str(report.plan.get("peak_phase")),
+        measured_tensor_bytes=report.measured_tensor_bytes,
+        measured_peak_phase=str(top.get("peak_phase")),
+        estimate_phases=dict(report.plan.get("phase_tensor_bytes") or {}),
+        measured_phases=phases,
+        process_peak_bytes=max(process) if process else None,
+        runtime_bytes=max(runtime) if runtime else None,
+        time=time.time(),
+        run_id=report.run_id,
+    )
+    store = CalibrationStore()
+    store.add(m)
+    return store.save()
+
+
+def render_measure(report: MeasureReport) -> Any:
+    """Per rank and phase: measured peak beside the estimate; the split at the peak."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    est = report.plan.get("phase_tensor_bytes") or {}
+    kind = report.memory["kind"]
+    what = "peak live tensor bytes" if kind == "live_tensor_bytes" else "max_memory_allocated"
+    t = report.plan["training"]
+    title = (f"{report.plan['method']} · {report.plan['distribution']} · micro-batch "
+             f"{t['micro_batch']} × accumulation {t['grad_accum']} · seq_len {t['seq_len']}"
+             f"{' · checkpointing' if t['activation_checkpointing'] else ''} — {what}")  # fmt: skip
+    phases = Table(title=title)
+    for col in ("rank", "phase", "estimate", "measured", "error", "end of phase"):
+        phases.add_column(col, justify="left" if col in ("rank", "phase") else "right")
+    for r in report.memory["ranks"]:
+        for ph in PHASES:
+            got = r["phases"].get(ph)
+            if got is None:
+                continue
+            e = est.get(ph)
+            err = f"{100 * (e - got['peak_bytes']) / max(got['peak_bytes'], 1):+.1f}%" if e else "–"
+            peak = " ◀ peak" if ph == r.get("peak_phase") else ""
+            phases.add_row(str(r["rank"]), ph + peak, format_bytes(e) if e else "–",
+                           format_bytes(got["peak_bytes"]), err, format_bytes(got["end_bytes"]))  # fmt: skip
+    parts = Table(title="At the peak, by component (largest rank)")
+    for col in ("component", "estimate", "measured"):
+        parts.add_column(col, justify="left" if col == "component" else "right")
+    top = max(report.memory["ranks"], key=lambda r: r["peak_bytes"])
+    per, got = report.plan["per_device_bytes"], top.get("peak_by_category") or {}
+    rows = (("weights", ["weights"], ["weights"]), ("gradients", ["gradients"], ["gradients"]),
+            ("optimizer state", ["optimizer"], ["optimizer"]),
+            ("activations, logits, buffers, temporaries",
+             ["activations", "logits", "buffers"], ["buffers", "other"]))  # fmt: skip
+    for label, mine, theirs in rows:
+        measured = format_bytes(sum(got.get(k, 0) for k in theirs)) if got else "n/a"
+        parts.add_row(label, format_bytes(sum(per[k] for k in mine)), measured)
+    summary = Text(
+        f"peak: estimate {format_bytes(report.estimate_tensor_bytes)} "
+        f"({report.plan.get('peak_phase')}), measured {format_bytes(report.measured_tensor_bytes)} "
+        f"({top.get('peak_phase')}), error {100 * report.error:+.1f}% · run {report.run_id}"
+    )
+    blocks: list[Any] = [phases, parts, summary]
+    if report.stored:
+        blocks.append(Text(f"stored for this hardware in {report.stored}; later plans show it",
+                           style="dim"))  # fmt: skip
+    return Group(*blocks)
