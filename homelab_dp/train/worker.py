@@ -232,12 +232,14 @@ class Trainer:
     def _start_event(self) -> None:
         import torch
 
+        from homelab_dp.core.events import StragglerDetector
         from homelab_dp.train.metrics import RankStats, all_gather_flat, peak_memory_kind
 
         pid = torch.tensor([os.getpid()], dtype=torch.int64, device=self.device)
         pids = torch.empty(self.world, dtype=torch.int64, device=self.device)
         all_gather_flat(pids, pid)  # once per run: who is who, for the controller
         self.stats = RankStats(self.device)
+        self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.device)
         per_device = (self.spec.get("plan") or {}).get("per_device_bytes") or None
         r = self.resolved
@@ -356,6 +358,9 @@ class Trainer:
                     samples=step * self.effective,
                 )  # fmt: skip
                 last_log_t, last_log_tokens, last_log_step = now, self.tokens, step
+                for slow in self.stragglers.update([r[1] for r in rows]):
+                    self.events.emit("straggler", step=step, rank=slow,
+                                     message=self.stragglers.flagged[slow])  # fmt: skip
             every = self.train.checkpoint_every
             if every and step % every == 0 and step < self.total_steps:
                 self._checkpoint(step)
