@@ -229,10 +229,13 @@ def render_measure(report: MeasureReport) -> Any:
             if got is None:
                 continue
             e = est.get(ph)
-            err = f"{100 * (e - got['peak_bytes']) / max(got['peak_bytes'], 1):+.1f}%" if e else "–"
-            peak = " ◀ peak" if ph == r.get("peak_phase") else ""
-            phases.add_row(str(r["rank"]), ph + peak, format_bytes(e) if e else "–",
-                           format_bytes(got["peak_bytes"]), err, format_bytes(got["end_bytes"]))  # fmt: skip
+            # The load estimate is what stays after loading; loading itself has transients.
+            seen = got["end_bytes"] if ph == "load" else got["peak_bytes"]
+            err = f"{100 * (e - seen) / max(seen, 1):+.1f}%" if e else "–"
+            label = "load (after)" if ph == "load" else ph
+            label += " ◀ peak" if ph == r.get("peak_phase") else ""
+            phases.add_row(str(r["rank"]), label, format_bytes(e) if e else "–",
+                           format_bytes(seen), err, format_bytes(got["end_bytes"]))  # fmt: skip
     parts = Table(title="At the peak, by component (largest rank)")
     for col in ("component", "estimate", "measured"):
         parts.add_column(col, justify="left" if col == "component" else "right")

@@ -126,18 +126,18 @@ def corrected_overhead(measurements: list[Measurement], assumed: Overhead) -> Ov
         frag = _mean((m.process_peak_bytes or 0) / m.measured_tensor_bytes - 1 for m in usable)
         runtimes = [m.runtime_bytes for m in usable if m.runtime_bytes is not None]
         runtime = int(_mean(runtimes)) if runtimes else assumed.runtime_bytes
-        return Overhead(max(runtime, 0), min(max(frag, 0.0), 1.0), source)
+        return Overhead(max(runtime, 0), min(max(frag, 0.0), 1.0), source, source)
     # CPU: non-tensor bytes o = runtime + f × tensors; fit f only when the sizes differ enough.
     t = [float(m.measured_tensor_bytes) for m in usable]
     o = [float((m.process_peak_bytes or 0) - m.measured_tensor_bytes) for m in usable]
-    frac = assumed.fragmentation
+    frac, frac_source = assumed.fragmentation, "assumed"
     if len(usable) > 1 and max(t) > 1.5 * min(t):
         tm, om = _mean(t), _mean(o)
         cov = sum((a - tm) * (b - om) for a, b in zip(t, o, strict=True))
         var = sum((a - tm) ** 2 for a in t)
-        frac = min(max(cov / var, 0.0), 0.5)
+        frac, frac_source = min(max(cov / var, 0.0), 0.5), source
     runtime = _mean(oi - frac * ti for oi, ti in zip(o, t, strict=True))
-    return Overhead(int(max(runtime, 0.0)), frac, source)
+    return Overhead(int(max(runtime, 0.0)), frac, source, frac_source)
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -238,6 +238,7 @@ def calibration_json(
             "runtime_bytes": ov.runtime_bytes,
             "fragmentation": ov.fragmentation,
             "source": ov.source,
+            "fragmentation_source": ov.fragmentation_source,
         },
         "measured": seen,
         "sources": sources,

@@ -82,6 +82,8 @@ class Overhead:
     """Allocator slack as a fraction of the tensor peak."""
     source: str = "assumed"
     """"assumed", or where the figures were measured (a calibration)."""
+    fragmentation_source: str = "assumed"
+    """Where the fragmentation was measured (the runtime may be measured while it is not)."""
 
     def bytes_for(self, tensor_bytes: float) -> float:
         return self.runtime_bytes + self.fragmentation * tensor_bytes
@@ -162,6 +164,8 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         if spec.model_type == "phi3":
             rest += attn + kvd  # the fused qkv output stays alive beside the rotated q and k
         out = (24 * h if w == 4 else 28 * h) + w * rest + small
+        if shape.method != "full":
+            out -= 2 * 4 * h  # frozen norm weights: the normalised input is not saved
         if not shape.packed:
             out += shape.seq_len * w
         if spec.model_type == "gemma2":
@@ -184,6 +188,8 @@ def outer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         out = (embed + 1) * h * 4 if w == 4 else embed * h * 2 + h * 6
     else:
         out = 3 * h * 4 if w == 4 else 14 * h  # embedding output, final norm input/output
+        if shape.method != "full":
+            out -= 4 * h  # a frozen final norm does not save its normalised input
     out += 3 * 8  # input ids, attention mask and labels (int64)
     return out
 
@@ -391,7 +397,7 @@ def overhead_terms(device: str, measured: Overhead | None = None) -> list[str]:
         return [
             f"{what} {measured.runtime_bytes // MiB} MiB per process ({measured.source})",
             f"allocator fragmentation {measured.fragmentation * 100:.0f}% of tensors "
-            f"({measured.source})",
+            f"({measured.fragmentation_source})",
         ]
     if device == "cuda":
         return [
