@@ -19,7 +19,8 @@ def in_repo(monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(autouse=True)
 def _private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
-    """Never touch the user's real runs folder or saved presets from a test."""
+    """Never touch the user's real runs folder, saved presets or memory calibration."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg")))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
     monkeypatch.setenv("HOMELAB_DP_RUNS", str(tmp_path_factory.mktemp("runs")))
     monkeypatch.delenv("HOMELAB_DP_PRESETS", raising=False)
