@@ -2,7 +2,10 @@
 
 The preset asks for an effective batch E = micro × world × accumulation. For a micro-batch m the
 accumulation is ceil(E / (m × world)), so the effective batch stays E when m × world divides E and
-becomes the next multiple above it otherwise (the plan says so). Memory is not monotonic in m —
+becomes the next multiple above it otherwise. By default only micro-batches that keep E exactly
+are chosen (the learning rate, the schedule, the data position of checkpoints and the OOM retry
+all assume it); a larger micro-batch that fits only by rounding E up is named in the plan, and
+``exact=False`` takes it, saying so. Memory is not monotonic in m —
 accumulation keeps every gradient alive during the backward pass, and a micro-batch large enough
 to need none drops them — so every m from 1 to ceil(E / world) is budgeted (pure arithmetic,
 microseconds each) and the largest that fits under the limit wins.
@@ -46,6 +49,8 @@ class Fit:
     fits: bool
     tried: tuple[tuple[int, int, bool], ...] = ()
     """(micro-batch, per-device total, fits) for every micro-batch budgeted."""
+    larger_inexact: int | None = None
+    """A larger micro-batch that fits but would round the effective batch up (exact mode)."""
 
     @property
     def effective_batch(self) -> int:
@@ -71,7 +76,13 @@ class Fit:
             f"{self.effective_batch}"
         )
         if self.exact:
-            return out + ", as the preset asked."
+            out += ", as the preset asked."
+            if self.larger_inexact:
+                m = self.larger_inexact
+                e = m * self.world_size * accumulation_for(self.requested_effective_batch, m,
+                                                           self.world_size)  # fmt: skip
+                out += f" ({m} would fit too, but would round the effective batch up to {e}.)"
+            return out
         return (
             out + f" — the preset asked for {self.requested_effective_batch}, which "
             f"{self.micro_batch} × {self.world_size} device(s) does not divide, so it is "
@@ -89,6 +100,7 @@ class Fit:
             "total_bytes": self.total_bytes,
             "limit_bytes": self.limit_bytes,
             "largest_tried": max((m for m, _, _ in self.tried), default=self.micro_batch),
+            "larger_inexact": self.larger_inexact,
         }
 
 
@@ -98,8 +110,11 @@ def find_micro_batch(
     requested_effective: int,
     world_size: int,
     max_micro: int | None = None,
+    exact: bool = True,
 ) -> Fit:
     """The largest micro-batch m with ``total_for(m, accumulation) <= limit``.
+
+    ``exact``: only micro-batches whose accumulation reaches E exactly (m × world divides E).
 
     ``total_for(micro, grad_accum)`` is the per-device total of the plan with those values.
     Micro-batches beyond ceil(E / world) are not tried: one optimizer step would then hold more
@@ -112,13 +127,16 @@ def find_micro_batch(
     top = min(top, max_micro or top, MAX_CANDIDATES)
     tried: list[tuple[int, int, bool]] = []
     best: tuple[int, int, int] | None = None
+    larger: int | None = None
     for micro in range(1, top + 1):
         accum = accumulation_for(requested_effective, micro, world_size)
         total = int(total_for(micro, accum))
         ok = total <= limit
         tried.append((micro, total, ok))
-        if ok:
-            best = (micro, accum, total)
+        if ok and exact and micro * world_size * accum != requested_effective:
+            larger = micro
+        elif ok:
+            best, larger = (micro, accum, total), None
     if best is None:
         micro, total, _ = tried[0]
         accum = accumulation_for(requested_effective, 1, world_size)
@@ -126,7 +144,7 @@ def find_micro_batch(
                    tuple(tried))  # fmt: skip
     micro, accum, total = best
     return Fit(micro, accum, world_size, requested_effective, total, int(limit), True,
-               tuple(tried))  # fmt: skip
+               tuple(tried), larger)  # fmt: skip
 
 
 def plan_micro_batch(
