@@ -60,7 +60,7 @@ class Case:
     @property
     def name(self) -> str:
         ck = " ckpt" if self.activation_checkpointing else ""
-        acc = f" ×{self.grad_accum}acc" if self.grad_accum > 1 else ""
+        acc = f" acc{self.grad_accum}" if self.grad_accum > 1 else ""
         pad = " pad" if self.padded else ""
         return f"{self.family} b{self.micro_batch} s{self.seq_len}{acc}{pad}{ck}"
 
