@@ -209,7 +209,7 @@ def table(results: list[Result]) -> str:
     rows = [f"{'case':<30} {'estimate':>10} {'measured':>10} {'error':>7}  peak phase (est/meas)"]
     for r in results:
         rows.append(
-            f"{r.case.name:<30} {r.estimate.tensors / mib:>8.2f}Mi {r.measured / mib:>8.2f}Mi "
+            f"{r.case.name:<30} {r.estimate.tensors / mib:>7.2f}MiB {r.measured / mib:>7.2f}MiB "
             f"{100 * r.error:>+6.1f}%  {r.estimate.peak_phase} / {r.measured_phase}"
         )
     worst = max((abs(r.error) for r in results), default=0.0)

@@ -116,3 +116,35 @@ def test_nothing_fits_even_at_micro_batch_one() -> None:
     p = plan_finder(spec, _preset(micro_batch=4, grad_accum=1), hw)
     assert p.fit is not None and not p.fit.fits and not p.fits
     assert p.micro_batch == 1 and p.grad_accum == 4
+
+
+def test_plan_command_finds_the_micro_batch(in_repo, capsys) -> None:
+    import json
+
+    from homelab_dp.cli import main
+
+    assert main(["plan", "tiny-demo", "--find-micro-batch", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    found = doc["micro_batch_finder"]
+    assert doc["training"]["micro_batch"] == found["micro_batch"] == 8  # 16 per step on 2 ranks
+    assert doc["training"]["grad_accum"] == found["grad_accum"] == 1
+    assert found["exact"] and doc["training"]["effective_batch"] == 16
+    assert main(["plan", "tiny-demo", "--json"]) == 0  # without the flag: as the preset says
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["micro_batch_finder"] is None and plain["training"]["micro_batch"] == 4
+
+
+def test_run_auto_fit_prepares_the_found_micro_batch(in_repo, capsys) -> None:
+    import argparse
+
+    from homelab_dp.cli_run import _fitted
+    from homelab_dp.run.controller import make_controller
+
+    args = argparse.Namespace(preset="tiny-demo", set=["train.grad_accum=4"], gpus=None,
+                              json=False)  # fmt: skip
+    overrides = _fitted(args)
+    assert overrides == ["train.micro_batch=16", "train.grad_accum=1"]  # 4 × 2 × 4 = 32
+    assert "16 is the largest micro-batch that fits" in capsys.readouterr().out
+    prepared = make_controller().prepare("tiny-demo", overrides=args.set + overrides)
+    r = prepared.resolved
+    assert (r.micro_batch, r.grad_accum, r.effective_batch) == (16, 1, 32)
