@@ -283,6 +283,7 @@ class Trainer:
         if reason == "completed":
             from homelab_dp.train.checkpoint import save_result
 
+            self.guard.beat(step, phase="result")  # the watchdog's clock restarts for the save
             final = save_result(self.run_dir, self.strategy, self.loaded.is_peft, self.tokenizer,
                                 self.preset)  # fmt: skip
         self.events.emit("end", reason=reason, final_loss=self.last_loss, steps=step,
