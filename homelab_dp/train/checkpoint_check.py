@@ -102,13 +102,14 @@ def check_checkpoint(path: Path) -> str | None:
     if pickles:
         return f"{path / pickles[0]}: a pickle file in a checkpoint; refused, never loaded"
     found = shard_files(path)
-    if not found:
-        return f"{path}: no safetensors shards"
     listed = marker.get("files")
     if not isinstance(listed, dict):  # written before the marker listed its shards
         listed = found
-    for name in sorted(set(listed) - set(found)):
-        return f"{path / name}: missing (the completion marker lists it)"
+    missing = sorted(set(listed) - set(found))
+    if missing:
+        return f"{path / missing[0]}: missing (the completion marker lists it)"
+    if not found:
+        return f"{path}: no safetensors shards"
     for name in found:  # the most specific message first: truncated, no metadata
         problem = check_shard(path / name)
         if problem:
@@ -116,9 +117,8 @@ def check_checkpoint(path: Path) -> str | None:
     for name, size in sorted(listed.items()):
         if found[name] != size:
             return f"{path / name}: changed since it was written ({found[name]} bytes, was {size})"
-    for name in sorted(set(found) - set(listed)):
-        return f"{path / name}: not part of the checkpoint as written"
-    return None
+    extra = sorted(set(found) - set(listed))
+    return f"{path / extra[0]}: not part of the checkpoint as written" if extra else None
 
 
 def find_usable(root: Path) -> tuple[Path | None, list[str]]:

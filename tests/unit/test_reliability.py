@@ -1,0 +1,149 @@
+"""The pure parts of fault handling: OOM proposals, the watchdog's clock and verdict, torchrun's
+root cause, and the checkpoint file checks (the runs themselves: tests/integration/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from homelab_dp.run.state import torchrun_root_cause
+from homelab_dp.run.watchdog import Watchdog, describe_stall, heartbeat_dir, write_heartbeat
+from homelab_dp.train.checkpoint_check import check_checkpoint, check_shard
+from homelab_dp.train.guard import oom_advice
+
+
+def _resolved(micro: int, accum: int, ac: bool = False, world: int = 2) -> dict:
+    return {"micro_batch": micro, "grad_accum": accum, "world_size": world,
+            "activation_checkpointing": ac}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("micro", "accum", "ac", "expected"),
+    [
+        (4, 2, False, (2, 4, False)),  # halve the micro-batch, double the accumulation
+        (6, 1, True, (3, 2, True)),  # the smallest factor: 6 = 2 × 3
+        (3, 1, False, (1, 3, False)),
+        (1, 4, False, (1, 4, True)),  # micro-batch 1: activation checkpointing
+        (1, 4, True, None),  # nothing left to change in this run
+    ],
+)
+def test_oom_proposal_keeps_the_effective_batch(micro, accum, ac, expected) -> None:
+    message, hint, proposal = oom_advice(_resolved(micro, accum, ac), MemoryError("boom"))
+    assert f"micro-batch {micro} × accumulation {accum}" in message and "boom" in message
+    if expected is None:
+        assert proposal is None and "lora" in hint
+        return
+    got = (proposal["micro_batch"], proposal["grad_accum"], proposal["activation_checkpointing"])
+    assert got == expected
+    assert proposal["effective_batch"] == micro * 2 * accum == got[0] * 2 * got[1]
+    assert "--auto-fit" in hint
+
+
+def _beat(run_dir: Path, rank: int, step: int, micro: int, pid: int, t: float) -> None:
+    folder = heartbeat_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_heartbeat(folder / f"rank-{rank}.json", {"rank": rank, "pid": pid, "step": step,
+                    "micro": micro, "phase": "train", "time": t})  # fmt: skip
+
+
+def test_watchdog_arms_on_training_and_fires_after_its_limit(tmp_path: Path) -> None:
+    dog = Watchdog(tmp_path, limit_s=10)
+    assert dog.check(now=0) is None and dog.check(now=100) is None  # loading: not armed
+    _beat(tmp_path, 0, 1, 0, os.getpid(), 1.0)
+    assert dog.check(now=100) is None and dog.armed  # a change: the clock restarts
+    assert dog.check(now=109) is None
+    _beat(tmp_path, 0, 2, 0, os.getpid(), 2.0)
+    assert dog.check(now=115) is None  # progress at 115
+    stall = dog.check(now=126)
+    assert stall is not None and stall.idle_s == 11 and "no rank made progress for 11 s" in (
+        stall.message)  # fmt: skip
+    assert Watchdog(tmp_path, limit_s=0).check(now=1e9) is None  # 0 turns it off
+
+
+def test_the_stalled_rank_is_the_stopped_one_else_the_one_behind(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        beats = {0: {"rank": 0, "pid": os.getpid(), "step": 5, "micro": 1},
+                 1: {"rank": 1, "pid": sleeper.pid, "step": 5, "micro": 0}}  # fmt: skip
+        behind = describe_stall(beats, 12.0, 10)
+        assert behind.rank == 1
+        assert "stalled at step 5 micro-step 0 while others reached step 5 micro-step 1" in (
+            behind.message)  # fmt: skip
+        beats[1]["micro"] = 1
+        waiting = describe_stall(beats, 12.0, 10)
+        assert waiting.rank is None and "every rank on this node waits" in waiting.message
+        sleeper.send_signal(signal.SIGSTOP)
+        for _ in range(50):
+            stopped = describe_stall(beats, 12.0, 10)
+            if stopped.rank is not None:
+                break
+        assert stopped.rank == 1 and "state T" in stopped.message
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+SUMMARY = """homelab_dp.train.worker FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 101)
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_16:48:41
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 102)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 102
+=======================================================
+"""
+
+
+def test_root_cause_is_the_first_failure_not_its_echo() -> None:
+    root = torchrun_root_cause("old attempt\n" + SUMMARY.replace("-9", "1") + SUMMARY)
+    assert (root.rank, root.exitcode, root.pid, root.signal) == (1, -9, 102, "SIGKILL")
+    assert root.describe() == "rank 1 (pid 102) was killed by signal SIGKILL (9)"
+    assert torchrun_root_cause("no summary") is None
+
+
+def _safetensors(path: Path, metadata: dict | None, data: bytes = b"\0" * 16) -> None:
+    header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, len(data)]}}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def test_checkpoint_checks_name_the_file(tmp_path: Path) -> None:
+    good = {"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [0]}})}
+    ckpt = tmp_path / "step-4"
+    ckpt.mkdir()
+    shard = ckpt / "shard-00001-model-00001-of-00001.safetensors"
+    _safetensors(shard, good)
+    assert check_shard(shard) is None
+    (ckpt / "trainer.json").write_text('{"step": 4}')
+    marker = {"step": 4, "files": {shard.name: shard.stat().st_size}}
+    (ckpt / "COMPLETE").write_text(json.dumps(marker))
+    assert check_checkpoint(ckpt) is None
+    os.truncate(shard, shard.stat().st_size - 4)
+    assert check_checkpoint(ckpt) == f"{shard}: truncated ({shard.stat().st_size} bytes, its " \
+        f"header describes {shard.stat().st_size + 4})"  # fmt: skip
+    _safetensors(shard, {"format": "pt"})
+    assert check_checkpoint(ckpt) == (
+        f"{shard}: missing its checkpoint metadata (DCP_SHARDING_INFO in the header)"
+    )
+    _safetensors(shard, good, data=b"\0" * 20)  # whole, but not what was written
+    assert "changed since it was written" in check_checkpoint(ckpt)
+    shard.unlink()
+    assert check_checkpoint(ckpt) == f"{shard}: missing (the completion marker lists it)"
+    (ckpt / "COMPLETE").unlink()
+    assert check_checkpoint(ckpt) == f"{ckpt / 'COMPLETE'}: missing or unreadable completion marker"
