@@ -4,6 +4,13 @@
 outlives the terminal) at the end. When every recorded process is gone but the file still
 says starting/running/stopping, the run died without saying so: `current_state` then reports
 failed, with the reason read from torchrun's error files and the logs.
+
+The reason names the root cause: torchrun's summary lists every rank that failed, and the
+"Root Cause (first observed failure)" block says which went first and how (exit code, or the
+signal that killed it); `torchrun_root_cause` reads it, so a SIGKILLed rank is not mistaken
+for the "connection reset" of the peers that were left waiting for it. A failed run's
+state.json also holds ``failure``: {kind (signal | stall | oom | error | agent | exit | port),
+rank, …} for programs (``--auto-fit`` reads the out-of-memory proposal from it).
 """
 
 from __future__ import annotations
