@@ -257,8 +257,8 @@ class MemoryProbe:
         if not self.cuda:
             import resource
 
-            return {"process_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                    "runtime_bytes": None}  # fmt: skip
+            rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+            return {"process_peak_bytes": rss_peak, "runtime_bytes": None}
         reserved = [p.reserved_peak or 0 for p in self.phases.values()]
         free, total = torch.cuda.mem_get_info(self.device)
         runtime = total - free - int(torch.cuda.memory_reserved(self.device))
