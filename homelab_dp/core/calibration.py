@@ -24,7 +24,6 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,8 @@ def calibration_path() -> Path:
 
 def torch_version() -> str | None:
     """torch's installed version, from package metadata (torch is not imported)."""
+    from importlib import metadata  # ~0.1 s to import: only when a fingerprint is needed
+
     try:
         return metadata.version("torch")
     except metadata.PackageNotFoundError:
