@@ -7,6 +7,8 @@ takes either, in order, and keeps what a person watching the run needs.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,6 +31,11 @@ class StragglerDetector:
         self.streak: dict[int, int] = {}
         self.flagged: dict[int, str] = {}
         """rank → warning text."""
+
+    def copy(self) -> StragglerDetector:
+        out = StragglerDetector()
+        out.streak, out.flagged = dict(self.streak), dict(self.flagged)
+        return out
 
     def update(self, step_times: list[float]) -> list[int]:
         """Feed one logged step's per-rank step times; return the ranks newly flagged."""
@@ -112,6 +119,20 @@ class RunView:
     """rank → warning text, for ranks slow for STRAGGLER_STEPS logged steps in a row."""
     _detector: StragglerDetector = field(default_factory=lambda: StragglerDetector())
     events_seen: int = 0
+
+    def copy(self) -> RunView:
+        """A copy that shares nothing mutable with this view (cheaper than deepcopy)."""
+        out = copy.copy(self)
+        out.losses = deque(self.losses, maxlen=self.losses.maxlen)
+        out.tokens_per_s_history = deque(
+            self.tokens_per_s_history, maxlen=self.tokens_per_s_history.maxlen
+        )
+        out.rank_step_times_s = list(self.rank_step_times_s)
+        out.peak_memory_bytes = list(self.peak_memory_bytes)
+        out.devices = {k: dataclasses.replace(d) for k, d in self.devices.items()}
+        out.stragglers = dict(self.stragglers)
+        out._detector = self._detector.copy()
+        return out
 
     # ------------------------------------------------------------------ derived figures
     @property
