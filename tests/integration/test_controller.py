@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -92,7 +91,7 @@ def test_two_detached_runs_at_once_complete_with_their_figures(
 def test_attach_kill_follower_stop_and_resume(
     env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
-    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=400, seq_len=64)
+    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=250, seq_len=64)
     run_id = start_detached(env, preset)
     follower = subprocess.Popen(
         [str(EXE), "attach", run_id, "--json"], env=env, stdout=subprocess.PIPE, text=True
@@ -112,7 +111,7 @@ def test_attach_kill_follower_stop_and_resume(
     stopped = cli(env, "stop", run_id)
     assert stopped.returncode == 0, stopped.stderr
     doc = json.loads(cli(env, "status", run_id, "--json").stdout)
-    assert doc["status"] == "interrupted" and doc["step"] < 400
+    assert doc["status"] == "interrupted" and doc["step"] < 250
     run_dir = Path(doc["path"])
     assert not alive_pids(read_state(run_dir))
     complete = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file()]
@@ -122,7 +121,7 @@ def test_attach_kill_follower_stop_and_resume(
     assert resumed.returncode == 0, resumed.stderr
     events = [json.loads(line) for line in resumed.stdout.splitlines()]
     steps = [e["step"] for e in events if e["type"] == "step"]
-    assert steps and steps[0] == doc["step"] + 1 and steps[-1] == 400
+    assert steps and steps[0] == doc["step"] + 1 and steps[-1] == 250
     final = json.loads(cli(env, "status", run_id, "--json").stdout)
     assert final["status"] == "completed" and final["attempt"] == 2
 
@@ -193,24 +192,3 @@ def test_stop_and_attach_of_unknown_runs(env: dict[str, str]) -> None:
     for cmd in ("stop", "attach", "status", "resume"):
         out = cli(env, cmd, "no-such-run")
         assert out.returncode == 2 and "no such run" in out.stderr and "hint:" in out.stderr
-
-
-def test_sigint_to_the_follower_detaches(
-    env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
-) -> None:
-    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=300)
-    proc = subprocess.Popen(
-        [str(EXE), "run", str(preset)], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
-    run_id = first.split()[1]
-    for line in proc.stdout:  # plain mode (not a terminal): one line per logged step
-        if " step " in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and f"homelab-dp attach {run_id}" in err
-    assert json.loads(cli(env, "status", run_id, "--json").stdout)["status"] == "running"
-    assert cli(env, "stop", run_id).returncode == 0
