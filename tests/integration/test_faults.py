@@ -30,7 +30,8 @@ import psutil
 import pytest
 
 from homelab_dp.run.controller import MultiNode, RunController, make_controller
-from homelab_dp.run.state import ACTIVE, alive_pids, read_state
+from homelab_dp.run.follow import JsonlTail
+from homelab_dp.run.state import ACTIVE, alive_pids, current_state, read_state
 from homelab_dp.train.checkpoint_check import check_checkpoint, find_usable
 from homelab_dp.train.guard import FAULT_ENV
 from tests.integration.conftest import bitwise_equal, copy_run, events, final_weights
@@ -86,19 +87,21 @@ def start(c: RunController, preset: Path, spec: str | None = None, **kw: Any) ->
 
 
 def wait_done(c: RunController, run_id: str, timeout: float = 150) -> dict[str, Any]:
+    """Poll the state (cheap: the test shares 2 cores with the run) until the run has ended."""
+    run_dir = c.run_dir(run_id)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        doc = c.status(run_id)
-        if doc["status"] not in ACTIVE:
-            return doc
+        if current_state(run_dir).get("status") not in ACTIVE:
+            return c.status(run_id)
         time.sleep(0.2)
-    raise AssertionError(f"{run_id} still {doc['status']} after {timeout} s: it hangs")
+    raise AssertionError(f"{run_id} still {read_state(run_dir)['status']} after {timeout} s")
 
 
 def wait_step(run_dir: Path, step: int, timeout: float = 90) -> None:
+    tail = JsonlTail(run_dir / "events.jsonl")  # reads only what is new
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if any(e["step"] >= step for e in events(run_dir, "step")):
+        if any(e.get("type") == "step" and e["step"] >= step for e in tail.read()):
             return
         time.sleep(0.1)
     raise AssertionError(f"no step {step} within {timeout} s: {read_state(run_dir)}")
@@ -147,12 +150,31 @@ def data(data_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(controller: RunController, folder: Path, tiny_model: Path, data: Path) -> dict:
-    """The uninterrupted run every resumed run must match bit for bit."""
+def twins(controller: RunController, folder: Path, tiny_model: Path, data: Path) -> dict:
+    """Two uninterrupted runs of one preset started at once, with every socket they listened on.
+
+    They are the reference every resumed run must match bit for bit (test 8 checks that the
+    two did not collide).
+    """
     preset = write_preset(folder, "reference", tiny_model, data)
-    doc = wait_done(controller, start(controller, preset))
-    assert doc["status"] == "completed", doc["reason"]
-    return final_weights(Path(doc["path"]))
+    t = time.time()
+    runs = [start(controller, preset), start(controller, preset)]
+    dirs = [controller.run_dir(r) for r in runs]
+    sockets: list[set[tuple[str, int]]] = [set(), set()]
+    while any(current_state(d).get("status") in ACTIVE for d in dirs):  # sample while they run
+        for d, seen in zip(dirs, sockets, strict=True):
+            pids = read_state(d)["pids"]
+            seen.update(_listening([*(pids.get("workers") or []), pids.get("agent") or 0]))
+        time.sleep(0.1)
+    docs = [wait_done(controller, r) for r in runs]
+    return {"docs": docs, "dirs": dirs, "sockets": sockets, "seconds": time.time() - t}
+
+
+@pytest.fixture(scope="module")
+def reference(twins: dict) -> dict:
+    """The final weights of an uninterrupted run."""
+    assert twins["docs"][0]["status"] == "completed", twins["docs"][0]["reason"]
+    return final_weights(twins["dirs"][0])
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +235,9 @@ def test_2_sigstop_one_rank_the_watchdog_ends_the_run(controller, folder, tiny_m
 
 
 def test_3_signals_to_the_follower_and_to_the_agent(controller, folder, tiny_model, data) -> None:
-    preset = write_preset(folder, "signals", tiny_model, data, max_steps=100_000, log_every=5)
+    preset = write_preset(
+        folder, "signals", tiny_model, data, max_steps=100_000, log_every=5, grad_accum=1
+    )
     env = {**os.environ, "HOMELAB_DP_RUNS": str(controller.root)}
     follower = subprocess.Popen([str(EXE), "run", str(preset)], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -276,7 +300,9 @@ def test_3_signals_to_the_follower_and_to_the_agent(controller, folder, tiny_mod
 
 
 def test_4_sigkill_the_agent_leaves_no_orphans(controller, folder, tiny_model, data) -> None:
-    preset = write_preset(folder, "agent", tiny_model, data, max_steps=100_000, log_every=5)
+    preset = write_preset(
+        folder, "agent", tiny_model, data, max_steps=100_000, log_every=5, grad_accum=1
+    )
     run_id = start(controller, preset)
     run_dir = controller.run_dir(run_id)
     wait_step(run_dir, 5)
@@ -410,7 +436,9 @@ def _listening(pids: list[int]) -> list[tuple[str, int]]:
     return out
 
 
-def test_8_rendezvous_port_taken_and_two_runs_at_once(controller, folder, tiny_model, data) -> None:
+def test_8_rendezvous_port_taken_and_two_runs_at_once(
+    controller, folder, tiny_model, data, twins
+) -> None:
     preset = write_preset(folder, "ports", tiny_model, data, max_steps=4)
     env = {**os.environ, "HOMELAB_DP_RUNS": str(controller.root)}
     before = set(controller.root.iterdir())
@@ -443,25 +471,17 @@ def test_8_rendezvous_port_taken_and_two_runs_at_once(controller, folder, tiny_m
     record("rendezvous port taken by another process at launch", f"failed: {doc['reason']}",
            took_race)  # fmt: skip
 
-    t = time.time()
-    runs = [start(controller, preset), start(controller, preset)]
-    dirs = [controller.run_dir(r) for r in runs]
-    sockets: list[set[tuple[str, int]]] = [set(), set()]
-    while any(controller.status(r)["status"] in ACTIVE for r in runs):  # sample while they run
-        for d, seen in zip(dirs, sockets, strict=True):
-            pids = read_state(d)["pids"]
-            seen.update(_listening([*(pids.get("workers") or []), pids.get("agent") or 0]))
-        time.sleep(0.1)
-    docs = [wait_done(controller, r) for r in runs]
-    took = time.time() - t
+    docs, dirs, sockets = twins["docs"], twins["dirs"], twins["sockets"]
     for doc, listening in zip(docs, sockets, strict=True):
         assert doc["status"] == "completed", doc["reason"]
         assert listening and {host for host, _ in listening} == {"127.0.0.1"}, listening
     assert not {p for _, p in sockets[0]} & {p for _, p in sockets[1]}
+    assert bitwise_equal(final_weights(dirs[0]), final_weights(dirs[1]))  # no interference
     for d in dirs:
         nothing_alive(d)
-    record("two runs started at once", "both completed; every socket on 127.0.0.1, no port "
-           "shared", took, listening=[len(s) for s in sockets])  # fmt: skip
+    record("two runs started at once", "both completed, bitwise equal; every listening socket "
+           "on 127.0.0.1, no port shared", twins["seconds"],
+           listening=[len(s) for s in sockets])  # fmt: skip
 
 
 def _free_port() -> int:
