@@ -214,8 +214,9 @@ class _Printer:
                 )
             elif kind == "checkpoint":
                 self._plain(f"checkpoint at step {e.get('step')}: {e.get('path')}")
-            elif kind == "straggler":
-                self._plain(f"warning: {e.get('message')}")
+            elif kind in ("straggler", "warning", "retry"):
+                detail = e.get("message") or e.get("reason")
+                self._plain(f"{'retry' if kind == 'retry' else 'warning'}: {detail}")
             elif kind in ("error", "end", "state"):
                 detail = e.get("message") or e.get("reason") or e.get("status")
                 self._plain(f"{kind}: {detail}")
