@@ -149,7 +149,8 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     return _llama_like(cfg, model_type, source)
 
 
-def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
+def _decoder_sizes(cfg: dict[str, Any], source: str) -> tuple[int, int, int, int, int, int, int]:
+    """hidden, layers, heads, KV heads, intermediate, vocab and head_dim of a decoder config."""
     h = _require(cfg, source, "hidden_size")
     layers = _require(cfg, source, "num_hidden_layers")
     heads = _require(cfg, source, "num_attention_heads")
@@ -157,6 +158,11 @@ def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
     inter = _require(cfg, source, "intermediate_size")
     vocab = _require(cfg, source, "vocab_size")
     head_dim = _get(cfg, "head_dim", default=h // heads)
+    return h, layers, heads, kv, inter, vocab, head_dim
+
+
+def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
+    h, layers, heads, kv, inter, vocab, head_dim = _decoder_sizes(cfg, source)
     # Gemma always ties; the others follow the config (transformers' default is True for
     # Qwen2/Qwen3/Gemma configs and False for LLaMA/Mistral).
     tie_default = model_type in ("qwen2", "qwen3", "gemma", "gemma2")
@@ -205,13 +211,7 @@ def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
 
 
 def _phi3(cfg: dict[str, Any], source: str) -> ModelSpec:
-    h = _require(cfg, source, "hidden_size")
-    layers = _require(cfg, source, "num_hidden_layers")
-    heads = _require(cfg, source, "num_attention_heads")
-    kv = _get(cfg, "num_key_value_heads", default=heads)
-    inter = _require(cfg, source, "intermediate_size")
-    vocab = _require(cfg, source, "vocab_size")
-    head_dim = _get(cfg, "head_dim", default=h // heads)
+    h, layers, heads, kv, inter, vocab, head_dim = _decoder_sizes(cfg, source)
     tied = bool(cfg.get("tie_word_embeddings", False))
     linears = (
         Linear("self_attn.qkv_proj", h, heads * head_dim + 2 * kv * head_dim),

@@ -11,26 +11,11 @@ from homelab_dp.core.planner import plan
 from homelab_dp.core.preset import preset_from_dict
 from homelab_dp.errors import HardwareSpecError
 
-SMOLLM_135M = {
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-}
-LLAMA3_8B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-}
+from .test_model_spec import PUBLISHED
+
+# Published architectures, shared with the parameter-count tests.
+SMOLLM_135M = PUBLISHED["SmolLM-135M"][0]
+LLAMA3_8B = PUBLISHED["Meta-Llama-3-8B"][0]
 
 
 def _preset(**train):
