@@ -276,6 +276,11 @@ class Trainer:
             self.memory.report(self.events, mode="measure")
             self.events.emit("end", reason="measured", final_loss=self.last_loss, steps=step,
                              seconds=time.time() - self.t_start, final_path=None)  # fmt: skip
+            # Leave together: a rank that tears gloo down while a peer is still writing the
+            # report can make that peer abort ("terminate called without an active exception").
+            import torch.distributed as dist
+
+            dist.barrier()
             return EXIT_OK
         if step > 0:
             self._checkpoint(step)

@@ -44,7 +44,11 @@ async def test_launch_tiny_demo_and_see_it_complete(tmp_path: Path) -> None:
             table = screen.query_one(DataTable)
             cells = [str(c) for c in table.get_row_at(0)]
             assert cells[0] == "completed" and cells[1] == "4/4" and cells[-1] == run_id
-            assert app.snapshot.view.status == "completed"
+            # The Runs table reads state.json; the followed view catches up on its next poll.
+            await wait_for(
+                pilot, lambda: app.snapshot.view.status == "completed", timeout=30,
+                what="the followed view to see the end",
+            )  # fmt: skip
     finally:
         if run_id and current_state(controller.run_dir(run_id)).get("status") in ACTIVE:
             controller.stop(run_id)  # never leave training processes behind a failed test
