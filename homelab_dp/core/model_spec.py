@@ -161,6 +161,44 @@ def _decoder_sizes(cfg: dict[str, Any], source: str) -> tuple[int, int, int, int
     return h, layers, heads, kv, inter, vocab, head_dim
 
 
+def _decoder_spec(
+    cfg: dict[str, Any],
+    source: str,
+    model_type: str,
+    linears: tuple[Linear, ...],
+    tied: bool,
+    *,
+    norms: int,
+    other: int = 0,
+    hidden_dropout: float = 0.0,
+    embedding_dropout: float = 0.0,
+) -> ModelSpec:
+    """The ModelSpec of a decoder with token embeddings only (LLaMA-like families, Phi-3)."""
+    h, layers, heads, kv, inter, vocab, head_dim = _decoder_sizes(cfg, source)
+    return ModelSpec(
+        model_type=model_type,
+        layers=layers,
+        hidden=h,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        intermediate=inter,
+        vocab=vocab,
+        max_positions=int(_get(cfg, "max_position_embeddings", default=0) or 0),
+        tied_embeddings=tied,
+        linears=linears,
+        embedding_params=vocab * h,
+        lm_head_params=0 if tied else vocab * h,
+        norm_params_per_layer=norms,
+        final_norm_params=h,
+        other_params_per_layer=other,
+        source=source,
+        attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+        hidden_dropout=hidden_dropout,
+        embedding_dropout=embedding_dropout,
+    )
+
+
 def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
     h, layers, heads, kv, inter, vocab, head_dim = _decoder_sizes(cfg, source)
     # Gemma always ties; the others follow the config (transformers' default is True for
@@ -188,26 +226,7 @@ def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
     )
     norms = 4 * h if model_type == "gemma2" else 2 * h
     other = 2 * head_dim if model_type == "qwen3" else 0  # q_norm and k_norm
-    return ModelSpec(
-        model_type=model_type,
-        layers=layers,
-        hidden=h,
-        heads=heads,
-        kv_heads=kv,
-        head_dim=head_dim,
-        intermediate=inter,
-        vocab=vocab,
-        max_positions=int(_get(cfg, "max_position_embeddings", default=0) or 0),
-        tied_embeddings=tied,
-        linears=linears,
-        embedding_params=vocab * h,
-        lm_head_params=0 if tied else vocab * h,
-        norm_params_per_layer=norms,
-        final_norm_params=h,
-        other_params_per_layer=other,
-        source=source,
-        attention_dropout=float(cfg.get("attention_dropout") or 0.0),
-    )
+    return _decoder_spec(cfg, source, model_type, linears, tied, norms=norms, other=other)
 
 
 def _phi3(cfg: dict[str, Any], source: str) -> ModelSpec:
@@ -219,27 +238,11 @@ def _phi3(cfg: dict[str, Any], source: str) -> ModelSpec:
         Linear("mlp.gate_up_proj", h, 2 * inter),
         Linear("mlp.down_proj", inter, h),
     )
-    return ModelSpec(
-        model_type="phi3",
-        layers=layers,
-        hidden=h,
-        heads=heads,
-        kv_heads=kv,
-        head_dim=head_dim,
-        intermediate=inter,
-        vocab=vocab,
-        max_positions=int(_get(cfg, "max_position_embeddings", default=0) or 0),
-        tied_embeddings=tied,
-        linears=linears,
-        embedding_params=vocab * h,
-        lm_head_params=0 if tied else vocab * h,
-        norm_params_per_layer=2 * h,
-        final_norm_params=h,
-        source=source,
-        attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+    return _decoder_spec(
+        cfg, source, "phi3", linears, tied, norms=2 * h,
         hidden_dropout=float(cfg.get("resid_pdrop") or 0.0),
         embedding_dropout=float(cfg.get("embd_pdrop") or 0.0),
-    )
+    )  # fmt: skip
 
 
 def _gpt2(cfg: dict[str, Any], source: str) -> ModelSpec:
