@@ -276,11 +276,6 @@ class Trainer:
             self.memory.report(self.events, mode="measure")
             self.events.emit("end", reason="measured", final_loss=self.last_loss, steps=step,
                              seconds=time.time() - self.t_start, final_path=None)  # fmt: skip
-            # Leave together: a rank that tears gloo down while a peer is still writing the
-            # report can make that peer abort ("terminate called without an active exception").
-            import torch.distributed as dist
-
-            dist.barrier()
             return EXIT_OK
         if step > 0:
             self._checkpoint(step)
@@ -481,7 +476,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(
             spec, run_dir, events, stop, resume=args.resume or bool(spec.get("resume"))
         )
-        return trainer.run()
+        rc = trainer.run()
+        # Leave together: a rank that tears gloo down while a peer is still finishing (writing
+        # the result or a report) can make that peer abort ("terminate called without an
+        # active exception"), turning a completed run into a failed one.
+        dist.barrier()
+        return rc
     except HomelabError as exc:
         events.emit("error", force=True, message=exc.message, hint=exc.hint, rank=rank,
                     kind=type(exc).__name__)  # fmt: skip
