@@ -23,10 +23,10 @@ from pathlib import Path
 
 from homelab_dp.core.spec import make_spec
 from homelab_dp.run.controller import make_controller
-from homelab_dp.run.follow import read_all
 from homelab_dp.run.launcher import run_foreground
-from homelab_dp.run.rundir import create_run_dir, new_run_id
-from homelab_dp.run.state import ACTIVE, current_state
+from homelab_dp.rundir.files import create_run_dir, new_run_id
+from homelab_dp.rundir.state import ACTIVE, current_state
+from homelab_dp.rundir.tail import read_all
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from homelab_dp.core.preset import DataSection
-from homelab_dp.train.data import load_dataset
+from homelab_dp.data.blocks import load_dataset
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from homelab_dp.core.preset import preset_from_dict  # noqa: E402
 from homelab_dp.core.spec import Resolved, make_spec  # noqa: E402
 from homelab_dp.run.launcher import run_foreground  # noqa: E402
-from homelab_dp.run.rundir import create_run_dir  # noqa: E402
+from homelab_dp.rundir.files import create_run_dir  # noqa: E402
 
 MODEL = ROOT / "assets" / "models" / "tiny-llama"
 DATA = ROOT / "assets" / "data" / "tiny-text.jsonl"

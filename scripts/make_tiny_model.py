@@ -107,7 +107,7 @@ def _tokenizer_texts() -> list[str]:
                 texts.extend(m["content"] for m in r["messages"])
             else:
                 texts.extend(v for v in r.values() if v)
-    # The instruction template of homelab_dp.train.data, so its headers are a few tokens each.
+    # The instruction template of homelab_dp.data.blocks, so its headers are a few tokens each.
     texts += ["### Instruction:\n", "### Input:\n", "### Response:\n", "Question: ", "Answer:"] * 50
     return texts
 

@@ -1,4 +1,6 @@
-"""The micro-batch finder: the largest micro-batch that fits, the effective batch kept.
+"""The micro-batch search: the largest micro-batch that fits, the effective batch kept.
+
+Pure arithmetic over a budget function; `homelab_dp.core.finder` applies it to the planner.
 
 The preset asks for an effective batch E = micro × world × accumulation. For a micro-batch m the
 accumulation is ceil(E / (m × world)), so the effective batch stays E when m × world divides E and
@@ -15,15 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from homelab_dp.core.calibration import HardwareCalibration
-    from homelab_dp.core.hardware import PlanHardware
-    from homelab_dp.core.model_spec import ModelSpec
-    from homelab_dp.core.planner import Plan
-    from homelab_dp.core.preset import Preset
+from dataclasses import dataclass
+from typing import Any
 
 MAX_CANDIDATES = 4096
 """Micro-batches tried at most (an effective batch larger than this per device is unusual)."""
@@ -104,7 +99,7 @@ class Fit:
         }
 
 
-def find_micro_batch(
+def search_micro_batch(
     total_for: Callable[[int, int], int],
     limit: float,
     requested_effective: int,
@@ -145,55 +140,3 @@ def find_micro_batch(
     micro, accum, total = best
     return Fit(micro, accum, world_size, requested_effective, total, int(limit), True,
                tuple(tried), larger)  # fmt: skip
-
-
-def plan_micro_batch(
-    spec: ModelSpec,
-    preset: Preset,
-    hw: PlanHardware,
-    calibration: HardwareCalibration | None = None,
-) -> Plan:
-    """Plan with the largest micro-batch that fits, accumulation keeping the effective batch.
-
-    The options are tried in the decision tree's order (full before LoRA before QLoRA,
-    checkpointing off before on); the first that fits at some micro-batch takes its largest.
-    """
-    from homelab_dp.core.planner import (
-        SAFETY_MARGIN,
-        _allowed,
-        _ckpt_options,
-        _supported,
-        evaluate,
-        plan,
-    )
-
-    t = preset.train
-    requested = t.micro_batch * hw.world_size * t.grad_accum
-    limit = SAFETY_MARGIN * hw.min_memory
-    fit: Fit | None = None
-    for method, dist in _allowed(preset):
-        if not _supported(method, dist, hw)[0]:
-            continue
-        for ckpt in _ckpt_options(preset):
-
-            def total(
-                micro: int, accum: int, m: str = method, d: str = dist, c: bool = ckpt
-            ) -> int:
-                cand = evaluate(spec, preset, hw, m, d, c, calibration, micro_batch=micro,
-                                grad_accum=accum)  # fmt: skip
-                return cand.budget.total
-
-            found = find_micro_batch(total, limit, requested, hw.world_size)
-            fit = fit or found  # the first option's answer stands when none fits
-            if found.fits:
-                fit = found
-                break
-        if fit is not None and fit.fits:
-            break
-    if fit is None:  # nothing supported: plan as asked, the plan explains
-        return plan(spec, preset, hw, calibration)
-    # The lr was set for the preset's effective batch: keep that as the scaling reference.
-    train = replace(t, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum,
-                    reference_batch=t.reference_batch or requested)  # fmt: skip
-    p = plan(spec, replace(preset, train=train), hw, calibration)
-    return replace(p, fit=fit, reasons=(*p.reasons, fit.describe()))

@@ -223,7 +223,7 @@ def _shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool,
     )
 
 
-def _supported(method: str, dist: str, hw: PlanHardware) -> tuple[bool, str]:
+def supported(method: str, dist: str, hw: PlanHardware) -> tuple[bool, str]:
     if method == "qlora" and dist != "ddp":
         return False, "QLoRA runs under DDP only (4-bit weights are not sharded)"
     if method != "full" and dist == "zero1":
@@ -249,17 +249,17 @@ def evaluate(
     """
     overhead = calibration.overhead if calibration else None
     b = budget(spec, _shape(preset, hw, method, dist, ckpt, **kw), overhead)
-    ok, note = _supported(method, dist, hw)
+    ok, note = supported(method, dist, hw)
     fits = ok and b.total <= SAFETY_MARGIN * hw.min_memory
     return Candidate(method, dist, ckpt, b, fits, ok, note)
 
 
-def _ckpt_options(preset: Preset) -> tuple[bool, ...]:
+def checkpointing_options(preset: Preset) -> tuple[bool, ...]:
     setting = preset.train.activation_checkpointing
     return (False, True) if setting == "auto" else (bool(setting),)
 
 
-def _allowed(preset: Preset) -> list[tuple[str, str]]:
+def allowed_options(preset: Preset) -> list[tuple[str, str]]:
     m, d = preset.train.method, preset.train.distribution
     pairs = [(mm, dd) for mm, dd in ORDER if (m == "auto" or mm == m) and (d == "auto" or dd == d)]
     if not pairs:  # e.g. method=lora with distribution=zero1: plan it anyway, flagged unsupported
@@ -274,10 +274,10 @@ def plan(
     calibration: HardwareCalibration | None = None,
 ) -> Plan:
     """Run the decision tree for ``preset`` on ``hw`` (with what was measured on it, if known)."""
-    ckpts = _ckpt_options(preset)
+    ckpts = checkpointing_options(preset)
     chosen: Candidate | None = None
     tried: list[Candidate] = []
-    for method, dist in _allowed(preset):
+    for method, dist in allowed_options(preset):
         for ckpt in ckpts:
             cand = evaluate(spec, preset, hw, method, dist, ckpt, calibration)
             tried.append(cand)
@@ -332,18 +332,6 @@ def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candid
     """The calibration key of candidate ``c`` (what `homelab-dp measure` stores)."""
     shape = _shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
     return config_key(_model_key(spec), shape)
-
-
-def find_micro_batch(
-    spec: ModelSpec,
-    preset: Preset,
-    hw: PlanHardware,
-    calibration: HardwareCalibration | None = None,
-) -> Plan:
-    """`plan --find-micro-batch`: see `homelab_dp.core.fit.plan_micro_batch`."""
-    from homelab_dp.core.fit import plan_micro_batch
-
-    return plan_micro_batch(spec, preset, hw, calibration)
 
 
 def lr_advice(preset: Preset, world_size: int) -> LrAdvice:

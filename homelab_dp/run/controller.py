@@ -24,9 +24,8 @@ from homelab_dp.core.preset_store import open_preset
 from homelab_dp.core.spec import Resolved, make_spec
 from homelab_dp.errors import HomelabError, RunNotFoundError, RunStateError
 from homelab_dp.run import preflight
-from homelab_dp.run.follow import RunTail, read_all
 from homelab_dp.run.planning import Planned, cpu_hardware, make_plan
-from homelab_dp.run.rundir import (
+from homelab_dp.rundir.files import (
     append_event,
     create_run_dir,
     new_run_id,
@@ -34,12 +33,13 @@ from homelab_dp.run.rundir import (
     runs_root,
     write_json_atomic,
 )
-from homelab_dp.run.state import (
+from homelab_dp.rundir.state import (
     ACTIVE,
     alive_pids,
     current_state,
     update_state,
 )
+from homelab_dp.rundir.tail import RunTail, read_all
 
 STOP_TIMEOUT_S = 120.0
 MAX_OOM_RETRIES = 3

@@ -35,9 +35,10 @@ from typing import Any
 import psutil
 
 from homelab_dp.run import launcher
-from homelab_dp.run.follow import JsonlTail
-from homelab_dp.run.rundir import append_event, read_spec
-from homelab_dp.run.state import (
+from homelab_dp.run.watchdog import Stall, Watchdog
+from homelab_dp.rundir.files import append_event, read_spec
+from homelab_dp.rundir.heartbeat import heartbeat_dir
+from homelab_dp.rundir.state import (
     diagnose_failure,
     pid_alive,
     read_log_since,
@@ -45,7 +46,7 @@ from homelab_dp.run.state import (
     torchrun_root_cause,
     update_state,
 )
-from homelab_dp.run.watchdog import Stall, Watchdog, heartbeat_dir
+from homelab_dp.rundir.tail import JsonlTail
 
 WORKER_GRACE_S = 20.0
 """How long orphaned workers get to exit after SIGTERM before SIGKILL."""

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from homelab_dp.run.rundir import read_spec
+from homelab_dp.rundir.files import read_spec
 
 WORKER_MODULE = "homelab_dp.train.worker"
 AGENT_MODULE = "homelab_dp.run.agent"  # torchrun's main, its stores on loopback (single node)

@@ -19,8 +19,8 @@ from typing import Any
 
 import psutil
 
-from homelab_dp.run.rundir import read_spec
-from homelab_dp.run.state import pid_alive, read_state
+from homelab_dp.rundir.files import read_spec
+from homelab_dp.rundir.state import pid_alive, read_state
 
 MJ_PER_WH = 3.6e6
 

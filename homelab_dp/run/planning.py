@@ -78,13 +78,13 @@ def make_plan(
 
     What `homelab-dp measure` stored for this hardware corrects the overhead terms and is shown
     beside the estimate. ``find_micro_batch``: the largest micro-batch that fits, accumulation
-    keeping the preset's effective batch (`homelab_dp.core.fit`).
+    keeping the preset's effective batch (`homelab_dp.core.finder`).
     """
-    from homelab_dp.core.planner import find_micro_batch as finder
-    from homelab_dp.measure import hardware_calibration
+    from homelab_dp.core.finder import plan_largest_micro_batch
+    from homelab_dp.run.calibration import hardware_calibration
 
     spec = load_model_spec(preset.model.path)
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
-    make = finder if find_micro_batch else plan
+    make = plan_largest_micro_batch if find_micro_batch else plan
     return Planned(preset, spec, hardware, make(spec, preset, hardware, calibration), report)

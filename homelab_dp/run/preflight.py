@@ -57,7 +57,7 @@ def load_tokenizer(preset: Preset) -> Any:
 
 def check_data(preset: Preset, max_positions: int, world_size: int, micro_batch: int) -> int:
     """Load and validate the dataset as the worker will; returns the number of blocks."""
-    from homelab_dp.train.data import load_dataset
+    from homelab_dp.data.blocks import load_dataset
 
     if not Path(preset.data.path).is_file():
         raise DataError(

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.run.rundir import write_json_atomic
+from homelab_dp.rundir.files import write_json_atomic
 from homelab_dp.train.checkpoint_check import (
     MARKER,
     check_checkpoint,

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.run.watchdog import heartbeat_dir, write_heartbeat
+from homelab_dp.rundir.heartbeat import heartbeat_dir, write_heartbeat
 
 FAULT_ENV = "HOMELAB_DP_FAULT"
 FAULT_KINDS = ("sigkill", "sigstop", "oom", "kill-after-shard", "enospc")

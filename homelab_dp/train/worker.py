@@ -131,7 +131,7 @@ class Trainer:
         import torch
         from transformers import AutoConfig
 
-        from homelab_dp.train.data import IGNORE_INDEX, load_dataset
+        from homelab_dp.data.blocks import IGNORE_INDEX, load_dataset
         from homelab_dp.train.model import load_tokenizer
         from homelab_dp.train.strategy import SampleOrder
 
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only, never the network
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in rank logs
     from homelab_dp.errors import HomelabError
-    from homelab_dp.run.rundir import read_spec
+    from homelab_dp.rundir.files import read_spec
     from homelab_dp.train.metrics import EventLog
 
     run_dir = args.run_dir.absolute()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from homelab_dp.core.events import RunView
 from homelab_dp.run.controller import RunController
-from homelab_dp.run.state import current_state
+from homelab_dp.rundir.state import current_state
 
 LOG_LINES = 200
 

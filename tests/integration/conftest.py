@@ -17,7 +17,7 @@ import pytest
 from homelab_dp.core.preset import preset_from_dict
 from homelab_dp.core.spec import Resolved, make_spec
 from homelab_dp.run.launcher import run_foreground
-from homelab_dp.run.rundir import create_run_dir
+from homelab_dp.rundir.files import create_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"

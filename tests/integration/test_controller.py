@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from homelab_dp.run.state import alive_pids, read_state
+from homelab_dp.rundir.state import alive_pids, read_state
 
 EXE = Path(sys.executable).with_name("homelab-dp")
 pytestmark = pytest.mark.slow

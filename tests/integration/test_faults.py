@@ -30,8 +30,8 @@ import psutil
 import pytest
 
 from homelab_dp.run.controller import MultiNode, RunController, make_controller
-from homelab_dp.run.follow import JsonlTail
-from homelab_dp.run.state import ACTIVE, alive_pids, current_state, read_state
+from homelab_dp.rundir.state import ACTIVE, alive_pids, current_state, read_state
+from homelab_dp.rundir.tail import JsonlTail
 from homelab_dp.train.checkpoint_check import check_checkpoint, find_usable
 from homelab_dp.train.guard import FAULT_ENV
 from tests.integration.conftest import bitwise_equal, copy_run, events, final_weights

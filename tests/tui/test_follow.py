@@ -14,8 +14,8 @@ from typing import Any
 
 from homelab_dp.core.events import RunView
 from homelab_dp.run.controller import RunController
-from homelab_dp.run.follow import read_all
-from homelab_dp.run.state import pid_alive, read_state
+from homelab_dp.rundir.state import pid_alive, read_state
+from homelab_dp.rundir.tail import read_all
 from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.follower import LogTail, RunFollower, Snapshot, copy_view
 from homelab_dp.tui.messages import RunUpdated

@@ -11,7 +11,7 @@ from textual.widgets import Log
 
 from homelab_dp.core.events import RunView
 from homelab_dp.run.controller import RunController
-from homelab_dp.run.follow import read_all
+from homelab_dp.rundir.tail import read_all
 from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.confirm import ConfirmScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen

@@ -8,7 +8,7 @@ import pytest
 from textual.widgets import DataTable, Input
 
 from homelab_dp.run.controller import RunController
-from homelab_dp.run.state import ACTIVE, current_state
+from homelab_dp.rundir.state import ACTIVE, current_state
 from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.runs import RunsScreen

@@ -1,4 +1,5 @@
-"""core/ stays pure: importing any core module loads no torch, textual, rich or pynvml."""
+"""core/ stays pure, and the data pipeline and run-folder primitives stay torch-free: importing
+any of their modules loads no torch, textual, rich or pynvml."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import pytest
 import homelab_dp.core
 
 CORE = Path(homelab_dp.core.__file__).parent
-MODULES = sorted(f"homelab_dp.core.{p.stem}" for p in CORE.glob("*.py") if p.stem != "__init__")
+PURE_PARTS = ("core", "data", "rundir")
+MODULES = sorted(
+    f"homelab_dp.{part}.{p.stem}"
+    for part in PURE_PARTS
+    for p in (CORE.parent / part).glob("*.py")
+    if p.stem != "__init__"
+)
 HEAVY = ("torch", "textual", "rich", "pynvml", "transformers", "peft", "bitsandbytes")
 
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.core.preset import DataSection
-from homelab_dp.errors import DataError
-from homelab_dp.train.data import (
+from homelab_dp.data.blocks import (
     IGNORE_INDEX,
     Block,
     Example,
@@ -23,6 +22,7 @@ from homelab_dp.train.data import (
     summarize,
     tokenize_records,
 )
+from homelab_dp.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -421,7 +421,7 @@ def test_declared_format_must_match_the_records(tok):
 
 def test_data_module_does_not_import_torch_or_transformers():
     code = (
-        "import sys, homelab_dp.train.data; "
+        "import sys, homelab_dp.data.blocks; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from homelab_dp.core.fit import accumulation_for, find_micro_batch
+from homelab_dp.core.finder import plan_largest_micro_batch as plan_finder
+from homelab_dp.core.fit import accumulation_for, search_micro_batch
 from homelab_dp.core.hardware import GiB, parse_gpus_spec
 from homelab_dp.core.model_spec import spec_from_config
 from homelab_dp.core.planner import SAFETY_MARGIN, evaluate, plan
-from homelab_dp.core.planner import find_micro_batch as plan_finder
 from homelab_dp.core.preset import preset_from_dict
 
 from .test_planner import LLAMA3_8B, SMOLLM_135M
@@ -30,7 +30,7 @@ def test_accumulation_is_the_ceiling(effective: int, micro: int, world: int, acc
 
 
 def test_largest_micro_batch_that_keeps_the_effective_batch() -> None:
-    fit = find_micro_batch(lambda m, a: 100 + 10 * m, 175, 32, 2)
+    fit = search_micro_batch(lambda m, a: 100 + 10 * m, 175, 32, 2)
     # 7 fits (170 <= 175) but 7 × 2 does not divide 32; 4 is the largest that does.
     assert (fit.micro_batch, fit.grad_accum, fit.fits, fit.exact) == (4, 4, True, True)
     assert fit.effective_batch == 32 and fit.total_bytes == 140 and fit.limit_bytes == 175
@@ -40,34 +40,34 @@ def test_largest_micro_batch_that_keeps_the_effective_batch() -> None:
 
 
 def test_rounding_up_when_allowed() -> None:
-    fit = find_micro_batch(lambda m, a: 100 + 10 * m, 175, 32, 2, exact=False)
+    fit = search_micro_batch(lambda m, a: 100 + 10 * m, 175, 32, 2, exact=False)
     assert (fit.micro_batch, fit.grad_accum, fit.fits) == (7, 3, True)
     assert fit.effective_batch == 42 and not fit.exact  # ceil(32 / 14) = 3
     assert "rounded up" in fit.describe() and "asked for 32" in fit.describe()
 
 
 def test_exact_effective_batch_at_the_largest_divisor() -> None:
-    fit = find_micro_batch(lambda m, a: 100 + 10 * m, 185, 32, 2)
+    fit = search_micro_batch(lambda m, a: 100 + 10 * m, 185, 32, 2)
     assert (fit.micro_batch, fit.grad_accum, fit.effective_batch, fit.exact) == (8, 2, 32, True)
     assert fit.larger_inexact is None and fit.describe().endswith("as the preset asked.")
 
 
 def test_memory_is_not_monotonic_in_the_micro_batch() -> None:
     # Accumulation keeps every gradient alive (+50); the largest micro-batch needs none.
-    fit = find_micro_batch(lambda m, a: 10 * m + (50 if a > 1 else 0), 85, 8, 1)
+    fit = search_micro_batch(lambda m, a: 10 * m + (50 if a > 1 else 0), 85, 8, 1)
     assert [ok for _, _, ok in fit.tried] == [True, True, True, False, False, False, False, True]
     assert (fit.micro_batch, fit.grad_accum, fit.exact) == (8, 1, True)
 
 
 def test_nothing_fits() -> None:
-    fit = find_micro_batch(lambda m, a: 1000 + m, 500, 16, 2)
+    fit = search_micro_batch(lambda m, a: 1000 + m, 500, 16, 2)
     assert (fit.micro_batch, fit.grad_accum, fit.fits) == (1, 8, False)
     assert fit.total_bytes == 1001 and "not even a micro-batch of 1" in fit.describe()
 
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError):
-        find_micro_batch(lambda m, a: 0, 1, 0, 1)
+        search_micro_batch(lambda m, a: 0, 1, 0, 1)
 
 
 def test_plan_grows_the_micro_batch_and_keeps_the_effective_batch() -> None:
@@ -137,7 +137,7 @@ def test_plan_command_finds_the_micro_batch(in_repo, capsys) -> None:
 def test_run_auto_fit_prepares_the_found_micro_batch(in_repo, capsys) -> None:
     import argparse
 
-    from homelab_dp.cli_run import _fitted
+    from homelab_dp.cli.runs import _fitted
     from homelab_dp.run.controller import make_controller
 
     args = argparse.Namespace(preset="tiny-demo", set=["train.grad_accum=4"], gpus=None,

@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from homelab_dp.run.state import torchrun_root_cause
-from homelab_dp.run.watchdog import Watchdog, describe_stall, heartbeat_dir, write_heartbeat
+from homelab_dp.run.watchdog import Watchdog, describe_stall
+from homelab_dp.rundir.heartbeat import heartbeat_dir, write_heartbeat
+from homelab_dp.rundir.state import torchrun_root_cause
 from homelab_dp.train.checkpoint_check import check_checkpoint, check_shard
 from homelab_dp.train.guard import oom_advice
 
@@ -80,10 +82,11 @@ def test_the_stalled_rank_is_the_stopped_one_else_the_one_behind(tmp_path: Path)
         waiting = describe_stall(beats, 12.0, 10)
         assert waiting.rank is None and "every rank on this node waits" in waiting.message
         sleeper.send_signal(signal.SIGSTOP)
-        for _ in range(50):
+        deadline = time.monotonic() + 10  # liveness guard: the signal lands in milliseconds
+        stopped = describe_stall(beats, 12.0, 10)
+        while stopped.rank is None and time.monotonic() < deadline:
+            time.sleep(0.01)
             stopped = describe_stall(beats, 12.0, 10)
-            if stopped.rank is not None:
-                break
         assert stopped.rank == 1 and "state T" in stopped.message
     finally:
         sleeper.kill()

@@ -12,7 +12,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Log, Static
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.run.state import ACTIVE
+from homelab_dp.rundir.state import ACTIVE
 from homelab_dp.tui.follower import Snapshot
 from homelab_dp.tui.screens.confirm import ConfirmScreen
 from homelab_dp.tui.widgets.chart import Chart

@@ -7,7 +7,7 @@ from rich.text import Text
 
 from homelab_dp.core.hardware import format_bytes
 from homelab_dp.core.planner import PLAIN, count
-from homelab_dp.render import legend, memory_bar
+from homelab_dp.render.plan import legend, memory_bar
 from homelab_dp.run.planning import Planned
 
 

@@ -38,7 +38,7 @@ def _multinode(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from homelab_dp.watch import follow
+    from homelab_dp.cli.follow import follow
 
     controller = _controller()
     multinode = _multinode(args)
@@ -82,7 +82,7 @@ def _fitted(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    from homelab_dp.watch import follow
+    from homelab_dp.cli.follow import follow
 
     controller = _controller()
     run_id = controller.run_dir(args.run).name
@@ -90,8 +90,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from homelab_dp.run.follow import file_size
-    from homelab_dp.watch import follow
+    from homelab_dp.cli.follow import follow
+    from homelab_dp.rundir.tail import file_size
 
     controller = _controller()
     # Only what the resumed run writes is printed; earlier events are history.

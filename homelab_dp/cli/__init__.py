@@ -38,7 +38,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        from homelab_dp.render import render_probe
+        from homelab_dp.render.plan import render_probe
 
         _console().print(render_probe(report))
     return EXIT_OK
@@ -53,14 +53,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(planned.plan.to_json(), indent=2))
     else:
-        from homelab_dp.render import render_plan
+        from homelab_dp.render.plan import render_plan
 
         _console().print(render_plan(planned.plan))
     return EXIT_OK  # whether or not it fits: the answer is in `fits`
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    from homelab_dp.measure import measure, render_measure
+    from homelab_dp.render.measure import render_measure
+    from homelab_dp.run.measure import measure
 
     report = measure(args.preset, steps=args.steps, gpus=args.gpus, overrides=args.set,
                      force=args.force, store=not args.no_store)  # fmt: skip
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--force", action="store_true", help="overwrite an existing preset")
     p.set_defaults(func=cmd_presets)
 
-    from homelab_dp import cli_run
+    from homelab_dp.cli import runs as cli_run
 
     cli_run.add_commands(sub)
     return parser

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.data.records import FORMATS, detect_format, read_records, read_with_lines
 from homelab_dp.errors import DataError
-from homelab_dp.train.data_read import FORMATS, detect_format, read_records, read_with_lines
 
 __all__ = [
     "FORMATS",

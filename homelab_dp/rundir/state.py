@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.run.rundir import write_json_atomic
+from homelab_dp.rundir.files import write_json_atomic
 
 ACTIVE = ("starting", "running", "stopping")
 FINAL = ("completed", "failed", "interrupted", "stopped")

@@ -15,8 +15,8 @@ from typing import Any, TextIO
 from homelab_dp.core.events import RunView
 from homelab_dp.core.hardware import format_bytes
 from homelab_dp.run.controller import RunController
-from homelab_dp.run.follow import file_size
-from homelab_dp.run.state import ACTIVE, current_state
+from homelab_dp.rundir.state import ACTIVE, current_state
+from homelab_dp.rundir.tail import file_size
 
 POLL_S = 0.25
 EXIT_BY_STATUS = {"completed": 0, "failed": 1, "interrupted": 130}

@@ -1,4 +1,4 @@
-"""Reading and validating dataset files (part of `homelab_dp.train.data`; import from there).
+"""Reading and validating dataset files (part of `homelab_dp.data.blocks`; import from there).
 
 Pure standard library: the parent process checks a dataset before anything is launched.
 

@@ -18,45 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.calibration import (
-    CalibrationStore,
-    HardwareCalibration,
-    Measurement,
-    fingerprint,
-    torch_version,
-)
-from homelab_dp.core.hardware import HardwareReport, PlanHardware, format_bytes
-from homelab_dp.core.memory import PHASES, assumed_overhead
+from homelab_dp.core.calibration import CalibrationStore, Measurement
+from homelab_dp.core.memory import PHASES
 from homelab_dp.errors import HomelabError
+from homelab_dp.run.calibration import hardware_fingerprint
 
 DEFAULT_STEPS = 3
 """Enough for the steady state: the optimizer state exists after step 1, DDP rebuilds its
 buckets in step 2."""
-
-
-def hardware_fingerprint(hw: PlanHardware, report: HardwareReport | None) -> str | None:
-    """The fingerprint of the devices a plan is for, or None for a what-if GPU size."""
-    if hw.kind == "cuda":
-        if report is None or not report.gpus:
-            return None  # `--gpus 2x24GiB`: hardware that is not here
-        names = [g.name for g in report.gpus if not hw.indices or g.index in hw.indices]
-        return fingerprint("cuda", device_names=names, driver=report.driver_version,
-                           torch=torch_version())  # fmt: skip
-    if report is not None:
-        cpu = report.host.cpu_model
-    else:
-        from homelab_dp.probe import nvml
-
-        cpu = nvml.host_info().cpu_model
-    return fingerprint("cpu", cpu_model=cpu, torch=torch_version())
-
-
-def hardware_calibration(hw: PlanHardware, report: HardwareReport | None) -> HardwareCalibration:
-    """What was measured on the plan's hardware (nothing for a what-if GPU size)."""
-    fp = hardware_fingerprint(hw, report)
-    if fp is None:
-        return HardwareCalibration(None)
-    return CalibrationStore().for_hardware(fp, assumed_overhead(hw.kind, hw.world_size))
 
 
 @dataclass
@@ -123,8 +92,8 @@ def measure(
     from homelab_dp.core.spec import make_spec
     from homelab_dp.run.controller import make_controller
     from homelab_dp.run.launcher import run_foreground
-    from homelab_dp.run.rundir import create_run_dir, new_run_id
-    from homelab_dp.run.state import update_state
+    from homelab_dp.rundir.files import create_run_dir, new_run_id
+    from homelab_dp.rundir.state import update_state
 
     if steps < 1:
         raise HomelabError(f"--steps {steps}: must be at least 1", hint="e.g. --steps 3")
@@ -205,56 +174,3 @@ def _store(report: MeasureReport, prepared: Any) -> Path:
     store = CalibrationStore()
     store.add(m)
     return store.save()
-
-
-def render_measure(report: MeasureReport) -> Any:
-    """Per rank and phase: measured peak beside the estimate; the split at the peak."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    est = report.plan.get("phase_tensor_bytes") or {}
-    kind = report.memory["kind"]
-    what = "peak live tensor bytes" if kind == "live_tensor_bytes" else "max_memory_allocated"
-    t = report.plan["training"]
-    title = (f"{report.plan['method']} · {report.plan['distribution']} · micro-batch "
-             f"{t['micro_batch']} × accumulation {t['grad_accum']} · seq_len {t['seq_len']}"
-             f"{' · checkpointing' if t['activation_checkpointing'] else ''} — {what}")  # fmt: skip
-    phases = Table(title=title)
-    for col in ("rank", "phase", "estimate", "measured", "error", "end of phase"):
-        phases.add_column(col, justify="left" if col in ("rank", "phase") else "right")
-    for r in report.memory["ranks"]:
-        for ph in PHASES:
-            got = r["phases"].get(ph)
-            if got is None:
-                continue
-            e = est.get(ph)
-            # The load estimate is what stays after loading; loading itself has transients.
-            seen = got["end_bytes"] if ph == "load" else got["peak_bytes"]
-            err = f"{100 * (e - seen) / max(seen, 1):+.1f}%" if e else "–"
-            label = "load (after)" if ph == "load" else ph
-            label += " ◀ peak" if ph == r.get("peak_phase") else ""
-            phases.add_row(str(r["rank"]), label, format_bytes(e) if e else "–",
-                           format_bytes(seen), err, format_bytes(got["end_bytes"]))  # fmt: skip
-    parts = Table(title="At the peak, by component (largest rank)")
-    for col in ("component", "estimate", "measured"):
-        parts.add_column(col, justify="left" if col == "component" else "right")
-    top = max(report.memory["ranks"], key=lambda r: r["peak_bytes"])
-    per, got = report.plan["per_device_bytes"], top.get("peak_by_category") or {}
-    rows = (("weights", ["weights"], ["weights"]), ("gradients", ["gradients"], ["gradients"]),
-            ("optimizer state", ["optimizer"], ["optimizer"]),
-            ("activations, logits, buffers, temporaries",
-             ["activations", "logits", "buffers"], ["buffers", "other"]))  # fmt: skip
-    for label, mine, theirs in rows:
-        measured = format_bytes(sum(got.get(k, 0) for k in theirs)) if got else "n/a"
-        parts.add_row(label, format_bytes(sum(per[k] for k in mine)), measured)
-    summary = Text(
-        f"peak: estimate {format_bytes(report.estimate_tensor_bytes)} "
-        f"({report.plan.get('peak_phase')}), measured {format_bytes(report.measured_tensor_bytes)} "
-        f"({top.get('peak_phase')}), error {100 * report.error:+.1f}% · run {report.run_id}"
-    )
-    blocks: list[Any] = [phases, parts, summary]
-    if report.stored:
-        blocks.append(Text(f"stored for this hardware in {report.stored}; later plans show it",
-                           style="dim"))  # fmt: skip
-    return Group(*blocks)

@@ -1,0 +1,1 @@
+"""The data pipeline, torch-free: read and check records, tokenize, pack into blocks."""

@@ -1,0 +1,1 @@
+"""Presentation shared by the CLI and the TUI: probe, plan, measure, run views, errors."""
