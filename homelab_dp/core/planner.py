@@ -11,12 +11,14 @@ Decision tree (a pinned method or distribution in the preset is respected):
 Within each step activation checkpointing is tried off first, then on (when the preset says
 "auto"), because it costs about a third more compute but no communication. Mixed cards are
 limited by the smallest. When nothing fits, the plan says what would.
+
+The words (the reasons for the choice, the advice when nothing fits, the learning-rate
+scaling) are `homelab_dp.core.plan_reasons`; this module decides and budgets.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from homelab_dp.core.calibration import (
@@ -26,7 +28,7 @@ from homelab_dp.core.calibration import (
     config_key,
     measured_reasons,
 )
-from homelab_dp.core.hardware import PlanHardware, format_bytes
+from homelab_dp.core.hardware import PlanHardware
 from homelab_dp.core.memory import (
     Budget,
     TrainShape,
@@ -35,6 +37,13 @@ from homelab_dp.core.memory import (
     overhead_terms,
 )
 from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.core.plan_reasons import (
+    LrAdvice,
+    choice_reasons,
+    fit_advice,
+    lr_advice,
+    lr_reasons,
+)
 from homelab_dp.core.preset import DISTRIBUTIONS, METHODS, Preset
 
 if TYPE_CHECKING:
@@ -54,16 +63,6 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("qlora", "ddp"),
 )
 """The order in which the decision tree tries (method, distribution)."""
-
-PLAIN = {
-    "full": "full fine-tune",
-    "lora": "LoRA",
-    "qlora": "QLoRA (4-bit base + LoRA)",
-    "ddp": "DDP (each device holds a full copy)",
-    "zero1": "ZeRO-1 (optimizer state split across cards)",
-    "fsdp-grad-op": "FSDP grad-op (gradients and optimizer state split)",
-    "fsdp-full": "FSDP full (weights, gradients and optimizer state split)",
-}
 
 
 @dataclass(frozen=True)
@@ -90,32 +89,6 @@ class Candidate:
             "per_device_bytes": self.budget.per_device_bytes(),
             "comm_bytes_per_step": self.budget.comm_bytes_per_step,
             "note": self.note,
-        }
-
-
-@dataclass(frozen=True)
-class LrAdvice:
-    """Learning rate for the planned effective batch."""
-
-    preset_lr: float
-    reference_batch: int
-    effective_batch: int
-    linear: float
-    sqrt: float
-    rule: str
-    applied: float
-    warmup_steps: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "preset": self.preset_lr,
-            "reference_batch": self.reference_batch,
-            "effective_batch": self.effective_batch,
-            "linear": self.linear,
-            "sqrt": self.sqrt,
-            "rule": self.rule,
-            "applied": self.applied,
-            "warmup_steps": self.warmup_steps,
         }
 
 
@@ -155,7 +128,11 @@ class Plan:
         return self.micro_batch * self.world_size * self.grad_accum
 
     def to_json(self) -> dict[str, Any]:
-        """The `plan --json` document (field names fixed by DESIGN.md)."""
+        """The `plan --json` document.
+
+        Its field names are an interface, not internals: the renderer and the TUI read them,
+        scripts read `plan --json`, and each run's spec carries the document.
+        """
         b = self.chosen.budget
         return {
             "model": {**self.spec.summary(), "trainable_params": b.trainable_params},
@@ -298,8 +275,12 @@ def plan(
             candidates.append(fitting[0] if fitting else options[-1])
     dtype = resolve_dtype(preset, hw.kind)
     lr = lr_advice(preset, hw.world_size)
-    reasons = _reasons(spec, preset, hw, best_effort, tried, dtype)
-    advice = () if chosen else tuple(_advice(spec, preset, hw, best_effort, calibration))
+    reasons = choice_reasons(spec, preset, hw, best_effort, tried, dtype, SAFETY_MARGIN)
+    advice: tuple[str, ...] = ()
+    if not chosen:
+        advice = tuple(
+            fit_advice(spec, preset, hw, best_effort, evaluate, SAFETY_MARGIN, calibration)
+        )
     measured = None
     if calibration is not None and calibration.fingerprint:
         c = best_effort
@@ -316,7 +297,7 @@ def plan(
         seq_len=preset.data.seq_len,
         dtype=dtype,
         lr=lr,
-        reasons=tuple(reasons + _lr_reasons(lr)),
+        reasons=tuple(reasons + lr_reasons(lr)),
         advice=advice,
         assumptions=tuple(overhead_terms(hw.kind, calibration.overhead if calibration else None)),
         calibration=calibration,
@@ -332,155 +313,3 @@ def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candid
     """The calibration key of candidate ``c`` (what `homelab-dp measure` stores)."""
     shape = _shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
     return config_key(_model_key(spec), shape)
-
-
-def lr_advice(preset: Preset, world_size: int) -> LrAdvice:
-    """Scaled learning rates when the effective batch differs from the reference batch."""
-    t = preset.train
-    effective = t.micro_batch * world_size * t.grad_accum
-    ref = t.reference_batch or effective
-    ratio = effective / ref
-    linear, sqrt = t.lr * ratio, t.lr * math.sqrt(ratio)
-    applied = {"none": t.lr, "linear": linear, "sqrt": sqrt}[t.lr_scaling]
-    return LrAdvice(t.lr, ref, effective, linear, sqrt, t.lr_scaling, applied, t.warmup_steps)
-
-
-def _lr_reasons(lr: LrAdvice) -> list[str]:
-    out = [f"Effective batch {lr.effective_batch} sequences per optimizer step."]
-    if lr.effective_batch != lr.reference_batch:
-        out.append(
-            f"The preset's lr {lr.preset_lr:g} was set for a batch of {lr.reference_batch}; for "
-            f"{lr.effective_batch} the linear rule gives {lr.linear:.3g} and the square-root rule "
-            f"{lr.sqrt:.3g} (using {lr.applied:.3g}, train.lr_scaling = {lr.rule!r}), "
-            f"with {lr.warmup_steps} warm-up steps."
-        )
-    return out
-
-
-def count(n: int) -> str:
-    """A parameter count for people: 8.03B, 135M, 1.31M, 9.8K."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)
-
-
-def _describe(c: Candidate) -> str:
-    ck = " with activation checkpointing" if c.activation_checkpointing else ""
-    return f"{PLAIN[c.method]} with {PLAIN[c.distribution]}{ck}"
-
-
-def _reasons(
-    spec: ModelSpec,
-    preset: Preset,
-    hw: PlanHardware,
-    chosen: Candidate,
-    tried: list[Candidate],
-    dtype: str,
-) -> list[str]:
-    cap = hw.min_memory
-    usable = SAFETY_MARGIN * cap
-    n = hw.world_size
-    where = f"{n} CPU process{'es' if n > 1 else ''}" if hw.kind == "cpu" else f"{n} GPU(s)"
-    out = [
-        f"{count(spec.params)} parameters ({spec.model_type}), {where}, "
-        f"{format_bytes(cap)} on the smallest device ({format_bytes(usable)} usable after a "
-        f"{int(round((1 - SAFETY_MARGIN) * 100))}% margin), compute in {dtype}."
-    ]
-    if len({d.memory_bytes for d in hw.devices}) > 1:
-        out.append(
-            "Mixed cards: every card gets the same share, so the smallest one limits the plan."
-        )
-    pinned = [
-        f"{k} = {v!r}"
-        for k, v in (("method", preset.train.method), ("distribution", preset.train.distribution))
-        if v != "auto"
-    ]
-    if pinned:
-        out.append("The preset pins " + " and ".join(pinned) + "; only that was considered.")
-    # One line per (method, distribution) rejected, with its smallest budget.
-    rejected: dict[tuple[str, str], Candidate] = {}
-    for cand in tried:
-        if cand is chosen:
-            break
-        if cand.supported and (cand.method, cand.distribution) != (
-            chosen.method,
-            chosen.distribution,
-        ):
-            rejected[(cand.method, cand.distribution)] = cand  # the last one tried is smallest
-    for cand in rejected.values():
-        ck = " even with activation checkpointing" if cand.activation_checkpointing else ""
-        out.append(
-            f"Too big: {PLAIN[cand.method]} with {PLAIN[cand.distribution]} needs "
-            f"{format_bytes(cand.budget.total)} per device{ck}."
-        )
-    total = chosen.budget.total
-    verdict = "fits" if chosen.fits else "does NOT fit"
-    out.append(
-        f"Chosen: {_describe(chosen)} — {format_bytes(total)} per device at the {chosen.budget.peak_phase} "
-        f"peak, {verdict} ({100 * total / cap:.0f}% of {format_bytes(cap)})."
-    )
-    if chosen.distribution != "ddp" and chosen.fits:
-        out.append(
-            f"Sharding moves {format_bytes(chosen.budget.comm_bytes_per_step)} per device per step "
-            "over the links between cards; NVLink or fast PCIe helps."
-        )
-    return out
-
-
-def _advice(
-    spec: ModelSpec,
-    preset: Preset,
-    hw: PlanHardware,
-    best: Candidate,
-    calibration: HardwareCalibration | None = None,
-) -> list[str]:
-    """What would make the run fit, each checked with the same budget arithmetic."""
-    m, d, ck = best.method, best.distribution, best.activation_checkpointing
-    usable = SAFETY_MARGIN * hw.min_memory
-    out: list[str] = []
-    t = preset.train
-
-    def fits(**kw: Any) -> bool:
-        return evaluate(spec, preset, hw, m, d, ck, calibration, **kw).budget.total <= usable
-
-    seq = preset.data.seq_len
-    while seq > 16 and not fits(seq_len=seq):
-        seq //= 2
-    if seq < preset.data.seq_len and fits(seq_len=seq):
-        out.append(f"Shorter sequences: data.seq_len = {seq} fits (now {preset.data.seq_len}).")
-    for micro in range(t.micro_batch - 1, 0, -1):
-        if fits(micro_batch=micro):
-            accum = math.ceil(t.micro_batch * t.grad_accum / micro)
-            out.append(
-                f"Smaller micro-batch with more accumulation: train.micro_batch = {micro}, "
-                f"train.grad_accum = {accum} (effective batch {micro * hw.world_size * accum})."
-            )
-            break
-    if m != "qlora" and preset.train.method not in ("auto", "qlora"):
-        q = evaluate(spec, preset, hw, "qlora", "ddp", True)
-        if q.fits:
-            out.append(
-                f"QLoRA fits: {format_bytes(q.budget.total)} per device (train.method = 'qlora')."
-            )
-    need = best.budget.total / SAFETY_MARGIN
-    out.append(f"Larger cards: this plan needs {format_bytes(need)} per device.")
-    if hw.kind == "cuda" and m == "full":
-        size = hw.min_memory
-        for n in range(hw.world_size + 1, 17):
-            more = replace(hw, devices=tuple(hw.devices[:1]) * n)
-            c = evaluate(spec, preset, more, "full", "fsdp-full", True)
-            if c.fits:
-                out.append(
-                    f"More cards: {n} × {format_bytes(size)} fit a full fine-tune with FSDP full "
-                    f"sharding ({format_bytes(c.budget.total)} per card)."
-                )
-                break
-    if len(out) == 1:
-        fixed = best.budget.weights + best.budget.optimizer + best.budget.buffers
-        out.insert(
-            0,
-            "Neither shorter sequences nor a smaller micro-batch is enough: weights and optimizer "
-            f"state alone need {format_bytes(fixed)} per device, before activations and runtime.",
-        )
-    return out

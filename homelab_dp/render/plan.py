@@ -9,7 +9,8 @@ from rich.text import Text
 
 from homelab_dp.core.hardware import HardwareReport, format_bytes
 from homelab_dp.core.memory import COMPONENTS
-from homelab_dp.core.planner import PLAIN, SAFETY_MARGIN, Plan, count
+from homelab_dp.core.plan_reasons import PLAIN, count
+from homelab_dp.core.planner import SAFETY_MARGIN, Plan
 
 COLOURS = {
     "weights": "blue",

@@ -13,7 +13,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Checkbox, Footer, Header, Input, Label, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from homelab_dp.core.planner import PLAIN
+from homelab_dp.core.plan_reasons import PLAIN
 from homelab_dp.core.preset_store import save_preset
 from homelab_dp.errors import HomelabError
 from homelab_dp.tui.errors import error_text

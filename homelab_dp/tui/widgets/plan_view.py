@@ -6,7 +6,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from homelab_dp.core.hardware import format_bytes
-from homelab_dp.core.planner import PLAIN, count
+from homelab_dp.core.plan_reasons import PLAIN, count
 from homelab_dp.render.plan import legend, memory_bar
 from homelab_dp.run.planning import Planned
 
