@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from homelab_dp.core.spec import make_spec
 from homelab_dp.run.controller import make_controller
 from homelab_dp.run.launcher import run_foreground
 from homelab_dp.rundir.files import create_run_dir, new_run_id
@@ -51,11 +50,8 @@ def run_full(root: Path, overrides: list[str]) -> float:
 def run_direct(root: Path, overrides: list[str]) -> float:
     controller = make_controller(root)
     prepared = controller.prepare(str(ROOT / "presets" / "tiny-demo.toml"), overrides=overrides)
-    spec = make_spec(
-        prepared.preset, prepared.resolved, new_run_id("bench"), prepared.plan.to_json()
-    )
-    run_dir = create_run_dir(spec, root)
-    rc = run_foreground(run_dir, prepared.resolved.world_size)
+    run_dir = create_run_dir(prepared.run_spec(new_run_id("bench")), root)
+    rc = run_foreground(run_dir)
     assert rc == 0, f"run failed: see {run_dir / 'logs'}"
     return tokens_per_s(run_dir)
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from homelab_dp.core.preset import preset_from_dict  # noqa: E402
-from homelab_dp.core.spec import Resolved, make_spec  # noqa: E402
+from homelab_dp.core.runspec import Launch, Resolved, RunSpec  # noqa: E402
 from homelab_dp.run.launcher import run_foreground  # noqa: E402
 from homelab_dp.rundir.files import create_run_dir  # noqa: E402
 
@@ -75,9 +75,9 @@ def worker(nproc: int, steps: int, warmup: int, root: Path, name: str) -> float:
         }
     )
     resolved = Resolved("full", "ddp", False, "cpu", nproc, "fp32", MICRO, ACCUM, LR)
-    run_dir = create_run_dir(make_spec(preset, resolved, name), root)
+    run_dir = create_run_dir(RunSpec(name, preset, resolved, Launch(nproc)), root)
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    if run_foreground(run_dir, nproc, extra_env=env) != 0:
+    if run_foreground(run_dir, extra_env=env) != 0:
         raise SystemExit(f"worker run failed: see {run_dir / 'logs' / 'launcher.log'}")
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     by_step = {e["step"]: e for e in events if e["type"] == "step"}

@@ -12,8 +12,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from homelab_dp.core.events import RunView
 from homelab_dp.core.hardware import format_bytes
+from homelab_dp.core.run_view import RunView
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import ACTIVE, current_state
 from homelab_dp.rundir.tail import file_size

@@ -22,8 +22,9 @@ def _mode(args: argparse.Namespace) -> str:
     return "live" if sys.stdout.isatty() else "plain"
 
 
-def _multinode(args: argparse.Namespace):
-    from homelab_dp.run.controller import MultiNode, check_port
+def _rendezvous(args: argparse.Namespace):
+    from homelab_dp.core.runspec import Rendezvous
+    from homelab_dp.run.controller import check_port
 
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         from homelab_dp.errors import HomelabError
@@ -32,25 +33,25 @@ def _multinode(args: argparse.Namespace):
             f"--node-rank {args.node_rank}: must be between 0 and --nnodes - 1 ({args.nnodes - 1})",
             hint="number the machines 0, 1, … and start the same command on each",
         )
-    multinode = MultiNode(args.nnodes, args.node_rank, args.master_addr, args.master_port)
-    check_port(multinode)  # a taken --master-port: a clear error before anything is prepared
-    return multinode
+    rendezvous = Rendezvous(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    check_port(rendezvous)  # a taken --master-port: a clear error before anything is prepared
+    return rendezvous
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from homelab_dp.cli.follow import follow
 
     controller = _controller()
-    multinode = _multinode(args)
+    rendezvous = _rendezvous(args)
     overrides = list(args.set) + (_fitted(args) if args.auto_fit else [])
     prepared = controller.prepare(
         args.preset,
         overrides=overrides,
         gpus=args.gpus,
         force=args.force,
-        nnodes=multinode.nnodes,
+        nnodes=rendezvous.nnodes,
     )
-    run_id = controller.start(prepared, multinode, auto_fit=args.auto_fit)
+    run_id = controller.start(prepared, rendezvous, auto_fit=args.auto_fit)
     if args.detach:
         if args.json:
             print(json.dumps({"type": "detached", "run_id": run_id}))
@@ -96,7 +97,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     controller = _controller()
     # Only what the resumed run writes is printed; earlier events are history.
     history = file_size(controller.run_dir(args.run) / "events.jsonl")
-    run_id = controller.resume(args.run, _multinode(args))
+    run_id = controller.resume(args.run, _rendezvous(args))
     if args.detach:
         print(
             json.dumps({"type": "detached", "run_id": run_id}) if args.json else f"resumed {run_id}"
@@ -167,7 +168,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_multinode(p: argparse.ArgumentParser) -> None:
+def _add_rendezvous(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="machines in the run (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0..nnodes-1")
     p.add_argument(
@@ -191,7 +192,7 @@ def add_commands(sub: Any) -> None:
         help="fit the micro-batch to memory; after an out-of-memory error, resume with a smaller "
         "micro-batch and more accumulation (same effective batch) by itself",
     )
-    _add_multinode(p)
+    _add_rendezvous(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("runs", help="every run, newest first")
@@ -217,5 +218,5 @@ def add_commands(sub: Any) -> None:
     p.add_argument("run")
     p.add_argument("--detach", action="store_true")
     p.add_argument("--json", action="store_true")
-    _add_multinode(p)
+    _add_rendezvous(p)
     p.set_defaults(func=cmd_resume)

@@ -1,257 +1,235 @@
-"""Run events folded into one live view (pure: used by the CLI follower, the TUI and `status`).
+"""The events of a run: their names and one typed shape each (pure: stdlib only).
 
-Events are the JSON lines of ``runs/<id>/events.jsonl`` (written by rank 0 and the controller)
-and device samples are the lines of ``devices.jsonl`` (written by the monitor). `RunView.apply`
-takes either, in order, and keeps what a person watching the run needs.
+A run's ``events.jsonl`` holds one JSON object a line, each with ``"type"`` and ``"time"`` (unix
+seconds). Rank 0 of the worker writes start, micro, step, straggler, warning, checkpoint, memory
+and end; any rank may write error; the keeper and the controller write state, retry and error; the
+device monitor writes devices samples to ``devices.jsonl``. Writers build the typed event and
+write ``to_json()``; readers turn a line back into one with `parse_event`, which accepts lines
+written before a field existed (missing fields take their defaults, unknown ones are ignored).
+
+Scripts read these names and fields: add, never rename.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import statistics
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
-STRAGGLER_RATIO = 1.2
-"""A rank is slow when its step time is more than 20% over the median of all ranks."""
-STRAGGLER_STEPS = 3
-"""…for this many logged steps in a row."""
-
-
-class StragglerDetector:
-    """Flags ranks whose step time stays over STRAGGLER_RATIO × the median of all ranks.
-
-    Used by rank 0 of the worker (which writes a `straggler` event when a rank is first
-    flagged) and by every follower (which shows the warning).
-    """
-
-    def __init__(self) -> None:
-        self.streak: dict[int, int] = {}
-        self.flagged: dict[int, str] = {}
-        """rank → warning text."""
-
-    def copy(self) -> StragglerDetector:
-        out = StragglerDetector()
-        out.streak, out.flagged = dict(self.streak), dict(self.flagged)
-        return out
-
-    def update(self, step_times: list[float]) -> list[int]:
-        """Feed one logged step's per-rank step times; return the ranks newly flagged."""
-        if len(step_times) < 2:
-            return []
-        median = statistics.median(step_times)
-        newly = []
-        for rank, t in enumerate(step_times):
-            slow = median > 0 and t > STRAGGLER_RATIO * median
-            self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
-            if self.streak[rank] >= STRAGGLER_STEPS:
-                if rank not in self.flagged:
-                    newly.append(rank)
-                self.flagged[rank] = (
-                    f"rank {rank} is {100 * (t / median - 1):.0f}% slower than the median "
-                    f"for {self.streak[rank]} steps: every rank waits for it"
-                )
-            elif not slow:
-                self.flagged.pop(rank, None)
-        return newly
+START = "start"
+MICRO = "micro"
+STEP = "step"
+STRAGGLER = "straggler"
+WARNING = "warning"
+CHECKPOINT = "checkpoint"
+MEMORY = "memory"
+END = "end"
+ERROR = "error"
+STATE = "state"
+RETRY = "retry"
+DEVICES = "devices"
 
 
-@dataclass
-class DeviceView:
-    """The latest sample of one GPU or CPU rank."""
+@dataclass(kw_only=True)
+class Event:
+    """Every event: its type (a class constant) and when it happened."""
 
-    key: str
-    """"gpu0", "gpu1"… or "rank0", "rank1"… on the CPU."""
-    utilization_pct: float | None = None
-    memory_used: int | None = None
-    memory_total: int | None = None
-    temperature_c: float | None = None
-    power_w: float | None = None
-    energy_wh: float = 0.0
-    """Energy used by this device since the run started."""
+    TYPE: ClassVar[str] = ""
+    time: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON line's object: ``type``, then every field (None fields are kept)."""
+        return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
 
-@dataclass
-class RunView:
-    """Everything a follower shows about one run, updated event by event."""
+@dataclass(kw_only=True)
+class StartEvent(Event):
+    """Rank 0, once the model, data and strategy are set up (again on every resume)."""
 
-    run_id: str = ""
-    status: str = "starting"
+    TYPE: ClassVar[str] = START
+    run_id: str | None = None
+    world_size: int = 1
     method: str = ""
     distribution: str = ""
+    device: str = ""
+    dtype: str = ""
     total_steps: int = 0
+    start_step: int = 0
+    resumed_from: str | None = None
+    """The checkpoint folder resumed from, or None for a fresh start."""
+    params: int = 0
+    trainable_params: int = 0
+    micro_batch: int = 1
+    grad_accum: int = 1
+    effective_batch: int = 1
+    seq_len: int = 0
+    tokens_per_step: int = 0
+    samples: int = 0
+    """Training blocks per epoch."""
+    pids: list[int] = field(default_factory=list)
+    """Every rank's worker pid, by global rank."""
+    peak_memory_kind: str = ""
+    estimate: dict[str, int] | None = None
+    """The plan's per_device_bytes."""
+    estimate_bytes: int | None = None
+
+
+@dataclass(kw_only=True)
+class MicroEvent(Event):
+    """Rank 0, after each micro-step of an accumulating optimizer step."""
+
+    TYPE: ClassVar[str] = MICRO
     step: int = 0
+    """The optimizer step being accumulated (1-based)."""
+    micro_step: int = 0
+    grad_accum: int = 1
+
+
+@dataclass(kw_only=True)
+class StepEvent(Event):
+    """Rank 0, every ``train.log_every`` optimizer steps and at the last one."""
+
+    TYPE: ClassVar[str] = STEP
+    step: int = 0
+    total_steps: int = 0
     epoch: float = 0.0
     loss: float | None = None
-    losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=2000))
-    tokens_per_s_history: deque[tuple[int, float]] = field(
-        default_factory=lambda: deque(maxlen=2000)
-    )
+    """Token-weighted mean loss over the whole effective batch."""
     lr: float | None = None
+    grad_norm: float | None = None
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
-    step_time_s: float | None = None
-    micro_batch: int = 0
+    micro_batch: int = 1
     grad_accum: int = 1
-    micro_step: int = 0
-    """Micro-steps done in the current optimizer step (0..grad_accum)."""
     world_size: int = 1
-    effective_batch: int = 0
-    tokens: int = 0
+    effective_batch: int = 1
+    step_time_s: float | None = None
     rank_step_times_s: list[float] = field(default_factory=list)
     peak_memory_bytes: list[int] = field(default_factory=list)
+    """One per rank."""
     peak_memory_kind: str = ""
-    estimate_bytes: int | None = None
-    """The plan's per-device estimate (total), to show beside the measured peak."""
-    devices: dict[str, DeviceView] = field(default_factory=dict)
-    energy_wh: float = 0.0
-    per_kwh: float = 0.0
-    currency: str = ""
-    started_at: float | None = None
-    last_time: float | None = None
-    last_checkpoint_step: int | None = None
-    end_reason: str | None = None
-    error: str | None = None
+    tokens: int = 0
+    """Real (non-pad) target tokens so far."""
+    samples: int = 0
+
+
+@dataclass(kw_only=True)
+class StragglerEvent(Event):
+    """Rank 0, when a rank is first found slower than the others for several steps."""
+
+    TYPE: ClassVar[str] = STRAGGLER
+    step: int = 0
+    rank: int = 0
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class WarningEvent(Event):
+    """Something the user should know that does not stop the run (a damaged checkpoint…)."""
+
+    TYPE: ClassVar[str] = WARNING
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class CheckpointEvent(Event):
+    """Rank 0, once a checkpoint is complete (its marker written)."""
+
+    TYPE: ClassVar[str] = CHECKPOINT
+    step: int = 0
+    path: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(kw_only=True)
+class MemoryEvent(Event):
+    """Rank 0: every rank's measured peaks beside the plan's estimate."""
+
+    TYPE: ClassVar[str] = MEMORY
+    mode: str = ""
+    """"measure" for `homelab-dp measure`, "run" for the tracked step of a normal run."""
+    kind: str = ""
+    steps: int = 0
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    measured_peak_bytes: int = 0
+    estimate_tensor_bytes: int | None = None
+    estimate_peak_phase: str | None = None
+    estimate: dict[str, int] | None = None
+    error: float | None = None
+
+
+@dataclass(kw_only=True)
+class EndEvent(Event):
+    """Rank 0, when the loop ends: completed, stopped or measured."""
+
+    TYPE: ClassVar[str] = END
+    reason: str = ""
+    final_loss: float | None = None
+    steps: int = 0
+    seconds: float = 0.0
     final_path: str | None = None
-    stragglers: dict[int, str] = field(default_factory=dict)
-    """rank → warning text, for ranks slow for STRAGGLER_STEPS logged steps in a row."""
-    _detector: StragglerDetector = field(default_factory=lambda: StragglerDetector())
-    events_seen: int = 0
 
-    def copy(self) -> RunView:
-        """A copy that shares nothing mutable with this view (cheaper than deepcopy)."""
-        out = copy.copy(self)
-        out.losses = deque(self.losses, maxlen=self.losses.maxlen)
-        out.tokens_per_s_history = deque(
-            self.tokens_per_s_history, maxlen=self.tokens_per_s_history.maxlen
-        )
-        out.rank_step_times_s = list(self.rank_step_times_s)
-        out.peak_memory_bytes = list(self.peak_memory_bytes)
-        out.devices = {k: dataclasses.replace(d) for k, d in self.devices.items()}
-        out.stragglers = dict(self.stragglers)
-        out._detector = self._detector.copy()
-        return out
 
-    # ------------------------------------------------------------------ derived figures
-    @property
-    def eta_s(self) -> float | None:
-        """Seconds left at the current step time."""
-        if not self.step_time_s or not self.total_steps:
-            return None
-        return max(self.total_steps - self.step, 0) * self.step_time_s
+@dataclass(kw_only=True)
+class ErrorEvent(Event):
+    """Any rank (or the keeper) when the run fails; ``proposal`` for an out-of-memory error."""
 
-    @property
-    def elapsed_s(self) -> float | None:
-        if self.started_at is None or self.last_time is None:
-            return None
-        return self.last_time - self.started_at
+    TYPE: ClassVar[str] = ERROR
+    message: str = ""
+    hint: str | None = None
+    rank: int | None = None
+    kind: str = ""
+    proposal: dict[str, Any] | None = None
 
-    @property
-    def loss_trend(self) -> float | None:
-        """Mean loss over the last 10 logged steps minus the 10 before (negative: falling)."""
-        values = [v for _, v in self.losses]
-        if len(values) < 4:
-            return None
-        k = min(10, len(values) // 2)
-        return statistics.fmean(values[-k:]) - statistics.fmean(values[-2 * k : -k])
 
-    @property
-    def tokens_per_wh(self) -> float | None:
-        return self.tokens / self.energy_wh if self.energy_wh > 0 else None
+@dataclass(kw_only=True)
+class StateEvent(Event):
+    """The controller or the keeper: the run's status changed."""
 
-    @property
-    def cost(self) -> float | None:
-        return self.energy_wh / 1000 * self.per_kwh if self.per_kwh else None
+    TYPE: ClassVar[str] = STATE
+    status: str = ""
+    reason: str | None = None
+    run_id: str | None = None
+    resume: bool | None = None
 
-    # ------------------------------------------------------------------ folding
-    def apply(self, event: dict[str, Any]) -> None:
-        """Fold one event or device sample into the view."""
-        self.events_seen += 1
-        kind = event.get("type")
-        when = event.get("time")
-        if isinstance(when, (int, float)):
-            self.last_time = float(when)
-            if self.started_at is None:
-                self.started_at = float(when)
-        handler = getattr(self, f"_on_{kind}", None) if isinstance(kind, str) else None
-        if handler is not None:
-            handler(event)
 
-    def _on_start(self, e: dict[str, Any]) -> None:
-        self.status = "running"
-        for name in ("run_id", "method", "distribution", "total_steps", "world_size"):
-            if name in e:
-                setattr(self, name, e[name])
-        self.micro_batch = e.get("micro_batch", self.micro_batch)
-        self.grad_accum = e.get("grad_accum", self.grad_accum)
-        self.effective_batch = e.get("effective_batch", self.effective_batch)
-        estimate = e.get("estimate")  # the plan's per_device_bytes
-        if isinstance(estimate, dict) and estimate.get("total") is not None:
-            self.estimate_bytes = int(estimate["total"])
-        self.step = e.get("start_step", self.step)
+@dataclass(kw_only=True)
+class RetryEvent(Event):
+    """The keeper resumes after out-of-memory with the worker's proposal (`run --auto-fit`)."""
 
-    def _on_micro(self, e: dict[str, Any]) -> None:
-        self.micro_step = int(e.get("micro_step", 0))
-        self.grad_accum = int(e.get("grad_accum", self.grad_accum))
+    TYPE: ClassVar[str] = RETRY
+    reason: str = ""
+    """What was changed."""
+    after: str = ""
+    attempt: int = 1
 
-    def _on_step(self, e: dict[str, Any]) -> None:
-        self.status = "running"
-        self.step = int(e["step"])
-        self.micro_step = 0
-        for name in (
-            "total_steps", "epoch", "lr", "tokens_per_s", "samples_per_s", "step_time_s",
-            "micro_batch", "grad_accum", "world_size", "effective_batch", "tokens",
-            "rank_step_times_s", "peak_memory_bytes", "peak_memory_kind",
-        ):  # fmt: skip
-            if e.get(name) is not None:
-                setattr(self, name, e[name])
-        if e.get("loss") is not None:
-            self.loss = float(e["loss"])
-            self.losses.append((self.step, self.loss))
-        if e.get("tokens_per_s") is not None:
-            self.tokens_per_s_history.append((self.step, float(e["tokens_per_s"])))
-        self._check_stragglers()
 
-    def _check_stragglers(self) -> None:
-        self._detector.update(self.rank_step_times_s)
-        self.stragglers = dict(self._detector.flagged)
+@dataclass(kw_only=True)
+class DevicesEvent(Event):
+    """The monitor's sample of every device (``devices.jsonl``)."""
 
-    def _on_straggler(self, e: dict[str, Any]) -> None:
-        self.stragglers[int(e["rank"])] = str(e.get("message", "slow rank"))
+    TYPE: ClassVar[str] = DEVICES
+    devices: list[dict[str, Any]] = field(default_factory=list)
+    energy_wh: float = 0.0
 
-    def _on_checkpoint(self, e: dict[str, Any]) -> None:
-        self.last_checkpoint_step = e.get("step")
 
-    def _on_end(self, e: dict[str, Any]) -> None:
-        self.end_reason = e.get("reason")
-        self.status = "completed" if self.end_reason == "completed" else "interrupted"
-        if e.get("final_loss") is not None:
-            self.loss = float(e["final_loss"])
-        self.final_path = e.get("final_path", self.final_path)
+EVENT_CLASSES: dict[str, type[Event]] = {
+    cls.TYPE: cls
+    for cls in (
+        StartEvent, MicroEvent, StepEvent, StragglerEvent, WarningEvent, CheckpointEvent,
+        MemoryEvent, EndEvent, ErrorEvent, StateEvent, RetryEvent, DevicesEvent,
+    )
+}  # fmt: skip
+"""Event type name → its class."""
 
-    def _on_error(self, e: dict[str, Any]) -> None:
-        self.error = str(e.get("message", "error"))
-        self.status = "failed"
 
-    def _on_state(self, e: dict[str, Any]) -> None:
-        """Controller events: status changes (starting, running, stopping, failed…)."""
-        if e.get("status"):
-            self.status = e["status"]
-        if e.get("reason") and self.status == "failed":
-            self.error = self.error or e["reason"]
-
-    def _on_devices(self, e: dict[str, Any]) -> None:
-        """A monitor sample: {"type": "devices", "devices": [{key, …}], "energy_wh": total}."""
-        for d in e.get("devices", []):
-            key = str(d.get("key"))
-            view = self.devices.setdefault(key, DeviceView(key))
-            for name in (
-                "utilization_pct", "memory_used", "memory_total", "temperature_c", "power_w",
-                "energy_wh",
-            ):  # fmt: skip
-                if d.get(name) is not None:
-                    setattr(view, name, d[name])
-        if e.get("energy_wh") is not None:
-            self.energy_wh = float(e["energy_wh"])
+def parse_event(data: dict[str, Any]) -> Event | None:
+    """The typed event of one JSON line, or None for a type this version does not know."""
+    cls = EVENT_CLASSES.get(data.get("type")) if isinstance(data.get("type"), str) else None
+    if cls is None:
+        return None
+    known = {f.name for f in fields(cls)}
+    kwargs = {k: v for k, v in data.items() if k in known and v is not None}
+    if not isinstance(kwargs.get("time", 0.0), (int, float)):
+        kwargs.pop("time")
+    return cls(**kwargs)

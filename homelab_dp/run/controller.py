@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.events import RunView
+from homelab_dp.core.events import StateEvent
 from homelab_dp.core.planner import Plan
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.preset_store import open_preset
-from homelab_dp.core.spec import Resolved, make_spec
+from homelab_dp.core.run_view import RunView
+from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.errors import HomelabError, RunNotFoundError, RunStateError
 from homelab_dp.run import preflight
 from homelab_dp.run.planning import Planned, cpu_hardware, make_plan
@@ -29,9 +30,9 @@ from homelab_dp.rundir.files import (
     append_event,
     create_run_dir,
     new_run_id,
-    read_spec,
+    read_run_spec,
     runs_root,
-    write_json_atomic,
+    write_run_spec,
 )
 from homelab_dp.rundir.state import (
     ACTIVE,
@@ -46,23 +47,6 @@ MAX_OOM_RETRIES = 3
 
 
 @dataclass(frozen=True)
-class MultiNode:
-    """torchrun's c10d rendezvous across machines (single node: the defaults, on loopback)."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-
-    def keeper_args(self) -> list[str]:
-        args = ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank)]
-        args += ["--master-addr", self.master_addr]
-        if self.master_port:
-            args += ["--master-port", str(self.master_port)]
-        return args
-
-
-@dataclass(frozen=True)
 class Prepared:
     """A run that passed every check and is ready to start."""
 
@@ -74,6 +58,33 @@ class Prepared:
     @property
     def plan(self) -> Plan:
         return self.planned.plan
+
+    def run_spec(
+        self,
+        run_id: str,
+        rendezvous: Rendezvous | None = None,
+        *,
+        auto_fit: bool = False,
+        measure_steps: int = 0,
+    ) -> RunSpec:
+        """The run contract for this prepared run: the one builder of `RunSpec`."""
+        rdzv = rendezvous or Rendezvous()
+        launch = Launch(
+            nproc_per_node=self.resolved.world_size // rdzv.nnodes,
+            gpu_indices=tuple(self.planned.hardware.indices),
+            rendezvous=rdzv,
+        )
+        return RunSpec(
+            run_id=run_id,
+            preset=self.preset,
+            resolved=self.resolved,
+            launch=launch,
+            plan=self.plan.to_json(),
+            blocks=self.blocks,
+            auto_fit=auto_fit,
+            collective_timeout_s=self.preset.train.collective_timeout_s or None,
+            measure_steps=measure_steps,
+        )
 
 
 class RunController:
@@ -148,7 +159,7 @@ class RunController:
 
     # ------------------------------------------------------------------ starting
     def start(
-        self, prepared: Prepared, multinode: MultiNode | None = None, *, auto_fit: bool = False
+        self, prepared: Prepared, rendezvous: Rendezvous | None = None, *, auto_fit: bool = False
     ) -> str:
         """Create the run folder and start its keeper in the background; return the run id.
 
@@ -156,27 +167,21 @@ class RunController:
         worker's proposal (smaller micro-batch, more accumulation, same effective batch; or
         activation checkpointing) by itself, up to `MAX_OOM_RETRIES` times.
         """
-        multinode = multinode or MultiNode()
-        check_port(multinode)
+        rendezvous = rendezvous or Rendezvous()
+        check_port(rendezvous)
         name = Path(prepared.preset.source).stem if prepared.preset.source else "run"
         run_id = new_run_id(name)
-        spec = make_spec(prepared.preset, prepared.resolved, run_id, prepared.plan.to_json())
-        spec["gpu_indices"] = list(prepared.planned.hardware.indices)
-        spec["nproc_per_node"] = prepared.resolved.world_size // multinode.nnodes
-        spec["blocks"] = prepared.blocks
-        spec["auto_fit"] = auto_fit
-        if prepared.preset.train.collective_timeout_s:  # the worker's default otherwise
-            spec["collective_timeout_s"] = prepared.preset.train.collective_timeout_s
+        spec = prepared.run_spec(run_id, rendezvous, auto_fit=auto_fit)
         run_dir = create_run_dir(spec, self.root)
         update_state(run_dir, status="starting", run_id=run_id, created=time.time(), attempt=1)
-        append_event(run_dir, {"type": "state", "status": "starting", "run_id": run_id})
-        self._spawn_keeper(run_dir, multinode)
+        append_event(run_dir, StateEvent(status="starting", run_id=run_id))
+        self._spawn_keeper(run_dir)
         return run_id
 
-    def _spawn_keeper(self, run_dir: Path, multinode: MultiNode) -> int:
+    def _spawn_keeper(self, run_dir: Path) -> int:
         log = open(run_dir / "logs" / "keeper.log", "ab")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen(
-            [sys.executable, "-m", "homelab_dp.run.keeper", str(run_dir), *multinode.keeper_args()],
+            [sys.executable, "-m", "homelab_dp.run.keeper", str(run_dir)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -187,7 +192,7 @@ class RunController:
         update_state(run_dir, pids={"keeper": proc.pid})
         return proc.pid
 
-    def resume(self, run_id: str, multinode: MultiNode | None = None) -> str:
+    def resume(self, run_id: str, rendezvous: Rendezvous | None = None) -> str:
         """Continue a stopped or failed run from its newest complete checkpoint."""
         run_dir = self.run_dir(run_id)
         state = current_state(run_dir)
@@ -202,9 +207,7 @@ class RunController:
                 f"run {run_dir.name}: still {status}",
                 hint=f"follow it with `homelab-dp attach {run_dir.name}`",
             )
-        spec = read_spec(run_dir)
-        spec["resume"] = True
-        write_json_atomic(run_dir / "spec.json", spec)
+        write_run_spec(run_dir, read_run_spec(run_dir).relaunched(rendezvous or Rendezvous()))
         update_state(
             run_dir,
             status="starting",
@@ -212,8 +215,8 @@ class RunController:
             attempt=int(state.get("attempt", 1)) + 1,
             pids={"workers": [], "agent": None, "monitor": None},
         )
-        append_event(run_dir, {"type": "state", "status": "starting", "resume": True})
-        self._spawn_keeper(run_dir, multinode or MultiNode())
+        append_event(run_dir, StateEvent(status="starting", resume=True))
+        self._spawn_keeper(run_dir)
         return run_dir.name
 
     # ------------------------------------------------------------------ stopping
@@ -261,14 +264,12 @@ class RunController:
         return view
 
     def new_view(self, run_dir: Path) -> RunView:
-        spec = read_spec(run_dir)
-        cost = spec.get("preset", {}).get("cost", {})
-        plan = spec.get("plan") or {}
+        spec = read_run_spec(run_dir)
         return RunView(
             run_id=run_dir.name,
-            per_kwh=float(cost.get("per_kwh") or 0.0),
-            currency=str(cost.get("currency") or ""),
-            estimate_bytes=(plan.get("per_device_bytes") or {}).get("total"),
+            per_kwh=float(spec.preset.cost.per_kwh or 0.0),
+            currency=str(spec.preset.cost.currency or ""),
+            estimate_bytes=spec.planned_bytes.get("total"),
         )
 
     def tail(self, run_id: str) -> RunTail:
@@ -324,11 +325,11 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
     }
 
 
-def check_port(multinode: MultiNode) -> None:
+def check_port(rendezvous: Rendezvous) -> None:
     """A single-node run given ``--master-port`` needs it free: say so before anything starts."""
-    if multinode.nnodes != 1 or not multinode.master_port:
+    if rendezvous.nnodes != 1 or not rendezvous.master_port:
         return
-    port = multinode.master_port
+    port = rendezvous.master_port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -349,19 +350,15 @@ def apply_oom_proposal(run_dir: Path, failure: dict[str, Any]) -> str | None:
     proposal = failure.get("proposal") if failure.get("kind") == "oom" else None
     if not proposal:
         return None
-    spec = read_spec(run_dir)
-    resolved, train = spec["resolved"], spec["preset"]["train"]
-    before = (resolved["micro_batch"], resolved["grad_accum"], resolved["activation_checkpointing"])
-    for key in ("micro_batch", "grad_accum", "activation_checkpointing"):
-        resolved[key] = train[key] = proposal[key]
-    after = (resolved["micro_batch"], resolved["grad_accum"], resolved["activation_checkpointing"])
+    spec = read_run_spec(run_dir)
+    changed = spec.with_batch(int(proposal["micro_batch"]), int(proposal["grad_accum"]),
+                              bool(proposal["activation_checkpointing"]))  # fmt: skip
+    before, after = changed.retries[-1].before, changed.retries[-1].after
     if after == before:
         return None
-    spec["resume"] = True
-    spec.setdefault("retries", []).append({"time": time.time(), "from": before, "to": after})
-    write_json_atomic(run_dir / "spec.json", spec)
+    write_run_spec(run_dir, changed)
     ac = ", activation checkpointing on" if after[2] and not before[2] else ""
-    effective = after[0] * resolved["world_size"] * after[1]
+    effective = changed.resolved.effective_batch
     return (f"out of memory: retrying with micro-batch {after[0]} × accumulation {after[1]}"
             f"{ac} (same effective batch {effective})")  # fmt: skip
 

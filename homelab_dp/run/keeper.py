@@ -34,9 +34,10 @@ from typing import Any
 
 import psutil
 
+from homelab_dp.core.events import ErrorEvent, RetryEvent, StateEvent
 from homelab_dp.run import launcher
 from homelab_dp.run.watchdog import Stall, Watchdog
-from homelab_dp.rundir.files import append_event, read_spec
+from homelab_dp.rundir.files import append_event, read_run_spec
 from homelab_dp.rundir.heartbeat import heartbeat_dir
 from homelab_dp.rundir.state import (
     diagnose_failure,
@@ -52,7 +53,6 @@ WORKER_GRACE_S = 20.0
 """How long orphaned workers get to exit after SIGTERM before SIGKILL."""
 AGENT_GRACE_S = 15.0
 """How long torchrun gets to exit after the watchdog killed its stalled workers."""
-DEFAULT_WATCHDOG_S = 600.0
 
 
 def _file_size(path: Path) -> int:
@@ -65,10 +65,9 @@ def _file_size(path: Path) -> int:
 class Keeper:
     """Supervises one launch (a fresh start or a resume) of a run."""
 
-    def __init__(self, run_dir: Path, multinode: dict[str, Any] | None = None) -> None:
+    def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.spec = read_spec(run_dir)
-        self.multinode = multinode or {}
+        self.spec = read_run_spec(run_dir)
         self.agent: subprocess.Popen | None = None
         self.monitor: subprocess.Popen | None = None
         self.stop_requested = False
@@ -78,8 +77,7 @@ class Keeper:
         # This launch's part of the append-only files (a resume appends to the same ones).
         self.events = JsonlTail(run_dir / "events.jsonl", _file_size(run_dir / "events.jsonl"))
         self.log_from = _file_size(run_dir / "logs" / "launcher.log")
-        train = (self.spec.get("preset") or {}).get("train") or {}
-        self.watchdog = Watchdog(run_dir, float(train.get("watchdog_s", DEFAULT_WATCHDOG_S)))
+        self.watchdog = Watchdog(run_dir, float(self.spec.preset.train.watchdog_s))
         self.attempt_events: list[dict[str, Any]] = []
 
     # -------------------------------------------------------------- processes
@@ -119,13 +117,9 @@ class Keeper:
         """Start torchrun and the monitor, supervise until torchrun exits; the verdict."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        resolved = self.spec["resolved"]
-        nproc = int(self.spec.get("nproc_per_node") or resolved["world_size"])
-        if self.spec.get("gpu_indices"):
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.spec["gpu_indices"]))
         shutil.rmtree(heartbeat_dir(self.run_dir), ignore_errors=True)  # an earlier launch's
         update_state(self.run_dir, status="starting", pids={"keeper": os.getpid()})
-        self.agent = launcher.launch(self.run_dir, nproc, **self.multinode)
+        self.agent = launcher.launch(self.run_dir)
         self.monitor = self._start_monitor()
         update_state(
             self.run_dir,
@@ -151,7 +145,7 @@ class Keeper:
             ended=time.time(),
             failure=failure,
         )
-        append_event(self.run_dir, {"type": "state", "status": status, "reason": reason})
+        append_event(self.run_dir, StateEvent(status=status, reason=reason))
         return 0 if status in ("completed", "interrupted") else 1
 
     def _supervise(self) -> list[int]:
@@ -185,12 +179,7 @@ class Keeper:
         update_state(self.run_dir, status="stopping", reason=f"stalled: {stall.message}")
         append_event(
             self.run_dir,
-            {
-                "type": "error",
-                "kind": "Stall",
-                "rank": stall.rank,
-                "message": f"stalled: {stall.message}",
-            },
+            ErrorEvent(kind="Stall", rank=stall.rank, message=f"stalled: {stall.message}"),
         )
         for pid in workers:  # SIGKILL also ends a stopped (SIGSTOP) process; SIGTERM would wait
             _signal(pid, signal.SIGKILL)
@@ -253,7 +242,7 @@ class Keeper:
                 f"{self._stop_cause(log_text)}: {at}; resume with `homelab-dp resume`",
                 None,
             )
-        if rc == 0 and not ends and int(self.multinode.get("nnodes") or 1) > 1:
+        if rc == 0 and not ends and self.spec.launch.rendezvous.nnodes > 1:
             # c10d hands out global ranks in joining order: rank 0 (events, checkpoints'
             # metadata, the result) may live on another node's run folder.
             return "completed", "this node's workers finished; rank 0 ran on another node", None
@@ -353,34 +342,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="homelab-dp run keeper (started by the controller)"
     )
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--master-port", type=int, default=None)
+    parser.add_argument("run_dir", type=Path, help="the run folder; its spec.json says the rest")
     args = parser.parse_args(argv)
-    multinode = {
-        "nnodes": args.nnodes,
-        "node_rank": args.node_rank,
-        "master_addr": args.master_addr,
-        "master_port": args.master_port,
-    }
-    if args.nnodes > 1:  # every node names the rendezvous the same; run folders differ per node
-        multinode["rdzv_id"] = f"homelab-dp-{args.master_addr}-{args.master_port}"
-    return supervise(args.run_dir, multinode)
+    return supervise(args.run_dir)
 
 
-def supervise(run_dir: Path, multinode: dict[str, Any]) -> int:
+def supervise(run_dir: Path) -> int:
     """Run the launch; with ``auto_fit`` in the spec, resume after out-of-memory with the
     worker's proposal (same effective batch), up to `MAX_OOM_RETRIES` times."""
     from homelab_dp.run.controller import MAX_OOM_RETRIES, apply_oom_proposal
 
     retries = 0
     while True:
-        keeper = Keeper(run_dir, multinode)
+        keeper = Keeper(run_dir)
         status, reason, failure = keeper.launch_and_wait()
         change = None
-        wanted = keeper.spec.get("auto_fit") and not keeper.stop_requested
+        wanted = keeper.spec.auto_fit and not keeper.stop_requested
         if failure and wanted and retries < MAX_OOM_RETRIES:
             change = apply_oom_proposal(run_dir, failure)
         if change is None:
@@ -389,9 +366,8 @@ def supervise(run_dir: Path, multinode: dict[str, Any]) -> int:
         attempt = int(read_state(run_dir).get("attempt") or 1) + 1
         update_state(run_dir, status="starting", reason=change, attempt=attempt,
                      pids={"workers": [], "agent": None, "monitor": None})  # fmt: skip
-        append_event(run_dir, {"type": "retry", "reason": change, "after": reason,
-                               "attempt": attempt})  # fmt: skip
-        append_event(run_dir, {"type": "state", "status": "starting", "reason": change})
+        append_event(run_dir, RetryEvent(reason=change, after=reason, attempt=attempt))
+        append_event(run_dir, StateEvent(status="starting", reason=change))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from homelab_dp.rundir.files import read_spec
+from homelab_dp.core.runspec import Rendezvous, RunSpec
+from homelab_dp.rundir.files import read_run_spec
 
 WORKER_MODULE = "homelab_dp.train.worker"
 AGENT_MODULE = "homelab_dp.run.agent"  # torchrun's main, its stores on loopback (single node)
@@ -38,36 +39,33 @@ def free_port(host: str = "127.0.0.1") -> int:
 def torchrun_command(
     run_dir: Path,
     nproc_per_node: int,
+    rendezvous: Rendezvous | None = None,
     *,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
     resume: bool = False,
-    rdzv_id: str | None = None,
 ) -> list[str]:
     """The argv that starts ``nproc_per_node`` workers of ``run_dir`` under torchrun.
 
-    ``rdzv_id`` names the rendezvous: by default the run folder's name on a single node, and
+    The rendezvous is named after the run folder on a single node, and
     ``homelab-dp-<master_addr>-<master_port>`` on several nodes, so that nodes whose run folders
     are named differently still meet.
     """
     run_dir = Path(run_dir).absolute()
-    if nnodes == 1:
-        endpoint = f"127.0.0.1:{master_port or 0}"  # 0: the kernel picks a free port at bind
+    rdzv = rendezvous or Rendezvous()
+    if rdzv.nnodes == 1:
+        endpoint = f"127.0.0.1:{rdzv.master_port or 0}"  # 0: the kernel picks a free port at bind
         local = ["--local-addr", "127.0.0.1", "--rdzv-conf=is_host=1"]
-        rdzv_id = rdzv_id or run_dir.name
+        rdzv_id = run_dir.name
     else:
-        if master_port is None:
+        if rdzv.master_port is None:
             raise ValueError("multi-node runs need master_port (the same on every node)")
-        endpoint = f"{master_addr}:{master_port}"
+        endpoint = f"{rdzv.master_addr}:{rdzv.master_port}"
         local = []
-        rdzv_id = rdzv_id or f"homelab-dp-{master_addr}-{master_port}"
+        rdzv_id = f"homelab-dp-{rdzv.master_addr}-{rdzv.master_port}"
     cmd = [
         sys.executable, "-m", AGENT_MODULE,
-        f"--nnodes={nnodes}",
+        f"--nnodes={rdzv.nnodes}",
         f"--nproc-per-node={nproc_per_node}",
-        f"--node-rank={node_rank}",
+        f"--node-rank={rdzv.node_rank}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={rdzv_id}",
@@ -83,18 +81,21 @@ def torchrun_command(
     return cmd
 
 
-def worker_env(run_dir: Path, nproc_per_node: int, nnodes: int = 1) -> dict[str, str]:
-    """The environment of the torchrun agent (inherited by its workers)."""
+def worker_env(spec: RunSpec) -> dict[str, str]:
+    """The environment of the torchrun agent (inherited by its workers).
+
+    The one place that sets ``CUDA_VISIBLE_DEVICES``: to the planned cards, so that the workers
+    train on the devices that were planned and are monitored.
+    """
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"  # rank logs reach their files as they are written
-    try:
-        device = read_spec(Path(run_dir))["resolved"]["device"]
-    except (OSError, ValueError, KeyError):
-        device = "cpu"
-    if device == "cpu" and "OMP_NUM_THREADS" not in env:
+    nproc = spec.launch.nproc_per_node
+    if spec.resolved.device == "cpu" and "OMP_NUM_THREADS" not in env:
         # torchrun would set 1; the cores are better shared out between the ranks.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node)))
-    if nnodes == 1:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc)))
+    if spec.launch.gpu_indices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.launch.gpu_indices))
+    if spec.launch.rendezvous.nnodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         env["HOMELAB_DP_LOOPBACK"] = "1"  # homelab_dp.run.agent: TCP stores on 127.0.0.1
@@ -102,23 +103,15 @@ def worker_env(run_dir: Path, nproc_per_node: int, nnodes: int = 1) -> dict[str,
 
 
 def launch(
-    run_dir: Path,
-    nproc_per_node: int,
-    *,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    resume: bool = False,
-    rdzv_id: str | None = None,
-    extra_env: dict[str, str] | None = None,
+    run_dir: Path, *, resume: bool = False, extra_env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start torchrun for ``run_dir`` in a new session; output goes to ``logs/launcher.log``."""
+    """Start torchrun for ``run_dir`` as its spec.json says, in a new session; output goes to
+    ``logs/launcher.log``."""
     run_dir = Path(run_dir).absolute()
-    cmd = torchrun_command(run_dir, nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                           master_addr=master_addr, master_port=master_port,
-                           resume=resume, rdzv_id=rdzv_id)  # fmt: skip
-    env = worker_env(run_dir, nproc_per_node, nnodes)
+    spec = read_run_spec(run_dir)
+    cmd = torchrun_command(run_dir, spec.launch.nproc_per_node, spec.launch.rendezvous,
+                           resume=resume)  # fmt: skip
+    env = worker_env(spec)
     env.update(extra_env or {})
     logs = run_dir / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
@@ -135,13 +128,15 @@ def launch(
         )
 
 
-def run_foreground(run_dir: Path, nproc_per_node: int, **kwargs: object) -> int:
+def run_foreground(
+    run_dir: Path, *, resume: bool = False, extra_env: dict[str, str] | None = None
+) -> int:
     """Launch and wait; returns torchrun's exit code (130 after Ctrl-C, once the run stopped).
 
     Ctrl-C asks torchrun for a graceful stop (SIGTERM, forwarded to the workers: they agree,
     checkpoint and exit) and waits for it.
     """
-    proc = launch(run_dir, nproc_per_node, **kwargs)  # type: ignore[arg-type]
+    proc = launch(run_dir, resume=resume, extra_env=extra_env)
     try:
         return proc.wait()
     except KeyboardInterrupt:

@@ -89,7 +89,6 @@ def measure(
     controller: Any = None,
 ) -> MeasureReport:
     """Run ``steps`` measured steps of ``preset_ref`` as planned; store the calibration."""
-    from homelab_dp.core.spec import make_spec
     from homelab_dp.run.controller import make_controller
     from homelab_dp.run.launcher import run_foreground
     from homelab_dp.rundir.files import create_run_dir, new_run_id
@@ -102,16 +101,10 @@ def measure(
     prepared = controller.prepare(preset_ref, overrides=sets, gpus=gpus, force=force)
     name = Path(prepared.preset.source).stem if prepared.preset.source else "run"
     run_id = new_run_id(f"measure-{name}")
-    plan = prepared.plan.to_json()
-    spec = make_spec(prepared.preset, prepared.resolved, run_id, plan)
-    spec.update(measure_steps=steps, gpu_indices=list(prepared.planned.hardware.indices),
-                nproc_per_node=prepared.resolved.world_size, blocks=prepared.blocks)  # fmt: skip
+    spec = prepared.run_spec(run_id, measure_steps=steps)
     run_dir = create_run_dir(spec, controller.root)
     update_state(run_dir, status="running", run_id=run_id, created=time.time(), reason="measure")
-    env = {}
-    if spec["gpu_indices"]:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["gpu_indices"]))
-    rc = run_foreground(run_dir, prepared.resolved.world_size, extra_env=env)
+    rc = run_foreground(run_dir)
     event = _memory_event(run_dir)
     ok = rc == 0 and event is not None
     update_state(run_dir, status="completed" if ok else "failed", ended=time.time(),
@@ -123,7 +116,7 @@ def measure(
         )
     assert event is not None
     fp = hardware_fingerprint(prepared.planned.hardware, prepared.planned.report)
-    report = MeasureReport(run_id, run_dir, fp, plan, event)
+    report = MeasureReport(run_id, run_dir, fp, spec.plan, event)
     if store and fp is not None:
         report.stored = _store(report, prepared)
     return report

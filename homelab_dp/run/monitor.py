@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from homelab_dp.rundir.files import read_spec
+from homelab_dp.rundir.files import read_run_spec
 from homelab_dp.rundir.state import pid_alive, read_state
 
 MJ_PER_WH = 3.6e6
@@ -50,9 +50,9 @@ class DeviceSampler:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        spec = read_spec(run_dir)
-        self.device = spec["resolved"]["device"]
-        self.indices = list(spec.get("gpu_indices") or []) or None
+        spec = read_run_spec(run_dir)
+        self.device = spec.resolved.device
+        self.indices = list(spec.launch.gpu_indices) or None
         self.energy = EnergyMeter()
         self._procs: dict[int, psutil.Process] = {}
         self._nvml = None

@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core.events import Event
+from homelab_dp.core.runspec import RunSpec
+
 RUNS_ENV = "HOMELAB_DP_RUNS"
 
 
@@ -24,16 +27,16 @@ def new_run_id(name: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(2)}"
 
 
-def create_run_dir(spec: dict[str, Any], root: Path | None = None) -> Path:
+def create_run_dir(spec: RunSpec, root: Path | None = None) -> Path:
     """Create ``root/<spec.run_id>`` private to the user (0700) and write spec.json into it."""
     root = root or runs_root()
     root.mkdir(parents=True, exist_ok=True)
-    run_dir = root / spec["run_id"]
+    run_dir = root / spec.run_id
     run_dir.mkdir(mode=0o700)  # fails if it exists: never overwrite a run
     os.chmod(run_dir, 0o700)  # mkdir's mode is masked by the umask
     for sub in ("logs", "checkpoints"):
         (run_dir / sub).mkdir(mode=0o700)
-    write_json_atomic(run_dir / "spec.json", spec)
+    write_run_spec(run_dir, spec)
     return run_dir
 
 
@@ -48,13 +51,18 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_spec(run_dir: Path) -> dict[str, Any]:
-    """Read a run's spec.json."""
-    return json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
+def read_run_spec(run_dir: Path) -> RunSpec:
+    """Read a run's spec.json (any format version)."""
+    return RunSpec.from_json(json.loads((run_dir / "spec.json").read_text(encoding="utf-8")))
 
 
-def append_event(run_dir: Path, event: dict[str, Any]) -> None:
-    """Append one controller event (a JSON line with "type" and "time") to events.jsonl."""
-    line = json.dumps({"time": time.time(), **event})
+def write_run_spec(run_dir: Path, spec: RunSpec) -> None:
+    """Write a run's spec.json whole (readers never see half of it)."""
+    write_json_atomic(run_dir / "spec.json", spec.to_json())
+
+
+def append_event(run_dir: Path, event: Event) -> None:
+    """Append one controller or keeper event to events.jsonl (one line, one write)."""
+    line = json.dumps(event.to_json())
     with open(run_dir / "events.jsonl", "a", encoding="utf-8") as fh:
         fh.write(line + "\n")

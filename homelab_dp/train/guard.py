@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core.runspec import Resolved
 from homelab_dp.rundir.heartbeat import heartbeat_dir, write_heartbeat
 
 FAULT_ENV = "HOMELAB_DP_FAULT"
@@ -111,7 +112,7 @@ def _smallest_factor(n: int) -> int:
 
 
 def oom_advice(
-    resolved: dict[str, Any], exc: BaseException
+    resolved: Resolved, exc: BaseException
 ) -> tuple[str, str, dict[str, Any] | None]:
     """(message, hint, proposal) for a rank that ran out of memory.
 
@@ -119,8 +120,8 @@ def oom_advice(
     exact): the micro-batch divided by its smallest factor and the accumulation multiplied by
     it; at micro-batch 1, activation checkpointing; beyond that, nothing this run can change.
     """
-    micro, accum = int(resolved["micro_batch"]), int(resolved["grad_accum"])
-    world, ac = int(resolved["world_size"]), bool(resolved.get("activation_checkpointing"))
+    micro, accum = resolved.micro_batch, resolved.grad_accum
+    world, ac = resolved.world_size, resolved.activation_checkpointing
     effective = micro * world * accum
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     message = (f"out of memory with micro-batch {micro} × accumulation {accum} on {world} "

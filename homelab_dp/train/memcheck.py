@@ -141,7 +141,7 @@ def measure_case(case: Case, steps: int = 3) -> Result:
     import torch
 
     from homelab_dp.core.preset import preset_from_dict
-    from homelab_dp.core.spec import Resolved
+    from homelab_dp.core.runspec import Resolved
     from homelab_dp.train.memtrack import MemoryProbe, model_state
     from homelab_dp.train.model import load_model
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model

@@ -28,6 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from homelab_dp.core.runspec import RunSpec
+
 PHASES = ("load", "forward", "backward", "optimizer")
 CATEGORIES = ("weights", "buffers", "gradients", "optimizer", "other")
 """What a storage holds; "other" is activations, logits, DDP buckets and temporaries."""
@@ -289,18 +291,18 @@ def ddp_bucket_bytes(strategy: Any) -> int:
 class WorkerMemory:
     """The worker's memory hook: a measure run, or one probed step of a normal run.
 
-    Measure run (spec ``"measure_steps": N``): the probe starts before the model is loaded and
+    Measure run (``RunSpec.measure_steps`` N): the probe starts before the model is loaded and
     covers every step. Normal run: one steady-state step is probed — the third of this attempt
     (the optimizer state exists from the first, DDP rebuilds its buckets in the second), or the
     last when there are fewer — and every other step runs without any tracking.
     """
 
-    def __init__(self, spec: dict[str, Any], device: torch.device, total_steps: int) -> None:
-        self.measure_steps = int(spec.get("measure_steps") or 0)
+    def __init__(self, spec: RunSpec, device: torch.device, total_steps: int) -> None:
+        self.measure_steps = spec.measure_steps
         self.device = device
         self.total_steps = total_steps
         self.probe: MemoryProbe | None = None
-        self.plan = spec.get("plan") or {}
+        self.plan = spec.plan
         self.probe_step: int | None = None
         self.steps: list[int] = []
         self.state: Any = None

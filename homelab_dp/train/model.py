@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from homelab_dp.core.preset import Preset
-from homelab_dp.core.spec import Resolved
+from homelab_dp.core.runspec import Resolved
 
 log = logging.getLogger(__name__)
 

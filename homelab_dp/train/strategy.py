@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from homelab_dp.core.preset import TrainSection
-from homelab_dp.core.spec import Resolved
+from homelab_dp.core.runspec import Resolved
 from homelab_dp.errors import HomelabError
 from homelab_dp.train.model import LoadedModel, compute_dtype
 

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node N ... -m homelab_dp.train.worker RUN_DIR [--resume]
 
-It reads ``RUN_DIR/spec.json`` only (see `homelab_dp.core.spec`); `homelab_dp.run.launcher` builds
+It reads ``RUN_DIR/spec.json`` only (a `homelab_dp.core.runspec.RunSpec`); `homelab_dp.run.launcher` builds
 the torchrun command. gloo on the CPU (fp32), nccl on CUDA (``cuda:LOCAL_RANK``, bf16/fp16 autocast
 over fp32 master weights, or FSDP2 mixed precision).
 
@@ -51,6 +51,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core.runspec import RunSpec
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -79,16 +81,13 @@ class Trainer:
     """One rank's run: set-up from the spec, the optimizer-step loop, checkpoints, the result."""
 
     def __init__(
-        self, spec: dict[str, Any], run_dir: Path, events: Any, stop: StopFlag, resume: bool
+        self, spec: RunSpec, run_dir: Path, events: Any, stop: StopFlag, resume: bool
     ) -> None:
-        from homelab_dp.core.preset import preset_from_dict
-        from homelab_dp.core.spec import resolved_from_spec
-
         self.t_start = time.time()
         self.spec, self.run_dir, self.events, self.stop = spec, run_dir, events, stop
         self.resume = resume
-        self.preset = preset_from_dict(spec["preset"], source=spec.get("preset_source", ""))
-        self.resolved = resolved_from_spec(spec)
+        self.preset = spec.preset
+        self.resolved = spec.resolved
         self.train = self.preset.train
         self.stop_at = int(os.environ.get(STOP_AT_ENV, "-1"))
         self.last_loss: float | None = None
@@ -105,7 +104,7 @@ class Trainer:
         if cuda and not torch.cuda.is_available():
             raise HomelabError("the spec asks for CUDA but torch sees no GPU", "plan again for cpu")
         self.device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-        timeout = self.spec.get("collective_timeout_s") or (600 if cuda else 60)
+        timeout = self.spec.collective_timeout_s or (600 if cuda else 60)
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=float(timeout))}
         if cuda:
             torch.cuda.set_device(self.device)
@@ -232,7 +231,7 @@ class Trainer:
     def _start_event(self) -> None:
         import torch
 
-        from homelab_dp.core.events import StragglerDetector
+        from homelab_dp.core.run_view import StragglerDetector
         from homelab_dp.train.metrics import RankStats, all_gather_flat, peak_memory_kind
 
         pid = torch.tensor([os.getpid()], dtype=torch.int64, device=self.device)
@@ -241,10 +240,10 @@ class Trainer:
         self.stats = RankStats(self.device)
         self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.device)
-        per_device = (self.spec.get("plan") or {}).get("per_device_bytes") or None
+        per_device = self.spec.planned_bytes or None
         r = self.resolved
         self.events.emit(
-            "start", run_id=self.spec.get("run_id"), world_size=self.world, method=r.method,
+            "start", run_id=self.spec.run_id, world_size=self.world, method=r.method,
             distribution=r.distribution, device=r.device, dtype=r.dtype,
             total_steps=self.total_steps, start_step=self.start_step,
             resumed_from=self.resumed_from, params=self.loaded.params,
@@ -456,14 +455,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only, never the network
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in rank logs
     from homelab_dp.errors import HomelabError
-    from homelab_dp.rundir.files import read_spec
+    from homelab_dp.rundir.files import read_run_spec
     from homelab_dp.train.metrics import EventLog
 
     run_dir = args.run_dir.absolute()
     events = EventLog(run_dir / "events.jsonl", enabled=rank == 0)
     try:
-        spec = read_spec(run_dir)
-    except (OSError, ValueError) as exc:
+        spec = read_run_spec(run_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         print(
             f"error: {run_dir / 'spec.json'}: {exc}\nhint: is this a run folder?", file=sys.stderr
         )
@@ -474,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = Trainer(
-            spec, run_dir, events, stop, resume=args.resume or bool(spec.get("resume"))
+            spec, run_dir, events, stop, resume=args.resume or spec.resume
         )
         rc = trainer.run()
         # Leave together: a rank that tears gloo down while a peer is still finishing (writing
@@ -491,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         if _is_oom(exc):  # with what to change; `run --auto-fit` applies the proposal itself
             from homelab_dp.train.guard import oom_advice
 
-            message, hint, proposal = oom_advice(spec["resolved"], exc)
+            message, hint, proposal = oom_advice(spec.resolved, exc)
             events.emit("error", force=True, message=message, hint=hint, rank=rank,
                         kind="OutOfMemoryError", proposal=proposal)  # fmt: skip
             print(f"error: {message}\nhint: {hint}", file=sys.stderr)

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from homelab_dp.core.events import RunView
+from homelab_dp.core.run_view import RunView
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import current_state
 

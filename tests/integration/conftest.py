@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from homelab_dp.core.preset import preset_from_dict
-from homelab_dp.core.spec import Resolved, make_spec
+from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.run.launcher import run_foreground
-from homelab_dp.rundir.files import create_run_dir
+from homelab_dp.rundir.files import create_run_dir, read_run_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -77,6 +77,7 @@ def make_run(
     seq_len: int = 32,
     activation_checkpointing: bool = False,
     train: dict[str, Any] | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> Path:
     """A run folder with spec.json for the given plan (what the controller would write)."""
     preset = preset_from_dict(
@@ -108,13 +109,19 @@ def make_run(
         grad_accum=accum,
         lr=lr,
     )
-    return create_run_dir(make_spec(preset, resolved, name), root)
+    rdzv = rendezvous or Rendezvous()
+    launch = Launch(nproc_per_node=world // rdzv.nnodes, rendezvous=rdzv)
+    spec = RunSpec(run_id=name, preset=preset, resolved=resolved, launch=launch)
+    return create_run_dir(spec, root)
 
 
 def run(run_dir: Path, nproc: int, *, stop_at: int | None = None, resume: bool = False) -> int:
-    """Run to the end (or to a test stop after ``stop_at`` steps) under the real launcher."""
+    """Run to the end (or to a test stop after ``stop_at`` steps) under the real launcher.
+
+    ``nproc`` must be what the run folder's spec says (it is what torchrun starts)."""
+    assert read_run_spec(run_dir).launch.nproc_per_node == nproc
     env = {} if stop_at is None else {"HOMELAB_DP_STOP_AT_STEP": str(stop_at)}
-    rc = run_foreground(run_dir, nproc, resume=resume, extra_env=env)
+    rc = run_foreground(run_dir, resume=resume, extra_env=env)
     if rc != 0:
         print((run_dir / "logs" / "launcher.log").read_text(encoding="utf-8")[-6000:])
     return rc

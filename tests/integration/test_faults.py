@@ -29,7 +29,8 @@ from typing import Any
 import psutil
 import pytest
 
-from homelab_dp.run.controller import MultiNode, RunController, make_controller
+from homelab_dp.core.runspec import Rendezvous
+from homelab_dp.run.controller import RunController, make_controller
 from homelab_dp.rundir.state import ACTIVE, alive_pids, current_state, read_state
 from homelab_dp.rundir.tail import JsonlTail
 from homelab_dp.train.checkpoint_check import check_checkpoint, find_usable
@@ -460,7 +461,7 @@ def test_8_rendezvous_port_taken_and_two_runs_at_once(
         racer.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         port = _free_port()
         t = time.time()
-        run_id = start(controller, preset, multinode=MultiNode(master_port=port))
+        run_id = start(controller, preset, rendezvous=Rendezvous(master_port=port))
         racer.bind(("127.0.0.1", port))
         racer.listen()
         doc = wait_done(controller, run_id, timeout=60)

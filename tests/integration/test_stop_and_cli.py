@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.core.runspec import Rendezvous
 from homelab_dp.run.launcher import launch, torchrun_command
 from homelab_dp.train.checkpoint import check_checkpoint
 from tests.integration.conftest import events, make_run
@@ -33,7 +34,7 @@ def test_sigterm_stops_gracefully(target: str, tiny_model: Path, data_dir: Path,
     forwards it to every worker): the ranks agree at a step boundary, checkpoint, end "stopped"."""
     rd = make_run(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", name="sig",
                   train={"max_steps": 2000})  # fmt: skip
-    proc = launch(rd, 2)
+    proc = launch(rd)
     try:
         _wait_for_step(rd, 2, proc)
         if target == "agent":
@@ -74,8 +75,8 @@ def test_torchrun_command_single_node_is_loopback(tmp_path: Path) -> None:
     assert endpoint.startswith("--rdzv-endpoint=127.0.0.1:")
     assert cmd[cmd.index("--log-dir") + 1] == str(tmp_path / "run-1" / "logs")
     assert cmd[-3:] == ["-m", "homelab_dp.train.worker", str(tmp_path / "run-1")]
-    multi = torchrun_command(tmp_path / "r", 4, nnodes=2, node_rank=1, master_addr="10.0.0.2",
-                             master_port=29500, resume=True)  # fmt: skip
+    rdzv = Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.2", master_port=29500)
+    multi = torchrun_command(tmp_path / "r", 4, rdzv, resume=True)
     assert "--rdzv-endpoint=10.0.0.2:29500" in multi and "--node-rank=1" in multi
     assert multi[-1] == "--resume"
 
@@ -89,10 +90,10 @@ def test_two_nodes_over_loopback(tiny_model: Path, data_dir: Path, tmp_path: Pat
 
     data = data_dir / "ragged-16.jsonl"
     train = {"checkpoint_every": 1}
-    dirs = [make_run(tmp_path, tiny_model, data, name=f"node{r}", train=train) for r in (0, 1)]
     port = free_port()
-    procs = [launch(d, 1, nnodes=2, node_rank=r, master_addr="127.0.0.1", master_port=port)
-             for r, d in enumerate(dirs)]  # fmt: skip
+    dirs = [make_run(tmp_path, tiny_model, data, name=f"node{r}", train=train,
+                     rendezvous=Rendezvous(2, r, "127.0.0.1", port)) for r in (0, 1)]  # fmt: skip
+    procs = [launch(d) for d in dirs]
     try:
         rcs = [p.wait(timeout=120) for p in procs]
     finally:

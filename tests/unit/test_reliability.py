@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.core.runspec import Resolved
 from homelab_dp.run.watchdog import Watchdog, describe_stall
 from homelab_dp.rundir.heartbeat import heartbeat_dir, write_heartbeat
 from homelab_dp.rundir.state import torchrun_root_cause
@@ -21,9 +22,9 @@ from homelab_dp.train.checkpoint_check import check_checkpoint, check_shard
 from homelab_dp.train.guard import oom_advice
 
 
-def _resolved(micro: int, accum: int, ac: bool = False, world: int = 2) -> dict:
-    return {"micro_batch": micro, "grad_accum": accum, "world_size": world,
-            "activation_checkpointing": ac}  # fmt: skip
+def _resolved(micro: int, accum: int, ac: bool = False, world: int = 2) -> Resolved:
+    return Resolved(method="full", distribution="ddp", activation_checkpointing=ac, device="cpu",
+                    world_size=world, dtype="fp32", micro_batch=micro, grad_accum=accum, lr=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from homelab_dp.core.events import DeviceView, RunView
 from homelab_dp.core.hardware import format_bytes
+from homelab_dp.core.run_view import DeviceView, RunView
 from homelab_dp.tui.widgets.bars import gauge, memory_gauge
 
 STATUS_STYLE = {

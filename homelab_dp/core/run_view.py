@@ -1,0 +1,257 @@
+"""A run's events folded into one live view (pure: used by the CLI follower, the TUI and `status`).
+
+Events are the JSON lines of ``runs/<id>/events.jsonl`` (written by rank 0 and the controller)
+and device samples are the lines of ``devices.jsonl`` (written by the monitor). `RunView.apply`
+takes either, in order, and keeps what a person watching the run needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+STRAGGLER_RATIO = 1.2
+"""A rank is slow when its step time is more than 20% over the median of all ranks."""
+STRAGGLER_STEPS = 3
+"""…for this many logged steps in a row."""
+
+
+class StragglerDetector:
+    """Flags ranks whose step time stays over STRAGGLER_RATIO × the median of all ranks.
+
+    Used by rank 0 of the worker (which writes a `straggler` event when a rank is first
+    flagged) and by every follower (which shows the warning).
+    """
+
+    def __init__(self) -> None:
+        self.streak: dict[int, int] = {}
+        self.flagged: dict[int, str] = {}
+        """rank → warning text."""
+
+    def copy(self) -> StragglerDetector:
+        out = StragglerDetector()
+        out.streak, out.flagged = dict(self.streak), dict(self.flagged)
+        return out
+
+    def update(self, step_times: list[float]) -> list[int]:
+        """Feed one logged step's per-rank step times; return the ranks newly flagged."""
+        if len(step_times) < 2:
+            return []
+        median = statistics.median(step_times)
+        newly = []
+        for rank, t in enumerate(step_times):
+            slow = median > 0 and t > STRAGGLER_RATIO * median
+            self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
+            if self.streak[rank] >= STRAGGLER_STEPS:
+                if rank not in self.flagged:
+                    newly.append(rank)
+                self.flagged[rank] = (
+                    f"rank {rank} is {100 * (t / median - 1):.0f}% slower than the median "
+                    f"for {self.streak[rank]} steps: every rank waits for it"
+                )
+            elif not slow:
+                self.flagged.pop(rank, None)
+        return newly
+
+
+@dataclass
+class DeviceView:
+    """The latest sample of one GPU or CPU rank."""
+
+    key: str
+    """"gpu0", "gpu1"… or "rank0", "rank1"… on the CPU."""
+    utilization_pct: float | None = None
+    memory_used: int | None = None
+    memory_total: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    energy_wh: float = 0.0
+    """Energy used by this device since the run started."""
+
+
+@dataclass
+class RunView:
+    """Everything a follower shows about one run, updated event by event."""
+
+    run_id: str = ""
+    status: str = "starting"
+    method: str = ""
+    distribution: str = ""
+    total_steps: int = 0
+    step: int = 0
+    epoch: float = 0.0
+    loss: float | None = None
+    losses: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=2000))
+    tokens_per_s_history: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=2000)
+    )
+    lr: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    step_time_s: float | None = None
+    micro_batch: int = 0
+    grad_accum: int = 1
+    micro_step: int = 0
+    """Micro-steps done in the current optimizer step (0..grad_accum)."""
+    world_size: int = 1
+    effective_batch: int = 0
+    tokens: int = 0
+    rank_step_times_s: list[float] = field(default_factory=list)
+    peak_memory_bytes: list[int] = field(default_factory=list)
+    peak_memory_kind: str = ""
+    estimate_bytes: int | None = None
+    """The plan's per-device estimate (total), to show beside the measured peak."""
+    devices: dict[str, DeviceView] = field(default_factory=dict)
+    energy_wh: float = 0.0
+    per_kwh: float = 0.0
+    currency: str = ""
+    started_at: float | None = None
+    last_time: float | None = None
+    last_checkpoint_step: int | None = None
+    end_reason: str | None = None
+    error: str | None = None
+    final_path: str | None = None
+    stragglers: dict[int, str] = field(default_factory=dict)
+    """rank → warning text, for ranks slow for STRAGGLER_STEPS logged steps in a row."""
+    _detector: StragglerDetector = field(default_factory=lambda: StragglerDetector())
+    events_seen: int = 0
+
+    def copy(self) -> RunView:
+        """A copy that shares nothing mutable with this view (cheaper than deepcopy)."""
+        out = copy.copy(self)
+        out.losses = deque(self.losses, maxlen=self.losses.maxlen)
+        out.tokens_per_s_history = deque(
+            self.tokens_per_s_history, maxlen=self.tokens_per_s_history.maxlen
+        )
+        out.rank_step_times_s = list(self.rank_step_times_s)
+        out.peak_memory_bytes = list(self.peak_memory_bytes)
+        out.devices = {k: dataclasses.replace(d) for k, d in self.devices.items()}
+        out.stragglers = dict(self.stragglers)
+        out._detector = self._detector.copy()
+        return out
+
+    # ------------------------------------------------------------------ derived figures
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the current step time."""
+        if not self.step_time_s or not self.total_steps:
+            return None
+        return max(self.total_steps - self.step, 0) * self.step_time_s
+
+    @property
+    def elapsed_s(self) -> float | None:
+        if self.started_at is None or self.last_time is None:
+            return None
+        return self.last_time - self.started_at
+
+    @property
+    def loss_trend(self) -> float | None:
+        """Mean loss over the last 10 logged steps minus the 10 before (negative: falling)."""
+        values = [v for _, v in self.losses]
+        if len(values) < 4:
+            return None
+        k = min(10, len(values) // 2)
+        return statistics.fmean(values[-k:]) - statistics.fmean(values[-2 * k : -k])
+
+    @property
+    def tokens_per_wh(self) -> float | None:
+        return self.tokens / self.energy_wh if self.energy_wh > 0 else None
+
+    @property
+    def cost(self) -> float | None:
+        return self.energy_wh / 1000 * self.per_kwh if self.per_kwh else None
+
+    # ------------------------------------------------------------------ folding
+    def apply(self, event: dict[str, Any]) -> None:
+        """Fold one event or device sample into the view."""
+        self.events_seen += 1
+        kind = event.get("type")
+        when = event.get("time")
+        if isinstance(when, (int, float)):
+            self.last_time = float(when)
+            if self.started_at is None:
+                self.started_at = float(when)
+        handler = getattr(self, f"_on_{kind}", None) if isinstance(kind, str) else None
+        if handler is not None:
+            handler(event)
+
+    def _on_start(self, e: dict[str, Any]) -> None:
+        self.status = "running"
+        for name in ("run_id", "method", "distribution", "total_steps", "world_size"):
+            if name in e:
+                setattr(self, name, e[name])
+        self.micro_batch = e.get("micro_batch", self.micro_batch)
+        self.grad_accum = e.get("grad_accum", self.grad_accum)
+        self.effective_batch = e.get("effective_batch", self.effective_batch)
+        estimate = e.get("estimate")  # the plan's per_device_bytes
+        if isinstance(estimate, dict) and estimate.get("total") is not None:
+            self.estimate_bytes = int(estimate["total"])
+        self.step = e.get("start_step", self.step)
+
+    def _on_micro(self, e: dict[str, Any]) -> None:
+        self.micro_step = int(e.get("micro_step", 0))
+        self.grad_accum = int(e.get("grad_accum", self.grad_accum))
+
+    def _on_step(self, e: dict[str, Any]) -> None:
+        self.status = "running"
+        self.step = int(e["step"])
+        self.micro_step = 0
+        for name in (
+            "total_steps", "epoch", "lr", "tokens_per_s", "samples_per_s", "step_time_s",
+            "micro_batch", "grad_accum", "world_size", "effective_batch", "tokens",
+            "rank_step_times_s", "peak_memory_bytes", "peak_memory_kind",
+        ):  # fmt: skip
+            if e.get(name) is not None:
+                setattr(self, name, e[name])
+        if e.get("loss") is not None:
+            self.loss = float(e["loss"])
+            self.losses.append((self.step, self.loss))
+        if e.get("tokens_per_s") is not None:
+            self.tokens_per_s_history.append((self.step, float(e["tokens_per_s"])))
+        self._check_stragglers()
+
+    def _check_stragglers(self) -> None:
+        self._detector.update(self.rank_step_times_s)
+        self.stragglers = dict(self._detector.flagged)
+
+    def _on_straggler(self, e: dict[str, Any]) -> None:
+        self.stragglers[int(e["rank"])] = str(e.get("message", "slow rank"))
+
+    def _on_checkpoint(self, e: dict[str, Any]) -> None:
+        self.last_checkpoint_step = e.get("step")
+
+    def _on_end(self, e: dict[str, Any]) -> None:
+        self.end_reason = e.get("reason")
+        self.status = "completed" if self.end_reason == "completed" else "interrupted"
+        if e.get("final_loss") is not None:
+            self.loss = float(e["final_loss"])
+        self.final_path = e.get("final_path", self.final_path)
+
+    def _on_error(self, e: dict[str, Any]) -> None:
+        self.error = str(e.get("message", "error"))
+        self.status = "failed"
+
+    def _on_state(self, e: dict[str, Any]) -> None:
+        """Controller events: status changes (starting, running, stopping, failed…)."""
+        if e.get("status"):
+            self.status = e["status"]
+        if e.get("reason") and self.status == "failed":
+            self.error = self.error or e["reason"]
+
+    def _on_devices(self, e: dict[str, Any]) -> None:
+        """A monitor sample: {"type": "devices", "devices": [{key, …}], "energy_wh": total}."""
+        for d in e.get("devices", []):
+            key = str(d.get("key"))
+            view = self.devices.setdefault(key, DeviceView(key))
+            for name in (
+                "utilization_pct", "memory_used", "memory_total", "temperature_c", "power_w",
+                "energy_wh",
+            ):  # fmt: skip
+                if d.get(name) is not None:
+                    setattr(view, name, d[name])
+        if e.get("energy_wh") is not None:
+            self.energy_wh = float(e["energy_wh"])

@@ -1,0 +1,179 @@
+"""The run contract: `RunSpec`, the one document the worker, the keeper, the launcher and the
+monitor read (``runs/<id>/spec.json``).
+
+The controller resolves everything the worker must not decide by itself — method,
+distribution, activation checkpointing, dtype, device, world size, the learning rate after
+scaling, the devices and the rendezvous — builds one `RunSpec` and writes it into the run folder;
+the worker takes no pile of flags. Pure: stdlib and `homelab_dp.core.preset` only.
+
+Format: version 2 keeps every top-level key of version 1 where it was (scripts read them) and
+adds ``rendezvous``; `RunSpec.from_json` reads both, so run folders written before still resume.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from homelab_dp.core.preset import Preset, preset_from_dict
+
+RUN_SPEC_VERSION = 2
+"""Written into every spec.json; 1 is the untyped document of earlier versions."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Decisions fixed before launch."""
+
+    method: Literal["full", "lora", "qlora"]
+    distribution: Literal["ddp", "zero1", "fsdp-grad-op", "fsdp-full"]
+    activation_checkpointing: bool
+    device: Literal["cpu", "cuda"]
+    world_size: int
+    """Processes over all nodes."""
+    dtype: Literal["fp32", "bf16", "fp16"]
+    """Compute dtype: fp32 everywhere on CPU; bf16/fp16 autocast over fp32 master weights on CUDA."""
+    micro_batch: int
+    grad_accum: int
+    lr: float
+    """Peak learning rate after any effective-batch scaling."""
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch * self.world_size * self.grad_accum
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet: torchrun's c10d rendezvous (single node: the defaults, on loopback)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    """This machine's number, 0..nnodes-1."""
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    """None on a single node: the kernel picks a free port at bind time."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the run is started on this machine."""
+
+    nproc_per_node: int
+    """Worker processes on this machine (world size / nodes)."""
+    gpu_indices: tuple[int, ...] = ()
+    """The planned GPUs by NVML index; empty on the CPU."""
+    rendezvous: Rendezvous = field(default_factory=Rendezvous)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """One automatic resume after out-of-memory (`run --auto-fit`)."""
+
+    time: float
+    before: tuple[int, int, bool]
+    """(micro_batch, grad_accum, activation_checkpointing) before the change."""
+    after: tuple[int, int, bool]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a run is: the resolved preset, the plan and how it is launched."""
+
+    run_id: str
+    preset: Preset
+    """The preset with absolute model and data paths and the resolved values applied."""
+    resolved: Resolved
+    launch: Launch
+    plan: dict[str, Any] = field(default_factory=dict)
+    """The plan it was made from, as `plan --json` prints it (estimate and reasons)."""
+    blocks: int = 0
+    """Training blocks the preflight counted (checked again by the worker)."""
+    auto_fit: bool = False
+    """After out-of-memory the keeper resumes with the worker's proposal by itself."""
+    collective_timeout_s: float | None = None
+    """None: the worker's default (60 s on CPU, 600 s on CUDA)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint."""
+    measure_steps: int = 0
+    """`homelab-dp measure`: probe memory for this many steps, no checkpoint or result."""
+    retries: tuple[Retry, ...] = ()
+
+    @property
+    def planned_bytes(self) -> dict[str, int]:
+        """The plan's per-device estimate by component ({} when there is no plan)."""
+        return dict(self.plan.get("per_device_bytes") or {})
+
+    def resumed(self) -> RunSpec:
+        """This spec, set to continue from its newest checkpoint."""
+        return replace(self, resume=True)
+
+    def relaunched(self, rendezvous: Rendezvous) -> RunSpec:
+        """This spec, resuming, with the rendezvous of a new launch (`resume` on any node)."""
+        return replace(self, resume=True, launch=replace(self.launch, rendezvous=rendezvous))
+
+    def with_batch(self, micro_batch: int, grad_accum: int, checkpointing: bool) -> RunSpec:
+        """The out-of-memory retry: a new batch split (same effective batch), resuming."""
+        before = (self.resolved.micro_batch, self.resolved.grad_accum,
+                  self.resolved.activation_checkpointing)  # fmt: skip
+        after = (micro_batch, grad_accum, checkpointing)
+        resolved = replace(self.resolved, micro_batch=micro_batch, grad_accum=grad_accum,
+                           activation_checkpointing=checkpointing)  # fmt: skip
+        train = replace(self.preset.train, micro_batch=micro_batch, grad_accum=grad_accum,
+                        activation_checkpointing=checkpointing)  # fmt: skip
+        return replace(self, resolved=resolved, preset=replace(self.preset, train=train),
+                       resume=True, retries=(*self.retries, Retry(time.time(), before, after)))  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec.json document."""
+        out: dict[str, Any] = {
+            "version": RUN_SPEC_VERSION,
+            "run_id": self.run_id,
+            "preset": self.preset.to_dict(),
+            "preset_source": self.preset.source,
+            "resolved": asdict(self.resolved),
+            "plan": self.plan,
+            "gpu_indices": list(self.launch.gpu_indices),
+            "nproc_per_node": self.launch.nproc_per_node,
+            "rendezvous": asdict(self.launch.rendezvous),
+            "blocks": self.blocks,
+            "auto_fit": self.auto_fit,
+            "resume": self.resume,
+            "measure_steps": self.measure_steps,
+            "retries": [
+                {"time": r.time, "from": list(r.before), "to": list(r.after)} for r in self.retries
+            ],  # fmt: skip
+        }
+        if self.collective_timeout_s:
+            out["collective_timeout_s"] = self.collective_timeout_s
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunSpec:
+        """Read a spec.json document of any version (1 had no version, rendezvous or retries
+        in typed form; missing keys take their defaults)."""
+        resolved = Resolved(**data["resolved"])
+        rendezvous = Rendezvous(**(data.get("rendezvous") or {}))
+        launch = Launch(
+            nproc_per_node=int(data.get("nproc_per_node") or resolved.world_size),
+            gpu_indices=tuple(data.get("gpu_indices") or ()),
+            rendezvous=rendezvous,
+        )
+        retries = tuple(
+            Retry(float(r.get("time", 0.0)), tuple(r["from"]), tuple(r["to"]))  # type: ignore[arg-type]
+            for r in data.get("retries") or ()
+        )
+        return cls(
+            run_id=str(data["run_id"]),
+            preset=preset_from_dict(data["preset"], source=data.get("preset_source", "")),
+            resolved=resolved,
+            launch=launch,
+            plan=dict(data.get("plan") or {}),
+            blocks=int(data.get("blocks") or 0),
+            auto_fit=bool(data.get("auto_fit")),
+            collective_timeout_s=data.get("collective_timeout_s"),
+            resume=bool(data.get("resume")),
+            measure_steps=int(data.get("measure_steps") or 0),
+            retries=retries,
+        )
