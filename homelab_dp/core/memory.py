@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.core.vocabulary import SHARDED, Device, Distribution, Dtype, Method
 
 GiB = 1024**3
 MiB = 1024**2
@@ -54,11 +55,11 @@ PHASES = ("load", "forward", "backward", "optimizer")
 class TrainShape:
     """One configuration to budget: method, distribution and batch geometry."""
 
-    method: Literal["full", "lora", "qlora"]
-    distribution: Literal["ddp", "zero1", "fsdp-grad-op", "fsdp-full"]
+    method: Method
+    distribution: Distribution
     world_size: int
-    device: Literal["cuda", "cpu"]
-    dtype: Literal["fp32", "bf16", "fp16"]
+    device: Device
+    dtype: Dtype
     micro_batch: int
     seq_len: int
     grad_accum: int = 1
@@ -133,7 +134,7 @@ def _width(shape: TrainShape) -> int:
 
 
 def _fsdp(shape: TrainShape) -> bool:
-    return shape.distribution in ("fsdp-grad-op", "fsdp-full")
+    return shape.distribution in SHARDED
 
 
 def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:

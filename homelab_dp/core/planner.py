@@ -44,7 +44,8 @@ from homelab_dp.core.plan_reasons import (
     lr_advice,
     lr_reasons,
 )
-from homelab_dp.core.preset import DISTRIBUTIONS, METHODS, Preset
+from homelab_dp.core.preset import Preset
+from homelab_dp.core.vocabulary import DISTRIBUTIONS, METHODS
 
 if TYPE_CHECKING:
     from homelab_dp.core.fit import Fit

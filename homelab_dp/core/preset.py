@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from homelab_dp.core import vocabulary
 from homelab_dp.errors import PresetError
 
 if sys.version_info >= (3, 11):
@@ -21,15 +22,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+Dtype = Literal["auto", vocabulary.Dtype]
 DataFormat = Literal["auto", "text", "completion", "instruction", "chat"]
-Method = Literal["auto", "full", "lora", "qlora"]
-Distribution = Literal["auto", "ddp", "zero1", "fsdp-grad-op", "fsdp-full"]
+Method = Literal["auto", vocabulary.Method]
+Distribution = Literal["auto", vocabulary.Distribution]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 AutoBool = Literal["auto"] | bool
-
-METHODS = ("full", "lora", "qlora")
-DISTRIBUTIONS = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")
 
 
 @dataclass

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from homelab_dp.core.preset import Preset, preset_from_dict
+from homelab_dp.core.vocabulary import Device, Distribution, Dtype, Method
 
 RUN_SPEC_VERSION = 2
 """Written into every spec.json; 1 is the untyped document of earlier versions."""
@@ -26,13 +27,13 @@ RUN_SPEC_VERSION = 2
 class Resolved:
     """Decisions fixed before launch."""
 
-    method: Literal["full", "lora", "qlora"]
-    distribution: Literal["ddp", "zero1", "fsdp-grad-op", "fsdp-full"]
+    method: Method
+    distribution: Distribution
     activation_checkpointing: bool
-    device: Literal["cpu", "cuda"]
+    device: Device
     world_size: int
     """Processes over all nodes."""
-    dtype: Literal["fp32", "bf16", "fp16"]
+    dtype: Dtype
     """Compute dtype: fp32 everywhere on CPU; bf16/fp16 autocast over fp32 master weights on CUDA."""
     micro_batch: int
     grad_accum: int

@@ -1,0 +1,33 @@
+"""The words of the run contract, spelled once: methods, distributions, dtypes, devices, statuses.
+
+Presets add "auto" to the first three (the planner decides); everything after the plan — the run
+spec, the memory model, the worker, the run folder's state — uses only these values. Scripts read
+them from `plan --json`, `status --json` and the events: add, never rename.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Method = Literal["full", "lora", "qlora"]
+"""full fine-tune; LoRA adapters on a frozen base; LoRA on a 4-bit base."""
+Distribution = Literal["ddp", "zero1", "fsdp-grad-op", "fsdp-full"]
+"""DDP; DDP with the optimizer state sharded; FSDP2 keeping weights between forward and backward;
+FSDP2 sharding everything."""
+Dtype = Literal["fp32", "bf16", "fp16"]
+Device = Literal["cpu", "cuda"]
+Status = Literal[
+    "starting", "queued", "running", "stopping", "completed", "failed", "interrupted"
+]  # fmt: skip
+
+METHODS: tuple[str, ...] = get_args(Method)
+DISTRIBUTIONS: tuple[str, ...] = get_args(Distribution)
+SHARDED: tuple[str, ...] = ("fsdp-grad-op", "fsdp-full")
+"""The FSDP2 distributions."""
+DTYPES: tuple[str, ...] = get_args(Dtype)
+ACTIVE_STATUSES: tuple[str, ...] = ("starting", "running", "stopping")
+"""A run in one of these has processes that may still be alive."""
+FINAL_STATUSES: tuple[str, ...] = ("completed", "failed", "interrupted", "stopped")
+"""A run in one of these has ended ("stopped" is read from run folders of early versions)."""
+EXIT_CODE_BY_STATUS: dict[str, int] = {"completed": 0, "failed": 1, "interrupted": 130}
+"""The exit code of a follower (`run`, `attach`, `resume`) when the run ends in this status."""
