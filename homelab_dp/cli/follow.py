@@ -157,11 +157,10 @@ def follow(
                     for event in tail.read():  # drain what the end wrote
                         view.apply(event)
                         printer.event(event)
-                    view.status = state.get("status", view.status)
-                    if view.status == "failed":
-                        view.error = state.get("reason") or view.error
+                    view.apply_state(state)
                     printer.final(state)
-                    return EXIT_BY_STATUS.get(view.status, 1)
+                    # How the processes ended, whatever the events said ("unknown" fails).
+                    return EXIT_BY_STATUS.get(state.get("status", view.status), 1)
                 printer.tick()
                 time.sleep(POLL_S)
     except KeyboardInterrupt:

@@ -2,7 +2,8 @@
 
 Events are the JSON lines of ``runs/<id>/events.jsonl`` (written by rank 0 and the controller)
 and device samples are the lines of ``devices.jsonl`` (written by the monitor). `RunView.apply`
-takes either, in order, and keeps what a person watching the run needs.
+takes either, in order, and keeps what a person watching the run needs; `RunView.apply_state`
+folds in ``state.json``, the truth about the run's processes (the one place that does).
 """
 
 from __future__ import annotations
@@ -11,8 +12,23 @@ import copy
 import dataclasses
 import statistics
 from collections import deque
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
+
+from homelab_dp.core.events import (
+    CheckpointEvent,
+    DevicesEvent,
+    EndEvent,
+    ErrorEvent,
+    Event,
+    MicroEvent,
+    StartEvent,
+    StateEvent,
+    StepEvent,
+    StragglerEvent,
+    parse_event,
+)
 
 STRAGGLER_RATIO = 1.2
 """A rank is slow when its step time is more than 20% over the median of all ranks."""
@@ -167,84 +183,101 @@ class RunView:
 
     # ------------------------------------------------------------------ folding
     def apply(self, event: dict[str, Any]) -> None:
-        """Fold one event or device sample into the view."""
+        """Fold one event or device sample (one JSON line's object) into the view."""
         self.events_seen += 1
-        kind = event.get("type")
         when = event.get("time")
         if isinstance(when, (int, float)):
             self.last_time = float(when)
             if self.started_at is None:
                 self.started_at = float(when)
-        handler = getattr(self, f"_on_{kind}", None) if isinstance(kind, str) else None
+        typed = parse_event(event)
+        handler = getattr(self, f"_on_{typed.TYPE}", None) if typed is not None else None
         if handler is not None:
-            handler(event)
+            # A typed event fills in the fields a line lacks; the view keeps its own value
+            # for those, so it is told which fields the line gave (with a value).
+            handler(typed, frozenset(k for k, v in event.items() if v is not None))
 
-    def _on_start(self, e: dict[str, Any]) -> None:
+    def apply_state(self, state: dict[str, Any]) -> None:
+        """Fold the run's state.json (as `current_state` reads it) into the view.
+
+        state.json is the truth about the processes: a run that crashed writes no event, so
+        its status comes from here ("unknown", no readable state.json, tells nothing). A failed
+        run's error is the state's reason when it gives one: the keeper names the root cause
+        there, where an error event may be a rank's echo of it.
+        """
+        status = state.get("status")
+        if status and status != "unknown":
+            self.status = status
+        if self.status == "failed":
+            self.error = state.get("reason") or self.error
+
+    def _take(self, e: Event, names: tuple[str, ...], given: Set[str]) -> None:
+        """Copy the fields the line gave from the typed event."""
+        for name in names:
+            if name in given:
+                setattr(self, name, getattr(e, name))
+
+    def _on_start(self, e: StartEvent, given: Set[str]) -> None:
         self.status = "running"
-        for name in ("run_id", "method", "distribution", "total_steps", "world_size"):
-            if name in e:
-                setattr(self, name, e[name])
-        self.micro_batch = e.get("micro_batch", self.micro_batch)
-        self.grad_accum = e.get("grad_accum", self.grad_accum)
-        self.effective_batch = e.get("effective_batch", self.effective_batch)
-        estimate = e.get("estimate")  # the plan's per_device_bytes
-        if isinstance(estimate, dict) and estimate.get("total") is not None:
-            self.estimate_bytes = int(estimate["total"])
-        self.step = e.get("start_step", self.step)
+        self._take(e, ("run_id", "method", "distribution", "total_steps", "world_size",
+                       "micro_batch", "grad_accum", "effective_batch"), given)  # fmt: skip
+        if isinstance(e.estimate, dict) and e.estimate.get("total") is not None:  # per device
+            self.estimate_bytes = int(e.estimate["total"])
+        if "start_step" in given:
+            self.step = e.start_step
 
-    def _on_micro(self, e: dict[str, Any]) -> None:
-        self.micro_step = int(e.get("micro_step", 0))
-        self.grad_accum = int(e.get("grad_accum", self.grad_accum))
+    def _on_micro(self, e: MicroEvent, given: Set[str]) -> None:
+        self.micro_step = int(e.micro_step)
+        if "grad_accum" in given:
+            self.grad_accum = int(e.grad_accum)
 
-    def _on_step(self, e: dict[str, Any]) -> None:
+    def _on_step(self, e: StepEvent, given: Set[str]) -> None:
         self.status = "running"
-        self.step = int(e["step"])
+        self.step = int(e.step)
         self.micro_step = 0
-        for name in (
-            "total_steps", "epoch", "lr", "tokens_per_s", "samples_per_s", "step_time_s",
-            "micro_batch", "grad_accum", "world_size", "effective_batch", "tokens",
-            "rank_step_times_s", "peak_memory_bytes", "peak_memory_kind",
-        ):  # fmt: skip
-            if e.get(name) is not None:
-                setattr(self, name, e[name])
-        if e.get("loss") is not None:
-            self.loss = float(e["loss"])
+        self._take(e, ("total_steps", "epoch", "lr", "tokens_per_s", "samples_per_s",
+                       "step_time_s", "micro_batch", "grad_accum", "world_size",
+                       "effective_batch", "tokens", "rank_step_times_s", "peak_memory_bytes",
+                       "peak_memory_kind"), given)  # fmt: skip
+        if e.loss is not None:
+            self.loss = float(e.loss)
             self.losses.append((self.step, self.loss))
-        if e.get("tokens_per_s") is not None:
-            self.tokens_per_s_history.append((self.step, float(e["tokens_per_s"])))
+        if e.tokens_per_s is not None:
+            self.tokens_per_s_history.append((self.step, float(e.tokens_per_s)))
         self._check_stragglers()
 
     def _check_stragglers(self) -> None:
         self._detector.update(self.rank_step_times_s)
         self.stragglers = dict(self._detector.flagged)
 
-    def _on_straggler(self, e: dict[str, Any]) -> None:
-        self.stragglers[int(e["rank"])] = str(e.get("message", "slow rank"))
+    def _on_straggler(self, e: StragglerEvent, given: Set[str]) -> None:
+        self.stragglers[int(e.rank)] = str(e.message) if "message" in given else "slow rank"
 
-    def _on_checkpoint(self, e: dict[str, Any]) -> None:
-        self.last_checkpoint_step = e.get("step")
+    def _on_checkpoint(self, e: CheckpointEvent, given: Set[str]) -> None:
+        self.last_checkpoint_step = e.step if "step" in given else None
 
-    def _on_end(self, e: dict[str, Any]) -> None:
-        self.end_reason = e.get("reason")
+    def _on_end(self, e: EndEvent, given: Set[str]) -> None:
+        self.end_reason = e.reason if "reason" in given else None
         self.status = "completed" if self.end_reason == "completed" else "interrupted"
-        if e.get("final_loss") is not None:
-            self.loss = float(e["final_loss"])
-        self.final_path = e.get("final_path", self.final_path)
+        if e.final_loss is not None:
+            self.loss = float(e.final_loss)
+        if "final_path" in given:
+            self.final_path = e.final_path
 
-    def _on_error(self, e: dict[str, Any]) -> None:
-        self.error = str(e.get("message", "error"))
+    def _on_error(self, e: ErrorEvent, given: Set[str]) -> None:
+        self.error = str(e.message) if "message" in given else "error"
         self.status = "failed"
 
-    def _on_state(self, e: dict[str, Any]) -> None:
+    def _on_state(self, e: StateEvent, given: Set[str]) -> None:
         """Controller events: status changes (starting, running, stopping, failed…)."""
-        if e.get("status"):
-            self.status = e["status"]
-        if e.get("reason") and self.status == "failed":
-            self.error = self.error or e["reason"]
+        if e.status:
+            self.status = e.status
+        if e.reason and self.status == "failed":
+            self.error = self.error or e.reason
 
-    def _on_devices(self, e: dict[str, Any]) -> None:
-        """A monitor sample: {"type": "devices", "devices": [{key, …}], "energy_wh": total}."""
-        for d in e.get("devices", []):
+    def _on_devices(self, e: DevicesEvent, given: Set[str]) -> None:
+        """A monitor sample: every device's latest figures and the run's energy so far."""
+        for d in e.devices:
             key = str(d.get("key"))
             view = self.devices.setdefault(key, DeviceView(key))
             for name in (
@@ -253,5 +286,5 @@ class RunView:
             ):  # fmt: skip
                 if d.get(name) is not None:
                     setattr(view, name, d[name])
-        if e.get("energy_wh") is not None:
-            self.energy_wh = float(e["energy_wh"])
+        if "energy_wh" in given:
+            self.energy_wh = float(e.energy_wh)

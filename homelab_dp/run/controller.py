@@ -257,13 +257,11 @@ class RunController:
             view.apply(event)
         for sample in read_all(run_dir / "devices.jsonl"):
             view.apply(sample)
-        state = current_state(run_dir)
-        view.status = state.get("status", view.status)
-        if view.status == "failed":
-            view.error = state.get("reason") or view.error
+        view.apply_state(current_state(run_dir))
         return view
 
     def new_view(self, run_dir: Path) -> RunView:
+        """An empty view of the run, with what its run spec says: cost per kWh, estimate."""
         spec = read_run_spec(run_dir)
         return RunView(
             run_id=run_dir.name,

@@ -114,15 +114,11 @@ class RunFollower:
             self.view.apply(event)
         self.events_read += len(events)
         new_lines = self._logs.read()
-        # state.json is the truth about the processes (a crashed run writes no event).
         state = current_state(self.run_dir)
         status = (state.get("status"), state.get("reason"))
         changed = bool(events or new_lines) or status != self._status
         self._status = status
-        if status[0] and status[0] != "unknown":
-            self.view.status = status[0]
-            if status[0] == "failed":
-                self.view.error = self.view.error or status[1]
+        self.view.apply_state(state)
         if not changed:
             return None
         return self.snapshot()
