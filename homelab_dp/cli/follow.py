@@ -1,5 +1,11 @@
 """Following a run from the CLI: a rich live panel on a terminal, plain lines elsewhere, or JSON.
 
+To follow a run is to show it as it goes until it ends or the watcher leaves, never touching
+the run: `run` and `resume` follow the run they start unless ``--detach``, and `attach` follows
+one already going (the TUI follows one run at a time the same way, `homelab_dp.tui.follower`).
+Reading what the run's files gained is tailing (`homelab_dp.rundir.tail`); how the run looks is
+`homelab_dp.render.run_view`; this module is the loop between them.
+
 When stdout is a terminal the panel redraws in place; under nohup, in a log file or a pipe it
 prints one timestamped line per logged step instead; ``--json`` prints every event as a JSON
 line. Ctrl-C only detaches: the run goes on.
@@ -12,117 +18,14 @@ import sys
 import time
 from typing import Any, TextIO
 
-from homelab_dp.core.hardware import format_bytes
 from homelab_dp.core.run_view import RunView
+from homelab_dp.render.run_view import event_line, final_text, live_panel
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import ACTIVE, current_state
 from homelab_dp.rundir.tail import file_size
 
 POLL_S = 0.25
 EXIT_BY_STATUS = {"completed": 0, "failed": 1, "interrupted": 130}
-
-
-def _hms(seconds: float | None) -> str:
-    if seconds is None:
-        return "--:--:--"
-    s = int(seconds)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def _num(value: float | None, fmt: str = ",.0f") -> str:
-    return "–" if value is None else format(value, fmt)
-
-
-def step_line(v: RunView) -> str:
-    """One line for a logged step (plain mode)."""
-    trend = v.loss_trend
-    arrow = "" if trend is None else (f" (↓{-trend:.3f})" if trend < 0 else f" (↑{trend:.3f})")
-    loss = f"{v.loss:.4f}" if v.loss is not None else "–"
-    return (
-        f"step {v.step}/{v.total_steps} loss {loss}{arrow} lr {_num(v.lr, '.2e')} "
-        f"tok/s {_num(v.tokens_per_s)} samples/s {_num(v.samples_per_s, ',.1f')} "
-        f"eta {_hms(v.eta_s)} | batch {v.micro_batch}×{v.world_size}×{v.grad_accum}"
-        f"={v.effective_batch}"
-    )
-
-
-def device_line(v: RunView) -> str:
-    """One line with every device (plain mode)."""
-    parts = []
-    for key, d in sorted(v.devices.items()):
-        mem = format_bytes(d.memory_used) if d.memory_used is not None else "–"
-        bits = [f"{key} {_num(d.utilization_pct)}%", f"mem {mem}"]
-        if d.temperature_c is not None:
-            bits.append(f"{d.temperature_c:.0f}°C")
-        if d.power_w is not None:
-            bits.append(f"{d.power_w:.0f} W")
-        parts.append(" ".join(bits))
-    energy = f" | energy {v.energy_wh:.2f} Wh" if v.energy_wh else ""
-    return " | ".join(parts) + energy
-
-
-def render_live(v: RunView):
-    """The rich panel for a terminal."""
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
-
-    head = Table.grid(padding=(0, 2))
-    head.add_row(
-        f"[bold]{v.run_id}[/]",
-        f"status [bold]{v.status}[/]",
-        f"{v.method} · {v.distribution}",
-    )
-    stats = Table.grid(padding=(0, 2))
-    trend = v.loss_trend
-    arrow = "" if trend is None else ("[green]↓[/]" if trend < 0 else "[red]↑[/]")
-    loss = f"{v.loss:.4f}" if v.loss is not None else "–"
-    stats.add_row(
-        f"step {v.step}/{v.total_steps}",
-        f"loss {loss} {arrow}",
-        f"lr {_num(v.lr, '.2e')}",
-        f"ETA {_hms(v.eta_s)}",
-    )
-    stats.add_row(
-        f"tok/s {_num(v.tokens_per_s)}",
-        f"samples/s {_num(v.samples_per_s, ',.1f')}",
-        f"step {_num(v.step_time_s, '.2f')} s",
-        f"tokens {v.tokens:,}",
-    )
-    progress = ProgressBar(total=max(v.total_steps, 1), completed=v.step, width=60)
-    accum = (
-        f"accumulation: micro-step {v.micro_step} of {v.grad_accum} · effective batch "
-        f"{v.micro_batch} × {v.world_size} × {v.grad_accum} = {v.effective_batch}"
-    )
-    devices = Table(box=None, pad_edge=False)
-    for col in ("device", "util", "memory", "vs estimate", "temp", "power", "energy"):
-        devices.add_column(col)
-    for key, d in sorted(v.devices.items()):
-        mem = "–"
-        if d.memory_used is not None:
-            cap = f" / {format_bytes(d.memory_total)}" if d.memory_total else ""
-            mem = f"{format_bytes(d.memory_used)}{cap}"
-        est = f"{format_bytes(v.estimate_bytes)} est." if v.estimate_bytes else "–"
-        devices.add_row(
-            key,
-            f"{_num(d.utilization_pct)}%",
-            mem,
-            est,
-            f"{d.temperature_c:.0f}°C" if d.temperature_c is not None else "–",
-            f"{d.power_w:.0f} W" if d.power_w is not None else "–",
-            f"{d.energy_wh:.2f} Wh" if d.energy_wh else "–",
-        )
-    lines: list[Any] = [head, stats, progress, accum, devices]
-    if v.energy_wh:
-        cost = f" · {v.cost:.3f} {v.currency}" if v.cost is not None else ""
-        per = f" · {v.tokens_per_wh:,.0f} tokens/Wh" if v.tokens_per_wh else ""
-        lines.append(f"energy {v.energy_wh:.2f} Wh{per}{cost}")
-    for warning in v.stragglers.values():
-        lines.append(f"[yellow]straggler: {warning}[/]")
-    if v.error:
-        lines.append(f"[red]{v.error}[/]")
-    return Panel(Group(*lines), title="homelab-dp", subtitle="Ctrl-C detaches; the run goes on")
 
 
 def follow(
@@ -182,13 +85,13 @@ class _Printer:
         if self.mode == "live":
             from rich.live import Live
 
-            self.live = Live(render_live(self.view), refresh_per_second=4, transient=False)
+            self.live = Live(live_panel(self.view), refresh_per_second=4, transient=False)
             self.live.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.live is not None:
-            self.live.update(render_live(self.view))
+            self.live.update(live_panel(self.view))
             self.live.__exit__(None, None, None)
 
     def _plain(self, text: str) -> None:
@@ -196,40 +99,26 @@ class _Printer:
         self.out.flush()
 
     def event(self, e: dict[str, Any]) -> None:
-        kind = e.get("type")
         if self.mode == "json":
             self.out.write(json.dumps(e) + "\n")
             self.out.flush()
         elif self.mode == "plain":
-            if kind == "step":
-                self._plain(step_line(self.view))
-            elif kind == "devices" and time.time() - self._last_devices >= 10:
+            if e.get("type") == "devices":  # a sample a second: a line every 10 s at most
+                if time.time() - self._last_devices < 10:
+                    return
                 self._last_devices = time.time()
-                self._plain(device_line(self.view))
-            elif kind == "start":
-                self._plain(
-                    f"started {self.view.run_id}: {self.view.method} · {self.view.distribution}, "
-                    f"{self.view.world_size} process(es), {self.view.total_steps} steps"
-                )
-            elif kind == "checkpoint":
-                self._plain(f"checkpoint at step {e.get('step')}: {e.get('path')}")
-            elif kind in ("straggler", "warning", "retry"):
-                detail = e.get("message") or e.get("reason")
-                self._plain(f"{'retry' if kind == 'retry' else 'warning'}: {detail}")
-            elif kind in ("error", "end", "state"):
-                detail = e.get("message") or e.get("reason") or e.get("status")
-                self._plain(f"{kind}: {detail}")
+            text = event_line(e, self.view)
+            if text is not None:
+                self._plain(text)
 
     def tick(self) -> None:
         if self.live is not None:
-            self.live.update(render_live(self.view))
+            self.live.update(live_panel(self.view))
 
     def final(self, state: dict[str, Any]) -> None:
         if self.mode == "json":
             return
-        text = f"run {self.view.run_id} {state.get('status')}: {state.get('reason') or ''}".strip()
-        if self.view.final_path:
-            text += f"\nresult: {self.view.final_path}"
+        text = final_text(self.view, state)
         if self.mode == "plain":
             self._plain(text)
         else:

@@ -1,4 +1,8 @@
-"""The run commands of the CLI: run, runs, status, attach, stop, resume (thin, over the controller)."""
+"""The run commands of the CLI: run, runs, status, attach, stop, resume (thin, over the controller).
+
+`run`, `attach` and `resume` follow the run they name (`homelab_dp.cli.follow`) unless
+``--detach``: they print it until it ends, and Ctrl-C only detaches.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from homelab_dp.core.hardware import format_bytes
+from homelab_dp.cli.common import print_json
 
 
 def _controller():
@@ -118,53 +122,22 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     doc = _controller().status(args.run)
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print_json(doc)
         return 0
-    lines = [
-        f"run       {doc['run_id']}",
-        f"status    {doc['status']}" + (f" — {doc['reason']}" if doc.get("reason") else ""),
-        f"strategy  {doc['method']} · {doc['distribution']} · {doc['world_size']} process(es)",
-        f"progress  step {doc['step']}/{doc['total_steps']}"
-        + (f", loss {doc['loss']:.4f}" if doc.get("loss") is not None else ""),
-    ]
-    if doc.get("tokens_per_s"):
-        lines.append(f"speed     {doc['tokens_per_s']:,.0f} tokens/s")
-    if doc.get("peak_memory_bytes"):
-        peaks = ", ".join(format_bytes(b) for b in doc["peak_memory_bytes"])
-        est = (
-            f" (estimate {format_bytes(doc['estimate_bytes'])})"
-            if doc.get("estimate_bytes")
-            else ""
-        )
-        lines.append(f"memory    peak per rank {peaks}{est}")
-    if doc.get("energy_wh"):
-        extra = f", {doc['tokens_per_wh']:,.0f} tokens/Wh" if doc.get("tokens_per_wh") else ""
-        cost = f", cost {doc['cost']:.3f}" if doc.get("cost") is not None else ""
-        lines.append(f"energy    {doc['energy_wh']:.2f} Wh{extra}{cost}")
-    if doc.get("last_checkpoint_step") is not None:
-        lines.append(f"checkpoint step {doc['last_checkpoint_step']}")
-    if doc.get("final_path"):
-        lines.append(f"result    {doc['final_path']}")
-    for warning in doc.get("stragglers") or []:
-        lines.append(f"warning   {warning}")
-    print("\n".join(lines))
+    from homelab_dp.render.runs import status_lines
+
+    print("\n".join(status_lines(doc)))
     return 0
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
     rows = _controller().list_runs()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print_json(rows)
         return 0
-    if not rows:
-        print("no runs yet; start one with: homelab-dp run tiny-demo")
-        return 0
-    print(f"{'run':<44} {'status':<12} {'steps':>11} {'loss':>8} {'energy':>9}")
-    for r in rows:
-        loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "–"
-        energy = f"{r['energy_wh']:.2f} Wh" if r.get("energy_wh") else "–"
-        steps = f"{r['step']}/{r['total_steps']}"
-        print(f"{r['run_id']:<44} {r['status']:<12} {steps:>11} {loss:>8} {energy:>9}")
+    from homelab_dp.render.runs import runs_lines
+
+    print("\n".join(runs_lines(rows)))
     return 0
 
 
@@ -177,8 +150,8 @@ def _add_rendezvous(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0")
 
 
-def add_commands(sub: Any) -> None:
-    """Register the run commands on the main parser's subparsers."""
+def register(sub: Any) -> None:
+    """Add the run commands to the main parser's subparsers."""
     p = sub.add_parser("run", help="start a fine-tune (follows it unless --detach)")
     p.add_argument("preset")
     p.add_argument("--gpus", help="cpu:N runs on N CPU processes")

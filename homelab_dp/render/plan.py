@@ -1,4 +1,4 @@
-"""Rich renderings of probes and plans for people (the CLI's non-JSON output)."""
+"""The plan as text: the CLI's `plan` output and the TUI's plan pane, over one memory bar."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.core.hardware import HardwareReport, format_bytes
+from homelab_dp.core.hardware import format_bytes
 from homelab_dp.core.memory import COMPONENTS
 from homelab_dp.core.plan_reasons import PLAIN, count
 from homelab_dp.core.planner import SAFETY_MARGIN, Plan
+from homelab_dp.run.planning import Planned
 
 COLOURS = {
     "weights": "blue",
@@ -24,65 +25,9 @@ COLOURS = {
 BAR_WIDTH = 32
 
 
-def _na(value: object, unit: str = "") -> str:
-    return "n/a" if value is None else f"{value}{unit}"
-
-
-def render_probe(report: HardwareReport) -> RenderableType:
-    """Cards, links and host as tables."""
-    parts: list[RenderableType] = []
-    if report.gpus:
-        table = Table(title=f"GPUs (driver {_na(report.driver_version)})", expand=False)
-        for col in ("#", "name", "memory used/total", "util", "temp", "power/limit", "PCIe"):
-            table.add_column(col)
-        for g in report.gpus:
-            used = format_bytes(g.memory_used) if g.memory_used is not None else "n/a"
-            power = (
-                f"{g.power_w:.0f}/{g.power_limit_w:.0f} W"
-                if g.power_w is not None and g.power_limit_w is not None
-                else _na(g.power_w, " W")
-            )
-            pcie = f"gen{g.pcie_gen} x{g.pcie_width}" if g.pcie_gen and g.pcie_width else "n/a"
-            table.add_row(
-                str(g.index),
-                g.name,
-                f"{used} / {format_bytes(g.memory_total)}",
-                _na(g.utilization_pct, "%"),
-                _na(g.temperature_c, "°C"),
-                power,
-                pcie,
-            )
-        parts.append(table)
-    if report.links:
-        links = Table(title="Between cards")
-        for col in ("pair", "link", "what it means"):
-            links.add_column(col)
-        meaning = {
-            "nvlink": "fast: gradient sync and sharding cost little",
-            "p2p": "PCIe peer-to-peer: cards talk directly over PCIe",
-            "pcie": "through host memory: sharding and large syncs are slow",
-            "unknown": "not reported by the driver",
-        }
-        for link in report.links:
-            kind = f"NVLink ×{link.nvlink_links}" if link.kind == "nvlink" else link.kind
-            links.add_row(f"{link.a}↔{link.b}", kind, meaning[link.kind])
-        parts.append(links)
-    h = report.host
-    parts.append(
-        Text(
-            f"Host: {h.cpu_model}, {h.logical_cores} logical cores"
-            + (f" ({h.physical_cores} physical)" if h.physical_cores else "")
-            + f", {format_bytes(h.ram_total)} RAM"
-            + (f" ({format_bytes(h.ram_available)} available)" if h.ram_available else "")
-        )
-    )
-    if report.notice:
-        parts.append(Text(f"note: {report.notice}", style="yellow"))
-    return Group(*parts)
-
-
-def memory_bar(per_device: dict[str, int], capacity: int) -> Text:
-    """A stacked bar of the memory components against one device's capacity."""
+def memory_bar(per_device: dict[str, int], capacity: int, *, mark_over: bool = True) -> Text:
+    """A stacked bar of the memory components against one device's capacity; ``mark_over``
+    ends a bar over capacity with ``◀ over`` (the TUI leaves it out: the line would wrap)."""
     total = per_device["total"]
     scale = max(total, capacity)
     bar = Text()
@@ -94,7 +39,7 @@ def memory_bar(per_device: dict[str, int], capacity: int) -> Text:
     cap_cell = round(BAR_WIDTH * capacity / scale)
     if used_cells < cap_cell:
         bar.append("░" * (cap_cell - used_cells), style="bright_black")
-    elif total > capacity:
+    elif total > capacity and mark_over:
         bar.append(" ◀ over", style="bold red")
     return bar
 
@@ -195,3 +140,94 @@ def _provenance(j: dict) -> str:
         return out + f" Tensor peak measured on {cal['fingerprint']}; components are estimates."
     return (out + f" Tensor components are estimates; `homelab-dp measure` measures them on "
             f"{cal['fingerprint']}.")  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the TUI's plan pane
+def _capacities(planned: Planned) -> list[tuple[str, int]]:
+    """Devices grouped by capacity, in order: ("2× 24.0 GiB", bytes)."""
+    groups: dict[int, int] = {}
+    for d in planned.hardware.devices:
+        groups[d.memory_bytes] = groups.get(d.memory_bytes, 0) + 1
+    return [
+        (f"{n}× {format_bytes(cap)}" if n > 1 else format_bytes(cap), cap)
+        for cap, n in groups.items()
+    ]
+
+
+def decision_text(planned: Planned) -> Text:
+    """Fits or not, the method and distribution, model size, batch and learning rate."""
+    j = planned.plan.to_json()
+    t, lr = j["training"], j["lr"]
+    out = Text()
+    if planned.plan.fits:
+        out.append(" FITS ", style="bold black on green")
+    else:
+        out.append(" DOES NOT FIT ", style="bold white on red")
+    ck = " + act. ckpt" if t["activation_checkpointing"] else ""
+    out.append(f" {PLAIN[j['method']]} · {j['distribution']}{ck}\n", style="bold")
+    out.append(f"{PLAIN[j['distribution']]}\n", style="bright_black")
+    devices = ", ".join(label for label, _ in _capacities(planned))
+    out.append(
+        f"{count(j['model']['params'])} params ({count(j['model']['trainable_params'])} "
+        f"trainable) · {t['dtype']} · seq_len {t['seq_len']}\n"
+        f"{planned.hardware.kind}: {devices} ({planned.hardware.source})\n"
+    )
+    out.append("effective batch ")
+    out.append(str(t["effective_batch"]), style="bold")
+    out.append(f" = micro {t['micro_batch']} × {t['world_size']} dev × accum {t['grad_accum']}\n")
+    out.append("lr ")
+    out.append(f"{lr['applied']:.3g}", style="bold")
+    out.append(
+        f" (preset {lr['preset']:.3g} at batch {lr['reference_batch']}, scaling {lr['rule']};"
+    )
+    out.append(f" linear {lr['linear']:.3g}, sqrt {lr['sqrt']:.3g})\n")
+    out.append(f"gradient sync {format_bytes(j['comm_bytes_per_step'])} per step per device\n")
+    return out
+
+
+def candidates_block(planned: Planned) -> Group:
+    """Every supported candidate with a stacked memory bar per distinct device size."""
+    j = planned.plan.to_json()
+    rows: list[RenderableType] = [Text("Memory per device, every candidate", style="bold")]
+    skipped = 0
+    for c in j["candidates"]:
+        if not c["supported"]:
+            skipped += 1
+            continue
+        chosen = (c["method"], c["distribution"]) == (j["method"], j["distribution"])
+        per = c["per_device_bytes"]
+        head = Text("▶ " if chosen else "  ", style="bold cyan")
+        name = f"{c['method']} · {c['distribution']}" + (
+            " · ckpt" if c["activation_checkpointing"] else ""
+        )
+        head.append(f"{name:<24}", style="bold" if chosen else "")
+        head.append(f"{format_bytes(per['total']):>9} ")
+        head.append("fits" if c["fits"] else "too big", style="green" if c["fits"] else "red")
+        rows.append(head)
+        for label, cap in _capacities(planned):
+            line = Text(f"  {label:>11} ", style="bright_black")
+            line.append_text(memory_bar(per, cap, mark_over=False))
+            rows.append(line)
+    if skipped:
+        rows.append(Text(f"  ({skipped} combinations do not apply here)", style="bright_black"))
+    rows.append(legend(j["per_device_bytes"]))
+    return Group(*rows)
+
+
+def reasons_block(planned: Planned) -> Text:
+    """Why this choice, and what would make it fit."""
+    j = planned.plan.to_json()
+    out = Text("Why\n", style="bold")
+    for reason in j["reasons"]:
+        out.append(f"• {reason}\n")
+    if j["advice"]:
+        out.append("What would make it fit\n", style="bold yellow")
+        for advice in j["advice"]:
+            out.append(f"• {advice}\n")
+    out.append("Assumed, not measured: " + "; ".join(j["assumptions"]), style="bright_black")
+    return out
+
+
+def render_planned(planned: Planned) -> Group:
+    """The whole plan pane."""
+    return Group(decision_text(planned), candidates_block(planned), Text(), reasons_block(planned))

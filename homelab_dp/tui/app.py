@@ -16,8 +16,8 @@ from textual.binding import Binding
 from textual.worker import get_current_worker
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.render.errors import error_text
 from homelab_dp.run.controller import RunController, make_controller
-from homelab_dp.tui.errors import error_text
 from homelab_dp.tui.follower import RunFollower, Snapshot
 from homelab_dp.tui.messages import RunUpdated
 from homelab_dp.tui.screens.hardware import HardwareScreen

@@ -11,7 +11,7 @@ from textual.widgets import Footer, Header, Static
 
 from homelab_dp.core.hardware import HardwareReport
 from homelab_dp.probe import nvml
-from homelab_dp.tui.widgets.hardware_view import (
+from homelab_dp.render.probe import (
     gpu_card,
     gpu_title,
     host_text,

@@ -16,7 +16,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 from homelab_dp.core.plan_reasons import PLAIN
 from homelab_dp.core.preset_store import save_preset
 from homelab_dp.errors import HomelabError
-from homelab_dp.tui.errors import error_text
+from homelab_dp.render.errors import error_lines, error_text
 from homelab_dp.tui.session import Session
 
 
@@ -123,7 +123,9 @@ class LaunchScreen(Screen[None]):
             self.app.notify("a run is already being prepared", severity="warning")
             return
         if not self.session.preset_name:
-            self.app.notify("error: no preset chosen\nhint: choose one on 2 Plan", severity="error")
+            self.app.notify(
+                error_lines(["no preset chosen"], "choose one on 2 Plan"), severity="error"
+            )
             return
         self.launching = True
         self._status("preparing: reading the model and the data, checking the plan…", "cyan")
@@ -161,9 +163,8 @@ class LaunchScreen(Screen[None]):
             self.app.show_error(error)  # type: ignore[attr-defined]
         else:
             self._status(f"not started: {error}", "red")
-            self.app.notify(
-                f"error: could not start the run: {error}", severity="error", markup=False
-            )
+            text = error_lines([f"could not start the run: {error}"])
+            self.app.notify(text, severity="error", markup=False)
 
     # ------------------------------------------------------------------ saving
     @on(Button.Pressed, "#save")

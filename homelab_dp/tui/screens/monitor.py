@@ -12,16 +12,16 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Log, Static
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.rundir.state import ACTIVE
-from homelab_dp.tui.follower import Snapshot
-from homelab_dp.tui.screens.confirm import ConfirmScreen
-from homelab_dp.tui.widgets.chart import Chart
-from homelab_dp.tui.widgets.run_panels import (
+from homelab_dp.render.run_view import (
     accum_text,
     devices_text,
     head_text,
     stragglers_text,
 )
+from homelab_dp.rundir.state import ACTIVE
+from homelab_dp.tui.follower import Snapshot
+from homelab_dp.tui.screens.confirm import ConfirmScreen
+from homelab_dp.tui.widgets.chart import Chart
 
 NOTHING = (
     "No run followed yet.\n\nStart one on 3 Launch, or choose one on 5 Runs "

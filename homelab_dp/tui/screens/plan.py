@@ -15,9 +15,9 @@ from textual.widgets import Footer, Header, Input, Label, Select, Static
 
 from homelab_dp.core.preset import field_docs
 from homelab_dp.errors import HomelabError
-from homelab_dp.tui.errors import error_text
+from homelab_dp.render.errors import error_text
+from homelab_dp.render.plan import render_planned
 from homelab_dp.tui.session import FIELDS, Session, preset_names
-from homelab_dp.tui.widgets.plan_view import render_planned
 
 DEBOUNCE_S = 0.3
 GPUS_HELP = "What-if hardware: 2x24GiB, 24GiB,12GiB, 4x80GiB or cpu:2. Empty: the probed devices."

@@ -12,26 +12,10 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.tui.widgets.run_panels import STATUS_STYLE, duration
+from homelab_dp.render.runs import row_cells
 
 REFRESH_S = 3.0
 COLUMNS = ("status", "steps", "loss", "energy", "time", "run")
-
-
-def row_cells(run: dict[str, Any]) -> tuple[Text | str, ...]:
-    """One history row: status, steps, final loss, energy, duration, id."""
-    status = str(run.get("status") or "unknown")
-    steps = f"{run.get('step') or 0}/{run.get('total_steps') or '?'}"
-    loss = "-" if run.get("loss") is None else f"{run['loss']:.3f}"
-    energy = f"{run.get('energy_wh') or 0.0:.1f} Wh"
-    return (
-        Text(status, style=STATUS_STYLE.get(status, "")),
-        steps,
-        loss,
-        energy,
-        duration(run.get("duration_s")),
-        str(run["run_id"]),
-    )
 
 
 class RunsScreen(Screen[None]):

@@ -1,11 +1,14 @@
-"""Renderings of the probe: a card per GPU, the links between cards and what they mean."""
+"""The probe as text: the CLI's tables, and the TUI's cards, links and host (Hardware screen)."""
 
 from __future__ import annotations
 
+from rich.console import Group, RenderableType
+from rich.table import Table
 from rich.text import Text
 
 from homelab_dp.core.hardware import GpuInfo, HardwareReport, HostInfo, format_bytes
-from homelab_dp.tui.widgets.bars import gauge, load_style
+from homelab_dp.render.bars import gauge, load_style
+from homelab_dp.render.text import na
 
 CARD_BAR = 12
 
@@ -15,12 +18,71 @@ LINK_MEANING = {
     "pcie": "through host memory: sharding and large syncs are slow",
     "unknown": "not reported by the driver",
 }
+"""What each kind of link between two cards means for training."""
 
 
-def _na(value: object, unit: str = "") -> str:
-    return "n/a" if value is None else f"{value}{unit}"
+def link_kind(kind: str, nvlink_links: int | None) -> str:
+    """``NVLink ×4``, or the kind as the probe names it."""
+    return f"NVLink ×{nvlink_links}" if kind == "nvlink" else kind
 
 
+def pcie_link(g: GpuInfo) -> str:
+    """The card's current PCIe link: ``gen4 x16``, or ``n/a``."""
+    return f"gen{g.pcie_gen} x{g.pcie_width}" if g.pcie_gen and g.pcie_width else "n/a"
+
+
+def host_facts(host: HostInfo) -> tuple[str, str]:
+    """(cores, RAM) of the host: ``16 logical cores (8 physical)``, ``62.7 GiB RAM (…)``."""
+    cores = f"{host.logical_cores} logical cores"
+    if host.physical_cores:
+        cores += f" ({host.physical_cores} physical)"
+    ram = f"{format_bytes(host.ram_total)} RAM"
+    if host.ram_available:
+        ram += f" ({format_bytes(host.ram_available)} available)"
+    return cores, ram
+
+
+# ---------------------------------------------------------------------- the CLI (`probe`)
+def render_probe(report: HardwareReport) -> RenderableType:
+    """Cards, links and host as tables."""
+    parts: list[RenderableType] = []
+    if report.gpus:
+        table = Table(title=f"GPUs (driver {na(report.driver_version)})", expand=False)
+        for col in ("#", "name", "memory used/total", "util", "temp", "power/limit", "PCIe"):
+            table.add_column(col)
+        for g in report.gpus:
+            used = format_bytes(g.memory_used) if g.memory_used is not None else "n/a"
+            power = (
+                f"{g.power_w:.0f}/{g.power_limit_w:.0f} W"
+                if g.power_w is not None and g.power_limit_w is not None
+                else na(g.power_w, " W")
+            )
+            table.add_row(
+                str(g.index),
+                g.name,
+                f"{used} / {format_bytes(g.memory_total)}",
+                na(g.utilization_pct, "%"),
+                na(g.temperature_c, "°C"),
+                power,
+                pcie_link(g),
+            )
+        parts.append(table)
+    if report.links:
+        links = Table(title="Between cards")
+        for col in ("pair", "link", "what it means"):
+            links.add_column(col)
+        for link in report.links:
+            kind = link_kind(link.kind, link.nvlink_links)
+            links.add_row(f"{link.a}↔{link.b}", kind, LINK_MEANING[link.kind])
+        parts.append(links)
+    cores, ram = host_facts(report.host)
+    parts.append(Text(f"Host: {report.host.cpu_model}, {cores}, {ram}"))
+    if report.notice:
+        parts.append(Text(f"note: {report.notice}", style="yellow"))
+    return Group(*parts)
+
+
+# ---------------------------------------------------------------------- the TUI (Hardware)
 def gpu_title(g: GpuInfo) -> str:
     """The card's border title: index and short name."""
     return f"GPU {g.index} · {g.name.removeprefix('NVIDIA ').removeprefix('GeForce ')}"
@@ -35,19 +97,16 @@ def gpu_card(g: GpuInfo) -> Text:
     out.append(f" {used}\n       of {format_bytes(g.memory_total)}\n")
     util = g.utilization_pct / 100 if g.utilization_pct is not None else None
     out.append("util   ").append_text(gauge(util, CARD_BAR, "cyan"))
-    out.append(f" {_na(g.utilization_pct, '%')}\n")
-    out.append(f"temp   {_na(g.temperature_c, '°C')}   power ")
+    out.append(f" {na(g.utilization_pct, '%')}\n")
+    out.append(f"temp   {na(g.temperature_c, '°C')}   power ")
     if g.power_w is not None and g.power_limit_w:
         out.append(f"{g.power_w:.0f} / {g.power_limit_w:.0f} W\n")
     else:
-        out.append(f"{_na(None if g.power_w is None else round(g.power_w), ' W')}\n")
-    out.append("PCIe   ")
-    if g.pcie_gen and g.pcie_width:
-        out.append(f"gen{g.pcie_gen} x{g.pcie_width}")
-        if (g.pcie_gen_max, g.pcie_width_max) not in ((None, None), (g.pcie_gen, g.pcie_width)):
-            out.append(f" (card max gen{g.pcie_gen_max} x{g.pcie_width_max})", style="yellow")
-    else:
-        out.append("n/a")
+        out.append(f"{na(None if g.power_w is None else round(g.power_w), ' W')}\n")
+    out.append(f"PCIe   {pcie_link(g)}")
+    maximum = (g.pcie_gen_max, g.pcie_width_max)
+    if g.pcie_gen and g.pcie_width and maximum not in ((None, None), (g.pcie_gen, g.pcie_width)):
+        out.append(f" (card max gen{g.pcie_gen_max} x{g.pcie_width_max})", style="yellow")
     return out
 
 
@@ -77,9 +136,9 @@ def topology_text(report: HardwareReport) -> Text:
     """Each pair of cards with its link, then what it means."""
     out = Text()
     for link in report.links:
-        kind = f"NVLink ×{link.nvlink_links}" if link.kind == "nvlink" else link.kind
         style = {"nvlink": "green", "p2p": "cyan", "pcie": "yellow"}.get(link.kind, "")
-        out.append(f"GPU {link.a} ↔ GPU {link.b}  ").append(kind, style=f"bold {style}")
+        out.append(f"GPU {link.a} ↔ GPU {link.b}  ")
+        out.append(link_kind(link.kind, link.nvlink_links), style=f"bold {style}")
         if link.topology:
             out.append(f" · {link.topology}")
         if link.p2p is not None:
@@ -90,13 +149,8 @@ def topology_text(report: HardwareReport) -> Text:
 
 
 def host_text(host: HostInfo) -> Text:
-    """The CPU host in one line."""
-    cores = f"{host.logical_cores} logical cores"
-    if host.physical_cores:
-        cores += f" ({host.physical_cores} physical)"
-    ram = f"{format_bytes(host.ram_total)} RAM"
-    if host.ram_available:
-        ram += f" ({format_bytes(host.ram_available)} available)"
+    """The CPU host: its model, then cores and RAM."""
+    cores, ram = host_facts(host)
     return Text(f"{host.cpu_model}\n{cores}, {ram}")
 
 

@@ -1,0 +1,61 @@
+"""The top of `homelab-dp`: build the parser from the command modules, dispatch, map errors.
+
+Each command group is a module with ``register(subparsers)``, which adds its parser and sets
+``func`` (the function that runs it and returns the exit code): probe, plan, measure, presets,
+and runs (run, runs, status, attach, stop, resume). With no command, the TUI opens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from homelab_dp.cli import measure, plan, presets, probe, runs
+from homelab_dp.cli.common import EXIT_INTERRUPTED, EXIT_OK, Parser
+from homelab_dp.errors import HomelabError
+from homelab_dp.render.errors import error_text
+
+DESCRIPTION = (
+    "`homelab-dp`: the headless command line (argparse + rich). Thin: no logic of its own."
+)
+COMMANDS = (probe, plan, measure, presets, runs)
+"""The command modules, in the order `homelab-dp --help` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command-line contract: every command module's parsers under one."""
+    parser = Parser(prog="homelab-dp", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", parser_class=Parser)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def report_error(exc: HomelabError) -> int:
+    """Print a user error as ``error:`` and ``hint:`` lines; return its exit code."""
+    sys.stderr.write(error_text(exc) + "\n")
+    return exc.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `homelab-dp` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:  # no command: the Textual TUI
+        from homelab_dp.tui.app import run_tui
+
+        return run_tui()
+    try:
+        return func(args)
+    except HomelabError as exc:
+        return report_error(exc)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `homelab-dp runs --json | head`: the reader left early
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK

@@ -1,0 +1,49 @@
+"""`homelab-dp presets list | show | save`: the presets found, one preset, a new one."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from homelab_dp.cli.common import EXIT_OK, Parser, print_json
+
+
+def register(sub: Any) -> None:
+    """Add `presets` and its actions to the main parser's subparsers."""
+    p = sub.add_parser("presets", help="list, show and save presets")
+    psub = p.add_subparsers(dest="action", required=True, parser_class=Parser)
+    q = psub.add_parser("list", help="every preset found")
+    q.add_argument("--json", action="store_true")
+    q = psub.add_parser("show", help="print one preset")
+    q.add_argument("name")
+    q = psub.add_parser("save", help="save a preset with overrides under a new name")
+    q.add_argument("name")
+    q.add_argument("--from", dest="source", required=True, metavar="PRESET")
+    q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    q.add_argument("--force", action="store_true", help="overwrite an existing preset")
+    p.set_defaults(func=cmd_presets)
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from homelab_dp.core import preset_store
+
+    if args.action == "list":
+        rows = preset_store.list_presets()
+        if args.json:
+            print_json([{"name": n, "path": str(p)} for n, p in rows])
+            return EXIT_OK
+        for name, path in rows:
+            first = preset_store.header_comment(path).splitlines()
+            print(f"{name:<24} {path}" + (f"\n{'':<24} {first[0]}" if first else ""))
+        return EXIT_OK
+    if args.action == "show":
+        path = preset_store.find_preset(args.name)
+        preset_store.load_preset(path)  # validate before showing
+        print(f"# {path}")
+        print(path.read_text(encoding="utf-8"), end="")
+        return EXIT_OK
+    # save
+    preset = preset_store.open_preset(args.source, args.set)
+    path = preset_store.save_preset(args.name, preset, force=args.force)
+    print(f"saved {path}\nrun it with: homelab-dp run {args.name}")
+    return EXIT_OK

@@ -1,0 +1,253 @@
+"""A followed run as text: the CLI's live panel and log lines, the TUI's Monitor panels.
+
+Everything here reads a `RunView` (and, for the lines of a plain log, the event just folded
+into it); the following itself — tailing the run's files until it ends — belongs to the front
+ends (`homelab_dp.cli.follow`, `homelab_dp.tui.follower`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from homelab_dp.core.hardware import format_bytes
+from homelab_dp.core.run_view import DeviceView, RunView
+from homelab_dp.render.bars import gauge, memory_gauge
+from homelab_dp.render.text import duration, num
+
+STATUS_STYLE = {
+    "running": "bold green",
+    "starting": "bold cyan",
+    "stopping": "bold yellow",
+    "completed": "bold green",
+    "interrupted": "bold yellow",
+    "stopped": "bold yellow",
+    "failed": "bold red",
+}
+
+
+# ---------------------------------------------------------------------- the CLI's plain log
+def step_line(v: RunView) -> str:
+    """One line for a logged step."""
+    trend = v.loss_trend
+    arrow = "" if trend is None else (f" (↓{-trend:.3f})" if trend < 0 else f" (↑{trend:.3f})")
+    loss = f"{v.loss:.4f}" if v.loss is not None else "–"
+    return (
+        f"step {v.step}/{v.total_steps} loss {loss}{arrow} lr {num(v.lr, '.2e')} "
+        f"tok/s {num(v.tokens_per_s)} samples/s {num(v.samples_per_s, ',.1f')} "
+        f"eta {duration(v.eta_s, clock=True)} | batch {v.micro_batch}×{v.world_size}×"
+        f"{v.grad_accum}={v.effective_batch}"
+    )
+
+
+def device_line(v: RunView) -> str:
+    """One line with every device."""
+    parts = []
+    for key, d in sorted(v.devices.items()):
+        mem = format_bytes(d.memory_used) if d.memory_used is not None else "–"
+        bits = [f"{key} {num(d.utilization_pct)}%", f"mem {mem}"]
+        if d.temperature_c is not None:
+            bits.append(f"{d.temperature_c:.0f}°C")
+        if d.power_w is not None:
+            bits.append(f"{d.power_w:.0f} W")
+        parts.append(" ".join(bits))
+    energy = f" | energy {v.energy_wh:.2f} Wh" if v.energy_wh else ""
+    return " | ".join(parts) + energy
+
+
+def event_line(e: dict[str, Any], v: RunView) -> str | None:
+    """The log line of one event already folded into ``v``; None for events not logged."""
+    kind = e.get("type")
+    if kind == "step":
+        return step_line(v)
+    if kind == "devices":
+        return device_line(v)
+    if kind == "start":
+        return (
+            f"started {v.run_id}: {v.method} · {v.distribution}, "
+            f"{v.world_size} process(es), {v.total_steps} steps"
+        )
+    if kind == "checkpoint":
+        return f"checkpoint at step {e.get('step')}: {e.get('path')}"
+    if kind in ("straggler", "warning", "retry"):
+        detail = e.get("message") or e.get("reason")
+        return f"{'retry' if kind == 'retry' else 'warning'}: {detail}"
+    if kind in ("error", "end", "state"):
+        return f"{kind}: {e.get('message') or e.get('reason') or e.get('status')}"
+    return None
+
+
+def final_text(v: RunView, state: dict[str, Any]) -> str:
+    """How the run ended (state.json's status and reason) and where its result is."""
+    text = f"run {v.run_id} {state.get('status')}: {state.get('reason') or ''}".strip()
+    if v.final_path:
+        text += f"\nresult: {v.final_path}"
+    return text
+
+
+# ---------------------------------------------------------------------- the CLI's live panel
+def live_panel(v: RunView) -> Panel:
+    """The panel a terminal shows while `run` or `attach` follows the run."""
+    head = Table.grid(padding=(0, 2))
+    head.add_row(
+        f"[bold]{v.run_id}[/]",
+        f"status [bold]{v.status}[/]",
+        f"{v.method} · {v.distribution}",
+    )
+    stats = Table.grid(padding=(0, 2))
+    trend = v.loss_trend
+    arrow = "" if trend is None else ("[green]↓[/]" if trend < 0 else "[red]↑[/]")
+    loss = f"{v.loss:.4f}" if v.loss is not None else "–"
+    stats.add_row(
+        f"step {v.step}/{v.total_steps}",
+        f"loss {loss} {arrow}",
+        f"lr {num(v.lr, '.2e')}",
+        f"ETA {duration(v.eta_s, clock=True)}",
+    )
+    stats.add_row(
+        f"tok/s {num(v.tokens_per_s)}",
+        f"samples/s {num(v.samples_per_s, ',.1f')}",
+        f"step {num(v.step_time_s, '.2f')} s",
+        f"tokens {v.tokens:,}",
+    )
+    progress = ProgressBar(total=max(v.total_steps, 1), completed=v.step, width=60)
+    accum = (
+        f"accumulation: micro-step {v.micro_step} of {v.grad_accum} · effective batch "
+        f"{v.micro_batch} × {v.world_size} × {v.grad_accum} = {v.effective_batch}"
+    )
+    devices = Table(box=None, pad_edge=False)
+    for col in ("device", "util", "memory", "vs estimate", "temp", "power", "energy"):
+        devices.add_column(col)
+    for key, d in sorted(v.devices.items()):
+        mem = "–"
+        if d.memory_used is not None:
+            cap = f" / {format_bytes(d.memory_total)}" if d.memory_total else ""
+            mem = f"{format_bytes(d.memory_used)}{cap}"
+        est = f"{format_bytes(v.estimate_bytes)} est." if v.estimate_bytes else "–"
+        devices.add_row(
+            key,
+            f"{num(d.utilization_pct)}%",
+            mem,
+            est,
+            f"{d.temperature_c:.0f}°C" if d.temperature_c is not None else "–",
+            f"{d.power_w:.0f} W" if d.power_w is not None else "–",
+            f"{d.energy_wh:.2f} Wh" if d.energy_wh else "–",
+        )
+    lines: list[RenderableType] = [head, stats, progress, accum, devices]
+    if v.energy_wh:
+        cost = f" · {v.cost:.3f} {v.currency}" if v.cost is not None else ""
+        per = f" · {v.tokens_per_wh:,.0f} tokens/Wh" if v.tokens_per_wh else ""
+        lines.append(f"energy {v.energy_wh:.2f} Wh{per}{cost}")
+    for warning in v.stragglers.values():  # Text, not markup: messages may hold "[…]"
+        lines.append(Text(f"straggler: {warning}", style="yellow"))
+    if v.error:
+        lines.append(Text(v.error, style="red"))
+    return Panel(Group(*lines), title="homelab-dp", subtitle="Ctrl-C detaches; the run goes on")
+
+
+# ---------------------------------------------------------------------- the TUI's Monitor
+def head_text(view: RunView, width: int = 30) -> Text:
+    """Run id and status, then step progress, ETA, loss with its trend, lr and energy."""
+    out = Text()
+    out.append(view.run_id, style="bold")
+    out.append("  ")
+    out.append(view.status, style=STATUS_STYLE.get(view.status, "bold"))
+    if view.method:
+        out.append(f"  {view.method} · {view.distribution} · world {view.world_size}")
+    out.append("\n")
+    frac = view.step / view.total_steps if view.total_steps else None
+    out.append("step ").append_text(gauge(frac, width, "green"))
+    out.append(f" {view.step}/{view.total_steps or '?'}")
+    eta = "done" if view.status == "completed" else duration(view.eta_s)
+    out.append(f"  ETA {eta}  elapsed {duration(view.elapsed_s)}\n")
+    out.append("loss ")
+    out.append("-" if view.loss is None else f"{view.loss:.4f}", style="bold")
+    trend = view.loss_trend
+    if trend is not None:
+        arrow, style = ("↓", "green") if trend < 0 else ("↑", "red")
+        out.append(f" {arrow}{abs(trend):.3f}", style=style)
+    out.append(f"  lr {'-' if view.lr is None else f'{view.lr:.2e}'}")
+    out.append(f"  energy {view.energy_wh:.1f} Wh")
+    if view.cost is not None:
+        out.append(f" ≈ {view.cost:.2f} {view.currency}".rstrip())
+    if view.tokens_per_wh:
+        out.append(f"  {view.tokens_per_wh:,.0f} tok/Wh")
+    if view.error:
+        out.append(f"\n{view.error}", style="bold red")
+    return out
+
+
+def accum_text(view: RunView, width: int = 16) -> Text:
+    """Micro-step k of n in the current optimizer step, and the effective batch formula."""
+    out = Text("accumulation ", style="bold")
+    n = max(view.grad_accum, 1)
+    for k in range(1, n + 1) if n <= width else ():
+        out.append(
+            "■" if k <= view.micro_step else "□", style="cyan" if k <= view.micro_step else ""
+        )
+    if n > width:
+        out.append_text(gauge(view.micro_step / n, width, "cyan"))
+    out.append(f" {view.micro_step}/{n}   effective batch ")
+    eff = view.effective_batch or view.micro_batch * view.world_size * n
+    out.append(str(eff), style="bold")
+    out.append(f" = micro {view.micro_batch} × world {view.world_size} × accum {n}")
+    return out
+
+
+def _rank(key: str, keys: list[str]) -> int:
+    """The rank a device sample belongs to: rankN is N; GPUs in index order map to ranks."""
+    if key.startswith("rank") and key[4:].isdigit():
+        return int(key[4:])
+    return keys.index(key)
+
+
+def device_text(dev: DeviceView, view: RunView, rank: int, width: int = 12) -> Text:
+    """Two lines: utilisation, temperature, power and energy; memory against card and estimate."""
+    cpu = dev.key.startswith("rank")
+    util = dev.utilization_pct
+    out = Text(f"{dev.key:<6}", style="bold")
+    out.append("cpu  " if cpu else "util ")
+    frac = None if util is None else min(util / 100, 1.0)
+    out.append_text(gauge(frac, width, "cyan"))
+    out.append(f" {'n/a' if util is None else f'{util:.0f}%':>5}")
+    if dev.temperature_c is not None:
+        hot = dev.temperature_c >= 80
+        out.append(f"  {dev.temperature_c:.0f}°C", style="bold red" if hot else "")
+    if dev.power_w is not None:
+        out.append(f"  {dev.power_w:.0f} W")
+    if not cpu or dev.energy_wh:
+        out.append(f"  {dev.energy_wh:.2f} Wh")
+    out.append("\n      mem  ")
+    out.append_text(memory_gauge(dev.memory_used, dev.memory_total, view.estimate_bytes, width))
+    used = "n/a" if dev.memory_used is None else format_bytes(dev.memory_used)
+    total = "n/a" if dev.memory_total is None else format_bytes(dev.memory_total)
+    out.append(f" {used}/{total}")
+    if view.estimate_bytes:
+        out.append(f" · est {format_bytes(view.estimate_bytes)}", style="bright_black")
+    if 0 <= rank < len(view.peak_memory_bytes):
+        out.append(f" · peak {format_bytes(view.peak_memory_bytes[rank])}", style="bright_black")
+    return out
+
+
+def devices_text(view: RunView) -> Text:
+    """Every device of the run, or a note that no sample came yet."""
+    if not view.devices:
+        return Text("no device samples yet (the monitor writes one a second)", style="bright_black")
+    keys = list(view.devices)
+    parts = [device_text(view.devices[k], view, _rank(k, keys)) for k in keys]
+    return Text("\n").join(parts)
+
+
+def stragglers_text(view: RunView) -> Text:
+    """The straggler warnings, one a line (empty when none)."""
+    out = Text()
+    for rank in sorted(view.stragglers):
+        if out:
+            out.append("\n")
+        out.append(f"⚠ {view.stragglers[rank]}", style="bold yellow")
+    return out

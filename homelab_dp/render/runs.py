@@ -1,0 +1,78 @@
+"""Runs as text: the CLI's `runs` table and `status` lines, the rows of the TUI's Runs table.
+
+Each reads the JSON documents of `RunController.list_runs` and `RunController.status` (the
+``runs --json`` and ``status --json`` output), so what a person reads is what a script reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+
+from homelab_dp.core.hardware import format_bytes
+from homelab_dp.render.run_view import STATUS_STYLE
+from homelab_dp.render.text import duration
+
+NO_RUNS = "no runs yet; start one with: homelab-dp run tiny-demo"
+
+
+def runs_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """`homelab-dp runs`: a header, then one line a run."""
+    if not rows:
+        return [NO_RUNS]
+    out = [f"{'run':<44} {'status':<12} {'steps':>11} {'loss':>8} {'energy':>9}"]
+    for r in rows:
+        loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "–"
+        energy = f"{r['energy_wh']:.2f} Wh" if r.get("energy_wh") else "–"
+        steps = f"{r['step']}/{r['total_steps']}"
+        out.append(f"{r['run_id']:<44} {r['status']:<12} {steps:>11} {loss:>8} {energy:>9}")
+    return out
+
+
+def status_lines(doc: dict[str, Any]) -> list[str]:
+    """`homelab-dp status RUN`: state, strategy, progress and the figures known so far."""
+    lines = [
+        f"run       {doc['run_id']}",
+        f"status    {doc['status']}" + (f" — {doc['reason']}" if doc.get("reason") else ""),
+        f"strategy  {doc['method']} · {doc['distribution']} · {doc['world_size']} process(es)",
+        f"progress  step {doc['step']}/{doc['total_steps']}"
+        + (f", loss {doc['loss']:.4f}" if doc.get("loss") is not None else ""),
+    ]
+    if doc.get("tokens_per_s"):
+        lines.append(f"speed     {doc['tokens_per_s']:,.0f} tokens/s")
+    if doc.get("peak_memory_bytes"):
+        peaks = ", ".join(format_bytes(b) for b in doc["peak_memory_bytes"])
+        est = (
+            f" (estimate {format_bytes(doc['estimate_bytes'])})"
+            if doc.get("estimate_bytes")
+            else ""
+        )
+        lines.append(f"memory    peak per rank {peaks}{est}")
+    if doc.get("energy_wh"):
+        extra = f", {doc['tokens_per_wh']:,.0f} tokens/Wh" if doc.get("tokens_per_wh") else ""
+        cost = f", cost {doc['cost']:.3f}" if doc.get("cost") is not None else ""
+        lines.append(f"energy    {doc['energy_wh']:.2f} Wh{extra}{cost}")
+    if doc.get("last_checkpoint_step") is not None:
+        lines.append(f"checkpoint step {doc['last_checkpoint_step']}")
+    if doc.get("final_path"):
+        lines.append(f"result    {doc['final_path']}")
+    for warning in doc.get("stragglers") or []:
+        lines.append(f"warning   {warning}")
+    return lines
+
+
+def row_cells(run: dict[str, Any]) -> tuple[Text | str, ...]:
+    """One row of the TUI's history: status, steps, final loss, energy, duration, id."""
+    status = str(run.get("status") or "unknown")
+    steps = f"{run.get('step') or 0}/{run.get('total_steps') or '?'}"
+    loss = "-" if run.get("loss") is None else f"{run['loss']:.3f}"
+    energy = f"{run.get('energy_wh') or 0.0:.1f} Wh"
+    return (
+        Text(status, style=STATUS_STYLE.get(status, "")),
+        steps,
+        loss,
+        energy,
+        duration(run.get("duration_s")),
+        str(run["run_id"]),
+    )
