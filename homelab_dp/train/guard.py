@@ -111,9 +111,7 @@ def _smallest_factor(n: int) -> int:
     return next(d for d in range(2, n + 1) if n % d == 0)
 
 
-def oom_advice(
-    resolved: Resolved, exc: BaseException
-) -> tuple[str, str, dict[str, Any] | None]:
+def oom_advice(resolved: Resolved, exc: BaseException) -> tuple[str, str, dict[str, Any] | None]:
     """(message, hint, proposal) for a rank that ran out of memory.
 
     The proposal keeps the effective batch (so the run, and a resume from its checkpoint, stay
