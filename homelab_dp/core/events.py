@@ -149,7 +149,8 @@ class MemoryEvent(Event):
     mode: str = ""
     """"measure" for `homelab-dp measure`, "run" for the tracked step of a normal run."""
     kind: str = ""
-    steps: int = 0
+    steps: list[int] = field(default_factory=list)
+    """The optimizer steps probed (1-based)."""
     ranks: list[dict[str, Any]] = field(default_factory=list)
     measured_peak_bytes: int = 0
     estimate_tensor_bytes: int | None = None

@@ -142,10 +142,10 @@ def measure_case(case: Case, steps: int = 3) -> Result:
 
     from homelab_dp.core.preset import preset_from_dict
     from homelab_dp.core.runspec import Resolved
+    from homelab_dp.train.loop import micro_step, optimizer_step
     from homelab_dp.train.memtrack import MemoryProbe, model_state
     from homelab_dp.train.model import load_model
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
-    from homelab_dp.train.worker import micro_step, optimizer_step
 
     cfg = FAMILIES[case.family]
     with tempfile.TemporaryDirectory(prefix="homelab-dp-memcheck-") as tmp:

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from homelab_dp.core.events import MemoryEvent
 from homelab_dp.core.runspec import RunSpec
 
 PHASES = ("load", "forward", "backward", "optimizer")
@@ -360,9 +361,9 @@ class WorkerMemory:
         per = self.plan.get("per_device_bytes") or {}
         estimate = sum(v for k, v in per.items() if k not in ("overhead", "total")) or None
         measured = max(r["peak_bytes"] for r in ranks)
-        return events.emit(
-            "memory", mode=mode, kind=self.probe.kind, steps=self.steps, ranks=ranks,
+        return events.write(MemoryEvent(
+            mode=mode, kind=self.probe.kind, steps=self.steps, ranks=ranks,
             measured_peak_bytes=measured, estimate_tensor_bytes=estimate,
             estimate_peak_phase=self.plan.get("peak_phase"), estimate=per or None,
             error=(estimate - measured) / measured if estimate and measured else None,
-        )  # fmt: skip
+        ))  # fmt: skip

@@ -1,23 +1,8 @@
-"""Run events (``events.jsonl``) and the per-step statistics gathered from every rank.
+"""The worker's event writer (``events.jsonl``) and the per-step statistics of every rank.
 
-Rank 0 appends one JSON object a line, each with ``"type"`` and ``"time"`` (unix seconds), and
-flushes every line because the controller tails the file. Types:
-
-- ``start``: run_id, world_size, method, distribution, device, dtype, total_steps, start_step,
-  resumed_from, params, trainable_params, micro_batch, grad_accum, effective_batch, seq_len,
-  tokens_per_step (effective batch × seq_len), samples (blocks in the data set), pids (one per
-  rank), peak_memory_kind, and ``estimate`` (the plan's per_device_bytes) when the plan has one.
-- ``step`` (every ``train.log_every`` steps and on the last): step, total_steps, epoch, loss (the
-  token-weighted mean over the effective batch, over all ranks), lr, grad_norm, tokens_per_s,
-  samples_per_s, micro_batch, grad_accum, world_size, effective_batch, step_time_s,
-  rank_step_times_s, peak_memory_bytes (one per rank), peak_memory_kind, tokens (cumulative,
-  non-padding input tokens), samples (cumulative).
-- ``micro`` (only when grad_accum > 1): step (the optimizer step in progress, 1-based),
-  micro_step (1..grad_accum done), grad_accum — gradient-accumulation progress, no sync.
-- ``checkpoint``: step, path, seconds.
-- ``end``: reason (completed | stopped), loss, steps, seconds, final_path (null when stopped).
-- ``error``: message, rank, kind (exception class). Any rank may write it (a single O_APPEND
-  write, so lines never interleave).
+Rank 0 appends one JSON object a line — a typed event of `homelab_dp.core.events` (start, micro,
+step, straggler, warning, checkpoint, memory, end), its names and fields listed there — and
+flushes every line because the controller tails the file. Any rank may write ``error``.
 """
 
 from __future__ import annotations
@@ -25,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import resource
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from homelab_dp.core.events import Event
 
 
 class EventLog:
@@ -40,17 +26,18 @@ class EventLog:
         self.path = path
         self.enabled = enabled
 
-    def emit(self, event_type: str, /, force: bool = False, **fields: Any) -> dict[str, Any]:
-        """Write one event line (flushed at once) and return it; ``force`` writes on any rank."""
-        event = {"type": event_type, "time": time.time(), **fields}
+    def write(self, event: Event, force: bool = False) -> dict[str, Any]:
+        """Write one event line (flushed at once) and return its object; ``force`` writes on any
+        rank (an error: a single O_APPEND write, so lines of several ranks never interleave)."""
+        doc = event.to_json()
         if self.enabled or force:
-            line = (json.dumps(event, default=_jsonable) + "\n").encode("utf-8")
+            line = (json.dumps(doc, default=_jsonable) + "\n").encode("utf-8")
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 os.write(fd, line)  # one write per line: atomic with O_APPEND
             finally:
                 os.close(fd)
-        return event
+        return doc
 
 
 def _jsonable(value: Any) -> Any:

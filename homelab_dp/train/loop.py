@@ -1,0 +1,253 @@
+"""One rank's optimizer-step loop: micro-steps, the step, logging, checkpoints, the end.
+
+Exactness: optimizer step i consumes global samples [i·E, (i+1)·E), E = micro × world ×
+accumulation; on micro-step k rank r takes the M samples starting at i·E + (k·W + r)·M. The loss
+is the sum of token losses divided by the number of target tokens in the whole effective batch
+(all-reduced before the step's forward passes), times the world size because DDP and FSDP2 average
+gradients. So N ranks × micro m equals one process with micro N·m, or with accumulation, on any
+data, and a resumed run repeats an uninterrupted one bit for bit.
+
+Graceful stop: SIGTERM or SIGINT sets a `StopFlag`; the ranks agree at the next optimizer-step
+boundary (the flag rides on that step's token-count all-reduce), save a checkpoint, write an
+``end`` event with reason "stopped" and return. ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) acts
+as if a stop were requested once k optimizer steps are done.
+
+Safety (`train.guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
+and checks that the torchrun agent is still its parent (if not, the rank stops gracefully).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.events import (
+    CheckpointEvent,
+    EndEvent,
+    MicroEvent,
+    StepEvent,
+    StragglerEvent,
+)
+from homelab_dp.core.runspec import RunSpec
+from homelab_dp.train.setup import SetUp
+
+STOP_AT_ENV = "HOMELAB_DP_STOP_AT_STEP"
+
+log = logging.getLogger("homelab_dp.worker")
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; acted on at the next optimizer-step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        log.warning("%s received: stopping at the next step boundary", signal.Signals(signum).name)
+
+
+class Trainer:
+    """Trains a set-up rank to the end or to a stop, then checkpoints and saves the result."""
+
+    def __init__(
+        self, spec: RunSpec, run_dir: Path, s: SetUp, events: Any, stop: StopFlag, guard: Any,
+        t_start: float,
+    ) -> None:  # fmt: skip
+        from homelab_dp.core.run_view import StragglerDetector
+        from homelab_dp.train.metrics import RankStats, peak_memory_kind
+
+        self.spec, self.run_dir, self.events, self.stop = spec, run_dir, events, stop
+        self.guard = guard
+        """`train.guard.RankGuard`: heartbeats and the orphan check."""
+        self.t_start = t_start
+        self.train = spec.preset.train
+        self.rank, self.data, self.model, self.memory = s.rank, s.data, s.model, s.memory
+        self.start_step, self.tokens = s.position.start_step, s.position.tokens
+        self.last_loss = s.position.last_loss
+        self.stop_at = int(os.environ.get(STOP_AT_ENV, "-1"))
+        self.stats = RankStats(self.rank.device)
+        self.stragglers = StragglerDetector()
+        self.memory_kind = peak_memory_kind(self.rank.device)
+
+    def run(self) -> None:
+        """Train, then checkpoint, save the result (when completed) and write the end event."""
+        reason, step = self._loop()
+        if self.memory.measuring:  # `homelab-dp measure`: figures only, no checkpoint or result
+            self.memory.report(self.events, mode="measure")
+            self.events.write(EndEvent(reason="measured", final_loss=self.last_loss, steps=step,
+                                       seconds=time.time() - self.t_start, final_path=None))  # fmt: skip
+            return
+        if step > 0:
+            self._checkpoint(step)
+        final = None
+        if reason == "completed":
+            from homelab_dp.train.checkpoint import save_result
+
+            self.guard.beat(step, phase="result")  # the watchdog's clock restarts for the save
+            m = self.model
+            final = save_result(self.run_dir, m.strategy, m.loaded.is_peft, self.data.tokenizer,
+                                self.spec.preset)  # fmt: skip
+        self.events.write(EndEvent(reason=reason, final_loss=self.last_loss, steps=step,
+                                   seconds=time.time() - self.t_start,
+                                   final_path=str(final) if final else None))  # fmt: skip
+
+    def _loop(self) -> tuple[str, int]:
+        """Optimizer steps until the last one ("completed") or an agreed stop ("stopped")."""
+        import torch
+        import torch.distributed as dist
+
+        from homelab_dp.train.strategy import rank_slices
+
+        r, d, m = self.rank, self.data, self.model
+        dev, step = r.device, self.start_step
+        last_log = (time.time(), self.tokens, step)  # time, tokens and step of the last log
+        while step < d.total_steps:
+            t0 = time.perf_counter()
+            wall0 = time.time()
+            probe = self.memory.begin_step(step, m.strategy, m.optimizer)  # None mostly
+            micro_idx = [
+                torch.tensor(d.order.blocks(s.start, len(s)))
+                for s in rank_slices(step, r.micro, r.world, r.accum, r.rank)
+            ]
+            mine = torch.cat(micro_idx)
+            stop = self.stop.requested or step == self.stop_at
+            # The step's one all-reduce: target tokens (to normalise the loss before any
+            # backward), real tokens (throughput) and the stop flag (all ranks agree).
+            agreed = torch.tensor(
+                [float(d.targets[mine].sum()), float(d.real_tokens[mine].sum()), float(stop)],
+                dtype=torch.float64, device=dev,
+            )  # fmt: skip
+            dist.all_reduce(agreed)
+            targets, tokens, stop_votes = agreed.tolist()
+            if stop_votes > 0:
+                return "stopped", step
+            scale = r.world / max(targets, 1.0)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+            for k, idx in enumerate(micro_idx):
+                if self.guard.beat(step + 1, k):  # orphaned (agent gone): stop gracefully
+                    self.stop.requested = True
+                with m.strategy.accumulate(final=k == r.accum - 1):
+                    loss_sum += micro_step(
+                        m.strategy, d.input_ids[idx].to(dev), d.mask[idx].to(dev),
+                        d.labels[idx].to(dev), scale, autocast=m.autocast,
+                        loss_dtype=m.loss_dtype, scaler=m.scaler, probe=probe,
+                    )  # fmt: skip
+                if r.accum > 1 and r.rank == 0:
+                    self.events.write(MicroEvent(step=step + 1, micro_step=k + 1,
+                                                 grad_accum=r.accum))  # fmt: skip
+            lr = m.optimizer.param_groups[0]["lr"]
+            grad_norm = optimizer_step(m.strategy, m.optimizer, m.scheduler, m.scaler,
+                                       self.train.max_grad_norm)  # fmt: skip
+            self.memory.end_step(step, self.events)
+            step += 1
+            self.tokens += int(tokens)
+            if step % self.train.log_every == 0 or step == d.total_steps:
+                last_log = self._log_step(step, loss_sum, targets, lr, grad_norm, t0, wall0,
+                                          last_log)  # fmt: skip
+            every = self.train.checkpoint_every
+            if every and step % every == 0 and step < d.total_steps:
+                self._checkpoint(step)
+        return "completed", step
+
+    def _log_step(
+        self, step: int, loss_sum: Any, targets: float, lr: float, grad_norm: Any, t0: float,
+        wall0: float, last_log: tuple[float, int, int],
+    ) -> tuple[float, int, int]:  # fmt: skip
+        """Gather every rank's figures (one all-gather), write the step and any straggler."""
+        import torch
+
+        r, dev = self.rank, self.rank.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        now = time.time()
+        rows = self.stats.gather(loss_sum, time.perf_counter() - t0)
+        self.last_loss = sum(row[0] for row in rows) / max(targets, 1.0)
+        last_t, last_tokens, last_step = last_log
+        span = max(now - last_t, 1e-9)
+        self.events.write(StepEvent(
+            step=step, total_steps=self.data.total_steps,
+            epoch=step * r.effective / self.data.n_blocks, loss=self.last_loss, lr=lr,
+            grad_norm=float(grad_norm), tokens_per_s=(self.tokens - last_tokens) / span,
+            samples_per_s=(step - last_step) * r.effective / span, micro_batch=r.micro,
+            grad_accum=r.accum, world_size=r.world, effective_batch=r.effective,
+            step_time_s=now - wall0, rank_step_times_s=[row[1] for row in rows],
+            peak_memory_bytes=[int(row[2]) for row in rows], peak_memory_kind=self.memory_kind,
+            tokens=self.tokens, samples=step * r.effective,
+        ))  # fmt: skip
+        for slow in self.stragglers.update([row[1] for row in rows]):
+            self.events.write(StragglerEvent(step=step, rank=slow,
+                                             message=self.stragglers.flagged[slow]))  # fmt: skip
+        return now, self.tokens, step
+
+    def _checkpoint(self, step: int) -> None:
+        """Save a checkpoint of ``step`` with the position, schedule and scaler state."""
+        from homelab_dp.train.checkpoint import save_checkpoint
+
+        self.guard.beat(step, phase="checkpoint")
+        t = time.time()
+        r, m, n_blocks = self.rank, self.model, self.data.n_blocks
+        position = step * r.effective
+        state = {
+            "step": step, "epoch": position // n_blocks, "offset": position % n_blocks,
+            "samples": position, "tokens": self.tokens, "effective_batch": r.effective,
+            "world_size": r.world, "micro_batch": r.micro, "grad_accum": r.accum,
+            "seed": self.train.seed, "loss": self.last_loss,
+            "scheduler": m.scheduler.state_dict(),
+            "scaler": m.scaler.state_dict() if m.scaler is not None else None,
+        }  # fmt: skip
+        path = save_checkpoint(self.run_dir / "checkpoints", step, m.strategy, m.optimizer,
+                               state, keep=self.train.keep_checkpoints)  # fmt: skip
+        self.events.write(CheckpointEvent(step=step, path=str(path), seconds=time.time() - t))
+
+
+def micro_step(
+    strategy: Any, input_ids: Any, mask: Any, labels: Any, scale: float, *, autocast: Any,
+    loss_dtype: Any, scaler: Any = None, probe: Any = None,
+) -> Any:  # fmt: skip
+    """Forward, loss and backward of one micro-batch; returns the detached sum of token losses.
+
+    The loss is the sum of token cross-entropies times ``scale`` (world / global target tokens).
+    The logits are not kept past the loss: autograd saved what backward needs, and holding them
+    would keep one more batch × seq_len × vocab tensor alive through the backward pass.
+    ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
+    """
+    import torch.nn.functional as F
+
+    with autocast():
+        logits = strategy.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+    token_loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), labels.flatten(),
+                                 ignore_index=-100, reduction="sum")  # fmt: skip
+    del logits
+    if probe is not None:
+        probe.mark("forward")
+    scaled = token_loss * scale
+    (scaler.scale(scaled) if scaler else scaled).backward()
+    if probe is not None:
+        probe.mark("backward")
+    return token_loss.detach()
+
+
+def optimizer_step(
+    strategy: Any, optimizer: Any, scheduler: Any, scaler: Any, max_grad_norm: float
+) -> Any:
+    """Unscale (fp16), clip, update, advance the schedule, free the gradients; the grad norm."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = strategy.clip_grad_norm(max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

@@ -1,0 +1,285 @@
+"""Setting up one rank, in order: the process group, the data, the model, the resume point.
+
+`set_up` runs the steps every rank runs before its first optimizer step, and `start_event`
+describes the result for the ``start`` event. Every rank makes the same collectives in the
+same order: the process group, the model wrapper's broadcast, on resume the newest-checkpoint
+agreement and the checkpoint load, then the gather of every rank's pid.
+
+Exactness starts here: the global sample order is a permutation of the blocks seeded by
+``train.seed`` and the epoch only (`train.strategy.SampleOrder`), every rank seeds the model
+init identically (identical LoRA init without a broadcast), and a world size other than the
+plan's keeps the planned effective batch by changing the accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.events import StartEvent, WarningEvent
+from homelab_dp.core.preset import Preset
+from homelab_dp.core.runspec import RunSpec
+
+log = logging.getLogger("homelab_dp.worker")
+
+
+@dataclass
+class Rank:
+    """This process in the group, and the batch geometry every rank agrees on."""
+
+    device: Any
+    """The torch.device: ``cuda:LOCAL_RANK`` or the CPU."""
+    rank: int
+    world: int
+    micro: int
+    accum: int
+    effective: int
+
+
+def init_distributed(spec: RunSpec) -> Rank:
+    """Join the process group: gloo on the CPU, nccl on CUDA (``cuda:LOCAL_RANK``)."""
+    import torch
+    import torch.distributed as dist
+
+    from homelab_dp.errors import HomelabError
+
+    resolved = spec.resolved
+    local_rank = int(os.environ["LOCAL_RANK"])
+    cuda = resolved.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise HomelabError("the spec asks for CUDA but torch sees no GPU", "plan again for cpu")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    timeout = spec.collective_timeout_s or (600 if cuda else 60)
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=float(timeout))}
+    if cuda:
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+    world = dist.get_world_size()
+    micro, effective, accum = resolved.micro_batch, resolved.effective_batch, resolved.grad_accum
+    if world != resolved.world_size:
+        # Keep the effective batch (and so the data position and schedule) of the plan.
+        if effective % (micro * world):
+            raise HomelabError(
+                f"{world} processes cannot keep the planned effective batch "
+                f"{effective} with micro-batch {micro}",
+                hint=f"run with {resolved.world_size} processes",
+            )
+        accum = effective // (micro * world)
+        log.warning("world size %d (planned %d): gradient accumulation %d keeps batch %d",
+                    world, resolved.world_size, accum, effective)  # fmt: skip
+    return Rank(device, dist.get_rank(), world, micro, accum, effective)
+
+
+@dataclass
+class Data:
+    """The whole data set as tensors (every rank holds it; each takes its own slices)."""
+
+    tokenizer: Any
+    input_ids: Any
+    labels: Any
+    mask: Any
+    targets: Any
+    """Target tokens per block (labels that are not ignored): the loss's denominator."""
+    real_tokens: Any
+    """Non-padding tokens per block: throughput."""
+    n_blocks: int
+    order: Any
+    """The seeded global sample order (`train.strategy.SampleOrder`)."""
+    total_steps: int
+
+
+def load_data(preset: Preset, rank: Rank) -> Data:
+    """Tokenize the data set into blocks no longer than the model's context."""
+    import torch
+    from transformers import AutoConfig
+
+    from homelab_dp.data.blocks import IGNORE_INDEX, load_dataset
+    from homelab_dp.train.model import load_tokenizer
+    from homelab_dp.train.strategy import SampleOrder
+
+    tokenizer = load_tokenizer(preset)
+    config = AutoConfig.from_pretrained(
+        preset.model.path, trust_remote_code=preset.model.trust_remote_code
+    )
+    limit = getattr(config, "max_position_embeddings", None)
+    blocks = load_dataset(preset.data, tokenizer, seq_len_limit=limit,
+                          min_blocks=rank.world * rank.micro)  # fmt: skip
+    labels = torch.tensor([b.labels for b in blocks], dtype=torch.long)
+    mask = torch.tensor([b.attention_mask for b in blocks], dtype=torch.long)
+    train = preset.train
+    total_steps = train.max_steps or max(1, math.ceil(train.epochs * len(blocks) / rank.effective))
+    return Data(
+        tokenizer=tokenizer,
+        input_ids=torch.tensor([b.input_ids for b in blocks], dtype=torch.long),
+        labels=labels,
+        mask=mask,
+        targets=(labels != IGNORE_INDEX).sum(1),
+        real_tokens=mask.sum(1),
+        n_blocks=len(blocks),
+        order=SampleOrder(len(blocks), train.seed),
+        total_steps=total_steps,
+    )
+
+
+@dataclass
+class Model:
+    """What trains: the model in its strategy, the optimizer, the schedule and the precision."""
+
+    loaded: Any
+    """`train.model.LoadedModel`: the module, its parameter counts, whether it is PEFT."""
+    strategy: Any
+    """`train.strategy.Strategy`: DDP, ZeRO-1 or FSDP2 around the model."""
+    optimizer: Any
+    scheduler: Any
+    loss_dtype: Any
+    scaler: Any
+    """A GradScaler for fp16 on CUDA, else None."""
+    autocast: Any
+    """A context factory: ``torch.autocast`` for bf16/fp16 on CUDA without FSDP2, else a no-op."""
+
+
+def build_model(spec: RunSpec, rank: Rank, total_steps: int) -> Model:
+    """Load the model, wrap it in its strategy, build the optimizer, schedule and precision."""
+    import torch
+
+    from homelab_dp.errors import HomelabError
+    from homelab_dp.train.model import load_model, master_dtype
+    from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
+
+    resolved, train, device = spec.resolved, spec.preset.train, rank.device
+    # Same seed on every rank: identical LoRA init without relying on a broadcast.
+    torch.manual_seed(train.seed)
+    random.seed(train.seed)
+    loaded = load_model(spec.preset, resolved, device)
+    strategy = wrap_model(loaded, resolved, device)
+    optimizer = build_optimizer(strategy, train, resolved.lr, device)
+    scheduler = build_scheduler(optimizer, train, total_steps)
+    torch.manual_seed(train.seed + rank.rank)  # dropout differs per rank
+    scaler = None
+    autocast: Any = contextlib.nullcontext
+    if device.type == "cuda" and resolved.dtype in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if resolved.dtype == "bf16" else torch.float16
+        if resolved.dtype == "fp16":
+            if strategy.is_fsdp:
+                raise HomelabError("fp16 with FSDP2 is not supported", hint="use bf16")
+            scaler = torch.amp.GradScaler("cuda")
+        if not strategy.is_fsdp:  # FSDP2 casts through its MixedPrecisionPolicy
+            autocast = lambda: torch.autocast("cuda", dtype=dtype)  # noqa: E731
+    return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast)
+
+
+@dataclass
+class Position:
+    """Where training starts: step 0, or a checkpoint's step, tokens and loss."""
+
+    start_step: int = 0
+    tokens: int = 0
+    resumed_from: str | None = None
+    last_loss: float | None = None
+
+
+def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Position:
+    """Load the newest complete checkpoint every rank agrees on (step 0, warned, when none)."""
+    from homelab_dp.errors import RunStateError
+    from homelab_dp.train.checkpoint import find_usable, load_checkpoint
+    from homelab_dp.train.strategy import set_lr_for_step
+
+    path, skipped = find_usable(run_dir / "checkpoints")
+    for reason in skipped:  # a damaged checkpoint is named, and the one before it used
+        log.warning("%s", reason)
+        events.write(WarningEvent(message=f"{reason}; resuming from "
+                                  f"{path.name if path else 'step 0'}"))  # fmt: skip
+    _agree_on_checkpoint(path, rank.device)
+    if path is None:
+        log.warning("no complete checkpoint in %s: starting from step 0", run_dir)
+        return Position()
+    state = load_checkpoint(path, model.strategy, model.optimizer)
+    if state["effective_batch"] != rank.effective:
+        raise RunStateError(
+            f"{path}: saved with effective batch {state['effective_batch']}, "
+            f"this run has {rank.effective}",
+            hint="resume with the run's own spec (micro × world × accumulation)",
+        )
+    start_step = int(state["step"])
+    model.scheduler.load_state_dict(state["scheduler"])
+    set_lr_for_step(model.optimizer, model.scheduler, start_step)
+    if model.scaler is not None and state.get("scaler"):
+        model.scaler.load_state_dict(state["scaler"])
+    log.info("resumed from %s at step %d", path, start_step)
+    return Position(start_step, int(state["tokens"]), str(path), state.get("loss"))
+
+
+def _agree_on_checkpoint(path: Path | None, device: Any) -> None:
+    """Every rank must resume from the same step (it differs when nodes share no folder)."""
+    import torch
+    import torch.distributed as dist
+
+    from homelab_dp.errors import RunStateError
+
+    mine = int(path.name.split("-")[1]) if path else -1
+    seen = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if int(seen[0]) != -int(seen[1]):
+        raise RunStateError(
+            f"ranks see different newest checkpoints (steps {-int(seen[1])}..{int(seen[0])})",
+            hint="multi-node resume needs the run folder on a filesystem every node shares",
+        )
+
+
+@dataclass
+class SetUp:
+    """Everything `set_up` made, handed to the loop (`train.loop.Trainer`)."""
+
+    rank: Rank
+    data: Data
+    model: Model
+    position: Position
+    memory: Any
+    """`train.memtrack.WorkerMemory`: probes the memory of the set-up and of chosen steps."""
+
+
+def set_up(spec: RunSpec, run_dir: Path, events: Any, resume: bool) -> SetUp:
+    """The process group, the data, the model (memory probed around it), the resume point."""
+    from homelab_dp.train.memtrack import WorkerMemory
+
+    rank = init_distributed(spec)
+    data = load_data(spec.preset, rank)
+    memory = WorkerMemory(spec, rank.device, data.total_steps)
+    memory.before_build()
+    model = build_model(spec, rank, data.total_steps)
+    memory.after_build(model.strategy.inner, model.optimizer)
+    position = resume_position(run_dir, rank, model, events) if resume else Position()
+    return SetUp(rank, data, model, position, memory)
+
+
+def start_event(spec: RunSpec, s: SetUp) -> StartEvent:
+    """The ``start`` event: the run as set up, with every rank's pid (one all-gather)."""
+    import torch
+
+    from homelab_dp.train.metrics import all_gather_flat, peak_memory_kind
+
+    rank, r = s.rank, spec.resolved
+    pid = torch.tensor([os.getpid()], dtype=torch.int64, device=rank.device)
+    pids = torch.empty(rank.world, dtype=torch.int64, device=rank.device)
+    all_gather_flat(pids, pid)  # once per run: who is who, for the controller
+    per_device = spec.planned_bytes or None
+    seq_len = spec.preset.data.seq_len
+    return StartEvent(
+        run_id=spec.run_id, world_size=rank.world, method=r.method,
+        distribution=r.distribution, device=r.device, dtype=r.dtype,
+        total_steps=s.data.total_steps, start_step=s.position.start_step,
+        resumed_from=s.position.resumed_from, params=s.model.loaded.params,
+        trainable_params=s.model.loaded.trainable_params, micro_batch=rank.micro,
+        grad_accum=rank.accum, effective_batch=rank.effective, seq_len=seq_len,
+        tokens_per_step=rank.effective * seq_len, samples=s.data.n_blocks,
+        pids=pids.tolist(), peak_memory_kind=peak_memory_kind(rank.device),
+        estimate=per_device, estimate_bytes=(per_device or {}).get("total"),
+    )  # fmt: skip
