@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.core.calibration import CalibrationStore, Measurement
+from homelab_dp.core.events import MemoryEvent, parse_event
 from homelab_dp.core.memory import PHASES
 from homelab_dp.errors import HomelabError
 from homelab_dp.run.calibration import hardware_fingerprint
@@ -130,11 +131,12 @@ def _memory_event(run_dir: Path) -> dict[str, Any] | None:
     found = None
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            event = json.loads(line)
+            doc = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if event.get("type") == "memory" and event.get("mode") == "measure":
-            found = event
+        event = parse_event(doc) if isinstance(doc, dict) else None
+        if isinstance(event, MemoryEvent) and event.mode == "measure":
+            found = doc
     return found
 
 
