@@ -15,7 +15,8 @@ waits for torchrun, and writes the final status with the reason. It guarantees t
 - **The true reason.** The final status names the root cause, not its echo: the rank torchrun
   saw fail first and its signal, an out-of-memory proposal, or the stall — never the
   "connection reset" of the ranks that were left waiting. Only this launch's events and log
-  lines count (a resumed run appends to the same files).
+  lines count (a resumed run appends to the same files). The keeper gathers them; the verdict
+  itself is a pure function of them (`homelab_dp.run.verdict`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -34,17 +34,17 @@ from typing import Any
 
 import psutil
 
-from homelab_dp.core.events import ErrorEvent, RetryEvent, StateEvent
+from homelab_dp.core.events import ErrorEvent, Event, RetryEvent, StateEvent, parse_event
 from homelab_dp.run import launcher
+from homelab_dp.run.verdict import Attempt, Verdict, decide
 from homelab_dp.run.watchdog import Stall, Watchdog
 from homelab_dp.rundir.files import append_event, read_run_spec
 from homelab_dp.rundir.heartbeat import heartbeat_dir
 from homelab_dp.rundir.state import (
-    diagnose_failure,
     pid_alive,
+    read_error_files,
     read_log_since,
     read_state,
-    torchrun_root_cause,
     update_state,
 )
 from homelab_dp.rundir.tail import JsonlTail
@@ -78,7 +78,7 @@ class Keeper:
         self.events = JsonlTail(run_dir / "events.jsonl", _file_size(run_dir / "events.jsonl"))
         self.log_from = _file_size(run_dir / "logs" / "launcher.log")
         self.watchdog = Watchdog(run_dir, float(self.spec.preset.train.watchdog_s))
-        self.attempt_events: list[dict[str, Any]] = []
+        self.attempt_events: list[Event] = []
 
     # -------------------------------------------------------------- processes
     def _start_monitor(self) -> subprocess.Popen:
@@ -111,9 +111,9 @@ class Keeper:
     # -------------------------------------------------------------- lifecycle
     def run(self) -> int:
         """Launch, supervise, and write the final state; the keeper's exit code."""
-        return self.finish(*self.launch_and_wait())
+        return self.finish(self.launch_and_wait())
 
-    def launch_and_wait(self) -> tuple[str, str, dict[str, Any] | None]:
+    def launch_and_wait(self) -> Verdict:
         """Start torchrun and the monitor, supervise until torchrun exits; the verdict."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
@@ -134,19 +134,18 @@ class Keeper:
         self.exit_code = rc
         return self.final_status(rc)
 
-    def finish(self, status: str, reason: str, failure: dict[str, Any] | None) -> int:
+    def finish(self, verdict: Verdict) -> int:
         """Write the final state and event of the run."""
-        rc = self.exit_code
         update_state(
             self.run_dir,
-            status=status,
-            reason=reason,
-            exit_code=rc,
+            status=verdict.status,
+            reason=verdict.reason,
+            exit_code=self.exit_code,
             ended=time.time(),
-            failure=failure,
+            failure=verdict.failure,
         )
-        append_event(self.run_dir, StateEvent(status=status, reason=reason))
-        return 0 if status in ("completed", "interrupted") else 1
+        append_event(self.run_dir, StateEvent(status=verdict.status, reason=verdict.reason))
+        return 0 if verdict.status in ("completed", "interrupted") else 1
 
     def _supervise(self) -> list[int]:
         """Poll until torchrun exits: record workers, forward a stop, run the watchdog."""
@@ -205,125 +204,25 @@ class Keeper:
                 self.monitor.wait()
 
     # -------------------------------------------------------------- verdict
-    def final_status(self, rc: int | None) -> tuple[str, str, dict[str, Any] | None]:
-        """(status, reason, failure details) of this launch; see the module docstring."""
-        self.attempt_events += self.events.read()
-        ends = [e for e in self.attempt_events if e.get("type") == "end"]
-        errors = [e for e in self.attempt_events if e.get("type") == "error"]
-        log_text = read_log_since(self.run_dir / "logs" / "launcher.log", self.log_from)
-        agent_sig = _signal_name(-rc) if rc is not None and rc < 0 else None
-        if self.stall is not None:
-            s = self.stall
-            return (
-                "failed",
-                f"stalled: {s.message}; the watchdog ended the run",
-                {
-                    "kind": "stall",
-                    "rank": s.rank,
-                    "pid": s.pid,
-                    "step": s.step,
-                    "idle_s": round(s.idle_s, 1),
-                },
-            )
-        end = ends[-1] if ends else None
-        if end and end.get("reason") == "completed" and rc == 0:
-            return "completed", f"{end.get('steps', '?')} steps, result in final/", None
-        if end and end.get("reason") == "stopped" and not errors:
-            at = f"stopped at step {end.get('steps')} with a checkpoint"
-            if agent_sig and not self.stop_requested:
-                return (
-                    "failed",
-                    f"the torchrun agent was killed by {agent_sig}; the keeper "
-                    f"stopped its workers ({at}); resume with `homelab-dp resume`",
-                    {"kind": "agent", "signal": agent_sig, "orphans": self.orphans},
-                )
-            return (
-                "interrupted",
-                f"{self._stop_cause(log_text)}: {at}; resume with `homelab-dp resume`",
-                None,
-            )
-        if rc == 0 and not ends and self.spec.launch.rendezvous.nnodes > 1:
-            # c10d hands out global ranks in joining order: rank 0 (events, checkpoints'
-            # metadata, the result) may live on another node's run folder.
-            return "completed", "this node's workers finished; rank 0 ran on another node", None
-        return self._failure(rc, errors, log_text, agent_sig)
-
-    def _stop_cause(self, log_text: str) -> str:
-        if self.stop_requested:
-            return "stopped by request"
-        received = re.findall(r"Received (\d+) death signal", log_text)
-        if received:
-            return f"the torchrun agent received {_signal_name(int(received[-1]))}"
-        return "stopped"
-
-    def _failure(
-        self, rc: int | None, errors: list[dict[str, Any]], log_text: str, agent_sig: str | None
-    ) -> tuple[str, str, dict[str, Any] | None]:
-        root = torchrun_root_cause(log_text)
-        oom = [e for e in errors if e.get("kind") == "OutOfMemoryError"]
-        if oom:  # the rank that ran out of memory, with its proposal; its peers only echo it
-            e = oom[0]
-            return (
-                "failed",
-                f"rank {e.get('rank', '?')}: {e.get('message')}",
-                {
-                    "kind": "oom",
-                    "rank": e.get("rank"),
-                    "proposal": e.get("proposal"),
-                    "hint": e.get("hint"),
-                },
-            )
-        if root is not None and root.signal:
-            return (
-                "failed",
-                root.describe(),
-                {"kind": "signal", "rank": root.rank, "pid": root.pid, "signal": root.signal},
-            )
-        if errors:  # the root-cause rank's own error event, else the first one
-            mine = [e for e in errors if root is not None and e.get("rank") == root.rank]
-            e = (mine or errors)[0]
-            message = str(e.get("message", "error"))
-            # A checkpoint write failure names its own rank (DCP gathers every rank's failure).
-            who = "" if e.get("kind") == "CheckpointError" else f"rank {e.get('rank', '?')}: "
-            return (
-                "failed",
-                who + message,
-                {
-                    "kind": "error",
-                    "rank": e.get("rank"),
-                    "error": e.get("kind"),
-                    "hint": e.get("hint"),
-                },
-            )
-        if root is not None:
-            return (
-                "failed",
-                root.describe(),
-                {"kind": "exit", "rank": root.rank, "exitcode": root.exitcode},
-            )
-        if agent_sig:
-            return (
-                "failed",
-                f"the torchrun agent was killed by {agent_sig}",
-                {"kind": "agent", "signal": agent_sig, "orphans": self.orphans},
-            )
-        if "address already in use" in log_text:
-            port = re.search(r"(\d+\.\d+\.\d+\.\d+:\d+): address already in use", log_text)
-            where = port.group(1) if port else "the rendezvous port"
-            return (
-                "failed",
-                f"{where} is already in use: the rendezvous could not start",
-                {"kind": "port"},
-            )
-        diagnosis = diagnose_failure(self.run_dir, self.log_from)
-        return "failed", diagnosis or f"torchrun exited with code {rc}", {"kind": "unknown"}
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
+    def final_status(self, rc: int | None) -> Verdict:
+        """The verdict on this launch (`homelab_dp.run.verdict`), from what it left behind."""
+        for doc in self.events.read():
+            event = parse_event(doc)
+            if event is not None:
+                self.attempt_events.append(event)
+        launcher_log = self.run_dir / "logs" / "launcher.log"
+        attempt = Attempt(
+            exit_code=rc,
+            events=self.attempt_events,
+            log_text=read_log_since(launcher_log, self.log_from),
+            launcher_log=str(launcher_log),
+            stop_requested=self.stop_requested,
+            stall=self.stall,
+            orphans=self.orphans,
+            nnodes=self.spec.launch.rendezvous.nnodes,
+            error_files=read_error_files(self.run_dir),
+        )
+        return decide(attempt)
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:
@@ -355,18 +254,18 @@ def supervise(run_dir: Path) -> int:
     retries = 0
     while True:
         keeper = Keeper(run_dir)
-        status, reason, failure = keeper.launch_and_wait()
+        verdict = keeper.launch_and_wait()
         change = None
         wanted = keeper.spec.auto_fit and not keeper.stop_requested
-        if failure and wanted and retries < MAX_OOM_RETRIES:
-            change = apply_oom_proposal(run_dir, failure)
+        if verdict.failure and wanted and retries < MAX_OOM_RETRIES:
+            change = apply_oom_proposal(run_dir, verdict.failure)
         if change is None:
-            return keeper.finish(status, reason, failure)
+            return keeper.finish(verdict)
         retries += 1
         attempt = int(read_state(run_dir).get("attempt") or 1) + 1
         update_state(run_dir, status="starting", reason=change, attempt=attempt,
                      pids={"workers": [], "agent": None, "monitor": None})  # fmt: skip
-        append_event(run_dir, RetryEvent(reason=change, after=reason, attempt=attempt))
+        append_event(run_dir, RetryEvent(reason=change, after=verdict.reason, attempt=attempt))
         append_event(run_dir, StateEvent(status="starting", reason=change))
 
 

@@ -8,9 +8,11 @@ failed, with the reason read from torchrun's error files and the logs.
 The reason names the root cause: torchrun's summary lists every rank that failed, and the
 "Root Cause (first observed failure)" block says which went first and how (exit code, or the
 signal that killed it); `torchrun_root_cause` reads it, so a SIGKILLed rank is not mistaken
-for the "connection reset" of the peers that were left waiting for it. A failed run's
-state.json also holds ``failure``: {kind (signal | stall | oom | error | agent | exit | port),
-rank, …} for programs (``--auto-fit`` reads the out-of-memory proposal from it).
+for the "connection reset" of the peers that were left waiting for it. The reading of
+torchrun's output (`torchrun_root_cause`, `diagnose`) lives here, below the run layer, because
+both this fallback and the keeper's verdict (`homelab_dp.run.verdict`) use it. A failed run's
+state.json also holds ``failure``: {kind (signal | stall | oom | error | agent | exit | port |
+unknown), rank, …} for programs (``--auto-fit`` reads the out-of-memory proposal from it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,19 +157,36 @@ def diagnose_failure(run_dir: Path, since: int = 0) -> str | None:
     """Which rank failed and how, from torchrun's summary, its error files and the logs."""
     launcher_log = run_dir / "logs" / "launcher.log"
     text = read_log_since(launcher_log, since)
-    root = torchrun_root_cause(text)
-    if root is not None:
-        return f"{root.describe()} (see {launcher_log})"
+    return diagnose(text, read_error_files(run_dir), str(launcher_log))
+
+
+def read_error_files(run_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """torchrun's error files under ``logs/`` (path, parsed contents); unreadable ones skipped."""
+    found = []
     for err_file in sorted((run_dir / "logs").rglob("error.json")):
         try:
             doc = json.loads(err_file.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             continue
+        if isinstance(doc, dict):
+            found.append((str(err_file), doc))
+    return found
+
+
+def diagnose(
+    text: str, error_files: Sequence[tuple[str, dict[str, Any]]], launcher_log: str
+) -> str | None:
+    """Which rank failed and how: torchrun's root cause in the launcher log ``text``, else the
+    first error file's message, else the last signal or exit code the log mentions."""
+    root = torchrun_root_cause(text)
+    if root is not None:
+        return f"{root.describe()} (see {launcher_log})"
+    for err_file, doc in error_files:
         message = doc.get("message")
         if isinstance(message, dict):
             message = message.get("message")
-        rank = re.search(r"rank_?(\d+)|/(\d+)/error.json", str(err_file))
-        where = f"rank {next(g for g in rank.groups() if g)}" if rank else str(err_file)
+        rank = re.search(r"rank_?(\d+)|/(\d+)/error.json", err_file)
+        where = f"rank {next(g for g in rank.groups() if g)}" if rank else err_file
         first = str(message or "").strip().splitlines()
         return f"{where}: {first[-1] if first else 'error'} (see {err_file})"
     if text:
