@@ -1,9 +1,11 @@
 """The Textual app: five screens on the number keys, one run followed in the background.
 
-Screens are Textual modes, so each keeps its state while another is shown. A thread worker
-follows the chosen run (`homelab_dp.tui.follower`) and posts `RunUpdated` messages that
-coalesce, so a burst of events never queues up more than one repaint. Quitting only stops
-following: runs belong to their own process trees and go on.
+Screens are Textual modes, so each keeps its state while another is shown. The app builds
+each with what it reads (the session, the controller, the followed run); screens ask the app
+for what concerns it as a whole by posting messages (`homelab_dp.tui.messages`): follow a run,
+show a user error. A thread worker follows the chosen run (`homelab_dp.tui.follower`) and posts
+`RunUpdated` messages that coalesce, so a burst of events never queues up more than one
+repaint. Quitting only stops following: runs belong to their own process trees and go on.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from textual.worker import get_current_worker
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.errors import error_text
 from homelab_dp.run.controller import RunController, make_controller
-from homelab_dp.tui.follower import RunFollower, Snapshot
-from homelab_dp.tui.messages import RunUpdated
+from homelab_dp.tui.follower import Following, RunPoller, Snapshot
+from homelab_dp.tui.messages import FollowRun, RunUpdated, UserError
 from homelab_dp.tui.screens.hardware import HardwareScreen
 from homelab_dp.tui.screens.launch import LaunchScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
@@ -36,13 +38,6 @@ class HomelabApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "homelab-dp"
     ENABLE_COMMAND_PALETTE = False  # its footer entry would not fit at 80 columns
-    MODES = {
-        "hardware": HardwareScreen,
-        "plan": PlanScreen,
-        "launch": LaunchScreen,
-        "monitor": MonitorScreen,
-        "runs": RunsScreen,
-    }
     BINDINGS = [
         Binding("1", "switch_mode('hardware')", "Hardware"),
         Binding("2", "switch_mode('plan')", "Plan"),
@@ -61,19 +56,34 @@ class HomelabApp(App[None]):
         follow: str | None = None,
         follow_interval: float = FOLLOW_INTERVAL_S,
     ) -> None:
+        """``follow``: the run to follow from the start; ``follow_interval``: seconds between
+        two polls of the followed run's files."""
         super().__init__()
         self.controller = controller or make_controller()
         self.session = Session()
+        self.following = Following()
         self.start_mode = mode
         self.follow_interval = follow_interval
-        self.followed: str | None = None
-        """The id of the run the Monitor shows."""
-        self.snapshot: Snapshot | None = None
-        """The latest state of the followed run."""
         self.updates_handled = 0
         """RunUpdated messages handled (fewer than posted when they coalesce)."""
         self._initial_preset = preset
         self._initial_follow = follow
+        # The modes (built on first show), each given what it reads.
+        self.add_mode("hardware", HardwareScreen)
+        self.add_mode("plan", lambda: PlanScreen(self.session))
+        self.add_mode("launch", lambda: LaunchScreen(self.session, self.controller))
+        self.add_mode("monitor", lambda: MonitorScreen(self.controller, self.following))
+        self.add_mode("runs", lambda: RunsScreen(self.controller))
+
+    @property
+    def followed(self) -> str | None:
+        """The id of the run the Monitor shows."""
+        return self.following.run_id
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The latest state of the followed run."""
+        return self.following.snapshot
 
     def on_mount(self) -> None:
         """Load the first preset, start following a run if asked, show the first screen."""
@@ -94,6 +104,9 @@ class HomelabApp(App[None]):
         """A user error as a notification, worded as the CLI words it."""
         self.notify(error_text(exc), severity="error", timeout=10, markup=False)
 
+    def on_user_error(self, message: UserError) -> None:
+        self.show_error(message.error)
+
     # ------------------------------------------------------------------ following a run
     def follow(self, run_id: str) -> bool:
         """Follow a run in the Monitor (stops following the previous one, never the run)."""
@@ -102,21 +115,26 @@ class HomelabApp(App[None]):
         except HomelabError as exc:
             self.show_error(exc)
             return False
-        self.followed = run_dir.name
-        self.snapshot = None
+        self.following.run_id = run_dir.name
+        self.following.snapshot = None
         self._follow_worker(run_dir.name)
         if isinstance(self.screen, MonitorScreen):
             self.screen.show(None)
         return True
+
+    def on_follow_run(self, message: FollowRun) -> None:
+        """A screen chose a run: follow it and show the Monitor."""
+        if self.follow(message.run_id):
+            self.switch_mode("monitor")
 
     @work(thread=True, exclusive=True, group="follow", exit_on_error=False)
     def _follow_worker(self, run_id: str) -> None:
         """Poll the run's files and post a snapshot whenever something changed."""
         worker = get_current_worker()
         try:
-            follower = RunFollower(self.controller, run_id)
+            poller = RunPoller(self.controller, run_id)
             while not worker.is_cancelled:
-                snapshot = follower.poll()
+                snapshot = poller.poll()
                 if snapshot is not None:
                     self.post_message(RunUpdated(snapshot))
                 worker.cancelled_event.wait(self.follow_interval)
@@ -125,10 +143,10 @@ class HomelabApp(App[None]):
 
     def on_run_updated(self, message: RunUpdated) -> None:
         """Keep the newest snapshot; repaint the Monitor only while it is the screen shown."""
-        if message.snapshot.run_id != self.followed:
-            return  # from the previous run's follower, posted before it was cancelled
+        if message.snapshot.run_id != self.following.run_id:
+            return  # from the previous run's poller, posted before it was cancelled
         self.updates_handled += 1
-        self.snapshot = message.snapshot
+        self.following.snapshot = message.snapshot
         if isinstance(self.screen, MonitorScreen):
             self.screen.show(message.snapshot)
 

@@ -1,9 +1,13 @@
-"""Following a run from a background thread: tail its files, fold them, hand out snapshots.
+"""Following a run in the TUI: a background thread polls its files and hands out snapshots.
 
-No Textual here: `RunFollower.poll` is called from a worker thread and returns a `Snapshot` —
-a private copy of the run's state, so the UI thread can read it while the follower goes on.
-A snapshot is a whole state, never a delta: any number of them may be dropped in favour of
-the newest one (that is what makes the TUI's update messages safe to coalesce).
+To follow a run is to show it as it goes, never touching it (the CLI's `attach` does the same,
+`homelab_dp.cli.follow`); the TUI follows one run at a time, the one in `Following`. The app's
+worker thread calls `RunPoller.poll` in a loop: each poll reads what the run's files gained
+(tailing, `homelab_dp.rundir.tail`), folds it into a `RunView` and, when anything changed,
+returns a `Snapshot` — a private copy, so the UI thread can read it while polling goes on.
+
+No Textual here. A snapshot is a whole state, never a delta: any number of them may be dropped
+in favour of the newest one (that is what makes the TUI's update messages safe to coalesce).
 """
 
 from __future__ import annotations
@@ -95,7 +99,18 @@ class LogTail:
         return self.seq - before
 
 
-class RunFollower:
+@dataclass
+class Following:
+    """The run the TUI follows: its id once chosen, its newest snapshot once polled.
+
+    The app writes it; the Monitor, handed the same object, reads it.
+    """
+
+    run_id: str | None = None
+    snapshot: Snapshot | None = None
+
+
+class RunPoller:
     """Polls one run's events, device samples, state and logs (call `poll` from one thread)."""
 
     def __init__(self, controller: RunController, run_id: str) -> None:

@@ -19,7 +19,7 @@ DEFAULT_PRESET = "tiny-demo"
 
 
 @dataclass(frozen=True)
-class FieldSpec:
+class EditableField:
     """One editable preset field."""
 
     key: str
@@ -29,21 +29,23 @@ class FieldSpec:
     choices: tuple[str, ...] = ()
 
 
-FIELDS: tuple[FieldSpec, ...] = (
-    FieldSpec("model.path", "model folder", "text"),
-    FieldSpec("data.path", "data", "text"),
-    FieldSpec("data.seq_len", "seq_len", "int"),
-    FieldSpec("train.micro_batch", "micro-batch", "int"),
-    FieldSpec("train.grad_accum", "accumulation", "int"),
-    FieldSpec("train.method", "method", "choice", ("auto", "full", "lora", "qlora")),
-    FieldSpec(
+FIELDS: tuple[EditableField, ...] = (
+    EditableField("model.path", "model folder", "text"),
+    EditableField("data.path", "data", "text"),
+    EditableField("data.seq_len", "seq_len", "int"),
+    EditableField("train.micro_batch", "micro-batch", "int"),
+    EditableField("train.grad_accum", "accumulation", "int"),
+    EditableField("train.method", "method", "choice", ("auto", "full", "lora", "qlora")),
+    EditableField(
         "train.distribution",
         "distribution",
         "choice",
         ("auto", "ddp", "zero1", "fsdp-grad-op", "fsdp-full"),
     ),
-    FieldSpec("lora.r", "LoRA r", "int"),
-    FieldSpec("train.activation_checkpointing", "act. ckpt", "choice", ("auto", "true", "false")),
+    EditableField("lora.r", "LoRA r", "int"),
+    EditableField(
+        "train.activation_checkpointing", "act. ckpt", "choice", ("auto", "true", "false")
+    ),
 )
 FIELDS_BY_KEY = {f.key: f for f in FIELDS}
 
@@ -59,9 +61,9 @@ def field_value(preset: Preset, key: str) -> str:
 
 def override(key: str, text: str) -> str:
     """The ``--set`` override for a field's text: numbers and booleans bare, strings quoted."""
-    spec = FIELDS_BY_KEY[key]
+    kind = FIELDS_BY_KEY[key].kind
     text = text.strip()
-    if spec.kind == "int" or (spec.kind == "choice" and text in ("true", "false")):
+    if kind == "int" or (kind == "choice" and text in ("true", "false")):
         return f"{key}={text}"
     return f"{key}={json.dumps(text)}"  # a JSON string is a valid TOML basic string
 
@@ -82,7 +84,7 @@ class Session:
     extra: list[str] = field(default_factory=list)
     """Further ``--set KEY=VALUE`` overrides typed on the Launch screen."""
     gpus: str = ""
-    """A what-if ``--gpus`` spec; empty plans for the probed devices."""
+    """What-if hardware as ``--gpus`` takes it (2x24GiB, cpu:2); empty: the probed devices."""
     planned: Planned | None = None
     """The latest successful plan of these choices."""
 

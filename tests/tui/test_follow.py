@@ -17,7 +17,7 @@ from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import pid_alive, read_state
 from homelab_dp.rundir.tail import read_all
 from homelab_dp.tui.app import HomelabApp
-from homelab_dp.tui.follower import LogTail, RunFollower, Snapshot, copy_view
+from homelab_dp.tui.follower import LogTail, RunPoller, Snapshot, copy_view
 from homelab_dp.tui.messages import RunUpdated
 from tests.tui.conftest import RECORDED, RUN_ID, copy_run, wait_for
 
@@ -91,7 +91,7 @@ async def test_stays_responsive_while_1000_events_arrive(runs_root: Path) -> Non
 
 
 def test_the_follower_reads_every_event_once(runs_root: Path) -> None:
-    follower = RunFollower(RunController(runs_root), RUN_ID)
+    follower = RunPoller(RunController(runs_root), RUN_ID)
     snapshot = follower.poll()
     assert snapshot is not None
     assert follower.events_read == sum(

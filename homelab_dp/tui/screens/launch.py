@@ -17,6 +17,8 @@ from homelab_dp.core.plan_reasons import PLAIN
 from homelab_dp.core.preset_store import save_preset
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.errors import error_lines, error_text
+from homelab_dp.run.controller import RunController
+from homelab_dp.tui.messages import FollowRun, UserError
 from homelab_dp.tui.session import Session
 
 
@@ -30,15 +32,13 @@ class LaunchScreen(Screen[None]):
     ]
     AUTO_FOCUS = "#start"
 
-    def __init__(self) -> None:
+    def __init__(self, session: Session, controller: RunController) -> None:
         super().__init__()
+        self.session = session
+        self.controller = controller
         self.launching = False
         self.started: str | None = None
         """The id of the run this screen started last."""
-
-    @property
-    def session(self) -> Session:
-        return self.app.session  # type: ignore[attr-defined]
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -135,11 +135,10 @@ class LaunchScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="launch", exit_on_error=False)
     def _launch(self, preset: str, overrides: list[str], gpus: str | None, force: bool) -> str:
-        controller = self.app.controller  # type: ignore[attr-defined]
-        prepared = controller.prepare(preset, overrides=overrides, gpus=gpus, force=force)
+        prepared = self.controller.prepare(preset, overrides=overrides, gpus=gpus, force=force)
         if get_current_worker().is_cancelled:  # the TUI was closed while preparing
             raise RuntimeError("launch cancelled")
-        return controller.start(prepared)
+        return self.controller.start(prepared)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """The launch thread ended: follow the new run, or show why it did not start."""
@@ -154,13 +153,12 @@ class LaunchScreen(Screen[None]):
             self.started = run_id
             self._status(f"started {run_id}", "green")
             self.app.notify(f"started run {run_id}\nfollow it with: homelab-dp attach {run_id}")
-            if self.app.follow(run_id):  # type: ignore[attr-defined]
-                self.app.switch_mode("monitor")
+            self.post_message(FollowRun(run_id))
             return
         error = event.worker.error
         if isinstance(error, HomelabError):
             self._status("not started", "red")
-            self.app.show_error(error)  # type: ignore[attr-defined]
+            self.post_message(UserError(error))
         else:
             self._status(f"not started: {error}", "red")
             text = error_lines([f"could not start the run: {error}"])
@@ -175,7 +173,7 @@ class LaunchScreen(Screen[None]):
         try:
             path = save_preset(name, self.session.open(), force=force)
         except HomelabError as exc:
-            self.app.show_error(exc)  # type: ignore[attr-defined]
+            self.post_message(UserError(exc))
             return
         self._status(f"saved {path}", "green")
         self.app.notify(f"saved {path}\nrun it with: homelab-dp run {name}", markup=False)

@@ -18,8 +18,10 @@ from homelab_dp.render.run_view import (
     head_text,
     stragglers_text,
 )
+from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import ACTIVE
-from homelab_dp.tui.follower import Snapshot
+from homelab_dp.tui.follower import Following, Snapshot
+from homelab_dp.tui.messages import UserError
 from homelab_dp.tui.screens.confirm import ConfirmScreen
 from homelab_dp.tui.widgets.chart import Chart
 
@@ -30,12 +32,14 @@ NOTHING = (
 
 
 class MonitorScreen(Screen[None]):
-    """Shows the app's latest snapshot of the followed run; repaints only while visible."""
+    """Shows the latest snapshot of the followed run; repaints only while visible."""
 
     BINDINGS = [Binding("x", "stop", "Stop run")]
 
-    def __init__(self) -> None:
+    def __init__(self, controller: RunController, following: Following) -> None:
         super().__init__()
+        self.controller = controller
+        self.following = following
         self.shown: Snapshot | None = None
         self._log_seq = 0
         self._log_run: str | None = None
@@ -57,10 +61,10 @@ class MonitorScreen(Screen[None]):
         self.sub_title = "4 Monitor"
         self.query_one("#devices").border_title = "devices"
         self.query_one("#log").border_title = "log"
-        self.show(self.app.snapshot)  # type: ignore[attr-defined]
+        self.show(self.following.snapshot)
 
     def on_screen_resume(self) -> None:
-        snapshot = self.app.snapshot  # type: ignore[attr-defined]
+        snapshot = self.following.snapshot
         if self.is_mounted and snapshot is not self.shown:
             self.show(snapshot)
 
@@ -72,7 +76,7 @@ class MonitorScreen(Screen[None]):
             self.query_one(selector).display = snapshot is not None
         head = self.query_one("#mon-head", Static)
         if snapshot is None:
-            followed = self.app.followed  # type: ignore[attr-defined]
+            followed = self.following.run_id
             head.update(f"loading {followed}…" if followed else NOTHING)
             return
         view = snapshot.view
@@ -123,10 +127,9 @@ class MonitorScreen(Screen[None]):
 
     @work(thread=True, group="stop", exit_on_error=False)
     def _stop(self, run_id: str) -> None:
-        controller = self.app.controller  # type: ignore[attr-defined]
         try:
-            state = controller.stop(run_id)
+            state = self.controller.stop(run_id)
         except HomelabError as exc:
-            self.app.call_from_thread(self.app.show_error, exc)  # type: ignore[attr-defined]
+            self.post_message(UserError(exc))
             return
         self.app.call_from_thread(self.app.notify, f"run {run_id}: {state.get('status')}")

@@ -39,16 +39,13 @@ class PlanScreen(Screen[None]):
     BINDINGS = [Binding("escape", "blur", "Leave field", show=False)]
     AUTO_FOCUS = "#preset"
 
-    def __init__(self) -> None:
+    def __init__(self, session: Session) -> None:
         super().__init__()
+        self.session = session
         self._timer: Timer | None = None
         self._last_error = ""
         self._names: list[str] = []
         self.plans_made = 0
-
-    @property
-    def session(self) -> Session:
-        return self.app.session  # type: ignore[attr-defined]
 
     def compose(self) -> ComposeResult:
         yield Header()

@@ -13,6 +13,8 @@ from textual.widgets import DataTable, Footer, Header, Static
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.runs import row_cells
+from homelab_dp.run.controller import RunController
+from homelab_dp.tui.messages import FollowRun, UserError
 
 REFRESH_S = 3.0
 COLUMNS = ("status", "steps", "loss", "energy", "time", "run")
@@ -28,8 +30,9 @@ class RunsScreen(Screen[None]):
     ]
     AUTO_FOCUS = "#runs"
 
-    def __init__(self) -> None:
+    def __init__(self, controller: RunController) -> None:
         super().__init__()
+        self.controller = controller
         self.runs: list[dict[str, Any]] = []
 
     def compose(self) -> ComposeResult:
@@ -63,7 +66,7 @@ class RunsScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="runs", exit_on_error=False)
     def _load(self) -> None:
-        runs = self.app.controller.list_runs()  # type: ignore[attr-defined]
+        runs = self.controller.list_runs()
         self.app.call_from_thread(self.show, runs)
 
     def show(self, runs: list[dict[str, Any]]) -> None:
@@ -78,7 +81,7 @@ class RunsScreen(Screen[None]):
         if selected in ids:
             table.move_cursor(row=ids.index(selected))
         if not runs:
-            root = self.app.controller.root  # type: ignore[attr-defined]
+            root = self.controller.root
             self.query_one("#runs-help", Static).update(
                 Text(f"No runs under {root} yet: start one on 3 Launch or with `homelab-dp run`.")
             )
@@ -94,8 +97,8 @@ class RunsScreen(Screen[None]):
     def action_follow(self) -> None:
         """Follow the selected run on the Monitor screen."""
         run_id = self.selected()
-        if run_id and self.app.follow(run_id):  # type: ignore[attr-defined]
-            self.app.switch_mode("monitor")
+        if run_id:
+            self.post_message(FollowRun(run_id))
 
     def action_resume(self) -> None:
         """Resume the selected run from its newest complete checkpoint, then follow it."""
@@ -103,10 +106,9 @@ class RunsScreen(Screen[None]):
         if run_id is None:
             return
         try:
-            resumed = self.app.controller.resume(run_id)  # type: ignore[attr-defined]
+            resumed = self.controller.resume(run_id)
         except HomelabError as exc:
-            self.app.show_error(exc)  # type: ignore[attr-defined]
+            self.post_message(UserError(exc))
             return
         self.app.notify(f"resuming {resumed}")
-        if self.app.follow(resumed):  # type: ignore[attr-defined]
-            self.app.switch_mode("monitor")
+        self.post_message(FollowRun(resumed))
