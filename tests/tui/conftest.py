@@ -1,16 +1,18 @@
-"""TUI fixtures: recorded hardware, a runs folder holding the recorded run, helpers to wait."""
+"""TUI fixtures: recorded hardware, a runs folder holding the recorded run, the app under Pilot,
+helpers to wait."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import io
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from rich.console import Console
@@ -61,12 +63,17 @@ def controller(runs_root: Path) -> RunController:
     return make_controller(runs_root)
 
 
-def copy_run(root: Path, run_id: str, *, status: str, events: bool = True) -> Path:
-    """Another run folder from the recording, with its own id and status (no process)."""
+def copy_run(
+    root: Path, run_id: str, *, status: str, events: bool = True, pids: dict | None = None
+) -> Path:
+    """Another run folder from the recording, with its own id and status (no process unless
+    ``pids`` names one: ``{"keeper": os.getpid()}`` makes the run look alive)."""
     run_dir = root / run_id
     shutil.copytree(RECORDED, run_dir)
     state = json.loads((run_dir / "state.json").read_text())
     state.update(status=status, run_id=run_id, created=state["created"] - 3600)
+    if pids is not None:
+        state["pids"] = pids
     (run_dir / "state.json").write_text(json.dumps(state))
     spec = json.loads((run_dir / "spec.json").read_text())
     spec["run_id"] = run_id
@@ -76,6 +83,13 @@ def copy_run(root: Path, run_id: str, *, status: str, events: bool = True) -> Pa
         (run_dir / "devices.jsonl").write_text("")
         (run_dir / "logs" / "launcher.log").write_text("")
     return run_dir
+
+
+def set_state(run_dir: Path, **changes: Any) -> None:
+    """Change fields of a run folder's state.json (as the keeper would)."""
+    state = json.loads((run_dir / "state.json").read_text())
+    state.update(changes)
+    (run_dir / "state.json").write_text(json.dumps(state))
 
 
 def capture_notifications(app: HomelabApp) -> list[tuple[str, str]]:
@@ -110,3 +124,50 @@ def plain(app: HomelabApp, selector: str, width: int = 200) -> str:
     with console.capture() as captured:
         console.print(content)
     return captured.get()
+
+
+class Opened(NamedTuple):
+    """The app under Pilot, and every notification it showed since it started."""
+
+    app: HomelabApp
+    pilot: Pilot
+    notes: list[tuple[str, str]]
+
+
+def has_snapshot(app: HomelabApp) -> bool:
+    """the first snapshot"""
+    return app.snapshot is not None
+
+
+def shows_snapshot(app: HomelabApp) -> bool:
+    """the Monitor to show a snapshot"""
+    return app.screen.shown is not None
+
+
+@contextlib.asynccontextmanager
+async def open_app(
+    controller: RunController,
+    ready: Callable[[HomelabApp], object] | None = None,
+    **options: Any,
+) -> AsyncIterator[Opened]:
+    """``HomelabApp(controller, **options)`` under Pilot, its notifications recorded from the
+    start; entered once ``ready(app)`` holds (its docstring says what is awaited), or after one
+    pause without ``ready``."""
+    app = HomelabApp(controller, **options)
+    async with app.run_test() as pilot:
+        notes = capture_notifications(app)
+        if ready is None:
+            await pilot.pause()
+        else:
+            await wait_for(pilot, lambda: ready(app), what=ready.__doc__ or "")
+        yield Opened(app, pilot, notes)
+
+
+def open_monitor(
+    controller: RunController,
+    run_id: str,
+    ready: Callable[[HomelabApp], object] = has_snapshot,
+    **options: Any,
+) -> contextlib.AbstractAsyncContextManager[Opened]:
+    """The Monitor following ``run_id``, entered once the first snapshot has arrived."""
+    return open_app(controller, ready, mode="monitor", follow=run_id, **options)

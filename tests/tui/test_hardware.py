@@ -10,7 +10,7 @@ from textual.widgets import Static
 from homelab_dp.run.controller import RunController
 from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.hardware import HardwareScreen
-from tests.tui.conftest import plain, use_gpus, wait_for
+from tests.tui.conftest import open_app, plain, use_gpus, wait_for
 
 
 async def _probed(app: HomelabApp, pilot) -> HardwareScreen:
@@ -29,8 +29,7 @@ async def test_nvlink_pair_shows_two_cards_and_what_nvlink_means(
     monkeypatch: pytest.MonkeyPatch, controller: RunController
 ) -> None:
     use_gpus(monkeypatch, "2x3090-nvlink")
-    app = HomelabApp(controller)
-    async with app.run_test() as pilot:
+    async with open_app(controller) as (app, pilot, _):
         await _probed(app, pilot)
         cards = _cards(app)
         assert [c.border_title for c in cards] == ["GPU 0 · RTX 3090", "GPU 1 · RTX 3090"]
@@ -48,8 +47,7 @@ async def test_mixed_cards_over_host_memory_say_sync_is_slow(
     monkeypatch: pytest.MonkeyPatch, controller: RunController
 ) -> None:
     use_gpus(monkeypatch, "3090+3060")
-    app = HomelabApp(controller)
-    async with app.run_test() as pilot:
+    async with open_app(controller) as (app, pilot, _):
         await _probed(app, pilot)
         assert len(_cards(app)) == 2
         assert "(card max gen4 x16)" in plain(app, "#gpu-cards > .gpu-card:last-child")
@@ -63,8 +61,7 @@ async def test_no_driver_shows_the_notice_and_the_cpu_host(
     monkeypatch: pytest.MonkeyPatch, controller: RunController
 ) -> None:
     use_gpus(monkeypatch, "no-driver")
-    app = HomelabApp(controller)
-    async with app.run_test() as pilot:
+    async with open_app(controller) as (app, pilot, _):
         await _probed(app, pilot)
         notice = app.screen.query_one("#hw-notice", Static)
         assert notice.display
@@ -80,8 +77,7 @@ async def test_refresh_probes_again(
     monkeypatch: pytest.MonkeyPatch, controller: RunController, tmp_path: Path
 ) -> None:
     use_gpus(monkeypatch, "2x3090-nvlink")
-    app = HomelabApp(controller)
-    async with app.run_test() as pilot:
+    async with open_app(controller) as (app, pilot, _):
         screen = await _probed(app, pilot)
         first = screen.report
         use_gpus(monkeypatch, "1x4090")  # the machine changed under us

@@ -11,11 +11,10 @@ from textual.widgets import Input, Select
 
 from homelab_dp.core.preset_store import user_presets_dir
 from homelab_dp.run.controller import RunController
-from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.launch import LaunchScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.plan import field_id
-from tests.tui.conftest import RUN_ID, capture_notifications, plain, wait_for
+from tests.tui.conftest import RUN_ID, open_app, plain, wait_for
 
 SMOLLM = "smollm2-135m-lora-2x12gb"
 
@@ -40,9 +39,7 @@ class StubController(RunController):
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_edits_become_the_equivalent_cli_command(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, _):
         app.screen.query_one(f"#{field_id('train.micro_batch')}", Input).value = "2"
         await pilot.pause(0.4)  # the debounce
         await pilot.press("3")
@@ -60,10 +57,7 @@ async def test_edits_become_the_equivalent_cli_command(controller: RunController
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_start_prepares_off_the_ui_thread_then_follows_the_run(runs_root: Path) -> None:
     controller = StubController(runs_root)
-    app = HomelabApp(controller, mode="launch", preset="tiny-demo")
-    async with app.run_test() as pilot:
-        notes = capture_notifications(app)
-        await pilot.pause()
+    async with open_app(controller, mode="launch", preset="tiny-demo") as (app, pilot, notes):
         app.screen.query_one("#extra", Input).value = "train.max_steps=4"
         app.screen.set_focus(None)
         await pilot.press("s")
@@ -88,9 +82,7 @@ async def test_start_prepares_off_the_ui_thread_then_follows_the_run(runs_root: 
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_a_refused_launch_says_why_in_cli_words(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="launch", preset="tiny-demo")
-    async with app.run_test() as pilot:
-        notes = capture_notifications(app)
+    async with open_app(controller, mode="launch", preset="tiny-demo") as (app, pilot, notes):
         app.session.gpus = "2x24GiB"  # sizes are for what-if plans, not for runs
         app.screen.set_focus(None)
         await pilot.press("s")
@@ -107,10 +99,7 @@ async def test_a_refused_launch_says_why_in_cli_words(controller: RunController)
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_save_writes_a_preset_with_a_header_and_the_edits(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        notes = capture_notifications(app)
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, notes):
         app.session.edits["lora.r"] = "8"
         await pilot.press("3")
         name = app.screen.query_one("#save-name", Input)

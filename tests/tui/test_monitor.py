@@ -12,11 +12,20 @@ from textual.widgets import Log
 from homelab_dp.core.events import RunView
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.tail import read_all
-from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.confirm import ConfirmScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.widgets.chart import Chart
-from tests.tui.conftest import RECORDED, RUN_ID, capture_notifications, copy_run, plain, wait_for
+from tests.tui.conftest import (
+    RECORDED,
+    RUN_ID,
+    copy_run,
+    open_app,
+    open_monitor,
+    plain,
+    set_state,
+    shows_snapshot,
+    wait_for,
+)
 
 
 def _recorded_losses() -> list[float]:
@@ -24,17 +33,13 @@ def _recorded_losses() -> list[float]:
 
 
 async def test_nothing_followed_says_where_to_start(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="monitor")
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="monitor") as (app, _, _):
         assert "No run followed yet" in plain(app, "#mon-head")
         assert not app.screen.query_one("#charts").display
 
 
 async def test_a_finished_run_shows_every_panel(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="monitor", follow=RUN_ID)
-    async with app.run_test() as pilot:
-        await wait_for(pilot, lambda: app.screen.shown is not None, what="the first snapshot")
+    async with open_monitor(controller, RUN_ID, shows_snapshot) as (app, _, _):
         head = plain(app, "#mon-head")
         assert f"{RUN_ID}  completed  lora · ddp · world 2" in head
         assert "40/40  ETA done  elapsed 2m44s" in head
@@ -55,13 +60,12 @@ async def test_a_finished_run_shows_every_panel(controller: RunController) -> No
 
 async def test_follows_a_run_as_it_goes(runs_root: Path) -> None:
     """Events appended after the TUI opened appear, and the end is seen."""
-    run_dir = copy_run(runs_root, "20250301-121500-live-0001", status="running", events=False)
-    _set_state(run_dir, status="running", pids={"keeper": os.getpid()})  # "alive"
+    alive = {"keeper": os.getpid()}
+    run_dir = copy_run(runs_root, "20250301-121500-live-0001", status="running", events=False,
+                       pids=alive)  # fmt: skip
     recorded = list(read_all(RECORDED / "events.jsonl"))
-    app = HomelabApp(RunController(runs_root), mode="monitor", follow=run_dir.name)
-    app.follow_interval = 0.02
-    async with app.run_test() as pilot:
-        await wait_for(pilot, lambda: app.snapshot is not None, what="the first snapshot")
+    controller = RunController(runs_root)
+    async with open_monitor(controller, run_dir.name, follow_interval=0.02) as (app, pilot, _):
         assert "running" in plain(app, "#mon-head")
         half = [e for e in recorded if e.get("step", 0) <= 20 and e["type"] != "state"]
         _append(run_dir / "events.jsonl", half)
@@ -69,17 +73,14 @@ async def test_follows_a_run_as_it_goes(runs_root: Path) -> None:
         assert "20/40" in plain(app, "#mon-head")
         assert "accumulation" in plain(app, "#accum")
         _append(run_dir / "events.jsonl", [e for e in recorded if e not in half])
-        _set_state(run_dir, status="completed", pids={"keeper": None})
+        set_state(run_dir, status="completed", pids={"keeper": None})
         await wait_for(pilot, lambda: app.snapshot.view.status == "completed", what="the end")
         assert app.snapshot.view.step == 40
         assert app.screen.query_one("#chart-loss", Chart).values == _recorded_losses()
 
 
 async def test_stop_on_a_finished_run_stops_nothing(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="monitor", follow=RUN_ID)
-    async with app.run_test() as pilot:
-        notes = capture_notifications(app)
-        await wait_for(pilot, lambda: app.screen.shown is not None, what="the snapshot")
+    async with open_monitor(controller, RUN_ID, shows_snapshot) as (app, pilot, notes):
         await pilot.press("x")
         assert not isinstance(app.screen, ConfirmScreen)
         assert notes == [(f"run {RUN_ID} is completed: nothing to stop", "information")]
@@ -96,13 +97,10 @@ class StopRecorder(RunController):
 
 
 async def test_stop_asks_then_stops_a_running_run(runs_root: Path) -> None:
-    run_dir = copy_run(runs_root, "20250301-131500-busy-0002", status="running")
-    _set_state(run_dir, status="running", pids={"keeper": os.getpid()})
+    run_dir = copy_run(runs_root, "20250301-131500-busy-0002", status="running",
+                       pids={"keeper": os.getpid()})  # fmt: skip
     controller = StopRecorder(runs_root)
-    app = HomelabApp(controller, mode="monitor", follow=run_dir.name)
-    async with app.run_test() as pilot:
-        notes = capture_notifications(app)
-        await wait_for(pilot, lambda: app.screen.shown is not None, what="the snapshot")
+    async with open_monitor(controller, run_dir.name, shows_snapshot) as (app, pilot, notes):
         await pilot.press("x")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("n")  # changed our mind
@@ -124,9 +122,3 @@ def test_the_view_folds_the_recording_as_the_controller_does(controller: RunCont
 def _append(path: Path, events: list[dict[str, Any]]) -> None:
     with open(path, "a", encoding="utf-8") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in events)
-
-
-def _set_state(run_dir: Path, **changes: Any) -> None:
-    state = json.loads((run_dir / "state.json").read_text())
-    state.update(changes)
-    (run_dir / "state.json").write_text(json.dumps(state))

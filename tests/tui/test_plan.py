@@ -8,7 +8,7 @@ from textual.widgets import Input, Select
 from homelab_dp.run.controller import RunController
 from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.plan import PlanScreen, field_id
-from tests.tui.conftest import capture_notifications, plain, wait_for
+from tests.tui.conftest import open_app, plain, wait_for
 
 SMOLLM = "smollm2-135m-lora-2x12gb"
 
@@ -25,9 +25,7 @@ async def _type(pilot, app: HomelabApp, key: str, text: str) -> None:
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_shows_the_plan_of_the_chosen_preset(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, _):
         assert isinstance(app.screen, PlanScreen)
         text = plain(app, "#plan-view")
         assert "FITS" in text and "LoRA · ddp" in text
@@ -42,9 +40,7 @@ async def test_shows_the_plan_of_the_chosen_preset(controller: RunController) ->
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_editing_a_field_replans_with_the_new_value(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, _):
         before = app.screen.plans_made
         await _type(pilot, app, "train.micro_batch", "2")
         await _type(pilot, app, "train.grad_accum", "3")
@@ -57,9 +53,7 @@ async def test_editing_a_field_replans_with_the_new_value(controller: RunControl
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_what_if_hardware_plans_for_cards_we_do_not_have(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, _):
         await _type(pilot, app, "gpus", "4x80GiB")
         hardware = app.session.planned.hardware
         assert hardware.world_size == 4 and hardware.source == "--gpus 4x80GiB"
@@ -69,9 +63,7 @@ async def test_what_if_hardware_plans_for_cards_we_do_not_have(controller: RunCo
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_a_pinned_method_changes_the_decision(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, _):
         app.screen.query_one(f"#{field_id('train.method')}", Select).value = "full"
         await pilot.pause()
         assert app.session.planned.plan.chosen.method == "full"
@@ -82,9 +74,7 @@ async def test_a_pinned_method_changes_the_decision(controller: RunController) -
 async def test_choosing_a_preset_with_the_keyboard_loads_its_fields(
     controller: RunController,
 ) -> None:
-    app = HomelabApp(controller, mode="plan", preset="tiny-demo")
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset="tiny-demo") as (app, pilot, _):
         assert app.screen.focused.id == "preset"
         await pilot.press("enter")  # open the list
         await pilot.press("home", "enter")  # the first preset, alphabetically
@@ -97,10 +87,7 @@ async def test_choosing_a_preset_with_the_keyboard_loads_its_fields(
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_a_bad_value_is_reported_as_the_cli_reports_it(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        notes = capture_notifications(app)
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, notes):
         await _type(pilot, app, "train.micro_batch", "0")
         assert app.session.planned is None
         errors = [text for text, severity in notes if severity == "error"]
@@ -117,10 +104,7 @@ async def test_a_bad_value_is_reported_as_the_cli_reports_it(controller: RunCont
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_a_bad_gpus_spec_gives_the_cli_error(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        notes = capture_notifications(app)
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, notes):
         await _type(pilot, app, "gpus", "2xbanana")
         (error,) = [text for text, severity in notes if severity == "error"]
         assert error.startswith("error: --gpus: cannot read the memory size 'banana'")
@@ -129,9 +113,7 @@ async def test_a_bad_gpus_spec_gives_the_cli_error(controller: RunController) ->
 
 @pytest.mark.usefixtures("gpus_2x3090")
 async def test_focusing_a_field_explains_it(controller: RunController) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, _):
         app.screen.query_one(f"#{field_id('train.grad_accum')}").focus()
         await pilot.pause()
         assert "train.grad_accum: Micro-steps accumulated" in plain(app, "#field-help")
@@ -141,9 +123,7 @@ async def test_focusing_a_field_explains_it(controller: RunController) -> None:
 async def test_number_keys_type_into_fields_and_switch_screens_after_escape(
     controller: RunController,
 ) -> None:
-    app = HomelabApp(controller, mode="plan", preset=SMOLLM)
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, _):
         seq_len = app.screen.query_one(f"#{field_id('data.seq_len')}", Input)
         seq_len.focus()
         seq_len.value = ""

@@ -9,20 +9,19 @@ from textual.widgets import DataTable, Input
 
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import ACTIVE, current_state
-from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.runs import RunsScreen
-from tests.tui.conftest import wait_for
+from tests.tui.conftest import open_app, wait_for
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("in_repo")
 async def test_launch_tiny_demo_and_see_it_complete(tmp_path: Path) -> None:
     controller = RunController(tmp_path / "runs")
-    app = HomelabApp(controller, mode="launch", preset="tiny-demo", follow_interval=0.1)
+    options = {"mode": "launch", "preset": "tiny-demo", "follow_interval": 0.1}
     run_id = None
     try:
-        async with app.run_test() as pilot:
+        async with open_app(controller, **options) as (app, pilot, _):
             extra = app.screen.query_one("#extra", Input)
             extra.value = "train.max_steps=4 train.checkpoint_every=0"
             app.screen.set_focus(None)

@@ -10,7 +10,7 @@ from homelab_dp.run.controller import RunController
 from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.runs import RunsScreen
-from tests.tui.conftest import RUN_ID, capture_notifications, copy_run, wait_for
+from tests.tui.conftest import RUN_ID, copy_run, open_app, wait_for
 
 STOPPED = "20250301-091500-smollm2-135m-lora-0b1c"
 
@@ -24,8 +24,7 @@ async def _loaded(app: HomelabApp, pilot, count: int) -> RunsScreen:
 
 async def test_history_lists_status_steps_loss_energy_and_time(runs_root: Path) -> None:
     copy_run(runs_root, STOPPED, status="interrupted")
-    app = HomelabApp(RunController(runs_root), mode="runs")
-    async with app.run_test() as pilot:
+    async with open_app(RunController(runs_root), mode="runs") as (app, pilot, _):
         await _loaded(app, pilot, 2)
         table = app.screen.query_one(DataTable)
         rows = [[str(cell) for cell in table.get_row_at(i)] for i in range(table.row_count)]
@@ -35,8 +34,7 @@ async def test_history_lists_status_steps_loss_energy_and_time(runs_root: Path) 
 
 async def test_enter_follows_the_selected_run_in_the_monitor(runs_root: Path) -> None:
     copy_run(runs_root, STOPPED, status="interrupted")
-    app = HomelabApp(RunController(runs_root), mode="runs")
-    async with app.run_test() as pilot:
+    async with open_app(RunController(runs_root), mode="runs") as (app, pilot, _):
         await _loaded(app, pilot, 2)
         await pilot.press("down", "enter")
         assert isinstance(app.screen, MonitorScreen)
@@ -46,8 +44,7 @@ async def test_enter_follows_the_selected_run_in_the_monitor(runs_root: Path) ->
 
 
 async def test_a_run_started_elsewhere_appears_on_refresh(runs_root: Path) -> None:
-    app = HomelabApp(RunController(runs_root), mode="runs")
-    async with app.run_test() as pilot:
+    async with open_app(RunController(runs_root), mode="runs") as (app, pilot, _):
         await _loaded(app, pilot, 1)
         copy_run(runs_root, STOPPED, status="interrupted")  # e.g. `homelab-dp run` over SSH
         await pilot.press("r")
@@ -57,9 +54,7 @@ async def test_a_run_started_elsewhere_appears_on_refresh(runs_root: Path) -> No
 async def test_resuming_a_completed_run_is_refused_in_cli_words(
     controller: RunController,
 ) -> None:
-    app = HomelabApp(controller, mode="runs")
-    async with app.run_test() as pilot:
-        notes = capture_notifications(app)
+    async with open_app(controller, mode="runs") as (app, pilot, notes):
         await _loaded(app, pilot, 1)
         await pilot.press("R")
         assert notes == [
@@ -84,8 +79,7 @@ class ResumeRecorder(RunController):
 async def test_resume_a_stopped_run_and_follow_it(runs_root: Path) -> None:
     copy_run(runs_root, STOPPED, status="interrupted")
     controller = ResumeRecorder(runs_root)
-    app = HomelabApp(controller, mode="runs")
-    async with app.run_test() as pilot:
+    async with open_app(controller, mode="runs") as (app, pilot, _):
         await _loaded(app, pilot, 2)
         await pilot.press("down", "R")
         assert controller.resumed == [STOPPED]
