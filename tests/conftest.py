@@ -1,10 +1,12 @@
-"""Shared test fixtures: the repository root and recorded hardware."""
+"""Shared test fixtures and helpers: the repository root, recorded hardware, small presets."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import tomli_w
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -24,3 +26,38 @@ def _private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
     monkeypatch.setenv("HOMELAB_DP_RUNS", str(tmp_path_factory.mktemp("runs")))
     monkeypatch.delenv("HOMELAB_DP_PRESETS", raising=False)
+
+
+def write_preset(
+    folder: Path,
+    name: str,
+    model: Path,
+    data: Path,
+    *,
+    seq_len: int = 32,
+    pack: bool = False,
+    nproc: int = 2,
+    **train: Any,
+) -> Path:
+    """``folder/name.toml``: a small preset for ``nproc`` CPU processes on a local model and data.
+
+    [train] is a full DDP fine-tune, micro-batch 2 × accumulation 2, lr 1e-3, with any other
+    [train] key given as a keyword (``max_steps=8``, ``watchdog_s=4``, ...). The first line is the
+    command that runs it, as in every shipped preset.
+    """
+    doc = {
+        "model": {"path": str(model)},
+        "data": {"path": str(data), "seq_len": seq_len, "pack": pack},
+        "train": {
+            "method": "full",
+            "distribution": "ddp",
+            "micro_batch": 2,
+            "grad_accum": 2,
+            "lr": 1e-3,
+            **train,
+        },
+        "hardware": {"devices": "cpu", "nproc": nproc},
+    }
+    path = folder / f"{name}.toml"
+    path.write_text(f"# homelab-dp run {path}\n" + tomli_w.dumps(doc), encoding="utf-8")
+    return path

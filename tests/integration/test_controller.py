@@ -18,26 +18,10 @@ import pytest
 from safetensors.torch import load_file
 
 from homelab_dp.rundir.state import alive_pids, read_state
+from tests.conftest import write_preset
 
 EXE = Path(sys.executable).with_name("homelab-dp")
 pytestmark = pytest.mark.slow
-
-
-def write_preset(
-    tmp: Path, model: Path, data: Path, *, steps: int, seq_len: int = 64, **train
-) -> Path:
-    """A small CPU preset for the integration model."""
-    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
-    path = tmp / f"p-{steps}-{seq_len}.toml"
-    path.write_text(
-        f"# homelab-dp run {path}\n"
-        f'[model]\npath = "{model}"\n'
-        f'[data]\npath = "{data}"\nseq_len = {seq_len}\n'
-        f'[train]\nmethod = "full"\ndistribution = "ddp"\nmicro_batch = 2\ngrad_accum = 2\n'
-        f"max_steps = {steps}\nlr = 1e-3\n{extra}"
-        f'[hardware]\ndevices = "cpu"\nnproc = 2\n'
-    )
-    return path
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -71,7 +55,8 @@ def env(tmp_path: Path) -> dict[str, str]:
 def test_two_detached_runs_at_once_complete_with_their_figures(
     env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
-    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=6)
+    data = data_dir / "ragged-64.jsonl"
+    preset = write_preset(tmp_path, "p-6-64", tiny_model, data, seq_len=64, pack=True, max_steps=6)
     first = start_detached(env, preset)
     second = start_detached(env, preset)
     assert first != second
@@ -91,7 +76,10 @@ def test_two_detached_runs_at_once_complete_with_their_figures(
 def test_attach_kill_follower_stop_and_resume(
     env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
-    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=250, seq_len=64)
+    data = data_dir / "ragged-64.jsonl"
+    preset = write_preset(
+        tmp_path, "p-250-64", tiny_model, data, seq_len=64, pack=True, max_steps=250
+    )
     run_id = start_detached(env, preset)
     follower = subprocess.Popen(
         [str(EXE), "attach", run_id, "--json"], env=env, stdout=subprocess.PIPE, text=True
@@ -132,7 +120,8 @@ def test_attach_kill_follower_stop_and_resume(
 def test_two_nodes_over_loopback_match_one_node(
     env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
-    preset = write_preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", steps=5)
+    data = data_dir / "ragged-64.jsonl"
+    preset = write_preset(tmp_path, "p-5-64", tiny_model, data, seq_len=64, pack=True, max_steps=5)
     one = start_detached(env, preset)
     port = _free_port()
     nodes = [

@@ -35,6 +35,7 @@ from homelab_dp.rundir.state import ACTIVE, alive_pids, current_state, read_stat
 from homelab_dp.rundir.tail import JsonlTail
 from homelab_dp.train.checkpoint_check import check_checkpoint, find_usable
 from homelab_dp.train.guard import FAULT_ENV
+from tests.conftest import write_preset
 from tests.integration.conftest import bitwise_equal, copy_run, events, final_weights
 from tests.integration.test_controller import EXE, cli
 
@@ -53,19 +54,12 @@ def record(fault: str, outcome: str, seconds: float, **extra: Any) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
-def write_preset(folder: Path, name: str, model: Path, data: Path, **train: Any) -> Path:
-    """A 2-process CPU preset: micro 2 × world 2 × accumulation 2, short watchdog and timeouts."""
-    values = {"method": "full", "distribution": "ddp", "micro_batch": 2, "grad_accum": 2,
-              "max_steps": STEPS, "lr": 1e-3, "checkpoint_every": 2, "watchdog_s": 60,
-              "collective_timeout_s": 30, **train}  # fmt: skip
-    body = "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
-    path = folder / f"{name}.toml"
-    path.write_text(
-        f'[model]\npath = "{model}"\n[data]\npath = "{data}"\nseq_len = 32\npack = false\n'
-        f'[train]\n{body}[hardware]\ndevices = "cpu"\nnproc = 2\n',
-        encoding="utf-8",
-    )
-    return path
+def fault_preset(folder: Path, name: str, model: Path, data: Path, **train: Any) -> Path:
+    """The shared small preset (2 CPU processes: micro 2 × world 2 × accumulation 2), a
+    checkpoint every 2 steps, short watchdog and timeouts."""
+    train = {"max_steps": STEPS, "checkpoint_every": 2, "watchdog_s": 60,
+             "collective_timeout_s": 30, **train}  # fmt: skip
+    return write_preset(folder, name, model, data, **train)
 
 
 @contextlib.contextmanager
@@ -157,7 +151,7 @@ def twins(controller: RunController, folder: Path, tiny_model: Path, data: Path)
     They are the reference every resumed run must match bit for bit (test 8 checks that the
     two did not collide).
     """
-    preset = write_preset(folder, "reference", tiny_model, data)
+    preset = fault_preset(folder, "reference", tiny_model, data)
     t = time.time()
     runs = [start(controller, preset), start(controller, preset)]
     dirs = [controller.run_dir(r) for r in runs]
@@ -181,7 +175,7 @@ def reference(twins: dict) -> dict:
 @pytest.fixture(scope="module")
 def killed(controller: RunController, folder: Path, tiny_model: Path, data: Path) -> dict:
     """A run whose rank 1 was SIGKILLed mid-step 5, and an untouched copy of its folder."""
-    preset = write_preset(folder, "killed", tiny_model, data)
+    preset = fault_preset(folder, "killed", tiny_model, data)
     run_id = start(controller, preset, "sigkill:rank=1:step=5")
     doc = wait_done(controller, run_id)
     run_dir = Path(doc["path"])
@@ -220,7 +214,7 @@ def test_1_sigkill_one_rank_mid_step(controller, killed, reference) -> None:
 
 
 def test_2_sigstop_one_rank_the_watchdog_ends_the_run(controller, folder, tiny_model, data) -> None:
-    preset = write_preset(folder, "stall", tiny_model, data, watchdog_s=WATCHDOG_S)
+    preset = fault_preset(folder, "stall", tiny_model, data, watchdog_s=WATCHDOG_S)
     run_id = start(controller, preset, "sigstop:rank=1:step=3")
     doc = wait_done(controller, run_id)
     run_dir = Path(doc["path"])
@@ -236,7 +230,7 @@ def test_2_sigstop_one_rank_the_watchdog_ends_the_run(controller, folder, tiny_m
 
 
 def test_3_signals_to_the_follower_and_to_the_agent(controller, folder, tiny_model, data) -> None:
-    preset = write_preset(
+    preset = fault_preset(
         folder, "signals", tiny_model, data, max_steps=100_000, log_every=5, grad_accum=1
     )
     env = {**os.environ, "HOMELAB_DP_RUNS": str(controller.root)}
@@ -301,7 +295,7 @@ def test_3_signals_to_the_follower_and_to_the_agent(controller, folder, tiny_mod
 
 
 def test_4_sigkill_the_agent_leaves_no_orphans(controller, folder, tiny_model, data) -> None:
-    preset = write_preset(
+    preset = fault_preset(
         folder, "agent", tiny_model, data, max_steps=100_000, log_every=5, grad_accum=1
     )
     run_id = start(controller, preset)
@@ -327,7 +321,7 @@ def test_4_sigkill_the_agent_leaves_no_orphans(controller, folder, tiny_model, d
 
 
 def test_5_killed_during_a_checkpoint_write(controller, folder, tiny_model, data, reference):
-    preset = write_preset(folder, "torn", tiny_model, data)
+    preset = fault_preset(folder, "torn", tiny_model, data)
     run_id = start(controller, preset, "kill-after-shard:rank=1:step=4")
     doc = wait_done(controller, run_id)
     run_dir = Path(doc["path"])
@@ -411,7 +405,7 @@ def test_6_corrupted_checkpoints_fall_back(controller, folder, killed, reference
 
 
 def test_7_disk_full_while_writing_a_checkpoint(controller, folder, tiny_model, data) -> None:
-    preset = write_preset(folder, "full", tiny_model, data)
+    preset = fault_preset(folder, "full", tiny_model, data)
     run_id = start(controller, preset, "enospc:rank=1:step=4")
     doc = wait_done(controller, run_id)
     run_dir = Path(doc["path"])
@@ -440,7 +434,7 @@ def _listening(pids: list[int]) -> list[tuple[str, int]]:
 def test_8_rendezvous_port_taken_and_two_runs_at_once(
     controller, folder, tiny_model, data, twins
 ) -> None:
-    preset = write_preset(folder, "ports", tiny_model, data, max_steps=4)
+    preset = fault_preset(folder, "ports", tiny_model, data, max_steps=4)
     env = {**os.environ, "HOMELAB_DP_RUNS": str(controller.root)}
     before = set(controller.root.iterdir())
     with socket.socket() as taken:
@@ -492,7 +486,7 @@ def _free_port() -> int:
 
 
 def test_9_out_of_memory_on_one_rank_and_auto_fit(controller, folder, tiny_model, data) -> None:
-    preset = write_preset(folder, "oom", tiny_model, data, max_steps=6)
+    preset = fault_preset(folder, "oom", tiny_model, data, max_steps=6)
     env = {**os.environ, "HOMELAB_DP_RUNS": str(controller.root),
            FAULT_ENV: "oom:rank=1:step=3"}  # fmt: skip
     t = time.time()

@@ -11,6 +11,7 @@ from homelab_dp.cli import main
 from homelab_dp.core.calibration import calibration_path
 from homelab_dp.core.memory import TrainShape, budget
 from homelab_dp.core.model_spec import load_model_spec
+from tests.conftest import write_preset
 from tests.integration.conftest import events, make_run, run
 
 pytestmark = pytest.mark.slow
@@ -18,23 +19,13 @@ BOUND = 0.10
 PHASES = {"load", "forward", "backward", "optimizer"}
 
 
-def _preset(folder: Path, model: Path, data: Path) -> Path:
-    path = folder / "measure-me.toml"
-    path.write_text(
-        f'[model]\npath = "{model}"\n\n'
-        f'[data]\npath = "{data}"\nseq_len = 32\npack = false\n\n'
-        '[train]\nmethod = "full"\ndistribution = "ddp"\nmicro_batch = 2\ngrad_accum = 2\n'
-        "max_steps = 50\nlr = 1e-3\ncheckpoint_every = 10\n\n"
-        '[hardware]\ndevices = "cpu"\nnproc = 2\n',
-        encoding="utf-8",
-    )
-    return path
-
-
 def test_measure_compares_every_rank_stores_it_and_plan_shows_it(
     tiny_model: Path, data_dir: Path, tmp_path: Path, capsys
 ) -> None:
-    preset = _preset(tmp_path, tiny_model, data_dir / "ragged-64.jsonl")
+    data = data_dir / "ragged-64.jsonl"
+    preset = write_preset(
+        tmp_path, "measure-me", tiny_model, data, max_steps=50, checkpoint_every=10
+    )
     assert main(["measure", str(preset), "--steps", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kind"] == "live_tensor_bytes" and out["steps"] == [1, 2]
