@@ -6,18 +6,22 @@ two-"node" run over loopback that must match a one-node run of the same world si
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from safetensors.torch import load_file
 
 from homelab_dp.rundir.state import alive_pids, read_state
+from homelab_dp.train.guard import FAULT_ENV
 from tests.conftest import write_preset
 
 EXE = Path(sys.executable).with_name("homelab-dp")
@@ -76,11 +80,15 @@ def test_two_detached_runs_at_once_complete_with_their_figures(
 def test_attach_kill_follower_stop_and_resume(
     env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
+    """`stop` must find the run still going (before step 250). Rather than racing the run, both
+    ranks hold still at the start of step 2 (an injected SIGSTOP, `homelab_dp.train.guard`) until
+    the stop request is pending on them; then they go on and take it at that step's end."""
     data = data_dir / "ragged-64.jsonl"
     preset = write_preset(
         tmp_path, "p-250-64", tiny_model, data, seq_len=64, pack=True, max_steps=250
     )
-    run_id = start_detached(env, preset)
+    hold = "sigstop:rank=0:step=2;sigstop:rank=1:step=2"  # fires once per run folder
+    run_id = start_detached({**env, FAULT_ENV: hold}, preset)
     follower = subprocess.Popen(
         [str(EXE), "attach", run_id, "--json"], env=env, stdout=subprocess.PIPE, text=True
     )
@@ -91,13 +99,22 @@ def test_attach_kill_follower_stop_and_resume(
         if kinds[-1] == "step":
             break
     assert "step" in kinds
-    follower.kill()  # the follower dies; the run does not
-    follower.wait()
-    time.sleep(1.0)
-    assert json.loads(cli(env, "status", run_id, "--json").stdout)["status"] == "running"
+    workers = _held_workers(Path(env["HOMELAB_DP_RUNS"]) / run_id)
+    try:
+        follower.kill()  # the follower dies; the run does not
+        follower.wait()
+        time.sleep(1.0)
+        assert json.loads(cli(env, "status", run_id, "--json").stdout)["status"] == "running"
 
-    stopped = cli(env, "stop", run_id)
-    assert stopped.returncode == 0, stopped.stderr
+        stopping = subprocess.Popen([str(EXE), "stop", run_id], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)  # fmt: skip
+        _wait_until_pending(workers, signal.SIGTERM, stopping)
+    finally:
+        for pid in workers:  # let them go (also when the test failed: the run then ends itself)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    _, err = stopping.communicate(timeout=240)
+    assert stopping.returncode == 0, err
     doc = json.loads(cli(env, "status", run_id, "--json").stdout)
     assert doc["status"] == "interrupted" and doc["step"] < 250
     run_dir = Path(doc["path"])
@@ -115,6 +132,47 @@ def test_attach_kill_follower_stop_and_resume(
 
     again = cli(env, "resume", run_id)
     assert again.returncode == 2 and "already completed" in again.stderr
+
+
+def _held_workers(run_dir: Path, timeout: float = 60) -> list[int]:
+    """The run's two workers, once both have stopped themselves (SIGSTOP) where told to.
+
+    ``timeout`` is a liveness guard: they stop within a step of the first step event."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        workers = read_state(run_dir).get("pids", {}).get("workers") or []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            stopped = [psutil.Process(p).status() == psutil.STATUS_STOPPED for p in workers]
+            if len(workers) == 2 and all(stopped):
+                return workers
+        time.sleep(0.05)
+    raise AssertionError(
+        f"the workers did not hold still within {timeout} s: {read_state(run_dir)}"
+    )
+
+
+def _wait_until_pending(
+    pids: list[int], sig: signal.Signals, sender: subprocess.Popen, timeout: float = 60
+) -> None:
+    """Until ``sig`` is pending on every (stopped) process: sent, to be taken once continued.
+
+    ``timeout`` is a liveness guard: `stop` sends it within a few seconds of starting."""
+    bit = 1 << (sig - 1)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert sender.poll() is None, sender.communicate()
+        if all(_pending(pid) & bit for pid in pids):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{sig.name} not pending on {pids} within {timeout} s")
+
+
+def _pending(pid: int) -> int:
+    """The signals pending on a process (Linux: /proc/PID/status, thread and shared sets)."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
 
 
 def test_two_nodes_over_loopback_match_one_node(
