@@ -43,6 +43,12 @@ pytestmark = pytest.mark.slow
 STEPS = 8  # checkpoints at 2, 4, 6 (and the end); the reference run is uninterrupted
 WATCHDOG_S = 4
 RESULTS = os.environ.get("HOMELAB_DP_RELIABILITY_LOG")
+END_LIVENESS_S = 90
+"""Liveness guard on how soon a run ends after a fault (for a hang: beyond the watchdog's limit).
+It must end, not hang; how soon is a figure, not a pass mark: typically 1-7 s (this file's
+RELIABILITY lines, README's fault table; `python benchmarks/run_e2e.py`, its fault rows), 3.1 s
+for a killed rank and 5.2 s for out of memory on a 2-core machine at a load average of 3-5.
+(30 s bounds used to stand here.)"""
 
 
 def record(fault: str, outcome: str, seconds: float, **extra: Any) -> None:
@@ -81,8 +87,11 @@ def start(c: RunController, preset: Path, spec: str | None = None, **kw: Any) ->
         return c.start(c.prepare(str(preset)), **kw)
 
 
-def wait_done(c: RunController, run_id: str, timeout: float = 150) -> dict[str, Any]:
-    """Poll the state (cheap: the test shares 2 cores with the run) until the run has ended."""
+def wait_done(c: RunController, run_id: str, timeout: float = 240) -> dict[str, Any]:
+    """Poll the state (cheap: the test shares 2 cores with the run) until the run has ended.
+
+    ``timeout`` is a liveness guard: a run or resume of this preset takes 15-25 s on 2 loaded
+    cores (`python benchmarks/run_e2e.py`, its whole-run row; README's fault table)."""
     run_dir = c.run_dir(run_id)
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -92,7 +101,9 @@ def wait_done(c: RunController, run_id: str, timeout: float = 150) -> dict[str, 
     raise AssertionError(f"{run_id} still {read_state(run_dir)['status']} after {timeout} s")
 
 
-def wait_step(run_dir: Path, step: int, timeout: float = 90) -> None:
+def wait_step(run_dir: Path, step: int, timeout: float = 180) -> None:
+    """Until step ``step`` has an event. ``timeout`` is a liveness guard: a run's first step comes
+    8-18 s after its start on 2 cores (`python benchmarks/run_e2e.py`, its first-step row)."""
     tail = JsonlTail(run_dir / "events.jsonl")  # reads only what is new
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -111,8 +122,8 @@ def nothing_alive(run_dir: Path, workers: bool = True) -> None:
     """No recorded process is alive (the keeper gets a moment to exit after its verdict)."""
     state = read_state(run_dir)
     assert not workers or state["pids"].get("workers"), "the workers were recorded"
-    deadline = time.time() + 5
-    while alive_pids(state) and time.time() < deadline:
+    deadline = time.time() + 5  # liveness guard: all gone 0.02-0.14 s after the final state
+    while alive_pids(state) and time.time() < deadline:  # (`benchmarks/run_e2e.py`, last column)
         time.sleep(0.1)
     roles = {pid: role for role, pid in state["pids"].items() if isinstance(pid, int)}
     left = {pid: roles.get(pid, "worker") for pid in alive_pids(state)}
@@ -191,7 +202,7 @@ def test_1_sigkill_one_rank_mid_step(controller, killed, reference) -> None:
     took = read_state(run_dir)["ended"] - fired_at(run_dir, "sigkill", 1, 5)
     assert doc["status"] == "failed"
     assert "rank 1" in doc["reason"] and "SIGKILL" in doc["reason"], doc["reason"]
-    assert took < 30, f"the run took {took:.1f} s to end"
+    assert took < END_LIVENESS_S, f"the run took {took:.1f} s to end"  # liveness guard
     shown = cli({**os.environ, "HOMELAB_DP_RUNS": str(controller.root)}, "status", doc["run_id"])
     assert "failed — rank 1" in shown.stdout and "SIGKILL" in shown.stdout, shown.stdout
     assert [p.name for p in sorted((run_dir / "checkpoints").glob("step-*"))] == [
@@ -223,7 +234,8 @@ def test_2_sigstop_one_rank_the_watchdog_ends_the_run(controller, folder, tiny_m
     assert doc["reason"].startswith("stalled: rank 1 ") and "state T" in doc["reason"]
     failure = read_state(run_dir)["failure"]
     assert failure["kind"] == "stall" and failure["rank"] == 1 and failure["step"] == 3
-    assert WATCHDOG_S <= took < WATCHDOG_S + 15, f"{took:.1f} s"
+    # below: the watchdog waits its limit (a real bound); above: a liveness guard
+    assert WATCHDOG_S <= took < WATCHDOG_S + END_LIVENESS_S, f"{took:.1f} s"
     nothing_alive(run_dir)  # the stopped rank was killed too (SIGTERM cannot reach it)
     record("SIGSTOP one rank (hang)", f"failed: {doc['reason'].split(';')[0]}", took,
            watchdog_s=WATCHDOG_S)  # fmt: skip
@@ -510,7 +522,7 @@ def test_9_out_of_memory_on_one_rank_and_auto_fit(controller, folder, tiny_model
         "status"] == "completed"  # fmt: skip
     run_dir = controller.run_dir(first["run_id"])
     stopped = retry["time"] - fired_at(run_dir, "oom", 1, 3)  # both ranks down, verdict made
-    assert stopped < 30
+    assert stopped < END_LIVENESS_S, f"{stopped:.1f} s"  # liveness guard
     nothing_alive(run_dir)
     record("out of memory on one rank", f"every rank stopped; proposal: micro-batch "
            f"{proposal['micro_batch']} × accumulation {proposal['grad_accum']} (same effective "
