@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.events import RunView
+from homelab_dp.core.run_view import RunView
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import pid_alive, read_state
 from homelab_dp.rundir.tail import read_all

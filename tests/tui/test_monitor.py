@@ -9,7 +9,7 @@ from typing import Any
 
 from textual.widgets import Log
 
-from homelab_dp.core.events import RunView
+from homelab_dp.core.run_view import RunView
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.tail import read_all
 from homelab_dp.tui.screens.confirm import ConfirmScreen
