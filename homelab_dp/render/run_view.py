@@ -36,9 +36,8 @@ def step_line(v: RunView) -> str:
     """One line for a logged step."""
     trend = v.loss_trend
     arrow = "" if trend is None else (f" (↓{-trend:.3f})" if trend < 0 else f" (↑{trend:.3f})")
-    loss = f"{v.loss:.4f}" if v.loss is not None else "–"
     return (
-        f"step {v.step}/{v.total_steps} loss {loss}{arrow} lr {num(v.lr, '.2e')} "
+        f"step {v.step}/{v.total_steps} loss {num(v.loss, '.4f')}{arrow} lr {num(v.lr, '.2e')} "
         f"tok/s {num(v.tokens_per_s)} samples/s {num(v.samples_per_s, ',.1f')} "
         f"eta {duration(v.eta_s, clock=True)} | batch {v.micro_batch}×{v.world_size}×"
         f"{v.grad_accum}={v.effective_batch}"
@@ -102,10 +101,9 @@ def live_panel(v: RunView) -> Panel:
     stats = Table.grid(padding=(0, 2))
     trend = v.loss_trend
     arrow = "" if trend is None else ("[green]↓[/]" if trend < 0 else "[red]↑[/]")
-    loss = f"{v.loss:.4f}" if v.loss is not None else "–"
     stats.add_row(
         f"step {v.step}/{v.total_steps}",
-        f"loss {loss} {arrow}",
+        f"loss {num(v.loss, '.4f')} {arrow}",
         f"lr {num(v.lr, '.2e')}",
         f"ETA {duration(v.eta_s, clock=True)}",
     )
