@@ -14,6 +14,7 @@ plan's keeps the planned effective batch by changing the accumulation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -172,7 +173,7 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int) -> Model:
                 raise HomelabError("fp16 with FSDP2 is not supported", hint="use bf16")
             scaler = torch.amp.GradScaler("cuda")
         if not strategy.is_fsdp:  # FSDP2 casts through its MixedPrecisionPolicy
-            autocast = lambda: torch.autocast("cuda", dtype=dtype)  # noqa: E731
+            autocast = functools.partial(torch.autocast, "cuda", dtype=dtype)
     return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast)
 
 
