@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from homelab_dp.core.preset import preset_from_dict
 from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.run.launcher import run_foreground
-from homelab_dp.rundir.files import create_run_dir, read_run_spec
+from homelab_dp.rundir.files import create_run_dir, read_run_spec, write_run_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -116,10 +117,11 @@ def make_run(
 
 
 def run(run_dir: Path, nproc: int, *, stop_at: int | None = None, resume: bool = False) -> int:
-    """Run to the end (or to a test stop after ``stop_at`` steps) under the real launcher.
-
-    ``nproc`` must be what the run folder's spec says (it is what torchrun starts)."""
-    assert read_run_spec(run_dir).launch.nproc_per_node == nproc
+    """Run to the end (or to a test stop after ``stop_at`` steps) under the real launcher, on
+    ``nproc`` processes (another count than the spec's: resuming on fewer or more processes)."""
+    spec = read_run_spec(run_dir)
+    if spec.launch.nproc_per_node != nproc:
+        write_run_spec(run_dir, replace(spec, launch=replace(spec.launch, nproc_per_node=nproc)))
     env = {} if stop_at is None else {"HOMELAB_DP_STOP_AT_STEP": str(stop_at)}
     rc = run_foreground(run_dir, resume=resume, extra_env=env)
     if rc != 0:
