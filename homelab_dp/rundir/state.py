@@ -120,12 +120,8 @@ class RankFailure:
         return f"{who}{pid} exited with code {self.exitcode}"
 
 
-def torchrun_root_cause(text: str) -> RankFailure | None:
-    """Parse the last "Root Cause (first observed failure)" block of torchrun's summary."""
-    blocks = _ROOT_CAUSE.findall(text)
-    if not blocks:
-        return None
-    block = blocks[-1]
+def _parse_failure(block: str) -> RankFailure:
+    """One entry of torchrun's summary ("rank : 1 (local_rank: 1)", "exitcode : -9 (pid: …)")."""
     rank = re.search(r"rank\s*:\s*(\d+)", block)
     code = re.search(r"exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?", block)
     exitcode = int(code.group(1)) if code else None
@@ -141,6 +137,29 @@ def torchrun_root_cause(text: str) -> RankFailure | None:
         pid=int(code.group(2)) if code and code.group(2) else None,
         signal=sig,
     )
+
+
+def torchrun_root_cause(text: str) -> RankFailure | None:
+    """The rank that brought the run down, from the last summary torchrun printed.
+
+    torchrun's "Root Cause" is its *first observed* failure, and observation order is not cause
+    order: when one rank is SIGKILLed, a peer may abort (SIGABRT from gloo, or exit 1) and be
+    observed first. A rank killed by SIGKILL is killed from outside (a user, the OOM killer,
+    the watchdog) and never as an echo of a peer, so among the summary's failures it is the
+    cause; otherwise torchrun's root cause stands.
+    """
+    blocks = _ROOT_CAUSE.findall(text)
+    if not blocks:
+        return None
+    root = _parse_failure(blocks[-1])
+    summary = text[: text.rindex("Root Cause (first observed failure):")]
+    listed = summary[summary.rfind("Failures:") :] if "Failures:" in summary else ""
+    others = [_parse_failure(b) for b in re.split(r"\n\s*\[\d+\]:", listed)[1:]]
+    if root.signal != "SIGKILL":
+        killed = [f for f in others if f.signal == "SIGKILL"]
+        if killed:
+            return killed[0]
+    return root
 
 
 def read_log_since(path: Path, offset: int = 0) -> str:

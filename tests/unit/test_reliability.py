@@ -119,6 +119,40 @@ def test_root_cause_is_the_first_failure_not_its_echo() -> None:
     assert torchrun_root_cause("no summary") is None
 
 
+ABORT_OBSERVED_FIRST = """homelab_dp.train.worker FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-30_10:02:07
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 5448)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 5448
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_10:02:07
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 5447)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 5447
+=======================================================
+"""
+
+
+def test_a_sigkilled_rank_is_the_cause_even_when_a_peers_abort_was_observed_first() -> None:
+    """Seen in CI: rank 1 SIGKILLed mid-checkpoint, rank 0 aborted by gloo (SIGABRT) and torchrun
+    observed the abort first. The kill is the cause; the abort is its echo."""
+    root = torchrun_root_cause(ABORT_OBSERVED_FIRST)
+    assert root.describe() == "rank 1 (pid 5448) was killed by signal SIGKILL (9)"
+    # Without a SIGKILL among the failures, torchrun's root cause stands.
+    plain = ABORT_OBSERVED_FIRST.replace("exitcode  : -9", "exitcode  : 1")
+    assert (
+        torchrun_root_cause(plain).describe()
+        == "rank 0 (pid 5447) was killed by signal SIGABRT (6)"
+    )
+
+
 def _safetensors(path: Path, metadata: dict | None, data: bytes = b"\0" * 16) -> None:
     header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, len(data)]}}
     if metadata is not None:
