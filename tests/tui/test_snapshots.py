@@ -26,6 +26,11 @@ def until(condition: Callable[[HomelabApp], object]) -> Callable[[Pilot], Awaita
         while not condition(pilot.app):  # type: ignore[arg-type]
             assert time.monotonic() < deadline, "the screen never settled"
             await pilot.pause(0.05)
+        # What the condition saw is on screen only after the next layout and refresh (a table's
+        # column widths, for one): under load the picture was once taken before them.
+        await pilot.wait_for_scheduled_animations()
+        await pilot.pause()
+        await pilot.pause()
 
     return wait
 
