@@ -136,8 +136,8 @@ def disable_cpu_bf16_repack(model: nn.Module) -> int:
     """Stop bitsandbytes repacking 4-bit weights for its CPU inference kernel.
 
     On CPUs with AVX512-BF16 a no-grad eval forward repacks the weights into a layout without
-    autograd support, after which LoRA gradients silently become None (DESIGN.md). Returns how
-    many layers were changed.
+    autograd support, after which LoRA gradients silently become None (found on the CPU
+    machines this project is tested on). Returns how many layers were changed.
     """
     import bitsandbytes as bnb
 
