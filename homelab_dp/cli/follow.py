@@ -19,13 +19,13 @@ import time
 from typing import Any, TextIO
 
 from homelab_dp.core.run_view import RunView
+from homelab_dp.core.vocabulary import EXIT_CODE_BY_STATUS
 from homelab_dp.render.run_view import event_line, final_text, live_panel
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import ACTIVE, current_state
 from homelab_dp.rundir.tail import file_size
 
 POLL_S = 0.25
-EXIT_BY_STATUS = {"completed": 0, "failed": 1, "interrupted": 130}
 
 
 def follow(
@@ -63,7 +63,7 @@ def follow(
                     view.apply_state(state)
                     printer.final(state)
                     # How the processes ended, whatever the events said ("unknown" fails).
-                    return EXIT_BY_STATUS.get(state.get("status", view.status), 1)
+                    return EXIT_CODE_BY_STATUS.get(state.get("status", view.status), 1)
                 printer.tick()
                 time.sleep(POLL_S)
     except KeyboardInterrupt:

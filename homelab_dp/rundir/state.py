@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core.vocabulary import ACTIVE_STATUSES, FINAL_STATUSES
 from homelab_dp.rundir.files import write_json_atomic
 
-ACTIVE = ("starting", "running", "stopping")
-FINAL = ("completed", "failed", "interrupted", "stopped")
+ACTIVE = ACTIVE_STATUSES
+FINAL = FINAL_STATUSES
 
 
 def read_state(run_dir: Path) -> dict[str, Any]:

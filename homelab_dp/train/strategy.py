@@ -25,6 +25,7 @@ from torch import nn
 
 from homelab_dp.core.preset import TrainSection
 from homelab_dp.core.runspec import Resolved
+from homelab_dp.core.vocabulary import SHARDED
 from homelab_dp.errors import HomelabError
 from homelab_dp.train.model import LoadedModel, compute_dtype
 
@@ -81,7 +82,7 @@ def wrap_model(loaded: LoadedModel, resolved: Resolved, device: torch.device) ->
         ids = [device.index] if device.type == "cuda" else None
         wrapped = DDP(model, device_ids=ids)
         return Strategy(kind, wrapped, model, _trainable(model))
-    if kind not in ("fsdp-grad-op", "fsdp-full"):
+    if kind not in SHARDED:
         raise HomelabError(f"resolved.distribution: unknown {kind!r}", "use ddp|zero1|fsdp-*")
     if resolved.method == "qlora":
         raise HomelabError(

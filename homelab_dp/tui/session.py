@@ -13,6 +13,7 @@ from typing import Literal
 
 from homelab_dp.core.preset import Preset, load_preset
 from homelab_dp.core.preset_store import find_preset, list_presets, open_preset
+from homelab_dp.core.vocabulary import DISTRIBUTIONS, METHODS
 from homelab_dp.run.planning import Planned, make_plan
 
 DEFAULT_PRESET = "tiny-demo"
@@ -35,12 +36,12 @@ FIELDS: tuple[EditableField, ...] = (
     EditableField("data.seq_len", "seq_len", "int"),
     EditableField("train.micro_batch", "micro-batch", "int"),
     EditableField("train.grad_accum", "accumulation", "int"),
-    EditableField("train.method", "method", "choice", ("auto", "full", "lora", "qlora")),
+    EditableField("train.method", "method", "choice", ("auto", *METHODS)),
     EditableField(
         "train.distribution",
         "distribution",
         "choice",
-        ("auto", "ddp", "zero1", "fsdp-grad-op", "fsdp-full"),
+        ("auto", *DISTRIBUTIONS),
     ),
     EditableField("lora.r", "LoRA r", "int"),
     EditableField(
