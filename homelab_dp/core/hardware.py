@@ -14,6 +14,9 @@ from homelab_dp.errors import HardwareSpecError
 GiB = 1024**3
 MiB = 1024**2
 
+BF16_MIN_CAPABILITY = (8, 0)
+"""The oldest compute capability with bf16 arithmetic (Ampere); older cards compute in fp16."""
+
 DeviceKind = Literal["cuda", "cpu"]
 
 
@@ -42,6 +45,9 @@ class GpuInfo:
     pcie_width_max: int | None = None
     pci_bus_id: str | None = None
     """PCI bus id as NVML writes it ("00000000:01:00.0"); NVML indices follow the bus order."""
+    compute_capability: tuple[int, int] | None = None
+    """CUDA compute capability (major, minor): (8, 6) for an RTX 3090, (7, 5) for an RTX 2080 Ti.
+    bf16 needs 8.0 (Ampere) or newer; see `BF16_MIN_CAPABILITY`."""
 
 
 @dataclass(frozen=True)

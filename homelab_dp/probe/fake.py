@@ -14,6 +14,7 @@ Recording format (see ``tests/data/nvml/*.json``)::
       "cuda_driver_version": 12040,          # as NVML gives it: 1000 * major + 10 * minor
       "devices": [{
         "name": ..., "uuid": ..., "pci_bus_id": "00000000:01:00.0",
+        "compute_capability": [8, 6],        # (major, minor), as pynvml returns it
         "memory": {"total": bytes, "free": bytes, "used": bytes},
         "utilization": {"gpu": pct, "memory": pct},
         "temperature": celsius,
@@ -172,6 +173,12 @@ class FakeNvml:
         # Real NVML gives bytes here (a ctypes char array), so the probe must decode
         bus_id = self._field("nvmlDeviceGetPciInfo", handle, "pci_bus_id")
         return SimpleNamespace(busId=bus_id.encode())
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
+        major, minor = self._field(
+            "nvmlDeviceGetCudaComputeCapability", handle, "compute_capability"
+        )
+        return (major, minor)  # pynvml returns a tuple; JSON can only hold a list
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> SimpleNamespace:
         memory = self._field("nvmlDeviceGetMemoryInfo", handle, "memory")

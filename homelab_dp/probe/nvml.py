@@ -76,6 +76,17 @@ def _watts(milliwatts: Any) -> float | None:
     return None if milliwatts is None else round(milliwatts / 1000, 3)
 
 
+def _capability(value: Any) -> tuple[int, int] | None:
+    """pynvml gives the compute capability as a (major, minor) pair; anything else is unknown."""
+    try:
+        major, minor = value
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(major, int) or not isinstance(minor, int) or major <= 0 or minor < 0:
+        return None
+    return (major, minor)
+
+
 def _cuda_version(value: Any) -> str | None:
     """NVML encodes CUDA 12.4 as 12040."""
     if not isinstance(value, int) or value <= 0:
@@ -244,6 +255,9 @@ class NvmlSession:
             pcie_gen_max=_query(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", handle),
             pcie_width_max=_query(nvml, "nvmlDeviceGetMaxPcieLinkWidth", handle),
             pci_bus_id=_text(_attr(_query(nvml, "nvmlDeviceGetPciInfo", handle), "busId")),
+            compute_capability=_capability(
+                _query(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
+            ),
         )
 
     def _nvlink_counts(self, gpus: list[GpuInfo]) -> dict[tuple[int, int], int]:

@@ -54,9 +54,11 @@ def test_1x4090_probes_every_field() -> None:
             pcie_gen_max=4,
             pcie_width_max=16,
             pci_bus_id="00000000:01:00.0",
+            compute_capability=(8, 9),
         ),
     )
     assert report.links == ()
+    assert report.to_json()["gpus"][0]["compute_capability"] == (8, 9)  # [8, 9] in JSON
     assert report.host == HostInfo(
         cpu_model="AMD Ryzen 9 7950X 16-Core Processor",
         logical_cores=32,
@@ -101,6 +103,7 @@ def test_mixed_3090_3060_pcie_only_and_unsupported_energy() -> None:
     # "Not supported" became None, the rest of the card is still there
     assert small.energy_mj is None
     assert big.energy_mj == 2747105532
+    assert big.compute_capability == small.compute_capability == (8, 6)
     assert report.links == (
         GpuLink(a=0, b=1, kind="pcie", nvlink_links=0, topology="host bridge", p2p=False),
     )
@@ -118,6 +121,7 @@ def test_every_field_not_supported_never_crashes() -> None:
     assert [g.name for g in report.gpus] == ["GPU 0", "GPU 1"]
     gpu = report.gpus[0]
     assert gpu.uuid is gpu.temperature_c is gpu.power_w is gpu.energy_mj is gpu.pcie_gen is None
+    assert gpu.compute_capability is None
     assert gpu.memory_total == 0
     assert "did not report its memory size" in report.notice
     assert report.driver_version is report.cuda_driver_version is None
