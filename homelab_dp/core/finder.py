@@ -19,6 +19,7 @@ from homelab_dp.core.planner import (
     checkpointing_options,
     evaluate,
     plan,
+    resolve_dtype,
     supported,
 )
 from homelab_dp.core.preset import Preset
@@ -39,8 +40,9 @@ def plan_largest_micro_batch(
     requested = t.micro_batch * hw.world_size * t.grad_accum
     limit = SAFETY_MARGIN * hw.min_memory
     fit: Fit | None = None
+    dtype = resolve_dtype(preset, hw)
     for method, dist in allowed_options(preset):
-        if not supported(method, dist, hw)[0]:
+        if not supported(method, dist, hw, dtype)[0]:
             continue
         for ckpt in checkpointing_options(preset):
 

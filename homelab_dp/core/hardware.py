@@ -105,6 +105,9 @@ class PlanDevice:
 
     name: str
     memory_bytes: int
+    compute_capability: tuple[int, int] | None = None
+    """(major, minor) from the probe or a what-if ``--gpus 2x11GiB@7.5``; None on the CPU and
+    where it is not known (the planner then assumes bf16 works, and says so)."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,11 @@ class PlanHardware:
     source: str = "probe"
     """Where the devices came from: "probe", "--gpus <spec>", "preset"."""
     indices: tuple[int, ...] = field(default=())
-    """GPU indices used (CUDA_VISIBLE_DEVICES) when planned from the probe."""
+    """The planned GPUs by NVML index (PCI bus order, as `homelab-dp probe` numbers them), one
+    per device, when planned from the probe; empty otherwise."""
+    uuids: tuple[str, ...] = field(default=())
+    """The same GPUs by NVML UUID, one per index, when NVML gave every one (else empty): what
+    the run puts in CUDA_VISIBLE_DEVICES, so the workers see exactly these cards."""
 
     @property
     def world_size(self) -> int:
@@ -126,6 +133,32 @@ class PlanHardware:
     def min_memory(self) -> int:
         """The smallest device's memory: mixed cards are limited by the smallest."""
         return min(d.memory_bytes for d in self.devices)
+
+    def below_capability(self, capability: tuple[int, int]) -> tuple[int, ...]:
+        """Positions of the devices whose known compute capability is below ``capability``."""
+        return tuple(
+            i
+            for i, d in enumerate(self.devices)
+            if d.compute_capability is not None and d.compute_capability < capability
+        )
+
+    def unknown_capability(self) -> tuple[int, ...]:
+        """Positions of the GPUs whose compute capability is not known (none on the CPU)."""
+        if self.kind != "cuda":
+            return ()
+        return tuple(i for i, d in enumerate(self.devices) if d.compute_capability is None)
+
+    def label(self, position: int) -> str:
+        """A device for people: "GPU 1 (Tesla P40)" when planned from the probe, else its name."""
+        name = self.devices[position].name
+        if position < len(self.indices):
+            return f"GPU {self.indices[position]} ({name})"
+        return name
+
+
+def format_capability(capability: tuple[int, int] | None) -> str:
+    """(8, 6) -> "8.6"; None -> "unknown"."""
+    return "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t)?\s*$", re.IGNORECASE)
@@ -141,7 +174,10 @@ _UNIT = {
     "tib": 1024 * GiB,
     "tb": 1024 * GiB,
 }
-_GPUS_HINT = "use e.g. --gpus 2x24GiB, --gpus 24GiB,12GiB, --gpus 4x80GiB or --gpus cpu:2"
+_GPUS_HINT = (
+    "use e.g. --gpus 2x24GiB, --gpus 24GiB,12GiB, --gpus 4x80GiB, --gpus 2x11GiB@7.5 "
+    "or --gpus cpu:2"
+)
 
 
 def parse_size(text: str) -> int:
@@ -169,6 +205,11 @@ def parse_gpus_spec(spec: str, host_ram: int) -> PlanHardware:
 
     ``2x24GiB`` two cards of 24 GiB; ``24GiB,12GiB`` a mixed pair; ``cpu:2`` two CPU processes
     sharing the host RAM (``host_ram`` bytes); ``cpu:2:64GiB`` the same with 64 GiB of RAM.
+
+    A card's CUDA compute capability may follow its size after ``@``: ``2x11GiB@7.5`` two RTX
+    2080 Ti, ``24GiB@8.6,24GiB@6.1`` an RTX 3090 beside a Tesla P40. It decides the dtype that
+    ``model.dtype = "auto"`` gives (bf16 from 8.0, else fp16); without it the capability is
+    unknown and bf16 is assumed.
     """
     text = spec.strip()
     if not text:
@@ -198,15 +239,27 @@ def parse_gpus_spec(spec: str, host_ram: int) -> PlanHardware:
         if not m or not part:
             raise HardwareSpecError(f"--gpus: cannot read {part!r} in {spec!r}", _GPUS_HINT)
         count = int(m.group(1)) if m.group(1) else 1
+        size_text, at, cc_text = m.group(2).partition("@")
+        capability = None
+        if at:
+            cc = re.match(r"^\s*(\d+)\.(\d+)\s*$", cc_text)
+            if not cc or int(cc.group(1)) < 1:
+                raise HardwareSpecError(
+                    f"--gpus: cannot read the compute capability {cc_text!r} in {spec!r} "
+                    "(major.minor, e.g. 8.6)",
+                    _GPUS_HINT,
+                )
+            capability = (int(cc.group(1)), int(cc.group(2)))
         try:
-            size = parse_size(m.group(2))
+            size = parse_size(size_text)
         except ValueError:
             raise HardwareSpecError(
-                f"--gpus: cannot read the memory size {m.group(2)!r} in {spec!r}", _GPUS_HINT
+                f"--gpus: cannot read the memory size {size_text!r} in {spec!r}", _GPUS_HINT
             ) from None
         if count < 1 or count > 64:
             raise HardwareSpecError(
                 f"--gpus: {count} cards in {spec!r} is out of range (1 to 64)", _GPUS_HINT
             )
-        devices.extend(PlanDevice(f"what-if {format_bytes(size)}", size) for _ in range(count))
+        name = f"what-if {format_bytes(size)}"
+        devices.extend(PlanDevice(name, size, capability) for _ in range(count))
     return PlanHardware("cuda", tuple(devices), source=f"--gpus {spec}")

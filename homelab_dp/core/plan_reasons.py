@@ -23,7 +23,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from homelab_dp.core.calibration import HardwareCalibration
-from homelab_dp.core.hardware import PlanHardware, format_bytes
+from homelab_dp.core.hardware import (
+    BF16_MIN_CAPABILITY,
+    PlanHardware,
+    format_bytes,
+    format_capability,
+)
 from homelab_dp.core.memory import Budget
 from homelab_dp.core.model_spec import ModelSpec
 from homelab_dp.core.preset import Preset
@@ -136,6 +141,75 @@ def _describe(c: Option) -> str:
     return f"{PLAIN[c.method]} with {PLAIN[c.distribution]}{ck}"
 
 
+def _cards(hw: PlanHardware, positions: Sequence[int]) -> str:
+    """The devices at ``positions``, each distinct kind once: "GPU 0 (Tesla P40)", or the name
+    alone for a set of identical cards."""
+    labels: list[str] = []
+    seen: set[tuple[str, tuple[int, int] | None]] = set()
+    for i in positions:
+        d = hw.devices[i]
+        if (d.name, d.compute_capability) in seen:
+            continue
+        seen.add((d.name, d.compute_capability))
+        same = sum(
+            1
+            for e in hw.devices
+            if (e.name, e.compute_capability) == (d.name, d.compute_capability)
+        )
+        labels.append(d.name if same > 1 or not hw.indices else hw.label(i))
+    return " and ".join(labels)
+
+
+def dtype_reasons(preset: Preset, hw: PlanHardware, dtype: str) -> list[str]:
+    """Why the plan computes in ``dtype`` on CUDA when the preset leaves it to the planner
+    (``model.dtype = "auto"``), and what fp16 rules out; nothing on the CPU (always fp32) or for
+    a pinned bf16/fp32."""
+    if hw.kind != "cuda":
+        return []
+    out: list[str] = []
+    if preset.model.dtype == "auto":
+        old = hw.below_capability(BF16_MIN_CAPABILITY)
+        unknown = hw.unknown_capability()
+        if old:
+            parts = list(
+                dict.fromkeys(  # one part per distinct kind of card, in order
+                    f"{_cards(hw, [i])} is compute capability "
+                    f"{format_capability(hw.devices[i].compute_capability)}"
+                    for i in old
+                )
+            )
+            have = "has" if len(parts) == 1 else "have"
+            out.append(f"fp16 with loss scaling: {' and '.join(parts)}, which {have} no bf16.")
+        elif unknown:
+            assumed = f"so {format_capability(BF16_MIN_CAPABILITY)} or newer (Ampere) is assumed"
+            if hw.source.startswith("--gpus") and len(unknown) == hw.world_size:
+                out.append(
+                    f"bf16: the what-if cards' compute capability is not known, {assumed}; "
+                    "name it for older cards, e.g. --gpus 2x11GiB@7.5."
+                )
+            elif hw.source.startswith("--gpus"):
+                out.append(
+                    f"bf16: the compute capability of {_cards(hw, unknown)} is not known, "
+                    f"{assumed}; name it for older cards, e.g. 24GiB@7.5."
+                )
+            else:
+                out.append(
+                    f"bf16: NVML did not give the compute capability of {_cards(hw, unknown)}, "
+                    f"{assumed}; set model.dtype = 'fp16' if it is older."
+                )
+        else:
+            out.append(
+                f"bf16: every card is compute capability >= "
+                f"{format_capability(BF16_MIN_CAPABILITY)}."
+            )
+    if dtype == "fp16" and hw.world_size > 1 and preset.train.distribution == "auto":
+        out.append(
+            "FSDP is left out: it needs bf16, and the worker scales the fp16 loss "
+            "(GradScaler) under DDP and ZeRO-1 only."
+        )
+    return out
+
+
 def choice_reasons(
     spec: ModelSpec,
     preset: Preset,
@@ -159,6 +233,7 @@ def choice_reasons(
         f"{format_bytes(cap)} on the smallest device ({format_bytes(usable)} usable after a "
         f"{int(round((1 - margin) * 100))}% margin), compute in {dtype}."
     ]
+    out += dtype_reasons(preset, hw, dtype)
     if len({d.memory_bytes for d in hw.devices}) > 1:
         out.append(
             "Mixed cards: every card gets the same share, so the smallest one limits the plan."

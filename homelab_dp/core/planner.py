@@ -28,7 +28,7 @@ from homelab_dp.core.calibration import (
     config_key,
     measured_reasons,
 )
-from homelab_dp.core.hardware import PlanHardware
+from homelab_dp.core.hardware import BF16_MIN_CAPABILITY, PlanHardware, format_capability
 from homelab_dp.core.memory import (
     Budget,
     TrainShape,
@@ -45,7 +45,8 @@ from homelab_dp.core.plan_reasons import (
     lr_reasons,
 )
 from homelab_dp.core.preset import Preset
-from homelab_dp.core.vocabulary import DISTRIBUTIONS, METHODS
+from homelab_dp.core.vocabulary import DISTRIBUTIONS, METHODS, SHARDED
+from homelab_dp.errors import PresetError
 
 if TYPE_CHECKING:
     from homelab_dp.core.fit import Fit
@@ -64,6 +65,11 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("qlora", "ddp"),
 )
 """The order in which the decision tree tries (method, distribution)."""
+
+FP16_SHARDING_NOTE = (
+    "FSDP needs bf16: the worker scales the fp16 loss (GradScaler) under DDP and ZeRO-1 only"
+)
+"""Why FSDP is not a candidate when the plan computes in fp16."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +147,14 @@ class Plan:
                 "kind": self.hardware.kind,
                 "source": self.hardware.source,
                 "devices": [
-                    {"name": d.name, "memory_bytes": d.memory_bytes} for d in self.hardware.devices
+                    {
+                        "name": d.name,
+                        "memory_bytes": d.memory_bytes,
+                        "compute_capability": (
+                            list(d.compute_capability) if d.compute_capability else None
+                        ),
+                    }
+                    for d in self.hardware.devices
                 ],
             },
             "training": {
@@ -175,11 +188,50 @@ class Plan:
         return calibration_json(self.calibration, self.measured, self.chosen.budget, ov)
 
 
-def resolve_dtype(preset: Preset, kind: str) -> str:
-    """The compute dtype: fp32 on CPU; bf16 for "auto" on CUDA."""
-    if kind == "cpu":
+def resolve_dtype(preset: Preset, hw: PlanHardware) -> str:
+    """The compute dtype of ``preset`` on ``hw``, decided from the planned cards.
+
+    fp32 on the CPU. On CUDA, "auto" is bf16 when every planned card has compute capability
+    8.0 (Ampere) or newer, else fp16, which the worker trains with dynamic loss scaling (a
+    GradScaler); a card whose capability is not known (a what-if ``--gpus 2x24GiB``, or NVML
+    did not say) counts as new enough. A pinned dtype is kept, except that "bf16" on a card
+    below 8.0 is a `PresetError` naming ``model.dtype`` and the card.
+    """
+    if hw.kind == "cpu":
         return "fp32"
-    return "bf16" if preset.model.dtype == "auto" else preset.model.dtype
+    old = hw.below_capability(BF16_MIN_CAPABILITY)
+    wanted = preset.model.dtype
+    if wanted == "auto":
+        return "fp16" if old else "bf16"
+    if wanted == "bf16" and old:
+        first = old[0]
+        raise PresetError(
+            f"model.dtype = 'bf16': {hw.label(first)} is compute capability "
+            f"{format_capability(hw.devices[first].compute_capability)}, and bf16 needs "
+            f"{format_capability(BF16_MIN_CAPABILITY)} (Ampere) or newer",
+            hint='set model.dtype = "auto" (fp16 with loss scaling on this card) or "fp16", '
+            "e.g. --set model.dtype=auto",
+        )
+    return wanted
+
+
+def _check_fp16_sharding(preset: Preset, hw: PlanHardware, dtype: str) -> None:
+    """A pinned FSDP distribution cannot train in fp16: refuse it before planning."""
+    dist = preset.train.distribution
+    if hw.kind != "cuda" or dtype != "fp16" or dist not in SHARDED:
+        return
+    old = hw.below_capability(BF16_MIN_CAPABILITY)
+    why = (
+        f"model.dtype = 'auto' gives fp16 on {hw.label(old[0])}, compute capability "
+        f"{format_capability(hw.devices[old[0]].compute_capability)}"
+        if preset.model.dtype == "auto" and old
+        else f"model.dtype = {preset.model.dtype!r}"
+    )
+    raise PresetError(
+        f"train.distribution = {dist!r} cannot train in fp16 ({why}): {FP16_SHARDING_NOTE}",
+        hint="set train.distribution = 'auto', 'ddp' or 'zero1' (fp16 with loss scaling)"
+        + ("" if old else ", or model.dtype = 'bf16'"),
+    )
 
 
 def _shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool, **kw: Any):
@@ -189,7 +241,7 @@ def _shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool,
         distribution=dist,  # type: ignore[arg-type]
         world_size=hw.world_size,
         device=hw.kind,
-        dtype=resolve_dtype(preset, hw.kind),  # type: ignore[arg-type]
+        dtype=resolve_dtype(preset, hw),  # type: ignore[arg-type]
         micro_batch=kw.get("micro_batch", preset.train.micro_batch),
         seq_len=kw.get("seq_len", preset.data.seq_len),
         grad_accum=kw.get("grad_accum", preset.train.grad_accum),
@@ -201,13 +253,21 @@ def _shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool,
     )
 
 
-def supported(method: str, dist: str, hw: PlanHardware) -> tuple[bool, str]:
+def supported(
+    method: str, dist: str, hw: PlanHardware, dtype: str | None = None
+) -> tuple[bool, str]:
+    """Whether the worker can train ``method`` under ``dist`` on ``hw`` (and why not).
+
+    ``dtype``: the compute dtype (`resolve_dtype`); fp16 on CUDA rules FSDP out.
+    """
     if method == "qlora" and dist != "ddp":
         return False, "QLoRA runs under DDP only (4-bit weights are not sharded)"
     if method != "full" and dist == "zero1":
         return False, "ZeRO-1 saves nothing for LoRA: the adapters' optimizer state is tiny"
     if dist != "ddp" and hw.world_size == 1:
         return False, "sharding needs more than one device"
+    if dtype == "fp16" and hw.kind == "cuda" and dist in SHARDED:
+        return False, FP16_SHARDING_NOTE
     return True, ""
 
 
@@ -227,7 +287,7 @@ def evaluate(
     """
     overhead = calibration.overhead if calibration else None
     b = budget(spec, _shape(preset, hw, method, dist, ckpt, **kw), overhead)
-    ok, note = supported(method, dist, hw)
+    ok, note = supported(method, dist, hw, resolve_dtype(preset, hw))
     fits = ok and b.total <= SAFETY_MARGIN * hw.min_memory
     return Candidate(method, dist, ckpt, b, fits, ok, note)
 
@@ -251,7 +311,12 @@ def plan(
     hw: PlanHardware,
     calibration: HardwareCalibration | None = None,
 ) -> Plan:
-    """Run the decision tree for ``preset`` on ``hw`` (with what was measured on it, if known)."""
+    """Run the decision tree for ``preset`` on ``hw`` (with what was measured on it, if known).
+
+    Raises `PresetError` for a dtype the planned cards cannot train in (`resolve_dtype`).
+    """
+    dtype = resolve_dtype(preset, hw)
+    _check_fp16_sharding(preset, hw, dtype)
     ckpts = checkpointing_options(preset)
     chosen: Candidate | None = None
     tried: list[Candidate] = []
@@ -274,7 +339,6 @@ def plan(
             options = [evaluate(spec, preset, hw, method, dist, c, calibration) for c in ckpts]
             fitting = [c for c in options if c.fits]
             candidates.append(fitting[0] if fitting else options[-1])
-    dtype = resolve_dtype(preset, hw.kind)
     lr = lr_advice(preset, hw.world_size)
     reasons = choice_reasons(spec, preset, hw, best_effort, tried, dtype, SAFETY_MARGIN)
     advice: tuple[str, ...] = ()

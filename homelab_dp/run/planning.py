@@ -67,8 +67,17 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
             f"hardware.devices: no GPU with index {missing} (found {sorted(by_index)})",
             hint="`homelab-dp probe` lists the GPUs and their indices",
         )
-    chosen = tuple(PlanDevice(by_index[i].name, by_index[i].memory_total) for i in indices)
-    return PlanHardware("cuda", chosen, source="probe", indices=tuple(indices)), report
+    gpus = [by_index[i] for i in indices]
+    chosen = tuple(PlanDevice(g.name, g.memory_total, g.compute_capability) for g in gpus)
+    uuids = tuple(g.uuid for g in gpus if g.uuid)
+    hardware = PlanHardware(
+        "cuda",
+        chosen,
+        source="probe",
+        indices=tuple(indices),
+        uuids=uuids if len(uuids) == len(gpus) else (),
+    )
+    return hardware, report
 
 
 def make_plan(

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from homelab_dp.core.finder import plan_largest_micro_batch
 from homelab_dp.core.hardware import GiB, parse_gpus_spec
 from homelab_dp.core.memory import NF4_BYTES_PER_PARAM, TrainShape, budget
 from homelab_dp.core.model_spec import spec_from_config
 from homelab_dp.core.planner import plan
 from homelab_dp.core.preset import preset_from_dict
-from homelab_dp.errors import HardwareSpecError
+from homelab_dp.errors import HardwareSpecError, PresetError
 
 from .test_model_spec import PUBLISHED
 
@@ -227,3 +230,98 @@ def test_gpus_specs() -> None:
     ]
     assert parse_gpus_spec("4x80GiB", 0).world_size == 4
     assert parse_gpus_spec("cpu:3", 30 * GiB).devices[0].memory_bytes == 10 * GiB
+
+
+# -- compute dtype from the planned cards' compute capability -------------------------------------
+
+
+def _dtype_plan(gpus: str, dtype: str = "auto", cfg=SMOLLM_135M, **train):
+    preset = _preset(**train)
+    preset = replace(preset, model=replace(preset.model, dtype=dtype))
+    return plan(spec_from_config(cfg), preset, parse_gpus_spec(gpus, 64 * GiB))
+
+
+def test_gpus_spec_names_a_compute_capability() -> None:
+    hw = parse_gpus_spec("2x11GiB@7.5,24GiB@8.6,24GiB", 0)
+    assert [d.compute_capability for d in hw.devices] == [(7, 5), (7, 5), (8, 6), None]
+    assert [d.memory_bytes for d in hw.devices] == [11 * GiB, 11 * GiB, 24 * GiB, 24 * GiB]
+    assert hw.below_capability((8, 0)) == (0, 1) and hw.unknown_capability() == (3,)
+
+
+@pytest.mark.parametrize("spec", ["2x11GiB@7", "2x11GiB@", "11GiB@x.5", "11GiB@0.5", "@7.5"])
+def test_bad_compute_capabilities_in_gpus_specs(spec: str) -> None:
+    with pytest.raises(HardwareSpecError) as err:
+        parse_gpus_spec(spec, 64 * GiB)
+    assert "--gpus" in err.value.message and "@7.5" in err.value.hint
+
+
+def test_auto_dtype_is_bf16_when_every_card_is_ampere_or_newer() -> None:
+    p = _dtype_plan("24GiB@8.6,24GiB@8.9")
+    assert p.dtype == "bf16"
+    assert "bf16: every card is compute capability >= 8.0." in p.reasons
+    j = p.to_json()
+    assert j["training"]["dtype"] == "bf16"
+    assert [d["compute_capability"] for d in j["hardware"]["devices"]] == [[8, 6], [8, 9]]
+
+
+def test_auto_dtype_on_turing_is_fp16_with_loss_scaling_and_no_fsdp() -> None:
+    p = _dtype_plan("2x11GiB@7.5", cfg=LLAMA3_8B, seq_len=2048)
+    assert p.dtype == "fp16"
+    assert (
+        "fp16 with loss scaling: what-if 11.0 GiB is compute capability 7.5, which has no bf16."
+        in p.reasons
+    )
+    assert any(r.startswith("FSDP is left out") for r in p.reasons)
+    # The worker refuses fp16 under FSDP2: those candidates are not options, the rest still are
+    assert p.chosen.distribution == "ddp" and p.chosen.method == "qlora"
+    fsdp = [c for c in p.candidates if c.distribution.startswith("fsdp") and c.method != "qlora"]
+    assert fsdp and all(not c.supported and "bf16" in c.note for c in fsdp)
+    assert not any("FSDP" in a for a in p.advice)
+
+
+def test_one_older_card_makes_the_whole_plan_fp16() -> None:
+    p = _dtype_plan("24GiB@8.6,24GiB@6.1")
+    assert p.dtype == "fp16"
+    assert any("is compute capability 6.1, which has no bf16" in r for r in p.reasons)
+
+
+def test_what_if_cards_of_unknown_capability_keep_bf16_and_say_so() -> None:
+    p = _dtype_plan("2x24GiB")
+    assert p.dtype == "bf16"
+    (line,) = [r for r in p.reasons if r.startswith("bf16:")]
+    assert "not known" in line and "--gpus 2x11GiB@7.5" in line
+
+
+def test_a_pinned_bf16_on_a_card_without_bf16_is_refused() -> None:
+    with pytest.raises(PresetError) as err:
+        _dtype_plan("2x11GiB@7.5", dtype="bf16")
+    assert err.value.exit_code == 2
+    assert "model.dtype" in err.value.message and "what-if 11.0 GiB" in err.value.message
+    assert "7.5" in err.value.message
+    assert '"auto"' in err.value.hint and '"fp16"' in err.value.hint
+
+
+def test_a_pinned_fsdp_distribution_that_would_compute_in_fp16_is_refused() -> None:
+    with pytest.raises(PresetError) as err:
+        _dtype_plan("2x11GiB@7.5", distribution="fsdp-full")
+    assert "train.distribution = 'fsdp-full'" in err.value.message
+    assert "'ddp'" in err.value.hint
+    with pytest.raises(PresetError) as err:
+        _dtype_plan("2x24GiB@8.6", dtype="fp16", distribution="fsdp-grad-op")
+    assert "model.dtype = 'bf16'" in err.value.hint
+
+
+def test_pinned_dtypes_are_kept_and_the_cpu_computes_in_fp32() -> None:
+    fp16 = _dtype_plan("2x24GiB@8.6", dtype="fp16")
+    assert fp16.dtype == "fp16" and fp16.chosen.distribution in ("ddp", "zero1")
+    assert not any(r.startswith(("bf16:", "fp16 with")) for r in fp16.reasons)
+    assert any(r.startswith("FSDP is left out") for r in fp16.reasons)
+    assert _dtype_plan("2x11GiB@7.5", dtype="fp32").dtype == "fp32"
+    cpu = _dtype_plan("cpu:2", dtype="bf16")
+    assert cpu.dtype == "fp32" and not any("bf16" in r for r in cpu.reasons)
+
+
+def test_the_micro_batch_finder_skips_fsdp_in_fp16() -> None:
+    spec, preset = spec_from_config(LLAMA3_8B), _preset(seq_len=2048)
+    p = plan_largest_micro_batch(spec, preset, parse_gpus_spec("2x24GiB@7.5", 64 * GiB))
+    assert p.dtype == "fp16" and not p.chosen.distribution.startswith("fsdp")
