@@ -1,8 +1,8 @@
 """The top of `homelab-dp`: build the parser from the command modules, dispatch, map errors.
 
 Each command group is a module with ``register(subparsers)``, which adds its parser and sets
-``func`` (the function that runs it and returns the exit code): probe, plan, measure, presets,
-and runs (run, runs, status, attach, stop, resume). With no command, the TUI opens.
+``func`` (the function that runs it and returns the exit code): probe, doctor, plan, measure,
+presets, and runs (run, runs, status, attach, stop, resume). With no command, the TUI opens.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from homelab_dp.cli import measure, plan, presets, probe, runs
+from homelab_dp.cli import doctor, measure, plan, presets, probe, runs
 from homelab_dp.cli.common import EXIT_INTERRUPTED, EXIT_OK, Parser
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.errors import error_text
@@ -20,7 +20,7 @@ from homelab_dp.render.errors import error_text
 DESCRIPTION = (
     "`homelab-dp`: the headless command line (argparse + rich). Thin: no logic of its own."
 )
-COMMANDS = (probe, plan, measure, presets, runs)
+COMMANDS = (probe, doctor, plan, measure, presets, runs)
 """The command modules, in the order `homelab-dp --help` lists them."""
 
 
