@@ -2,6 +2,16 @@
 
 Each holds ``{rank, pid, step, micro, phase, time}`` and is replaced whole (temporary file and a
 rename), so a reader never sees half of one. Stdlib only: both the worker and the keeper use it.
+
+Phases (the watchdog, `homelab_dp.run.watchdog`, judges progress by them):
+
+- ``train``: written at the start of every micro-step; progress is a new step or micro-step.
+- a long phase (`LONG_PHASES`: ``checkpoint``, ``saving-result``, ``merging``): work that can
+  take minutes in one call (writing a large checkpoint or result, merging an adapter into its
+  base on the CPU). The rank beats every few seconds while it lasts, so each new beat is
+  progress: a rank in a long phase that still beats is working, one that stops beating is not.
+- ``waiting`` (`WAITING`): the rank waits for another rank's long phase; its beats show it is
+  alive but are nobody's progress, and it is never the stalled one.
 """
 
 from __future__ import annotations
@@ -13,6 +23,19 @@ from typing import Any
 
 HEARTBEATS = Path("logs") / "heartbeats"
 """The heartbeat folder, relative to the run folder."""
+
+
+TRAIN = "train"
+"""The phase of a micro-step."""
+CHECKPOINT = "checkpoint"
+SAVING_RESULT = "saving-result"
+MERGING = "merging"
+LONG_PHASES = frozenset({CHECKPOINT, SAVING_RESULT, MERGING})
+"""Phases whose every beat is progress (the rank beats on a timer while one lasts)."""
+WAITING = "waiting"
+"""A rank waiting for another rank's long phase: alive, but not the one making progress."""
+BEAT_EVERY_S = 1.0
+"""How often a rank beats during a long phase or a wait (well below any sensible watchdog)."""
 
 
 def heartbeat_dir(run_dir: Path) -> Path:

@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.rundir.files import write_json_atomic
+from homelab_dp.rundir.heartbeat import MERGING
 from homelab_dp.train.checkpoint_check import (
     MARKER,
     check_checkpoint,
@@ -57,7 +59,7 @@ from homelab_dp.train.checkpoint_check import (
     shard_files,
     step_dirs,
 )
-from homelab_dp.train.guard import inject_write_fault
+from homelab_dp.train.guard import inject_slow_result, inject_write_fault
 from homelab_dp.train.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -331,12 +333,23 @@ def load_checkpoint(path: Path, strategy: Strategy, optimizer: Any) -> dict[str,
 
 
 def save_result(
-    run_dir: Path, strategy: Strategy, is_peft: bool, tokenizer: Any, preset: Any
+    run_dir: Path,
+    strategy: Strategy,
+    is_peft: bool,
+    tokenizer: Any,
+    preset: Any,
+    *,
+    step: int = 0,
+    on_rank0: Callable[[Callable[[Callable[[str], None]], None]], Any] | None = None,
 ) -> Path:
     """Write ``run_dir/final``: an HF model folder, or a peft adapter (+ ``final/merged``).
 
     A collective for FSDP2 (the shards are gathered onto rank 0's CPU); rank 0 writes into
-    ``.final-tmp`` and renames it, so ``final/`` is never half written. Other ranks return at once.
+    ``.final-tmp`` and renames it, so ``final/`` is never half written. ``on_rank0(work)`` (a
+    `RankGuard.on_rank0`, called on every rank) runs the writing on rank 0 while every rank
+    keeps beating and waits in short collectives, however long the save and the merge take;
+    without it rank 0 writes and the other ranks return at once. ``step`` is the run's last
+    step (heartbeats, the test-only ``slow-result`` fault).
     """
     from homelab_dp.train.model import merge_adapter, save_adapter, save_full_model
 
@@ -347,13 +360,20 @@ def save_result(
             full_state_dict=True, cpu_offload=True, ignore_frozen_params=is_peft
         )
         state_dict = get_model_state_dict(strategy.model, options=options)
-    if dist.get_rank() != 0:
-        return out
-    shutil.rmtree(tmp, ignore_errors=True)
-    save = save_adapter if is_peft else save_full_model
-    save(strategy.inner, state_dict, tokenizer, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    if is_peft and preset.train.merge:
-        merge_adapter(preset, out, tokenizer, out / "merged")
+
+    def write(set_phase: Callable[[str], None]) -> None:  # rank 0 only
+        inject_slow_result(run_dir, 0, step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        save = save_adapter if is_peft else save_full_model
+        save(strategy.inner, state_dict, tokenizer, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        if is_peft and preset.train.merge:
+            set_phase(MERGING)
+            merge_adapter(preset, out, tokenizer, out / "merged")
+
+    if on_rank0 is not None:
+        on_rank0(write)
+    elif dist.get_rank() == 0:
+        write(lambda phase: None)
     return out

@@ -1,9 +1,22 @@
 """What each rank does for the run's safety: heartbeats, an orphan check, and (tests) faults.
 
-`RankGuard.beat` is called at the start of every micro-step, checkpoint and result write. It
-writes the rank's heartbeat for the keeper's watchdog (`homelab_dp.run.watchdog`) and tells the
-worker when its launcher is gone (the rank was re-parented: the torchrun agent died), so that
-the rank stops gracefully instead of running on as an orphan.
+`RankGuard.beat` is called at the start of every micro-step. It writes the rank's heartbeat for
+the keeper's watchdog (`homelab_dp.run.watchdog`) and tells the worker when its launcher is gone
+(the rank was re-parented: the torchrun agent died), so that the rank stops gracefully instead
+of running on as an orphan.
+
+Long work keeps the heartbeats flowing (the phases: `homelab_dp.rundir.heartbeat`):
+
+- `RankGuard.beating` (a checkpoint, on every rank): a thread beats every `BEAT_EVERY_S` while
+  the block runs, so a checkpoint write longer than ``train.watchdog_s`` is not a stall; a rank
+  that is stopped or killed stops beating and is.
+- `RankGuard.on_rank0` (the result, an adapter merge): rank 0 does the work in a thread while
+  every rank's main thread meets in a tiny all-reduce each second ("done yet?") and beats —
+  rank 0 in the work's phase, the others ``waiting``. No collective ever waits longer than a
+  second or so for rank 0, whatever the work takes, so ``train.collective_timeout_s`` bounds
+  real hangs only, with gloo and NCCL alike and no per-call timeout. A rank 0 that stops (or
+  dies) stops beating and leaves its peers in the all-reduce: the watchdog (or the collective
+  timeout, or torchrun) ends the run.
 
 Fault injection, for the reliability tests only — never set in normal use::
 
@@ -18,22 +31,35 @@ again) on global rank R at optimizer step S (1-based, the step being computed):
     kill-after-shard  the rank SIGKILLs itself after writing its checkpoint shard, before the
                       checkpoint's completion marker
     enospc            writing the rank's checkpoint shard fails with OSError(ENOSPC)
+    slow-result       writing the result sleeps ``seconds=T`` (default 20) on the rank, inside
+                      the work (no beats of its own): a save longer than the watchdog's limit
+                      and the collective timeout (``step`` is the run's last step)
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from homelab_dp.core.runspec import Resolved
-from homelab_dp.rundir.heartbeat import heartbeat_dir, write_heartbeat
+from homelab_dp.rundir.heartbeat import (
+    BEAT_EVERY_S,
+    TRAIN,
+    WAITING,
+    heartbeat_dir,
+    write_heartbeat,
+)
 
 FAULT_ENV = "HOMELAB_DP_FAULT"
-FAULT_KINDS = ("sigkill", "sigstop", "oom", "kill-after-shard", "enospc")
+FAULT_KINDS = ("sigkill", "sigstop", "oom", "kill-after-shard", "enospc", "slow-result")
+T = TypeVar("T")
 
 
 def _parse_faults(text: str) -> list[tuple[str, int, int]]:
@@ -61,6 +87,22 @@ def fault_armed(kind: str, run_dir: Path, rank: int, step: int) -> bool:
     return True
 
 
+def fault_seconds(kind: str, default: float) -> float:
+    """The ``seconds=T`` of the first fault of ``kind`` in the environment (else ``default``)."""
+    for item in filter(None, (part.strip() for part in os.environ.get(FAULT_ENV, "").split(";"))):
+        name, *fields = item.split(":")
+        values = dict(f.split("=", 1) for f in fields)
+        if name == kind and "seconds" in values:
+            return float(values["seconds"])
+    return default
+
+
+def inject_slow_result(run_dir: Path, rank: int, step: int) -> None:
+    """The ``slow-result`` fault: sleep inside the result's work, as a very long save would."""
+    if os.environ.get(FAULT_ENV) and fault_armed("slow-result", run_dir, rank, step):
+        time.sleep(fault_seconds("slow-result", 20.0))
+
+
 def inject_write_fault(run_dir: Path, rank: int, step: int, after_shard: bool) -> None:
     """Checkpoint writer faults: ENOSPC before the shard, or SIGKILL right after it."""
     if not after_shard and fault_armed("enospc", run_dir, rank, step):
@@ -80,18 +122,90 @@ class RankGuard:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank-{rank}.json"
         self.faults = bool(os.environ.get(FAULT_ENV))
+        self._lock = threading.Lock()
 
-    def beat(self, step: int, micro: int = 0, phase: str = "train") -> bool:
+    def beat(self, step: int, micro: int = 0, phase: str = TRAIN) -> bool:
         """Record progress; returns True when the rank is orphaned and should stop.
 
         ``step`` is the optimizer step being computed (1-based), ``micro`` the micro-step.
         """
         beat = {"rank": self.rank, "pid": os.getpid(), "step": step, "micro": micro,
                 "phase": phase, "time": time.time()}  # fmt: skip
-        write_heartbeat(self.path, beat)
-        if self.faults and phase == "train":
+        with self._lock:  # the main thread and a beating thread never interleave a write
+            write_heartbeat(self.path, beat)
+        if self.faults and phase == TRAIN:
             self._inject(step)
         return os.getppid() != self.parent
+
+    @contextlib.contextmanager
+    def beating(self, step: int, phase: str, every_s: float = BEAT_EVERY_S) -> Iterator[None]:
+        """Beat ``phase`` now and every ``every_s`` seconds from a thread while the block runs."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(every_s):
+                self.beat(step, phase=phase)
+
+        self.beat(step, phase=phase)
+        thread = threading.Thread(target=loop, name=f"homelab-dp-beat-{phase}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def on_rank0(
+        self,
+        work: Callable[[Callable[[str], None]], T],
+        *,
+        step: int,
+        phase: str,
+        device: Any,
+        every_s: float = BEAT_EVERY_S,
+    ) -> T | None:
+        """Run ``work`` on rank 0 while every rank waits without a long collective.
+
+        A collective: every rank calls it. ``work(set_phase)`` runs in a thread on rank 0 and
+        may name the phase it is in (``set_phase("merging")``); its value is returned there
+        (None elsewhere), and its exception raised there. Every rank's main thread beats and
+        meets the others in a one-number all-reduce every ``every_s`` seconds until rank 0's
+        work is done: rank 0 beats the work's phase, the others ``waiting``.
+        """
+        import torch
+        import torch.distributed as dist
+
+        current = [phase]
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def set_phase(name: str) -> None:
+            current[0] = name
+
+        def target() -> None:
+            try:
+                outcome["value"] = work(set_phase)
+            except BaseException as exc:  # raised again in the main thread below
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            threading.Thread(target=target, name=f"homelab-dp-{phase}", daemon=True).start()
+        while True:
+            if rank0:
+                done.wait(every_s)
+                self.beat(step, phase=current[0])
+            else:
+                self.beat(step, phase=WAITING)
+            flag = torch.tensor([1.0 if rank0 and done.is_set() else 0.0], device=device)
+            dist.all_reduce(flag)  # every rank is in this loop: it waits a second at most
+            if flag.item() > 0:
+                break
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
 
     def _inject(self, step: int) -> None:
         if fault_armed("sigkill", self.run_dir, self.rank, step):

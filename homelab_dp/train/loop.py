@@ -13,11 +13,15 @@ boundary (the flag rides on that step's token-count all-reduce), save a checkpoi
 as if a stop were requested once k optimizer steps are done.
 
 Safety (`train.guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
-and checks that the torchrun agent is still its parent (if not, the rank stops gracefully).
+and checks that the torchrun agent is still its parent (if not, the rank stops gracefully). A
+checkpoint beats on a timer while it is written; the result is written (and merged) by rank 0 in
+a thread while every rank beats and meets the others in a short all-reduce each second, so a
+save or merge of any length is neither a stall nor a collective timeout.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -33,6 +37,7 @@ from homelab_dp.core.events import (
     StragglerEvent,
 )
 from homelab_dp.core.runspec import RunSpec
+from homelab_dp.rundir.heartbeat import CHECKPOINT, SAVING_RESULT
 from homelab_dp.train.setup import SetUp
 
 STOP_AT_ENV = "HOMELAB_DP_STOP_AT_STEP"
@@ -92,10 +97,14 @@ class Trainer:
         if reason == "completed":
             from homelab_dp.train.checkpoint import save_result
 
-            self.guard.beat(step, phase="result")  # the watchdog's clock restarts for the save
             m = self.model
+            # Rank 0 writes (and merges) in a thread; every rank beats and meets the others in a
+            # short all-reduce each second until it is done: no watchdog or collective timeout
+            # fires however long the save takes (`RankGuard.on_rank0`).
+            on_rank0 = functools.partial(self.guard.on_rank0, step=step, phase=SAVING_RESULT,
+                                         device=self.rank.device)  # fmt: skip
             final = save_result(self.run_dir, m.strategy, m.loaded.is_peft, self.data.tokenizer,
-                                self.spec.preset)  # fmt: skip
+                                self.spec.preset, step=step, on_rank0=on_rank0)  # fmt: skip
         self.events.write(EndEvent(reason=reason, final_loss=self.last_loss, steps=step,
                                    seconds=time.time() - self.t_start,
                                    final_path=str(final) if final else None))  # fmt: skip
@@ -192,7 +201,6 @@ class Trainer:
         """Save a checkpoint of ``step`` with the position, schedule and scaler state."""
         from homelab_dp.train.checkpoint import save_checkpoint
 
-        self.guard.beat(step, phase="checkpoint")
         t = time.time()
         r, m, n_blocks = self.rank, self.model, self.data.n_blocks
         position = step * r.effective
@@ -204,8 +212,9 @@ class Trainer:
             "scheduler": m.scheduler.state_dict(),
             "scaler": m.scaler.state_dict() if m.scaler is not None else None,
         }  # fmt: skip
-        path = save_checkpoint(self.run_dir / "checkpoints", step, m.strategy, m.optimizer,
-                               state, keep=self.train.keep_checkpoints)  # fmt: skip
+        with self.guard.beating(step, CHECKPOINT):  # a long write is not a stall
+            path = save_checkpoint(self.run_dir / "checkpoints", step, m.strategy, m.optimizer,
+                                   state, keep=self.train.keep_checkpoints)  # fmt: skip
         self.events.write(CheckpointEvent(step=step, path=str(path), seconds=time.time() - t))
 
 

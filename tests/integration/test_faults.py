@@ -31,6 +31,7 @@ import pytest
 
 from homelab_dp.core.runspec import Rendezvous
 from homelab_dp.run.controller import RunController, make_controller
+from homelab_dp.rundir.heartbeat import read_heartbeats
 from homelab_dp.rundir.state import ACTIVE, alive_pids, current_state, read_state
 from homelab_dp.rundir.tail import JsonlTail
 from homelab_dp.train.checkpoint_check import check_checkpoint, find_usable
@@ -529,6 +530,37 @@ def test_9_out_of_memory_on_one_rank_and_auto_fit(controller, folder, tiny_model
            f"batch {first['effective_batch']})", stopped)  # fmt: skip
     record("… `run --auto-fit`", "retried with the proposal by itself from step-2: completed",
            took_total)  # fmt: skip
+
+
+def test_10_a_result_save_longer_than_the_watchdog_and_the_collective_timeout(
+    controller, folder, tiny_model, data
+) -> None:
+    """Rank 0 spends 20 s writing the result (``slow-result``: a sleep inside the work, as a
+    large save or an adapter merge on the CPU would), beyond ``train.watchdog_s`` (6) and
+    ``train.collective_timeout_s`` (12): the run still completes. Rank 0 beats ``saving-result``
+    on a timer, rank 1 ``waiting``, and neither waits in a collective for more than a second."""
+    watchdog_s, timeout_s, slow_s, steps = 6, 12, 20, 4
+    preset = fault_preset(folder, "slow-result", tiny_model, data, max_steps=steps,
+                          watchdog_s=watchdog_s, collective_timeout_s=timeout_s)  # fmt: skip
+    run_id = start(controller, preset, f"slow-result:rank=0:step={steps}:seconds={slow_s}")
+    run_dir = controller.run_dir(run_id)
+    seen: dict[int, set[str]] = {0: set(), 1: set()}
+    deadline = time.time() + 240  # liveness guard: this run takes 40-50 s with its 20 s save
+    while current_state(run_dir).get("status") in ACTIVE and time.time() < deadline:
+        for rank, beat in read_heartbeats(run_dir).items():
+            seen[rank].add(beat["phase"])
+        time.sleep(0.2)
+    doc = wait_done(controller, run_id)
+    assert doc["status"] == "completed", doc["reason"]
+    took = read_state(run_dir)["ended"] - fired_at(run_dir, "slow-result", 0, steps)
+    assert took >= slow_s, f"{took:.1f} s: the slow save did not run"
+    assert events(run_dir, "end")[-1]["reason"] == "completed"
+    assert (run_dir / "final" / "config.json").is_file()
+    assert "saving-result" in seen[0] and "waiting" in seen[1], seen
+    assert not events(run_dir, "error"), events(run_dir, "error")
+    nothing_alive(run_dir)
+    record("rank 0 saves the result for 20 s (watchdog 6 s, collective timeout 12 s)",
+           f"completed; phases seen {sorted(seen[0])} / {sorted(seen[1])}", took)  # fmt: skip
 
 
 @pytest.fixture(autouse=True, scope="module")
