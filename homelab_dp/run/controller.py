@@ -73,6 +73,7 @@ class Prepared:
             nproc_per_node=self.resolved.world_size // rdzv.nnodes,
             gpu_indices=tuple(self.planned.hardware.indices),
             rendezvous=rdzv,
+            gpu_uuids=tuple(self.planned.hardware.uuids),
         )
         return RunSpec(
             run_id=run_id,
@@ -122,7 +123,8 @@ class RunController:
         force: bool = False,
         nnodes: int = 1,
     ) -> Prepared:
-        """Preflight in this process: preset, model folder, plan, data. Raises HomelabError."""
+        """Preflight in this process: preset, plan, torch for a CUDA plan, model folder, data.
+        Raises HomelabError."""
         preset = open_preset(preset_ref, overrides)
         if gpus and not gpus.lower().startswith("cpu"):
             raise HomelabError(
@@ -141,6 +143,7 @@ class RunController:
                 hint=("; ".join(p.advice) or "see `homelab-dp plan`")
                 + " — or pass --force to try anyway",
             )
+        preflight.check_torch_sees_cards(planned.hardware, planned.report)
         preflight.check_model_folder(preset)
         ws = p.world_size * nnodes  # multi-node: every node runs the same devices
         blocks = preflight.check_data(preset, planned.spec.max_positions, ws, p.micro_batch)

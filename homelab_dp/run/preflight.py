@@ -1,4 +1,5 @@
-"""Checks made in the parent process before anything is spawned: model folder, data, plan.
+"""Checks made in the parent process before anything is spawned: model folder, data, plan,
+and for a CUDA plan that the installed torch sees the planned cards.
 
 Every problem found here is a `HomelabError` (exit 2, nothing started, nothing written).
 """
@@ -9,8 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core.hardware import HardwareReport, PlanHardware
 from homelab_dp.core.preset import Preset
-from homelab_dp.errors import DataError, ModelSpecError
+from homelab_dp.errors import DataError, HardwareSpecError, ModelSpecError
+from homelab_dp.run import doctor
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -42,6 +45,23 @@ def check_model_folder(preset: Preset) -> None:
             "and model.trust_remote_code is false",
             hint="read the folder's .py files first; then set model.trust_remote_code = true",
         )
+
+
+def check_torch_sees_cards(hardware: PlanHardware, report: HardwareReport | None) -> None:
+    """A CUDA plan needs a torch that can use the probed cards: a CUDA build whose CUDA starts
+    and that lists the same cards as NVML. CPU plans never import torch here."""
+    if hardware.kind != "cuda" or report is None or not report.gpus:
+        return
+    problem = doctor.torch_mismatch(report, doctor.torch_facts())
+    if problem is None:
+        return
+    planned = ", ".join(str(i) for i in hardware.indices) or "?"
+    message, hint = problem
+    gpus = "GPUs" if len(hardware.indices) > 1 else "GPU"
+    raise HardwareSpecError(
+        f"the plan uses {gpus} {planned}: {message}",
+        f"{hint}; `homelab-dp doctor` checks the whole machine",
+    )
 
 
 def load_tokenizer(preset: Preset) -> Any:
