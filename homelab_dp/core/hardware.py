@@ -93,6 +93,12 @@ class HardwareReport:
     about a card that could not be read."""
     source: str | None = None
     """Where the GPU facts came from: "nvml", or "recording <file>" for recorded hardware."""
+    visible_devices: str | None = None
+    """CUDA_VISIBLE_DEVICES as the probe found it (None: unset). When set, `gpus` and `links`
+    hold only the cards it leaves visible, each still numbered by its NVML index, and `notice`
+    says what it hides (rules: `homelab_dp.probe.visible`)."""
+    hidden_gpus: tuple[int, ...] = ()
+    """NVML indices of the GPUs CUDA_VISIBLE_DEVICES hides: left out of `gpus` and of plans."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict (the `probe --json` document)."""

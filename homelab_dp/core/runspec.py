@@ -66,6 +66,9 @@ class Launch:
     gpu_indices: tuple[int, ...] = ()
     """The planned GPUs by NVML index; empty on the CPU."""
     rendezvous: Rendezvous = field(default_factory=Rendezvous)
+    gpu_uuids: tuple[str, ...] = ()
+    """The same GPUs by NVML UUID, one per index (empty: not known, or a spec written before
+    this field); the launcher prefers them for CUDA_VISIBLE_DEVICES."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ class RunSpec:
             "resolved": asdict(self.resolved),
             "plan": self.plan,
             "gpu_indices": list(self.launch.gpu_indices),
+            "gpu_uuids": list(self.launch.gpu_uuids),
             "nproc_per_node": self.launch.nproc_per_node,
             "rendezvous": asdict(self.launch.rendezvous),
             "blocks": self.blocks,
@@ -160,6 +164,7 @@ class RunSpec:
             nproc_per_node=int(data.get("nproc_per_node") or resolved.world_size),
             gpu_indices=tuple(data.get("gpu_indices") or ()),
             rendezvous=rendezvous,
+            gpu_uuids=tuple(data.get("gpu_uuids") or ()),
         )
         retries = tuple(
             Retry(float(r.get("time", 0.0)), tuple(r["from"]), tuple(r["to"]))  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from typing import Any
 from homelab_dp.core.hardware import GpuInfo, GpuLink, HardwareReport
 from homelab_dp.probe.fake import FAKE_ENV, load_recording
 from homelab_dp.probe.host import host_info
+from homelab_dp.probe.visible import VISIBLE_ENV, visibility
 
 __all__ = ["FAKE_ENV", "NvmlSession", "host_info", "probe", "sample"]
 
@@ -310,27 +311,64 @@ class NvmlSession:
         return tuple(links)
 
     def report(self) -> HardwareReport:
-        """The whole probe: driver, every GPU, every pair of GPUs; the CPU host when no GPU."""
+        """The whole probe: driver, every GPU, every pair of GPUs; the CPU host when no GPU.
+
+        Only the GPUs that ``CUDA_VISIBLE_DEVICES`` leaves visible are reported, with their
+        NVML indices (`homelab_dp.probe.visible`); the rest are listed in ``hidden_gpus``.
+        """
         found = self.open()
         host = host_info(self.nvml)
+        visible_value = os.environ.get(VISIBLE_ENV)
         if not found:
-            return HardwareReport(kind="cpu", host=host, notice=self.notice, source=self.source)
+            return HardwareReport(
+                kind="cpu",
+                host=host,
+                notice=self.notice,
+                source=self.source,
+                visible_devices=visible_value,
+            )
+        opened = {index: self.gpu(index) for index in range(self.device_count)}
+        seen = visibility(
+            os.environ,
+            self.device_count,
+            {i: g.uuid for i, g in opened.items() if g is not None},
+            {i: g.name for i, g in opened.items() if g is not None},
+        )
         gpus: list[GpuInfo] = []
         warnings: list[str] = []
-        for index in range(self.device_count):
-            gpu = self.gpu(index)
+        for index, gpu in opened.items():
+            if not seen.visible(index):
+                continue
             if gpu is None:
                 warnings.append(f"GPU {index} could not be opened through NVML and is left out")
                 continue
             gpus.append(gpu)
             if not gpu.memory_total:
                 warnings.append(f"GPU {index} ({gpu.name}) did not report its memory size")
+        hidden = tuple(i for i in opened if not seen.visible(i))
         if not gpus:
-            notice = (
-                "NVML lists GPUs but none could be opened; planning for the CPU host. Check "
-                f"`nvidia-smi` and your permissions on /dev/nvidia*, {_WHAT_IF}"
+            if any(opened.values()) and seen.notice:  # every card that answers is hidden
+                notice = (
+                    f"{seen.notice}; planning for the CPU host. Unset {VISIBLE_ENV} or name the "
+                    f"cards to use in it, {_WHAT_IF}"
+                )
+            else:
+                notice = (
+                    "NVML lists GPUs but none could be opened; planning for the CPU host. Check "
+                    f"`nvidia-smi` and your permissions on /dev/nvidia*, {_WHAT_IF}"
+                )
+            return HardwareReport(
+                kind="cpu",
+                host=host,
+                notice=notice,
+                source=self.source,
+                visible_devices=visible_value,
+                hidden_gpus=hidden,
             )
-            return HardwareReport(kind="cpu", host=host, notice=notice, source=self.source)
+        notes = [
+            "; ".join(warnings) + "." if warnings else "",
+            f"{seen.notice}." if seen.notice else "",
+        ]
         return HardwareReport(
             kind="cuda",
             host=host,
@@ -338,8 +376,10 @@ class NvmlSession:
             links=self.links(gpus),
             driver_version=_text(_query(self.nvml, "nvmlSystemGetDriverVersion")),
             cuda_driver_version=_cuda_version(_query(self.nvml, "nvmlSystemGetCudaDriverVersion")),
-            notice="; ".join(warnings) + "." if warnings else None,
+            notice=" ".join(n for n in notes if n) or None,
             source=self.source,
+            visible_devices=visible_value,
+            hidden_gpus=hidden,
         )
 
     def sample(self, indices: list[int] | None = None) -> list[dict[str, Any]]:

@@ -85,7 +85,14 @@ def worker_env(spec: RunSpec) -> dict[str, str]:
     """The environment of the torchrun agent (inherited by its workers).
 
     The one place that sets ``CUDA_VISIBLE_DEVICES``: to the planned cards, so that the workers
-    train on the devices that were planned and are monitored.
+    see exactly the devices that were planned and are monitored, rank i on the i-th of them.
+    They are named by UUID when the spec has one per card (the probe's, so the same cards even
+    if the bus order changed before a resume), else by NVML index; ``CUDA_DEVICE_ORDER`` is
+    set to ``PCI_BUS_ID`` either way, because NVML indices are PCI bus order while CUDA counts
+    the fastest card first by default. A multi-node run uses the indices: a UUID names a card
+    of one machine, and each node runs the same device numbers. A user's own
+    ``CUDA_VISIBLE_DEVICES`` is not lost: the probe already kept only the cards it leaves
+    visible, so the planned ones are among them.
     """
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"  # rank logs reach their files as they are written
@@ -93,8 +100,12 @@ def worker_env(spec: RunSpec) -> dict[str, str]:
     if spec.resolved.device == "cpu" and "OMP_NUM_THREADS" not in env:
         # torchrun would set 1; the cores are better shared out between the ranks.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc)))
-    if spec.launch.gpu_indices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.launch.gpu_indices))
+    launch = spec.launch
+    if launch.gpu_indices:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        by_uuid = len(launch.gpu_uuids) == len(launch.gpu_indices) and launch.rendezvous.nnodes == 1
+        names = launch.gpu_uuids if by_uuid else tuple(map(str, launch.gpu_indices))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(names)
     if spec.launch.rendezvous.nnodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")

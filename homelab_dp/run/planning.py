@@ -43,7 +43,15 @@ def cpu_hardware(nproc: int, ram_total: int, source: str) -> PlanHardware:
 
 
 def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, HardwareReport | None]:
-    """The devices to plan for: a what-if ``--gpus`` spec, else the preset's choice of probed ones."""
+    """The devices to plan for: a what-if ``--gpus`` spec, else the preset's choice of probed ones.
+
+    ``hardware.devices`` names GPUs by NVML index, the number `homelab-dp probe` shows (PCI bus
+    order, as nvidia-smi counts), never by a CUDA ordinal; ``"auto"`` is every GPU the probe
+    reports. A user's ``CUDA_VISIBLE_DEVICES`` restricts the probe (`homelab_dp.probe.visible`):
+    only the GPUs it leaves visible can be planned, still under their NVML indices, and naming
+    a hidden one is a `HardwareSpecError`. The plan keeps each GPU's UUID, which the run puts in
+    ``CUDA_VISIBLE_DEVICES`` (`homelab_dp.run.launcher.worker_env`).
+    """
     if gpus:
         host_ram = nvml.host_info().ram_total
         return parse_gpus_spec(gpus, host_ram), None
@@ -61,6 +69,14 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
         return cpu_hardware(preset.hardware.nproc, report.host.ram_total, "probe: no GPU"), report
     by_index = {g.index: g for g in report.gpus}
     indices = list(by_index) if devices == "auto" else devices
+    hidden = [i for i in indices if i in report.hidden_gpus]
+    if hidden:
+        raise HardwareSpecError(
+            f"hardware.devices: GPU {hidden} hidden by CUDA_VISIBLE_DEVICES="
+            f"{report.visible_devices!r} (visible: {sorted(by_index)})",
+            hint="name visible GPUs by the index `homelab-dp probe` shows, or unset "
+            "CUDA_VISIBLE_DEVICES (or add the card to it)",
+        )
     missing = [i for i in indices if i not in by_index]
     if missing:
         raise HardwareSpecError(
