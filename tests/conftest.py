@@ -21,11 +21,13 @@ def in_repo(monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(autouse=True)
 def _private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
-    """Never touch the user's real runs folder, saved presets or memory calibration."""
+    """Never touch the user's real runs folder, saved presets or memory calibration, and see
+    every recorded GPU (a CUDA_VISIBLE_DEVICES of the machine running the tests would hide some)."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg")))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
     monkeypatch.setenv("HOMELAB_DP_RUNS", str(tmp_path_factory.mktemp("runs")))
     monkeypatch.delenv("HOMELAB_DP_PRESETS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
 def write_preset(
