@@ -6,7 +6,14 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.core.hardware import GpuInfo, HardwareReport, HostInfo, format_bytes
+from homelab_dp.core.hardware import (
+    BF16_MIN_CAPABILITY,
+    GpuInfo,
+    HardwareReport,
+    HostInfo,
+    format_bytes,
+    format_capability,
+)
 from homelab_dp.render.bars import gauge, load_style
 from homelab_dp.render.text import na
 
@@ -48,7 +55,16 @@ def render_probe(report: HardwareReport) -> RenderableType:
     parts: list[RenderableType] = []
     if report.gpus:
         table = Table(title=f"GPUs (driver {na(report.driver_version)})", expand=False)
-        for col in ("#", "name", "memory used/total", "util", "temp", "power/limit", "PCIe"):
+        for col in (
+            "#",
+            "name",
+            "memory used/total",
+            "compute",
+            "util",
+            "temp",
+            "power/limit",
+            "PCIe",
+        ):
             table.add_column(col)
         for g in report.gpus:
             used = format_bytes(g.memory_used) if g.memory_used is not None else "n/a"
@@ -61,6 +77,7 @@ def render_probe(report: HardwareReport) -> RenderableType:
                 str(g.index),
                 g.name,
                 f"{used} / {format_bytes(g.memory_total)}",
+                compute_text(g),
                 na(g.utilization_pct, "%"),
                 na(g.temperature_c, "°C"),
                 power,
@@ -80,6 +97,14 @@ def render_probe(report: HardwareReport) -> RenderableType:
     if report.notice:
         parts.append(Text(f"note: {report.notice}", style="yellow"))
     return Group(*parts)
+
+
+def compute_text(g: GpuInfo) -> str:
+    """Compute capability and the precision "auto" trains in on it ("8.6 bf16", "7.5 fp16")."""
+    cc = g.compute_capability
+    if cc is None:
+        return "n/a"
+    return f"{format_capability(cc)} {'bf16' if tuple(cc) >= BF16_MIN_CAPABILITY else 'fp16'}"
 
 
 # ---------------------------------------------------------------------- the TUI (Hardware)

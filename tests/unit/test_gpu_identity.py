@@ -325,3 +325,14 @@ def test_a_cpu_run_leaves_the_cuda_variables_alone(
     spec = replace(spec, resolved=replace(spec.resolved, device="cpu", dtype="fp32"))
     env = worker_env(spec)
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and "CUDA_DEVICE_ORDER" not in env
+
+
+def test_the_probe_table_names_each_cards_capability_and_precision() -> None:
+    from homelab_dp.core.hardware import GpuInfo
+    from homelab_dp.render.probe import compute_text
+
+    assert (
+        compute_text(GpuInfo(0, "RTX 2080 Ti", 11 * 2**30, compute_capability=(7, 5))) == "7.5 fp16"
+    )
+    assert compute_text(GpuInfo(1, "RTX 3090", 24 * 2**30, compute_capability=(8, 6))) == "8.6 bf16"
+    assert compute_text(GpuInfo(2, "unknown", 24 * 2**30)) == "n/a"
