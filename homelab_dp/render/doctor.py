@@ -40,15 +40,17 @@ def render_doctor(checks: Sequence[Check]) -> RenderableType:
     return Group(table, Text(summary(checks), style=style))
 
 
-def checks_text(checks: Sequence[Check]) -> Text:
-    """The Hardware screen's panel: a line per check, its hint under it, then the summary."""
-    width = max((len(c.name) for c in checks), default=0)
-    out = Text()
+def checks_panel(checks: Sequence[Check]) -> RenderableType:
+    """The Hardware screen's panel: a row per check (mark, name, detail with its hint under
+    it), then the summary."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(no_wrap=True)
+    grid.add_column(ratio=1)
     for c in checks:
-        out.append(f"{MARK[c.status]} ", style=STYLE[c.status])
-        out.append(f"{c.name:<{width}}  ", style="bold" if c.status == "fail" else "")
-        out.append(f"{c.detail}\n", style="bright_black" if c.status == "skip" else "")
+        detail = Text(c.detail, style="bright_black" if c.status == "skip" else "")
         if c.hint:
-            out.append(f"  → {c.hint}\n", style="cyan")
-    out.append(summary(checks), style="bold")
-    return out
+            detail.append(f"\n→ {c.hint}", style="cyan")
+        name = Text(c.name, style="bold" if c.status == "fail" else "")
+        grid.add_row(Text(MARK[c.status], style=STYLE[c.status]), name, detail)
+    return Group(grid, Text(summary(checks), style="bold"))

@@ -90,7 +90,8 @@ class TorchFacts:
     error: str | None = None
     """Why torch could not be imported, or what CUDA said when it would not start."""
     visible_devices: str | None = None
-    """CUDA_VISIBLE_DEVICES when torch was asked: it hides cards from torch."""
+    """CUDA_VISIBLE_DEVICES when torch was asked: torch sees only the cards it names, numbered
+    in CUDA's order (the probe reads the same variable in PCI bus order)."""
 
 
 @dataclass(frozen=True)
@@ -337,8 +338,10 @@ def _visible_hint(torch: TorchFacts) -> str:
     if torch.visible_devices is None:
         return ""
     return (
-        f"CUDA_VISIBLE_DEVICES={torch.visible_devices} hides cards from torch; homelab-dp "
-        "chooses the cards itself (hardware.devices): unset it. "
+        f"CUDA_VISIBLE_DEVICES={torch.visible_devices} is set: torch reads its numbers in CUDA's "
+        "order (the fastest card first unless CUDA_DEVICE_ORDER=PCI_BUS_ID), `homelab-dp probe` "
+        "in PCI bus order; export CUDA_DEVICE_ORDER=PCI_BUS_ID or name the cards by UUID "
+        "(`nvidia-smi -L`). "
     )
 
 
