@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from textual.widgets import Static
 
+from homelab_dp.run import doctor
 from homelab_dp.run.controller import RunController
+from homelab_dp.run.doctor import BnbFacts, TorchDevice, TorchFacts
 from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.hardware import HardwareScreen
 from tests.tui.conftest import open_app, plain, use_gpus, wait_for
@@ -87,3 +89,82 @@ async def test_refresh_probes_again(
         assert (
             "One card" in plain(app, "#topology") or not app.screen.query_one("#topology").display
         )
+
+
+# ---------------------------------------------------------------------- the readiness checks
+RTX_3090 = TorchDevice("NVIDIA GeForce RTX 3090", 25_447_170_048, (8, 6))
+
+
+def stand_in(monkeypatch: pytest.MonkeyPatch, torch: TorchFacts) -> None:
+    """torch and bitsandbytes as they would answer on the recorded machine."""
+    monkeypatch.setattr(doctor, "torch_facts", lambda: torch)
+    monkeypatch.setattr(doctor, "bnb_facts", lambda want_cuda: BnbFacts("0.50.2", True, True))
+
+
+async def _checked(app: HomelabApp, pilot) -> HardwareScreen:
+    screen = await _probed(app, pilot)
+    await wait_for(pilot, lambda: screen.checks is not None, what="the readiness checks")
+    return screen
+
+
+@pytest.mark.usefixtures("in_repo")
+async def test_checks_appear_below_the_probe_and_it_does_not_move(
+    monkeypatch: pytest.MonkeyPatch, controller: RunController
+) -> None:
+    use_gpus(monkeypatch, "2x3090-nvlink")
+    stand_in(monkeypatch, TorchFacts("2.13.0+cu126", cuda="12.6", cuda_available=True,
+                                     devices=(RTX_3090, RTX_3090), nccl=True))  # fmt: skip
+    async with open_app(controller) as (app, pilot, _):
+        body = app.screen.query_one("#hw-body")
+        await _probed(app, pilot)
+        before = (app.screen.query_one("#hw-checks").region, body.virtual_size)
+        screen = await _checked(app, pilot)
+        assert (app.screen.query_one("#hw-checks").region, body.virtual_size) == before
+        assert app.screen.query_one("#hw-checks").border_title == "readiness · homelab-dp doctor"
+        text = plain(app, "#hw-checks-text")
+        assert "✓ nvml driver" in text
+        assert "✓ torch sees the cards" in text and "2 GPUs: RTX 3090, RTX 3090" in text
+        assert "NVLink ×4 (same CPU)" in text
+        assert [c.name for c in screen.checks][:3] == [
+            "nvml driver",
+            "torch build",
+            "torch sees the cards",
+        ]
+        assert "fail" not in {c.status for c in screen.checks}
+
+
+@pytest.mark.usefixtures("in_repo")
+async def test_cpu_torch_with_gpus_shows_the_failure_and_how_to_fix_it(
+    monkeypatch: pytest.MonkeyPatch, controller: RunController
+) -> None:
+    use_gpus(monkeypatch, "2x3090-nvlink")
+    stand_in(monkeypatch, TorchFacts("2.13.0+cpu"))
+    async with open_app(controller) as (app, pilot, _):
+        await _checked(app, pilot)
+        text = plain(app, "#hw-checks-text", width=400)
+        assert "✗ torch build" in text
+        assert (
+            "→ install the CUDA build of torch: pip uninstall -y torch && pip install torch "
+            in text
+        )
+        assert "--index-url https://download.pytorch.org/whl/cu126" in text
+        assert "1 fail · " in text
+
+
+@pytest.mark.usefixtures("in_repo")
+async def test_no_gpu_skips_every_gpu_check(
+    monkeypatch: pytest.MonkeyPatch, controller: RunController
+) -> None:
+    use_gpus(monkeypatch, "no-driver")
+    stand_in(monkeypatch, TorchFacts("2.13.0+cpu"))
+    async with open_app(controller) as (app, pilot, _):
+        screen = await _checked(app, pilot)
+        gpu = [
+            c for c in screen.checks if c.name not in ("disk", "host RAM", "/dev/shm", "open files")
+        ]
+        assert {c.status for c in gpu} == {"skip"}
+        (line,) = [
+            ln for ln in plain(app, "#hw-checks-text").splitlines() if "compute capability" in ln
+        ]
+        assert line.startswith("– compute capability ")
+        assert "no GPU: no NVIDIA driver found" in line

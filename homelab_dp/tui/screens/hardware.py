@@ -1,16 +1,22 @@
-"""Screen 1, Hardware: the probe — a card per GPU, the links between them, the CPU host."""
+"""Screen 1, Hardware: the probe — a card per GPU, the links between them, the CPU host — and
+below it the readiness checks of `homelab-dp doctor`."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, VerticalScroll
+from textual.containers import Grid, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
+from textual.worker import get_current_worker
 
 from homelab_dp.core.hardware import HardwareReport
 from homelab_dp.probe import nvml
+from homelab_dp.render.doctor import checks_panel
 from homelab_dp.render.probe import (
     gpu_card,
     gpu_title,
@@ -18,6 +24,9 @@ from homelab_dp.render.probe import (
     summary_text,
     topology_text,
 )
+from homelab_dp.run import doctor
+
+CHECKS_NOTE = "The checks of `homelab-dp doctor`; r runs them again."
 
 
 class HardwareScreen(Screen[None]):
@@ -29,6 +38,7 @@ class HardwareScreen(Screen[None]):
     def __init__(self) -> None:
         super().__init__()
         self.report: HardwareReport | None = None
+        self.checks: list[doctor.Check] | None = None
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -38,23 +48,48 @@ class HardwareScreen(Screen[None]):
             yield Grid(id="gpu-cards")
             yield Static(id="topology", classes="panel")
             yield Static(id="host", classes="panel")
+            # One screenful, scrolling inside below a fixed first line: whatever the checks
+            # say and whenever they arrive, nothing above them moves.
+            with Vertical(id="hw-checks", classes="panel"):
+                yield Static(CHECKS_NOTE, id="hw-checks-note")
+                with VerticalScroll(id="hw-checks-scroll"):
+                    yield Static(id="hw-checks-text")
         yield Footer()
 
     def on_mount(self) -> None:
         self.sub_title = "1 Hardware"
         self.query_one("#topology").border_title = "between cards"
         self.query_one("#host").border_title = "host"
+        self.query_one("#hw-checks").border_title = "readiness · homelab-dp doctor"
         self.action_refresh()
 
     def action_refresh(self) -> None:
-        """Probe again (NVML can take a moment on a busy driver, so off the UI thread)."""
+        """Probe and check again, off the UI thread: NVML can take a moment on a busy driver,
+        and the checks import torch and bitsandbytes (seconds, the first time)."""
         self.query_one("#hw-summary", Static).update("probing…")
+        self.query_one("#hw-checks-text", Static).update(
+            "checking the driver, torch, NCCL, bitsandbytes, disk and limits…"
+        )
         self._probe()
 
     @work(thread=True, exclusive=True, group="probe")
     def _probe(self) -> None:
         report = nvml.probe()
-        self.app.call_from_thread(self.show, report)
+        if not self._deliver(self.show, report):
+            return
+        checks = doctor.run_checks(doctor.gather(report))
+        self._deliver(self.show_checks, checks)
+
+    def _deliver(self, show: Callable[[Any], Any], value: Any) -> bool:
+        """Hand a result to the UI thread; False when a refresh replaced this work or the app
+        has gone meanwhile."""
+        if get_current_worker().is_cancelled:
+            return False
+        try:
+            self.app.call_from_thread(show, value)
+        except RuntimeError:  # the app closed while this thread worked
+            return False
+        return True
 
     async def show(self, report: HardwareReport) -> None:
         """Fill the screen from a probe report."""
@@ -76,3 +111,8 @@ class HardwareScreen(Screen[None]):
         topology.update(topology_text(report))
         topology.display = bool(report.gpus)
         self.query_one("#host", Static).update(host_text(report.host))
+
+    def show_checks(self, checks: list[doctor.Check]) -> None:
+        """Fill the readiness panel (the same checks as `homelab-dp doctor`)."""
+        self.checks = checks
+        self.query_one("#hw-checks-text", Static).update(checks_panel(checks))
