@@ -185,7 +185,12 @@ def bnb_facts(want_cuda: bool) -> BnbFacts:
         return BnbFacts(None)
     noise = io.StringIO()
     try:
-        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+        with (
+            contextlib.redirect_stdout(noise),
+            contextlib.redirect_stderr(noise),
+            warnings.catch_warnings(),  # its imports warn about torch APIs it still uses
+        ):
+            warnings.simplefilter("ignore")
             from bitsandbytes import cextension
     except Exception as exc:
         return BnbFacts(version, error=f"{type(exc).__name__}: {exc}")
