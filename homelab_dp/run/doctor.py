@@ -319,7 +319,13 @@ def install_hint(report: HardwareReport, torch: TorchFacts) -> str:
     """How to install the CUDA build of torch that this driver runs."""
     caps = [capability_of(g, torch) for g in report.gpus]
     tag = wheel_tag(report.cuda_driver_version, caps)
-    driver = report.cuda_driver_version or "unknown"
+    driver = report.cuda_driver_version
+    if driver is None:
+        return (
+            "install the CUDA build of torch for your driver (`nvidia-smi` shows its CUDA "
+            f"version), e.g. for CUDA 12: pip uninstall -y torch && pip install torch "
+            f"--index-url {WHEEL_INDEX}cu126"
+        )
     if tag is None:
         return (
             f"the driver supports CUDA {driver}, older than any current torch build: update the "

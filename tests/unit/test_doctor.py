@@ -180,6 +180,18 @@ def test_torch_built_for_a_newer_cuda_major_than_the_driver() -> None:
     assert "whl/cu126" in build.hint
 
 
+@pytest.mark.parametrize(
+    ("driver", "said"),
+    [
+        ("11.4", "the driver supports CUDA 11.4, older than any current torch build"),
+        (None, "`nvidia-smi` shows its CUDA version"),
+    ],
+)
+def test_install_hint_for_an_old_or_unknown_driver(driver: str | None, said: str) -> None:
+    report = replace(recorded("2x2080ti"), cuda_driver_version=driver)
+    assert said in doctor.install_hint(report, CPU_TORCH)
+
+
 def test_torch_that_sees_fewer_cards_names_both_lists() -> None:
     report = recorded("2xa6000-nvlink")
     check = by_name(doctor.run_checks(facts(report, cuda_torch(A6000))))["torch sees the cards"]
