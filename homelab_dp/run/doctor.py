@@ -12,18 +12,31 @@ refused (exit 2) when the installed torch cannot see the planned cards.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-import re
-import shutil
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Literal
 
-from homelab_dp.core.hardware import GiB, GpuInfo, HardwareReport, format_bytes
+from homelab_dp.core.hardware import BF16_MIN_CAPABILITY, GiB, HardwareReport, format_bytes
+from homelab_dp.run.cuda_torch import (
+    capability_of,
+    card_names,
+    install_hint,
+    is_consumer,
+    no_gpu,
+    parse_version,
+    same_card,
+    short_name,
+    torch_mismatch,
+    torch_unusable,
+)
+from homelab_dp.run.machine_facts import (
+    Facts,
+    bnb_facts,
+    disk_facts,
+    nofile_limit,
+    shm_bytes,
+    torch_facts,
+)
 
 Status = Literal["ok", "warn", "fail", "skip"]
 STATUSES: tuple[Status, ...] = ("ok", "warn", "fail", "skip")
@@ -43,12 +56,6 @@ NOFILE_WARN = 4096
 """An open-file limit below this warns: NCCL, the ranks' logs and the data loader open many."""
 MEMORY_TOLERANCE = 0.05
 """torch's and NVML's memory size of one card may differ by this fraction (CUDA reserves some)."""
-BF16_CAPABILITY = (8, 0)
-"""bf16 needs compute capability 8.0 (Ampere) or newer; older cards train in fp16."""
-
-WHEEL_INDEX = "https://download.pytorch.org/whl/"
-MIN_DRIVER = {11: "450.80", 12: "525.60", 13: "580"}
-"""The oldest Linux driver for each CUDA major version (minor versions are compatible)."""
 
 
 @dataclass(frozen=True)
@@ -62,178 +69,6 @@ class Check:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class TorchDevice:
-    """One card as torch sees it."""
-
-    name: str
-    memory_total: int
-    capability: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class TorchFacts:
-    """What the installed torch says about CUDA."""
-
-    version: str | None
-    """torch.__version__, or None when torch cannot be imported."""
-    cuda: str | None = None
-    """torch.version.cuda: the CUDA the build was made for; None for a CPU-only build."""
-    hip: str | None = None
-    """torch.version.hip: set for a ROCm build (which cannot drive NVIDIA cards)."""
-    cuda_available: bool = False
-    devices: tuple[TorchDevice, ...] = ()
-    nccl: bool = False
-    """torch.distributed.is_nccl_available()."""
-    error: str | None = None
-    """Why torch could not be imported, or what CUDA said when it would not start."""
-    visible_devices: str | None = None
-    """CUDA_VISIBLE_DEVICES when torch was asked: torch sees only the cards it names, numbered
-    in CUDA's order (the probe reads the same variable in PCI bus order)."""
-
-
-@dataclass(frozen=True)
-class BnbFacts:
-    """Whether bitsandbytes imports and has loaded its CUDA kernels."""
-
-    version: str | None
-    """The installed version, or None when it is not installed."""
-    imported: bool = False
-    cuda_kernels: bool = False
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class DiskFacts:
-    path: str
-    """The runs folder (measured at the nearest folder above it that exists)."""
-    free: int
-    total: int
-
-
-@dataclass(frozen=True)
-class Facts:
-    """Everything the checks look at."""
-
-    report: HardwareReport
-    torch: TorchFacts
-    bnb: BnbFacts
-    disk: DiskFacts | None = None
-    shm_bytes: int | None = None
-    """Size of /dev/shm; None where there is none."""
-    nofile: tuple[int, int] | None = None
-    """RLIMIT_NOFILE (soft, hard); -1 is unlimited; None where it cannot be read."""
-
-
-# ---------------------------------------------------------------------- gathering (impure)
-def torch_facts() -> TorchFacts:
-    """Ask the installed torch about CUDA (imports torch; initialises CUDA on a GPU machine).
-
-    The one place torch is asked: tests replace this function to stand for another torch.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        import torch
-    except Exception as exc:  # not installed, or a broken install (missing .so, ABI)
-        return TorchFacts(None, error=f"{type(exc).__name__}: {exc}", visible_devices=visible)
-    cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
-    nccl = False
-    with contextlib.suppress(Exception):
-        import torch.distributed as dist
-
-        nccl = bool(dist.is_available() and dist.is_nccl_available())
-    available, devices, error = False, (), None
-    if cuda:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                available = torch.cuda.is_available()
-                if available:
-                    props = [
-                        torch.cuda.get_device_properties(i)
-                        for i in range(torch.cuda.device_count())
-                    ]
-                    devices = tuple(
-                        TorchDevice(p.name, int(p.total_memory), (p.major, p.minor)) for p in props
-                    )
-            except Exception as exc:  # CUDA refused to start: the driver, a lost card
-                available, error = False, f"{type(exc).__name__}: {exc}"
-        if not available and error is None and caught:
-            error = " ".join(str(caught[-1].message).split())
-    return TorchFacts(
-        torch.__version__,
-        cuda=cuda,
-        hip=hip,
-        cuda_available=available,
-        devices=devices,
-        nccl=nccl,
-        error=error,
-        visible_devices=visible,
-    )
-
-
-def bnb_facts(want_cuda: bool) -> BnbFacts:
-    """Import bitsandbytes (quietly: it prints about missing optional kernels) and see whether
-    its CUDA library loaded (``want_cuda``: a GPU machine, where it should have)."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("bitsandbytes")
-    except metadata.PackageNotFoundError:
-        return BnbFacts(None)
-    noise = io.StringIO()
-    try:
-        with (
-            contextlib.redirect_stdout(noise),
-            contextlib.redirect_stderr(noise),
-            warnings.catch_warnings(),  # its imports warn about torch APIs it still uses
-        ):
-            warnings.simplefilter("ignore")
-            from bitsandbytes import cextension
-    except Exception as exc:
-        return BnbFacts(version, error=f"{type(exc).__name__}: {exc}")
-    lib = getattr(cextension, "lib", None)
-    # The library object answers any attribute, so read what it holds, not what it makes up
-    held = vars(lib) if lib is not None and hasattr(lib, "__dict__") else {}
-    loaded = bool(getattr(type(lib), "compiled_with_cuda", False)) and "error_msg" not in held
-    error = None
-    if want_cuda and not loaded:
-        error = str(held.get("error_msg") or "").strip().splitlines()
-        error = error[0] if error else "bitsandbytes loaded its CPU library only"
-    return BnbFacts(version, imported=True, cuda_kernels=loaded, error=error)
-
-
-def disk_facts(path: Path) -> DiskFacts | None:
-    """Free space where ``path`` is (or will be: the nearest folder above it that exists)."""
-    path = path.absolute()
-    where = path
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        usage = shutil.disk_usage(where)
-    except OSError:
-        return None
-    return DiskFacts(str(path), usage.free, usage.total)
-
-
-def shm_bytes(path: str = "/dev/shm") -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_blocks * st.f_frsize
-
-
-def nofile_limit() -> tuple[int, int] | None:
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return None
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    unlimited = resource.RLIM_INFINITY
-    return (-1 if soft == unlimited else soft, -1 if hard == unlimited else hard)
 
 
 def gather(report: HardwareReport | None = None) -> Facts:
@@ -250,167 +85,6 @@ def gather(report: HardwareReport | None = None) -> Facts:
         shm_bytes=shm_bytes(),
         nofile=nofile_limit(),
     )
-
-
-# ---------------------------------------------------------------------- helpers (pure)
-def parse_version(text: str | None) -> tuple[int, int] | None:
-    """``"12.4"`` -> (12, 4); None for anything else."""
-    m = re.match(r"^\s*(\d+)\.(\d+)", text or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def short_name(name: str) -> str:
-    """``NVIDIA GeForce RTX 3090`` -> ``RTX 3090``: what both NVML and torch call a card."""
-    return name.removeprefix("NVIDIA ").removeprefix("GeForce ").strip()
-
-
-def _key(name: str) -> str:
-    return " ".join(short_name(name).lower().split())
-
-
-def _same_card(a: str, b: str) -> bool:
-    return _key(a) == _key(b)
-
-
-def _names(names: Sequence[str]) -> str:
-    return ", ".join(short_name(n) for n in names) if names else "none"
-
-
-def is_consumer(name: str) -> bool:
-    """GeForce and TITAN cards: NVIDIA turns PCIe peer-to-peer off on most of them."""
-    lowered = name.lower()
-    return "geforce" in lowered or "titan" in lowered
-
-
-def capability_of(gpu: GpuInfo, torch: TorchFacts) -> tuple[int, int] | None:
-    """The card's compute capability: from the probe, else from the torch device of that name."""
-    if gpu.compute_capability:
-        return (int(gpu.compute_capability[0]), int(gpu.compute_capability[1]))
-    same = [d for d in torch.devices if _same_card(d.name, gpu.name) and d.capability]
-    return same[0].capability if same else None
-
-
-def wheel_tag(
-    driver_cuda: str | None, capabilities: Sequence[tuple[int, int] | None] = ()
-) -> str | None:
-    """The PyTorch wheel index (``cu126``…) for this driver and these cards, or None when the
-    driver is too old for any current build.
-
-    CUDA minor versions are compatible, so a CUDA 12.x driver runs the cu126 build (which still
-    has kernels for Pascal and Volta); Blackwell cards (10.x, 12.x) need cu128 or newer; the
-    CUDA 13 builds drop cards older than Turing (7.5).
-    """
-    driver = parse_version(driver_cuda)
-    if driver is None:
-        return None
-    known = [c for c in capabilities if c]
-    blackwell = any(c >= (10, 0) for c in known)
-    old = any(c < (7, 5) for c in known)
-    if driver >= (13, 0):
-        return "cu126" if old else "cu130"
-    if driver >= (12, 0):
-        return "cu128" if blackwell and driver >= (12, 8) else "cu126"
-    if driver >= (11, 8):
-        return "cu118"
-    return None
-
-
-def install_hint(report: HardwareReport, torch: TorchFacts) -> str:
-    """How to install the CUDA build of torch that this driver runs."""
-    caps = [capability_of(g, torch) for g in report.gpus]
-    tag = wheel_tag(report.cuda_driver_version, caps)
-    driver = report.cuda_driver_version
-    if driver is None:
-        return (
-            "install the CUDA build of torch for your driver (`nvidia-smi` shows its CUDA "
-            f"version), e.g. for CUDA 12: pip uninstall -y torch && pip install torch "
-            f"--index-url {WHEEL_INDEX}cu126"
-        )
-    if tag is None:
-        return (
-            f"the driver supports CUDA {driver}, older than any current torch build: update the "
-            "NVIDIA driver (CUDA 12 needs 525.60 or newer), then install the CUDA build of torch"
-        )
-    built = f"{tag[2:-1]}.{tag[-1]}"
-    return (
-        f"install the CUDA build of torch: pip uninstall -y torch && "
-        f"pip install torch --index-url {WHEEL_INDEX}{tag} (CUDA {built}; "
-        f"the driver supports CUDA {driver})"
-    )
-
-
-def no_gpu(report: HardwareReport) -> str:
-    """Why GPU checks are skipped, from the probe's notice: ``no GPU: no NVIDIA driver found``."""
-    reason = re.sub(r"\s*\(.*\)$", "", (report.notice or "").split(";")[0].strip().rstrip("."))
-    return f"no GPU: {reason[:1].lower()}{reason[1:]}" if reason else "no GPU"
-
-
-def _visible_hint(torch: TorchFacts) -> str:
-    if torch.visible_devices is None:
-        return ""
-    return (
-        f"CUDA_VISIBLE_DEVICES={torch.visible_devices} is set: torch reads its numbers in CUDA's "
-        "order (the fastest card first unless CUDA_DEVICE_ORDER=PCI_BUS_ID), `homelab-dp probe` "
-        "in PCI bus order; export CUDA_DEVICE_ORDER=PCI_BUS_ID or name the cards by UUID "
-        "(`nvidia-smi -L`). "
-    )
-
-
-def torch_unusable(report: HardwareReport, torch: TorchFacts) -> tuple[str, str] | None:
-    """Why the installed torch cannot drive the probed GPUs at all, as (problem, hint): not
-    importable, a CPU-only (or ROCm) build, or CUDA would not start. None when it can."""
-    if not report.gpus:
-        return None
-    if torch.version is None:
-        return (
-            f"torch cannot be imported ({torch.error})",
-            "install torch into this environment: " + install_hint(report, torch),
-        )
-    if not torch.cuda or torch.hip:
-        build = f"a ROCm build (HIP {torch.hip})" if torch.hip else "a CPU-only build"
-        return (
-            f"the installed torch {torch.version} is {build}: it cannot use the GPUs",
-            install_hint(report, torch) + "; or run on the CPU with --gpus cpu:N",
-        )
-    if not torch.cuda_available:
-        why = f": {torch.error}" if torch.error else ""
-        built, driver = parse_version(torch.cuda), parse_version(report.cuda_driver_version)
-        if built and driver and built[0] > driver[0]:
-            hint = (
-                f"torch was built for CUDA {torch.cuda} but the driver supports CUDA "
-                f"{report.cuda_driver_version}: update the driver (CUDA {built[0]} needs "
-                f"{MIN_DRIVER.get(built[0], 'a newer one')} or newer), or "
-                + install_hint(report, torch)
-            )
-        else:
-            hint = (
-                _visible_hint(torch) + "check that `nvidia-smi` works and that you may open "
-                "/dev/nvidia*; in a container, start it with --gpus all"
-            )
-        return f"torch {torch.version} (CUDA {torch.cuda}) cannot start CUDA{why}", hint
-    return None
-
-
-def torch_mismatch(report: HardwareReport, torch: TorchFacts) -> tuple[str, str] | None:
-    """Why the installed torch cannot train on the probed cards, as (problem, hint), naming
-    both lists of cards; None when it sees them all (same count, same names; torch may number
-    them in another order)."""
-    if not report.gpus:
-        return None
-    nvml_names = [g.name for g in report.gpus]
-    listed = f"NVML lists {len(nvml_names)} ({_names(nvml_names)})"
-    unusable = torch_unusable(report, torch)
-    if unusable:
-        return f"{unusable[0]}; {listed}", unusable[1]
-    torch_names = [d.name for d in torch.devices]
-    if sorted(map(_key, nvml_names)) != sorted(map(_key, torch_names)):
-        return (
-            f"torch sees {len(torch_names)} GPU{'s' if len(torch_names) != 1 else ''} "
-            f"({_names(torch_names)}) but {listed}",
-            _visible_hint(torch) + "`nvidia-smi` and torch should list the same cards; check "
-            "the driver and that no card is held by another container or VM",
-        )
-    return None
 
 
 # ---------------------------------------------------------------------- the checks (pure)
@@ -460,7 +134,7 @@ def check_torch_devices(f: Facts) -> Check:
     unused = list(t.devices)
     far = []
     for g in r.gpus:
-        d = next(d for d in unused if _same_card(d.name, g.name))
+        d = next(d for d in unused if same_card(d.name, g.name))
         unused.remove(d)
         if (
             g.memory_total
@@ -470,7 +144,7 @@ def check_torch_devices(f: Facts) -> Check:
                 f"GPU {g.index}: torch {format_bytes(d.memory_total)}, NVML "
                 f"{format_bytes(g.memory_total)}"
             )
-    detail = f"{len(t.devices)} GPU{'s' if len(t.devices) > 1 else ''}: {_names([d.name for d in t.devices])}"
+    detail = f"{len(t.devices)} GPU{'s' if len(t.devices) > 1 else ''}: {card_names([d.name for d in t.devices])}"
     if far:
         return Check(
             name,
@@ -486,7 +160,7 @@ def check_compute(f: Facts) -> list[Check]:
     if not r.gpus:
         return [Check("compute capability", "skip", no_gpu(r))]
     caps = {g.index: capability_of(g, f.torch) for g in r.gpus}
-    no_bf16 = [i for i, c in caps.items() if c is not None and c < BF16_CAPABILITY]
+    no_bf16 = [i for i, c in caps.items() if c is not None and c < BF16_MIN_CAPABILITY]
     out = []
     for g in r.gpus:
         name = f"GPU {g.index} compute"
@@ -496,7 +170,7 @@ def check_compute(f: Facts) -> list[Check]:
             out.append(Check(name, "skip", f"{card}: compute capability not reported"))
             continue
         cc = f"{card}: compute capability {cap[0]}.{cap[1]}"
-        if cap < BF16_CAPABILITY:
+        if cap < BF16_MIN_CAPABILITY:
             out.append(
                 Check(
                     name,

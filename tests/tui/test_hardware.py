@@ -9,7 +9,7 @@ from textual.widgets import Static
 
 from homelab_dp.run import doctor
 from homelab_dp.run.controller import RunController
-from homelab_dp.run.doctor import BnbFacts, TorchDevice, TorchFacts
+from homelab_dp.run.machine_facts import BnbFacts, TorchDevice, TorchFacts
 from homelab_dp.tui.app import HomelabApp
 from homelab_dp.tui.screens.hardware import HardwareScreen
 from tests.tui.conftest import open_app, plain, use_gpus, wait_for

@@ -14,7 +14,9 @@ from homelab_dp.probe.fake import load_recording
 from homelab_dp.probe.nvml import probe
 from homelab_dp.render.doctor import checks_panel, render_doctor, summary
 from homelab_dp.run import doctor
-from homelab_dp.run.doctor import BnbFacts, Check, DiskFacts, Facts, TorchDevice, TorchFacts
+from homelab_dp.run.cuda_torch import install_hint, wheel_tag
+from homelab_dp.run.doctor import Check
+from homelab_dp.run.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
 
 from ..conftest import DATA
 
@@ -189,7 +191,7 @@ def test_torch_built_for_a_newer_cuda_major_than_the_driver() -> None:
 )
 def test_install_hint_for_an_old_or_unknown_driver(driver: str | None, said: str) -> None:
     report = replace(recorded("2x2080ti"), cuda_driver_version=driver)
-    assert said in doctor.install_hint(report, CPU_TORCH)
+    assert said in install_hint(report, CPU_TORCH)
 
 
 def test_torch_that_sees_fewer_cards_names_both_lists() -> None:
@@ -259,7 +261,7 @@ def test_bitsandbytes_on_a_gpu_box(bnb: BnbFacts, status: str, said: str) -> Non
     ],
 )
 def test_wheel_for_the_driver(driver: str | None, caps: list, tag: str | None) -> None:
-    assert doctor.wheel_tag(driver, caps) == tag
+    assert wheel_tag(driver, caps) == tag
 
 
 # ---------------------------------------------------------------------- the host
@@ -372,3 +374,19 @@ def test_this_machine_without_a_gpu(monkeypatch, capsys) -> None:
     assert [c["name"] for c in checks] == [*GPU_CHECKS, *HOST_CHECKS]
     assert {c["status"] for c in checks[: len(GPU_CHECKS)]} == {"skip"}
     assert all(c["status"] != "fail" for c in checks)
+
+
+def test_torch_is_asked_in_a_child_so_the_front_end_never_holds_cuda() -> None:
+    """The TUI and the CLI stay up while a run trains: asking torch in-process would initialise
+    CUDA there and hold a context's memory on every card."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from homelab_dp.run import doctor\n"
+        "f = doctor.gather()\n"
+        "print(json.dumps([f.torch.version is not None, 'torch' in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == [True, False]

@@ -10,7 +10,7 @@ from homelab_dp.cli import main
 from homelab_dp.errors import HomelabError
 from homelab_dp.run import doctor
 from homelab_dp.run.controller import make_controller
-from homelab_dp.run.doctor import TorchDevice, TorchFacts
+from homelab_dp.run.machine_facts import TorchDevice, TorchFacts
 
 from ..conftest import DATA
 
