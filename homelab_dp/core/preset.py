@@ -111,6 +111,11 @@ class TrainSection:
     collective_timeout_s: int = 0
     """Seconds a collective (all-reduce, barrier) waits for the other ranks before it fails the
     run; 0: 60 on the CPU, 600 on CUDA."""
+    deterministic: bool = False
+    """CUDA: deterministic kernels (torch.use_deterministic_algorithms, cuDNN deterministic and
+    not benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8), for bitwise resume on the same cards;
+    some kernels get slower and an op without a deterministic kernel fails the run. The CPU is
+    exact without it."""
 
 
 @dataclass

@@ -106,6 +106,8 @@ def worker_env(spec: RunSpec) -> dict[str, str]:
         by_uuid = len(launch.gpu_uuids) == len(launch.gpu_indices) and launch.rendezvous.nnodes == 1
         names = launch.gpu_uuids if by_uuid else tuple(map(str, launch.gpu_indices))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(names)
+    if spec.preset.train.deterministic:  # cuBLAS reads it when CUDA starts: before the workers
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if spec.launch.rendezvous.nnodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")

@@ -247,10 +247,29 @@ class SetUp:
     """`train.memtrack.WorkerMemory`: probes the memory of the set-up and of chosen steps."""
 
 
+def set_determinism(deterministic: bool) -> None:
+    """``train.deterministic``: deterministic kernels only, before CUDA starts.
+
+    torch.use_deterministic_algorithms (an op without a deterministic kernel raises), cuDNN
+    deterministic and not benchmarking; cuBLAS also needs ``CUBLAS_WORKSPACE_CONFIG``, which the
+    launcher puts in the workers' environment (set here too for a worker started otherwise).
+    """
+    if not deterministic:
+        return
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    log.info("deterministic algorithms on (train.deterministic)")
+
+
 def set_up(spec: RunSpec, run_dir: Path, events: Any, resume: bool) -> SetUp:
     """The process group, the data, the model (memory probed around it), the resume point."""
     from homelab_dp.train.memtrack import WorkerMemory
 
+    set_determinism(spec.preset.train.deterministic)
     rank = init_distributed(spec)
     data = load_data(spec.preset, rank)
     memory = WorkerMemory(spec, rank.device, data.total_steps)

@@ -125,3 +125,21 @@ def test_zero1_resume_is_bitwise(
     assert run(rd, 2, resume=True) == 0
     _resumed_from(rd, 3)
     assert bitwise_equal(final_weights(rd), final_weights(ddp_full))
+
+
+def test_deterministic_algorithms_change_nothing_on_the_cpu(
+    ddp_full: Path, tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    """``train.deterministic = true`` turns torch's deterministic-only mode on in every rank (no
+    op of a CPU run lacks a deterministic kernel), and the CPU, exact already, gives the same
+    bits: stopped, resumed, and bit for bit the uninterrupted run without the switch."""
+    data = data_dir / "ragged-12.jsonl"
+    rd = make_run(tmp_path, tiny_model, data, name="deterministic", distribution="ddp",
+                  train={**TRAIN, "deterministic": True})  # fmt: skip
+    assert run(rd, 2, stop_at=2) == 0
+    _stopped(rd, 2)
+    assert run(rd, 2, resume=True) == 0
+    _resumed_from(rd, 2)
+    log = (rd / "logs" / "launcher.log").read_text(encoding="utf-8")
+    assert log.count("deterministic algorithms on (train.deterministic)") == 4  # 2 ranks × 2
+    assert bitwise_equal(final_weights(rd), final_weights(ddp_full))
