@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -42,6 +43,10 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
         inner = (getattr(t, a) for a in attrs)
         return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
+    if t.is_meta or isinstance(t, FakeTensor):
+        # Sizes without memory: FSDP's sharded load builds the model on meta, and DTensor
+        # propagates shardings on fake tensors of the full (global) shape.
+        return []
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):  # e.g. sparse tensors: not counted

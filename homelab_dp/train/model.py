@@ -5,12 +5,27 @@ the compute dtype with fp32 adapters; QLoRA quantizes the linear layers to 4-bit
 quantization. Everything is read from the local folder: no network, and the folder's own Python
 code runs only when the preset says ``model.trust_remote_code = true``. Results are written with
 safetensors only (never pickle).
+
+Under FSDP2 (``load_model(..., sharded=True)``) no rank but rank 0 ever holds the whole model:
+every rank builds it on the meta device (no memory), rank 0 alone also loads it on the CPU exactly
+as DDP does (``from_pretrained``, then the LoRA adapters drawn from the seeded generator), and
+after ``fully_shard`` `materialize` scatters each tensor's rows from rank 0 into each rank's new
+shard, rank 0 freeing each source tensor once it is sent. So the host holds one full copy (rank
+0's) at the start of the load and shrinks from there, each device holds its shards, and the
+weights and adapters are bit for bit those every DDP rank loads. Non-persistent buffers (rotary
+``inv_freq``) are sent too, never recomputed or left on meta; a tied lm_head is one parameter on
+both sides and is sent once. Chosen over ``set_model_state_dict(broadcast_from_rank0=True)``,
+which broadcasts every full tensor to every rank and loads only state-dict keys (not the
+non-persistent buffers), and over ``model.to_empty``, which allocates every shard before the
+first is filled (rank 0 would hold its shards beside the whole source copy).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +35,7 @@ from torch import nn
 
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.runspec import Resolved
+from homelab_dp.errors import HomelabError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +60,11 @@ class LoadedModel:
     trainable_params: int
     decoder_layers: list[nn.Module]
     """The transformer blocks: the unit FSDP2 shards and activation checkpointing recomputes."""
+    on_meta: bool = False
+    """Built on the meta device (a sharded load): `materialize` must run after ``fully_shard``."""
+    source: nn.Module | None = None
+    """Sharded load, rank 0 only: the same model with its real weights on the CPU, loaded as DDP
+    loads it; `materialize` sends it into the shards and drops it."""
 
 
 def compute_dtype(resolved: Resolved) -> torch.dtype:
@@ -67,11 +88,19 @@ def load_tokenizer(preset: Preset) -> Any:
     )
 
 
-def load_model(preset: Preset, resolved: Resolved, device: torch.device) -> LoadedModel:
-    """Load the model for ``resolved.method`` on ``device``; LoRA adapters are seeded by train.seed."""
+def load_model(
+    preset: Preset, resolved: Resolved, device: torch.device, *, sharded: bool = False
+) -> LoadedModel:
+    """Load the model for ``resolved.method`` on ``device``; LoRA adapters are seeded by train.seed.
+
+    ``sharded`` (FSDP2, an initialised process group): build it on the meta device, rank 0 also
+    loading the real weights on the CPU (see the module docstring); QLoRA always loads whole.
+    """
     from transformers import AutoModelForCausalLM
 
     method = resolved.method
+    if sharded and method != "qlora":
+        return _load_on_meta(preset, resolved)
     kwargs: dict[str, Any] = {"trust_remote_code": preset.model.trust_remote_code}
     if method == "qlora":
         from transformers import BitsAndBytesConfig
@@ -115,6 +144,172 @@ def load_model(preset: Preset, resolved: Resolved, device: torch.device) -> Load
     layers = decoder_layers(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return LoadedModel(model, method != "full", params, trainable, layers)
+
+
+def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
+    """The sharded load's first half: the model on meta everywhere, on the CPU on rank 0."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = None
+    if dist.get_rank() == 0:  # the model every DDP rank would load, adapters and all
+        source = load_model(preset, resolved, torch.device("cpu")).model
+    config = AutoConfig.from_pretrained(
+        preset.model.path, trust_remote_code=preset.model.trust_remote_code
+    )
+    dtype = compute_dtype(resolved) if resolved.method == "lora" else master_dtype(resolved)
+    with torch.device("meta"):  # parameters and buffers without storage, no generator draws
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=preset.model.trust_remote_code
+        )
+        model.config.use_cache = False
+        model.train()
+        if resolved.activation_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        params = count_params(model)
+        if resolved.method == "lora":
+            model = _add_lora(model, preset)
+    _match_source(model, source)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return LoadedModel(model, resolved.method != "full", params, trainable,
+                       decoder_layers(model), on_meta=True, source=source)  # fmt: skip
+
+
+def _tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter (a tied one once) and every buffer, persistent or not, by name."""
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _match_source(model: nn.Module, source: nn.Module | None) -> None:
+    """Check the meta model against rank 0's loaded one (a collective) and take its dtypes.
+
+    Names and shapes must agree on every rank before any tensor is sent; a dtype that differs
+    (a module ``from_pretrained`` keeps in fp32) is taken from the loaded model.
+    """
+    import torch.distributed as dist
+
+    layout: list[Any] = [None]
+    if source is not None:
+        layout = [[(n, tuple(t.shape), t.dtype) for n, t in _tensors(source)]]
+    dist.broadcast_object_list(layout, src=0)
+    mine = {n: t for n, t in _tensors(model)}
+    loaded = {n: (shape, dtype) for n, shape, dtype in layout[0]}
+    differ = sorted(set(mine) ^ set(loaded)) or [
+        n for n, t in mine.items() if tuple(t.shape) != loaded[n][0]
+    ]
+    if differ:
+        raise HomelabError(
+            f"sharded load: the model built from config.json differs from the one loaded from "
+            f"the folder ({len(differ)} tensors, first {differ[0]!r})",
+            hint="set train.distribution = 'ddp' (loads the model whole on every rank)",
+        )
+    for n, t in mine.items():
+        if t.dtype != loaded[n][1]:
+            t.data = t.data.to(loaded[n][1])
+
+
+def materialize(loaded: LoadedModel, device: torch.device) -> None:
+    """Give the sharded meta model its weights, tensor by tensor, from rank 0 (a collective).
+
+    After ``fully_shard``. Each parameter gets this rank's rows on ``device`` (FSDP2 shards dim 0
+    in ``torch.chunk`` pieces), scattered from rank 0, and takes them in place of its meta
+    tensor (``swap_tensors``: the same Parameter object, so ties and FSDP2's references hold;
+    FSDP2 pads it at its lazy init). Buffers are broadcast whole. Nothing full-sized is allocated
+    on the other ranks, and rank 0 drops each source tensor once it is sent, so its memory only
+    shrinks from the one copy it loaded (plus its shard of the tensor in flight).
+    """
+    import torch.distributed as dist
+
+    model = loaded.model
+    source: dict[str, torch.Tensor] = {}
+    if loaded.source is not None:
+        source = dict(_tensors(loaded.source))
+        loaded.source = None
+        gc.collect()  # the module tree goes; its tensors live on in ``source`` until sent
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()):  # a tied weight comes once
+            full = source.pop(name, None) if rank == 0 else None
+            real = _receive(param, full, device, rank, world)
+            del full
+            torch.utils.swap_tensors(param, nn.Parameter(real, requires_grad=param.requires_grad))
+        made: dict[int, torch.Tensor] = {}
+        for module_name, module in list(model.named_modules()):
+            for key, buf in list(module._buffers.items()):
+                if buf is None or not buf.is_meta:
+                    continue
+                if id(buf) not in made:  # a buffer shared by two modules is sent once
+                    name = f"{module_name}.{key}" if module_name else key
+                    full = source.pop(name, None) if rank == 0 else None
+                    made[id(buf)] = _receive(buf, full, device, rank, world)
+                    del full
+                module._buffers[key] = made[id(buf)]
+    left = [n for n, t in _tensors(model) if t.is_meta] + [
+        f"{type(m).__name__}.{k}"
+        for m in model.modules()
+        for k, v in vars(m).items()
+        if isinstance(v, torch.Tensor) and v.is_meta
+    ]
+    if left or source:
+        raise HomelabError(
+            f"sharded load: {len(left)} tensors left on meta (first {(left or [None])[0]!r}), "
+            f"{len(source)} loaded tensors not sent (first {next(iter(source), None)!r})",
+            hint=_DDP_HINT,
+        )
+
+
+_DDP_HINT = "set train.distribution = 'ddp' (loads the model whole on every rank)"
+
+
+def _receive(
+    t: torch.Tensor, full: torch.Tensor | None, device: torch.device, rank: int, world: int
+) -> torch.Tensor:
+    """A real tensor for the meta ``t``: this rank's shard of a DTensor, or a whole buffer.
+
+    ``full`` is rank 0's loaded tensor (None elsewhere). Every rank allocates only what it keeps
+    (and, for an uneven last shard, one padded piece); rank 0 also makes ``full``'s copy on
+    ``device`` when that is not the CPU, and pads the short pieces.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):  # buffers (and any parameter FSDP2 does not manage)
+        out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        if full is not None:
+            out.copy_(full)
+        dist.broadcast(out, src=0)
+        return out
+    if tuple(t.placements) != (Shard(0),) or t.device_mesh.ndim != 1:
+        raise HomelabError(f"sharded load: unexpected placement {t.placements}", hint=_DDP_HINT)
+    n, rest = t.shape[0], tuple(t.shape[1:])
+    rows = -(-n // world)  # torch.chunk's piece: rank r holds rows [r·rows, (r+1)·rows)
+    mine = max(0, min(rows, n - rank * rows))
+    if tuple(t.to_local().shape) != (mine, *rest):
+        raise HomelabError(
+            f"sharded load: rank {rank} holds {tuple(t.to_local().shape)}, expected {mine} rows",
+            hint=_DDP_HINT,
+        )
+    local = torch.empty((mine, *rest), dtype=t.dtype, device=device)
+    out = local if mine == rows else torch.empty((rows, *rest), dtype=t.dtype, device=device)
+    pieces = None
+    if full is not None:
+        whole = full.to(device=device, dtype=t.dtype)  # no copy on the CPU
+        pieces = []
+        for r in range(world):
+            piece = whole[r * rows : (r + 1) * rows]
+            if piece.shape[0] < rows:  # the last pieces are short or empty: pad them
+                padded = whole.new_zeros((rows, *rest))
+                padded[: piece.shape[0]] = piece
+                piece = padded
+            pieces.append(piece.contiguous())
+    dist.scatter(out, pieces, src=0)
+    if out is not local:
+        local.copy_(out[:mine])
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())  # fmt: skip
 
 
 def _add_lora(model: nn.Module, preset: Preset) -> nn.Module:

@@ -147,10 +147,15 @@ class Model:
     """A context factory: ``torch.autocast`` for bf16/fp16 on CUDA without FSDP2, else a no-op."""
 
 
-def build_model(spec: RunSpec, rank: Rank, total_steps: int) -> Model:
-    """Load the model, wrap it in its strategy, build the optimizer, schedule and precision."""
+def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None) -> Model:
+    """Load the model, wrap it in its strategy, build the optimizer, schedule and precision.
+
+    ``memory`` (`train.memtrack.WorkerMemory`): a measure run counts the loaded weights from the
+    moment they exist (`_count_loaded`).
+    """
     import torch
 
+    from homelab_dp.core.vocabulary import SHARDED
     from homelab_dp.errors import HomelabError
     from homelab_dp.train.model import load_model, master_dtype
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
@@ -159,7 +164,9 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int) -> Model:
     # Same seed on every rank: identical LoRA init without relying on a broadcast.
     torch.manual_seed(train.seed)
     random.seed(train.seed)
-    loaded = load_model(spec.preset, resolved, device)
+    # FSDP2 loads sharded: the model on meta, rank 0 alone reading the weights (train.model).
+    loaded = load_model(spec.preset, resolved, device, sharded=resolved.distribution in SHARDED)
+    _count_loaded(memory, loaded)
     strategy = wrap_model(loaded, resolved, device)
     optimizer = build_optimizer(strategy, train, resolved.lr, device)
     scheduler = build_scheduler(optimizer, train, total_steps)
@@ -175,6 +182,20 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int) -> Model:
         if not strategy.is_fsdp:  # FSDP2 casts through its MixedPrecisionPolicy
             autocast = functools.partial(torch.autocast, "cuda", dtype=dtype)
     return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast)
+
+
+def _count_loaded(memory: Any, loaded: Any) -> None:
+    """A measure run's probe counts the loaded weights (and rank 0's source copy) from now on.
+
+    ``from_pretrained`` may map weights straight from the file, where no operator shows them to
+    the probe; counted here, they leave the count when freed (the source as it is sent).
+    """
+    probe = getattr(memory, "probe", None)
+    if probe is None:
+        return
+    models = [m for m in (loaded.model, loaded.source) if m is not None]
+    probe.track({"weights": [p for m in models for p in m.parameters()],
+                 "buffers": [b for m in models for b in m.buffers()]})  # fmt: skip
 
 
 @dataclass
@@ -274,7 +295,7 @@ def set_up(spec: RunSpec, run_dir: Path, events: Any, resume: bool) -> SetUp:
     data = load_data(spec.preset, rank)
     memory = WorkerMemory(spec, rank.device, data.total_steps)
     memory.before_build()
-    model = build_model(spec, rank, data.total_steps)
+    model = build_model(spec, rank, data.total_steps, memory)
     memory.after_build(model.strategy.inner, model.optimizer)
     position = resume_position(run_dir, rank, model, events) if resume else Position()
     return SetUp(rank, data, model, position, memory)

@@ -5,6 +5,8 @@
 - ``fsdp-grad-op``: FSDP2 ``fully_shard`` per decoder layer and on the root with
   ``reshard_after_forward=False`` (gradients and optimizer state sharded, ZeRO-2-like).
 - ``fsdp-full``: the same with ``reshard_after_forward=True`` (parameters sharded too, ZeRO-3-like).
+  Both take the model as ``load_model(sharded=True)`` built it, on the meta device, and shard it
+  before any weight exists; `train.model.materialize` then sends each rank its shards from rank 0.
 
 Every strategy averages gradients over ranks, so the worker multiplies its globally normalised
 loss by the world size. On CUDA, FSDP2 computes in bf16/fp16 with fp32 gradient reduction
@@ -27,7 +29,7 @@ from homelab_dp.core.preset import TrainSection
 from homelab_dp.core.runspec import Resolved
 from homelab_dp.core.vocabulary import SHARDED
 from homelab_dp.errors import HomelabError
-from homelab_dp.train.model import LoadedModel, compute_dtype
+from homelab_dp.train.model import LoadedModel, compute_dtype, materialize
 
 
 @dataclass
@@ -100,6 +102,8 @@ def wrap_model(loaded: LoadedModel, resolved: Resolved, device: torch.device) ->
     for layer in loaded.decoder_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    if loaded.on_meta:  # built on meta (`load_model(sharded=True)`): rank 0 sends the shards
+        materialize(loaded, device)
     return Strategy(kind, model, model, _trainable(model))
 
 
