@@ -1,0 +1,395 @@
+"""Validate homelab-dp on one GPU in under 8 minutes and print the figures as markdown tables.
+
+    python benchmarks/gpu_validate.py [--budget-s 450] [--steps 8] [--json-out FILE] [--keep DIR]
+    python benchmarks/gpu_validate.py --cpu      (the same steps on the CPU, small: tests the script)
+
+Rows, each through the command line as a user would run it (``python -c`` into
+`homelab_dp.cli.main`, the repository on ``PYTHONPATH``), each bounded by what is left of the
+time budget:
+
+1. ``homelab-dp probe --json``: the cards NVML sees.
+2. ``homelab-dp doctor --json``: the readiness checks, counted by status (a build without the
+   doctor command gets a row saying so).
+3. ``homelab-dp run tiny-demo --set hardware.devices=[0] --set model.dtype=bf16``: the demo on
+   one card in bf16, one process, to its end (status, steps, seconds).
+4. ``homelab-dp measure`` of a full fine-tune, LoRA and QLoRA of Qwen2-0.5B's layers with random
+   weights (assets/configs/qwen2-0.5b, saved as safetensors into a temporary folder) and the
+   tiny tokenizer (assets/models/tiny-llama): the config takes the tokenizer's vocabulary size
+   (2048) and token ids, so the model has 24 Qwen2-0.5B layers and a small embedding. For each:
+   the plan's estimate beside ``torch.cuda.max_memory_allocated`` per phase (load, forward,
+   backward, optimizer; the largest rank), tokens/s (median of the step events after the first)
+   and MFU = 6 · N · tokens/s / the card's peak dense bf16 FLOPS (`PEAK_BF16_TFLOPS`, by name).
+   6 · N counts the weight-gradient matmuls that LoRA and QLoRA skip (their work is nearer
+   4 · N), so their MFU overstates the card's use by about half; memory probes are on during a
+   measure, so tokens/s is a little below a plain run's.
+
+Nothing is imported at module level beyond the standard library: torch and transformers are
+imported inside functions, and textual, bitsandbytes and datasets never by this script (the
+QLoRA row says "bitsandbytes not installed" when it is missing). Without a GPU it prints that
+none was found and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "assets" / "models" / "tiny-llama"
+CONFIG = ROOT / "assets" / "configs" / "qwen2-0.5b" / "config.json"
+DATA = ROOT / "assets" / "data" / "tiny-text.jsonl"
+PHASES = ("load", "forward", "backward", "optimizer")
+GiB = 1024**3
+
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("GH200", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("RTX 6000 Ada", 364.0),
+    ("A6000", 155.0),
+    ("RTX 4090", 165.0),
+    ("RTX 3090", 71.0),
+)
+"""Dense (no sparsity) bf16 tensor-core peak, TFLOPS, from the vendors' data sheets; the first
+name contained in ``torch.cuda.get_device_name()`` wins (so "H100 PCIe" before "H100")."""
+
+
+@dataclass
+class Report:
+    """What the script found: one summary row per step, and the measured figures."""
+
+    device: str = ""
+    rows: list[tuple[str, str, str]] = field(default_factory=list)
+    memory: list[tuple[str, str, str, str, str]] = field(default_factory=list)
+    speed: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    def add(self, check: str, result: str, detail: str = "") -> None:
+        self.rows.append((check, result, detail.replace("|", "/").replace("\n", " ")))
+        print(f"[{check}] {result}{': ' + detail if detail else ''}", file=sys.stderr, flush=True)
+
+    def markdown(self) -> str:
+        parts = [f"### homelab-dp on {self.device}\n",
+                 markdown_table(("check", "result", "detail"), self.rows)]  # fmt: skip
+        if self.memory:
+            parts += ["\n#### Memory: the plan's estimate and the measured peak, per phase "
+                      "(largest rank)\n", markdown_table(
+                          ("method", "phase", "estimate", "measured", "error"), self.memory)]  # fmt: skip
+        if self.speed:
+            parts += ["\n#### Throughput\n", markdown_table(
+                ("method", "params N", "tokens/s", "MFU (6·N·tokens/s ÷ peak bf16)"), self.speed)]  # fmt: skip
+        return "\n".join(parts)
+
+
+def markdown_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The card's dense bf16 peak in FLOPS, or None for a card not in the table."""
+    for name, tflops in PEAK_BF16_TFLOPS:
+        if name.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
+
+
+def mfu(params: int, tokens_per_s: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: 6 · N · tokens/s over the peak (None without a peak)."""
+    if not peak_flops or not params or tokens_per_s <= 0:
+        return None
+    return 6.0 * params * tokens_per_s / peak_flops
+
+
+def model_config(base: dict[str, Any], vocab: int, ids: dict[str, int | None],
+                 layers: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """``base`` (a config.json) with the tokenizer's vocabulary size and special token ids, so
+    every id the tokenizer makes is a row of the embedding; ``layers`` shrinks the stack."""
+    out = {k: v for k, v in base.items() if k != "torch_dtype"}
+    out["vocab_size"] = vocab
+    out.update({f"{k}_token_id": v for k, v in ids.items() if v is not None})
+    out["max_position_embeddings"] = min(int(base.get("max_position_embeddings", 4096)), 4096)
+    if layers:
+        out["num_hidden_layers"] = layers
+    return out
+
+
+def median_tokens_per_s(events: list[dict[str, Any]]) -> float | None:
+    """The median ``tokens_per_s`` of the step events after the first (warm-up)."""
+    rates = [e["tokens_per_s"] for e in events if e.get("type") == "step" and e.get("step", 0) > 1]
+    return statistics.median(rates) if rates else None
+
+
+def memory_rows(method: str, doc: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """Per phase: the estimate (``plan``'s phase tensor bytes) and the largest rank's peak."""
+    estimate = (doc.get("estimate") or {}).get("phases") or {}
+    rows = []
+    for phase in PHASES:
+        measured = [r["phases"][phase]["peak_bytes"] for r in doc.get("ranks", [])
+                    if phase in r.get("phases", {})]  # fmt: skip
+        est, got = estimate.get(phase), max(measured) if measured else None
+        error = f"{100 * (est - got) / got:+.1f}%" if est and got else "–"
+        rows.append((method, phase, gib(est), gib(got), error))
+    return rows
+
+
+def gib(n: float | None) -> str:
+    return f"{n / GiB:.2f} GiB" if n else "–"
+
+
+# ----------------------------------------------------------------------------- the steps
+
+
+class Runner:
+    """Runs the command line against a private runs folder, within the time budget."""
+
+    def __init__(self, work: Path, budget_s: float) -> None:
+        self.work = work
+        self.deadline = time.monotonic() + budget_s
+        self.env = {**os.environ, "HOMELAB_DP_RUNS": str(work / "runs"),
+                    "XDG_DATA_HOME": str(work / "xdg-data"),
+                    "XDG_CONFIG_HOME": str(work / "xdg-config"),
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                os.environ.get("PYTHONPATH")]))}  # fmt: skip
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def cli(self, *args: str, cap_s: float = 180) -> subprocess.CompletedProcess[str]:
+        """``homelab-dp ARGS`` (via python -c, so the repository needs no install)."""
+        timeout = max(5.0, min(cap_s, self.left()))
+        code = "import sys; from homelab_dp.cli.main import main; sys.exit(main(sys.argv[1:]))"
+        try:
+            return subprocess.run([sys.executable, "-c", code, *args], env=self.env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            return subprocess.CompletedProcess(
+                exc.cmd, 124, out, f"timed out after {timeout:.0f} s"
+            )
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def step_probe(r: Runner, report: Report) -> None:
+    out = r.cli("probe", "--json", cap_s=60)
+    if out.returncode != 0:
+        report.add("probe", "failed", last_line(out.stderr))
+        return
+    doc = json.loads(out.stdout)
+    gpus = doc.get("gpus") or []
+    cards = ", ".join(f"{g.get('name')} ({gib(g.get('memory_total'))})" for g in gpus)
+    detail = f"{len(gpus)} card(s): {cards}; driver {doc.get('driver_version')}, CUDA " \
+             f"{doc.get('cuda_driver_version')}"  # fmt: skip
+    if not gpus:
+        detail = doc.get("notice") or "NVML lists no card"
+    report.add("probe", "ok" if gpus else "no GPU seen by NVML", detail)
+
+
+def step_doctor(r: Runner, report: Report) -> None:
+    out = r.cli("doctor", "--json", cap_s=120)
+    if out.returncode == 2 and "invalid choice" in out.stderr:
+        report.add("doctor", "not in this build", "`homelab-dp doctor` does not exist here")
+        return
+    try:
+        doc = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        report.add("doctor", f"failed (exit {out.returncode})", last_line(out.stderr))
+        return
+    checks = doc.get("checks", []) if isinstance(doc, dict) else []
+    counts: dict[str, int] = {}
+    for c in checks:
+        counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
+    bad = [f"{c.get('name')}: {c.get('detail')}" for c in checks
+           if c.get("status") not in ("ok", "skip")]  # fmt: skip
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    report.add("doctor", summary or f"exit {out.returncode}", "; ".join(bad)[:600])
+
+
+def step_tiny_demo(r: Runner, report: Report, cpu: bool) -> None:
+    args = ["run", "tiny-demo", "--json", "--set", "train.max_steps=30",
+            "--set", "train.checkpoint_every=15"]  # fmt: skip
+    args += ["--gpus", "cpu:1"] if cpu else ["--set", "hardware.devices=[0]", "--set",
+                                              "model.dtype=bf16"]  # fmt: skip
+    t = time.monotonic()
+    out = r.cli(*args, cap_s=240)
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    end = next((e for e in reversed(events) if e.get("type") == "end"), None)
+    state = next((e for e in reversed(events) if e.get("type") == "state"), None)
+    status = (state or {}).get("status") or f"exit {out.returncode}"
+    start = next((e for e in events if e.get("type") == "start"), {})
+    where = f"{start.get('device')} {start.get('dtype')} × {start.get('world_size')} process"
+    if end:
+        detail = (f"{where}; {end.get('steps')} steps, loss {end.get('final_loss'):.3f}, "
+                  f"{end.get('seconds'):.0f} s in the worker, {time.monotonic() - t:.0f} s "
+                  f"end to end")  # fmt: skip
+    else:
+        detail = (state or {}).get("reason") or last_line(out.stderr)
+    report.add("tiny-demo (1 process)", status, detail)
+
+
+def build_model(folder: Path, device: str, layers: int | None) -> int:
+    """Qwen2-0.5B's layers with random bf16 weights and the tiny tokenizer, as safetensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    ids = {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id}
+    cfg = model_config(json.loads(CONFIG.read_text(encoding="utf-8")), len(tok), ids, layers)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    config.architectures = cfg["architectures"]
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised on the card: seconds instead of a minute
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)  # safetensors
+    tok.save_pretrained(folder)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return params
+
+
+def write_preset(folder: Path, model: Path, method: str, cpu: bool, steps: int) -> Path:
+    seq_len, micro = (256, 2) if cpu else (1024, 8)
+    devices = '"cpu"\nnproc = 1' if cpu else "[0]"
+    dtype = "auto" if cpu else "bf16"
+    text = f"""# homelab-dp measure {folder / method}.toml --json
+[model]
+path = "{model}"
+dtype = "{dtype}"
+
+[data]
+path = "{DATA}"
+seq_len = {seq_len}
+pack = true
+
+[train]
+method = "{method}"
+distribution = "ddp"
+micro_batch = {micro}
+grad_accum = 1
+max_steps = {steps}
+lr = 1e-4
+activation_checkpointing = false
+
+[lora]
+r = 16
+alpha = 32
+
+[hardware]
+devices = {devices}
+"""
+    path = folder / f"validate-{method}.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def step_measure(r: Runner, report: Report, method: str, model: Path, params: int,
+                 cpu: bool, steps: int, peak: float | None) -> None:  # fmt: skip
+    name = f"measure {method}"
+    if method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        report.add(name, "skipped", "bitsandbytes not installed")
+        return
+    if r.left() < 45:
+        report.add(name, "skipped", "out of the time budget")
+        return
+    preset = write_preset(r.work, model, method, cpu, steps)
+    args = ["measure", str(preset), "--json", "--no-store", "--steps", str(steps), "--force"]
+    out = r.cli(*(args + (["--gpus", "cpu:1"] if cpu else [])), cap_s=200)
+    try:
+        doc = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        report.add(name, f"failed (exit {out.returncode})", last_line(out.stderr))
+        return
+    events_path = Path(doc["run_dir"]) / "events.jsonl"
+    events = [json.loads(line) for line in events_path.read_text(encoding="utf-8").splitlines()]
+    rate = median_tokens_per_s(events)
+    start = next((e for e in events if e.get("type") == "start"), {})
+    n = int(start.get("params") or params)
+    report.memory += memory_rows(method, doc)
+    use = mfu(n, rate or 0.0, peak)
+    shown = f"{100 * use:.1f}%" if use is not None else ("n/a (CPU)" if cpu else "n/a (card not "
+                                                                                 "in the table)")  # fmt: skip
+    report.speed.append((method, f"{n / 1e6:.0f} M", f"{rate:,.0f}" if rate else "–", shown))
+    report.add(name, "ok", f"{doc.get('kind')}: estimate {gib(doc['estimate']['tensor_bytes'])}, "
+                           f"measured {gib(doc['measured_peak_bytes'])} "
+                           f"({100 * doc['error']:+.1f}%), {steps} steps")  # fmt: skip
+
+
+def gpu_name() -> str | None:
+    """The first card's name as torch sees it, or None without a usable GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="stop starting new steps after this many seconds (default 450)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per method")
+    parser.add_argument("--json-out", type=Path, help="also write the figures as JSON here")
+    parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run the same steps on the CPU, small (tests this script)")  # fmt: skip
+    args = parser.parse_args(argv)
+    name = gpu_name()
+    if name is None and not args.cpu:
+        print("no GPU found (torch sees no CUDA device): nothing to validate. The CUDA figures in "
+              "README stay modelled; run this on a machine with an NVIDIA GPU.")  # fmt: skip
+        return 0
+    report = Report(device=name or "the CPU (--cpu: a test of this script, not a GPU figure)")
+    with tempfile.TemporaryDirectory(prefix="gpu-validate-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        r = Runner(work, args.budget_s)
+        step_probe(r, report)
+        step_doctor(r, report)
+        step_tiny_demo(r, report, args.cpu)
+        model = work / "qwen2-0.5b-random"
+        try:
+            t = time.monotonic()
+            params = build_model(model, "cpu" if args.cpu else "cuda", 2 if args.cpu else None)
+            report.add("random Qwen2-0.5B layers", "ok", f"{params / 1e6:.0f} M parameters "
+                       f"(vocabulary 2048: the tiny tokenizer's), {time.monotonic() - t:.0f} s")  # fmt: skip
+        except Exception as exc:  # the measure rows need it; say why and stop there
+            report.add("random Qwen2-0.5B layers", "failed", f"{type(exc).__name__}: {exc}")
+        else:
+            peak = None if args.cpu else peak_bf16_flops(name or "")
+            for method in ("full", "lora", "qlora"):
+                step_measure(r, report, method, model, params, args.cpu, args.steps, peak)
+    text = report.markdown()
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"device": report.device, "rows": report.rows,
+                                             "memory": report.memory, "speed": report.speed},
+                                            indent=1), encoding="utf-8")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
