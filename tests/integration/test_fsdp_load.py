@@ -4,8 +4,9 @@ Measured with the worker's own memory probe (a measure run: live tensor bytes fr
 model is loaded, `train.memtrack`), on 2 CPU ranks under torchrun. DDP is the baseline: each of
 its ranks holds the whole model. Under FSDP rank 1's load peak is its half of the weights, and
 rank 0's is the copy it reads (freed tensor by tensor as it is sent) plus its own shard of the
-tensor in flight. The weights themselves are checked bit for bit by test_equivalence.py,
-test_resume.py and test_adapters.py, which load through the same path.
+tensor in flight. What is loaded is checked by training: here a tied lm_head (Qwen2-style) and
+LoRA adapters drawn on rank 0 alone train to DDP's result in fp64; test_equivalence.py,
+test_resume.py and test_adapters.py load FSDP runs through the same path.
 """
 
 from __future__ import annotations
@@ -17,10 +18,19 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.rundir.files import read_run_spec, write_run_spec
-from tests.integration.conftest import events, make_run, run
+from tests.integration.conftest import (
+    DEMO_MODEL,
+    bitwise_equal,
+    events,
+    final_weights,
+    make_run,
+    max_abs_diff,
+    run,
+)
 
 pytestmark = pytest.mark.slow
 SLACK = 64 * 1024  # the rotary buffers, the batch, the probe's own small tensors
+TOL = 1e-12  # fp64: summation order only (as in test_equivalence.py)
 
 
 def _load_peaks(root: Path, model: Path, data: Path, distribution: str, method: str) -> list[int]:
@@ -58,5 +68,48 @@ def test_fsdp_never_holds_the_model_on_more_than_one_rank(
 
     # LoRA: the frozen base (fp32 on the CPU) is sharded the same way; the adapters are tiny.
     rank0, rank1 = _load_peaks(tmp_path, tiny_model, data, "fsdp-full", "lora")
+    print(f"lora fsdp-full: load peak rank 0 {rank0} B, rank 1 {rank1} B")
     assert model / 2 <= rank1 <= model / 2 + 2 * SLACK, (rank1, model)
     assert model <= rank0 <= model + largest / 2 + 2 * SLACK, (rank0, model, largest)
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded random Qwen2-style model: lm_head tied to the embeddings, q/k/v biases."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tied-model")
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_sharded_load_trains_as_ddp_tied_weights_and_adapters(
+    method: str, tiny_model: Path, tied_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    """What FSDP loads is what DDP loads: the same result to fp64 rounding, for a tied lm_head
+    (full fine-tune) and for LoRA adapters drawn from the seeded generator on rank 0 only."""
+    model = tied_model if method == "full" else tiny_model
+    data = data_dir / "ragged-16.jsonl"
+    out = {}
+    for distribution in ("ddp", "fsdp-full"):
+        rd = make_run(tmp_path, model, data, name=f"{method}-{distribution}", method=method,
+                      distribution=distribution, dtype="fp64", lr=1e-2)  # fmt: skip
+        assert run(rd, 2) == 0
+        out[distribution] = final_weights(rd)
+    ddp, fsdp = out["ddp"], out["fsdp-full"]
+    if method == "full":  # still tied; FSDP's gathered result writes the lm_head out as well
+        assert "lm_head.weight" not in ddp
+        assert bitwise_equal({"w": fsdp.pop("lm_head.weight")},
+                             {"w": fsdp["model.embed_tokens.weight"]})  # fmt: skip
+    assert max_abs_diff(ddp, fsdp) < TOL
