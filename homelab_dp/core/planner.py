@@ -18,7 +18,7 @@ scaling) are `homelab_dp.core.plan_reasons`; this module decides and budgets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from homelab_dp.core.calibration import (
@@ -28,12 +28,19 @@ from homelab_dp.core.calibration import (
     config_key,
     measured_reasons,
 )
-from homelab_dp.core.hardware import BF16_MIN_CAPABILITY, PlanHardware, format_capability
+from homelab_dp.core.hardware import (
+    BF16_MIN_CAPABILITY,
+    PlanHardware,
+    format_bytes,
+    format_capability,
+)
 from homelab_dp.core.memory import (
     Budget,
+    HostBudget,
     TrainShape,
     assumed_overhead,
     budget,
+    host_budget,
     overhead_terms,
 )
 from homelab_dp.core.model_spec import ModelSpec
@@ -121,10 +128,13 @@ class Plan:
     """A measurement of exactly the chosen configuration on this hardware, if there is one."""
     fit: Fit | None = None
     """The micro-batch finder's answer, when it chose the micro-batch."""
+    host: HostBudget | None = None
+    """Host RAM of loading, saving and merging (`with_host`); None: not looked at."""
 
     @property
     def fits(self) -> bool:
-        return self.chosen.fits
+        """The chosen option fits the devices, and the machine's RAM holds its host peaks."""
+        return self.chosen.fits and (self.host is None or self.host.fits)
 
     @property
     def world_size(self) -> int:
@@ -180,6 +190,7 @@ class Plan:
             "assumptions": list(self.assumptions),
             "calibration": self._calibration_json(),
             "micro_batch_finder": self.fit.to_json() if self.fit else None,
+            "host": self.host.to_json() if self.host else None,
         }
 
     def _calibration_json(self) -> dict[str, Any]:
@@ -368,6 +379,67 @@ def plan(
         calibration=calibration,
         measured=measured,
     )
+
+
+def with_host(p: Plan, preset: Preset, available: int | None) -> Plan:
+    """``p`` with the host RAM its chosen option needs (`homelab_dp.core.memory.host_budget`).
+
+    ``available``: the machine's available RAM (None: not known, not checked). When the machine
+    cannot hold the peak, the plan does not fit; when that is all that does not fit, the
+    "Chosen:" reason says why and the advice what would help (a plan already too big for its
+    devices keeps its words: the host block still shows the figures).
+    """
+    c = p.chosen
+    shape = _shape(preset, p.hardware, c.method, c.distribution, c.activation_checkpointing,
+                   micro_batch=p.micro_batch, grad_accum=p.grad_accum)  # fmt: skip
+    host = host_budget(p.spec, shape, c.budget, merge=preset.train.merge, available=available)
+    if host.fits or not c.fits:
+        return replace(p, host=host)
+    problem, remedy = host_words(host, c.method, c.distribution)
+    for other in p.candidates:  # a sharded option of the same method that fits both
+        if other.method != c.method or other.distribution not in SHARDED:
+            continue
+        if other.distribution == c.distribution or not other.fits:
+            continue
+        o = _shape(preset, p.hardware, other.method, other.distribution,
+                   other.activation_checkpointing, micro_batch=p.micro_batch,
+                   grad_accum=p.grad_accum)  # fmt: skip
+        if host_budget(p.spec, o, other.budget, merge=preset.train.merge, available=available).fits:
+            remedy = (f"train.distribution = {other.distribution!r} fits the devices and loads "
+                      "one copy of the model (on rank 0); or free memory or add swap")  # fmt: skip
+            break
+    reasons = tuple(
+        f"{r[:-1] if r.endswith('.') else r}, but the host RAM does not: {problem}."
+        if r.startswith("Chosen:")
+        else r
+        for r in p.reasons
+    )
+    return replace(p, host=host, reasons=reasons, advice=(*p.advice, f"Host RAM: {remedy}."))
+
+
+def host_words(host: HostBudget, method: str, distribution: str) -> tuple[str, str]:
+    """(what the host RAM is short of, what would help) for a host peak that does not fit."""
+    need, have = format_bytes(host.total_bytes), format_bytes(host.available_bytes or 0)
+    phase, n = host.peak_phase, host.processes
+    sharded = distribution in SHARDED and method != "qlora"
+    if phase == "load" and not sharded:
+        what = f"loading needs {need} on this machine ({n} processes × a full copy)"
+        remedy = (
+            "use FSDP (train.distribution = 'fsdp-full' loads one copy, on rank 0), "
+            "free memory or add swap"
+            if method != "qlora"
+            else "free memory or add swap"
+        )
+    elif phase == "load":
+        what = f"loading needs {need} on this machine (rank 0 reads one full copy)"
+        remedy = "free memory or add swap"
+    elif phase == "checkpoint":
+        what = f"saving the result needs {need} on this machine (rank 0 holds the whole model)"
+        remedy = "free memory or add swap"
+    else:
+        what = f"merging the adapter needs {need} on this machine (rank 0 loads the base again)"
+        remedy = "set train.merge = false (merge later, on a machine with more RAM) or add swap"
+    return f"{what} but {have} is available", remedy
 
 
 def _model_key(spec: ModelSpec) -> dict[str, Any]:

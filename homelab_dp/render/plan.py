@@ -109,6 +109,7 @@ def render_plan(plan: Plan) -> RenderableType:
         Panel(head, title="plan", expand=False),
         devices,
         legend(per),
+        *([host_line(j["host"])] if j.get("host") else []),
         cands,
         Panel(reasons, title="why", expand=False),
     ]
@@ -128,6 +129,22 @@ def render_plan(plan: Plan) -> RenderableType:
                            + ("" if f["exact"] else f" (asked {f['requested_effective_batch']})")))  # fmt: skip
     blocks.append(Text(_provenance(j), style="dim"))
     return Group(*blocks)
+
+
+def host_line(host: dict) -> Text:
+    """One line: the machine's host RAM at its peak (loading, saving or merging), rank 0's part,
+    and what is available."""
+    phase = {"load": "loading", "checkpoint": "saving", "merge": "merging"}
+    out = Text("host RAM ")
+    out.append(format_bytes(host["total_bytes"]), style="bold")
+    out.append(f" {phase.get(host['peak_phase'], host['peak_phase'])} "
+               f"(rank 0 {format_bytes(host['per_process_bytes'])}) / ")  # fmt: skip
+    if host["available_bytes"] is None:
+        return out.append("not checked (what-if cards)", style="dim")
+    out.append(f"{format_bytes(host['available_bytes'])} available ")
+    if host["fits"]:
+        return out.append("fits", style="green")
+    return out.append("does NOT fit", style="bold red")
 
 
 def _provenance(j: dict) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from homelab_dp.core.hardware import HardwareReport, PlanDevice, PlanHardware, parse_gpus_spec
 from homelab_dp.core.model_spec import ModelSpec, load_model_spec
-from homelab_dp.core.planner import Plan, plan
+from homelab_dp.core.planner import Plan, plan, with_host
 from homelab_dp.core.preset import Preset
 from homelab_dp.errors import HardwareSpecError, PresetError
 from homelab_dp.probe import nvml
@@ -103,7 +103,8 @@ def make_plan(
 
     What `homelab-dp measure` stored for this hardware corrects the overhead terms and is shown
     beside the estimate. ``find_micro_batch``: the largest micro-batch that fits, accumulation
-    keeping the preset's effective batch (`homelab_dp.core.finder`).
+    keeping the preset's effective batch (`homelab_dp.core.finder`). The plan's host RAM is
+    checked against this machine's (`host_available`).
     """
     from homelab_dp.core.finder import plan_largest_micro_batch
     from homelab_dp.run.calibration import hardware_calibration
@@ -112,4 +113,22 @@ def make_plan(
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
     make = plan_largest_micro_batch if find_micro_batch else plan
-    return Planned(preset, spec, hardware, make(spec, preset, hardware, calibration), report)
+    planned = with_host(make(spec, preset, hardware, calibration), preset,
+                        host_available(gpus, hardware, report))  # fmt: skip
+    return Planned(preset, spec, hardware, planned, report)
+
+
+def host_available(
+    gpus: str | None, hardware: PlanHardware, report: HardwareReport | None
+) -> int | None:
+    """The host RAM a plan may use: the probe's available RAM (else its total).
+
+    A what-if ``--gpus cpu:N:SIZE`` has SIZE; what-if cards (``--gpus 2x24GiB``) sit in some
+    other machine, whose RAM is not known: None, not checked.
+    """
+    if gpus and hardware.kind == "cuda":
+        return None
+    if gpus and gpus.count(":") >= 2:
+        return sum(d.memory_bytes for d in hardware.devices)
+    host = report.host if report is not None else nvml.host_info()
+    return host.ram_available or host.ram_total
