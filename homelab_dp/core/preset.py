@@ -105,9 +105,10 @@ class TrainSection:
     merge: bool = False
     """LoRA/QLoRA: also write the adapter merged into the base model (final/merged)."""
     watchdog_s: int = 600
-    """Seconds without progress (no rank starting a micro-step, a checkpoint or the result)
-    before the run's keeper ends it as stalled, naming the rank; 0 turns the watchdog off.
-    Keep it above your slowest micro-step and checkpoint write."""
+    """Seconds without progress (no rank starting a micro-step) before the run's keeper ends it
+    as stalled, naming the rank; 0 turns the watchdog off. Checkpoints, saving the result and
+    merging an adapter beat every second while they last, so only the slowest micro-step needs
+    to fit under it."""
     collective_timeout_s: int = 0
     """Seconds a collective (all-reduce, barrier) waits for the other ranks before it fails the
     run; 0: 60 on the CPU, 600 on CUDA."""
