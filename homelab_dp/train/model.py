@@ -146,8 +146,17 @@ def load_model(
     return LoadedModel(model, method != "full", params, trainable, layers)
 
 
+LOAD_WAIT_S = 3600
+"""How long the other ranks wait for rank 0 to load the model in a sharded load: far beyond a
+collective's timeout, as reading a large model from a slow disk takes minutes. A rank 0 that
+fails instead ends the run at once (torchrun stops the other ranks)."""
+_LOADED_KEY = "homelab_dp/sharded-load/rank0-loaded"
+
+
 def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
     """The sharded load's first half: the model on meta everywhere, on the CPU on rank 0."""
+    from datetime import timedelta
+
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -171,6 +180,12 @@ def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
         params = count_params(model)
         if resolved.method == "lora":
             model = _add_lora(model, preset)
+    # The other ranks wait on the rendezvous store, not in the first collective (its timeout).
+    store = dist.distributed_c10d._get_default_store()
+    if source is not None:
+        store.set(_LOADED_KEY, "1")
+    else:
+        store.wait([_LOADED_KEY], timedelta(seconds=LOAD_WAIT_S))
     _match_source(model, source)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return LoadedModel(model, resolved.method != "full", params, trainable,
