@@ -25,6 +25,7 @@ reported with the count of the others.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,22 +64,31 @@ def _open_text(path: Path) -> str:
     return text
 
 
-def _json_lines(path: Path, text: str) -> tuple[list[Any], list[int], list[str]]:
-    """Parse every non-blank line; return values, their line numbers and the problems found."""
-    values, lines, problems = [], [], []
+def _parsed_lines(path: Path, text: str) -> Iterator[tuple[int, dict | None, str | None]]:
+    """Each non-blank line: its number, and its object or what is wrong with it."""
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             value = json.loads(line)
         except json.JSONDecodeError as exc:
-            problems.append(f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})")
+            yield number, None, f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})"
             continue
         if not isinstance(value, dict):
-            problems.append(f"{path}:{number}: expected a JSON object, got {_kind(value)}")
+            yield number, None, f"{path}:{number}: expected a JSON object, got {_kind(value)}"
             continue
-        values.append(value)
-        lines.append(number)
+        yield number, value, None
+
+
+def _json_lines(path: Path, text: str) -> tuple[list[Any], list[int], list[str]]:
+    """Parse every non-blank line; return values, their line numbers and the problems found."""
+    values, lines, problems = [], [], []
+    for number, value, problem in _parsed_lines(path, text):
+        if problem is not None:
+            problems.append(problem)
+        else:
+            values.append(value)
+            lines.append(number)
     return values, lines, problems
 
 
@@ -116,21 +126,9 @@ def detect_format(path: Path) -> str:
     text = _open_text(path)
     if path.suffix.lower() == ".txt":
         return "text"
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})",
-                hint="each line must be one JSON object",
-            ) from None
-        if not isinstance(value, dict):
-            raise DataError(
-                f"{path}:{number}: expected a JSON object, got {_kind(value)}",
-                hint="each line must be one JSON object",
-            )
+    for number, value, problem in _parsed_lines(path, text):
+        if value is None:  # the first record decides: a bad one is reported at once
+            raise DataError(str(problem), hint="each line must be one JSON object")
         fmt = format_from_keys(list(value))
         if fmt is None:
             found = ", ".join(repr(k) for k in value) or "none"
