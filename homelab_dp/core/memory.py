@@ -386,11 +386,6 @@ def assumed_overhead(device: str, world_size: int = 1) -> Overhead:
     return Overhead(CPU_RUNTIME_BYTES, CPU_FRAGMENTATION)
 
 
-def overhead_bytes(tensor_bytes: float, shape: TrainShape) -> float:
-    """Memory that is not a tensor (assumed figures): runtime, comm buffers, fragmentation."""
-    return assumed_overhead(shape.device, shape.world_size).bytes_for(tensor_bytes)
-
-
 def overhead_terms(device: str, measured: Overhead | None = None) -> list[str]:
     """Plain-words description of the overhead terms (shown in every plan)."""
     if measured is not None and measured.source != "assumed":

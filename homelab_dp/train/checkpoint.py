@@ -54,7 +54,6 @@ from homelab_dp.rundir.heartbeat import MERGING
 from homelab_dp.train.checkpoint_check import (
     MARKER,
     check_checkpoint,
-    find_usable,
     is_complete,
     shard_files,
     step_dirs,
@@ -295,14 +294,6 @@ def _rotate(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for tmp in root.glob(".tmp-step-*"):
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def find_latest(root: Path) -> Path | None:
-    """The newest usable checkpoint under ``root``; skipped ones are logged with the reason."""
-    path, skipped = find_usable(root)
-    for reason in skipped:
-        log.warning("%s", reason)
-    return path
 
 
 def load_checkpoint(path: Path, strategy: Strategy, optimizer: Any) -> dict[str, Any]:
