@@ -128,12 +128,12 @@ class Budget:
         return asdict(self)
 
 
-def _width(shape: TrainShape) -> int:
+def compute_width(shape: TrainShape) -> int:
     """Bytes per element of activations and gathered weights."""
     return 4 if shape.dtype == "fp32" else 2
 
 
-def _fsdp(shape: TrainShape) -> bool:
+def is_fsdp(shape: TrainShape) -> bool:
     return shape.distribution in SHARDED
 
 
@@ -149,7 +149,7 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
     """
     h, inter, a = spec.hidden, spec.intermediate, spec.heads
     attn, kvd = a * spec.head_dim, spec.kv_heads * spec.head_dim
-    w = _width(shape)
+    w = compute_width(shape)
     cpu = shape.device == "cpu"
     small = 4 * (2 + a)  # per-token norm statistics and SDPA's log-sum-exp, fp32
     if spec.model_type == "gpt2":
@@ -183,7 +183,7 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
 
 def outer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
     """Bytes per token outside the decoder layers: embeddings, final norm, the batch itself."""
-    h, w = spec.hidden, _width(shape)
+    h, w = spec.hidden, compute_width(shape)
     if spec.model_type == "gpt2":
         embed = 2 if spec.embedding_dropout > 0 else 1  # the dropout output and its mask
         out = (embed + 1) * h * 4 if w == 4 else embed * h * 2 + h * 6
@@ -201,7 +201,7 @@ def activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
     outer = outer_activation_bytes(spec, shape) * tokens + 2 * shape.seq_len * spec.head_dim * 4
     if shape.activation_checkpointing:
         # Each layer keeps only its output (the next layer's input), in the residual dtype.
-        res = 4 if shape.dtype == "fp32" or not _fsdp(shape) else 2
+        res = 4 if shape.dtype == "fp32" or not is_fsdp(shape) else 2
         return int(spec.layers * spec.hidden * res * tokens + outer)
     return int(spec.layers * layer_activation_bytes(spec, shape) * tokens + outer)
 
@@ -243,7 +243,7 @@ def comm_bytes_per_step(spec: ModelSpec, shape: TrainShape) -> int:
     grad_bytes = trainable_params(spec, shape) * 4
     if shape.method != "full":
         return int(2 * ring * grad_bytes)
-    gather = spec.params * _width(shape)
+    gather = spec.params * compute_width(shape)
     if shape.distribution == "ddp":
         return int(2 * ring * grad_bytes)
     if shape.distribution == "zero1":
@@ -254,10 +254,10 @@ def comm_bytes_per_step(spec: ModelSpec, shape: TrainShape) -> int:
 
 def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
     """Weights, gradients, optimizer state and the buffers of the step, before activations."""
-    n, w = shape.world_size, _width(shape)
+    n, w = shape.world_size, compute_width(shape)
     trainable = trainable_params(spec, shape)
     opt = trainable * _optimizer_bytes_per_param(shape)
-    fsdp = _fsdp(shape)
+    fsdp = is_fsdp(shape)
     buffers = 0.0
     if shape.method == "full":
         weights = spec.params * 4 / (n if fsdp else 1)  # fp32 master weights
@@ -306,8 +306,8 @@ def _inside_backward(
     layer in hand holds its saved (or, with checkpointing, recomputed) activations, and its
     backward the gradients of its input and of the MLP's intermediate tensors.
     """
-    tokens, w, n = shape.micro_batch * shape.seq_len, _width(shape), shape.world_size
-    fsdp = _fsdp(shape)
+    tokens, w, n = shape.micro_batch * shape.seq_len, compute_width(shape), shape.world_size
+    fsdp = is_fsdp(shape)
     layer = layer_activation_bytes(spec, shape) * tokens
     res = 4 if shape.dtype == "fp32" or not fsdp else 2
     saved = spec.hidden * res * tokens if shape.activation_checkpointing else layer
@@ -333,7 +333,7 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     """The per-device memory budget of ``shape`` for the model ``spec``."""
     s = _model_states(spec, shape)
     tokens = shape.micro_batch * shape.seq_len
-    w = _width(shape)
+    w = compute_width(shape)
     acts = activation_bytes(spec, shape)
     logits = logits_bytes(spec, shape)
     bufs = s["buffers"] + s["buckets"]
@@ -343,7 +343,7 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     inside = base + in_grads + in_acts
     # The end of backward: every gradient exists; a tied embedding adds its second gradient
     # to the lm_head's out of place (three vocab × hidden tensors at that moment).
-    tied = shape.method == "full" and spec.tied_embeddings and not _fsdp(shape)
+    tied = shape.method == "full" and spec.tied_embeddings and not is_fsdp(shape)
     end_grads = s["grads"] + (2 * spec.vocab * spec.hidden * 4 if tied else 0)
     end = base + end_grads + outer_activation_bytes(spec, shape) * tokens
     # forward: the logits (16-bit and their fp32 copy on CUDA) beside the log-softmax output.
@@ -405,134 +405,3 @@ def overhead_terms(device: str, measured: Overhead | None = None) -> list[str]:
         f"Python/torch runtime {CPU_RUNTIME_BYTES // MiB} MiB per process (assumed)",
         f"allocator slack {int(CPU_FRAGMENTATION * 100)}% of tensors (assumed)",
     ]
-
-
-# ------------------------------------------------------------------------------ host RAM
-CHECKPOINT_BYTES_PER_PARAM = 2
-"""Assumed: the model folder's weights are 16-bit (bf16/fp16), as published checkpoints are.
-A merge loads the base in the folder's own dtype."""
-CUDA_HOST_RUNTIME_BYTES = 2 * GiB
-"""Assumed: host RAM of one CUDA worker besides model copies (Python, torch, the CUDA and NCCL
-libraries and their host buffers)."""
-HOST_PHASES = ("load", "checkpoint", "merge")
-
-
-@dataclass(frozen=True)
-class HostBudget:
-    """Peak host RAM of the moments a run holds whole-model copies in host memory.
-
-    ``phases`` maps a moment to (the busiest process's bytes, the machine's bytes): rank 0 is
-    the busiest, and the machine is every local process together.
-    """
-
-    processes: int
-    phases: dict[str, tuple[int, int]]
-    available_bytes: int | None
-    """Host RAM available to the run (the probe's available, else total); None: not known
-    (what-if cards sit in some other machine), so not checked."""
-
-    @property
-    def per_process_bytes(self) -> int:
-        return max(p for p, _ in self.phases.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return max(t for _, t in self.phases.values())
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=lambda k: self.phases[k][1])
-
-    @property
-    def fits(self) -> bool:
-        return self.available_bytes is None or self.total_bytes <= self.available_bytes
-
-    def to_json(self) -> dict:
-        """The ``host`` block of `plan --json`."""
-        return {
-            "per_process_bytes": self.per_process_bytes,
-            "total_bytes": self.total_bytes,
-            "available_bytes": self.available_bytes,
-            "fits": self.fits,
-            "peak_phase": self.peak_phase,
-            "processes": self.processes,
-            "phases": {
-                k: {"per_process_bytes": p, "total_bytes": t} for k, (p, t) in self.phases.items()
-            },
-        }
-
-
-def host_budget(
-    spec: ModelSpec,
-    shape: TrainShape,
-    device_budget: Budget,
-    *,
-    merge: bool = False,
-    available: int | None = None,
-) -> HostBudget:
-    """Peak host RAM of loading, saving the result and merging it, per process and machine.
-
-    What `homelab_dp.train` holds on the host at each moment, with ``shape.world_size`` processes
-    on the machine (rank 0's machine: the busiest of a multi-node run):
-
-    * ``load``: DDP and ZeRO-1 load the whole model on the CPU in every process
-      (``from_pretrained``: fp32 master weights for a full fine-tune, the compute dtype for
-      LoRA's frozen base), then move it to the card. FSDP loads sharded: only rank 0 reads the
-      model (one copy, freed tensor by tensor as it is sent), the others build it on the meta
-      device and receive their shards; on the CPU rank 0 also holds its shard of the tensor in
-      flight. QLoRA quantizes onto the card tensor by tensor (one 16-bit tensor on the host).
-    * ``checkpoint``: writing the result on rank 0. FSDP gathers the full state dict there (the
-      fp32 weights, or LoRA's adapters); DDP's safetensors writer copies the card's weights to
-      host memory (no copy when they are already there, on the CPU).
-    * ``merge`` (``train.merge`` with LoRA/QLoRA): rank 0 loads the base again, in the folder's
-      dtype (`CHECKPOINT_BYTES_PER_PARAM`, assumed 16-bit), merges in place and writes it.
-
-    Besides those copies every process holds, on CUDA, `CUDA_HOST_RUNTIME_BYTES` (assumed); on
-    the CPU, where the "device" is host RAM, its own tensors of that moment from
-    ``device_budget`` (the load phase's weights; weights and optimizer state at the end) and the
-    budget's overhead. Activations are not host memory on CUDA and are gone by then on the CPU.
-    Not modelled: the page cache of the model files (reclaimable), DCP checkpoints (each rank
-    stages only its own shards).
-    """
-    n = max(1, shape.world_size)
-    cpu = shape.device == "cpu"
-    fsdp = _fsdp(shape) and shape.method != "qlora"
-    trainable = trainable_params(spec, shape)
-    if shape.method == "full":
-        load_width = 4  # fp32 master weights
-        saved = spec.params * 4
-    else:
-        load_width = 4 if cpu else _width(shape)
-        saved = trainable * 4
-    adapters = trainable * 4 if shape.method != "full" else 0
-    copy = spec.params * load_width + adapters
-    largest = max(
-        spec.embedding_params,
-        spec.lm_head_params,
-        max((lin.d_in * lin.d_out for lin in spec.linears), default=0),
-    )
-    b = device_budget
-    runtime = b.overhead if cpu else CUDA_HOST_RUNTIME_BYTES
-    at_load = b.phases.get("load", b.weights) if cpu else 0
-    at_end = b.weights + b.optimizer if cpu else 0
-
-    if shape.method == "qlora":
-        first = other = runtime + (at_load if cpu else largest * CHECKPOINT_BYTES_PER_PARAM)
-    elif fsdp:
-        first = runtime + copy + (largest * load_width // n if cpu else 0)
-        other = runtime + at_load
-    else:
-        first = other = runtime + (at_load if cpu else copy)
-    phases = {"load": (first, first + (n - 1) * other)}
-
-    end = runtime + at_end
-    gathered = saved if fsdp or not cpu else 0  # DDP on the CPU writes its own tensors
-    phases["checkpoint"] = (end + gathered, end + gathered + (n - 1) * end)
-    if merge and shape.method != "full":
-        base = spec.params * CHECKPOINT_BYTES_PER_PARAM + adapters
-        phases["merge"] = (end + base, end + base + (n - 1) * end)
-    return HostBudget(
-        processes=n,
-        phases={k: (int(p), int(t)) for k, (p, t) in phases.items()},
-        available_bytes=available,
-    )

@@ -18,7 +18,7 @@ scaling) are `homelab_dp.core.plan_reasons`; this module decides and budgets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from homelab_dp.core.calibration import (
@@ -31,16 +31,14 @@ from homelab_dp.core.calibration import (
 from homelab_dp.core.hardware import (
     BF16_MIN_CAPABILITY,
     PlanHardware,
-    format_bytes,
     format_capability,
 )
+from homelab_dp.core.host_memory import HostBudget
 from homelab_dp.core.memory import (
     Budget,
-    HostBudget,
     TrainShape,
     assumed_overhead,
     budget,
-    host_budget,
     overhead_terms,
 )
 from homelab_dp.core.model_spec import ModelSpec
@@ -245,7 +243,8 @@ def _check_fp16_sharding(preset: Preset, hw: PlanHardware, dtype: str) -> None:
     )
 
 
-def _shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool, **kw: Any):
+def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool, **kw: Any):
+    """The memory model's shape of one option of ``preset`` on ``hw``."""
     targets = preset.lora.target_modules
     return TrainShape(
         method=method,  # type: ignore[arg-type]
@@ -297,7 +296,7 @@ def evaluate(
     A calibration of this hardware replaces the assumed overhead terms with measured ones.
     """
     overhead = calibration.overhead if calibration else None
-    b = budget(spec, _shape(preset, hw, method, dist, ckpt, **kw), overhead)
+    b = budget(spec, train_shape(preset, hw, method, dist, ckpt, **kw), overhead)
     ok, note = supported(method, dist, hw, resolve_dtype(preset, hw))
     fits = ok and b.total <= SAFETY_MARGIN * hw.min_memory
     return Candidate(method, dist, ckpt, b, fits, ok, note)
@@ -360,7 +359,7 @@ def plan(
     measured = None
     if calibration is not None and calibration.fingerprint:
         c = best_effort
-        shape = _shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
+        shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
         measured = calibration.match(config_key(_model_key(spec), shape))
         reasons += measured_reasons(best_effort.budget.tensors, measured, calibration)
     return Plan(
@@ -381,72 +380,11 @@ def plan(
     )
 
 
-def with_host(p: Plan, preset: Preset, available: int | None) -> Plan:
-    """``p`` with the host RAM its chosen option needs (`homelab_dp.core.memory.host_budget`).
-
-    ``available``: the machine's available RAM (None: not known, not checked). When the machine
-    cannot hold the peak, the plan does not fit; when that is all that does not fit, the
-    "Chosen:" reason says why and the advice what would help (a plan already too big for its
-    devices keeps its words: the host block still shows the figures).
-    """
-    c = p.chosen
-    shape = _shape(preset, p.hardware, c.method, c.distribution, c.activation_checkpointing,
-                   micro_batch=p.micro_batch, grad_accum=p.grad_accum)  # fmt: skip
-    host = host_budget(p.spec, shape, c.budget, merge=preset.train.merge, available=available)
-    if host.fits or not c.fits:
-        return replace(p, host=host)
-    problem, remedy = host_words(host, c.method, c.distribution)
-    for other in p.candidates:  # a sharded option of the same method that fits both
-        if other.method != c.method or other.distribution not in SHARDED:
-            continue
-        if other.distribution == c.distribution or not other.fits:
-            continue
-        o = _shape(preset, p.hardware, other.method, other.distribution,
-                   other.activation_checkpointing, micro_batch=p.micro_batch,
-                   grad_accum=p.grad_accum)  # fmt: skip
-        if host_budget(p.spec, o, other.budget, merge=preset.train.merge, available=available).fits:
-            remedy = (f"train.distribution = {other.distribution!r} fits the devices and loads "
-                      "one copy of the model (on rank 0); or free memory or add swap")  # fmt: skip
-            break
-    reasons = tuple(
-        f"{r[:-1] if r.endswith('.') else r}, but the host RAM does not: {problem}."
-        if r.startswith("Chosen:")
-        else r
-        for r in p.reasons
-    )
-    return replace(p, host=host, reasons=reasons, advice=(*p.advice, f"Host RAM: {remedy}."))
-
-
-def host_words(host: HostBudget, method: str, distribution: str) -> tuple[str, str]:
-    """(what the host RAM is short of, what would help) for a host peak that does not fit."""
-    need, have = format_bytes(host.total_bytes), format_bytes(host.available_bytes or 0)
-    phase, n = host.peak_phase, host.processes
-    sharded = distribution in SHARDED and method != "qlora"
-    if phase == "load" and not sharded:
-        what = f"loading needs {need} on this machine ({n} processes × a full copy)"
-        remedy = (
-            "use FSDP (train.distribution = 'fsdp-full' loads one copy, on rank 0), "
-            "free memory or add swap"
-            if method != "qlora"
-            else "free memory or add swap"
-        )
-    elif phase == "load":
-        what = f"loading needs {need} on this machine (rank 0 reads one full copy)"
-        remedy = "free memory or add swap"
-    elif phase == "checkpoint":
-        what = f"saving the result needs {need} on this machine (rank 0 holds the whole model)"
-        remedy = "free memory or add swap"
-    else:
-        what = f"merging the adapter needs {need} on this machine (rank 0 loads the base again)"
-        remedy = "set train.merge = false (merge later, on a machine with more RAM) or add swap"
-    return f"{what} but {have} is available", remedy
-
-
 def _model_key(spec: ModelSpec) -> dict[str, Any]:
     return {**spec.summary(), "model_type": spec.model_type}
 
 
 def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candidate) -> dict:
     """The calibration key of candidate ``c`` (what `homelab-dp measure` stores)."""
-    shape = _shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
+    shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
     return config_key(_model_key(spec), shape)

@@ -9,8 +9,9 @@ import os
 from dataclasses import dataclass
 
 from homelab_dp.core.hardware import HardwareReport, PlanDevice, PlanHardware, parse_gpus_spec
+from homelab_dp.core.host_plan import with_host
 from homelab_dp.core.model_spec import ModelSpec, load_model_spec
-from homelab_dp.core.planner import Plan, plan, with_host
+from homelab_dp.core.planner import Plan, plan
 from homelab_dp.core.preset import Preset
 from homelab_dp.errors import HardwareSpecError, PresetError
 from homelab_dp.probe import nvml
