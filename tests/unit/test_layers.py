@@ -114,3 +114,16 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     known = {"homelab_dp.core.preset", "homelab_dp.core.hardware"}
     found = imported("homelab_dp.core.planner", path, known)
     assert found == {"homelab_dp.core.preset", "homelab_dp.core.hardware"}
+
+
+MAX_MODULE_LINES = 450
+"""Past this a module holds more than one job: split it along a seam (docs/ARCHITECTURE.md)."""
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {
+        name: n
+        for name, path in modules().items()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}
