@@ -211,7 +211,8 @@ class Position:
 def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Position:
     """Load the newest complete checkpoint every rank agrees on (step 0, warned, when none)."""
     from homelab_dp.errors import RunStateError
-    from homelab_dp.train.checkpoint import find_usable, load_checkpoint
+    from homelab_dp.train.checkpoint import load_checkpoint
+    from homelab_dp.train.checkpoint_check import find_usable
     from homelab_dp.train.strategy import set_lr_for_step
 
     path, skipped = find_usable(run_dir / "checkpoints")

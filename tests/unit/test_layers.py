@@ -127,3 +127,25 @@ def test_no_module_is_over_the_line_limit() -> None:
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}
+
+
+def test_every_import_of_the_projects_names_resolves() -> None:
+    """A lazy import (inside a function) of a name that moved fails only when that function
+    runs, maybe in a worker under torchrun: check them all here."""
+    import importlib
+
+    missing = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            if not node.module.startswith("homelab_dp"):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if (
+                    not hasattr(module, alias.name)
+                    and f"{node.module}.{alias.name}" not in modules()
+                ):
+                    missing.append(f"{name}: from {node.module} import {alias.name}")
+    assert missing == []
