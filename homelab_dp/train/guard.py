@@ -62,16 +62,20 @@ FAULT_KINDS = ("sigkill", "sigstop", "oom", "kill-after-shard", "enospc", "slow-
 T = TypeVar("T")
 
 
-def _parse_faults(text: str) -> list[tuple[str, int, int]]:
-    """``"oom:rank=1:step=2;sigkill:rank=0:step=5"`` → [("oom", 1, 2), ("sigkill", 0, 5)]."""
-    faults = []
+def _fault_items(text: str) -> list[tuple[str, dict[str, str]]]:
+    """``"oom:rank=1:step=2;slow-result:seconds=9"`` → [("oom", {"rank": "1", "step": "2"}), …]."""
+    items = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
         kind, *fields = item.split(":")
-        values = dict(f.split("=", 1) for f in fields)
         if kind not in FAULT_KINDS:
             raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (known: {FAULT_KINDS})")
-        faults.append((kind, int(values.get("rank", 0)), int(values.get("step", 1))))
-    return faults
+        items.append((kind, dict(f.split("=", 1) for f in fields)))
+    return items
+
+
+def _parse_faults(text: str) -> list[tuple[str, int, int]]:
+    """``"oom:rank=1:step=2;sigkill:rank=0:step=5"`` → [("oom", 1, 2), ("sigkill", 0, 5)]."""
+    return [(kind, int(v.get("rank", 0)), int(v.get("step", 1))) for kind, v in _fault_items(text)]
 
 
 def fault_armed(kind: str, run_dir: Path, rank: int, step: int) -> bool:
@@ -89,9 +93,7 @@ def fault_armed(kind: str, run_dir: Path, rank: int, step: int) -> bool:
 
 def fault_seconds(kind: str, default: float) -> float:
     """The ``seconds=T`` of the first fault of ``kind`` in the environment (else ``default``)."""
-    for item in filter(None, (part.strip() for part in os.environ.get(FAULT_ENV, "").split(";"))):
-        name, *fields = item.split(":")
-        values = dict(f.split("=", 1) for f in fields)
+    for name, values in _fault_items(os.environ.get(FAULT_ENV, "")):
         if name == kind and "seconds" in values:
             return float(values["seconds"])
     return default
