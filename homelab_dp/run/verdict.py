@@ -27,14 +27,13 @@ The reason names the root cause, not its echo. In order, the first that applies:
 from __future__ import annotations
 
 import re
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from homelab_dp.core.events import EndEvent, ErrorEvent, Event
 from homelab_dp.run.watchdog import Stall
-from homelab_dp.rundir.state import diagnose, torchrun_root_cause
+from homelab_dp.rundir.state import diagnose, signal_name, torchrun_root_cause
 
 
 @dataclass(frozen=True)
@@ -177,11 +176,3 @@ def _failed(a: Attempt, errors: list[ErrorEvent]) -> Verdict:
 
 def _rank(e: ErrorEvent) -> str:
     return "?" if e.rank is None else str(e.rank)
-
-
-def signal_name(num: int) -> str:
-    """``9`` → "SIGKILL" ("signal 99" for a number that is no signal)."""
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"

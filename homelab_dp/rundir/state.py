@@ -126,12 +126,7 @@ def _parse_failure(block: str) -> RankFailure:
     rank = re.search(r"rank\s*:\s*(\d+)", block)
     code = re.search(r"exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?", block)
     exitcode = int(code.group(1)) if code else None
-    sig = None
-    if exitcode is not None and exitcode < 0:
-        try:
-            sig = signal.Signals(-exitcode).name
-        except ValueError:
-            sig = f"signal {-exitcode}"
+    sig = signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
     return RankFailure(
         rank=int(rank.group(1)) if rank else None,
         exitcode=exitcode,
@@ -223,8 +218,14 @@ def diagnose(
 
 def _describe_exit(code: int) -> str:
     if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name} ({-code})"
-        except ValueError:
-            return f"signal {-code}"
+        name = signal_name(-code)
+        return name if name.startswith("signal ") else f"signal {name} ({-code})"
     return f"exit code {code}"
+
+
+def signal_name(num: int) -> str:
+    """``9`` → "SIGKILL" ("signal 99" for a number that is no signal)."""
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"

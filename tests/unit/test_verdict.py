@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from homelab_dp.core.events import EndEvent, ErrorEvent, Event, parse_event
-from homelab_dp.run.verdict import Attempt, Verdict, decide, signal_name
+from homelab_dp.run.verdict import Attempt, Verdict, decide
 from homelab_dp.run.watchdog import Stall
-from homelab_dp.rundir.state import diagnose_failure, read_error_files
+from homelab_dp.rundir.state import diagnose_failure, read_error_files, signal_name
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "verdicts"
 RECORDED = sorted(p.name for p in DATA.iterdir() if p.is_dir())
