@@ -47,19 +47,12 @@ from homelab_dp.rundir.state import (
     read_state,
     update_state,
 )
-from homelab_dp.rundir.tail import JsonlTail
+from homelab_dp.rundir.tail import JsonlTail, file_size
 
 WORKER_GRACE_S = 20.0
 """How long orphaned workers get to exit after SIGTERM before SIGKILL."""
 AGENT_GRACE_S = 15.0
 """How long torchrun gets to exit after the watchdog killed its stalled workers."""
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 class Keeper:
@@ -75,8 +68,8 @@ class Keeper:
         self.orphans: list[int] = []
         self.exit_code: int | None = None
         # This launch's part of the append-only files (a resume appends to the same ones).
-        self.events = JsonlTail(run_dir / "events.jsonl", _file_size(run_dir / "events.jsonl"))
-        self.log_from = _file_size(run_dir / "logs" / "launcher.log")
+        self.events = JsonlTail(run_dir / "events.jsonl", file_size(run_dir / "events.jsonl"))
+        self.log_from = file_size(run_dir / "logs" / "launcher.log")
         self.watchdog = Watchdog(run_dir, float(self.spec.preset.train.watchdog_s))
         self.attempt_events: list[Event] = []
 

@@ -66,8 +66,8 @@ def read_all(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def file_size(path: Path) -> int:
-    """Bytes in a file so far (0 when it does not exist yet)."""
+    """Bytes in a file so far (0 when it does not exist yet or cannot be read)."""
     try:
         return path.stat().st_size
-    except FileNotFoundError:
+    except OSError:
         return 0
