@@ -10,15 +10,15 @@ reads it into `TorchFacts` and `BnbFacts`. Nothing here imports torch at module 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -196,17 +196,27 @@ def nofile_limit() -> tuple[int, int] | None:
     return (-1 if soft == unlimited else soft, -1 if hard == unlimited else hard)
 
 
-@functools.lru_cache(maxsize=4)
-def _ask_child(want_cuda: bool) -> tuple[TorchFacts, BnbFacts]:
-    """Ask torch and bitsandbytes in a child process (once per process and question)."""
-    cmd = [sys.executable, "-m", "homelab_dp.run.machine_facts", *(["--cuda"] if want_cuda else [])]
+ANSWER_FRESH_S = 30.0
+"""An answer of the child this recent serves again (`gather` asks torch and bitsandbytes one
+after the other; the TUI's refresh a minute later asks anew)."""
+_last_answer: tuple[float, tuple[TorchFacts, BnbFacts]] | None = None
+
+
+def _ask_child() -> tuple[TorchFacts, BnbFacts]:
+    """Ask torch and bitsandbytes in one child process (its answer reused for a few seconds)."""
+    global _last_answer
+    if _last_answer is not None and time.monotonic() - _last_answer[0] < ANSWER_FRESH_S:
+        return _last_answer[1]
+    cmd = [sys.executable, "-m", "homelab_dp.run.machine_facts"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=ASK_TIMEOUT_S, check=True)
         doc = json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
         why = f"asking torch in a child process failed: {type(exc).__name__}: {exc}"
         return TorchFacts(None, error=why), BnbFacts(None, error=why)
-    return _torch_from_json(doc["torch"]), BnbFacts(**doc["bnb"])
+    answer = _torch_from_json(doc["torch"]), BnbFacts(**doc["bnb"])
+    _last_answer = (time.monotonic(), answer)
+    return answer
 
 
 def _torch_from_json(doc: dict[str, Any]) -> TorchFacts:
@@ -224,18 +234,20 @@ def torch_facts() -> TorchFacts:
 
     The one place torch is asked: tests replace this function to stand for another torch.
     """
-    return _ask_child(False)[0]
+    return _ask_child()[0]
 
 
 def bnb_facts(want_cuda: bool) -> BnbFacts:
-    """Whether bitsandbytes imports and (``want_cuda``: a GPU machine) loaded its CUDA kernels."""
-    return _ask_child(want_cuda)[1]
+    """Whether bitsandbytes imports and (``want_cuda``: a GPU machine) loaded its CUDA kernels.
+
+    The child always says why the CUDA kernels did not load; without a GPU that is no error."""
+    facts = _ask_child()[1]
+    return facts if want_cuda or not facts.imported else replace(facts, error=None)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> int:
     """The child: print torch's and bitsandbytes' facts as one JSON line."""
-    want_cuda = "--cuda" in (sys.argv[1:] if argv is None else argv)
-    doc = {"torch": asdict(_ask_torch()), "bnb": asdict(_ask_bnb(want_cuda))}
+    doc = {"torch": asdict(_ask_torch()), "bnb": asdict(_ask_bnb(want_cuda=True))}
     print(json.dumps(doc))
     return 0
 
