@@ -93,6 +93,8 @@ class Block:
     """Already shifted: labels[t] is the target for position t (the next token); -100 = none."""
     attention_mask: list[int]
     """1 for a real token, 0 for padding."""
+    position_ids: list[int]
+    """The position of each token within its own sample (packed blocks restart at each sample)."""
 
     @property
     def num_targets(self) -> int:
@@ -234,6 +236,7 @@ def _block(ids: list[int], targets: list[int], seq_len: int, pad_id: int) -> Blo
         input_ids=ids + [pad_id] * pad,
         labels=targets + [IGNORE_INDEX] * (seq_len - len(targets)),
         attention_mask=[1] * len(ids) + [0] * pad,
+        position_ids=list(range(seq_len)),
     )
 
 

@@ -145,9 +145,12 @@ class Trainer:
                 if self.guard.beat(step + 1, k):  # orphaned (agent gone): stop gracefully
                     self.stop.requested = True
                 with m.strategy.accumulate(final=k == r.accum - 1):
+                    # Packed blocks go without a mask: the positions restart at each sample
+                    # and transformers masks attention to within each one from them.
+                    mask = None if d.packed else d.mask[idx].to(dev)
                     loss_sum += micro_step(
-                        m.strategy, d.input_ids[idx].to(dev), d.mask[idx].to(dev),
-                        d.labels[idx].to(dev), scale, autocast=m.autocast,
+                        m.strategy, d.input_ids[idx].to(dev), mask, d.labels[idx].to(dev),
+                        scale, positions=d.positions[idx].to(dev), autocast=m.autocast,
                         loss_dtype=m.loss_dtype, scaler=m.scaler, probe=probe,
                     )  # fmt: skip
                 if r.accum > 1 and r.rank == 0:
@@ -220,19 +223,21 @@ class Trainer:
 
 def micro_step(
     strategy: Any, input_ids: Any, mask: Any, labels: Any, scale: float, *, autocast: Any,
-    loss_dtype: Any, scaler: Any = None, probe: Any = None,
+    loss_dtype: Any, positions: Any = None, scaler: Any = None, probe: Any = None,
 ) -> Any:  # fmt: skip
     """Forward, loss and backward of one micro-batch; returns the detached sum of token losses.
 
     The loss is the sum of token cross-entropies times ``scale`` (world / global target tokens).
     The logits are not kept past the loss: autograd saved what backward needs, and holding them
     would keep one more batch × seq_len × vocab tensor alive through the backward pass.
+    ``mask`` is None for packed blocks, whose ``positions`` restart at every sample.
     ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
     """
     import torch.nn.functional as F
 
     with autocast():
-        logits = strategy.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+        logits = strategy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                use_cache=False).logits  # fmt: skip
     token_loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), labels.flatten(),
                                  ignore_index=-100, reduction="sum")  # fmt: skip
     del logits

@@ -87,6 +87,11 @@ class Data:
     input_ids: Any
     labels: Any
     mask: Any
+    positions: Any
+    """Each token's position within its sample (restarting at every sample in packed blocks)."""
+    packed: bool
+    """Blocks hold several samples: the model gets positions and no mask (transformers then
+    builds the block-diagonal causal mask, or FlashAttention's varlen path, from them)."""
     targets: Any
     """Target tokens per block (labels that are not ignored): the loss's denominator."""
     real_tokens: Any
@@ -122,6 +127,8 @@ def load_data(preset: Preset, rank: Rank) -> Data:
         input_ids=torch.tensor([b.input_ids for b in blocks], dtype=torch.long),
         labels=labels,
         mask=mask,
+        positions=torch.tensor([b.position_ids for b in blocks], dtype=torch.long),
+        packed=bool(preset.data.pack),
         targets=(labels != IGNORE_INDEX).sum(1),
         real_tokens=mask.sum(1),
         n_blocks=len(blocks),
