@@ -1,0 +1,382 @@
+"""Real (non-pad) tokens/s of homelab-dp against Hugging Face Trainer with dynamic padding.
+
+    python benchmarks/vs_hf_trainer.py [--steps 20] [--seq-len 512] [--samples 3000] [--json]
+
+The same model, the same ragged instruction data, a full fine-tune with AdamW, 2 processes on
+the CPU (gloo, OMP_NUM_THREADS = cores / processes), one run of each side after the other:
+
+- **data**: seeded, no network. Instruction records whose outputs run from ``--min-words`` to
+  ``--max-words`` words, log-uniform (long-tailed like real instruction data: the median is
+  the geometric mean), words drawn from the demo tokenizer's own vocabulary (whole-word tokens,
+  a quarter of them with a suffix piece), so the token counts are what that tokenizer makes.
+- **model**: a LLaMA of the demo family, a little larger than assets/models/tiny-llama (hidden
+  256, 4 layers, GQA, the demo tokenizer's 2048 tokens), random weights with a fixed seed,
+  saved with safetensors; the tokenizer files are copied from the demo model.
+- **homelab-dp**: a preset (full, ddp, fp32, pack = true, no activation checkpointing, no
+  checkpoint before the end) run headless through the console script
+  (``homelab-dp run PRESET --gpus cpu:2 --json``) in a temporary runs folder. Real tokens are
+  the last step event's ``tokens``; padded tokens are steps × effective batch × seq_len (every
+  block is seq_len long); the wall time runs from the ``start`` event (written once set-up is
+  done, just before the first step) to the last ``step`` event, so it covers every step and
+  neither start-up nor the final save.
+- **HF Trainer**: this script again under ``torchrun --nproc-per-node 2`` (``--hf-worker``):
+  the same records tokenized by homelab-dp's own `tokenize_records` (prompt of
+  `format_instruction`, loss on the output and eos only), truncated to seq_len, batched by
+  ``DataCollatorForSeq2Seq`` (pad to the longest in the batch, labels -100 on the padding);
+  same lr, warm-up, cosine to 0.1 of the lr, clipping 1.0, no weight decay, ``adamw_torch``,
+  no eval, no saving, ``report_to=[]``, no dataloader workers, ``use_cpu``, gloo. Its
+  ``training_step`` counts the real (attention mask) and padded (numel) tokens of every
+  micro-batch on every rank; a callback times rank 0 from the first step's begin to the last
+  step's end.
+
+Fairness: homelab-dp's micro-batch is in packed blocks of seq_len tokens, HF's in samples, so
+HF's per-device batch is micro × seq_len / (mean truncated sample length), rounded: both see
+about the same real tokens per optimizer step (the table shows what each processed). The same
+gradient accumulation on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEMO = ROOT / "assets" / "models" / "tiny-llama"
+EXE = Path(sys.executable).with_name("homelab-dp")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+MODEL_CONFIG = {  # the demo family (see DEMO/config.json), about 5x its compute per token
+    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+    "max_position_embeddings": 1024, "vocab_size": 2048,
+    "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+MIN_LR_RATIO = 0.1  # homelab-dp's default train.min_lr_ratio
+
+
+# ---------------------------------------------------------------- data (pure, seeded)
+
+
+def vocabulary_words(vocab: dict[str, int]) -> tuple[list[str], list[str]]:
+    """Whole words (byte-level BPE tokens ``Ġword``, letters only) and suffix pieces of a vocab."""
+    words = sorted(t[1:] for t in vocab if t.startswith("Ġ") and len(t) > 2 and t[1:].isalpha())
+    pieces = sorted(t for t in vocab if len(t) > 1 and t.isalpha() and t.islower())
+    return words, pieces
+
+
+def output_lengths(n: int, lo: int, hi: int, rng: random.Random) -> list[int]:
+    """``n`` word counts in [lo, hi], log-uniform: many short answers, a long tail of long ones."""
+    return [min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+            for _ in range(n)]  # fmt: skip
+
+
+def _sentence_text(n: int, words: list[str], pieces: list[str], rng: random.Random) -> str:
+    """``n`` words in sentences of 6 to 18, a quarter of the words with a suffix piece."""
+    out, left = [], 0
+    for i in range(n):
+        word = rng.choice(words) + (rng.choice(pieces) if rng.random() < 0.25 else "")
+        if left == 0:
+            left = rng.randint(6, 18)
+        left -= 1
+        end = i == n - 1 or left == 0
+        out.append(word + ("." if end else "," if rng.random() < 0.08 else ""))
+    return " ".join(out)
+
+
+def ragged_records(
+    n: int, words: list[str], pieces: list[str], *, lo: int, hi: int, seed: int
+) -> list[dict[str, str]]:
+    """Instruction records (instruction, input, output) whose outputs have `output_lengths`."""
+    rng = random.Random(seed)
+    records = []
+    for length in output_lengths(n, lo, hi, rng):
+        instruction = _sentence_text(rng.randint(3, 12), words, pieces, rng)[:-1] + "?"
+        given = _sentence_text(rng.randint(3, 40), words, pieces, rng) if rng.random() < 0.5 else ""
+        output = _sentence_text(length, words, pieces, rng)
+        records.append({"instruction": instruction, "input": given, "output": output})
+    return records
+
+
+def write_jsonl(records: list[dict], path: Path) -> None:
+    """One JSON object a line."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+# ---------------------------------------------------------------- model (torch)
+
+
+def build_model(folder: Path, seed: int) -> int:
+    """A random LLaMA of MODEL_CONFIG with the demo tokenizer; returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" would land amid the table
+    torch.manual_seed(seed)
+    config = LlamaConfig(**MODEL_CONFIG, rope_parameters={"rope_theta": 10000.0,
+                                                          "rope_type": "default"})  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEMO / name, folder / name)
+    return sum(p.numel() for p in model.parameters())
+
+
+def tokenized(data: Path, model: Path, seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) per record as homelab-dp masks them, truncated to seq_len tokens.
+
+    Labels in HF's convention (the model shifts): ``labels[i]`` is the target at position i-1,
+    -100 on the prompt. A record left without a target by the truncation is dropped.
+    """
+    from transformers import AutoTokenizer
+
+    from homelab_dp.data.blocks import IGNORE_INDEX, read_records, tokenize_records
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    examples = tokenize_records(read_records(data, "instruction"), "instruction", tokenizer)
+    cut = [(ex.input_ids[:seq_len], ex.labels[:seq_len]) for ex in examples]
+    return [(ids, labels) for ids, labels in cut if any(t != IGNORE_INDEX for t in labels)]
+
+
+# ---------------------------------------------------------------- homelab-dp side
+
+
+def preset_toml(model: Path, data: Path, a: argparse.Namespace) -> str:
+    """A full, ddp, fp32 preset for 2 CPU processes."""
+    return f"""[model]
+path = "{model}"
+dtype = "fp32"
+
+[data]
+path = "{data}"
+format = "instruction"
+seq_len = {a.seq_len}
+pack = true
+
+[train]
+method = "full"
+distribution = "ddp"
+micro_batch = {a.micro}
+grad_accum = {a.accum}
+max_steps = {a.steps}
+lr = {a.lr}
+warmup_steps = {warmup(a.steps)}
+min_lr_ratio = {MIN_LR_RATIO}
+max_grad_norm = 1.0
+weight_decay = 0.0
+optimizer = "adamw"
+activation_checkpointing = false
+seed = {a.seed}
+checkpoint_every = 0
+
+[hardware]
+devices = "cpu"
+nproc = {a.nproc}
+"""
+
+
+def warmup(steps: int) -> int:
+    """Warm-up steps of both sides: a tenth of the run, at least one."""
+    return max(1, steps // 10)
+
+
+def run_homelab(tmp: Path, model: Path, data: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """Run the preset through the CLI and read its figures from events.jsonl."""
+    preset = tmp / "vs-hf.toml"
+    preset.write_text(preset_toml(model, data, a), encoding="utf-8")
+    env = {**os.environ, "HOMELAB_DP_RUNS": str(tmp / "runs")}
+    env.pop("HOMELAB_DP_FAULT", None)
+    cmd = [str(EXE), "run", str(preset), "--gpus", f"cpu:{a.nproc}", "--json"]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    run_id = next((json.loads(x).get("run_id") for x in out.stdout.splitlines()
+                   if x.startswith("{") and '"run_id"' in x), None)  # fmt: skip
+    if out.returncode != 0 or run_id is None:
+        raise SystemExit(f"homelab-dp run failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    lines = (tmp / "runs" / run_id / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    events = [json.loads(x) for x in lines]
+    start = next(e for e in events if e["type"] == "start")
+    steps = [e for e in events if e["type"] == "step"]
+    last = steps[-1]
+    return {
+        "side": "homelab-dp",
+        "steps": last["step"],
+        "real_tokens": last["tokens"],
+        "padded_tokens": last["step"] * start["tokens_per_step"],
+        "wall_s": last["time"] - start["time"],
+        "micro_batch": f"{start['micro_batch']} blocks of {start['seq_len']}",
+    }
+
+
+# ---------------------------------------------------------------- HF Trainer side
+
+
+def run_hf(tmp: Path, model: Path, data: Path, a: argparse.Namespace, batch: int) -> dict:
+    """This script under torchrun as the HF Trainer worker; sums its ranks' counts."""
+    cfg = {"model": str(model), "data": str(data), "seq_len": a.seq_len, "batch": batch,
+           "accum": a.accum, "steps": a.steps, "lr": a.lr, "seed": a.seed,
+           "out": str(tmp / "hf")}  # fmt: skip
+    (tmp / "hf").mkdir()
+    (tmp / "hf.json").write_text(json.dumps(cfg), encoding="utf-8")
+    threads = max(1, (os.cpu_count() or 1) // a.nproc)  # what homelab-dp's launcher sets
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={a.nproc}", str(Path(__file__).resolve()),
+           "--hf-worker", str(tmp / "hf.json")]  # fmt: skip
+    out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"HF Trainer run failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted((tmp / "hf").glob("rank*.json"))]
+    if len(ranks) != a.nproc:
+        raise SystemExit(f"HF Trainer run: {len(ranks)} rank reports of {a.nproc}")
+    zero = ranks[0]
+    return {
+        "side": "HF Trainer",
+        "steps": zero["steps"],
+        "real_tokens": sum(r["real_tokens"] for r in ranks),
+        "padded_tokens": sum(r["padded_tokens"] for r in ranks),
+        "wall_s": zero["wall_s"],
+        "micro_batch": f"{batch} samples, padded to the longest",
+    }
+
+
+def hf_worker(cfg_path: Path) -> None:
+    """One rank of the HF Trainer run (under torchrun); writes out/rank<N>.json."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    cfg = json.loads(cfg_path.read_text())
+    rows = tokenized(Path(cfg["data"]), Path(cfg["model"]), cfg["seq_len"])
+    dataset = [{"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)}
+               for ids, labels in rows]  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+    counts = {"real_tokens": 0, "padded_tokens": 0, "target_tokens": 0}
+    clock: dict[str, float] = {}
+
+    class Counting(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):  # noqa: ANN001
+            counts["real_tokens"] += int(inputs["attention_mask"].sum())
+            counts["padded_tokens"] += int(inputs["input_ids"].numel())
+            counts["target_tokens"] += int((inputs["labels"] != -100).sum())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+            clock.setdefault("first", time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+            clock["last"] = time.perf_counter()
+
+    args = TrainingArguments(
+        output_dir=cfg["out"], per_device_train_batch_size=cfg["batch"],
+        gradient_accumulation_steps=cfg["accum"], max_steps=cfg["steps"],
+        learning_rate=cfg["lr"], warmup_steps=warmup(cfg["steps"]),
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO},
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", seed=cfg["seed"],
+        eval_strategy="no", save_strategy="no", logging_strategy="no", report_to=[],
+        dataloader_num_workers=0, dataloader_pin_memory=False, remove_unused_columns=False,
+        use_cpu=True, ddp_backend="gloo", disable_tqdm=True,
+    )  # fmt: skip
+    collator = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
+    trainer = Counting(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                       callbacks=[Clock()])  # fmt: skip
+    trainer.train()
+    rank = int(os.environ.get("RANK", "0"))
+    report = {
+        **counts,
+        "steps": trainer.state.global_step,
+        "wall_s": clock["last"] - clock["first"],
+    }
+    (Path(cfg["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+# ---------------------------------------------------------------- main
+
+
+def hf_batch(lengths: list[int], micro: int, seq_len: int) -> int:
+    """Samples per HF micro-batch holding as many real tokens as ``micro`` full blocks."""
+    return max(1, round(micro * seq_len / (sum(lengths) / len(lengths))))
+
+
+def table(rows: list[dict], header: str) -> str:
+    """The printed table; the last column is homelab-dp's rate over HF's."""
+    hf_rate = next(r["tokens_per_s"] for r in rows if r["side"] == "HF Trainer")
+    lines = [header, f"{'side':<11} {'steps':>5} {'real tokens':>11} {'padded tokens':>13} "
+             f"{'wall s':>7} {'real tok/s':>10} {'ratio':>6}  micro-batch per device"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r['side']:<11} {r['steps']:>5} {r['real_tokens']:>11} "
+                     f"{r['padded_tokens']:>13} {r['wall_s']:>7.1f} {r['tokens_per_s']:>10.0f} "
+                     f"{r['tokens_per_s'] / hf_rate:>5.2f}x  {r['micro_batch']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps of each side")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=3000, help="records in the data set")
+    parser.add_argument("--micro", type=int, default=4, help="homelab-dp blocks per micro-batch")
+    parser.add_argument("--accum", type=int, default=1, help="gradient accumulation (both)")
+    parser.add_argument("--min-words", type=int, default=3)
+    parser.add_argument("--max-words", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    parser.add_argument("--hf-worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.hf_worker:
+        return hf_worker(args.hf_worker)
+    args.nproc = 2
+    with tempfile.TemporaryDirectory(prefix="vs-hf-") as name:
+        tmp = Path(name)
+        model, data = tmp / "model", tmp / "ragged.jsonl"
+        vocab = json.loads((DEMO / "tokenizer.json").read_text())["model"]["vocab"]
+        words, pieces = vocabulary_words(vocab)
+        write_jsonl(ragged_records(args.samples, words, pieces, lo=args.min_words,
+                                   hi=args.max_words, seed=args.seed), data)  # fmt: skip
+        params = build_model(model, args.seed)
+        lengths = [len(ids) for ids, _ in tokenized(data, model, args.seq_len)]
+        batch = hf_batch(lengths, args.micro, args.seq_len)
+        rows = [run_homelab(tmp, model, data, args), run_hf(tmp, model, data, args, batch)]
+    for r in rows:
+        r["tokens_per_s"] = r["real_tokens"] / r["wall_s"]
+    hf = rows[1]["tokens_per_s"]
+    ordered = sorted(lengths)
+    facts = {
+        "params": params, "samples": len(lengths), "seq_len": args.seq_len,
+        "mean_sample_tokens": sum(lengths) / len(lengths),
+        "median_sample_tokens": ordered[len(ordered) // 2], "max_sample_tokens": ordered[-1],
+        "nproc": args.nproc, "grad_accum": args.accum, "cpus": os.cpu_count(),
+        "load_average": os.getloadavg()[0], "ratio": rows[0]["tokens_per_s"] / hf,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps({**facts, "rows": rows}))
+        return
+    header = (f"LLaMA {params / 1e6:.1f}M params, full fine-tune, {args.nproc} CPU processes "
+              f"(gloo), {args.steps} steps, seq_len {args.seq_len}, accum {args.accum}; "
+              f"{len(lengths)} samples of {facts['mean_sample_tokens']:.0f} tokens on average "
+              f"(median {facts['median_sample_tokens']}, max {facts['max_sample_tokens']}); "
+              f"{os.cpu_count()} CPUs, load average {facts['load_average']:.1f} at the end")  # fmt: skip
+    print(table(rows, header))
+
+
+if __name__ == "__main__":
+    main()
