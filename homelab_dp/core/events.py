@@ -111,6 +111,8 @@ class StepEvent(Event):
     tokens: int = 0
     """Real (non-pad) target tokens so far."""
     samples: int = 0
+    mfu: float | None = None
+    """Model FLOPs utilisation, 0..1 (`core.flops`); None on the CPU or an unknown GPU."""
 
 
 @dataclass(kw_only=True)

@@ -108,6 +108,9 @@ class RunView:
     lr: float | None = None
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilisation of the latest logged step (0..1); None on the CPU, an unknown GPU
+    or events written before the field existed."""
     step_time_s: float | None = None
     micro_batch: int = 0
     grad_accum: int = 1
@@ -239,6 +242,7 @@ class RunView:
                        "step_time_s", "micro_batch", "grad_accum", "world_size",
                        "effective_batch", "tokens", "rank_step_times_s", "peak_memory_bytes",
                        "peak_memory_kind"), given)  # fmt: skip
+        self.mfu = None if e.mfu is None else float(e.mfu)  # each step says whether it is known
         if e.loss is not None:
             self.loss = float(e.loss)
             self.losses.append((self.step, self.loss))

@@ -18,7 +18,7 @@ from rich.text import Text
 from homelab_dp.core.hardware import format_bytes
 from homelab_dp.core.run_view import DeviceView, RunView
 from homelab_dp.render.bars import gauge, memory_gauge
-from homelab_dp.render.text import duration, num
+from homelab_dp.render.text import duration, mfu_text, num
 
 STATUS_STYLE = {
     "running": "bold green",
@@ -39,7 +39,7 @@ def step_line(v: RunView) -> str:
     return (
         f"step {v.step}/{v.total_steps} loss {num(v.loss, '.4f')}{arrow} lr {num(v.lr, '.2e')} "
         f"tok/s {num(v.tokens_per_s)} samples/s {num(v.samples_per_s, ',.1f')} "
-        f"eta {duration(v.eta_s, clock=True)} | batch {v.micro_batch}×{v.world_size}×"
+        f"{mfu_text(v.mfu)} eta {duration(v.eta_s, clock=True)} | batch {v.micro_batch}×{v.world_size}×"
         f"{v.grad_accum}={v.effective_batch}"
     )
 
@@ -112,6 +112,7 @@ def live_panel(v: RunView) -> Panel:
         f"samples/s {num(v.samples_per_s, ',.1f')}",
         f"step {num(v.step_time_s, '.2f')} s",
         f"tokens {v.tokens:,}",
+        mfu_text(v.mfu),
     )
     progress = ProgressBar(total=max(v.total_steps, 1), completed=v.step, width=60)
     accum = (

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from homelab_dp.core.hardware import format_bytes
 from homelab_dp.render.run_view import STATUS_STYLE
-from homelab_dp.render.text import duration
+from homelab_dp.render.text import duration, mfu_text
 
 NO_RUNS = "no runs yet; start one with: homelab-dp run tiny-demo"
 
@@ -40,7 +40,8 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
         + (f", loss {doc['loss']:.4f}" if doc.get("loss") is not None else ""),
     ]
     if doc.get("tokens_per_s"):
-        lines.append(f"speed     {doc['tokens_per_s']:,.0f} tokens/s")
+        mfu = f", {mfu_text(doc.get('mfu'))}" if "mfu" in doc else ""  # a document that has it
+        lines.append(f"speed     {doc['tokens_per_s']:,.0f} tokens/s{mfu}")
     if doc.get("peak_memory_bytes"):
         peaks = ", ".join(format_bytes(b) for b in doc["peak_memory_bytes"])
         est = (

@@ -29,3 +29,11 @@ def duration(seconds: float | None, *, clock: bool = False) -> str:
     if s >= 60:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s}s"
+
+
+def mfu_text(value: float | None) -> str:
+    """``MFU 41%`` (one decimal under 10%), or ``MFU n/a`` on the CPU or an unknown GPU."""
+    if value is None:
+        return "MFU n/a"
+    pct = 100 * value
+    return f"MFU {pct:.1f}%" if pct < 10 else f"MFU {pct:.0f}%"

@@ -11,12 +11,15 @@ import json
 import os
 import resource
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from homelab_dp.core.events import Event
+
+if TYPE_CHECKING:
+    from homelab_dp.core.runspec import RunSpec
 
 
 class EventLog:
@@ -88,3 +91,59 @@ class RankStats:
         out = torch.empty(self.world * self.FIELDS, dtype=torch.float64, device=self.device)
         all_gather_flat(out, mine)
         return out.view(self.world, self.FIELDS).tolist()
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """One card's dense 16-bit peak (FLOP/s) from its name; None on the CPU or an unknown card."""
+    if device.type != "cuda":
+        return None
+    from homelab_dp.core.flops import peak_flops
+
+    return peak_flops(torch.cuda.get_device_name(device))
+
+
+class StepFlops:
+    """MFU of logged steps: the run's FLOPs per token against its cards' peak.
+
+    Counts every position of a block (``seq_len`` tokens a sample): the model computes them
+    all, where the step event's ``tokens_per_s`` counts only target tokens (a prompt's tokens,
+    trained on or not, still go through the model). ``mfu`` is None whenever ``peak`` is.
+    """
+
+    def __init__(self, flops_per_token: float, peak: float | None, world_size: int,
+                 seq_len: int) -> None:  # fmt: skip
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.world_size = world_size
+        self.seq_len = seq_len
+
+    @classmethod
+    def for_run(cls, spec: RunSpec, device: torch.device, seq_len: int) -> StepFlops:
+        """From the run spec (model folder, method, checkpointing, LoRA) and the block length.
+
+        A model whose config.json the spec reader does not know gives no peak: MFU "n/a".
+        """
+        from homelab_dp.core.flops import causal_span, flops_per_token
+        from homelab_dp.core.model_spec import load_model_spec
+        from homelab_dp.errors import HomelabError
+
+        r, preset = spec.resolved, spec.preset
+        peak = device_peak_flops(device)
+        try:
+            model = load_model_spec(preset.model.path)
+        except HomelabError:
+            return cls(0.0, None, r.world_size, seq_len)
+        per_token = flops_per_token(
+            model, method=r.method, activation_checkpointing=r.activation_checkpointing,
+            attention_span=causal_span(seq_len), lora_r=preset.lora.r,
+            lora_targets=preset.lora.target_modules,
+        )  # fmt: skip
+        return cls(per_token, peak, r.world_size, seq_len)
+
+    def mfu(self, samples_per_s: float | None) -> float | None:
+        """MFU (0..1) at ``samples_per_s`` blocks a second over all ranks; None without a peak."""
+        from homelab_dp.core.flops import mfu
+
+        if samples_per_s is None or self.peak is None:
+            return None
+        return mfu(samples_per_s * self.seq_len, self.flops_per_token, self.peak, self.world_size)

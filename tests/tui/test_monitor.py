@@ -48,7 +48,8 @@ async def test_a_finished_run_shows_every_panel(controller: RunController) -> No
         assert loss_chart.values == _recorded_losses()
         assert loss_chart.border_title == "loss 1.480"
         tps = app.screen.query_one("#chart-tps", Chart)
-        assert len(tps.values) == 40 and tps.border_title == "tokens/s 12,632"
+        # Recorded before step events carried MFU: the figure is unknown, not zero.
+        assert len(tps.values) == 40 and tps.border_title == "tokens/s 12,632  MFU n/a"
         assert "effective batch 32 = micro 4 × world 2 × accum 4" in plain(app, "#accum")
         devices = plain(app, "#devices")
         assert devices.count("est 14.6 GiB") == 2  # memory against the plan's estimate
@@ -77,6 +78,19 @@ async def test_follows_a_run_as_it_goes(runs_root: Path) -> None:
         await wait_for(pilot, lambda: app.snapshot.view.status == "completed", what="the end")
         assert app.snapshot.view.step == 40
         assert app.screen.query_one("#chart-loss", Chart).values == _recorded_losses()
+
+
+async def test_the_throughput_chart_shows_the_latest_mfu(runs_root: Path) -> None:
+    """A CUDA run's step events carry MFU; the tokens/s chart shows the latest one."""
+    run_dir = copy_run(runs_root, "20250301-141500-mfu-0003", status="completed", events=False)
+    recorded = list(read_all(RECORDED / "events.jsonl"))
+    _append(run_dir / "events.jsonl", [
+        {**e, "mfu": 0.3 + e["step"] / 400} if e["type"] == "step" else e for e in recorded
+    ])  # fmt: skip
+    async with open_monitor(RunController(runs_root), run_dir.name, shows_snapshot) as (app, _, _):
+        assert app.snapshot.view.mfu == 0.4  # step 40
+        tps = app.screen.query_one("#chart-tps", Chart)
+        assert tps.border_title == "tokens/s 12,632  MFU 40%"
 
 
 async def test_stop_on_a_finished_run_stops_nothing(controller: RunController) -> None:

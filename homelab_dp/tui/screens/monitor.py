@@ -18,6 +18,7 @@ from homelab_dp.render.run_view import (
     head_text,
     stragglers_text,
 )
+from homelab_dp.render.text import mfu_text
 from homelab_dp.run.controller import RunController
 from homelab_dp.rundir.state import ACTIVE
 from homelab_dp.tui.follower import Following, Snapshot
@@ -81,7 +82,8 @@ class MonitorScreen(Screen[None]):
             return
         view = snapshot.view
         head.update(head_text(view))
-        self.query_one("#chart-tps", Chart).set_values([v for _, v in view.tokens_per_s_history])
+        tps = [v for _, v in view.tokens_per_s_history]
+        self.query_one("#chart-tps", Chart).set_values(tps, note=mfu_text(view.mfu))
         self.query_one("#chart-loss", Chart).set_values([v for _, v in view.losses])
         self.query_one("#accum", Static).update(accum_text(view))
         self.query_one("#devices", Static).update(devices_text(view))

@@ -36,15 +36,15 @@ class Chart(Vertical):
     def compose(self) -> ComposeResult:
         yield Sparkline([], summary_function=self._summary)
 
-    def set_values(self, values: Sequence[float]) -> None:
-        """Show a new series; the title gives the latest value and the range."""
+    def set_values(self, values: Sequence[float], note: str = "") -> None:
+        """Show a new series; the title gives the latest value (then ``note``) and the range."""
         self.values = list(values)
         self.query_one(Sparkline).data = self.values
         if self.values:
             last = self.fmt.format(self.values[-1])
             low, high = self.fmt.format(min(self.values)), self.fmt.format(max(self.values))
-            self.border_title = f"{self.label} {last}"
+            self.border_title = f"{self.label} {last}  {note}".rstrip()
             self.border_subtitle = f"{low} – {high}"
         else:
-            self.border_title = f"{self.label} -"
+            self.border_title = f"{self.label} -  {note}".rstrip()
             self.border_subtitle = ""

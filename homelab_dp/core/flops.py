@@ -1,0 +1,198 @@
+"""Model FLOPs per trained token and the cards' 16-bit peaks: MFU (pure: stdlib only).
+
+MFU (model FLOPs utilisation) = model FLOPs per token × tokens per second ÷ (the card's dense
+16-bit tensor peak × the number of cards). Model FLOPs count the matrix multiplications the
+model's maths needs, not what a kernel happens to run: embeddings are a lookup (0 FLOPs),
+norms, activations and the softmax are left out (a few percent at most), and the attention
+term counts only the keys a causal query attends to.
+
+Per trained token (N = weights of the matmuls: every decoder linear and the lm_head, which
+multiplies by the vocabulary even when it is tied to the embeddings; S = the attention span):
+
+- forward: 2·N for the linears, plus 2·2·layers·(heads·head_dim)·S for scores and values
+  (Q·Kᵀ and P·V; grouped KV heads share K and V but every query head still multiplies);
+- backward, full fine-tune: 2× the forward (the input gradient and the weight gradient);
+- backward, LoRA/QLoRA: the frozen base still passes the input gradient down (1× its forward)
+  but makes no weight gradient; the adapters (r·(d_in + d_out) weights each) cost 3× their
+  forward like any trained layer; attention has no weights, so its backward is 2× either way;
+- activation checkpointing recomputes the decoder layers' forward once in the backward pass
+  (not the lm_head, which sits outside the checkpointed blocks); counted, as it is work done.
+
+QLoRA dequantizes its 4-bit weights to 16 bits before each matmul: the same FLOPs as LoRA.
+"""
+
+from __future__ import annotations
+
+import re
+
+from homelab_dp.core.model_spec import ModelSpec
+
+METHODS = ("full", "lora", "qlora")
+
+
+def causal_span(seq_len: int) -> float:
+    """Mean keys a query attends to under a causal mask over ``seq_len`` positions: (L + 1) / 2.
+
+    Query i (1-based) sees i keys, so the mean over a block is (L + 1) / 2. Packed blocks attend
+    causally across the whole block, so this is their span too. (PaLM's 6N + 12·layers·d·L
+    counts the full L; fused kernels skip the masked half, so the causal mean is the honest one.)
+    """
+    return (max(int(seq_len), 0) + 1) / 2
+
+
+def linear_matmul_params(spec: ModelSpec) -> int:
+    """N: weights multiplied per token by the decoder linears and the lm_head (biases left out)."""
+    per_layer = sum(lin.d_in * lin.d_out for lin in spec.linears)
+    return spec.layers * per_layer + spec.vocab * spec.hidden
+
+
+def attention_forward_flops(spec: ModelSpec, attention_span: float) -> float:
+    """Q·Kᵀ and P·V of one token's queries against ``attention_span`` keys, in every layer."""
+    return 2 * 2 * spec.layers * spec.heads * spec.head_dim * float(attention_span)
+
+
+def flops_per_token(
+    spec: ModelSpec,
+    *,
+    method: str,
+    activation_checkpointing: bool,
+    attention_span: float,
+    lora_r: int = 16,
+    lora_targets: str | list[str] = "all-linear",
+) -> float:
+    """Matmul FLOPs of one trained token: forward, backward and any recomputation.
+
+    ``attention_span``: mean keys per query (`causal_span` of the block length for causal
+    blocks). ``lora_r`` and ``lora_targets`` (the preset's ``lora`` section) size the adapters of
+    ``lora``/``qlora``; ``full`` ignores them. Raises ValueError for another method ("auto" must
+    be resolved first).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    head = 2.0 * spec.vocab * spec.hidden
+    layers_fwd = 2.0 * linear_matmul_params(spec) - head
+    attn_fwd = attention_forward_flops(spec, attention_span)
+    adapters_fwd = 0.0
+    if method == "full":
+        backward_factor = 2.0  # input and weight gradients of every linear
+    else:
+        backward_factor = 1.0  # frozen base: the input gradient only
+        adapters_fwd = 2.0 * spec.lora_params(lora_r, lora_targets)
+    total = (
+        (1 + backward_factor) * (layers_fwd + head)
+        + 3 * attn_fwd  # no weights: backward is 2× forward for every method
+        + 3 * adapters_fwd  # trained: input and weight gradients
+    )
+    if activation_checkpointing:
+        total += layers_fwd + attn_fwd + adapters_fwd
+    return total
+
+
+# Dense (no 2:4 sparsity) bf16/fp16 tensor-core TFLOPS with fp32 accumulate, at the boost clock,
+# from NVIDIA's datasheets and architecture whitepapers (Volta/Turing/Ampere GA100 and GA102,
+# Ada, Hopper, Blackwell RTX): the datasheet's "with sparsity" figure halved. GeForce cards
+# (and the 2080 Ti) accumulate fp32 at half their fp16-accumulate rate; training accumulates
+# in fp32, so theirs is the halved figure (RTX 4090: 330.3 fp16-acc, 165.2 fp32-acc). Workstation
+# and data-centre cards run fp32 accumulate at full rate. Pascal has no tensor cores: P100's
+# fp16 rate; P40's fp16 is 1/64 rate, so its fp32 rate (what it trains in).
+# Keys are the words of the name (lower case, "-" and "_" as spaces) that must appear in order.
+PEAK_DENSE_16BIT_TFLOPS: dict[tuple[str, ...], float] = {
+    # Hopper / Blackwell data centre
+    ("h200",): 989.5,  # H200 SXM
+    ("h200", "nvl"): 835.5,
+    ("h100",): 989.5,  # "NVIDIA H100 80GB HBM3" is the SXM5 card
+    ("h100", "sxm"): 989.5,
+    ("h100", "pcie"): 756.5,
+    ("h100", "nvl"): 835.5,
+    ("h800",): 989.5,
+    ("h800", "pcie"): 756.5,
+    # Ampere data centre and workstation
+    ("a100",): 312.0,  # SXM4 and PCIe alike
+    ("a800",): 312.0,
+    ("a40",): 149.7,
+    ("a6000",): 154.8,  # RTX A6000
+    ("a5000",): 111.1,
+    ("a4000",): 76.7,
+    # Ada data centre and workstation
+    ("l40s",): 362.05,
+    ("l40",): 181.05,
+    ("l4",): 121.0,
+    ("rtx", "6000", "ada"): 364.2,
+    # GeForce Blackwell (fp32 accumulate: half the fp16-accumulate figure)
+    ("rtx", "5090"): 209.5,
+    ("rtx", "5080"): 112.6,
+    ("rtx", "5070", "ti"): 87.9,
+    # GeForce Ada
+    ("rtx", "4090"): 165.2,
+    ("rtx", "4080"): 97.5,
+    ("rtx", "4070", "ti"): 80.2,
+    ("rtx", "4070"): 58.4,
+    ("rtx", "4060", "ti"): 44.2,
+    # GeForce Ampere
+    ("rtx", "3090", "ti"): 80.0,
+    ("rtx", "3090"): 71.0,
+    ("rtx", "3080", "ti"): 68.2,
+    ("rtx", "3080"): 59.5,
+    ("rtx", "3070"): 40.6,
+    ("rtx", "3060"): 25.6,
+    # Turing and Volta (fp16: Volta/Turing have no bf16)
+    ("titan", "rtx"): 130.5,
+    ("rtx", "2080", "ti"): 53.8,
+    ("t4",): 65.0,
+    ("v100",): 125.0,  # SXM2/SXM3
+    ("v100", "pcie"): 112.0,
+    ("v100s",): 130.0,
+    # Pascal: no tensor cores
+    ("p100",): 21.2,  # SXM2
+    ("p100", "pcie"): 18.7,
+    ("p40",): 11.76,
+}
+"""GPU name words → dense 16-bit tensor TFLOPS with fp32 accumulate (one card)."""
+
+VARIANT_WORDS = frozenset({"ti", "super", "d", "laptop", "mobile", "max", "q"})
+"""A word right after a matched model that makes it another card (RTX 4090 D, 4080 SUPER, a
+laptop part): that card is unknown unless the table names it."""
+
+
+def _words(name: str) -> list[str]:
+    return re.sub(r"[-_/()]+", " ", name.lower()).split()
+
+
+def _match_end(words: list[str], key: tuple[str, ...]) -> int | None:
+    """The index after ``key`` where it occurs as consecutive whole words, else None."""
+    n = len(key)
+    for i in range(len(words) - n + 1):
+        if tuple(words[i : i + n]) == key:
+            return i + n
+    return None
+
+
+def peak_flops(gpu_name: str) -> float | None:
+    """The dense 16-bit peak (FLOP/s, one card) of an NVML/torch GPU name; None when unknown.
+
+    The longest table key whose words occur whole and in order wins ("H100 PCIe" over "H100");
+    a match followed by a variant word ("RTX 4090 D", "RTX 4080 SUPER", "Laptop GPU") does not
+    count, so an unlisted variant is None rather than the wrong card's peak.
+    """
+    words = _words(gpu_name)
+    best: tuple[int, float] | None = None
+    for key, tflops in PEAK_DENSE_16BIT_TFLOPS.items():
+        end = _match_end(words, key)
+        if end is None or (end < len(words) and words[end] in VARIANT_WORDS):
+            continue
+        if best is None or len(key) > best[0]:
+            best = (len(key), tflops)
+    return None if best is None else best[1] * 1e12
+
+
+def mfu(
+    tokens_per_s: float, flops_per_token: float, peak: float | None, world_size: int
+) -> float | None:
+    """Model FLOPs achieved ÷ the peak of ``world_size`` cards (0..1); None without a peak.
+
+    ``tokens_per_s`` counts the tokens of every rank together; ``peak`` is one card's FLOP/s
+    (`peak_flops`), every card taken to be the same.
+    """
+    if not peak or peak <= 0 or world_size < 1 or tokens_per_s < 0:
+        return None
+    return tokens_per_s * flops_per_token / (peak * world_size)
