@@ -35,21 +35,31 @@ Blocks (`build_blocks`) hold exactly ``seq_len`` tokens with labels already shif
 at position t is the target for position t, i.e. the next token, so the worker computes
 ``cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100)`` with no slicing.
 
-- **pack = true**: samples are joined end to end and cut into blocks of ``seq_len`` inputs
-  (each block reads ``seq_len + 1`` tokens for the shift; consecutive blocks share that one
-  token, so every transition is trained once). The mask is the plain causal one, so
-  **attention crosses sample boundaries**, as in most pretraining recipes. The label at a
-  boundary (one sample's ``eos`` → the next sample's first token) is **masked**: predicting an
-  unrelated next sample is noise. The last, shorter block is padded.
+- **pack = true**: whole samples are bin-packed into blocks of ``seq_len`` inputs, best fit
+  decreasing (longest first, each into the fullest block that still has room; equal lengths in
+  file order, equally full blocks oldest first). A sample of n tokens takes n - 1 positions
+  (inputs ``ids[:-1]``, targets ``labels[1:]``: its last token, ``eos``, is only a target), so a
+  sample that fits is never split. ``position_ids`` restart at 0 at every sample, and the
+  padding at the end of a block is a run of its own (positions 0..k-1, label -100,
+  ``attention_mask`` 0). The worker gives the model these positions and no mask, and
+  transformers masks attention to within each run (a block-diagonal causal mask for
+  sdpa/eager, FlashAttention's varlen path): **attention never crosses samples**, so a packed
+  block trains exactly as its samples would one per row. A longer sample is truncated to
+  ``seq_len`` inputs (targets ``labels[1:seq_len + 1]``, as with pack = false) for completion,
+  instruction and chat data; text is cut into consecutive pieces of ``seq_len`` inputs that
+  share one token for the shift (every transition is trained once), each piece a sample.
 - **pack = false**: one block per sample, truncated to ``seq_len`` (+1 target) or padded with
-  ``pad_id``, ``attention_mask`` 0 and label -100 on the padding.
+  ``pad_id``, ``attention_mask`` 0 and label -100 on the padding; positions 0..seq_len-1.
 
-Blocks without a single target (a prompt longer than ``seq_len`` when padding) are dropped.
-The block order is the file order; shuffling is the worker's job (by seed, not world size).
+Blocks without a single target (a prompt longer than ``seq_len``) are dropped. Padded blocks
+are in file order, packed ones in the order they were opened (their samples in file order);
+shuffling is the worker's job (by seed, not world size).
 """
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +73,7 @@ __all__ = [
     "IGNORE_INDEX",
     "Block",
     "Example",
+    "best_fit_decreasing",
     "build_blocks",
     "detect_format",
     "format_instruction",
@@ -240,42 +251,107 @@ def _block(ids: list[int], targets: list[int], seq_len: int, pad_id: int) -> Blo
     )
 
 
-def build_blocks(examples: Sequence[Example], seq_len: int, pack: bool, pad_id: int) -> list[Block]:
+Piece = tuple[list[int], list[int]]
+"""One packed sample: its inputs and their (shifted) targets, of the same length."""
+
+
+def _pieces(ex: Example, seq_len: int, split: bool) -> list[Piece]:
+    """An example as packed samples: whole if its n - 1 inputs fit, else truncated to seq_len
+    inputs or (``split``) cut into pieces of seq_len inputs sharing one token. Only pieces with
+    a target are kept."""
+    n = len(ex.input_ids) - 1  # the last token is only a target
+    starts = range(0, n, seq_len) if split else range(min(n, 1))
+    out = []
+    for s in starts:
+        targets = ex.labels[s + 1 : s + seq_len + 1]
+        if any(t != IGNORE_INDEX for t in targets):
+            out.append((ex.input_ids[s : s + len(targets)], targets))
+    return out
+
+
+def best_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices (each bin's sizes sum to at most ``capacity``; every size fits).
+
+    Longest first (equal sizes in index order), each item into the fullest bin that still has
+    room (equally full bins: the oldest). The distinct free spaces are kept sorted for a
+    bisect, each with a heap of its bins: O(n log n), plus list moves bounded by ``capacity``.
+    Returns the bins in the order they were opened, each with its items in index order.
+    """
+    bins: list[list[int]] = []
+    free: list[int] = []  # the distinct free spaces some bin has, ascending
+    holders: dict[int, list[int]] = {}  # free space -> heap of the bins with it
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties by index
+        size = sizes[i]
+        k = bisect_left(free, size)
+        if k < len(free):
+            room = free[k]
+            b = heapq.heappop(holders[room])
+            if not holders[room]:
+                del holders[room]
+                free.pop(k)
+        else:
+            room, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        left = room - size
+        if left > 0:  # a full bin takes nothing more
+            if left not in holders:
+                insort(free, left)
+                holders[left] = []
+            heapq.heappush(holders[left], b)
+    return [sorted(b) for b in bins]
+
+
+def _packed_block(pieces: Sequence[Piece], seq_len: int, pad_id: int) -> Block:
+    """Samples side by side, positions restarting at each; the padding is a run of its own."""
+    ids: list[int] = []
+    targets: list[int] = []
+    positions: list[int] = []
+    for inputs, shifted in pieces:
+        ids += inputs
+        targets += shifted
+        positions += range(len(inputs))
+    pad = seq_len - len(ids)
+    return Block(
+        input_ids=ids + [pad_id] * pad,
+        labels=targets + [IGNORE_INDEX] * pad,
+        attention_mask=[1] * len(ids) + [0] * pad,
+        position_ids=positions + list(range(pad)),
+    )
+
+
+def build_blocks(
+    examples: Sequence[Example], seq_len: int, pack: bool, pad_id: int, *, split: bool = False
+) -> list[Block]:
     """Cut examples into blocks of exactly seq_len tokens (see the module docstring).
 
-    Packing joins the examples and reads windows of seq_len + 1 tokens at a stride of seq_len;
-    padding makes one block per example. Blocks without any target are dropped.
+    Packing bin-packs whole samples (`best_fit_decreasing`); a sample longer than seq_len
+    inputs is truncated, or with ``split`` (text data) cut into pieces. Padding makes one block
+    per example, truncated (``split`` is ignored). Blocks without any target are dropped.
     """
     if seq_len < 1:
         raise DataError(f"data.seq_len: must be at least 1, got {seq_len}", hint="e.g. 256")
-    blocks: list[Block] = []
     if pack:
-        ids = [t for ex in examples for t in ex.input_ids]
-        labels = [t for ex in examples for t in ex.labels]
-        for start in range(0, max(len(ids) - 1, 0), seq_len):
-            blocks.append(
-                _block(
-                    ids[start : start + seq_len],
-                    labels[start + 1 : start + seq_len + 1],
-                    seq_len,
-                    pad_id,
-                )
-            )
-    else:
-        for ex in examples:
-            blocks.append(
-                _block(ex.input_ids[:seq_len], ex.labels[1 : seq_len + 1], seq_len, pad_id)
-            )
+        pieces = [p for ex in examples for p in _pieces(ex, seq_len, split)]
+        bins = best_fit_decreasing([len(ids) for ids, _ in pieces], seq_len)
+        return [_packed_block([pieces[i] for i in b], seq_len, pad_id) for b in bins]
+    blocks = [
+        _block(ex.input_ids[:seq_len], ex.labels[1 : seq_len + 1], seq_len, pad_id)
+        for ex in examples
+    ]
     return [b for b in blocks if b.num_targets]
 
 
-def summarize(blocks: Sequence[Block]) -> dict[str, int]:
-    """Counts for the preflight and the run's start event."""
+def summarize(blocks: Sequence[Block]) -> dict[str, float]:
+    """Counts for the preflight and the run's start event; ``fill`` is real / block tokens."""
+    tokens = sum(sum(b.attention_mask) for b in blocks)
+    size = sum(len(b.attention_mask) for b in blocks)
     return {
         "blocks": len(blocks),
-        "tokens": sum(sum(b.attention_mask) for b in blocks),
+        "tokens": tokens,
         "target_tokens": sum(b.num_targets for b in blocks),
-        "padding_tokens": sum(len(b.attention_mask) - sum(b.attention_mask) for b in blocks),
+        "padding_tokens": size - tokens,
+        "fill": tokens / size if size else 0.0,
     }
 
 
@@ -307,12 +383,12 @@ def load_dataset(
     pad_id = tokenizer.pad_token_id
     if pad_id is None:  # padding is masked out, so any id will do
         pad_id = _eos(tokenizer)
-    blocks = build_blocks(examples, seq_len, bool(data_cfg.pack), int(pad_id))
+    blocks = build_blocks(examples, seq_len, bool(data_cfg.pack), int(pad_id), split=fmt == "text")
     if not blocks:
         raise DataError(
             f"{path}: no token is left with a loss after masking "
             f"({fmt} format, seq_len {seq_len}, pack {str(bool(data_cfg.pack)).lower()})",
-            hint="the prompts fill the whole sequence: raise data.seq_len or set data.pack = true",
+            hint="the prompts fill the whole sequence: raise data.seq_len",
         )
     if len(blocks) < min_blocks:
         raise DataError(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from homelab_dp.data.blocks import (
     IGNORE_INDEX,
     Block,
     Example,
+    best_fit_decreasing,
     build_blocks,
     detect_format,
     format_instruction,
@@ -194,23 +197,145 @@ def test_tokenizer_without_leading_bos_masks_the_first_token(tok):
 # ------------------------------------------------------------------ packing and padding
 
 
-def test_packing_shapes_shift_and_masked_boundary():
+def segments(block: Block) -> list[tuple[list[int], list[int]]]:
+    """A packed block's runs (inputs, labels), cut where the positions restart at 0."""
+    starts = [t for t, p in enumerate(block.position_ids) if p == 0] + [len(block.position_ids)]
+    return [
+        (block.input_ids[a:b], block.labels[a:b]) for a, b in zip(starts, starts[1:], strict=False)
+    ]
+
+
+def ragged(n: int, seed: int, longest: int = 60) -> list[Example]:
+    """n samples of 2..longest tokens, some with a masked prompt (ids are distinct per sample)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        size = rng.randint(2, longest)
+        ids = [BOS] + [3 + (i * 7919 + k) % 997 for k in range(size - 2)] + [EOS]
+        prompt = rng.randint(1, size - 1)
+        out.append(Example(ids, [X] * prompt + ids[prompt:]))
+    return out
+
+
+def test_packing_keeps_samples_whole_and_restarts_positions():
     a = Example([BOS, 10, 11, 12, EOS], [X, 10, 11, 12, EOS])
     b = Example([BOS, 20, 21, EOS], [X, X, 21, EOS])  # 20 is prompt
-    blocks = build_blocks([a, b], seq_len=4, pack=True, pad_id=PAD)
-    # stream: 0 10 11 12 1 | 0 20 21 1  (9 tokens → windows at 0, 4; 8 would be one token)
-    assert [blk.input_ids for blk in blocks] == [[BOS, 10, 11, 12], [EOS, BOS, 20, 21]]
-    assert [blk.labels for blk in blocks] == [[10, 11, 12, EOS], [X, X, 21, EOS]]
-    assert [blk.attention_mask for blk in blocks] == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    (block,) = build_blocks([a, b], seq_len=8, pack=True, pad_id=PAD)
+    # n tokens take n - 1 positions: each eos is only a target; then one padding position.
+    assert block.input_ids == [BOS, 10, 11, 12, BOS, 20, 21, PAD]
+    assert block.labels == [10, 11, 12, EOS, X, 21, EOS, X]
+    assert block.position_ids == [0, 1, 2, 3, 0, 1, 2, 0]
+    assert block.attention_mask == [1] * 7 + [0]
+    # Too small for both: each in its own block, the longer one opened first.
+    blocks = build_blocks([b, a], seq_len=5, pack=True, pad_id=PAD)
+    assert [blk.input_ids for blk in blocks] == [[BOS, 10, 11, 12, PAD], [BOS, 20, 21, PAD, PAD]]
+    assert [blk.position_ids for blk in blocks] == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
 
 
-def test_packing_pads_the_last_short_block():
-    a = Example([BOS, 10, 11, 12, 13, 14, EOS], [X, 10, 11, 12, 13, 14, EOS])
-    blocks = build_blocks([a], seq_len=4, pack=True, pad_id=PAD)
-    # the final eos is a real input (mask 1) with nothing after it to predict
-    assert [blk.input_ids for blk in blocks] == [[BOS, 10, 11, 12], [13, 14, EOS, PAD]]
-    assert [blk.labels for blk in blocks] == [[10, 11, 12, 13], [14, EOS, X, X]]
-    assert [blk.attention_mask for blk in blocks] == [[1, 1, 1, 1], [1, 1, 1, 0]]
+def test_padding_tail_is_a_segment_of_its_own():
+    blocks = build_blocks(ragged(200, seed=1), seq_len=64, pack=True, pad_id=PAD)
+    tails = 0
+    for block in blocks:
+        real = sum(block.attention_mask)
+        assert block.attention_mask == [1] * real + [0] * (64 - real)
+        if real < 64:
+            tails += 1
+            assert block.position_ids[real:] == list(range(64 - real))
+            assert block.input_ids[real:] == [PAD] * (64 - real)
+            assert block.labels[real:] == [X] * (64 - real)
+            assert segments(block)[-1][0] == [PAD] * (64 - real)
+    assert tails > 0
+
+
+def test_best_fit_decreasing_by_hand():
+    # 7 → bin 0 (3 left); 6 → bin 1 (4 left); 3 → the fullest with room: bin 0 (exact);
+    # 2 → bin 1 (2 left); 2 → bin 1 (full); 1 → bin 2.
+    assert best_fit_decreasing([2, 7, 3, 6, 2, 1], 10) == [[1, 2], [0, 3, 4], [5]]
+    # Equal sizes go in index order; equally full bins take them oldest first.
+    assert best_fit_decreasing([3, 3, 3, 3, 3], 6) == [[0, 1], [2, 3], [4]]
+    assert best_fit_decreasing([4, 4, 2, 2], 6) == [[0, 2], [1, 3]]
+    assert best_fit_decreasing([], 8) == []
+
+
+def test_best_fit_decreasing_is_near_the_optimum_and_fast():
+    # Bins cut at random points into items: the optimum is exactly the number of bins.
+    rng = random.Random(5)
+    sizes: list[int] = []
+    for _ in range(2000):
+        cuts = sorted(rng.sample(range(1, 256), rng.randint(0, 5)))
+        sizes += [b - a for a, b in zip([0, *cuts], [*cuts, 256], strict=True)]
+    rng.shuffle(sizes)
+    bins = best_fit_decreasing(sizes, 256)
+    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in b) <= 256 for b in bins)
+    assert 2000 <= len(bins) <= 2000 * 1.01  # measured: 2000, the optimum
+    # 100k items in well under a second here (a scan of the open bins would take minutes).
+    big = [rng.randint(1, 2048) for _ in range(100_000)]
+    start = time.perf_counter()
+    bins = best_fit_decreasing(big, 2048)
+    assert time.perf_counter() - start < 10  # measured: 0.25 s
+    assert len(bins) <= -(-sum(big) // 2048) * 1.01  # measured: 49990 for a bound of 49915
+
+
+def test_best_fit_decreasing_never_splits_a_fitting_sample():
+    examples = ragged(500, seed=2)
+    blocks = build_blocks(examples, seq_len=64, pack=True, pad_id=PAD)
+    runs = [run for block in blocks for run in segments(block) if run[0][0] != PAD]
+    # every sample is one run: its inputs ids[:-1] and its targets labels[1:], exactly once
+    expected = sorted((ex.input_ids[:-1], ex.labels[1:]) for ex in examples if any(
+        t != X for t in ex.labels[1:]))  # fmt: skip
+    assert sorted(runs) == expected
+    total = sum(len(ex.input_ids) - 1 for ex in examples)
+    assert len(blocks) <= -(-total // 64) * 1.02  # measured: 235 for a bound of 234
+
+
+def test_packed_and_unpacked_train_the_same_targets_on_ragged_data():
+    examples = ragged(300, seed=3)
+    packed = build_blocks(examples, seq_len=64, pack=True, pad_id=PAD)
+    padded = build_blocks(examples, seq_len=64, pack=False, pad_id=PAD)
+    assert sorted(targets(b) for b in packed) != sorted(targets(b) for b in padded)
+    assert sorted(t for b in packed for t in targets(b)) == sorted(
+        t for b in padded for t in targets(b)
+    )
+    p, u = summarize(packed), summarize(padded)
+    assert (
+        p["target_tokens"]
+        == u["target_tokens"]
+        == sum(sum(t != X for t in ex.labels) for ex in examples)
+    )
+    assert p["tokens"] == u["tokens"] - len(examples)  # the final eos is no input when packed
+    assert p["blocks"] < u["blocks"] == 300
+    assert p["fill"] > 0.95 > u["fill"]
+
+
+def test_long_samples_are_truncated_as_when_padding():
+    long = Example([BOS, 10, 11, 12, 13, 14, EOS], [X, X, 11, 12, 13, 14, EOS])
+    short = Example([BOS, 20, EOS], [X, 20, EOS])
+    packed = build_blocks([long, short], seq_len=4, pack=True, pad_id=PAD)
+    padded = build_blocks([long, short], seq_len=4, pack=False, pad_id=PAD)
+    assert [b.input_ids for b in packed] == [[BOS, 10, 11, 12], [BOS, 20, PAD, PAD]]
+    assert [b.labels for b in packed] == [[X, 11, 12, 13], [20, EOS, X, X]]
+    assert packed[0].labels == padded[0].labels  # the same targets, 13 the last
+    assert [b.position_ids for b in packed] == [[0, 1, 2, 3], [0, 1, 0, 1]]
+
+
+def test_text_is_split_into_pieces_sharing_one_token():
+    ids = [BOS, *range(10, 19), EOS]  # 11 tokens: 10 transitions
+    text = Example(ids, [X, *ids[1:]])
+    blocks = build_blocks([text], seq_len=4, pack=True, pad_id=PAD, split=True)
+    assert [b.input_ids for b in blocks] == [
+        [BOS, 10, 11, 12],
+        [13, 14, 15, 16],
+        [17, 18, PAD, PAD],
+    ]
+    assert [b.labels for b in blocks] == [[10, 11, 12, 13], [14, 15, 16, 17], [18, EOS, X, X]]
+    assert [b.position_ids for b in blocks] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 0, 1]]
+    # every transition (input → its next token) is trained exactly once
+    pairs = [(i, t) for b in blocks for i, t in zip(b.input_ids, b.labels, strict=True) if t != X]
+    assert pairs == list(zip(ids, ids[1:], strict=False))
+    # padding never splits: one truncated block
+    (padded,) = build_blocks([text], seq_len=4, pack=False, pad_id=PAD, split=True)
+    assert padded.labels == [10, 11, 12, 13]
 
 
 def test_padding_truncates_and_pads_one_block_per_example():
@@ -221,29 +346,33 @@ def test_padding_truncates_and_pads_one_block_per_example():
     # the truncated example keeps seq_len + 1 tokens: its last target is token 13
     assert [blk.labels for blk in blocks] == [[X, 11, 12, 13], [20, EOS, X, X]]
     assert [blk.attention_mask for blk in blocks] == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert [blk.position_ids for blk in blocks] == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert summarize(blocks) == {
         "blocks": 2,
         "tokens": 7,
         "target_tokens": 5,
         "padding_tokens": 1,
+        "fill": 7 / 8,
     }
 
 
 def test_blocks_without_targets_are_dropped():
     prompt_only = Example([BOS, 10, 11, 12, 13, 14, EOS], [X, X, X, X, X, 14, EOS])
     assert build_blocks([prompt_only], seq_len=3, pack=False, pad_id=PAD) == []
-    assert len(build_blocks([prompt_only], seq_len=3, pack=True, pad_id=PAD)) == 1
+    assert build_blocks([prompt_only], seq_len=3, pack=True, pad_id=PAD) == []
+    # split into pieces, the last one has the targets
+    (block,) = build_blocks([prompt_only], seq_len=3, pack=True, pad_id=PAD, split=True)
+    assert block.input_ids == [12, 13, 14] and block.labels == [X, 14, EOS]
 
 
-def test_demo_instruct_set_packs_into_full_blocks(tok):
+def test_demo_instruct_set_packs_into_nearly_full_blocks(tok):
     blocks = load_dataset(
         cfg(ROOT / "assets" / "data" / "tiny-instruct.jsonl", seq_len=256),
         tok,
         seq_len_limit=512,
         min_blocks=8,
     )
-    assert all(len(b.input_ids) == len(b.labels) == len(b.attention_mask) == 256 for b in blocks)
-    assert all(sum(b.attention_mask) == 256 for b in blocks[:-1])
+    assert all(len(b.input_ids) == len(b.labels) == len(b.position_ids) == 256 for b in blocks)
     padded = load_dataset(
         cfg(ROOT / "assets" / "data" / "tiny-instruct.jsonl", seq_len=256, pack=False),
         tok,
@@ -251,9 +380,14 @@ def test_demo_instruct_set_packs_into_full_blocks(tok):
         min_blocks=8,
     )
     assert len(padded) == 2000  # one per record
-    # Packing and padding train on exactly the same targets.
-    assert summarize(blocks)["target_tokens"] == summarize(padded)["target_tokens"]
-    assert len(blocks) == -(-summarize(blocks)["tokens"] // 256)
+    # Packing and padding train on exactly the same targets, each sample in one run.
+    p, u = summarize(blocks), summarize(padded)
+    assert p["target_tokens"] == u["target_tokens"] == 19050
+    assert p["tokens"] == u["tokens"] - 2000
+    assert sum(len(segments(b)) - (b.attention_mask[-1] == 0) for b in blocks) == 2000
+    # measured: 251 blocks for a bound of 245 (fill 0.975; 0.126 padded)
+    assert len(blocks) <= -(-p["tokens"] // 256) * 1.03
+    assert p["fill"] > 0.97
 
 
 @pytest.mark.parametrize(
