@@ -245,6 +245,7 @@ def run_hf(tmp: Path, model: Path, data: Path, a: argparse.Namespace, batch: int
         "steps": zero["steps"],
         "real_tokens": sum(r["real_tokens"] for r in ranks),
         "padded_tokens": sum(r["padded_tokens"] for r in ranks),
+        "target_tokens": sum(r["target_tokens"] for r in ranks),  # with a loss (--json only)
         "wall_s": zero["wall_s"],
         "micro_batch": f"{batch} samples, padded to the longest",
     }
