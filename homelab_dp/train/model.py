@@ -2,9 +2,10 @@
 
 Full fine-tunes keep fp32 master weights (bf16/fp16 autocast on CUDA); LoRA keeps a frozen base in
 the compute dtype with fp32 adapters; QLoRA quantizes the linear layers to 4-bit NF4 with double
-quantization. Everything is read from the local folder: no network, and the folder's own Python
-code runs only when the preset says ``model.trust_remote_code = true``. Results are written with
-safetensors only (never pickle).
+quantization and keeps the rest of the frozen base (embeddings, lm_head, norms) in the compute
+dtype too (`train.lora` says why none of it needs fp32). Everything is read from the local folder:
+no network, and the folder's own Python code runs only when the preset says
+``model.trust_remote_code = true``. Results are written with safetensors only (never pickle).
 
 Under FSDP2 (``load_model(..., sharded=True)``) no rank but rank 0 ever holds the whole model:
 every rank builds it on the meta device (no memory), rank 0 alone also loads it on the CPU exactly
@@ -36,6 +37,7 @@ from torch import nn
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.runspec import Resolved
 from homelab_dp.errors import HomelabError
+from homelab_dp.train.lora import add_lora, disable_cpu_bf16_repack, prepare_frozen_base
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +91,26 @@ def load_tokenizer(preset: Preset) -> Any:
 
 
 def load_model(
-    preset: Preset, resolved: Resolved, device: torch.device, *, sharded: bool = False
+    preset: Preset,
+    resolved: Resolved,
+    device: torch.device,
+    *,
+    sharded: bool = False,
+    compute: torch.dtype | None = None,
 ) -> LoadedModel:
     """Load the model for ``resolved.method`` on ``device``; LoRA adapters are seeded by train.seed.
 
     ``sharded`` (FSDP2, an initialised process group): build it on the meta device, rank 0 also
     loading the real weights on the CPU (see the module docstring); QLoRA always loads whole.
+    ``compute`` (tests and benchmarks only, not with ``sharded``): the LoRA/QLoRA base's dtype
+    instead of `compute_dtype` (bf16 on the CPU, to see what a CUDA run holds).
     """
     from transformers import AutoModelForCausalLM
 
     method = resolved.method
     if sharded and method != "qlora":
         return _load_on_meta(preset, resolved)
+    compute = compute or compute_dtype(resolved)
     kwargs: dict[str, Any] = {"trust_remote_code": preset.model.trust_remote_code}
     if method == "qlora":
         from transformers import BitsAndBytesConfig
@@ -109,13 +119,13 @@ def load_model(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype(resolved),
+            bnb_4bit_compute_dtype=compute,
         )
-        kwargs["dtype"] = compute_dtype(resolved)
+        kwargs["dtype"] = compute  # what is not 4-bit (embeddings, lm_head, norms)
         kwargs["device_map"] = {"": device}
     elif method == "lora":
         # The frozen base only needs the compute dtype; the adapters are made fp32 by peft.
-        kwargs["dtype"] = compute_dtype(resolved)
+        kwargs["dtype"] = compute
     else:
         kwargs["dtype"] = master_dtype(resolved)
     model = AutoModelForCausalLM.from_pretrained(preset.model.path, **kwargs)
@@ -126,19 +136,13 @@ def load_model(
     # silently skips activation checkpointing (it recomputes only while training).
     model.train()
     ac = resolved.activation_checkpointing
-    if method == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=ac,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+    if method in ("lora", "qlora"):  # frozen, in the dtype it was loaded in (train.lora)
+        model = prepare_frozen_base(model, gradient_checkpointing=ac)
     elif ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = count_params(model)
     if method in ("lora", "qlora"):
-        model = _add_lora(model, preset)
+        model = add_lora(model, preset.lora)
     if method == "qlora" and device.type == "cpu":
         disable_cpu_bf16_repack(model)
     layers = decoder_layers(model)
@@ -173,13 +177,17 @@ def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
         )
         model.config.use_cache = False
         model.train()
-        if resolved.activation_checkpointing:
+        if resolved.method == "lora":
+            model = prepare_frozen_base(
+                model, gradient_checkpointing=resolved.activation_checkpointing
+            )
+        elif resolved.activation_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         params = count_params(model)
         if resolved.method == "lora":
-            model = _add_lora(model, preset)
+            model = add_lora(model, preset.lora)
     # The other ranks wait on the rendezvous store, not in the first collective (its timeout).
     store = dist.distributed_c10d._get_default_store()
     if source is not None:
@@ -325,38 +333,6 @@ def _receive(
         local.copy_(out[:mine])
     return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
                               shape=t.shape, stride=t.stride())  # fmt: skip
-
-
-def _add_lora(model: nn.Module, preset: Preset) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    lora = preset.lora
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    # Every rank draws the same adapter init: the seed is set before this call (see worker).
-    return get_peft_model(model, config)
-
-
-def disable_cpu_bf16_repack(model: nn.Module) -> int:
-    """Stop bitsandbytes repacking 4-bit weights for its CPU inference kernel.
-
-    On CPUs with AVX512-BF16 a no-grad eval forward repacks the weights into a layout without
-    autograd support, after which LoRA gradients silently become None (found on the CPU
-    machines this project is tested on). Returns how many layers were changed.
-    """
-    import bitsandbytes as bnb
-
-    n = 0
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-            n += 1
-    return n
 
 
 def count_params(model: nn.Module) -> int:

@@ -1,0 +1,116 @@
+"""LoRA and QLoRA: a frozen base in the compute dtype with fp32 adapters, and nothing wider.
+
+`prepare_frozen_base` replaces peft's ``prepare_model_for_kbit_training``, which also casts every
+16-bit parameter that is not 4-bit (embeddings, lm_head, norms) to fp32: on Llama-3.1-8B the
+128k × 4096 embeddings and lm_head alone grow from 2 GiB to 4 GiB, and an fp32 embedding turns
+the whole residual stream fp32 (twice the activation memory) while every matmul still runs in
+the compute dtype. Here the base keeps the dtype it was loaded in:
+
+- embeddings and lm_head are frozen, so fp32 storage would only hold the same bf16 values wider;
+- norms stay 16-bit too: LlamaRMSNorm (like every RMSNorm/LayerNorm in transformers) normalises
+  in fp32 and only multiplies by its frozen weight in the input dtype, as torchtune's RMSNorm
+  (a bf16 ``scale``) and unsloth's preparation (freeze, no cast) do;
+- the adapters, the only trained weights, are fp32: peft's ``autocast_adapter_dtype`` (on by
+  default in ``get_peft_model``) upcasts them, so the optimizer updates fp32 weights;
+- modules a model asks to keep in fp32 (``_keep_in_fp32_modules``) are kept so by
+  ``from_pretrained`` and left alone here.
+
+Gradient checkpointing is non-reentrant, which needs no input that requires grad: the hook
+``enable_input_require_grads`` puts on the embeddings exists for reentrant checkpointing, whose
+recomputed segment has no gradient path otherwise. transformers (``gradient_checkpointing_enable``)
+and peft (``PeftModel`` of a checkpointed 16-bit model) both register it anyway; it is removed
+after each, which spares the backward pass the gradient of the first block's input (a batch ×
+sequence × hidden tensor and the first block's input-gradient matmuls, all discarded).
+tests/unit/test_lean_dtypes.py checks that the first block is recomputed and its adapters still
+get gradients. On the CPU the compute dtype is fp32, so no dtype of a CPU run changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def prepare_frozen_base(model: nn.Module, *, gradient_checkpointing: bool) -> nn.Module:
+    """Freeze every base parameter, keep every dtype, and checkpoint non-reentrantly if asked.
+
+    The model must already be in train mode (transformers only recomputes while training).
+    """
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+        _drop_input_grad_hook(model)
+    return model
+
+
+def _drop_input_grad_hook(model: nn.Module) -> None:
+    """Remove the hook that makes the embeddings' output require grad (see the module docstring).
+
+    Called after each library call that may add one: a second ``enable_input_require_grads``
+    overwrites the handle of the first, which could then never be removed.
+    """
+    disable = getattr(model, "disable_input_require_grads", None)
+    if disable is not None:
+        disable()
+
+
+def add_lora(model: nn.Module, lora: Any) -> nn.Module:
+    """Wrap ``model`` in a peft LoRA model (``lora``: the preset's `LoraSection`).
+
+    Adapters are drawn from torch's global generator: every rank seeds it first (see worker).
+    peft upcasts 16-bit adapters to fp32 (``autocast_adapter_dtype=True``, made explicit here).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    _drop_input_grad_hook(model)  # peft adds it to a checkpointed model that is not quantized
+    return peft_model
+
+
+def disable_cpu_bf16_repack(model: nn.Module) -> int:
+    """Stop bitsandbytes repacking 4-bit weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16 a no-grad eval forward repacks the weights into a layout without
+    autograd support, after which LoRA gradients silently become None (found on the CPU
+    machines this project is tested on). Returns how many layers were changed.
+    """
+    import bitsandbytes as bnb
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def param_bytes(model: nn.Module, *, trainable: bool | None = None) -> int:
+    """Bytes the parameters occupy (a tied weight once; a packed 4-bit weight as its uint8s).
+
+    ``trainable``: only the trainable (True) or frozen (False) ones; None counts all.
+    """
+    total = 0
+    for p in model.parameters():
+        if trainable is None or p.requires_grad == trainable:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def param_dtypes(model: nn.Module) -> dict[torch.dtype, int]:
+    """Parameter bytes by dtype (``torch.uint8`` holds the packed 4-bit weights)."""
+    out: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        out[p.dtype] = out.get(p.dtype, 0) + p.numel() * p.element_size()
+    return out
