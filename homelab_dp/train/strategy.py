@@ -1,7 +1,11 @@
 """Data-parallel strategies, optimizers and the learning-rate schedule.
 
 - ``ddp``: ``DistributedDataParallel``; gradients all-reduced (averaged) once per optimizer step.
-- ``zero1``: DDP plus ``ZeroRedundancyOptimizer`` (optimizer state sharded, ZeRO-1).
+  The gradients are views into DDP's all-reduce buckets (``gradient_as_bucket_view``), so the
+  reducer keeps no second copy of them; buffers are not broadcast before every forward (see
+  `wrap_model`). On one process there is nothing to reduce: the model is not wrapped at all.
+- ``zero1``: DDP plus ``ZeroRedundancyOptimizer`` (optimizer state sharded, ZeRO-1); on one
+  process the plain optimizer (nothing to shard).
 - ``fsdp-grad-op``: FSDP2 ``fully_shard`` per decoder layer and on the root with
   ``reshard_after_forward=False`` (gradients and optimizer state sharded, ZeRO-2-like).
 - ``fsdp-full``: the same with ``reshard_after_forward=True`` (parameters sharded too, ZeRO-3-like).
@@ -16,6 +20,7 @@ loss by the world size. On CUDA, FSDP2 computes in bf16/fp16 with fp32 gradient 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from homelab_dp.core.preset import TrainSection
 from homelab_dp.core.runspec import Resolved
@@ -39,7 +45,8 @@ class Strategy:
     kind: str
     """ddp | zero1 | fsdp-grad-op | fsdp-full."""
     model: nn.Module
-    """What the forward pass is called on (the DDP wrapper, or the fully_shard-ed model)."""
+    """What the forward pass is called on: the DDP wrapper, the fully_shard-ed model, or for
+    ddp/zero1 on one process the model itself (no wrapper)."""
     inner: nn.Module
     """The unwrapped Hugging Face / peft model (for FSDP2 the same object as ``model``)."""
     trainable: list[nn.Parameter] = field(default_factory=list)
@@ -48,17 +55,53 @@ class Strategy:
     def is_fsdp(self) -> bool:
         return self.kind.startswith("fsdp")
 
+    @property
+    def ddp(self) -> DistributedDataParallel | None:
+        """The DDP wrapper, or None (FSDP2, or ddp/zero1 on one process)."""
+        return self.model if isinstance(self.model, DistributedDataParallel) else None
+
+    @property
+    def grads_in_buckets(self) -> bool:
+        """Whether the gradients are views into DDP's buckets (once the first step made them)."""
+        ddp = self.ddp
+        return ddp is not None and ddp.gradient_as_bucket_view
+
     @contextlib.contextmanager
     def accumulate(self, final: bool) -> Iterator[None]:
         """Context for one micro-step: gradients are synchronised only on the final one."""
+        ddp = self.ddp
         if self.is_fsdp:
             self.model.set_requires_gradient_sync(final)  # type: ignore[operator]
             yield
-        elif final:
+        elif final or ddp is None:  # one process: nothing to synchronise
             yield
         else:
-            with self.model.no_sync():  # type: ignore[operator]
+            with ddp.no_sync():
                 yield
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the gradients after an optimizer step.
+
+        Bucket views are zeroed in place: the buckets stay allocated in DDP's reducer whatever
+        we do, and a gradient set to None would make the next step's backward (and every
+        ``no_sync`` micro-step of an accumulation) allocate a second, fresh copy before the
+        reducer copies it into its bucket. Any other gradient is freed (set to None).
+        """
+        optimizer.zero_grad(set_to_none=not self.grads_in_buckets)
+
+    def unseen_bucket_bytes(self) -> int:
+        """Bytes of DDP buckets that no parameter's ``.grad`` shows (for the memory probe).
+
+        Without bucket views the reducer holds one flat copy of every trainable gradient. With
+        them the buckets are the gradients, counted as such while every ``.grad`` is set; if
+        some are None (before the first step, or after ``zero_grad(set_to_none=True)``), the
+        buckets are still alive and unseen. No wrapper, no buckets.
+        """
+        if self.ddp is None:
+            return 0
+        if self.grads_in_buckets and all(p.grad is not None for p in self.trainable):
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.trainable)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm (before clipping); clips to ``max_norm`` when it is > 0."""
@@ -79,10 +122,23 @@ def wrap_model(loaded: LoadedModel, resolved: Resolved, device: torch.device) ->
     model = loaded.model
     kind = resolved.distribution
     if kind in ("ddp", "zero1"):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
+        if world_size() == 1:  # nothing to all-reduce: no reducer, no buckets, no hooks
+            return Strategy(kind, model, model, _trainable(model))
         ids = [device.index] if device.type == "cuda" else None
-        wrapped = DDP(model, device_ids=ids)
+        wrapped = DistributedDataParallel(
+            model,
+            device_ids=ids,
+            # The gradients live in the all-reduce buckets: no second flat copy of them.
+            gradient_as_bucket_view=True,
+            # No buffer broadcast before every forward: the supported families' buffers
+            # (rotary inv_freq, Gemma's embed_scale; no running statistics) are computed from
+            # the config, identical on every rank, and never change in training.
+            **_no_forward_buffer_sync(),
+            # Same parameters every iteration. Not with accumulation: torch's static graph
+            # queues its first-iteration all-reduce even under no_sync, and the reducer then
+            # fails ("expect_autograd_hooks_ INTERNAL ASSERT FAILED", torch 2.13).
+            static_graph=resolved.grad_accum == 1,
+        )
         return Strategy(kind, wrapped, model, _trainable(model))
     if kind not in SHARDED:
         raise HomelabError(f"resolved.distribution: unknown {kind!r}", "use ddp|zero1|fsdp-*")
@@ -107,6 +163,19 @@ def wrap_model(loaded: LoadedModel, resolved: Resolved, device: torch.device) ->
     return Strategy(kind, model, model, _trainable(model))
 
 
+def _no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's switch for the per-forward buffer broadcast: ``forward_sync_buffers`` from torch
+    2.13 (``broadcast_buffers`` is deprecated there), ``broadcast_buffers`` before."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return {name: False}
+
+
+def world_size() -> int:
+    """Processes in the default group (1 when none is initialised)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -128,7 +197,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW (fused on CUDA, foreach on CPU), bitsandbytes 8-bit AdamW, or SGD with momentum.
 
-    ``zero1`` wraps the same optimizer class in ``ZeroRedundancyOptimizer``.
+    ``zero1`` wraps the same optimizer class in ``ZeroRedundancyOptimizer`` (on 2+ processes).
     """
     kwargs: dict[str, Any] = {"lr": lr}
     if train.optimizer == "adamw":
@@ -149,7 +218,7 @@ def build_optimizer(
     else:
         raise HomelabError(f"train.optimizer: unknown {train.optimizer!r}", "adamw|adamw8bit|sgd")
     groups = _param_groups(strategy, train.weight_decay)
-    if strategy.kind == "zero1":
+    if strategy.kind == "zero1" and world_size() > 1:  # one process: nothing to shard
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         first = groups[0]
