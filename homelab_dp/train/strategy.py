@@ -50,6 +50,8 @@ class Strategy:
     inner: nn.Module
     """The unwrapped Hugging Face / peft model (for FSDP2 the same object as ``model``)."""
     trainable: list[nn.Parameter] = field(default_factory=list)
+    grad_accum: int = 1
+    """Micro-steps per optimizer step (see `zero_grad`)."""
 
     @property
     def is_fsdp(self) -> bool:
@@ -85,9 +87,17 @@ class Strategy:
         Bucket views are zeroed in place: the buckets stay allocated in DDP's reducer whatever
         we do, and a gradient set to None would make the next step's backward (and every
         ``no_sync`` micro-step of an accumulation) allocate a second, fresh copy before the
-        reducer copies it into its bucket. Any other gradient is freed (set to None).
+        reducer copies it into its bucket. One exception without accumulation: until DDP has
+        rebuilt its buckets (before the second forward, the third with a static graph) they
+        are freed, or the views would keep the old buckets alive beside the new ones (one more
+        gradient copy). With accumulation that copy stays (transient, before any activation):
+        freed gradients would cost the same copy through a whole accumulation. Any other
+        gradient is freed (set to None).
         """
-        optimizer.zero_grad(set_to_none=not self.grads_in_buckets)
+        ddp = self.ddp
+        rebuilding = ddp is not None and not getattr(ddp, "_has_rebuilt_buckets", True)
+        in_place = self.grads_in_buckets and not (rebuilding and self.grad_accum == 1)
+        optimizer.zero_grad(set_to_none=not in_place)
 
     def unseen_bucket_bytes(self) -> int:
         """Bytes of DDP buckets that no parameter's ``.grad`` shows (for the memory probe).
@@ -139,7 +149,7 @@ def wrap_model(loaded: LoadedModel, resolved: Resolved, device: torch.device) ->
             # fails ("expect_autograd_hooks_ INTERNAL ASSERT FAILED", torch 2.13).
             static_graph=resolved.grad_accum == 1,
         )
-        return Strategy(kind, wrapped, model, _trainable(model))
+        return Strategy(kind, wrapped, model, _trainable(model), resolved.grad_accum)
     if kind not in SHARDED:
         raise HomelabError(f"resolved.distribution: unknown {kind!r}", "use ddp|zero1|fsdp-*")
     if resolved.method == "qlora":
