@@ -2,15 +2,19 @@
 
 Exactness: optimizer step i consumes global samples [i·E, (i+1)·E), E = micro × world ×
 accumulation; on micro-step k rank r takes the M samples starting at i·E + (k·W + r)·M. The loss
-is the sum of token losses divided by the number of target tokens in the whole effective batch
-(all-reduced before the step's forward passes), times the world size because DDP and FSDP2 average
-gradients. So N ranks × micro m equals one process with micro N·m, or with accumulation, on any
-data, and a resumed run repeats an uninterrupted one bit for bit.
+is the sum of token losses divided by the number of target tokens in the whole effective batch,
+times the world size because DDP and FSDP2 average gradients. So N ranks × micro m equals one
+process with micro N·m, or with accumulation, on any data, and a resumed run repeats an
+uninterrupted one bit for bit. Every rank holds the whole data set and the seeded sample order,
+so each counts the step's global target tokens itself: no collective and no host sync before
+the forward passes.
 
-Graceful stop: SIGTERM or SIGINT sets a `StopFlag`; the ranks agree at the next optimizer-step
-boundary (the flag rides on that step's token-count all-reduce), save a checkpoint, write an
-``end`` event with reason "stopped" and return. ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) acts
-as if a stop were requested once k optimizer steps are done.
+Graceful stop: SIGTERM or SIGINT sets a `StopFlag`; the ranks agree at an optimizer-step
+boundary, save a checkpoint, write an ``end`` event with reason "stopped" and return. The vote
+is an asynchronous all-reduce on a CPU (gloo) group of its own, sent at the start of a step and
+read at the start of the next, so it never waits on the GPU: a stop lands at the second boundary
+after the signal at the latest. ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) votes to stop at
+boundary k, so the run stops once exactly k optimizer steps are done.
 
 Safety (`train.guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
 and checks that the torchrun agent is still its parent (if not, the rank stops gracefully). A
@@ -60,6 +64,35 @@ class StopFlag:
         log.warning("%s received: stopping at the next step boundary", signal.Signals(signum).name)
 
 
+class StopVotes:
+    """The ranks' stop votes: asynchronous all-reduces on a gloo group of their own.
+
+    On the CPU, never on the GPU: reading a vote then costs no device synchronisation, and the
+    vote cannot queue behind the training's collectives. Every rank creates the group (a
+    collective) and sends its votes at the same points, so the all-reduces pair up.
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.group = dist.new_group(backend="gloo")
+
+    def send(self, stop: bool) -> tuple[Any, Any]:
+        """Start the all-reduce of this rank's vote; `agreed` reads it."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if stop else 0], dtype=torch.int32)
+        return flag, dist.all_reduce(flag, group=self.group, async_op=True)
+
+    @staticmethod
+    def agreed(vote: tuple[Any, Any]) -> bool:
+        """Whether any rank voted to stop (waits for the all-reduce if it is still running)."""
+        flag, work = vote
+        work.wait()
+        return int(flag.item()) > 0
+
+
 class Trainer:
     """Trains a set-up rank to the end or to a stop, then checkpoints and saves the result."""
 
@@ -82,6 +115,7 @@ class Trainer:
         self.stats = RankStats(self.rank.device)
         self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.rank.device)
+        self.votes = StopVotes()
 
     def run(self) -> None:
         """Train, then checkpoint, save the result (when completed) and write the end event."""
@@ -112,14 +146,18 @@ class Trainer:
     def _loop(self) -> tuple[str, int]:
         """Optimizer steps until the last one ("completed") or an agreed stop ("stopped")."""
         import torch
-        import torch.distributed as dist
 
         from homelab_dp.train.strategy import rank_slices
 
         r, d, m = self.rank, self.data, self.model
         dev, step = r.device, self.start_step
         last_log = (time.time(), self.tokens, step)  # time, tokens and step of the last log
+        vote = self.votes.send(self.stop.requested or step == self.stop_at)
         while step < d.total_steps:
+            if self.votes.agreed(vote):
+                return "stopped", step
+            # Sent now, read at the next boundary: long done by then, so no rank waits for it.
+            vote = self.votes.send(self.stop.requested or step + 1 == self.stop_at)
             t0 = time.perf_counter()
             wall0 = time.time()
             probe = self.memory.begin_step(step, m.strategy, m.optimizer)  # None mostly
@@ -127,18 +165,11 @@ class Trainer:
                 torch.tensor(d.order.blocks(s.start, len(s)))
                 for s in rank_slices(step, r.micro, r.world, r.accum, r.rank)
             ]
-            mine = torch.cat(micro_idx)
-            stop = self.stop.requested or step == self.stop_at
-            # The step's one all-reduce: target tokens (to normalise the loss before any
-            # backward), real tokens (throughput) and the stop flag (all ranks agree).
-            agreed = torch.tensor(
-                [float(d.targets[mine].sum()), float(d.real_tokens[mine].sum()), float(stop)],
-                dtype=torch.float64, device=dev,
-            )  # fmt: skip
-            dist.all_reduce(agreed)
-            targets, tokens, stop_votes = agreed.tolist()
-            if stop_votes > 0:
-                return "stopped", step
+            # Every rank's blocks of this step, from the shared order: the loss's denominator
+            # (target tokens) and the throughput (real tokens), counted on the host.
+            whole = torch.tensor(d.order.blocks(step * r.effective, r.effective))
+            targets = float(d.targets[whole].sum())
+            tokens = int(d.real_tokens[whole].sum())
             scale = r.world / max(targets, 1.0)
             loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
             for k, idx in enumerate(micro_idx):
@@ -161,13 +192,14 @@ class Trainer:
                                        self.train.max_grad_norm)  # fmt: skip
             self.memory.end_step(step, self.events)
             step += 1
-            self.tokens += int(tokens)
+            self.tokens += tokens
             if step % self.train.log_every == 0 or step == d.total_steps:
                 last_log = self._log_step(step, loss_sum, targets, lr, grad_norm, t0, wall0,
                                           last_log)  # fmt: skip
             every = self.train.checkpoint_every
             if every and step % every == 0 and step < d.total_steps:
                 self._checkpoint(step)
+        self.votes.agreed(vote)  # finish the last vote: no collective left in flight
         return "completed", step
 
     def _log_step(
