@@ -47,6 +47,7 @@ def main() -> None:
     ids = torch.tensor([b.input_ids for b in blocks])
     labels = torch.tensor([b.labels for b in blocks])
     mask = torch.tensor([b.attention_mask for b in blocks])
+    positions = torch.tensor([b.position_ids for b in blocks])  # restart at each packed sample
     model = DDP(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(42))
@@ -59,7 +60,9 @@ def main() -> None:
             start = (step * per_step + (k * world + rank) * args.micro) % len(blocks)
             idx = order[torch.arange(start, start + args.micro) % len(blocks)]
             model.require_backward_grad_sync = k == args.accum - 1
-            logits = model(input_ids=ids[idx], attention_mask=mask[idx], use_cache=False).logits
+            # Packed: no mask, the restarting positions keep attention within each sample.
+            logits = model(input_ids=ids[idx], attention_mask=None if args.pack else mask[idx],
+                           position_ids=positions[idx], use_cache=False).logits  # fmt: skip
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels[idx].flatten())
             (loss / args.accum).backward()
             tokens += int(mask[idx].sum()) * world  # every rank sees the same shapes here

@@ -56,8 +56,10 @@ class DataSection:
     seq_len: int = 256
     """Tokens per training sequence."""
     pack: bool = True
-    """Pack samples end to end into seq_len blocks (attention may cross sample boundaries,
-    as in most pre-training recipes); false pads each sample to seq_len with a mask instead."""
+    """Bin-pack whole samples into seq_len blocks (best fit, longest first). Positions restart
+    at each sample and attention never crosses samples, so the loss and the update are exactly
+    those of one padded sample per row, without the padding. Samples longer than seq_len are
+    truncated (text is split into seq_len pieces). false pads each sample to seq_len instead."""
 
 
 @dataclass
@@ -112,6 +114,11 @@ class TrainSection:
     collective_timeout_s: int = 0
     """Seconds a collective (all-reduce, barrier) waits for the other ranks before it fails the
     run; 0: 60 on the CPU, 600 on CUDA."""
+    compile: AutoBool = "auto"
+    """torch.compile each decoder layer (CUDA). auto: on for full and LoRA fine-tunes on CUDA
+    when Triton is installed, falling back to eager where a layer cannot be compiled; off on
+    the CPU and for QLoRA. true: compile, and fail on an error; false: eager. The first steps
+    are slower while the layers compile (seconds to a few minutes)."""
     deterministic: bool = False
     """CUDA: deterministic kernels (torch.use_deterministic_algorithms, cuDNN deterministic and
     not benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8), for bitwise resume on the same cards;

@@ -25,6 +25,7 @@ save or merge of any length is neither a stall nor a collective timeout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -101,7 +102,7 @@ class Trainer:
         t_start: float,
     ) -> None:  # fmt: skip
         from homelab_dp.core.run_view import StragglerDetector
-        from homelab_dp.train.metrics import RankStats, peak_memory_kind
+        from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
 
         self.spec, self.run_dir, self.events, self.stop = spec, run_dir, events, stop
         self.guard = guard
@@ -116,6 +117,7 @@ class Trainer:
         self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.rank.device)
         self.votes = StopVotes()
+        self.flops = StepFlops.for_run(spec, self.rank.device, int(self.data.input_ids.shape[1]))
 
     def run(self) -> None:
         """Train, then checkpoint, save the result (when completed) and write the end event."""
@@ -147,6 +149,7 @@ class Trainer:
         """Optimizer steps until the last one ("completed") or an agreed stop ("stopped")."""
         import torch
 
+        from homelab_dp.train.batches import to_device
         from homelab_dp.train.strategy import rank_slices
 
         r, d, m = self.rank, self.data, self.model
@@ -178,11 +181,12 @@ class Trainer:
                 with m.strategy.accumulate(final=k == r.accum - 1):
                     # Packed blocks go without a mask: the positions restart at each sample
                     # and transformers masks attention to within each one from them.
-                    mask = None if d.packed else d.mask[idx].to(dev)
+                    mask = None if d.packed else to_device(d.mask[idx], dev)
                     loss_sum += micro_step(
-                        m.strategy, d.input_ids[idx].to(dev), mask, d.labels[idx].to(dev),
-                        scale, positions=d.positions[idx].to(dev), autocast=m.autocast,
+                        m.strategy, to_device(d.input_ids[idx], dev), mask, d.labels[idx],
+                        scale, positions=to_device(d.positions[idx], dev), autocast=m.autocast,
                         loss_dtype=m.loss_dtype, scaler=m.scaler, probe=probe,
+                        loss_head=m.loss_head, flat=m.flat_batches,
                     )  # fmt: skip
                 if r.accum > 1 and r.rank == 0:
                     self.events.write(MicroEvent(step=step + 1, micro_step=k + 1,
@@ -217,15 +221,16 @@ class Trainer:
         self.last_loss = sum(row[0] for row in rows) / max(targets, 1.0)
         last_t, last_tokens, last_step = last_log
         span = max(now - last_t, 1e-9)
+        tokens_per_s = (self.tokens - last_tokens) / span
         self.events.write(StepEvent(
             step=step, total_steps=self.data.total_steps,
             epoch=step * r.effective / self.data.n_blocks, loss=self.last_loss, lr=lr,
-            grad_norm=float(grad_norm), tokens_per_s=(self.tokens - last_tokens) / span,
+            grad_norm=float(grad_norm), tokens_per_s=tokens_per_s,
             samples_per_s=(step - last_step) * r.effective / span, micro_batch=r.micro,
             grad_accum=r.accum, world_size=r.world, effective_batch=r.effective,
             step_time_s=now - wall0, rank_step_times_s=[row[1] for row in rows],
             peak_memory_bytes=[int(row[2]) for row in rows], peak_memory_kind=self.memory_kind,
-            tokens=self.tokens, samples=step * r.effective,
+            tokens=self.tokens, samples=step * r.effective, mfu=self.flops.mfu(tokens_per_s),
         ))  # fmt: skip
         for slow in self.stragglers.update([row[1] for row in rows]):
             self.events.write(StragglerEvent(step=step, rank=slow,
@@ -256,23 +261,31 @@ class Trainer:
 def micro_step(
     strategy: Any, input_ids: Any, mask: Any, labels: Any, scale: float, *, autocast: Any,
     loss_dtype: Any, positions: Any = None, scaler: Any = None, probe: Any = None,
+    loss_head: Any = None, flat: bool = False,
 ) -> Any:  # fmt: skip
     """Forward, loss and backward of one micro-batch; returns the detached sum of token losses.
 
     The loss is the sum of token cross-entropies times ``scale`` (world / global target tokens).
-    The logits are not kept past the loss: autograd saved what backward needs, and holding them
-    would keep one more batch × seq_len × vocab tensor alive through the backward pass.
-    ``mask`` is None for packed blocks, whose ``positions`` restart at every sample.
-    ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
+    With ``loss_head`` (`train.loss.ChunkedLossHead`) the model's forward returns that sum,
+    computed chunk by chunk without full logits; ``labels`` may stay on the host (the head
+    finds the target rows there without a device sync). Without it the logits are not kept
+    past the loss: holding them would keep one more batch × seq_len × vocab tensor alive
+    through the backward pass. ``mask`` is None for packed blocks, whose ``positions`` restart
+    at every sample; ``flat`` sends a packed micro-batch as one row (FlashAttention's varlen
+    route). ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
     """
-    import torch.nn.functional as F
+    from homelab_dp.train.loss import token_loss_sum
 
-    with autocast():
-        logits = strategy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                use_cache=False).logits  # fmt: skip
-    token_loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), labels.flatten(),
-                                 ignore_index=-100, reduction="sum")  # fmt: skip
-    del logits
+    if flat:  # exact: every row starts a sample at position 0
+        input_ids, positions, labels = (t.reshape(1, -1) for t in (input_ids, positions, labels))
+    targets = loss_head.targets(labels) if loss_head is not None else contextlib.nullcontext()
+    with autocast(), targets:
+        out = strategy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             use_cache=False).logits  # fmt: skip
+    if loss_head is None:
+        labels = labels.to(out.device)
+    token_loss = token_loss_sum(out, labels, loss_dtype, loss_head)
+    del out
     if probe is not None:
         probe.mark("forward")
     scaled = token_loss * scale
@@ -295,5 +308,5 @@ def optimizer_step(
     else:
         optimizer.step()
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    strategy.zero_grad(optimizer)  # DDP's bucket views are zeroed in place, the rest freed
     return grad_norm

@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from homelab_dp.train.batches import to_device
+
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 24
 """Logit elements per chunk: 2^24 (64 MiB in fp32), ~128 tokens at a 128k vocabulary, 8192 at
@@ -116,10 +118,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:  # fmt: skip
         device_type = hidden.device.type
         autocast_dtype = _compute_dtype(device_type)
-        rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # one host sync on CUDA
+        # Host labels (the worker's) give the target rows without a device sync; labels on
+        # the device cost one (``nonzero`` must know its size).
+        rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        y = to_device(labels.index_select(0, rows), hidden.device)
+        rows = to_device(rows, hidden.device)
         h = _cast(hidden.index_select(0, rows), autocast_dtype)
         w, b = _cast(weight, autocast_dtype), _cast(bias, autocast_dtype)
-        y = labels.index_select(0, rows)
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32
         lse = torch.empty(rows.numel(), dtype=acc, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
@@ -185,7 +190,7 @@ def chunked_cross_entropy(
         raise ValueError(f"labels {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
     chunk = chunk or chunk_tokens(weight.shape[0])
     flat = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1).to(hidden.device)
+    labels = labels.reshape(-1)  # left where it is: on the host it costs no device sync
     return _ChunkedCrossEntropy.apply(flat, weight, bias, labels, chunk)
 
 

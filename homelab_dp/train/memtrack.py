@@ -284,14 +284,13 @@ class MemoryProbe:
 
 
 def ddp_bucket_bytes(strategy: Any) -> int:
-    """Bytes of DDP's gradient buckets: one flat copy of the trainable gradients, held in C++.
+    """Bytes of DDP's gradient buckets that no parameter's ``.grad`` shows, held in C++.
 
-    The reducer allocates them when the model is wrapped (``gradient_as_bucket_view`` is off),
-    so a probe started later cannot see them and counts them as a constant.
+    The reducer allocates them when the model is wrapped, so a probe started later cannot see
+    them; with ``gradient_as_bucket_view`` the gradients are views of them and counted as such
+    once they exist (`Strategy.unseen_bucket_bytes`).
     """
-    if strategy.kind not in ("ddp", "zero1"):
-        return 0
-    return sum(p.numel() * p.element_size() for p in strategy.trainable)
+    return int(strategy.unseen_bucket_bytes())
 
 
 class WorkerMemory:

@@ -105,9 +105,10 @@ def device_peak_flops(device: torch.device) -> float | None:
 class StepFlops:
     """MFU of logged steps: the run's FLOPs per token against its cards' peak.
 
-    Counts every position of a block (``seq_len`` tokens a sample): the model computes them
-    all, where the step event's ``tokens_per_s`` counts only target tokens (a prompt's tokens,
-    trained on or not, still go through the model). ``mfu`` is None whenever ``peak`` is.
+    Counts the real tokens of the step event's ``tokens_per_s`` (prompt and answer alike: the
+    model computes both; padding it computes too, but it is not useful work). The attention
+    term takes a query to see half a block on average, an upper bound for packed samples
+    shorter than the block. ``mfu`` is None whenever ``peak`` is.
     """
 
     def __init__(self, flops_per_token: float, peak: float | None, world_size: int,
@@ -140,10 +141,11 @@ class StepFlops:
         )  # fmt: skip
         return cls(per_token, peak, r.world_size, seq_len)
 
-    def mfu(self, samples_per_s: float | None) -> float | None:
-        """MFU (0..1) at ``samples_per_s`` blocks a second over all ranks; None without a peak."""
+    def mfu(self, tokens_per_s: float | None) -> float | None:
+        """MFU (0..1) at ``tokens_per_s`` real (non-padding) tokens a second over all ranks;
+        None without a peak. Padding is computed too, but is not useful work."""
         from homelab_dp.core.flops import mfu
 
-        if samples_per_s is None or self.peak is None:
+        if tokens_per_s is None or self.peak is None:
             return None
-        return mfu(samples_per_s * self.seq_len, self.flops_per_token, self.peak, self.world_size)
+        return mfu(tokens_per_s, self.flops_per_token, self.peak, self.world_size)

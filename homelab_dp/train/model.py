@@ -37,6 +37,7 @@ from torch import nn
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.runspec import Resolved
 from homelab_dp.errors import HomelabError
+from homelab_dp.train.attention import attention_implementation
 from homelab_dp.train.lora import add_lora, disable_cpu_bf16_repack, prepare_frozen_base
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,11 @@ def load_model(
     if sharded and method != "qlora":
         return _load_on_meta(preset, resolved)
     compute = compute or compute_dtype(resolved)
-    kwargs: dict[str, Any] = {"trust_remote_code": preset.model.trust_remote_code}
+    kwargs: dict[str, Any] = {
+        "trust_remote_code": preset.model.trust_remote_code,
+        # FlashAttention's varlen kernel on CUDA when installed, else SDPA (train.attention).
+        "attn_implementation": attention_implementation(device.type, resolved.dtype),
+    }
     if method == "qlora":
         from transformers import BitsAndBytesConfig
 
@@ -173,8 +178,9 @@ def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
     dtype = compute_dtype(resolved) if resolved.method == "lora" else master_dtype(resolved)
     with torch.device("meta"):  # parameters and buffers without storage, no generator draws
         model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=preset.model.trust_remote_code
-        )
+            config, dtype=dtype, trust_remote_code=preset.model.trust_remote_code,
+            attn_implementation=attention_implementation(resolved.device, resolved.dtype),
+        )  # fmt: skip
         model.config.use_cache = False
         model.train()
         if resolved.method == "lora":

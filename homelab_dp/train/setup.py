@@ -152,6 +152,12 @@ class Model:
     """A GradScaler for fp16 on CUDA, else None."""
     autocast: Any
     """A context factory: ``torch.autocast`` for bf16/fp16 on CUDA without FSDP2, else a no-op."""
+    loss_head: Any = None
+    """`train.loss.ChunkedLossHead` in place of lm_head (no full logits), or None where the model
+    transforms its logits after lm_head (the full cross-entropy then)."""
+    flat_batches: bool = False
+    """FlashAttention's varlen route: transformers reads the sample boundaries from the positions
+    only in a batch of one row, so a packed micro-batch goes in as one row of all its tokens."""
 
 
 def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None) -> Model:
@@ -164,7 +170,10 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
 
     from homelab_dp.core.vocabulary import SHARDED
     from homelab_dp.errors import HomelabError
+    from homelab_dp.train.attention import attention_implementation
+    from homelab_dp.train.loss import install_loss_head, unsupported_reason
     from homelab_dp.train.model import load_model, master_dtype
+    from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
 
     resolved, train, device = spec.resolved, spec.preset.train, rank.device
@@ -174,7 +183,16 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     # FSDP2 loads sharded: the model on meta, rank 0 alone reading the weights (train.model).
     loaded = load_model(spec.preset, resolved, device, sharded=resolved.distribution in SHARDED)
     _count_loaded(memory, loaded)
+    # Before the wrapper: DDP and FSDP2 then see lm_head's parameters under the same names.
+    loss_head = install_loss_head(loaded.model)
+    if loss_head is None:
+        log.warning("full cross-entropy: %s", unsupported_reason(loaded.model))
     strategy = wrap_model(loaded, resolved, device)
+    if compile_wanted(train.compile, device.type, resolved.method):
+        n = compile_layers(loaded.decoder_layers, strict=train.compile is True)
+        log.info("compiling %d decoder layers (train.compile = %s)", n, train.compile)
+    if enable_tf32(device, resolved.dtype):
+        log.info("TF32 matmuls for the fp32 parts (compute capability 8.0 or later)")
     optimizer = build_optimizer(strategy, train, resolved.lr, device)
     scheduler = build_scheduler(optimizer, train, total_steps)
     torch.manual_seed(train.seed + rank.rank)  # dropout differs per rank
@@ -188,7 +206,9 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
             scaler = torch.amp.GradScaler("cuda")
         if not strategy.is_fsdp:  # FSDP2 casts through its MixedPrecisionPolicy
             autocast = functools.partial(torch.autocast, "cuda", dtype=dtype)
-    return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast)
+    flat = attention_implementation(device.type, resolved.dtype) == "flash_attention_2"
+    return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast,
+                 loss_head=loss_head, flat_batches=flat and spec.preset.data.pack)  # fmt: skip
 
 
 def _count_loaded(memory: Any, loaded: Any) -> None:

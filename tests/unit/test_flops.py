@@ -198,7 +198,7 @@ def test_status_shows_mfu_when_its_document_has_it() -> None:
 # -- the worker's side: train.metrics ------------------------------------------------------------
 
 
-def test_the_worker_counts_block_positions_against_the_cards_peak(in_repo: Path) -> None:
+def test_the_worker_counts_real_tokens_against_the_cards_peak(in_repo: Path) -> None:
     import torch
 
     from homelab_dp.core.model_spec import load_model_spec
@@ -214,7 +214,7 @@ def test_the_worker_counts_block_positions_against_the_cards_peak(in_repo: Path)
         tiny, method="lora", activation_checkpointing=True, attention_span=128.5, lora_r=4
     )
     assert flops.peak is None and flops.mfu(100.0) is None  # the CPU: "MFU n/a"
-    # On a card: samples/s × block length tokens, over the peak of both ranks' cards.
+    # On a card: real tokens/s of both ranks, over the peak of both ranks' cards.
     h100 = StepFlops(flops.flops_per_token, peak_flops("NVIDIA H100 PCIe"), 2, 256)
-    expected = 100.0 * 256 * flops.flops_per_token / (2 * 756.5e12)
+    expected = 100.0 * flops.flops_per_token / (2 * 756.5e12)
     assert h100.mfu(100.0) == pytest.approx(expected) and h100.mfu(None) is None
