@@ -9,21 +9,24 @@ The peak is modelled as it happens in `homelab_dp.train` (checked against measur
 bytes on the CPU by `benchmarks/memory_accuracy.py`). Four moments are budgeted and the largest
 is the peak (`Budget.phases`, `Budget.peak_phase`):
 
-* ``forward``: the end of the forward pass, while the log-softmax is computed (logits alive).
-* ``backward``: the larger of (a) the start of backward — every saved activation, the
-  log-softmax output and two gradients of vocabulary size (3 × b·s·V fp32; the worker drops the
-  logits after the loss) — and (b) inside the last layer's backward, when the logits are freed
-  but the lm_head gradient, with activation checkpointing one recomputed layer, and the MLP's
-  backward temporaries are alive. Gradients are alive here only with accumulation (from the
-  second micro-step; FSDP2 then keeps them unsharded).
+* ``forward``: the end of the forward pass, at the loss head's peak.
+* ``backward``: the largest of (a) the start of backward (every saved activation and the loss
+  head's backward peak), (b) inside the last layer's backward, when the loss head's tensors are
+  freed but the lm_head gradient, with activation checkpointing one recomputed layer, and the
+  MLP's backward temporaries are alive, and (c) its end (every gradient; a tied embedding's
+  second one).
 * ``optimizer``: weights, every gradient, the optimizer state and foreach AdamW's one temporary
   per parameter (CPU; CUDA uses fused AdamW, which has none).
-* ``load``: weights and DDP's buckets before the first step.
+* ``load``: the weights (and DDP's buckets) before the first step.
 
-Component by component: ``buffers`` are DDP's gradient buckets (the reducer keeps one flat fp32
-copy of the trainable gradients, ``gradient_as_bucket_view`` being off), FSDP's gathered
-parameters, autocast's 16-bit weight copies and QLoRA's dequantized weight. ``activations``
-include the batch's token ids, masks and labels and, at the in-backward moment, the temporaries.
+The loss head (``logits``, `core.logits_memory`): chunked cross-entropy where the worker installs
+it (`train.loss`), else the full logits (3 × b·s·V fp32 at the start of backward). Gradients: DDP
+on 2+ processes keeps them in its buckets (``gradient_as_bucket_view``, zeroed in place), alive
+from the load on, with no other copy (but once, with accumulation: the bucket rebuild at the
+second forward). On one process there is no wrapper: gradients live from the first backward to
+the step. ``buffers``: FSDP's gathered parameters, autocast's 16-bit weight copies, QLoRA's
+dequantized weight. Attention: SDPA with a mask (padding, or packing's block-diagonal one) keeps a
+b·s² mask per layer and repeated key/value heads; FlashAttention varlen (CUDA) neither.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from homelab_dp.core.logits_memory import chunk_peak_bytes, chunked_loss, full_logits_bytes
 from homelab_dp.core.model_spec import ModelSpec
 from homelab_dp.core.vocabulary import SHARDED, Device, Distribution, Dtype, Method
 
@@ -68,9 +72,11 @@ class TrainShape:
     lora_r: int = 16
     lora_targets: str | tuple[str, ...] = "all-linear"
     packed: bool = True
-    """No padding in the micro-batch. Padded batches keep a b·s² attention mask per layer (and
-    GQA's key/value heads repeated for SDPA). Note: with data.pack the last block of the data
-    set is padded, so one micro-batch per epoch takes the padded path."""
+    """data.pack: several whole samples per row, positions restarting at each (no attention
+    mask is passed); else one sample per row, padded, with its attention mask."""
+    attention: Literal["sdpa", "flash_attention_2"] = "sdpa"
+    """The kernel the model loads with (`train.attention`). SDPA gets a mask on packed batches
+    too (transformers' block-diagonal one); FlashAttention's varlen kernel needs none."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,16 @@ def is_fsdp(shape: TrainShape) -> bool:
     return shape.distribution in SHARDED
 
 
+def attention_masked(shape: TrainShape) -> bool:
+    """Whether attention gets a b·s² mask: SDPA on padded and on packed batches alike."""
+    return shape.attention == "sdpa"
+
+
+def ddp_buckets(shape: TrainShape) -> bool:
+    """DDP (or ZeRO-1's DDP) wraps the model: two or more processes, gradients in its buckets."""
+    return shape.distribution in ("ddp", "zero1") and shape.world_size > 1
+
+
 def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
     """Bytes one decoder layer saves for backward, per token (SDPA; no checkpointing).
 
@@ -157,9 +173,9 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         if spec.hidden_dropout > 0:
             out += 2 * h * (w if cpu else 1)  # CPU dropout keeps a float mask, CUDA a bool one
     else:
-        if not shape.packed:
-            # With a padding mask every layer keeps its own additive fp32 (b, 1, s, s) mask, and
-            # SDPA gets the key/value heads repeated to all heads.
+        if attention_masked(shape):
+            # With a mask (padding, or packing's block-diagonal one) SDPA converts it to an
+            # additive (b, 1, s, s) one per layer, and transformers repeats the key/value heads.
             kvd = attn
         rest = 2 * attn + 2 * kvd + 4 * inter
         if spec.model_type == "phi3":
@@ -167,7 +183,7 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         out = (24 * h if w == 4 else 28 * h) + w * rest + small
         if shape.method != "full":
             out -= 2 * 4 * h  # frozen norm weights: the normalised input is not saved
-        if not shape.packed:
+        if attention_masked(shape):
             out += shape.seq_len * w
         if spec.model_type == "gemma2":
             out += 4 * h * 4  # post-attention and post-MLP norms keep their input and output
@@ -190,7 +206,9 @@ def outer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
     else:
         out = 3 * h * 4 if w == 4 else 14 * h  # embedding output, final norm input/output
         if shape.method != "full":
-            out -= 4 * h  # a frozen final norm does not save its normalised input
+            # A frozen final norm does not save its normalised input; with 16-bit frozen
+            # embeddings and norms (train.lora) only the norm's fp32 input stays (measured).
+            out = 2 * h * 4 if w == 4 else 4 * h
     out += 3 * 8  # input ids, attention mask and labels (int64)
     return out
 
@@ -206,9 +224,29 @@ def activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
     return int(spec.layers * layer_activation_bytes(spec, shape) * tokens + outer)
 
 
+def loss_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
+    """The loss head's bytes at the forward's and at the backward's peak (`core.logits_memory`).
+
+    Chunked cross-entropy where the worker installs it: its saved tensors plus its peak extra;
+    the matmul runs in the compute dtype, lm_head's weight is fp32 for a full fine-tune under
+    DDP (cast, and the cast saved, under autocast) and in the compute dtype otherwise, and the
+    hidden states arrive in fp32 when the residual stream is fp32 (full, unsharded).
+    """
+    tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
+    if not chunked_loss(spec.model_type):
+        return full_logits_bytes(tokens, spec.vocab, w)
+    full = shape.method == "full"
+    fp32_master = full and not is_fsdp(shape)
+    weight_w = 4 if fp32_master else (w if shape.device == "cuda" or full else 4)
+    hidden_w = 4 if fp32_master or shape.device == "cpu" else w
+    b = chunk_peak_bytes(spec.vocab, spec.hidden, tokens, w, weight_bytes=weight_w,
+                         hidden_bytes=hidden_w, weight_grad=full)  # fmt: skip
+    return {"forward": b["saved"] + b["forward"], "backward": b["saved"] + b["backward"]}
+
+
 def logits_bytes(spec: ModelSpec, shape: TrainShape) -> int:
-    """The log-softmax output and two fp32 gradients of vocabulary size (start of backward)."""
-    return shape.micro_batch * shape.seq_len * spec.vocab * 12
+    """The loss head's bytes at the start of backward (the ``logits`` component)."""
+    return loss_head_bytes(spec, shape)["backward"]
 
 
 def trainable_params(spec: ModelSpec, shape: TrainShape) -> int:
@@ -259,6 +297,7 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
     opt = trainable * _optimizer_bytes_per_param(shape)
     fsdp = is_fsdp(shape)
     buffers = 0.0
+    base_w = w if shape.device == "cuda" else 4  # frozen weights (train.lora); fp32 on the CPU
     if shape.method == "full":
         weights = spec.params * 4 / (n if fsdp else 1)  # fp32 master weights
         grads = trainable * 4 / (n if fsdp else 1)
@@ -273,10 +312,9 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
         elif shape.device == "cuda" and w == 2:
             buffers += spec.params * w  # autocast's 16-bit weight copies, saved for backward
     else:
-        base_w = w if shape.device == "cuda" else 4
         if shape.method == "qlora":
-            other = spec.params - spec.quantizable_params
-            base = spec.quantizable_params * NF4_BYTES_PER_PARAM + other * 4
+            other = spec.params - spec.quantizable_params  # embeddings, lm_head, norms
+            base = spec.quantizable_params * NF4_BYTES_PER_PARAM + other * base_w
             largest = max(lin.d_in * lin.d_out for lin in spec.linears)
             buffers += 2 * largest * base_w  # one linear dequantized at a time for the matmul
         else:
@@ -285,14 +323,16 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
                 base = base / n + 2 * spec.layer_params * base_w
         weights = base + trainable * 4
         grads = trainable * 4
-    buckets = trainable * 4 if shape.distribution in ("ddp", "zero1") else 0.0
+    # DDP on 2+ processes: the gradients are views of its buckets, alive from the load on.
+    resident = trainable * 4 if ddp_buckets(shape) else 0.0
     # foreach AdamW (the CPU) makes one temporary per parameter (sqrt of v); fused AdamW none.
     local = trainable / (1 if shape.distribution == "ddp" or shape.method != "full" else n)
     step_temp = local * 4 if shape.optimizer == "adamw" and shape.device == "cpu" else 0.0
-    # Accumulated gradients; FSDP2 keeps them unsharded while gradient sync is off.
-    accum_grads = (trainable * 4 if fsdp else grads) if shape.grad_accum > 1 else 0.0
+    # Accumulated gradients (unless resident); FSDP2 keeps them unsharded while sync is off.
+    accum = shape.grad_accum > 1 and not resident
+    accum_grads = (trainable * 4 if fsdp else grads) if accum else 0.0
     return {"weights": weights, "grads": grads, "opt": opt, "buffers": buffers,
-            "buckets": buckets, "step_temp": step_temp, "accum_grads": accum_grads,
+            "resident": resident, "step_temp": step_temp, "accum_grads": accum_grads,
             "trainable": trainable}  # fmt: skip
 
 
@@ -321,8 +361,8 @@ def _inside_backward(
     else:
         head, per_layer = 0.0, s["trainable"] * 4 / spec.layers
     rest = spec.layers - 1
-    if shape.grad_accum > 1:  # every gradient exists already
-        return s["accum_grads"], outer + layer + temps + rest * saved
+    if shape.grad_accum > 1 or s["resident"]:  # every gradient exists already
+        return s["accum_grads"] + s["resident"], outer + layer + temps + rest * saved
     first = (head, rest * saved)  # the last layer: every lower layer's activations saved
     last = (head + rest * per_layer, 0.0)  # the first layer: every other gradient made
     grads, kept = max(first, last, key=sum)
@@ -333,34 +373,37 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     """The per-device memory budget of ``shape`` for the model ``spec``."""
     s = _model_states(spec, shape)
     tokens = shape.micro_batch * shape.seq_len
-    w = compute_width(shape)
     acts = activation_bytes(spec, shape)
-    logits = logits_bytes(spec, shape)
-    bufs = s["buffers"] + s["buckets"]
+    head = loss_head_bytes(spec, shape)
+    logits = head["backward"]
+    bufs = s["buffers"]
     base = s["weights"] + s["opt"] + bufs
+    held = s["accum_grads"] + s["resident"]  # gradients alive before this backward
     in_grads, in_acts = _inside_backward(spec, shape, s)
-    start = base + s["accum_grads"] + acts + logits
+    start = base + held + acts + logits
     inside = base + in_grads + in_acts
     # The end of backward: every gradient exists; a tied embedding adds its second gradient
     # to the lm_head's out of place (three vocab × hidden tensors at that moment).
     tied = shape.method == "full" and spec.tied_embeddings and not is_fsdp(shape)
     end_grads = s["grads"] + (2 * spec.vocab * spec.hidden * 4 if tied else 0)
     end = base + end_grads + outer_activation_bytes(spec, shape) * tokens
-    # forward: the logits (16-bit and their fp32 copy on CUDA) beside the log-softmax output.
-    fwd_logits = tokens * spec.vocab * (8 if w == 4 else 10)
-    step_bufs = s["buckets"]  # FSDP frees gathered parameters after backward
+    forward = base + held + acts + head["forward"]
+    if s["resident"] and shape.grad_accum > 1:
+        # DDP rebuilds its buckets at the second forward, before any activation: the old
+        # buckets (the accumulated gradients' views) beside the new ones, no optimizer state yet.
+        forward = max(forward, s["weights"] + bufs + 2 * s["resident"])
     phases = {
-        "load": s["weights"] + s["buckets"],
-        "forward": base + s["accum_grads"] + acts + fwd_logits,
+        "load": s["weights"] + s["resident"],
+        "forward": forward,
         "backward": max(start, inside, end),
-        "optimizer": s["weights"] + step_bufs + s["grads"] + s["opt"] + s["step_temp"],
+        "optimizer": s["weights"] + s["grads"] + s["opt"] + s["step_temp"],
     }
     if phases["optimizer"] > phases["backward"]:
         phase = "optimizer"
-        parts = (s["weights"], s["grads"], s["opt"] + s["step_temp"], 0, 0, step_bufs)
+        parts = (s["weights"], s["grads"], s["opt"] + s["step_temp"], 0, 0, 0)
     elif start >= max(inside, end):
         phase = "backward"
-        parts = (s["weights"], s["accum_grads"], s["opt"], acts, logits, bufs)
+        parts = (s["weights"], held, s["opt"], acts, logits, bufs)
     elif inside >= end:
         phase = "backward"
         parts = (s["weights"], in_grads, s["opt"], in_acts, 0, bufs)

@@ -18,6 +18,7 @@ scaling) are `homelab_dp.core.plan_reasons`; this module decides and budgets.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -243,15 +244,28 @@ def _check_fp16_sharding(preset: Preset, hw: PlanHardware, dtype: str) -> None:
     )
 
 
+def attention_path(device: str, dtype: str) -> str:
+    """The attention kernel the worker will load with (`train.attention`): FlashAttention on
+    CUDA in bf16/fp16 when flash_attn is installed here (found, not imported), else SDPA."""
+    if device != "cuda" or dtype not in ("bf16", "fp16"):
+        return "sdpa"
+    try:
+        found = importlib.util.find_spec("flash_attn") is not None
+    except (ImportError, ValueError):  # a broken or half-installed package
+        found = False
+    return "flash_attention_2" if found else "sdpa"
+
+
 def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool, **kw: Any):
     """The memory model's shape of one option of ``preset`` on ``hw``."""
     targets = preset.lora.target_modules
+    dtype = resolve_dtype(preset, hw)
     return TrainShape(
         method=method,  # type: ignore[arg-type]
         distribution=dist,  # type: ignore[arg-type]
         world_size=hw.world_size,
         device=hw.kind,
-        dtype=resolve_dtype(preset, hw),  # type: ignore[arg-type]
+        dtype=dtype,  # type: ignore[arg-type]
         micro_batch=kw.get("micro_batch", preset.train.micro_batch),
         seq_len=kw.get("seq_len", preset.data.seq_len),
         grad_accum=kw.get("grad_accum", preset.train.grad_accum),
@@ -260,6 +274,7 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         lora_r=preset.lora.r,
         lora_targets=targets if isinstance(targets, str) else tuple(targets),
         packed=preset.data.pack,
+        attention=attention_path(hw.kind, dtype),  # type: ignore[arg-type]
     )
 
 

@@ -8,12 +8,14 @@ import pytest
 
 from homelab_dp.core.finder import plan_largest_micro_batch
 from homelab_dp.core.hardware import GiB, parse_gpus_spec
+from homelab_dp.core.logits_memory import CHUNK_ELEMENTS, chunk_peak_bytes, chunk_tokens
 from homelab_dp.core.memory import NF4_BYTES_PER_PARAM, TrainShape, budget
 from homelab_dp.core.model_spec import spec_from_config
 from homelab_dp.core.planner import plan
 from homelab_dp.core.preset import preset_from_dict
 from homelab_dp.errors import HardwareSpecError, PresetError
 
+from .test_model_spec import FAMILY_CONFIGS as PUBLISHED_SMALL
 from .test_model_spec import PUBLISHED
 
 # Published architectures, shared with the parameter-count tests.
@@ -53,15 +55,31 @@ def test_8b_full_on_two_24gb_cards_is_never_ddp() -> None:
     assert not ddp.fits and ddp.budget.weights == 8_030_261_248 * 4
 
 
-def test_8b_auto_on_one_24gb_card_falls_back_to_qlora() -> None:
+def test_8b_auto_on_one_24gb_card_is_lora_with_checkpointing() -> None:
+    # Chunked cross-entropy and 16-bit frozen embeddings: 8B LoRA at 2 × 2048 tokens fits
+    # a 24 GiB card (torchtune publishes a 16.2 GiB peak for it on a 4090).
     p = _plan(LLAMA3_8B, "24GiB", micro_batch=2, grad_accum=8, seq_len=2048)
+    assert (p.chosen.method, p.chosen.distribution, p.fits) == ("lora", "ddp", True)
+    assert p.chosen.activation_checkpointing
+    assert any("Too big: full fine-tune" in r for r in p.reasons)
+    assert 16 * GiB < p.chosen.budget.tensors < 20 * GiB
+
+
+def test_8b_auto_on_one_12gb_card_falls_back_to_qlora() -> None:
+    p = _plan(LLAMA3_8B, "12GiB", micro_batch=2, grad_accum=8, seq_len=2048)
     assert (p.chosen.method, p.chosen.distribution, p.fits) == ("qlora", "ddp", True)
     assert any("Too big: full fine-tune" in r for r in p.reasons)
     assert any("Too big: LoRA" in r for r in p.reasons)
+    assert p.chosen.budget.total < 12 * GiB
 
 
-def test_8b_auto_on_two_24gb_cards_shards_lora_before_quantizing() -> None:
+def test_8b_auto_on_two_24gb_cards_is_lora_ddp() -> None:
     p = _plan(LLAMA3_8B, "2x24GiB", micro_batch=2, grad_accum=8, seq_len=2048)
+    assert (p.chosen.method, p.chosen.distribution, p.fits) == ("lora", "ddp", True)
+
+
+def test_8b_lora_with_long_sequences_on_two_24gb_cards_shards_before_quantizing() -> None:
+    p = _plan(LLAMA3_8B, "2x24GiB", micro_batch=8, grad_accum=2, seq_len=2048)
     assert (p.chosen.method, p.fits) == ("lora", True)
     assert p.chosen.distribution in ("fsdp-grad-op", "fsdp-full")
 
@@ -82,11 +100,11 @@ def test_8b_on_one_8gb_card_does_not_fit_and_says_what_would() -> None:
 
 
 def test_advice_for_micro_batch_keeps_the_effective_batch() -> None:
-    p = _plan(LLAMA3_8B, "2x24GiB", method="qlora", micro_batch=8, grad_accum=2, seq_len=2048)
+    p = _plan(LLAMA3_8B, "2x24GiB", method="qlora", micro_batch=16, grad_accum=2, seq_len=2048)
     assert not p.fits
     line = [a for a in p.advice if "Smaller micro-batch" in a][0]
-    # effective batch 8 × 2 × 2 = 32 stays 32 with the proposed micro-batch and accumulation
-    assert "(effective batch 32)" in line
+    # effective batch 16 × 2 × 2 = 64 stays 64 with the proposed micro-batch and accumulation
+    assert "(effective batch 64)" in line
 
 
 def test_pinned_method_and_distribution_are_respected() -> None:
@@ -179,9 +197,10 @@ def test_zero_and_fsdp_shard_the_model_states() -> None:
     assert (zero1.weights, zero1.optimizer) == (4 * psi, 8 * psi // 4)
     assert (grad_op.weights, grad_op.optimizer) == (psi, 2 * psi)
     assert full.weights == psi and full.buffers < grad_op.buffers
-    # Accumulating (grad_accum 2): DDP holds fp32 gradients beside its bucket copy of them and
-    # autocast's bf16 weights; FSDP2 keeps unsharded gradients while gradient sync is off.
-    assert ddp.gradients == 4 * psi and ddp.buffers == 4 * psi + 2 * psi
+    # DDP's fp32 gradients are its buckets (no other copy) beside autocast's bf16 weights;
+    # FSDP2 keeps unsharded gradients while gradient sync is off (grad_accum 2).
+    assert ddp.gradients == 4 * psi and ddp.buffers == 2 * psi
+    assert ddp.phases["load"] == 8 * psi  # the buckets exist from the wrap on
     assert grad_op.gradients == 4 * psi
     # The optimizer step sees sharded gradients: ZeRO-2-like grad-op holds 4 bytes/param there.
     step = budget(spec, _shape(distribution="fsdp-grad-op", grad_accum=1)).phases["optimizer"]
@@ -189,15 +208,17 @@ def test_zero_and_fsdp_shard_the_model_states() -> None:
     assert ddp.total > zero1.total > grad_op.total > full.total
 
 
-def test_qlora_weights_are_4bit_linears_and_fp32_rest() -> None:
+def test_qlora_weights_are_4bit_linears_and_compute_dtype_rest() -> None:
     spec = spec_from_config(LLAMA3_8B)
-    b = budget(spec, _shape(method="qlora", world_size=1))
-    other = spec.params - spec.quantizable_params
+    other = spec.params - spec.quantizable_params  # embeddings, lm_head, norms
     adapters = spec.lora_params(16)
-    assert b.weights == int(
-        spec.quantizable_params * NF4_BYTES_PER_PARAM + other * 4 + adapters * 4
-    )
-    assert b.gradients == adapters * 4 and b.optimizer == adapters * 8
+    for device, dtype, width in (("cuda", "bf16", 2), ("cuda", "fp32", 4), ("cpu", "fp32", 4)):
+        shape = _shape(method="qlora", world_size=1, device=device, dtype=dtype)
+        b = budget(spec, shape)
+        assert b.weights == int(
+            spec.quantizable_params * NF4_BYTES_PER_PARAM + other * width + adapters * 4
+        ), device
+        assert b.phases["optimizer"] >= b.weights + adapters * 4 + adapters * 8
 
 
 def test_communication_bytes_follow_the_ring_formulas() -> None:
@@ -209,11 +230,38 @@ def test_communication_bytes_follow_the_ring_formulas() -> None:
     assert lora.comm_bytes_per_step == int(2 * 3 / 4 * spec.lora_params(16) * 4)
 
 
-def test_logits_dominate_for_small_models_with_big_vocabularies() -> None:
+def test_the_logits_term_follows_the_loss_path() -> None:
+    # SmolLM (LLaMA): the chunked loss head; its figure is train.loss's arithmetic.
     spec = spec_from_config(SMOLLM_135M)
     b = budget(spec, _shape(micro_batch=8, seq_len=2048, world_size=1))
-    assert b.logits == 8 * 2048 * 49152 * 12  # log-softmax output and two fp32 gradients
-    assert b.logits > b.weights
+    n = 8 * 2048
+    head = chunk_peak_bytes(spec.vocab, spec.hidden, n, 2, weight_bytes=4, hidden_bytes=4)
+    assert b.logits == head["saved"] + head["backward"]
+    assert b.logits < n * spec.vocab * 12 / 10  # the full path: log-softmax and two gradients
+    # Gemma-2 softcaps its logits after lm_head: the full fp32 logits path stays.
+    gemma2 = spec_from_config(PUBLISHED_SMALL["gemma2"])
+    g = budget(gemma2, _shape(micro_batch=8, seq_len=2048, world_size=1))
+    assert g.logits == n * gemma2.vocab * 12 and g.peak_phase == "backward"
+    lora = budget(spec, _shape(method="lora", micro_batch=8, seq_len=2048, world_size=1))
+    frozen = chunk_peak_bytes(spec.vocab, spec.hidden, n, 2, weight_grad=False)
+    assert lora.logits == frozen["saved"] + frozen["backward"]
+
+
+@pytest.mark.parametrize(
+    "vocab,hidden,tokens,e,w_b,h_b,grad",
+    [(49152, 576, 16384, 2, 4, 4, True), (128256, 4096, 4096, 2, 2, 2, False),
+     (4096, 128, 512, 4, 4, 4, True), (6000, 96, 100, 4, None, None, True),
+     (2000, 128, 64, 8, None, None, True), (32000, 2048, 2048, 2, 4, 2, True)],
+)  # fmt: skip
+def test_core_chunk_figures_equal_the_loss_heads(vocab, hidden, tokens, e, w_b, h_b, grad) -> None:
+    pytest.importorskip("torch")
+    from homelab_dp.train import loss
+
+    kw = dict(weight_bytes=w_b, hidden_bytes=h_b, weight_grad=grad)
+    assert chunk_peak_bytes(vocab, hidden, tokens, e, **kw) == loss.chunk_peak_bytes(
+        vocab, hidden, tokens, e, **kw
+    )
+    assert chunk_tokens(vocab) == loss.chunk_tokens(vocab) and CHUNK_ELEMENTS == loss.CHUNK_ELEMENTS
 
 
 @pytest.mark.parametrize("spec", ["", "x24GiB", "2x", "2xlots", "0x24GiB", "cpu:two", "24GiB,,"])
