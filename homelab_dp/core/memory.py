@@ -17,7 +17,8 @@ is the peak (`Budget.phases`, `Budget.peak_phase`):
   second one).
 * ``optimizer``: weights, every gradient, the optimizer state and foreach AdamW's one temporary
   per parameter (CPU; CUDA uses fused AdamW, which has none).
-* ``load``: the weights (and DDP's buckets) before the first step.
+* ``load``: the weights (and DDP's buckets) before the first step. (``forward`` is the peak
+  only at DDP's bucket rebuild with accumulation, see below.)
 
 The loss head (``logits``, `core.logits_memory`): chunked cross-entropy where the worker installs
 it (`train.loss`), else the full logits (3 × b·s·V fp32 at the start of backward). Gradients: DDP
@@ -38,8 +39,7 @@ from homelab_dp.core.logits_memory import chunk_peak_bytes, chunked_loss, full_l
 from homelab_dp.core.model_spec import ModelSpec
 from homelab_dp.core.vocabulary import SHARDED, Device, Distribution, Dtype, Method
 
-GiB = 1024**3
-MiB = 1024**2
+GiB, MiB = 1024**3, 1024**2
 
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 """NF4 weights with double quantization: 4 bits, an 8-bit absmax per 64-block, fp32 per 256 blocks."""
@@ -72,11 +72,9 @@ class TrainShape:
     lora_r: int = 16
     lora_targets: str | tuple[str, ...] = "all-linear"
     packed: bool = True
-    """data.pack: several whole samples per row, positions restarting at each (no attention
-    mask is passed); else one sample per row, padded, with its attention mask."""
+    """data.pack: whole samples per row, positions restarting (no mask); else padded rows."""
     attention: Literal["sdpa", "flash_attention_2"] = "sdpa"
-    """The kernel the model loads with (`train.attention`). SDPA gets a mask on packed batches
-    too (transformers' block-diagonal one); FlashAttention's varlen kernel needs none."""
+    """`train.attention`'s kernel; SDPA gets a mask on packed batches too, FlashAttention none."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ class Budget:
     buffers: int
     overhead: int
     peak_phase: str
-    """When the peak happens: "backward" or "optimizer" (see the module docstring)."""
+    """When the peak happens: "backward", "optimizer" or (DDP's bucket rebuild) "forward"."""
     comm_bytes_per_step: int
     trainable_params: int
     phases: dict[str, int] = field(default_factory=dict)
@@ -388,17 +386,20 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     end_grads = s["grads"] + (2 * spec.vocab * spec.hidden * 4 if tied else 0)
     end = base + end_grads + outer_activation_bytes(spec, shape) * tokens
     forward = base + held + acts + head["forward"]
-    if s["resident"] and shape.grad_accum > 1:
-        # DDP rebuilds its buckets at the second forward, before any activation: the old
-        # buckets (the accumulated gradients' views) beside the new ones, no optimizer state yet.
-        forward = max(forward, s["weights"] + bufs + 2 * s["resident"])
+    # With accumulation DDP rebuilds its buckets at a forward after the first step, before any
+    # activation: the old buckets (the gradients' views) beside the new ones, and the batch.
+    rebuilds = s["resident"] and shape.grad_accum > 1
+    rebuild = base + 2 * s["resident"] + 24 * tokens if rebuilds else 0
     phases = {
         "load": s["weights"] + s["resident"],
-        "forward": forward,
+        "forward": max(forward, rebuild),
         "backward": max(start, inside, end),
         "optimizer": s["weights"] + s["grads"] + s["opt"] + s["step_temp"],
     }
-    if phases["optimizer"] > phases["backward"]:
+    if rebuild > max(phases["backward"], phases["optimizer"]):
+        phase = "forward"
+        parts = (s["weights"], 2 * s["resident"], s["opt"], 24 * tokens, 0, bufs)
+    elif phases["optimizer"] > phases["backward"]:
         phase = "optimizer"
         parts = (s["weights"], s["grads"], s["opt"] + s["step_temp"], 0, 0, 0)
     elif start >= max(inside, end):
@@ -411,11 +412,10 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
         phase = "backward"
         parts = (s["weights"], end_grads, s["opt"], end - base - end_grads, 0, bufs)
     ints = [int(p) for p in parts]
-    tensors = sum(ints)
     ov = overhead or assumed_overhead(shape.device, shape.world_size)
     return Budget(
         weights=ints[0], gradients=ints[1], optimizer=ints[2], activations=ints[3],
-        logits=ints[4], buffers=ints[5], overhead=int(ov.bytes_for(tensors)), peak_phase=phase,
+        logits=ints[4], buffers=ints[5], overhead=int(ov.bytes_for(sum(ints))), peak_phase=phase,
         comm_bytes_per_step=comm_bytes_per_step(spec, shape), trainable_params=int(s["trainable"]),
         phases={k: int(v) for k, v in phases.items()},
     )  # fmt: skip

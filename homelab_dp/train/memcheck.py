@@ -2,9 +2,13 @@
 
 Each case writes a seeded random model of a tiny config to a temporary folder and then runs what
 the worker runs, through the worker's functions: ``load_model`` (train mode, activation
-checkpointing), ``wrap_model`` (DDP on a one-process gloo group), ``build_optimizer`` (foreach
-AdamW on the CPU), ``build_scheduler``, ``micro_step`` (the token-summed loss, scaled) inside
-``Strategy.accumulate`` and ``optimizer_step`` (clipping, update, zero_grad). The probe is on from
+checkpointing), ``install_loss_head`` (chunked cross-entropy), ``wrap_model`` (DDP on a
+one-process gloo group: no wrapper), ``build_optimizer`` (foreach AdamW on the CPU),
+``build_scheduler``, ``micro_step`` (the token-summed loss, scaled; host labels) inside
+``Strategy.accumulate`` and ``optimizer_step`` (clipping, update, zero_grad). Packed cases are
+real packed blocks (`data.blocks.build_blocks` on synthetic samples of random lengths: positions
+restarting at each sample, a padding run of its own, no attention mask, so transformers builds
+its block-diagonal mask); padded cases are one sample per row with their attention mask. The probe is on from
 before the model load, like a `homelab-dp measure` run, and the peak over a few steps (so that the
 optimizer state exists and DDP has rebuilt its buckets) is compared with the planner's predicted
 peak of tensor memory, ``Budget.tensors``. `benchmarks/memory_accuracy.py` prints the grid.
@@ -55,7 +59,8 @@ class Case:
     activation_checkpointing: bool = False
     grad_accum: int = 1
     padded: bool = False
-    """A quarter of the first sequence of every micro-batch is padding (pack = false)."""
+    """pack = false: one sample per row with its attention mask, a quarter of the first row of
+    every micro-batch padding. Else packed blocks of several samples (no mask)."""
 
     @property
     def name(self) -> str:
@@ -98,7 +103,7 @@ def shape_of(case: Case) -> TrainShape:
         method="full", distribution="ddp", world_size=1, device="cpu", dtype="fp32",
         micro_batch=case.micro_batch, seq_len=case.seq_len, grad_accum=case.grad_accum,
         activation_checkpointing=case.activation_checkpointing, optimizer="adamw",
-        packed=not case.padded,
+        packed=not case.padded, attention="sdpa",
     )  # fmt: skip
 
 
@@ -122,6 +127,38 @@ def single_rank_group(folder: Path) -> Any:
         dist.destroy_process_group()
 
 
+def packed_batches(case: Case, count: int, vocab: int, seed: int = 1) -> tuple[Any, Any, Any]:
+    """``count`` micro-batches of packed blocks: (ids, labels, positions), each of shape
+    (count, micro_batch, seq_len). Samples of random lengths (an eighth to a half of seq_len,
+    every token a target) packed by `build_blocks`: the fullest blocks, and the last micro-batch
+    ends with the emptiest one."""
+    import random
+
+    import torch
+
+    from homelab_dp.data.blocks import Example, build_blocks
+
+    rng, need = random.Random(seed), count * case.micro_batch
+    examples: list[Example] = []
+    blocks: list[Any] = []
+    while len(blocks) < need + 1:
+        for _ in range(max(64, 4 * need)):
+            n = rng.randint(max(2, case.seq_len // 8), max(3, case.seq_len // 2))
+            ids = [rng.randrange(1, vocab) for _ in range(n)]
+            examples.append(Example(ids, list(ids)))
+        blocks = build_blocks(examples, case.seq_len, pack=True, pad_id=0)
+    # The fullest blocks (the planner counts every token as a target), and one with a padding
+    # run of its own.
+    blocks.sort(key=lambda b: -b.num_targets)
+    rows = blocks[: need - 1] + [blocks[-1]]
+    shape = (count, case.micro_batch, case.seq_len)
+    ids, labels, positions = (
+        torch.tensor([getattr(b, f) for b in rows]).reshape(shape)
+        for f in ("input_ids", "labels", "position_ids")
+    )
+    return ids, labels, positions
+
+
 def _write_model(cfg: dict[str, Any], folder: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -143,6 +180,7 @@ def measure_case(case: Case, steps: int = 3) -> Result:
     from homelab_dp.core.preset import preset_from_dict
     from homelab_dp.core.runspec import Resolved
     from homelab_dp.train.loop import micro_step, optimizer_step
+    from homelab_dp.train.loss import install_loss_head
     from homelab_dp.train.memtrack import MemoryProbe, model_state
     from homelab_dp.train.model import load_model
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
@@ -168,17 +206,27 @@ def measure_case(case: Case, steps: int = 3) -> Result:
         gen = torch.Generator().manual_seed(1)
         vocab = int(cfg["vocab_size"])
         shape = (steps, case.grad_accum, case.micro_batch, case.seq_len)
-        ids = torch.randint(0, vocab, shape, generator=gen)
-        labels = torch.randint(0, vocab, shape, generator=gen)
-        mask = torch.ones(shape, dtype=torch.long)
+        mask: Any = None
         if case.padded:
+            ids = torch.randint(0, vocab, shape, generator=gen)
+            labels = torch.randint(0, vocab, shape, generator=gen)
+            positions = torch.arange(case.seq_len).expand(shape).contiguous()
+            mask = torch.ones(shape, dtype=torch.long)
             mask[:, :, 0, -case.seq_len // 4 :] = 0
             labels[:, :, 0, -case.seq_len // 4 :] = -100
+        else:
+            flat = packed_batches(case, steps * case.grad_accum, vocab)
+            ids, labels, positions = (t.reshape(shape) for t in flat)
         probe = MemoryProbe(device)
         with single_rank_group(folder):
             probe.start()
             try:
                 loaded = load_model(preset, resolved, device)
+                # As the worker's measure run: the loaded weights counted from now on (they
+                # may be mapped from the file, where no operator shows them).
+                probe.track({"weights": list(loaded.model.parameters()),
+                             "buffers": list(loaded.model.buffers())})  # fmt: skip
+                head = install_loss_head(loaded.model)  # before the wrapper, as the worker
                 strategy = wrap_model(loaded, resolved, device)
                 optimizer = build_optimizer(strategy, preset.train, resolved.lr, device)
                 scheduler = build_scheduler(optimizer, preset.train, steps)
@@ -189,11 +237,12 @@ def measure_case(case: Case, steps: int = 3) -> Result:
                     for k in range(case.grad_accum):
                         with strategy.accumulate(final=k == case.grad_accum - 1):
                             # Copies, as the worker's indexing of its data set makes.
-                            batch = (ids[step, k].clone(), mask[step, k].clone(),
-                                     labels[step, k].clone())  # fmt: skip
-                            micro_step(strategy, *batch,
-                                       scale, autocast=contextlib.nullcontext,
-                                       loss_dtype=torch.float32, probe=probe)  # fmt: skip
+                            m = None if mask is None else mask[step, k].clone()
+                            micro_step(strategy, ids[step, k].clone(), m,
+                                       labels[step, k].clone(), scale,
+                                       autocast=contextlib.nullcontext, loss_dtype=torch.float32,
+                                       positions=positions[step, k].clone(), probe=probe,
+                                       loss_head=head)  # fmt: skip
                     optimizer_step(strategy, optimizer, scheduler, None,
                                    preset.train.max_grad_norm)  # fmt: skip
                     probe.mark("optimizer")
