@@ -198,9 +198,13 @@ def test_zero_and_fsdp_shard_the_model_states() -> None:
     assert (grad_op.weights, grad_op.optimizer) == (psi, 2 * psi)
     assert full.weights == psi and full.buffers < grad_op.buffers
     # DDP's fp32 gradients are its buckets (no other copy) beside autocast's bf16 weights;
-    # FSDP2 keeps unsharded gradients while gradient sync is off (grad_accum 2).
-    assert ddp.gradients == 4 * psi and ddp.buffers == 2 * psi
+    # with accumulation (grad_accum 2) its bucket rebuild after the first step holds a second
+    # copy while the optimizer state exists. FSDP2 keeps unsharded gradients while sync is off.
+    assert ddp.peak_phase == "forward" and ddp.gradients == 8 * psi and ddp.buffers == 2 * psi
     assert ddp.phases["load"] == 8 * psi  # the buckets exist from the wrap on
+    steady = budget(spec, _shape(grad_accum=1))
+    assert steady.phases["forward"] < ddp.phases["forward"] and steady.peak_phase == "backward"
+    assert steady.gradients == 4 * psi and steady.buffers == 2 * psi
     assert grad_op.gradients == 4 * psi
     # The optimizer step sees sharded gradients: ZeRO-2-like grad-op holds 4 bytes/param there.
     step = budget(spec, _shape(distribution="fsdp-grad-op", grad_accum=1)).phases["optimizer"]
