@@ -76,7 +76,9 @@ def fingerprint(
 def config_key(model: dict[str, Any], shape: TrainShape) -> dict[str, Any]:
     """What makes two measurements comparable: the model's sizes and the training shape."""
     keep = ("model_type", "params", "layers", "hidden", "vocab")
-    return {"model": {k: model.get(k) for k in keep}, "shape": asdict(shape)}
+    # The data's target share refines an estimate; it does not make another configuration.
+    shape_key = {k: v for k, v in asdict(shape).items() if k != "target_share"}
+    return {"model": {k: model.get(k) for k in keep}, "shape": shape_key}
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def chunk_tokens(vocab: int) -> int:
 
 def chunk_peak_bytes(
     vocab: int, hidden: int, tokens: int, compute_bytes: int, *, weight_bytes: int | None = None,
-    hidden_bytes: int | None = None, weight_grad: bool = True,
+    hidden_bytes: int | None = None, weight_grad: bool = True, targets: int | None = None,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes the chunked loss holds beyond its inputs: ``saved`` from its forward to its backward,
     and the extra at the forward's and the backward's peaks (on top of ``saved``).
@@ -35,15 +35,16 @@ def chunk_peak_bytes(
     Same arguments and figures as `homelab_dp.train.loss.chunk_peak_bytes` (its docstring lists
     each term): ``tokens`` all counted as targets, ``compute_bytes`` the matmul element size,
     ``weight_bytes`` / ``hidden_bytes`` those of lm_head's weight and of the hidden states,
-    ``weight_grad`` False when the weight is frozen.
+    ``weight_grad`` False when the weight is frozen. ``targets`` (default: ``tokens``) are the
+    tokens with a loss: only their rows get logits; the hidden-state gradient has every row.
     """
-    e, v, h, n = compute_bytes, vocab, hidden, tokens
+    e, v, h, n = compute_bytes, vocab, hidden, (tokens if targets is None else targets)
     a = 8 if e == 8 else 4
     w_b, h_b = weight_bytes or e, hidden_bytes or e
     c = min(chunk_tokens(v), n)
     logits = c * v * a + (c * v * e if e != a else 0) + 4 * c * a + 64
     saved = n * (h * e + 16 + a) + (v * h * e if w_b != e else 0)
-    grads = n * h * (e + h_b + (h_b if h_b != e else 0))
+    grads = n * h * (e + (h_b if h_b != e else 0)) + tokens * h * h_b
     backward = logits + grads
     if weight_grad:
         product = c * v * e + v * h * e if e != a else 0

@@ -1,9 +1,8 @@
 """Per-device memory budget of one training configuration (pure arithmetic, no torch).
 
-The budget is the tensor memory alive at the moment of the peak, split into components, plus an
-overhead term for what is not a tensor (CUDA context, NCCL buffers, allocator fragmentation, the
-Python runtime on CPU). References: ZeRO (Rajbhandari et al. 2020) §3.1/§5 for model states,
-Korthikanti et al. 2022 §4 for activations, QLoRA (Dettmers et al. 2023) §3.
+The tensor memory alive at the peak, by component, plus an overhead for what is not a tensor
+(CUDA context, NCCL buffers, fragmentation, the CPU's Python runtime). References: ZeRO §3.1/§5,
+Korthikanti et al. 2022 §4, QLoRA §3.
 
 The peak is modelled as it happens in `homelab_dp.train` (checked against measured live tensor
 bytes on the CPU by `benchmarks/memory_accuracy.py`). Four moments are budgeted and the largest
@@ -15,13 +14,12 @@ is the peak (`Budget.phases`, `Budget.peak_phase`):
   freed but the lm_head gradient, with activation checkpointing one recomputed layer, and the
   MLP's backward temporaries are alive, and (c) its end (every gradient; a tied embedding's
   second one).
-* ``optimizer``: weights, every gradient, the optimizer state and foreach AdamW's one temporary
-  per parameter (CPU; CUDA uses fused AdamW, which has none).
+* ``optimizer``: weights, every gradient, the optimizer state and foreach AdamW's temporaries.
 * ``load``: the weights (and DDP's buckets) before the first step. (``forward`` is the peak
   only at DDP's bucket rebuild with accumulation, see below.)
 
-The loss head (``logits``, `core.logits_memory`): chunked cross-entropy where the worker installs
-it (`train.loss`), else the full logits (3 × b·s·V fp32 at the start of backward). Gradients: DDP
+The loss head (``logits``, `core.logits_memory`): chunked cross-entropy over the target tokens
+(`train.loss`; ``TrainShape.target_share``), else the full logits (3 × b·s·V fp32). Gradients: DDP
 on 2+ processes keeps them in its buckets (``gradient_as_bucket_view``, zeroed in place), alive
 from the load on, with no other copy (but once, with accumulation: the bucket rebuild at the
 second forward). On one process there is no wrapper: gradients live from the first backward to
@@ -32,6 +30,7 @@ b·s² mask per layer and repeated key/value heads; FlashAttention varlen (CUDA)
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -75,6 +74,9 @@ class TrainShape:
     """data.pack: whole samples per row, positions restarting (no mask); else padded rows."""
     attention: Literal["sdpa", "flash_attention_2"] = "sdpa"
     """`train.attention`'s kernel; SDPA gets a mask on packed batches too, FlashAttention none."""
+    target_share: float = 1.0
+    """Largest share of a block's tokens that are targets (the chunked loss keeps only those);
+    1.0, an upper bound, until the data has been read."""
 
 
 @dataclass(frozen=True)
@@ -237,8 +239,9 @@ def loss_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
     fp32_master = full and not is_fsdp(shape)
     weight_w = 4 if fp32_master else (w if shape.device == "cuda" or full else 4)
     hidden_w = 4 if fp32_master or shape.device == "cpu" else w
+    targets = min(tokens, math.ceil(tokens * shape.target_share))
     b = chunk_peak_bytes(spec.vocab, spec.hidden, tokens, w, weight_bytes=weight_w,
-                         hidden_bytes=hidden_w, weight_grad=full)  # fmt: skip
+                         hidden_bytes=hidden_w, weight_grad=full, targets=targets)  # fmt: skip
     return {"forward": b["saved"] + b["forward"], "backward": b["saved"] + b["backward"]}
 
 
@@ -427,24 +430,3 @@ def assumed_overhead(device: str, world_size: int = 1) -> Overhead:
         comm = NCCL_BUFFER_BYTES if world_size > 1 else 0
         return Overhead(CUDA_CONTEXT_BYTES + comm, CUDA_FRAGMENTATION)
     return Overhead(CPU_RUNTIME_BYTES, CPU_FRAGMENTATION)
-
-
-def overhead_terms(device: str, measured: Overhead | None = None) -> list[str]:
-    """Plain-words description of the overhead terms (shown in every plan)."""
-    if measured is not None and measured.source != "assumed":
-        what = "CUDA context and NCCL buffers" if device == "cuda" else "Python/torch runtime"
-        return [
-            f"{what} {measured.runtime_bytes // MiB} MiB per process ({measured.source})",
-            f"allocator fragmentation {measured.fragmentation * 100:.0f}% of tensors "
-            f"({measured.fragmentation_source})",
-        ]
-    if device == "cuda":
-        return [
-            f"CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB (assumed)",
-            f"NCCL buffers {NCCL_BUFFER_BYTES // MiB} MiB when more than one card (assumed)",
-            f"allocator fragmentation {int(CUDA_FRAGMENTATION * 100)}% of tensors (assumed)",
-        ]
-    return [
-        f"Python/torch runtime {CPU_RUNTIME_BYTES // MiB} MiB per process (assumed)",
-        f"allocator slack {int(CPU_FRAGMENTATION * 100)}% of tensors (assumed)",
-    ]

@@ -29,7 +29,16 @@ from homelab_dp.core.hardware import (
     format_bytes,
     format_capability,
 )
-from homelab_dp.core.memory import Budget
+from homelab_dp.core.memory import (
+    CPU_FRAGMENTATION,
+    CPU_RUNTIME_BYTES,
+    CUDA_CONTEXT_BYTES,
+    CUDA_FRAGMENTATION,
+    NCCL_BUFFER_BYTES,
+    Budget,
+    MiB,
+    Overhead,
+)
 from homelab_dp.core.model_spec import ModelSpec
 from homelab_dp.core.preset import Preset
 
@@ -337,3 +346,24 @@ def fit_advice(
             f"state alone need {format_bytes(fixed)} per device, before activations and runtime.",
         )
     return out
+
+
+def overhead_terms(device: str, measured: Overhead | None = None) -> list[str]:
+    """Plain-words description of the overhead terms (shown in every plan)."""
+    if measured is not None and measured.source != "assumed":
+        what = "CUDA context and NCCL buffers" if device == "cuda" else "Python/torch runtime"
+        return [
+            f"{what} {measured.runtime_bytes // MiB} MiB per process ({measured.source})",
+            f"allocator fragmentation {measured.fragmentation * 100:.0f}% of tensors "
+            f"({measured.fragmentation_source})",
+        ]
+    if device == "cuda":
+        return [
+            f"CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB (assumed)",
+            f"NCCL buffers {NCCL_BUFFER_BYTES // MiB} MiB when more than one card (assumed)",
+            f"allocator fragmentation {int(CUDA_FRAGMENTATION * 100)}% of tensors (assumed)",
+        ]
+    return [
+        f"Python/torch runtime {CPU_RUNTIME_BYTES // MiB} MiB per process (assumed)",
+        f"allocator slack {int(CPU_FRAGMENTATION * 100)}% of tensors (assumed)",
+    ]

@@ -40,7 +40,6 @@ from homelab_dp.core.memory import (
     TrainShape,
     assumed_overhead,
     budget,
-    overhead_terms,
 )
 from homelab_dp.core.model_spec import ModelSpec
 from homelab_dp.core.plan_reasons import (
@@ -49,6 +48,7 @@ from homelab_dp.core.plan_reasons import (
     fit_advice,
     lr_advice,
     lr_reasons,
+    overhead_terms,
 )
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.vocabulary import DISTRIBUTIONS, METHODS, SHARDED
@@ -275,6 +275,7 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         lora_targets=targets if isinstance(targets, str) else tuple(targets),
         packed=preset.data.pack,
         attention=attention_path(hw.kind, dtype),  # type: ignore[arg-type]
+        target_share=kw.get("target_share", 1.0),
     )
 
 

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from homelab_dp.core.run_view import RunView
 from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.errors import HomelabError, RunNotFoundError, RunStateError
 from homelab_dp.run import preflight
-from homelab_dp.run.planning import Planned, cpu_hardware, make_plan
+from homelab_dp.run.planning import Planned, cpu_hardware, make_plan, with_target_share
 from homelab_dp.rundir.files import (
     append_event,
     create_run_dir,
@@ -146,7 +146,12 @@ class RunController:
         preflight.check_torch_sees_cards(planned.hardware, planned.report)
         preflight.check_model_folder(preset)
         ws = p.world_size * nnodes  # multi-node: every node runs the same devices
-        blocks = preflight.check_data(preset, planned.spec.max_positions, ws, p.micro_batch)
+        blocks, share = preflight.check_data(preset, planned.spec.max_positions, ws,
+                                             p.micro_batch)  # fmt: skip
+        # The plan chose with every token taken as a target; the run records its estimate for
+        # this data (the chunked loss keeps only target rows), which `measure` compares.
+        planned = replace(planned, plan=with_target_share(planned, share))
+        p = planned.plan
         resolved = Resolved(
             method=p.chosen.method,  # type: ignore[arg-type]
             distribution=p.chosen.distribution,  # type: ignore[arg-type]

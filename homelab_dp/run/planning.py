@@ -119,6 +119,23 @@ def make_plan(
     return Planned(preset, spec, hardware, planned, report)
 
 
+def with_target_share(planned: Planned, share: float) -> Plan:
+    """The plan with its chosen option budgeted for data whose blocks are at most ``share``
+    targets (`TrainShape.target_share`); the choice itself stays the one made for any data."""
+    from dataclasses import replace
+
+    from homelab_dp.core.planner import evaluate
+
+    p = planned.plan
+    c = p.chosen
+    if share >= 1.0:
+        return p
+    refined = evaluate(planned.spec, planned.preset, planned.hardware, c.method, c.distribution,
+                       c.activation_checkpointing, p.calibration, micro_batch=p.micro_batch,
+                       grad_accum=p.grad_accum, seq_len=p.seq_len, target_share=share)  # fmt: skip
+    return replace(p, chosen=replace(c, budget=refined.budget))
+
+
 def host_available(
     gpus: str | None, hardware: PlanHardware, report: HardwareReport | None
 ) -> int | None:

@@ -75,8 +75,11 @@ def load_tokenizer(preset: Preset) -> Any:
     )
 
 
-def check_data(preset: Preset, max_positions: int, world_size: int, micro_batch: int) -> int:
-    """Load and validate the dataset as the worker will; returns the number of blocks."""
+def check_data(
+    preset: Preset, max_positions: int, world_size: int, micro_batch: int
+) -> tuple[int, float]:
+    """Load and validate the dataset as the worker will; returns the number of blocks and the
+    largest share of a block's tokens that are targets (what the chunked loss keeps)."""
     from homelab_dp.data.blocks import load_dataset
 
     if not Path(preset.data.path).is_file():
@@ -91,4 +94,5 @@ def check_data(preset: Preset, max_positions: int, world_size: int, micro_batch:
         seq_len_limit=max_positions or None,
         min_blocks=world_size * micro_batch,
     )
-    return len(blocks)
+    seq_len = max(1, int(preset.data.seq_len))
+    return len(blocks), max(b.num_targets for b in blocks) / seq_len
