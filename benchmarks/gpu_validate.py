@@ -18,7 +18,7 @@ time budget:
    (2048) and token ids, so the model has 24 Qwen2-0.5B layers and a small embedding. For each:
    the plan's estimate beside ``torch.cuda.max_memory_allocated`` per phase (load, forward,
    backward, optimizer; the largest rank), tokens/s (median of the step events after the first)
-   and MFU = 6 · N · tokens/s / the card's peak dense bf16 FLOPS (`PEAK_BF16_TFLOPS`, by name).
+   and MFU = 6 · N · tokens/s / the card's peak dense bf16 FLOPS (`homelab_dp.core.flops`, by name).
    6 · N counts the weight-gradient matmuls that LoRA and QLoRA skip (their work is nearer
    4 · N), so their MFU overstates the card's use by about half; memory probes are on during a
    measure, so tokens/s is a little below a plain run's.
@@ -50,25 +50,6 @@ CONFIG = ROOT / "assets" / "configs" / "qwen2-0.5b" / "config.json"
 DATA = ROOT / "assets" / "data" / "tiny-text.jsonl"
 PHASES = ("load", "forward", "backward", "optimizer")
 GiB = 1024**3
-
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("GH200", 989.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("RTX 6000 Ada", 364.0),
-    ("A6000", 155.0),
-    ("RTX 4090", 165.0),
-    ("RTX 3090", 71.0),
-)
-"""Dense (no sparsity) bf16 tensor-core peak, TFLOPS, from the vendors' data sheets; the first
-name contained in ``torch.cuda.get_device_name()`` wins (so "H100 PCIe" before "H100")."""
 
 
 @dataclass
@@ -105,11 +86,13 @@ def markdown_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
-    """The card's dense bf16 peak in FLOPS, or None for a card not in the table."""
-    for name, tflops in PEAK_BF16_TFLOPS:
-        if name.lower() in device_name.lower():
-            return tflops * 1e12
-    return None
+    """The card's dense bf16 peak in FLOPS (the worker's table, `homelab_dp.core.flops`), or
+    None for a card not in the table."""
+    if str(ROOT) not in sys.path:  # run as a script from a checkout, installed or not
+        sys.path.insert(0, str(ROOT))
+    from homelab_dp.core.flops import peak_flops  # pure: no torch
+
+    return peak_flops(device_name)
 
 
 def mfu(params: int, tokens_per_s: float, peak_flops: float | None) -> float | None:
