@@ -187,7 +187,7 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     loss_head = install_loss_head(loaded.model)
     if loss_head is None:
         log.warning("full cross-entropy: %s", unsupported_reason(loaded.model))
-    strategy = wrap_model(loaded, resolved, device)
+    strategy = wrap_model(loaded, resolved, device, grad_accum=rank.accum)
     if compile_wanted(train.compile, device.type, resolved.method):
         n = compile_layers(loaded.decoder_layers, strict=train.compile is True)
         log.info("compiling %d decoder layers (train.compile = %s)", n, train.compile)

@@ -127,10 +127,17 @@ class Strategy:
         return norm
 
 
-def wrap_model(loaded: LoadedModel, resolved: Resolved, device: torch.device) -> Strategy:
-    """Wrap the model for ``resolved.distribution`` on an initialised process group."""
+def wrap_model(
+    loaded: LoadedModel, resolved: Resolved, device: torch.device, grad_accum: int | None = None
+) -> Strategy:
+    """Wrap the model for ``resolved.distribution`` on an initialised process group.
+
+    ``grad_accum``: the accumulation this process group really runs (another world size than
+    the plan's changes it to keep the effective batch); default the plan's.
+    """
     model = loaded.model
     kind = resolved.distribution
+    accum = resolved.grad_accum if grad_accum is None else grad_accum
     if kind in ("ddp", "zero1"):
         if world_size() == 1:  # nothing to all-reduce: no reducer, no buckets, no hooks
             return Strategy(kind, model, model, _trainable(model))
@@ -147,9 +154,9 @@ def wrap_model(loaded: LoadedModel, resolved: Resolved, device: torch.device) ->
             # Same parameters every iteration. Not with accumulation: torch's static graph
             # queues its first-iteration all-reduce even under no_sync, and the reducer then
             # fails ("expect_autograd_hooks_ INTERNAL ASSERT FAILED", torch 2.13).
-            static_graph=resolved.grad_accum == 1,
+            static_graph=accum == 1,
         )
-        return Strategy(kind, wrapped, model, _trainable(model), resolved.grad_accum)
+        return Strategy(kind, wrapped, model, _trainable(model), accum)
     if kind not in SHARDED:
         raise HomelabError(f"resolved.distribution: unknown {kind!r}", "use ddp|zero1|fsdp-*")
     if resolved.method == "qlora":
