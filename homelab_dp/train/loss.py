@@ -12,7 +12,9 @@ parameters, lm_head's among them, only around forward and backward) see ordinary
 :class:`_ChunkedCrossEntropy` works on the target tokens only (labels != -100; prompt tokens get
 no logits at all), ``chunk_tokens(vocab)`` rows at a time. Forward: a chunk's logits in the
 compute dtype, then log-sum-exp and the target logit in fp32 (fp64 when computing in fp64).
-Backward recomputes each chunk's logits: (softmax - onehot) · grad_output, cast to the compute
+Backward recomputes each chunk's logits (unless one chunk holds every target row: its softmax
+is then kept from forward, the same bytes the recompute would make, and a matmul saved):
+(softmax - onehot) · grad_output, cast to the compute
 dtype, gives the chunk's hidden-state rows and is added (fp32) into the weight and bias
 gradients. Under autocast the matmuls run in the autocast dtype exactly as ``nn.Linear`` would.
 
@@ -128,12 +130,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32
         lse = torch.empty(rows.numel(), dtype=acc, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        # One chunk holds every target row: keep its softmax for backward instead of
+        # recomputing the logits (the same bytes, alive from here rather than made again).
+        keep = rows.numel() <= chunk
+        ctx.probs = None
         with torch.autocast(device_type, enabled=False):
             for s in range(0, rows.numel(), chunk):
                 z = F.linear(h[s : s + chunk], w, b).to(acc)  # a fresh fp32 copy, or z itself
                 target = z.gather(1, y[s : s + chunk, None]).squeeze(1)
                 top = z.amax(1, keepdim=True)
-                lse_c = z.sub_(top).exp_().sum(1).log_().add_(top.squeeze(1))
+                sums = z.sub_(top).exp_().sum(1)
+                if keep:
+                    ctx.probs = z.div_(sums[:, None])
+                lse_c = sums.log_().add_(top.squeeze(1))
                 lse[s : s + chunk] = lse_c
                 total += (lse_c - target).sum()
                 del z
@@ -155,8 +164,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         with torch.autocast(dev.type, enabled=False):
             for s in range(0, rows.numel(), chunk):
                 h_c, y_c = h[s : s + chunk], y[s : s + chunk]
-                p = F.linear(h_c, w, b).to(acc)
-                p.sub_(lse[s : s + chunk, None]).exp_()  # softmax
+                if ctx.probs is not None:  # kept from forward (one chunk)
+                    p, ctx.probs = ctx.probs, None
+                else:
+                    p = F.linear(h_c, w, b).to(acc)
+                    p.sub_(lse[s : s + chunk, None]).exp_()  # softmax
                 p[torch.arange(y_c.numel(), device=dev), y_c] -= 1
                 p.mul_(scale)
                 if gb is not None:
