@@ -1,11 +1,12 @@
-"""Worker throughput against a minimal hand-written torchrun DDP loop (target: at least 95%).
+"""Worker throughput against a minimal hand-written torchrun DDP loop (target: at least 97%).
 
     python benchmarks/throughput.py [--steps 40] [--warmup 5] [--repeats 3] [--nproc 1 2]
 
 Both run the demo model (assets/models/tiny-llama) on the same packed demo text, with the same
 micro-batch, accumulation, steps, AdamW and clipping, on the CPU with gloo and the same
 OMP_NUM_THREADS (cores / processes). The worker runs as in production: started by the launcher,
-full DDP, a step event every step (one all-gather), its per-step token-count all-reduce; its
+full DDP (none on one process), a step event every step (one all-gather), its chunked loss
+head and its asynchronous stop vote, against the plain loop's full logits and DDP wrapper; its
 end-of-run checkpoint and result saving fall outside the timed steps, as does start-up.
 
 Each step is timed end to end (end of the previous step to the end of this one: for the worker,
