@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from homelab_dp.train.loss import chunk_peak_bytes, chunk_tokens, chunked_cross_entropy
+from homelab_dp.core.logits_memory import chunk_peak_bytes, chunk_tokens
+from homelab_dp.train.loss import chunked_cross_entropy
 from homelab_dp.train.memtrack import LiveTensors
 
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -2,14 +2,16 @@
 
 The worker replaces lm_head by `homelab_dp.train.loss.ChunkedLossHead` for every model whose
 logits are not changed after lm_head (`unsupported_reason`); Gemma-2's final logit softcapping
-keeps the full logits path. `chunk_peak_bytes` is a copy of `train.loss.chunk_peak_bytes` (core
-imports no torch; tests/unit/test_planner.py checks that both give the same figures).
+keeps the full logits path. The chunk size and the bytes of `train.loss`'s chunked
+cross-entropy are defined here, in pure arithmetic, and the worker uses the same chunk size;
+tests/unit/test_chunked_loss.py checks `chunk_peak_bytes` against measured live tensor bytes.
 """
 
 from __future__ import annotations
 
 CHUNK_ELEMENTS = 1 << 24
-"""Logit elements per chunk (`train.loss.CHUNK_ELEMENTS`)."""
+"""Logit elements per chunk: 2^24 (64 MiB in fp32), ~128 tokens at a 128k vocabulary, 8192 at
+the demo's 2048 (a whole micro-batch)."""
 
 FULL_LOGITS_TYPES = ("gemma2",)
 """Model types whose logits are transformed after lm_head (final_logit_softcapping)."""
@@ -32,8 +34,8 @@ def chunk_peak_bytes(
     """Bytes the chunked loss holds beyond its inputs: ``saved`` from its forward to its backward,
     and the extra at the forward's and the backward's peaks (on top of ``saved``).
 
-    Same arguments and figures as `homelab_dp.train.loss.chunk_peak_bytes` (its docstring lists
-    each term): ``tokens`` all counted as targets, ``compute_bytes`` the matmul element size,
+    The terms are listed in `homelab_dp.train.loss`'s docstring. ``tokens``: the micro-batch's
+    tokens; ``compute_bytes``: the matmul element size (2 under bf16/fp16, 4 in fp32, 8 in fp64);
     ``weight_bytes`` / ``hidden_bytes`` those of lm_head's weight and of the hidden states,
     ``weight_grad`` False when the weight is frozen. ``targets`` (default: ``tokens``) are the
     tokens with a loss: only their rows get logits; the hidden-state gradient has every row.

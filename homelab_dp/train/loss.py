@@ -18,7 +18,7 @@ is then kept from forward, the same bytes the recompute would make, and a matmul
 dtype, gives the chunk's hidden-state rows and is added (fp32) into the weight and bias
 gradients. Under autocast the matmuls run in the autocast dtype exactly as ``nn.Linear`` would.
 
-Bytes alive, for the planner (`chunk_peak_bytes` is this arithmetic, checked against measured
+Bytes alive, for the planner (`core.logits_memory.chunk_peak_bytes` is this arithmetic, checked against measured
 live bytes in tests/unit/test_chunked_loss.py), with c = chunk rows, V = vocabulary, H = hidden
 size, e = compute element size (2 for bf16/fp16, 4 fp32), n = target tokens, N = all tokens:
 
@@ -50,50 +50,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from homelab_dp.core.logits_memory import chunk_tokens
 from homelab_dp.train.batches import to_device
 
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 1 << 24
-"""Logit elements per chunk: 2^24 (64 MiB in fp32), ~128 tokens at a 128k vocabulary, 8192 at
-the demo's 2048 (a whole micro-batch)."""
-
 _SOFTCAP_KEYS = ("final_logit_softcapping", "logit_softcapping", "logit_softcap")
 _SCALE_KEYS = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
 _OTHER_KEYS = ("unpadded_vocab_size",)
-
-
-def chunk_tokens(vocab: int) -> int:
-    """Rows per chunk: ``CHUNK_ELEMENTS // vocab``, rounded down to a multiple of 8, at least 8."""
-    return max(8, (CHUNK_ELEMENTS // max(1, vocab)) // 8 * 8)
-
-
-def chunk_peak_bytes(
-    vocab: int, hidden: int, tokens: int, compute_bytes: int, *, weight_bytes: int | None = None,
-    hidden_bytes: int | None = None, weight_grad: bool = True,
-) -> dict[str, int]:  # fmt: skip
-    """Bytes the chunked loss holds beyond its inputs: ``saved`` from its forward to its backward,
-    and the extra at the forward's and the backward's peaks (on top of ``saved``).
-
-    ``tokens``: the micro-batch's tokens, all counted as targets (the upper bound);
-    ``compute_bytes``: the matmul element size (2 under bf16/fp16 autocast or FSDP2's bf16
-    parameters, 4 in fp32, 8 in fp64); ``weight_bytes`` / ``hidden_bytes``: the element sizes of
-    the lm_head weight and of the hidden states as they arrive (default: ``compute_bytes``);
-    ``weight_grad``: False when the weight is frozen (LoRA).
-    """
-    e, v, h, n = compute_bytes, vocab, hidden, tokens
-    a = 8 if e == 8 else 4  # the loss's own element: fp32, fp64 in fp64
-    w_b, h_b = weight_bytes or e, hidden_bytes or e
-    c = min(chunk_tokens(v), n)
-    # The fp32 copy, the logits while casting, and the chunk's row vectors (max, target, lse...).
-    logits = c * v * a + (c * v * e if e != a else 0) + 4 * c * a + 64
-    saved = n * (h * e + 16 + a) + (v * h * e if w_b != e else 0)  # rows, labels, lse, cast weight
-    grads = n * h * (e + h_b + (h_b if h_b != e else 0))  # hidden-state gradient rows, scattered
-    backward = logits + grads
-    if weight_grad:
-        product = c * v * e + v * h * e if e != a else 0  # 16-bit chunk gradient and g.T @ h
-        cast = v * h * w_b if w_b != a else 0  # the fp32 sum returned in the weight's dtype
-        backward = max(logits, product, cast) + v * h * a + grads
-    return {"saved": saved, "forward": logits, "backward": backward}
 
 
 def _compute_dtype(device_type: str) -> torch.dtype | None:

@@ -13,10 +13,9 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from homelab_dp.core.logits_memory import chunk_peak_bytes, chunk_tokens  # noqa: E402
 from homelab_dp.train.loss import (  # noqa: E402
     ChunkedLossHead,
-    chunk_peak_bytes,
-    chunk_tokens,
     chunked_cross_entropy,
     install_loss_head,
     token_loss_sum,

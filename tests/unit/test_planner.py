@@ -8,7 +8,7 @@ import pytest
 
 from homelab_dp.core.finder import plan_largest_micro_batch
 from homelab_dp.core.hardware import GiB, parse_gpus_spec
-from homelab_dp.core.logits_memory import CHUNK_ELEMENTS, chunk_peak_bytes, chunk_tokens
+from homelab_dp.core.logits_memory import chunk_peak_bytes
 from homelab_dp.core.memory import NF4_BYTES_PER_PARAM, TrainShape, budget
 from homelab_dp.core.model_spec import spec_from_config
 from homelab_dp.core.planner import plan
@@ -249,23 +249,6 @@ def test_the_logits_term_follows_the_loss_path() -> None:
     lora = budget(spec, _shape(method="lora", micro_batch=8, seq_len=2048, world_size=1))
     frozen = chunk_peak_bytes(spec.vocab, spec.hidden, n, 2, weight_grad=False)
     assert lora.logits == frozen["saved"] + frozen["backward"]
-
-
-@pytest.mark.parametrize(
-    "vocab,hidden,tokens,e,w_b,h_b,grad",
-    [(49152, 576, 16384, 2, 4, 4, True), (128256, 4096, 4096, 2, 2, 2, False),
-     (4096, 128, 512, 4, 4, 4, True), (6000, 96, 100, 4, None, None, True),
-     (2000, 128, 64, 8, None, None, True), (32000, 2048, 2048, 2, 4, 2, True)],
-)  # fmt: skip
-def test_core_chunk_figures_equal_the_loss_heads(vocab, hidden, tokens, e, w_b, h_b, grad) -> None:
-    pytest.importorskip("torch")
-    from homelab_dp.train import loss
-
-    kw = dict(weight_bytes=w_b, hidden_bytes=h_b, weight_grad=grad)
-    assert chunk_peak_bytes(vocab, hidden, tokens, e, **kw) == loss.chunk_peak_bytes(
-        vocab, hidden, tokens, e, **kw
-    )
-    assert chunk_tokens(vocab) == loss.chunk_tokens(vocab) and CHUNK_ELEMENTS == loss.CHUNK_ELEMENTS
 
 
 @pytest.mark.parametrize("spec", ["", "x24GiB", "2x", "2xlots", "0x24GiB", "cpu:two", "24GiB,,"])
