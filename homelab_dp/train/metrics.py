@@ -111,16 +111,17 @@ class StepFlops:
     shorter than the block. ``mfu`` is None whenever ``peak`` is.
     """
 
-    def __init__(self, flops_per_token: float, peak: float | None, world_size: int,
-                 seq_len: int) -> None:  # fmt: skip
+    def __init__(self, flops_per_token: float, peak: float | None, world_size: int) -> None:
         self.flops_per_token = flops_per_token
         self.peak = peak
         self.world_size = world_size
-        self.seq_len = seq_len
 
     @classmethod
-    def for_run(cls, spec: RunSpec, device: torch.device, seq_len: int) -> StepFlops:
-        """From the run spec (model folder, method, checkpointing, LoRA) and the block length.
+    def for_run(
+        cls, spec: RunSpec, device: torch.device, seq_len: int, world_size: int
+    ) -> StepFlops:
+        """From the run spec (model folder, method, checkpointing, LoRA), the block length and
+        the ranks really running (a resume may run on another count than the plan's).
 
         A model whose config.json the spec reader does not know gives no peak: MFU "n/a".
         """
@@ -133,13 +134,13 @@ class StepFlops:
         try:
             model = load_model_spec(preset.model.path)
         except HomelabError:
-            return cls(0.0, None, r.world_size, seq_len)
+            return cls(0.0, None, world_size)
         per_token = flops_per_token(
             model, method=r.method, activation_checkpointing=r.activation_checkpointing,
             attention_span=causal_span(seq_len), lora_r=preset.lora.r,
             lora_targets=preset.lora.target_modules,
         )  # fmt: skip
-        return cls(per_token, peak, r.world_size, seq_len)
+        return cls(per_token, peak, world_size)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
         """MFU (0..1) at ``tokens_per_s`` real (non-padding) tokens a second over all ranks;

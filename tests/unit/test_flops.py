@@ -208,13 +208,13 @@ def test_the_worker_counts_real_tokens_against_the_cards_peak(in_repo: Path) -> 
     preset = open_preset("tiny-demo", ["lora.r=4"])
     resolved = Resolved("lora", "ddp", True, "cpu", 2, "fp32", 1, 1, 1e-4)
     spec = RunSpec("r", preset, resolved, Launch(nproc_per_node=2))
-    flops = StepFlops.for_run(spec, torch.device("cpu"), seq_len=256)
+    flops = StepFlops.for_run(spec, torch.device("cpu"), seq_len=256, world_size=2)
     tiny = load_model_spec(in_repo / "assets/models/tiny-llama")
     assert flops.flops_per_token == flops_per_token(
         tiny, method="lora", activation_checkpointing=True, attention_span=128.5, lora_r=4
     )
     assert flops.peak is None and flops.mfu(100.0) is None  # the CPU: "MFU n/a"
     # On a card: real tokens/s of both ranks, over the peak of both ranks' cards.
-    h100 = StepFlops(flops.flops_per_token, peak_flops("NVIDIA H100 PCIe"), 2, 256)
+    h100 = StepFlops(flops.flops_per_token, peak_flops("NVIDIA H100 PCIe"), 2)
     expected = 100.0 * flops.flops_per_token / (2 * 756.5e12)
     assert h100.mfu(100.0) == pytest.approx(expected) and h100.mfu(None) is None
