@@ -117,7 +117,8 @@ class Trainer:
         self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.rank.device)
         self.votes = StopVotes()
-        self.flops = StepFlops.for_run(spec, self.rank.device, int(self.data.input_ids.shape[1]))
+        self.flops = StepFlops.for_run(spec, self.rank.device, int(self.data.input_ids.shape[1]),
+                                       self.rank.world)  # fmt: skip
 
     def run(self) -> None:
         """Train, then checkpoint, save the result (when completed) and write the end event."""
@@ -164,13 +165,15 @@ class Trainer:
             t0 = time.perf_counter()
             wall0 = time.time()
             probe = self.memory.begin_step(step, m.strategy, m.optimizer)  # None mostly
+            # Every rank's blocks of this step, from the shared order: the loss's denominator
+            # (target tokens) and the throughput (real tokens), counted on the host; this
+            # rank's micro-batches are slices of them.
+            first = step * r.effective
+            whole = torch.tensor(d.order.blocks(first, r.effective))
             micro_idx = [
-                torch.tensor(d.order.blocks(s.start, len(s)))
+                whole[s.start - first : s.stop - first]
                 for s in rank_slices(step, r.micro, r.world, r.accum, r.rank)
             ]
-            # Every rank's blocks of this step, from the shared order: the loss's denominator
-            # (target tokens) and the throughput (real tokens), counted on the host.
-            whole = torch.tensor(d.order.blocks(step * r.effective, r.effective))
             targets = float(d.targets[whole].sum())
             tokens = int(d.real_tokens[whole].sum())
             scale = r.world / max(targets, 1.0)
