@@ -1,5 +1,5 @@
-"""core/ stays pure, and the data pipeline and run-folder primitives stay torch-free: importing
-any of their modules loads no torch, textual, rich or pynvml."""
+"""core/ stays pure, and the data pipeline, the run-folder primitives and the serving front stay
+torch-free: importing any of their modules loads no torch, textual, rich or pynvml."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import homelab_dp.core
 
 CORE = Path(homelab_dp.core.__file__).parent
-PURE_PARTS = ("core", "data", "rundir")
+PURE_PARTS = ("core", "data", "rundir", "serve")
 MODULES = sorted(
     f"homelab_dp.{part}.{p.stem}"
     for part in PURE_PARTS

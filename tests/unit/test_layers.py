@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "errors"),
     ("core",),
     ("probe", "data", "rundir"),
-    ("train", "run"),
+    ("train", "run", "infer", "serve"),
     ("render",),
     ("tui",),
     ("cli",),

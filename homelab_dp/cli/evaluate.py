@@ -1,0 +1,24 @@
+"""`homelab-dp eval`: a model's loss and perplexity on a data set, data-parallel."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from homelab_dp.errors import HomelabError
+
+
+def register(sub: Any) -> None:
+    """Add `eval` to the main parser's subparsers."""
+    p = sub.add_parser("eval", help="loss and perplexity of a model on a data set")
+    p.add_argument("model", help="a run id, a run folder (its result) or a model folder")
+    p.add_argument("--data", required=True, help="the data file")
+    p.add_argument("--format", default="auto", help="auto | text | completion | instruction | chat")
+    p.add_argument("--seq-len", type=int, help="tokens per block")
+    p.add_argument("--gpus", help="cpu:N evaluates on N CPU processes")
+    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    raise HomelabError("eval is being built", hint="see issue 13")
