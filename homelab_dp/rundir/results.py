@@ -1,0 +1,150 @@
+"""What a MODEL argument names: a run id, a run folder (its result) or a model folder.
+
+`eval`, `chat` and `serve` take the same MODEL; this module turns it into the folders to load,
+without torch: a full model folder (config.json + weights), or a PEFT adapter folder with the
+base model it was trained on. A LoRA run whose adapter was merged (`final/merged/`) is served
+from the merged folder: the same weights, no adapter arithmetic per token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from homelab_dp.errors import HomelabError
+from homelab_dp.rundir.files import read_run_spec, runs_root
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model to load for inference or evaluation."""
+
+    name: str
+    """What it is called (the run id, or the folder's name): `/v1/models` lists this."""
+    path: Path
+    """A full Hugging Face model folder, or a PEFT adapter folder (then ``base`` is set)."""
+    base: Path | None = None
+    """The base model folder an adapter applies to; None for a full model."""
+    run_dir: Path | None = None
+    """The run it came from, if any."""
+    seq_len: int | None = None
+    """The run's training sequence length (eval's default), if it came from a run."""
+    data_format: str | None = None
+    """The run's preset data format (auto | text | completion | instruction | chat): the
+    template it learned to answer in (auto: detect it from ``data_path``)."""
+    data_path: Path | None = None
+    """The run's training data (to detect an ``auto`` format; it may have gone since)."""
+    trust_remote_code: bool = False
+    """The run's preset allowed the model folder's own code (never for a bare folder)."""
+    dtype: str = "auto"
+    """The run's preset dtype (auto | bf16 | fp16 | fp32)."""
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.base is not None
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """Where the tokenizer is (saved beside every result; the base has one too)."""
+        if (self.path / "tokenizer_config.json").exists() or self.base is None:
+            return self.path
+        return self.base
+
+    @property
+    def config_path(self) -> Path:
+        """The folder whose config.json describes the architecture."""
+        return self.base if self.base is not None else self.path
+
+
+def _adapter_base(folder: Path, fallback: str | None) -> Path:
+    """The base model of an adapter folder, from adapter_config.json (or the run's preset)."""
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HomelabError(
+            f"{folder / 'adapter_config.json'}: unreadable ({exc})",
+            hint="the adapter folder is damaged; run the fine-tune again or point at a model folder",
+        ) from None
+    named = config.get("base_model_name_or_path") or fallback
+    for candidate in (named, fallback):
+        if candidate and (Path(candidate) / "config.json").is_file():
+            return Path(candidate).absolute()
+    raise HomelabError(
+        f"{folder}: the adapter's base model {named!r} is not a local model folder",
+        hint="put the base model at that path, or evaluate a merged model folder instead",
+    )
+
+
+def _folder_ref(folder: Path) -> ModelRef:
+    """A model or adapter folder given directly."""
+    if (folder / "adapter_config.json").is_file():
+        return ModelRef(name=folder.name, path=folder, base=_adapter_base(folder, None))
+    if (folder / "config.json").is_file():
+        return ModelRef(name=folder.name, path=folder)
+    raise HomelabError(
+        f"{folder}: not a model folder (no config.json) nor an adapter (no adapter_config.json)",
+        hint="give a run id, a run folder, or a Hugging Face model folder",
+    )
+
+
+def _run_ref(run_dir: Path) -> ModelRef:
+    """A run folder: its result (the merged model where there is one)."""
+    spec = read_run_spec(run_dir)
+    preset = spec.preset
+    final = run_dir / "final"
+    common = dict(
+        name=run_dir.name,
+        run_dir=run_dir,
+        seq_len=int(preset.data.seq_len),
+        data_format=str(preset.data.format),
+        data_path=Path(preset.data.path),
+        trust_remote_code=bool(preset.model.trust_remote_code),
+        dtype=str(preset.model.dtype),
+    )
+    if not final.is_dir():
+        raise HomelabError(
+            f"run {run_dir.name} has no result yet (no {final})",
+            hint=f"wait for it to complete, or `homelab-dp resume {run_dir.name}`",
+        )
+    if (final / "merged" / "config.json").is_file():
+        return ModelRef(path=final / "merged", **common)
+    if (final / "adapter_config.json").is_file():
+        return ModelRef(path=final, base=_adapter_base(final, preset.model.path), **common)
+    return ModelRef(path=final, **common)
+
+
+def find_run(ref: str, root: Path | None = None) -> Path | None:
+    """The run folder whose id is ``ref`` or starts with it (unique), else None."""
+    root = root or runs_root()
+    if not ref or "/" in ref or not root.is_dir():
+        return None
+    exact = root / ref
+    if (exact / "spec.json").is_file():
+        return exact
+    matches = sorted(
+        p for p in root.iterdir() if p.name.startswith(ref) and (p / "spec.json").is_file()
+    )
+    if len(matches) > 1:
+        raise HomelabError(
+            f"run id prefix {ref!r} matches {len(matches)} runs ({', '.join(p.name for p in matches[:3])}…)",
+            hint="give more of the id (`homelab-dp runs` lists them)",
+        )
+    return matches[0] if matches else None
+
+
+def resolve_model(ref: str, root: Path | None = None) -> ModelRef:
+    """The model MODEL names: a folder (run, model or adapter), else a run id (or unique prefix)."""
+    folder = Path(ref).expanduser()
+    if folder.is_dir():
+        folder = folder.absolute()
+        if (folder / "spec.json").is_file():
+            return _run_ref(folder)
+        return _folder_ref(folder)
+    run_dir = find_run(ref, root)
+    if run_dir is not None:
+        return _run_ref(run_dir)
+    raise HomelabError(
+        f"model {ref!r}: no such folder, and no run with that id under {root or runs_root()}",
+        hint="give a run id (`homelab-dp runs`), a run folder, or a model folder",
+    )
