@@ -1,0 +1,206 @@
+"""From a MODEL argument to a serving plan: resolve the model, choose the devices, plan, and pick
+the replicas `serve` starts (one per device that holds a copy). Imports no torch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from homelab_dp.core.hardware import (
+    HardwareReport,
+    PlanDevice,
+    PlanHardware,
+    format_bytes,
+    parse_gpus_spec,
+)
+from homelab_dp.core.model_spec import ModelSpec, load_model_spec
+from homelab_dp.core.serve_plan import (
+    CANNOT_HELP,
+    DEFAULT_CONCURRENT,
+    DEFAULT_CONTEXT,
+    ServeDevice,
+    ServePlan,
+    plan_serving,
+)
+from homelab_dp.errors import HardwareSpecError, HomelabError
+from homelab_dp.probe import nvml
+from homelab_dp.rundir.results import ModelRef, resolve_model
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class ReplicaDevice:
+    """Where one replica runs."""
+
+    device: str
+    """"cpu", or "cuda:0": the card as the replica sees it (CUDA_VISIBLE_DEVICES leaves one)."""
+    label: str
+    """"cpu" or "GPU 1 (NVIDIA GeForce RTX 3090)": what /health shows as "device"."""
+    cuda_visible: str | None
+    """CUDA_VISIBLE_DEVICES for the replica: the card's UUID, else its NVML index; None on CPU."""
+    threads: int | None
+    """torch threads of a CPU replica (the cores shared between the replicas, at least 1)."""
+
+
+@dataclass(frozen=True)
+class ServePlanned:
+    """A serving plan with what it was made for, and the replicas to start."""
+
+    ref: ModelRef
+    """The model, as `rundir.results.resolve_model` found it."""
+    spec: ModelSpec
+    """Its sizes (the base's config.json for an adapter)."""
+    plan: ServePlan
+    """Per-replica memory and the copies that fit on each device."""
+    replicas: list[ReplicaDevice]
+    """The replicas to start, in device order."""
+    source: str
+    """Where the devices came from: "probe", "probe: no GPU", "--gpus cpu:2", "--gpus 2x24GiB"."""
+    dtype: str
+    """The serving dtype: "bf16", "fp16" or "fp32"."""
+
+
+def parse_replicas(text: str | int) -> int | None:
+    """``--replicas``: a positive count, or None for ``auto``. Raises HomelabError."""
+    value = str(text).strip().lower()
+    if value == "auto":
+        return None
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise HomelabError(
+        f"--replicas: {text!r} is not a positive number nor auto",
+        hint="--replicas auto (one per device that holds a copy) or --replicas N, e.g. 2",
+    )
+
+
+def serve_hardware(
+    gpus: str | None, *, what_if_ok: bool
+) -> tuple[PlanHardware, HardwareReport | None]:
+    """The devices to serve on, and the probe when it chose them.
+
+    No ``--gpus``: the probed GPUs (NVML, or the recording named by HOMELAB_DP_FAKE_NVML), or one
+    CPU process when there is none. ``--gpus cpu:N``: N CPU processes. A what-if card spec
+    (``2x24GiB``) only where ``what_if_ok`` (a plan, not a server).
+    """
+    if gpus and gpus.strip().lower().startswith("cpu"):
+        host = nvml.host_info()
+        ram = host.ram_available or host.ram_total
+        return parse_gpus_spec(gpus, ram), None
+    if gpus:
+        hw = parse_gpus_spec(gpus, 0)
+        if not what_if_ok:
+            raise HardwareSpecError(
+                f"--gpus {gpus}: what-if cards can be planned, not served",
+                hint=f"see the plan with `serve MODEL --plan --gpus {gpus}`; serve on this "
+                "machine's GPUs without --gpus, or on CPU processes with --gpus cpu:N",
+            )
+        return hw, None
+    report = nvml.probe()
+    if not report.gpus:
+        ram = report.host.ram_available or report.host.ram_total
+        hw = parse_gpus_spec("cpu:1", ram)
+        return PlanHardware("cpu", hw.devices, source="probe: no GPU"), report
+    gpus_found = list(report.gpus)
+    uuids = tuple(g.uuid for g in gpus_found if g.uuid)
+    hw = PlanHardware(
+        "cuda",
+        tuple(PlanDevice(g.name, g.memory_total, g.compute_capability) for g in gpus_found),
+        source="probe",
+        indices=tuple(g.index for g in gpus_found),
+        uuids=uuids if len(uuids) == len(gpus_found) else (),
+    )
+    return hw, report
+
+
+def serve_dtype(kind: str, preset_dtype: str, hw: PlanHardware) -> str:
+    """fp32 on the CPU; on CUDA the run's dtype, "auto" being bf16 (fp16 below Ampere)."""
+    if kind == "cpu" or preset_dtype == "fp32":
+        return "fp32"
+    if preset_dtype in ("bf16", "fp16"):
+        return preset_dtype
+    return "fp16" if hw.below_capability((8, 0)) else "bf16"
+
+
+def serve_devices(hw: PlanHardware) -> list[ServeDevice]:
+    """The planning hardware as serving devices, named as people see them."""
+    out = []
+    for i, d in enumerate(hw.devices):
+        index = hw.indices[i] if i < len(hw.indices) else i
+        name = hw.label(i) if hw.indices or hw.kind == "cpu" else f"card {i} ({d.name})"
+        out.append(ServeDevice(index, name, d.memory_bytes))
+    return out
+
+
+def adapter_bytes(ref: ModelRef) -> int:
+    """An adapter's weights as stored (0 for a full model)."""
+    if not ref.is_adapter:
+        return 0
+    for name in ADAPTER_FILES:
+        path = ref.path / name
+        if path.is_file():
+            return path.stat().st_size
+    return 0
+
+
+def plan_serve(
+    model: str,
+    *,
+    gpus: str | None = None,
+    replicas: str = "auto",
+    context: int | None = None,
+    concurrent: int = DEFAULT_CONCURRENT,
+    what_if_ok: bool = False,
+) -> ServePlanned:
+    """Plan serving MODEL and pick the replica devices. Raises HomelabError for bad input and
+    for a model that no device can hold (replicas cannot help it)."""
+    wanted = parse_replicas(replicas)
+    if concurrent < 1:
+        raise HomelabError(f"concurrent: {concurrent} sequences", hint="plan at least 1")
+    ref = resolve_model(model)
+    spec = load_model_spec(ref.config_path)
+    positions = spec.max_positions or DEFAULT_CONTEXT
+    ctx = min(DEFAULT_CONTEXT, positions) if context is None else context
+    if ctx < 1 or ctx > positions:
+        raise HomelabError(
+            f"context: {ctx} tokens, but {ref.name} has {positions} positions",
+            hint=f"plan a context between 1 and {positions}",
+        )
+    hw, report = serve_hardware(gpus, what_if_ok=what_if_ok)
+    dtype = serve_dtype(hw.kind, ref.dtype, hw)
+    plan = plan_serving(spec, serve_devices(hw), weight_bytes_per_param=4 if dtype == "fp32" else 2,
+                        context=ctx, concurrent=concurrent, kind=hw.kind,
+                        adapter_bytes=adapter_bytes(ref))  # fmt: skip
+    if report is not None and hw.kind == "cpu":
+        plan.reasons.insert(0, f"No GPU found ({report.notice or 'none reported'}): serving "
+                               "from one CPU process; --gpus cpu:N starts N.")  # fmt: skip
+    holding = [i for i, d in enumerate(plan.devices) if d.copies_fit >= 1]
+    if not holding:
+        raise HomelabError(
+            f"{ref.name}: a replica needs {format_bytes(plan.per_replica_bytes)} "
+            f"(weights, KV cache of {concurrent} × {ctx} tokens, overhead), more than any "
+            f"{'card' if hw.kind == 'cuda' else 'CPU process'} here has "
+            f"({format_bytes(max(d.memory_bytes for d in plan.devices))} the largest): "
+            + CANNOT_HELP,
+            hint="quantize it or shard it; fewer concurrent sequences or a shorter context "
+            "shrink only the KV cache (`serve --plan` shows the breakdown)",
+        )
+    if wanted is not None and wanted > len(holding):
+        unit = "GPU" if hw.kind == "cuda" else "CPU process"
+        raise HomelabError(
+            f"--replicas {wanted}: only {len(holding)} {unit}(s) here can hold a copy of "
+            f"{ref.name}",
+            hint="use --replicas auto"
+            + (f" or --gpus cpu:{wanted}" if hw.kind == "cpu" else " (one replica per card)"),
+        )
+    chosen = holding if wanted is None else holding[:wanted]
+    cores = os.cpu_count() or 1
+    picked = []
+    for i in chosen:
+        d = plan.devices[i]
+        if hw.kind == "cpu":
+            picked.append(ReplicaDevice("cpu", "cpu", None, max(1, cores // len(chosen))))
+        else:
+            visible = hw.uuids[i] if hw.uuids else str(d.index)
+            picked.append(ReplicaDevice("cuda:0", d.name, visible, None))
+    return ServePlanned(ref, spec, plan, picked, hw.source, dtype)
