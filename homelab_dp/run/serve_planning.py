@@ -24,6 +24,7 @@ from homelab_dp.core.serve_plan import (
 )
 from homelab_dp.errors import HardwareSpecError, HomelabError
 from homelab_dp.probe import nvml
+from homelab_dp.run.planning import Planned
 from homelab_dp.rundir.results import ModelRef, resolve_model
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -204,3 +205,16 @@ def plan_serve(
             visible = hw.uuids[i] if hw.uuids else str(d.index)
             picked.append(ReplicaDevice("cuda:0", d.name, visible, None))
     return ServePlanned(ref, spec, plan, picked, hw.source, dtype)
+
+
+def plan_serving_result(planned: Planned) -> ServePlan:
+    """The serving plan of a training plan's result on the same devices (the TUI's Plan
+    screen): the model's spec, the run's dtype, a LoRA/QLoRA adapter's fp32 weights beside the
+    16-bit base, the default context and concurrency. No model folder is read."""
+    hw, spec = planned.hardware, planned.spec
+    dtype = serve_dtype(hw.kind, planned.preset.model.dtype, hw)
+    j = planned.plan.to_json()
+    adapter = j["model"]["trainable_params"] * 4 if j["method"] != "full" else 0
+    return plan_serving(spec, serve_devices(hw), weight_bytes_per_param=4 if dtype == "fp32" else 2,
+                        context=min(DEFAULT_CONTEXT, spec.max_positions or DEFAULT_CONTEXT),
+                        concurrent=DEFAULT_CONCURRENT, kind=hw.kind, adapter_bytes=adapter)  # fmt: skip

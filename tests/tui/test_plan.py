@@ -132,3 +132,20 @@ async def test_number_keys_type_into_fields_and_switch_screens_after_escape(
         assert isinstance(app.screen, PlanScreen)
         await pilot.press("escape", "1")
         assert app.current_mode == "hardware"
+
+
+@pytest.mark.usefixtures("gpus_2x3090")
+async def test_serving_the_result_under_the_plan(controller: RunController) -> None:
+    async with open_app(controller, mode="plan", preset="llama3-8b-qlora-2x24gb") as (
+        app,
+        pilot,
+        _,
+    ):
+        text = plain(app, "#serve-view")
+        assert text.startswith("Serving the result")
+        assert "SERVES  2 replica(s), one per card" in text
+        assert "8 KV heads × 128 head dim × 4096 tokens × 8 sequences × 2 bytes" in text
+        await _type(pilot, app, "gpus", "2x12GiB")  # 8B in 16-bit: 15 GiB of weights
+        text = plain(app, "#serve-view")
+        assert "DOES NOT FIT ONE CARD" in text
+        assert "Replicas cannot help a model that does not fit one card" in text

@@ -17,6 +17,8 @@ from homelab_dp.core.preset import field_docs
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.errors import error_text
 from homelab_dp.render.plan import render_planned
+from homelab_dp.render.serve_plan import serve_plan_text
+from homelab_dp.run.serve_planning import plan_serving_result
 from homelab_dp.tui.session import FIELDS, Session, preset_names
 
 DEBOUNCE_S = 0.3
@@ -83,6 +85,7 @@ class PlanScreen(Screen[None]):
                 yield Static(id="field-help")
             with VerticalScroll(id="plan-out"):
                 yield Static(id="plan-view")
+                yield Static(id="serve-view")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -182,6 +185,8 @@ class PlanScreen(Screen[None]):
             self._timer.stop()
             self._timer = None
         view = self.query_one("#plan-view", Static)
+        serving = self.query_one("#serve-view", Static)
+        serving.update("")
         if not self.session.preset_name:
             view.update("No preset found: put one in ./presets or save one from Launch.")
             return
@@ -193,10 +198,13 @@ class PlanScreen(Screen[None]):
         self.plans_made += 1
         self._last_error = ""
         view.update(render_planned(planned))
+        # The result's serving plan on the same devices: pure arithmetic, no model read.
+        serving.update(serve_plan_text(planned.spec, plan_serving_result(planned)))
 
     def _show_error(self, exc: HomelabError) -> None:
         text = error_text(exc)
         self.query_one("#plan-view", Static).update(Text(text, style="bold red"))
+        self.query_one("#serve-view", Static).update("")
         if text != self._last_error:  # typing must not pile up the same notification
             self.app.notify(text, severity="error", timeout=10, markup=False)
         self._last_error = text
