@@ -1,0 +1,336 @@
+"""The OpenAI-compatible surface, as pure functions: request validation and response shapes.
+
+Requests: ``POST /v1/completions`` and ``POST /v1/chat/completions`` are checked here and turned
+into one `Generation` (what the replica's ``/generate`` takes). A field of the wrong type, a
+missing required field, ``n`` other than 1, a temperature outside [0, 2] or ``max_tokens`` < 1
+raise `ApiError` (HTTP 400 with OpenAI's error body). Fields we do not know are ignored: OpenAI
+clients send many (``logprobs``, ``user``, ``stream_options``, ...).
+
+Responses: ``text_completion`` / ``chat.completion`` objects, their streamed chunks, and
+server-sent events (``data: {...}\\n\\n`` ending with ``data: [DONE]\\n\\n``).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["completion", "chat"]
+ROLES = ("system", "user", "assistant")
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """A request the API refuses: its HTTP status and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body OpenAI sends with an error."""
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``: OpenAI's error shape."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One validated request: what to generate and how the answer is shaped."""
+
+    kind: Kind
+    """completion (``prompt``) or chat (``messages``)."""
+    model: str | None
+    """The model the client named (None: whichever is served)."""
+    prompt: str | None = None
+    """The text to continue (completions)."""
+    messages: list[dict[str, str]] | None = None
+    """The conversation, ``{"role", "content"}`` with string content (chat)."""
+    max_tokens: int | None = None
+    """Tokens to generate at most (None: up to the context)."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the answer (not included in it)."""
+    stream: bool = False
+    """Answer as server-sent events."""
+    seed: int | None = None
+    """Sampling seed (the same seed and request give the same answer)."""
+
+    def replica_body(self) -> dict[str, Any]:
+        """The body of the replica's ``POST /generate`` (the replica protocol)."""
+        return {
+            "prompt": self.prompt,
+            "messages": self.messages,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": list(self.stop),
+            "seed": self.seed,
+        }
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or ApiError (400)."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ApiError("the request body must be a JSON object")
+    return doc
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(doc: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
+    """An optional integer field (bool is not an integer here, whatever Python says)."""
+    value = doc.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(f"{name} must be an integer, not {_type_name(value)}", param=name)
+    if minimum is not None and value < minimum:
+        raise ApiError(f"{name} must be at least {minimum}, got {value}", param=name)
+    return value
+
+
+def _number(doc: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    """An optional number field within [low, high]."""
+    value = doc.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ApiError(f"{name} must be a number, not {_type_name(value)}", param=name)
+    if not low <= value <= high:
+        raise ApiError(f"{name} must be between {low:g} and {high:g}, got {value}", param=name)
+    return float(value)
+
+
+def _stop(doc: dict[str, Any]) -> list[str]:
+    value = doc.get("stop")
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ApiError("stop must be a string or a list of strings", param="stop")
+    if len(items) > 4:
+        raise ApiError(f"stop takes at most 4 strings, got {len(items)}", param="stop")
+    if any(s == "" for s in items):
+        raise ApiError("stop strings must not be empty", param="stop")
+    return list(items)
+
+
+def _common(doc: dict[str, Any], kind: Kind, max_tokens_field: str) -> dict[str, Any]:
+    """The knobs both endpoints share."""
+    model = doc.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(f"model must be a string, not {_type_name(model)}", param="model")
+    n = _int(doc, "n")
+    if n not in (None, 1):
+        raise ApiError(f"n must be 1 (one answer per request), got {n}", param="n")
+    stream = doc.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(f"stream must be a boolean, not {_type_name(stream)}", param="stream")
+    return dict(
+        kind=kind,
+        model=model,
+        max_tokens=_int(doc, max_tokens_field, minimum=1),
+        temperature=_number(doc, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(doc, "top_p", 1.0, 0.0, 1.0),
+        stop=_stop(doc),
+        stream=bool(stream),
+        seed=_int(doc, "seed"),
+    )
+
+
+def parse_completion(doc: dict[str, Any]) -> Generation:
+    """A ``/v1/completions`` body: ``prompt`` (a string, or a list holding one) and the knobs."""
+    prompt = doc.get("prompt")
+    if prompt is None:
+        raise ApiError("prompt is required", param="prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise ApiError(
+                "prompt must be a string or a list of exactly one string "
+                "(one prompt per request; token arrays are not supported)",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(f"prompt must be a string, not {_type_name(prompt)}", param="prompt")
+    return Generation(prompt=prompt, **_common(doc, "completion", "max_tokens"))
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (what newer clients send)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise ApiError(f"{where}: only text content parts are supported", param=where)
+            if not isinstance(part.get("text"), str):
+                raise ApiError(f"{where}: a text part needs a string text", param=where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(f"{where} must be a string, not {_type_name(value)}", param=where)
+
+
+def parse_chat(doc: dict[str, Any]) -> Generation:
+    """A ``/v1/chat/completions`` body: ``messages`` and the knobs (``max_completion_tokens``
+    wins over the older ``max_tokens``)."""
+    messages = doc.get("messages")
+    if messages is None:
+        raise ApiError("messages is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list", param="messages")
+    clean = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(f"{where} must be an object", param=where)
+        role = message.get("role")
+        role = "system" if role == "developer" else role  # OpenAI's newer name for system
+        if role not in ROLES:
+            raise ApiError(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                param=f"{where}.role",
+            )
+        clean.append(
+            {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        )
+    field_name = (
+        "max_completion_tokens" if doc.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    return Generation(messages=clean, **_common(doc, "chat", field_name))
+
+
+def check_model(generation: Generation, served: str) -> None:
+    """A request for another model than the one served: 404 ``model_not_found``."""
+    if generation.model is not None and generation.model != served:
+        raise ApiError(
+            f"The model {generation.model!r} does not exist: this server serves {served!r}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def new_id(kind: Kind) -> str:
+    """A response id: ``cmpl-…`` or ``chatcmpl-…``."""
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + secrets.token_hex(12)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def response(
+    kind: Kind,
+    *,
+    id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage: dict[str, int],
+) -> dict[str, Any]:
+    """The whole answer: a ``text_completion`` or a ``chat.completion`` object."""
+    if kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        obj = "chat.completion"
+    choice["finish_reason"] = finish_reason
+    return {
+        "id": id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def chunk(
+    kind: Kind,
+    *,
+    id: str,
+    created: int,
+    model: str,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    usage: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """One streamed piece: a ``text_completion`` chunk or a ``chat.completion.chunk`` with a
+    ``delta`` (``role`` only in the first chat chunk). The last carries ``finish_reason`` and
+    ``usage``."""
+    if kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None}
+        obj = "text_completion"
+    else:
+        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta}
+        obj = "chat.completion.chunk"
+    choice["finish_reason"] = finish_reason
+    doc: dict[str, Any] = {
+        "id": id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    if usage is not None:
+        doc["usage"] = usage
+    return doc
+
+
+def sse(doc: dict[str, Any]) -> bytes:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+def models_list(name: str, created: int) -> dict[str, Any]:
+    """``GET /v1/models``: the one model served."""
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": created, "owned_by": "homelab-dp"}],
+    }
