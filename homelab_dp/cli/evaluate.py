@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from homelab_dp.errors import HomelabError
+from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
 
 
 def register(sub: Any) -> None:
@@ -21,4 +21,14 @@ def register(sub: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    raise HomelabError("eval is being built", hint="see issue 13")
+    """Check everything, evaluate under torchrun (`run.evaluate`), print the result."""
+    from homelab_dp.run.evaluate import evaluate_model
+
+    report = evaluate_model(args.model, args.data, args.format, args.seq_len, args.gpus)
+    if args.json:
+        print_json(report.to_json())
+    else:
+        from homelab_dp.render.evaluate import render_eval
+
+        print_rich(render_eval(report))
+    return EXIT_OK

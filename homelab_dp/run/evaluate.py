@@ -1,0 +1,397 @@
+"""`homelab-dp eval`'s front end: check everything, start the workers under torchrun, read the result.
+
+`prepare` resolves MODEL (`rundir.results.resolve_model`), picks the devices (``--gpus cpu:N``,
+GPU indices, or every visible GPU from the NVML probe, never initialising CUDA here), checks the
+model folder as the run preflight does, the sequence length against the model's positions, and
+reads and tokenizes the data exactly as the worker will (`data.records.read_with_lines`,
+`data.blocks.tokenize_records`): every mistake is a `HomelabError` before anything is spawned.
+(The tokenizer comes from transformers, which imports torch on the CPU; CUDA is never touched.)
+
+`run_eval` writes the job as JSON into a private temporary folder (0700), starts
+``torchrun … -m homelab_dp.train.eval_worker ARGS_FILE`` in its own session with every output
+in files there (no pipe from the workers), waits, and reads the result rank 0 wrote. The folder
+goes afterwards, unless the evaluation failed: the error then quotes the failing rank's log and
+names the folder. Ctrl-C stops torchrun and its workers (none is left behind) and is re-raised.
+
+The job file (read by `homelab_dp.train.eval_worker`): ``model_path``, ``base_path`` (an
+adapter's base or null), ``tokenizer_path``, ``trust_remote_code``, ``dtype`` (the run's preset
+dtype or auto), ``device`` (cpu | cuda), ``data_path``, ``format`` (resolved), ``seq_len``,
+``result_path`` and ``error_dir``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.core.hardware import HardwareReport, PlanDevice, PlanHardware
+from homelab_dp.core.preset import ModelSection, Preset
+from homelab_dp.data.blocks import build_blocks, tokenize_records
+from homelab_dp.data.records import FORMATS, read_with_lines
+from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
+from homelab_dp.run.launcher import WORKER_MODULE, torchrun_command
+from homelab_dp.rundir.results import ModelRef, resolve_model
+
+EVAL_MODULE = "homelab_dp.train.eval_worker"
+DEFAULT_SEQ_LEN = 2048
+"""The longest default sequence for a model that did not come from a run."""
+STOP_GRACE_S = 20.0
+"""How long torchrun gets to stop its workers after Ctrl-C before they are killed."""
+_GPUS_HINT = (
+    "eval runs on this machine's devices: --gpus cpu:N for N CPU processes, GPU indices such "
+    "as 0,1 (`homelab-dp probe` lists them), or no --gpus for every visible GPU; what-if sizes "
+    "such as 2x24GiB are for `homelab-dp plan`"
+)
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Where the ranks run: one process per GPU, or N CPU processes."""
+
+    kind: str
+    """cpu | cuda."""
+    nproc: int
+    gpu_indices: tuple[int, ...] = ()
+    """The GPUs by NVML index (`homelab-dp probe`'s numbers); empty on the CPU."""
+    gpu_uuids: tuple[str, ...] = ()
+    """The same GPUs by UUID when NVML gave every one (CUDA_VISIBLE_DEVICES names them so)."""
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """Everything checked and resolved: what the workers are started with."""
+
+    ref: ModelRef
+    data: Path
+    format: str
+    """The data format, ``auto`` resolved."""
+    seq_len: int
+    """Tokens per sample at most (longer rows are truncated)."""
+    samples: int
+    """Rows with at least one target token within ``seq_len`` (what is evaluated)."""
+    devices: Devices
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """The `eval --json` document."""
+
+    model: str
+    data: str
+    world_size: int
+    loss: float
+    """Mean negative log-likelihood per target token (nats)."""
+    perplexity: float | None
+    """exp(loss); None where it overflows."""
+    tokens: int
+    """Target tokens."""
+    real_tokens: int
+    """Non-padding tokens that went through the model."""
+    tokens_per_s: float
+    seconds: float
+    """Time spent in the forward passes (rank 0), loading excluded."""
+    seq_len: int
+    samples: int
+    device: str
+    """cpu | cuda."""
+    dtype: str
+    """The dtype the weights computed in (fp32, bf16, fp16)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The document as a dict."""
+        return asdict(self)
+
+
+def parse_gpus(gpus: str | None) -> tuple[str, int, tuple[int, ...]]:
+    """What ``--gpus`` asks for, read without probing: ("cpu", N, ()), ("cuda", 0, indices),
+    or ("auto", 0, ()) with no ``--gpus``. A what-if size or anything else is an error."""
+    text = (gpus or "").strip()
+    if not text:
+        return "auto", 0, ()
+    if text.lower().startswith("cpu"):
+        m = re.fullmatch(r"cpu(?::(\d+))?", text, re.IGNORECASE)
+        if not m:
+            raise HardwareSpecError(f"--gpus: cannot read {gpus!r} (cpu or cpu:N)", _GPUS_HINT)
+        nproc, cores = int(m.group(1) or 1), os.cpu_count() or 1
+        if not 1 <= nproc <= cores:
+            raise HardwareSpecError(
+                f"--gpus: {nproc} CPU processes, this machine has {cores} CPU cores",
+                hint=f"give cpu:1 to cpu:{cores}",
+            )
+        return "cpu", nproc, ()
+    if not re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
+        raise HardwareSpecError(f"--gpus: {gpus!r} is not a device selection for eval", _GPUS_HINT)
+    indices = tuple(int(i) for i in text.split(","))
+    if len(set(indices)) != len(indices):
+        raise HardwareSpecError(f"--gpus: a GPU named twice in {gpus!r}", _GPUS_HINT)
+    return "cuda", len(indices), indices
+
+
+def select_devices(gpus: str | None, report: HardwareReport | None = None) -> Devices:
+    """The devices ``--gpus`` names (`parse_gpus`); with no ``--gpus`` every visible GPU, else
+    one CPU process. ``report`` is the NVML probe's (None: probe now; never CUDA here)."""
+    kind, nproc, indices = parse_gpus(gpus)
+    if kind == "cpu":
+        return Devices("cpu", nproc)
+    report = report if report is not None else _probe()
+    by_index = {g.index: g for g in report.gpus}
+    if kind == "auto":
+        if not report.gpus:
+            return Devices("cpu", 1)
+        indices = tuple(sorted(by_index))
+    missing = [i for i in indices if i not in by_index]
+    if missing:
+        found = ", ".join(map(str, sorted(by_index))) or "none"
+        raise HardwareSpecError(
+            f"--gpus: no visible GPU with index {', '.join(map(str, missing))} (visible: {found})",
+            hint=(report.notice + " " if report.notice else "") + _GPUS_HINT,
+        )
+    chosen = [by_index[i] for i in indices]
+    uuids = tuple(g.uuid for g in chosen if g.uuid)
+    devices = Devices("cuda", len(chosen), indices, uuids if len(uuids) == len(chosen) else ())
+    _check_torch_sees(devices, report)
+    return devices
+
+
+def _probe() -> HardwareReport:
+    from homelab_dp.probe import nvml
+
+    return nvml.probe()
+
+
+def _check_torch_sees(devices: Devices, report: HardwareReport) -> None:
+    """The installed torch can use the chosen cards (asked in a child process, as the run does)."""
+    from homelab_dp.run.preflight import check_torch_sees_cards
+
+    by_index = {g.index: g for g in report.gpus}
+    cards = tuple(PlanDevice(by_index[i].name, by_index[i].memory_total,
+                             by_index[i].compute_capability) for i in devices.gpu_indices)  # fmt: skip
+    check_torch_sees_cards(PlanHardware("cuda", cards, indices=devices.gpu_indices), report)
+
+
+def check_model(ref: ModelRef) -> None:
+    """Weights in safetensors, a tokenizer, remote code only where the run allowed it."""
+    from homelab_dp.run.preflight import check_model_folder
+
+    check_model_folder(Preset(model=ModelSection(path=str(ref.config_path),
+                                                 trust_remote_code=ref.trust_remote_code)))  # fmt: skip
+    if ref.is_adapter and not (ref.path / "adapter_model.safetensors").is_file():
+        raise HomelabError(
+            f"{ref.path}: no adapter weights (adapter_model.safetensors)",
+            hint="an adapter folder holds adapter_config.json and adapter_model.safetensors "
+            "(pickle .bin adapters are never loaded)",
+        )
+
+
+def max_positions(ref: ModelRef) -> int | None:
+    """The model's positions from its config.json (None where it names none)."""
+    config = json.loads((ref.config_path / "config.json").read_text(encoding="utf-8"))
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions"):
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return int(cfg[key])
+    return None
+
+
+def choose_seq_len(ref: ModelRef, seq_len: int | None) -> int:
+    """``--seq-len``, else the run's, else min(2048, the model's positions); never beyond them."""
+    limit = max_positions(ref)
+    if seq_len is None:
+        seq_len = ref.seq_len or min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
+    if seq_len < 1:
+        raise HomelabError(f"--seq-len: must be at least 1, got {seq_len}", hint="e.g. 512")
+    if limit is not None and seq_len > limit:
+        raise HomelabError(
+            f"--seq-len: {seq_len} is beyond the model's {limit} positions "
+            f"(max_position_embeddings in {ref.config_path / 'config.json'})",
+            hint=f"give --seq-len {limit} or less",
+        )
+    return seq_len
+
+
+def check_data(ref: ModelRef, data: Path, fmt: str, seq_len: int) -> tuple[str, int]:
+    """Read, validate and tokenize the data as the worker will; returns the resolved format and
+    the rows left with a target token within ``seq_len`` (a DataError names file:line)."""
+    if fmt not in (*FORMATS, "auto"):
+        raise DataError(
+            f"--format: unknown format {fmt!r}", hint=f"one of auto, {', '.join(FORMATS)}"
+        )
+    if not data.is_file():
+        raise DataError(f"--data: {data}: no such file", hint="give a local .jsonl or .txt file")
+    records, lines, fmt = read_with_lines(data, fmt)
+    from transformers import AutoTokenizer  # the model's own tokenizer: the worker's tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(ref.tokenizer_path, local_files_only=True,
+                                              trust_remote_code=ref.trust_remote_code)  # fmt: skip
+    examples = tokenize_records(records, fmt, tokenizer, where=[f"{data}:{n}" for n in lines])
+    blocks = build_blocks(examples, seq_len, False, 0)  # the pad id does not matter for a count
+    if not blocks:
+        raise DataError(
+            f"{data}: no token is left with a loss within {seq_len} tokens ({fmt} format)",
+            hint="the prompts fill the whole sequence: raise --seq-len",
+        )
+    return fmt, len(blocks)
+
+
+def prepare(model: str, data: str, fmt: str = "auto", seq_len: int | None = None,
+            gpus: str | None = None) -> EvalJob:  # fmt: skip
+    """Resolve and check everything ``eval`` was given; a HomelabError before anything starts.
+    The cheap checks come first; the GPU probe (and torch's answer, in a child) last."""
+    parse_gpus(gpus)
+    ref = resolve_model(model)
+    check_model(ref)
+    seq_len = choose_seq_len(ref, seq_len)
+    path = Path(data).expanduser().absolute()
+    fmt, samples = check_data(ref, path, fmt, seq_len)
+    return EvalJob(ref, path, fmt, seq_len, samples, select_devices(gpus))
+
+
+def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
+    """What `homelab_dp.train.eval_worker` reads (see the module docstring)."""
+    ref = job.ref
+    return {
+        "model_path": str(ref.path),
+        "base_path": str(ref.base) if ref.base is not None else None,
+        "tokenizer_path": str(ref.tokenizer_path),
+        "trust_remote_code": ref.trust_remote_code,
+        "dtype": ref.dtype,
+        "device": job.devices.kind,
+        "data_path": str(job.data),
+        "format": job.format,
+        "seq_len": job.seq_len,
+        "result_path": str(folder / "result.json"),
+        "error_dir": str(folder / "errors"),
+    }
+
+
+def eval_command(folder: Path, nproc: int, job_file: Path) -> list[str]:
+    """The launcher's torchrun command (loopback rendezvous, logs under ``folder/logs``) with
+    the eval worker in place of the training worker."""
+    cmd = torchrun_command(folder, nproc)
+    tail = ["-m", WORKER_MODULE, str(Path(folder).absolute())]
+    if cmd[-3:] != tail:  # the launcher's contract changed: fail loudly, not oddly
+        raise AssertionError(f"unexpected torchrun command tail {cmd[-3:]}")
+    return [*cmd[:-2], EVAL_MODULE, str(job_file)]
+
+
+def eval_env(devices: Devices) -> dict[str, str]:
+    """The workers' environment: the chosen GPUs only (or none), loopback rendezvous, offline."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if devices.kind == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU evaluation never opens a CUDA context
+        if "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // devices.nproc))
+    else:  # NVML numbers cards in PCI bus order; CUDA must count the same way
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices.gpu_uuids or map(str, devices.gpu_indices))
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    env["HOMELAB_DP_LOOPBACK"] = "1"  # homelab_dp.run.agent: TCP stores on 127.0.0.1
+    return env
+
+
+def run_eval(job: EvalJob) -> EvalReport:
+    """Evaluate ``job`` under torchrun and return rank 0's result (see the module docstring)."""
+    folder = Path(tempfile.mkdtemp(prefix="homelab-dp-eval-"))  # 0700
+    job_file = folder / "job.json"
+    job_file.write_text(json.dumps(job_document(job, folder), indent=2), encoding="utf-8")
+    cmd = eval_command(folder, job.devices.nproc, job_file)
+    with open(folder / "launcher.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=eval_env(job.devices),
+                                start_new_session=True)  # fmt: skip
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        stop_workers(proc)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    result = folder / "result.json"
+    if rc == 0 and result.is_file():
+        doc = json.loads(result.read_text(encoding="utf-8"))
+        shutil.rmtree(folder, ignore_errors=True)
+        return _report(job, doc)
+    raise _failure(folder, rc)
+
+
+def stop_workers(proc: subprocess.Popen[bytes]) -> None:
+    """Stop torchrun and every worker it started: SIGTERM (torchrun stops its workers), then
+    SIGKILL to whatever is left after `STOP_GRACE_S` (workers run in sessions of their own)."""
+    import psutil
+
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    proc.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(family, timeout=STOP_GRACE_S)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    proc.wait()
+
+
+def _report(job: EvalJob, doc: dict[str, Any]) -> EvalReport:
+    return EvalReport(
+        model=job.ref.name,
+        data=str(job.data),
+        world_size=int(doc["world_size"]),
+        loss=float(doc["loss"]),
+        perplexity=None if doc["perplexity"] is None else float(doc["perplexity"]),
+        tokens=int(doc["tokens"]),
+        real_tokens=int(doc["real_tokens"]),
+        tokens_per_s=float(doc["tokens_per_s"]),
+        seconds=float(doc["seconds"]),
+        seq_len=job.seq_len,
+        samples=int(doc["samples"]),
+        device=str(doc["device"]),
+        dtype=str(doc["dtype"]),
+    )
+
+
+def _failure(folder: Path, rc: int) -> HomelabError:
+    """The error of a failed evaluation: a worker's own error (bad input: exit 2), else the
+    failing rank's log tail (exit 1). The folder stays for the full logs."""
+    errors = sorted((folder / "errors").glob("rank-*.json"))
+    if errors:
+        err = json.loads(errors[0].read_text(encoding="utf-8"))
+        if err.get("bad_input"):
+            shutil.rmtree(folder, ignore_errors=True)
+            return HomelabError(err["message"], hint=err.get("hint") or "")
+        rank = err.get("rank", 0)
+        first = f"eval failed on rank {rank}: {err['message']}"
+    else:
+        rank, first = 0, f"eval failed (torchrun exit code {rc})"
+    tail = rank_log_tail(folder, rank)
+    return RunFailedError(f"{first}\n{tail}".rstrip(),
+                          hint=f"the logs are kept in {folder}")  # fmt: skip
+
+
+def rank_log_tail(folder: Path, rank: int, lines: int = 20) -> str:
+    """The last lines a rank wrote on stderr (torchrun's per-rank log), else torchrun's own."""
+    logs = sorted((folder / "logs").glob(f"**/attempt_*/{rank}/stderr.log"),
+                  key=lambda p: p.stat().st_mtime)  # fmt: skip
+    path = logs[-1] if logs else folder / "launcher.log"
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(f"  | {line}" for line in text.splitlines()[-lines:])
+
+
+def evaluate_model(model: str, data: str, fmt: str = "auto", seq_len: int | None = None,
+                   gpus: str | None = None) -> EvalReport:  # fmt: skip
+    """`prepare` then `run_eval`: what `homelab-dp eval` does."""
+    return run_eval(prepare(model, data, fmt, seq_len, gpus))

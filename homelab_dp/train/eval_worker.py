@@ -1,0 +1,198 @@
+"""The evaluation worker: one process per rank, started by torchrun (never by hand).
+
+    torchrun … -m homelab_dp.train.eval_worker JOB_FILE
+
+`homelab_dp.run.evaluate` writes JOB_FILE (its module docstring lists the keys) and starts
+torchrun. Each rank joins the group (gloo on the CPU, nccl on ``cuda:LOCAL_RANK``), tokenizes
+the data with the data pipeline (one sample per row, truncated to ``seq_len``: the front end
+checked the same), loads the model — a full folder, or a base with its PEFT adapter on top (no
+merge) — puts the chunked loss head in place of lm_head (no full logits; full cross-entropy
+where the model changes its logits after lm_head) and runs `train.evaluate.evaluate`. Rank 0
+writes the result as JSON to ``result_path``.
+
+Weights compute in fp32 on the CPU; on CUDA in the run's preset dtype where it names one, else
+bf16 from compute capability 8.0 (Ampere) on and fp16 before it (a bf16 preset on an older card
+falls back to fp16), the rule `homelab_dp.infer.loading` follows for generation.
+
+A rank that fails writes ``error_dir/rank-N.json`` (message, hint, whether it was bad input)
+before exiting: exit 2 for a `HomelabError`, 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+TOKENS_PER_FORWARD = {"cpu": 2048, "cuda": 8192}
+"""Tokens per forward pass: the micro-batch is this over the block length (at least 1)."""
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+log = logging.getLogger("homelab_dp.eval_worker")
+
+
+def eval_dtype(device: Any, wanted: str) -> Any:
+    """The dtype the weights compute in on ``device`` (see the module docstring)."""
+    import torch
+
+    if device.type != "cuda":
+        return torch.float32
+    bf16_ok = torch.cuda.get_device_capability(device)[0] >= 8
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(wanted)
+    if dtype is None:  # auto, or a bare folder
+        dtype = torch.bfloat16 if bf16_ok else torch.float16
+    return torch.float16 if dtype == torch.bfloat16 and not bf16_ok else dtype
+
+
+def join_group(kind: str) -> tuple[Any, int, int]:
+    """(device, rank, world): gloo on the CPU, nccl on ``cuda:LOCAL_RANK``."""
+    import torch
+    import torch.distributed as dist
+
+    from homelab_dp.errors import HomelabError
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    # Loading may take a while on one rank; a failed rank ends the group through torchrun.
+    kwargs: dict[str, Any] = {"timeout": timedelta(minutes=30)}
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise HomelabError("eval on GPUs, but torch sees no GPU",
+                               hint="`homelab-dp doctor` checks torch against the driver")  # fmt: skip
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", **kwargs)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def load_blocks(job: dict[str, Any], tokenizer: Any) -> list[Any]:
+    """The data as blocks, one sample per row truncated to ``seq_len``. Blocks are as long as the
+    longest sample (at most ``seq_len``): padding is masked out, so only less of it is computed."""
+    from homelab_dp.data.blocks import build_blocks, tokenize_records
+    from homelab_dp.data.records import read_with_lines
+
+    path = Path(job["data_path"])
+    records, lines, fmt = read_with_lines(path, job["format"])
+    examples = tokenize_records(records, fmt, tokenizer, where=[f"{path}:{n}" for n in lines])
+    width = min(int(job["seq_len"]), max(len(ex.input_ids) for ex in examples))
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return build_blocks(examples, width, False, int(pad_id))
+
+
+def load_model(job: dict[str, Any], device: Any, dtype: Any) -> Any:
+    """The model in eval mode on ``device``: a full folder, or the base with its adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from homelab_dp.train.attention import attention_implementation
+
+    base = job["base_path"] or job["model_path"]
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=dtype, trust_remote_code=bool(job["trust_remote_code"]),
+        attn_implementation=attention_implementation(device.type, DTYPE_NAMES[str(dtype)]),
+    )  # fmt: skip
+    if job["base_path"]:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, job["model_path"])
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
+    """Run this rank's share; rank 0 returns the result document, the others None."""
+    from transformers import AutoTokenizer
+
+    from homelab_dp.train.evaluate import eval_blocks, evaluate
+    from homelab_dp.train.loss import install_loss_head, unsupported_reason
+
+    device, rank, world = join_group(job["device"])
+    tokenizer = AutoTokenizer.from_pretrained(job["tokenizer_path"], local_files_only=True,
+                                              trust_remote_code=bool(job["trust_remote_code"]))  # fmt: skip
+    blocks = load_blocks(job, tokenizer)
+    dtype = eval_dtype(device, job["dtype"])
+    model = load_model(job, device, dtype)
+    head = install_loss_head(model)
+    if head is None:
+        log.warning("full logits: %s", unsupported_reason(model))
+    width = len(blocks[0].input_ids)
+    micro = max(1, TOKENS_PER_FORWARD[device.type] // width)
+    log.info("%d samples of at most %d tokens, %d per forward, %s on %s, world %d",
+             len(blocks), width, micro, dtype, device, world)  # fmt: skip
+    result = evaluate(model, eval_blocks(blocks, packed=False), rank=rank, world=world,
+                      micro=micro, device=device, loss_head=head)  # fmt: skip
+    if rank != 0:
+        return None
+    ppl = result.perplexity
+    return {
+        "world_size": world,
+        "loss": result.loss,
+        "perplexity": ppl if ppl != float("inf") else None,
+        "tokens": result.tokens,
+        "real_tokens": result.real_tokens,
+        "tokens_per_s": result.tokens_per_s,
+        "seconds": result.seconds,
+        "samples": len(blocks),
+        "device": device.type,
+        "dtype": DTYPE_NAMES[str(dtype)],
+        "loss_head": "chunked" if head is not None else "full logits",
+    }
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write then rename: the front end never reads half a file."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank; returns the process exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or any(k not in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        print("error: the eval worker runs under torchrun with one JOB_FILE\n"
+              "hint: use `homelab-dp eval MODEL --data FILE`", file=sys.stderr)  # fmt: skip
+        return EXIT_BAD_INPUT
+    rank = int(os.environ["RANK"])
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    job = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    import torch.distributed as dist
+
+    from homelab_dp.errors import HomelabError
+
+    try:
+        doc = evaluate_job(job)
+        if doc is not None:
+            _write_json(Path(job["result_path"]), doc)
+        dist.barrier()  # leave together: a peer's teardown must not abort rank 0's write
+        return EXIT_OK
+    except HomelabError as exc:
+        error = {"rank": rank, "message": exc.message, "hint": exc.hint, "bad_input": True}
+        code = exc.exit_code
+        print(f"error: {exc.message}\nhint: {exc.hint}", file=sys.stderr)
+    except Exception as exc:  # any crash: say which rank and what, then fail
+        error = {"rank": rank, "message": f"{type(exc).__name__}: {exc}", "bad_input": False}
+        code = EXIT_FAILED
+        traceback.print_exc()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _write_json(Path(job["error_dir"]) / f"rank-{rank}.json", error)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
