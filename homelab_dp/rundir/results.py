@@ -136,7 +136,7 @@ def find_run(ref: str, root: Path | None = None) -> Path | None:
 def resolve_model(ref: str, root: Path | None = None) -> ModelRef:
     """The model MODEL names: a folder (run, model or adapter), else a run id (or unique prefix)."""
     folder = Path(ref).expanduser()
-    if folder.is_dir():
+    if ref.strip() and folder.is_dir():  # Path("") is the current folder: never a silent "."
         folder = folder.absolute()
         if (folder / "spec.json").is_file():
             return _run_ref(folder)
