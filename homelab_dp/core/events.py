@@ -1,11 +1,12 @@
 """The events of a run: their names and one typed shape each (pure: stdlib only).
 
 A run's ``events.jsonl`` holds one JSON object a line, each with ``"type"`` and ``"time"`` (unix
-seconds). Rank 0 of the worker writes start, micro, step, straggler, warning, checkpoint, memory
-and end; any rank may write error; the keeper and the controller write state, retry and error; the
-device monitor writes devices samples to ``devices.jsonl``. Writers build the typed event and
-write ``to_json()``; readers turn a line back into one with `parse_event`, which accepts lines
-written before a field existed (missing fields take their defaults, unknown ones are ignored).
+seconds). Rank 0 of the worker writes start, micro, step, eval, straggler, warning, checkpoint,
+memory and end; any rank may write error; the keeper and the controller write state, retry and
+error; the device monitor writes devices samples to ``devices.jsonl``. Writers build the typed
+event and write ``to_json()``; readers turn a line back into one with `parse_event`, which
+accepts lines written before a field existed (missing fields take their defaults, unknown ones
+are ignored).
 
 Scripts read these names and fields: add, never rename.
 """
@@ -19,6 +20,7 @@ from typing import Any, ClassVar
 START = "start"
 MICRO = "micro"
 STEP = "step"
+EVAL = "eval"
 STRAGGLER = "straggler"
 WARNING = "warning"
 CHECKPOINT = "checkpoint"
@@ -116,6 +118,24 @@ class StepEvent(Event):
 
 
 @dataclass(kw_only=True)
+class EvalEvent(Event):
+    """Rank 0, after each evaluation of the eval data (``train.eval_every`` and at the end)."""
+
+    TYPE: ClassVar[str] = EVAL
+    step: int = 0
+    """The optimizer steps done when the model was evaluated."""
+    loss: float | None = None
+    """Mean negative log-likelihood per target token of the whole eval data (nats)."""
+    perplexity: float | None = None
+    """exp(loss); None where it overflows a float."""
+    tokens: int = 0
+    """Target tokens evaluated."""
+    seconds: float = 0.0
+    best: bool = False
+    """The lowest eval loss of the run so far (``train.keep_best`` keeps this step)."""
+
+
+@dataclass(kw_only=True)
 class StragglerEvent(Event):
     """Rank 0, when a rank is first found slower than the others for several steps."""
 
@@ -163,10 +183,12 @@ class MemoryEvent(Event):
 
 @dataclass(kw_only=True)
 class EndEvent(Event):
-    """Rank 0, when the loop ends: completed, stopped or measured."""
+    """Rank 0, when the loop ends: completed, early_stopped, stopped or measured."""
 
     TYPE: ClassVar[str] = END
     reason: str = ""
+    """completed | early_stopped (``train.early_stopping_patience``: a completed run, result
+    saved, before its last step) | stopped | measured."""
     final_loss: float | None = None
     steps: int = 0
     seconds: float = 0.0
@@ -219,8 +241,8 @@ class DevicesEvent(Event):
 EVENT_CLASSES: dict[str, type[Event]] = {
     cls.TYPE: cls
     for cls in (
-        StartEvent, MicroEvent, StepEvent, StragglerEvent, WarningEvent, CheckpointEvent,
-        MemoryEvent, EndEvent, ErrorEvent, StateEvent, RetryEvent, DevicesEvent,
+        StartEvent, MicroEvent, StepEvent, EvalEvent, StragglerEvent, WarningEvent,
+        CheckpointEvent, MemoryEvent, EndEvent, ErrorEvent, StateEvent, RetryEvent, DevicesEvent,
     )
 }  # fmt: skip
 """Event type name → its class."""

@@ -8,6 +8,7 @@ once, each naming its key (``train.micro_batch``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -60,6 +61,12 @@ class DataSection:
     at each sample and attention never crosses samples, so the loss and the update are exactly
     those of one padded sample per row, without the padding. Samples longer than seq_len are
     truncated (text is split into seq_len pieces). false pads each sample to seq_len instead."""
+    eval_path: str = ""
+    """A data file to evaluate on while training (any supported format, found like data.path,
+    read with data.format); "" for none. Not with eval_fraction."""
+    eval_fraction: float = 0.0
+    """Hold out this share (0 to 0.5) of the training samples, chosen by train.seed before
+    packing, to evaluate on; they are never trained on. 0 for none. Not with eval_path."""
 
 
 @dataclass
@@ -104,6 +111,14 @@ class TrainSection:
     """How many complete checkpoints to keep."""
     log_every: int = 1
     """Write a step event every N optimizer steps."""
+    eval_every: int = 0
+    """With eval data: evaluate every N optimizer steps and at the end (0: only at the end)."""
+    keep_best: bool = False
+    """With eval data: also keep the checkpoint of the lowest eval loss (checkpoints/BEST names
+    its step; keep_checkpoints never prunes it). A step that was no checkpoint step gets one."""
+    early_stopping_patience: int = 0
+    """With eval data: end the run (as completed, result saved) once the eval loss has not
+    improved for this many evaluations in a row; 0 turns it off."""
     merge: bool = False
     """LoRA/QLoRA: also write the adapter merged into the base model (final/merged)."""
     watchdog_s: int = 600
@@ -189,32 +204,17 @@ SECTIONS: dict[str, type] = {
     "cost": CostSection,
 }
 
-# Sizes that must be at least 1 (0 and negatives are rejected).
-_POSITIVE = {
-    "data.seq_len",
-    "train.micro_batch",
-    "train.grad_accum",
-    "train.log_every",
-    "train.keep_checkpoints",
-    "lora.r",
-    "lora.alpha",
-    "hardware.nproc",
-}
+# Sizes that must be at least 1 (0 and negatives are rejected); values that must not be negative.
+_POSITIVE = {"data.seq_len", "train.micro_batch", "train.grad_accum", "train.log_every",
+             "train.keep_checkpoints", "lora.r", "lora.alpha", "hardware.nproc"}  # fmt: skip
 _NON_NEGATIVE = {
-    "train.max_steps",
-    "train.epochs",
-    "train.warmup_steps",
-    "train.checkpoint_every",
-    "train.weight_decay",
-    "train.max_grad_norm",
-    "train.reference_batch",
-    "train.watchdog_s",
-    "train.collective_timeout_s",
-    "cost.per_kwh",
-    "lora.dropout",
-    "train.min_lr_ratio",
-}
+    "train.max_steps", "train.epochs", "train.warmup_steps", "train.checkpoint_every",
+    "train.weight_decay", "train.max_grad_norm", "train.reference_batch", "train.watchdog_s",
+    "train.collective_timeout_s", "cost.per_kwh", "lora.dropout", "train.min_lr_ratio",
+    "train.eval_every", "train.early_stopping_patience",
+}  # fmt: skip
 _POSITIVE_FLOAT = {"train.lr"}
+_RANGES = {"data.eval_fraction": (0.0, 0.5)}
 
 
 def _type_name(tp: Any) -> str:
@@ -310,6 +310,10 @@ def preset_from_dict(data: dict[str, Any], source: str = "") -> Preset:
             if dotted in _POSITIVE_FLOAT and conv <= 0:
                 problems.append(f"{dotted}: must be greater than 0, got {value!r}")
                 continue
+            low, high = _RANGES.get(dotted, (-math.inf, math.inf))
+            if dotted in _RANGES and not low <= conv <= high:
+                problems.append(f"{dotted}: must be between {low} and {high}, got {value!r}")
+                continue
             values[key] = conv
         sections[name] = cls(**values)
     preset = Preset(**sections, source=source)
@@ -345,7 +349,21 @@ def _cross_checks(preset: Preset, data: dict[str, Any]) -> list[str]:
         problems.append(
             f"train.distribution: qlora runs under ddp only, got {preset.train.distribution!r}"
         )
-    return problems
+    return problems + _eval_checks(preset)
+
+
+def _eval_checks(preset: Preset) -> list[str]:
+    """Validation: one source of eval data, and the fields that need one only with it."""
+    d, t = preset.data, preset.train
+    if d.eval_path and d.eval_fraction > 0:
+        both = f"both set ({d.eval_path!r} and {d.eval_fraction})"
+        return [f"data.eval_path and data.eval_fraction: {both}; evaluate on one or the other"]
+    if d.eval_path or d.eval_fraction > 0:
+        return []
+    asked = {"train.eval_every": t.eval_every, "train.keep_best": t.keep_best,
+             "train.early_stopping_patience": t.early_stopping_patience}  # fmt: skip
+    return [f"{key}: set to {str(v).lower()}, but there is no eval data (set data.eval_path "
+            "or data.eval_fraction)" for key, v in asked.items() if v]  # fmt: skip
 
 
 def load_preset(path: str | Path) -> Preset:

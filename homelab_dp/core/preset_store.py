@@ -99,6 +99,8 @@ def with_resolved_paths(preset: Preset) -> Preset:
     source = Path(preset.source) if preset.source else None
     model = replace(preset.model, path=_resolve_path(preset.model.path, source))
     data = replace(preset.data, path=_resolve_path(preset.data.path, source))
+    if data.eval_path:  # "" stays "": no eval file
+        data = replace(data, eval_path=_resolve_path(data.eval_path, source))
     return replace(preset, model=model, data=data)
 
 

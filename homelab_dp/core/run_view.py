@@ -21,6 +21,7 @@ from homelab_dp.core.events import (
     DevicesEvent,
     EndEvent,
     ErrorEvent,
+    EvalEvent,
     Event,
     MicroEvent,
     StartEvent,
@@ -105,6 +106,10 @@ class RunView:
     tokens_per_s_history: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=2000)
     )
+    evals: deque[EvalEvent] = field(default_factory=lambda: deque(maxlen=2000))
+    """The ``eval`` events (validation while training), oldest first; the last is the latest."""
+    best_eval: EvalEvent | None = None
+    """The eval with the lowest loss so far (the first of equals)."""
     lr: float | None = None
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
@@ -146,6 +151,7 @@ class RunView:
         out.tokens_per_s_history = deque(
             self.tokens_per_s_history, maxlen=self.tokens_per_s_history.maxlen
         )
+        out.evals = deque(self.evals, maxlen=self.evals.maxlen)  # the events are never changed
         out.rank_step_times_s = list(self.rank_step_times_s)
         out.peak_memory_bytes = list(self.peak_memory_bytes)
         out.devices = {k: dataclasses.replace(d) for k, d in self.devices.items()}
@@ -175,6 +181,21 @@ class RunView:
             return None
         k = min(10, len(values) // 2)
         return statistics.fmean(values[-k:]) - statistics.fmean(values[-2 * k : -k])
+
+    @property
+    def last_eval(self) -> EvalEvent | None:
+        """The latest evaluation, or None before the first (or without eval data)."""
+        return self.evals[-1] if self.evals else None
+
+    def eval_doc(self) -> dict[str, Any] | None:
+        """The latest eval with the best so far, as ``status --json``'s ``eval`` (None: none yet):
+        step, loss, perplexity, tokens, best_step, best_loss."""
+        last, best = self.last_eval, self.best_eval
+        if last is None:
+            return None
+        return {"step": last.step, "loss": last.loss, "perplexity": last.perplexity,
+                "tokens": last.tokens, "best_step": best.step if best else None,
+                "best_loss": best.loss if best else None}  # fmt: skip
 
     @property
     def tokens_per_wh(self) -> float | None:
@@ -228,6 +249,11 @@ class RunView:
             self.estimate_bytes = int(e.estimate["total"])
         if "start_step" in given:
             self.step = e.start_step
+            # A resume repeats the steps after its checkpoint: their evals are evaluated again.
+            kept = [v for v in self.evals if v.step <= e.start_step]
+            if len(kept) < len(self.evals):
+                self.evals = deque(kept, maxlen=self.evals.maxlen)
+                self._find_best()
 
     def _on_micro(self, e: MicroEvent, given: Set[str]) -> None:
         self.micro_step = int(e.micro_step)
@@ -250,6 +276,14 @@ class RunView:
             self.tokens_per_s_history.append((self.step, float(e.tokens_per_s)))
         self._check_stragglers()
 
+    def _on_eval(self, e: EvalEvent, given: Set[str]) -> None:
+        if e.loss is not None:
+            self.evals.append(e)
+            self._find_best()
+
+    def _find_best(self) -> None:
+        self.best_eval = min(self.evals, key=lambda e: float(e.loss or 0.0), default=None)
+
     def _check_stragglers(self) -> None:
         self._detector.update(self.rank_step_times_s)
         self.stragglers = dict(self._detector.flagged)
@@ -262,7 +296,8 @@ class RunView:
 
     def _on_end(self, e: EndEvent, given: Set[str]) -> None:
         self.end_reason = e.reason if "reason" in given else None
-        self.status = "completed" if self.end_reason == "completed" else "interrupted"
+        done = self.end_reason in ("completed", "early_stopped")  # early_stopped: completed early
+        self.status = "completed" if done else "interrupted"
         if e.final_loss is not None:
             self.loss = float(e.final_loss)
         if "final_path" in given:

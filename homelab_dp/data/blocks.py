@@ -77,7 +77,9 @@ __all__ = [
     "build_blocks",
     "detect_format",
     "format_instruction",
+    "blocks_of",
     "load_dataset",
+    "load_examples",
     "read_records",
     "summarize",
     "tokenize_records",
@@ -370,6 +372,16 @@ def load_dataset(
     empty file, a bad JSON line, records that do not fit the format, chat without an assistant
     turn, seq_len beyond the model's positions, nothing with loss, or fewer blocks than needed.
     """
+    path = Path(data_cfg.path)
+    examples, fmt, pad_id = load_examples(data_cfg, path, tokenizer, seq_len_limit=seq_len_limit)
+    return blocks_of(examples, data_cfg, fmt, pad_id, where=str(path), min_blocks=min_blocks)
+
+
+def load_examples(
+    data_cfg: Any, path: Path, tokenizer: Any, *, seq_len_limit: int | None
+) -> tuple[list[Example], str, int]:
+    """The tokenized samples of ``path`` (one per record, in file order), their format and the
+    padding id; checks data.seq_len against the model's positions first."""
     seq_len = int(data_cfg.seq_len)
     if seq_len_limit is not None and seq_len > seq_len_limit:
         raise DataError(
@@ -377,22 +389,31 @@ def load_dataset(
             "(max_position_embeddings)",
             hint=f"set data.seq_len to at most {seq_len_limit}",
         )
-    path = Path(data_cfg.path)
     records, lines, fmt = read_with_lines(path, data_cfg.format)
     examples = tokenize_records(records, fmt, tokenizer, where=[f"{path}:{n}" for n in lines])
     pad_id = tokenizer.pad_token_id
     if pad_id is None:  # padding is masked out, so any id will do
         pad_id = _eos(tokenizer)
-    blocks = build_blocks(examples, seq_len, bool(data_cfg.pack), int(pad_id), split=fmt == "text")
+    return examples, fmt, int(pad_id)
+
+
+def blocks_of(
+    examples: Sequence[Example], data_cfg: Any, fmt: str, pad_id: int, *, where: str,
+    min_blocks: int,
+) -> list[Block]:  # fmt: skip
+    """`build_blocks` as data.seq_len and data.pack say, checked: some token has a loss and
+    there are at least ``min_blocks`` blocks (``where`` names the data in the errors)."""
+    seq_len, pack = int(data_cfg.seq_len), bool(data_cfg.pack)
+    blocks = build_blocks(examples, seq_len, pack, pad_id, split=fmt == "text")
     if not blocks:
         raise DataError(
-            f"{path}: no token is left with a loss after masking "
-            f"({fmt} format, seq_len {seq_len}, pack {str(bool(data_cfg.pack)).lower()})",
+            f"{where}: no token is left with a loss after masking "
+            f"({fmt} format, seq_len {seq_len}, pack {str(pack).lower()})",
             hint="the prompts fill the whole sequence: raise data.seq_len",
         )
     if len(blocks) < min_blocks:
         raise DataError(
-            f"{path}: {len(blocks)} training sequence{'s' if len(blocks) != 1 else ''} of "
+            f"{where}: {len(blocks)} training sequence{'s' if len(blocks) != 1 else ''} of "
             f"{seq_len} tokens, fewer than world size × micro-batch = {min_blocks}",
             hint="add data, lower data.seq_len or train.micro_batch, use fewer processes, "
             "or set data.pack = false (one sequence per sample)",

@@ -44,6 +44,28 @@ def step_line(v: RunView) -> str:
     )
 
 
+def eval_line(e: dict[str, Any]) -> str:
+    """One line for an ``eval`` event: "eval step 20: loss 2.3100, ppl 10.1, 5,120 tokens"."""
+    ppl = e.get("perplexity")
+    best = " (best so far)" if e.get("best") else ""
+    return (
+        f"eval step {e.get('step')}: loss {num(e.get('loss'), '.4f')}, "
+        f"ppl {'inf' if ppl is None else format(ppl, ',.1f')}, {int(e.get('tokens') or 0):,} "
+        f"tokens{best}"
+    )
+
+
+def eval_summary(last: dict[str, Any] | None) -> str | None:
+    """The latest eval and the best one, as `status --json`'s ``eval`` holds them (None: no
+    eval yet): "step 20: loss 2.3100, ppl 10.1, 5,120 tokens · best 2.2000 at step 10"."""
+    if not last:
+        return None
+    text = eval_line(last).removeprefix("eval ").removesuffix(" (best so far)")
+    if last.get("best_step") is not None and last.get("best_step") != last.get("step"):
+        text += f" · best {num(last.get('best_loss'), '.4f')} at step {last['best_step']}"
+    return text
+
+
 def device_line(v: RunView) -> str:
     """One line with every device."""
     parts = []
@@ -71,6 +93,8 @@ def event_line(e: dict[str, Any], v: RunView) -> str | None:
             f"started {v.run_id}: {v.method} · {v.distribution}, "
             f"{v.world_size} process(es), {v.total_steps} steps"
         )
+    if kind == "eval":
+        return eval_line(e)
     if kind == "checkpoint":
         return f"checkpoint at step {e.get('step')}: {e.get('path')}"
     if kind in ("straggler", "warning", "retry"):
@@ -138,6 +162,9 @@ def live_panel(v: RunView) -> Panel:
             f"{d.energy_wh:.2f} Wh" if d.energy_wh else "–",
         )
     lines: list[RenderableType] = [head, stats, progress, accum, devices]
+    evals = eval_summary(v.eval_doc())
+    if evals:
+        lines.insert(2, f"eval {evals}")
     if v.energy_wh:
         cost = f" · {v.cost:.3f} {v.currency}" if v.cost is not None else ""
         per = f" · {v.tokens_per_wh:,.0f} tokens/Wh" if v.tokens_per_wh else ""

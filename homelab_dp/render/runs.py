@@ -11,7 +11,7 @@ from typing import Any
 from rich.text import Text
 
 from homelab_dp.core.hardware import format_bytes
-from homelab_dp.render.run_view import STATUS_STYLE
+from homelab_dp.render.run_view import STATUS_STYLE, eval_summary
 from homelab_dp.render.text import duration, mfu_text
 
 NO_RUNS = "no runs yet; start one with: homelab-dp run tiny-demo"
@@ -54,6 +54,8 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
         extra = f", {doc['tokens_per_wh']:,.0f} tokens/Wh" if doc.get("tokens_per_wh") else ""
         cost = f", cost {doc['cost']:.3f}" if doc.get("cost") is not None else ""
         lines.append(f"energy    {doc['energy_wh']:.2f} Wh{extra}{cost}")
+    if doc.get("eval"):  # validation while training: the latest eval and the best
+        lines.append(f"eval      {eval_summary(doc['eval'])}")
     if doc.get("last_checkpoint_step") is not None:
         lines.append(f"checkpoint step {doc['last_checkpoint_step']}")
     if doc.get("final_path"):

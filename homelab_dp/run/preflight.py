@@ -78,21 +78,30 @@ def load_tokenizer(preset: Preset) -> Any:
 def check_data(
     preset: Preset, max_positions: int, world_size: int, micro_batch: int
 ) -> tuple[int, float]:
-    """Load and validate the dataset as the worker will; returns the number of blocks and the
-    largest share of a block's tokens that are targets (what the chunked loss keeps)."""
-    from homelab_dp.data.blocks import load_dataset
+    """Load and validate the dataset as the worker will; returns the number of training blocks
+    (after any held-out split, `homelab_dp.data.split`) and the largest share of a block's
+    tokens that are targets (what the chunked loss keeps). The eval data (data.eval_path or
+    data.eval_fraction) is checked the same way: an error names its file and line."""
+    from homelab_dp.data.split import load_train_eval
 
     if not Path(preset.data.path).is_file():
         raise DataError(
             f"data.path: {preset.data.path} does not exist",
             hint="data.path must be a local .jsonl or .txt file",
         )
+    if preset.data.eval_path and not Path(preset.data.eval_path).is_file():
+        raise DataError(  # before the tokenizer loads: a typo is named at once
+            f"data.eval_path: {preset.data.eval_path} does not exist",
+            hint='data.eval_path must be a local .jsonl or .txt file (or "" for none)',
+        )
     tokenizer = load_tokenizer(preset)
-    blocks = load_dataset(
+    data = load_train_eval(
         preset.data,
         tokenizer,
+        seed=preset.train.seed,
         seq_len_limit=max_positions or None,
         min_blocks=world_size * micro_batch,
     )
+    blocks = data.train
     seq_len = max(1, int(preset.data.seq_len))
     return len(blocks), max(b.num_targets for b in blocks) / seq_len

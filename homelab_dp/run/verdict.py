@@ -9,7 +9,7 @@ the same verdict (tests/unit/test_verdict.py replays recorded ones).
 The reason names the root cause, not its echo. In order, the first that applies:
 
 1. the watchdog ended a stalled run → failed (``stall``), naming the rank;
-2. rank 0's ``end`` event says completed and torchrun exited 0 → completed;
+2. rank 0's ``end`` event says completed (or early_stopped) and torchrun exited 0 → completed;
 3. the ranks stopped gracefully (``end`` stopped, no error): when the torchrun agent was killed
    by a signal nobody asked for, the keeper stopped its orphans → failed (``agent``); otherwise
    → interrupted, by request, by a signal the agent received (it forwards it), or just stopped;
@@ -86,6 +86,9 @@ def decide(a: Attempt) -> Verdict:
     end = ends[-1] if ends else None
     if end is not None and end.reason == "completed" and a.exit_code == 0:
         return Verdict("completed", f"{end.steps} steps, result in final/")
+    if end is not None and end.reason == "early_stopped" and a.exit_code == 0:
+        return Verdict("completed", f"early stopped at step {end.steps} (the eval loss stopped "
+                       "improving), result in final/")  # fmt: skip
     if end is not None and end.reason == "stopped" and not errors:
         return _stopped(a, end)
     if a.exit_code == 0 and not ends and a.nnodes > 1:

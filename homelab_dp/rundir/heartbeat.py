@@ -6,10 +6,11 @@ rename), so a reader never sees half of one. Stdlib only: both the worker and th
 Phases (the watchdog, `homelab_dp.run.watchdog`, judges progress by them):
 
 - ``train``: written at the start of every micro-step; progress is a new step or micro-step.
-- a long phase (`LONG_PHASES`: ``checkpoint``, ``saving-result``, ``merging``): work that can
-  take minutes in one call (writing a large checkpoint or result, merging an adapter into its
-  base on the CPU). The rank beats every few seconds while it lasts, so each new beat is
-  progress: a rank in a long phase that still beats is working, one that stops beating is not.
+- a long phase (`LONG_PHASES`: ``checkpoint``, ``saving-result``, ``merging``,
+  ``evaluating``): work that can take minutes in one call (writing a large checkpoint or
+  result, merging an adapter into its base on the CPU, evaluating a large eval set). The rank
+  beats every few seconds while it lasts, so each new beat is progress: a rank in a long phase
+  that still beats is working, one that stops beating is not.
 - ``waiting`` (`WAITING`): the rank waits for another rank's long phase; its beats show it is
   alive but are nobody's progress, and it is never the stalled one.
 """
@@ -30,7 +31,9 @@ TRAIN = "train"
 CHECKPOINT = "checkpoint"
 SAVING_RESULT = "saving-result"
 MERGING = "merging"
-LONG_PHASES = frozenset({CHECKPOINT, SAVING_RESULT, MERGING})
+EVALUATING = "evaluating"
+"""Every rank evaluating the eval data (validation while training): beats on a timer."""
+LONG_PHASES = frozenset({CHECKPOINT, SAVING_RESULT, MERGING, EVALUATING})
 """Phases whose every beat is progress (the rank beats on a timer while one lasts)."""
 WAITING = "waiting"
 """A rank waiting for another rank's long phase: alive, but not the one making progress."""

@@ -8,6 +8,9 @@ Also writes the run's result (`save_result`). Layout of ``checkpoints/step-N/``:
     trainer.json                                   step, epoch, offset, tokens, scheduler state
     COMPLETE                                       JSON {step, world_size, time, files}, last
 
+``checkpoints/BEST`` (``train.keep_best``, `mark_best`): JSON {step, loss, path} naming the
+checkpoint of the lowest eval loss; rotation keeps it beside the ``keep_checkpoints`` newest.
+
 A checkpoint is written into ``checkpoints/.tmp-step-N/`` and renamed to ``step-N`` only after its
 marker is on disk, so a folder named ``step-N`` is complete unless damaged afterwards. The marker
 lists every shard with its size; `check_checkpoint` (in `checkpoint_check`) verifies them, the
@@ -288,12 +291,37 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _rotate(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` usable checkpoints; drop older ones and stale temporaries."""
+    """Keep the newest ``keep`` usable checkpoints and the one `BEST` names; drop older ones
+    and stale temporaries."""
     usable = [p for _, p in step_dirs(root) if check_checkpoint(p) is None]
+    best = read_best(root)
     for old in usable[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+        if best is None or old.name != best.get("path"):
+            shutil.rmtree(old, ignore_errors=True)
     for tmp in root.glob(".tmp-step-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+BEST = "BEST"
+"""``checkpoints/BEST``: which checkpoint holds the lowest eval loss (``train.keep_best``)."""
+
+
+def read_best(root: Path) -> dict[str, Any] | None:
+    """``checkpoints/BEST`` as written by `mark_best` ({step, loss, path}), or None."""
+    try:
+        best = json.loads((root / BEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return best if isinstance(best, dict) else None
+
+
+def mark_best(root: Path, step: int, loss: float, keep: int) -> Path:
+    """Name ``step-<step>`` (written already) the best checkpoint, then rotate: the previous
+    best goes unless it is among the ``keep`` newest. Rank 0 only (as rotation is)."""
+    path = root / f"step-{step}"
+    write_json_atomic(root / BEST, {"step": step, "loss": loss, "path": path.name})
+    _rotate(root, keep)
+    return path
 
 
 def load_checkpoint(path: Path, strategy: Strategy, optimizer: Any) -> dict[str, Any]:

@@ -16,6 +16,12 @@ read at the start of the next, so it never waits on the GPU: a stop lands at the
 after the signal at the latest. ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) votes to stop at
 boundary k, so the run stops once exactly k optimizer steps are done.
 
+Validation (`train.validation`): with eval data, every rank evaluates it every
+``train.eval_every`` steps and at the last (rank 0 writes an ``eval`` event); a new best loss
+with ``train.keep_best`` gets its checkpoint kept (`train.checkpoint.mark_best`), and
+``train.early_stopping_patience`` evaluations without one end the run as "early_stopped": a
+completed run before its last step, checkpoint and result saved.
+
 Safety (`train.guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
 and checks that the torchrun agent is still its parent (if not, the rank stops gracefully). A
 checkpoint beats on a timer while it is written; the result is written (and merged) by rank 0 in
@@ -119,6 +125,15 @@ class Trainer:
         self.votes = StopVotes()
         self.flops = StepFlops.for_run(spec, self.rank.device, int(self.data.input_ids.shape[1]),
                                        self.rank.world)  # fmt: skip
+        self.saved_step: int | None = None
+        """The step of the checkpoint written last by this run (none is written twice)."""
+        self.validator = None
+        if self.data.eval is not None and not self.memory.measuring:
+            from homelab_dp.train.validation import Validator
+
+            self.validator = Validator(self.data.eval, self.train.eval_every,
+                                       self.train.early_stopping_patience)  # fmt: skip
+            self.validator.restore(s.position.eval_state)
 
     def run(self) -> None:
         """Train, then checkpoint, save the result (when completed) and write the end event."""
@@ -128,10 +143,10 @@ class Trainer:
             self.events.write(EndEvent(reason="measured", final_loss=self.last_loss, steps=step,
                                        seconds=time.time() - self.t_start, final_path=None))  # fmt: skip
             return
-        if step > 0:
+        if step > 0 and step != self.saved_step:
             self._checkpoint(step)
         final = None
-        if reason == "completed":
+        if reason in ("completed", "early_stopped"):
             from homelab_dp.train.checkpoint import save_result
 
             m = self.model
@@ -147,7 +162,8 @@ class Trainer:
                                    final_path=str(final) if final else None))  # fmt: skip
 
     def _loop(self) -> tuple[str, int]:
-        """Optimizer steps until the last one ("completed") or an agreed stop ("stopped")."""
+        """Optimizer steps until the last one ("completed"), an agreed stop ("stopped") or an
+        early stop ("early_stopped")."""
         import torch
 
         from homelab_dp.train.batches import to_device
@@ -206,8 +222,36 @@ class Trainer:
             every = self.train.checkpoint_every
             if every and step % every == 0 and step < d.total_steps:
                 self._checkpoint(step)
+            v = self.validator
+            if v is not None and v.due(step, d.total_steps) and self._validate(step):
+                self.votes.agreed(vote)
+                return "early_stopped", step
         self.votes.agreed(vote)  # finish the last vote: no collective left in flight
         return "completed", step
+
+    def _validate(self, step: int) -> bool:
+        """Evaluate (every rank), write the ``eval`` event, keep a new best's checkpoint;
+        True when early stopping ends the run here. Every rank has the same loss, so every
+        rank decides the same."""
+        from homelab_dp.train.checkpoint import mark_best
+
+        assert self.validator is not None
+        result = self.validator.evaluate(step, self.model, self.rank, self.guard)
+        verdict = self.validator.record(step, result)
+        self.events.write(verdict.event)
+        log.info("eval after step %d: loss %.4f over %d tokens (%.1f s)", step, result.loss,
+                 result.tokens, result.seconds)  # fmt: skip
+        if verdict.best and self.train.keep_best:
+            if self.saved_step != step:
+                self._checkpoint(step)
+            if self.rank.rank == 0:
+                mark_best(self.run_dir / "checkpoints", step, result.loss,
+                          self.train.keep_checkpoints)  # fmt: skip
+        if verdict.stop:
+            log.warning("early stopping after step %d: no lower eval loss in %d evaluations "
+                        "(best %.4f at step %s)", step, self.validator.since_best,
+                        self.validator.best_loss, self.validator.best_step)  # fmt: skip
+        return verdict.stop
 
     def _log_step(
         self, step: int, loss_sum: Any, targets: float, lr: float, grad_norm: Any, t0: float,
@@ -254,10 +298,12 @@ class Trainer:
             "seed": self.train.seed, "loss": self.last_loss,
             "scheduler": m.scheduler.state_dict(),
             "scaler": m.scaler.state_dict() if m.scaler is not None else None,
+            "eval": self.validator.state() if self.validator is not None else None,
         }  # fmt: skip
         with self.guard.beating(step, CHECKPOINT):  # a long write is not a stall
             path = save_checkpoint(self.run_dir / "checkpoints", step, m.strategy, m.optimizer,
                                    state, keep=self.train.keep_checkpoints)  # fmt: skip
+        self.saved_step = step
         self.events.write(CheckpointEvent(step=step, path=str(path), seconds=time.time() - t))
 
 

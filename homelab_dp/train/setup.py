@@ -100,14 +100,19 @@ class Data:
     order: Any
     """The seeded global sample order (`train.strategy.SampleOrder`)."""
     total_steps: int
+    eval: Any = None
+    """`train.evaluate.EvalBlocks` of the eval data (`data.split`), or None without any."""
 
 
 def load_data(preset: Preset, rank: Rank) -> Data:
-    """Tokenize the data set into blocks no longer than the model's context."""
+    """Tokenize the data set into blocks no longer than the model's context; the eval data
+    (its own file, or the samples held out by the seed) into blocks of the same shape."""
     import torch
     from transformers import AutoConfig
 
-    from homelab_dp.data.blocks import IGNORE_INDEX, load_dataset
+    from homelab_dp.data.blocks import IGNORE_INDEX
+    from homelab_dp.data.split import load_train_eval
+    from homelab_dp.train.evaluate import eval_blocks
     from homelab_dp.train.model import load_tokenizer
     from homelab_dp.train.strategy import SampleOrder
 
@@ -116,8 +121,9 @@ def load_data(preset: Preset, rank: Rank) -> Data:
         preset.model.path, trust_remote_code=preset.model.trust_remote_code
     )
     limit = getattr(config, "max_position_embeddings", None)
-    blocks = load_dataset(preset.data, tokenizer, seq_len_limit=limit,
-                          min_blocks=rank.world * rank.micro)  # fmt: skip
+    split = load_train_eval(preset.data, tokenizer, seed=preset.train.seed, seq_len_limit=limit,
+                            min_blocks=rank.world * rank.micro)  # fmt: skip
+    blocks = split.train
     labels = torch.tensor([b.labels for b in blocks], dtype=torch.long)
     mask = torch.tensor([b.attention_mask for b in blocks], dtype=torch.long)
     train = preset.train
@@ -134,6 +140,7 @@ def load_data(preset: Preset, rank: Rank) -> Data:
         n_blocks=len(blocks),
         order=SampleOrder(len(blocks), train.seed),
         total_steps=total_steps,
+        eval=eval_blocks(split.eval, bool(preset.data.pack)) if split.eval else None,
     )
 
 
@@ -233,6 +240,8 @@ class Position:
     tokens: int = 0
     resumed_from: str | None = None
     last_loss: float | None = None
+    eval_state: dict[str, Any] | None = None
+    """The checkpoint's validation record (`train.validation.Validator.state`)."""
 
 
 def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Position:
@@ -264,7 +273,8 @@ def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Pos
     if model.scaler is not None and state.get("scaler"):
         model.scaler.load_state_dict(state["scaler"])
     log.info("resumed from %s at step %d", path, start_step)
-    return Position(start_step, int(state["tokens"]), str(path), state.get("loss"))
+    return Position(start_step, int(state["tokens"]), str(path), state.get("loss"),
+                    state.get("eval"))  # fmt: skip
 
 
 def _agree_on_checkpoint(path: Path | None, device: Any) -> None:

@@ -1,4 +1,5 @@
-"""Screen 4, Monitor: the followed run live — charts, accumulation, devices, stragglers, log."""
+"""Screen 4, Monitor: the followed run live — charts (tokens/s, loss, eval loss when the run
+evaluates), accumulation, devices, stragglers, log."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ class MonitorScreen(Screen[None]):
             with Horizontal(id="charts"):
                 yield Chart("tokens/s", "{:,.0f}", max, id="chart-tps")
                 yield Chart("loss", "{:.3f}", statistics.fmean, id="chart-loss")
+                # Validation while training: shown once the run has written an eval event.
+                yield Chart("eval loss", "{:.3f}", statistics.fmean, id="chart-eval")
             yield Static(id="accum")
             yield Static(id="devices", classes="panel")
             yield Static(id="stragglers")
@@ -85,6 +88,11 @@ class MonitorScreen(Screen[None]):
         tps = [v for _, v in view.tokens_per_s_history]
         self.query_one("#chart-tps", Chart).set_values(tps, note=mfu_text(view.mfu))
         self.query_one("#chart-loss", Chart).set_values([v for _, v in view.losses])
+        evals = self.query_one("#chart-eval", Chart)
+        evals.display = bool(view.evals)
+        best = view.best_eval
+        note = f"best {best.loss:.3f} @ {best.step}" if best and best.loss is not None else ""
+        evals.set_values([float(e.loss) for e in view.evals if e.loss is not None], note=note)
         self.query_one("#accum", Static).update(accum_text(view))
         self.query_one("#devices", Static).update(devices_text(view))
         stragglers = self.query_one("#stragglers", Static)
