@@ -1,0 +1,86 @@
+"""Dynamic batching: one thread generates, taking every waiting request as one batch.
+
+Requests are submitted from any thread (the replica's event loop). The generating thread
+blocks until one arrives, then takes it and every other request waiting at that moment (up to
+``max_batch``) and decodes them together with `Engine.generate`; requests that arrive meanwhile
+wait for the next batch. A batch that fails (e.g. out of memory) ends each of its requests with
+an ``{"error": ...}`` event, and the thread goes on with the next.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+
+from homelab_dp.infer.engine import Engine, Request
+
+
+class Batcher:
+    """The generating thread and its queue of waiting requests."""
+
+    def __init__(self, engine: Engine, max_batch: int) -> None:
+        self.engine = engine
+        self.max_batch = max(1, max_batch)
+        self._waiting: queue.Queue[Request | None] = queue.Queue()
+        self._active: list[Request] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
+        self.batches = 0
+        """Batches generated so far."""
+
+    def start(self) -> None:
+        """Start the generating thread."""
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        """Queue a request for the next batch."""
+        self._waiting.put(request)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what is running and waiting, and end the thread (waits ``timeout`` at most)."""
+        with self._lock:
+            for req in self._active:
+                req.cancelled.set()
+        while True:
+            try:
+                pending = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            if pending is not None:
+                pending.cancelled.set()
+        self._waiting.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _next_batch(self) -> list[Request] | None:
+        first = self._waiting.get()
+        if first is None:
+            return None
+        batch = [first]
+        while len(batch) < self.max_batch:
+            try:
+                more = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:  # stop: finish nothing
+                return None
+            batch.append(more)
+        return [r for r in batch if not r.cancelled.is_set()]
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            if not batch:
+                continue
+            with self._lock:
+                self._active = batch
+            try:
+                self.engine.generate(batch)
+            except Exception as exc:  # noqa: BLE001 - reported to the clients, the thread lives on
+                traceback.print_exc()
+                for req in batch:
+                    req.emit({"error": {"message": f"generation failed: {exc}"}})
+            finally:
+                with self._lock:
+                    self._active = []
+                self.batches += 1

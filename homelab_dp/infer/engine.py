@@ -1,0 +1,241 @@
+"""A batched decoder with a KV cache: several requests generated together, each on its own terms.
+
+`Engine.generate` takes a batch of `Request`s and runs it to the end:
+
+- **prefill**: the prompts, left-padded to one length, go through the model once, with an
+  ``attention_mask`` (padding is never attended) and ``position_ids`` that start at 0 at each
+  prompt's first real token, so a padded row computes what it would alone;
+- **decode**: one token per running row per step through the model's forward with the
+  ``DynamicCache`` (past keys and values), the mask growing by one column a step. A row that
+  finishes leaves the batch at once (its cache rows are dropped), so the others go on without it
+  and the batch ends when every row has finished.
+
+Per row: greedy (``temperature`` 0) or sampling with ``temperature`` and ``top_p`` from a
+``torch.Generator`` of its own (seeded by ``seed``: a seeded request gives the same answer
+whatever else shares its batch); stops at an eos token (``finish_reason`` "stop", the eos not in
+the text), at one of its ``stop`` strings (the text ends before it) or at ``max_tokens`` /
+the context ("length"); a cancelled request just leaves (nothing more is emitted).
+
+Text reaches the request's ``emit`` callback incrementally: each step decodes the row's whole
+answer and emits the new suffix, holding back a trailing U+FFFD (a multi-byte character whose
+bytes have not all arrived) and any tail that could be the start of a stop string. The last
+event is ``{"finish_reason": ..., "usage": {...}}``; every other is ``{"text": delta}``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Event = dict[str, Any]
+
+
+def _ignore(_event: Event) -> None:
+    pass
+
+
+@dataclass
+class Request:
+    """One generation: a tokenized prompt and how to answer it."""
+
+    prompt_ids: list[int]
+    """The prompt's token ids (special tokens included)."""
+    max_tokens: int
+    """Most tokens to generate (clipped to what the context leaves)."""
+    temperature: float = 0.0
+    """0: greedy; else the softmax temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p."""
+    seed: int | None = None
+    """Seeds this request's own generator (reproducible sampling); None: a random seed."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the answer (not included in it)."""
+    emit: Callable[[Event], None] = _ignore
+    """Receives ``{"text": delta}`` events, then one ``{"finish_reason", "usage"}`` event.
+    Called from the generating thread."""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    """Set it (from any thread) to stop generating this request; nothing more is emitted."""
+
+
+@dataclass
+class Result:
+    """What a request produced."""
+
+    text: str
+    """The answer's text (stop string and eos excluded)."""
+    token_ids: list[int]
+    """The generated tokens (an eos that ended it included)."""
+    finish_reason: str
+    """``stop`` (eos or a stop string), ``length`` (max_tokens or context) or ``cancelled``."""
+    prompt_tokens: int
+    """Tokens in the prompt."""
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """Token counts as the protocol reports them."""
+        done = len(self.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
+
+
+class _Row:
+    """A request's running state: its tokens, the text emitted so far, its sampler."""
+
+    def __init__(self, req: Request, engine: Engine) -> None:
+        self.req = req
+        self.engine = engine
+        self.limit = min(req.max_tokens, engine.context - len(req.prompt_ids))
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of self.text already emitted
+        self.finish: str | None = None
+        self.generator: torch.Generator | None = None
+        if req.temperature > 0:
+            self.generator = torch.Generator(device=engine.device)
+            self.generator.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from this row's logits (a 1-D float tensor)."""
+        if self.generator is None:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / self.req.temperature, dim=-1)
+        if self.req.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep a token while the mass before it is below top_p (the first always stays).
+            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= self.req.top_p
+            sorted_probs[drop] = 0.0
+            choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
+            return int(order[choice])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def add(self, token: int) -> None:
+        """Take one generated token: emit the new text, decide whether the row is done."""
+        self.tokens.append(token)
+        if token in self.engine.eos_ids:
+            self._end("stop")
+            return
+        self.text = self.engine.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = min(
+            (i for i in (self.text.find(s) for s in self.req.stop if s) if i >= 0), default=-1
+        )
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self._end("stop")
+        elif len(self.tokens) >= self.limit:
+            self._end("length")
+        else:
+            self._send(len(self.text) - self._held_back())
+
+    def _held_back(self) -> int:
+        """Characters at the end not to emit yet: a broken character, a stop string's start."""
+        if self.text.endswith("\ufffd"):
+            return len(self.text) - len(self.text.rstrip("\ufffd"))
+        hold = 0
+        for s in self.req.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
+
+    def _send(self, upto: int) -> None:
+        if upto > self.sent:
+            self.req.emit({"text": self.text[self.sent : upto]})
+            self.sent = upto
+
+    def _end(self, reason: str) -> None:
+        self._send(len(self.text))
+        self.finish = reason
+        self.req.emit({"finish_reason": reason, "usage": self.result().usage})
+
+    def result(self) -> Result:
+        return Result(
+            self.text, list(self.tokens), self.finish or "cancelled", len(self.req.prompt_ids)
+        )
+
+
+class Engine:
+    """Generates batches of requests with one model (used from one thread at a time)."""
+
+    def __init__(
+        self, model: Any, tokenizer: Any, *, context: int, eos_ids: set[int], device: Any = None
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.context = context
+        self.eos_ids = set(eos_ids)
+        self.device = (
+            torch.device(device) if device is not None else next(model.parameters()).device
+        )
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        # transformers 5.2x names the cache argument `cache` (`past_key_values` is deprecated
+        # there); older releases only know `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """Run the batch to its end; one `Result` per request, in order."""
+        from transformers import DynamicCache
+
+        for req in requests:
+            if not req.prompt_ids or len(req.prompt_ids) >= self.context or req.max_tokens < 1:
+                raise ValueError("a request needs 1..context-1 prompt tokens and max_tokens >= 1")
+        rows = [_Row(req, self) for req in requests]
+        ids, mask = self._left_padded([r.req.prompt_ids for r in rows])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, positions, cache)
+        running = list(range(len(rows)))  # batch row -> index in rows
+        next_pos = positions[:, -1] + 1
+        while True:
+            for b, i in enumerate(running):
+                if rows[i].req.cancelled.is_set():
+                    rows[i].finish = "cancelled"
+                else:
+                    rows[i].add(rows[i].pick(logits[b]))
+            keep = [b for b, i in enumerate(running) if rows[i].finish is None]
+            if not keep:
+                break
+            if len(keep) < len(running):  # finished rows leave the batch and the cache
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, next_pos = mask[index], next_pos[index]
+                running = [running[b] for b in keep]
+            step = torch.tensor([[rows[i].tokens[-1]] for i in running], device=self.device)
+            mask = torch.cat([mask, mask.new_ones((len(running), 1))], dim=1)
+            logits = self._forward(step, mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+        return [row.result() for row in rows]
+
+    def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[b, width - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """The last position's logits (float32) of each row, the cache extended."""
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_arg: cache},
+        )
+        return out.logits[:, -1, :].float()
