@@ -1,0 +1,219 @@
+"""`homelab-dp eval` through the real CLI: real torchrun workers on the CPU, nothing mocked.
+
+- The loss is the same on 1 and 2 processes and equals a direct transformers computation in
+  this process (one forward per sample, cross-entropy summed over the targets / their count).
+- An adapter folder evaluates as its base with the adapter applied, computed directly.
+- Bad input is refused before anything is spawned; Ctrl-C leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from homelab_dp.cli import main
+from homelab_dp.core.hardware import HardwareReport, HostInfo
+from homelab_dp.run.evaluate import EvalReport, parse_gpus, select_devices
+
+from ..conftest import DATA, ROOT
+
+pytestmark = pytest.mark.slow
+SEQ_LEN = 32  # some of the rows are longer: truncation is part of what is compared
+FIELDS = {"model", "data", "world_size", "loss", "perplexity", "tokens", "real_tokens",
+          "tokens_per_s", "seconds", "seq_len"}  # fmt: skip
+
+
+def _eval(*args: str, timeout: float = 240) -> dict[str, Any]:
+    """`homelab-dp eval … --json` in a subprocess; its document."""
+    cmd = [sys.executable, "-m", "homelab_dp.cli", "eval", *args, "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def direct_loss(model_dir: Path, data: Path, seq_len: int, adapter: Path | None = None) -> tuple[float, int]:
+    """(mean token NLL, target tokens): each sample alone, truncated to ``seq_len`` inputs."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from homelab_dp.data.blocks import tokenize_records
+    from homelab_dp.data.records import read_records
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = tokenize_records(read_records(data, "auto"), "instruction", tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in examples:
+            ids = torch.tensor([ex.input_ids[:seq_len]])
+            targets = torch.tensor(ex.labels[1 : seq_len + 1])
+            logits = model(input_ids=ids).logits[0, : len(targets)]
+            total += float(F.cross_entropy(logits.double(), targets, ignore_index=-100,
+                                           reduction="sum"))  # fmt: skip
+            count += int((targets != -100).sum())
+    return total / count, count
+
+
+def test_one_and_two_processes_agree_with_a_direct_computation(tiny_model, data_dir) -> None:
+    data = data_dir / "ragged-16.jsonl"
+    one = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:1", "--seq-len", str(SEQ_LEN))
+    two = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:2", "--seq-len", str(SEQ_LEN))
+    assert FIELDS <= one.keys() and FIELDS <= two.keys()
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert one["model"] == tiny_model.name and one["data"] == str(data)
+    assert one["seq_len"] == two["seq_len"] == SEQ_LEN and one["device"] == "cpu"
+    assert one["tokens"] == two["tokens"] and one["real_tokens"] == two["real_tokens"]
+    assert math.isclose(one["loss"], two["loss"], rel_tol=1e-6)
+    loss, count = direct_loss(tiny_model, data, SEQ_LEN)
+    assert one["tokens"] == count
+    assert math.isclose(one["loss"], loss, rel_tol=1e-5), (one["loss"], loss)
+    assert math.isclose(one["perplexity"], math.exp(one["loss"]), rel_tol=1e-9)
+    assert one["real_tokens"] > one["tokens"] > 0 and one["tokens_per_s"] > 0
+
+
+def test_an_adapter_folder_is_its_base_with_the_adapter(tiny_model, data_dir, tmp_path) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                        init_lora_weights=False)  # random B: the adapter changes the loss
+    adapter = tmp_path / "adapter"
+    get_peft_model(base, config).save_pretrained(adapter)
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    data = data_dir / "ragged-12.jsonl"
+    got = _eval(str(adapter), "--data", str(data), "--gpus", "cpu:2", "--seq-len", str(SEQ_LEN))
+    assert got["model"] == "adapter" and got["world_size"] == 2
+    loss, count = direct_loss(tiny_model, data, SEQ_LEN, adapter)
+    base_loss, _ = direct_loss(tiny_model, data, SEQ_LEN)
+    assert got["tokens"] == count and abs(loss - base_loss) > 1e-3
+    assert math.isclose(got["loss"], loss, rel_tol=1e-5), (got["loss"], loss, base_loss)
+
+
+def _eval_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("homelab-dp-eval-*")}
+
+
+BAD = DATA / "bad_input" / "models"
+CASES = {
+    "missing data file": (["{model}", "--data", "/no/such/data.jsonl"],
+                          "--data: /no/such/data.jsonl: no such file"),
+    "unknown model": (["no-such-model", "--data", "{data}"],
+                      "model 'no-such-model': no such folder, and no run with that id"),
+    "a what-if --gpus": (["{model}", "--data", "{data}", "--gpus", "2x24GiB"],
+                         "--gpus: '2x24GiB' is not a device selection for eval"),
+    "more CPU processes than cores": (["{model}", "--data", "{data}", "--gpus", "cpu:4096"],
+                                      "--gpus: 4096 CPU processes, this machine has"),
+    "--seq-len beyond the positions": (["{model}", "--data", "{data}", "--seq-len", "4096"],
+                                       "--seq-len: 4096 is beyond the model's 128 positions"),
+    "a bad JSON line": (["{model}", "--data", str(DATA / "bad_data" / "bad-json-line.jsonl")],
+                        "bad-json-line.jsonl:3: not valid JSON"),
+    "an unknown format": (["{model}", "--data", "{data}", "--format", "csv"],
+                          "--format: unknown format 'csv'"),
+    "pickle weights": ([str(BAD / "pickle-weights"), "--data", "{data}"],
+                       "only pickle weights (pytorch_model.bin); refused, never loaded"),
+    "remote code": ([str(BAD / "remote-code"), "--data", "{data}"],
+                    "the model needs its own Python code (auto_map)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_bad_input_is_refused_before_anything_starts(kind, tiny_model, data_dir, capsys,
+                                                     tmp_path, monkeypatch) -> None:  # fmt: skip
+    marker = tmp_path / "code-ran"
+    monkeypatch.setenv("HOMELAB_DP_TEST_MARKER", str(marker))
+    argv, needle = CASES[kind]
+    argv = [a.format(model=tiny_model, data=data_dir / "ragged-12.jsonl") for a in argv]
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    folders = _eval_dirs()
+    rc = main(["eval", *argv])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert rc == 2 and out.out == "", out
+    assert lines[0].startswith("error: ") and needle in lines[0], lines
+    assert lines[-1].startswith("hint: ") and len(lines) == 2
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children, "spawned"
+    assert _eval_dirs() <= folders and not marker.exists()
+
+
+def test_gpus_selection_without_probing_cuda() -> None:
+    """cpu:N and GPU indices are read without a probe; no --gpus on a machine without GPUs is
+    one CPU process (the NVML report of such a machine)."""
+    assert parse_gpus("cpu") == ("cpu", 1, ()) and parse_gpus("CPU:2") == ("cpu", 2, ())
+    assert parse_gpus("0, 2") == ("cuda", 2, (0, 2)) and parse_gpus(None) == ("auto", 0, ())
+    for bad in ("2x24GiB", "cpu:2:64GiB", "0,0", "cpu:0", "gpu0"):
+        with pytest.raises(Exception, match="--gpus"):
+            parse_gpus(bad)
+    no_gpu = HardwareReport("cpu", HostInfo("test cpu", 2, 2, 8 << 30), notice="no NVIDIA driver")
+    assert select_devices(None, no_gpu).kind == "cpu" and select_devices(None, no_gpu).nproc == 1
+    with pytest.raises(Exception, match="no visible GPU with index 1") as err:
+        select_devices("1", no_gpu)
+    assert "no NVIDIA driver" in err.value.hint
+
+
+def test_the_table_shows_every_figure() -> None:
+    from rich.console import Console
+
+    from homelab_dp.render.evaluate import render_eval
+
+    report = EvalReport(model="run-1", data="/d.jsonl", world_size=2, loss=1.25, perplexity=3.4903,
+                        tokens=1200, real_tokens=3000, tokens_per_s=1500.0, seconds=2.0,
+                        seq_len=256, samples=40, device="cpu", dtype="fp32")  # fmt: skip
+    console = Console(width=120, record=True)
+    console.print(render_eval(report))
+    text = console.export_text()
+    for needle in ("run-1", "/d.jsonl (40 samples, seq_len 256)", "2 CPU processes · fp32",
+                   "1.2500 nats", "3.490", "1,200", "1,500", "2.00"):  # fmt: skip
+        assert needle in text, text
+
+
+def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model) -> None:
+    """SIGINT to the CLI (what Ctrl-C sends it; torchrun runs in its own session): exit 130,
+    every torchrun and worker process gone, the private folder removed."""
+    big = ROOT / "assets" / "data" / "tiny-instruct.jsonl"
+    folders = _eval_dirs()
+    cmd = [sys.executable, "-m", "homelab_dp.cli", "eval", str(tiny_model), "--data", str(big),
+           "--gpus", "cpu:2", "--seq-len", "128"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    cli = psutil.Process(proc.pid)
+    family: list[psutil.Process] = []
+    deadline = time.monotonic() + 120  # liveness guard: workers start in about 10 s
+    while time.monotonic() < deadline and proc.poll() is None:
+        family = cli.children(recursive=True)
+        workers = [p for p in family if "homelab_dp.train.eval_worker" in " ".join(_cmdline(p))]
+        if len(workers) == 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None and len(family) >= 3, "the workers never started"
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, [(_cmdline(p), p.status()) for p in alive]
+    assert _eval_dirs() <= folders
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
