@@ -1,11 +1,31 @@
-"""`homelab-dp serve`: replicas of a model behind an OpenAI-compatible HTTP API."""
+"""`homelab-dp serve`: replicas of a model behind an OpenAI-compatible HTTP API.
+
+Every check happens before anything starts (exit 2, `error:` and `hint:`): the model resolves,
+the replicas fit the devices (the serving plan), a host off loopback has an API key, the
+engine is available, and the port is free — it is bound here and handed to the server, so
+nobody can take it in between.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import ipaddress
+import socket
 from typing import Any
 
+from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
 from homelab_dp.errors import HomelabError
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
 
 
 def register(sub: Any) -> None:
@@ -15,10 +35,130 @@ def register(sub: Any) -> None:
     p.add_argument("--replicas", default="auto", help="N, or auto (as many as fit)")
     p.add_argument("--gpus", help="cpu:N serves from N CPU processes")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument("--api-key", help="required of every request; needed to bind off loopback")
+    p.add_argument("--plan", action="store_true", help="print the serving plan and exit")
+    p.add_argument("--json", action="store_true", help="with --plan: one JSON document")
+    p.add_argument(
+        "--context", type=_positive, help="tokens per sequence the plan budgets KV cache for"
+    )
+    p.add_argument(
+        "--concurrent",
+        type=_positive,
+        default=8,
+        help="sequences at once per replica the plan budgets KV cache for (default 8)",
+    )
+    p.add_argument(
+        "--max-batch", type=_positive, help="sequences a replica decodes together (8 CPU, 32 GPU)"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="generation in the replicas (default transformers; vllm needs CUDA and vllm)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is only reachable from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, or the error of a taken port / unknown host."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise HomelabError(
+            f"--host {host}: not an address of this machine ({exc.strerror})",
+            hint="use 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)",
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT, not a live listener
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise HomelabError(
+            f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})",
+            hint="another program holds that port: pick another with --port, or stop it",
+        ) from None
+    return sock
+
+
+def check_engine(engine: str, devices: list[str]) -> None:
+    """vLLM replicas need vllm importable and CUDA cards; transformers runs anywhere."""
+    if engine == "transformers":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise HomelabError(
+            "--engine vllm: vllm is not installed",
+            hint="`pip install vllm` on a machine with NVIDIA GPUs, or drop --engine "
+            "(transformers replicas work everywhere)",
+        )
+    if not any(d.startswith("cuda") for d in devices):
+        raise HomelabError(
+            "--engine vllm: vLLM replicas need CUDA GPUs, and these replicas run on the CPU",
+            hint="drop --engine (transformers replicas run on the CPU)",
+        )
+    raise HomelabError(
+        "--engine vllm: vLLM replicas are not built into this version yet",
+        hint="drop --engine: transformers replicas serve the same API on every GPU",
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    raise HomelabError("serve is being built", hint="see issue 13")
+    from homelab_dp.run.serve_planning import plan_serve
+    from homelab_dp.serve.front import serve
+    from homelab_dp.serve.supervisor import ReplicaLaunch
+
+    if not args.plan and not is_loopback(args.host) and not args.api_key:
+        raise HomelabError(
+            f"--host {args.host} is reachable from other machines and there is no --api-key",
+            hint="add --api-key SECRET (clients send `Authorization: Bearer SECRET`), "
+            "or bind 127.0.0.1",
+        )
+    if not 0 <= args.port <= 65535:
+        raise HomelabError(f"--port {args.port}: not a port", hint="a number from 1 to 65535")
+    planned = plan_serve(
+        args.model,
+        gpus=args.gpus,
+        replicas=args.replicas,
+        context=args.context,
+        concurrent=args.concurrent,
+        what_if_ok=args.plan,  # what-if cards (--gpus 2x24GiB) can be planned, not served
+    )
+    if args.plan:
+        if args.json:
+            print_json(planned.plan.to_json())
+        else:
+            from homelab_dp.render.serve_plan import render_serve_plan
+
+            print_rich(render_serve_plan(planned))
+        return EXIT_OK
+    check_engine(args.engine, [r.device for r in planned.replicas])
+    sock = bind(args.host, args.port)
+    ref = planned.ref
+    model = (ref.run_dir or ref.path).absolute()
+    launches = [
+        ReplicaLaunch(r.device, r.label, r.cuda_visible, r.threads) for r in planned.replicas
+    ]
+    return serve(
+        str(model),
+        ref.name,
+        launches,
+        host=args.host,
+        port=sock.getsockname()[1],
+        api_key=args.api_key,
+        max_batch=args.max_batch,
+        sock=sock,
+    )

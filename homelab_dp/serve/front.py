@@ -1,0 +1,301 @@
+"""The OpenAI-compatible front: an aiohttp application over the replicas, and `serve`.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and
+``GET /health``. With an API key, every one of them (``/health`` too: it shows pids and
+devices) needs ``Authorization: Bearer KEY``, else 401 with OpenAI's error body. ``/health``
+answers 200 while a replica is ready and 503 otherwise, with the same body, so that an
+outside load balancer can use it as it is.
+
+`serve` binds first, then starts the replicas, prints one line on stdout once every replica is
+ready (or failed for good), and on SIGTERM (exit 0) or Ctrl-C / SIGINT (exit 130) stops taking
+requests, gives the ones in flight `DRAIN_S`, and stops every replica process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from homelab_dp.serve import openai_api as api
+from homelab_dp.serve.balancer import Balancer
+from homelab_dp.serve.relay import Dispatcher, Refused, ReplicaGone, Unavailable
+from homelab_dp.serve.supervisor import ReplicaLaunch, Supervisor
+
+DRAIN_S = 2.0
+"""How long requests in flight may finish after a stop signal."""
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, **fields: Any) -> web.Response:
+    return web.json_response(api.error_body(message, **fields), status=status)
+
+
+class Front:
+    """What the handlers share: the model's name, the replicas, the balancer, the key."""
+
+    def __init__(
+        self,
+        name: str,
+        supervisor: Supervisor,
+        dispatcher: Dispatcher,
+        *,
+        api_key: str | None = None,
+    ) -> None:
+        self.name = name
+        self.supervisor = supervisor
+        self.dispatcher = dispatcher
+        self.balancer = dispatcher.balancer
+        self.api_key = api_key
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        """The aiohttp application."""
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        return app
+
+    def _authorized(self, request: web.Request) -> bool:
+        if self.api_key is None:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The API key, and OpenAI's error body for every error (ours and aiohttp's)."""
+        if not self._authorized(request):
+            return _error(
+                401,
+                "Incorrect or missing API key: send `Authorization: Bearer KEY`",
+                code="invalid_api_key",
+            )
+        try:
+            return await handler(request)
+        except api.ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        except web.HTTPException as exc:  # unknown path, wrong method, body too large
+            if exc.status < 400:
+                raise
+            return _error(exc.status, f"{request.method} {request.path}: {exc.reason}")
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """/health's replicas: the supervisor's view with the balancer's counts."""
+        rows = self.supervisor.report()
+        for row in rows:
+            load = self.balancer.loads[row["id"]]
+            row["requests"], row["in_flight"] = load.requests, load.in_flight
+        return rows
+
+    def status(self) -> str:
+        """ok (a replica is ready), starting, or unavailable (every replica failed)."""
+        if self.supervisor.ready_ids():
+            return "ok"
+        return "unavailable" if self.supervisor.all_failed() else "starting"
+
+    async def health(self, request: web.Request) -> web.Response:
+        status = self.status()
+        doc = {"status": status, "model": self.name, "replicas": self.replicas()}
+        return web.json_response(doc, status=200 if status == "ok" else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(api.models_list(self.name, self.created))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        generation = api.parse_completion(api.parse_json(await request.read()))
+        return await self._generate(request, generation)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        generation = api.parse_chat(api.parse_json(await request.read()))
+        return await self._generate(request, generation)
+
+    def _check(self, generation: api.Generation) -> None:
+        api.check_model(generation, self.name)
+        context = self.supervisor.context()
+        if generation.max_tokens is not None and context and generation.max_tokens >= context:
+            raise api.ApiError(
+                f"max_tokens ({generation.max_tokens}) is beyond the model's context "
+                f"({context} tokens, the prompt included)",
+                param="max_tokens",
+            )
+
+    async def _generate(
+        self, request: web.Request, generation: api.Generation
+    ) -> web.StreamResponse:
+        self._check(generation)
+        if generation.stream:
+            return await self._stream(request, generation)
+        try:
+            answer = await self.dispatcher.complete(generation.replica_body())
+        except Refused as exc:
+            return web.json_response(exc.body, status=exc.status)
+        except Unavailable as exc:
+            return _error(503, str(exc), type="server_error", code="unavailable")
+        doc = api.response(
+            generation.kind,
+            id=api.new_id(generation.kind),
+            created=int(time.time()),
+            model=self.name,
+            text=answer["text"],
+            finish_reason=answer["finish_reason"],
+            usage=answer["usage"],
+        )
+        return web.json_response(doc)
+
+    async def _stream(self, request: web.Request, generation: api.Generation) -> web.StreamResponse:
+        """Server-sent events; the response starts with the replica's first line, so a refusal
+        or no replica is still a plain HTTP error."""
+        kind = generation.kind
+        meta = dict(id=api.new_id(kind), created=int(time.time()), model=self.name)
+        out: web.StreamResponse | None = None
+        try:
+            async with aclosing(self.dispatcher.stream(generation.replica_body())) as lines:
+                async for doc in lines:
+                    if out is None:
+                        out = web.StreamResponse(headers=SSE_HEADERS)
+                        await out.prepare(request)
+                        if kind == "chat":
+                            await out.write(api.sse(api.chunk(kind, **meta, role=True, text="")))
+                    if "finish_reason" in doc:
+                        last = api.chunk(
+                            kind,
+                            **meta,
+                            finish_reason=doc["finish_reason"],
+                            usage=doc.get("usage"),
+                        )
+                        await out.write(api.sse(last) + api.SSE_DONE)
+                    else:
+                        await out.write(api.sse(api.chunk(kind, **meta, text=doc.get("text", ""))))
+        except Refused as exc:
+            if out is None:
+                return web.json_response(exc.body, status=exc.status)
+            await out.write(api.sse(exc.body) + api.SSE_DONE)
+        except Unavailable as exc:
+            if out is None:
+                return _error(503, str(exc), type="server_error", code="unavailable")
+            await out.write(api.sse(api.error_body(str(exc), type="server_error")) + api.SSE_DONE)
+        except ReplicaGone as exc:
+            assert out is not None  # before the first line the request went to another replica
+            body = api.error_body(f"the answer was cut: {exc}", type="server_error")
+            await out.write(api.sse(body) + api.SSE_DONE)
+        assert out is not None
+        await out.write_eof()
+        return out
+
+
+def ready_line(name: str, host: str, port: int, labels: Sequence[str]) -> str:
+    """The one line printed on stdout once every replica is ready."""
+    where = f"[{host}]" if ":" in host else host
+    n = len(labels)
+    return f"serving {name} on http://{where}:{port}/v1 with {n} replica{'s' * (n != 1)} ({', '.join(labels)})"
+
+
+async def _serve(
+    model: str,
+    name: str,
+    launches: Sequence[ReplicaLaunch],
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_batch: int | None,
+    sock: socket.socket | None,
+    wait_s: float,
+) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    interrupted = False
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal interrupted
+        interrupted = interrupted or sig == signal.SIGINT
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    supervisor = Supervisor(model, launches, max_batch=max_batch)
+    connector = aiohttp.TCPConnector(limit=1024)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        dispatcher = Dispatcher(supervisor, Balancer(range(len(launches))), session, wait_s=wait_s)
+        front = Front(name, supervisor, dispatcher, api_key=api_key)
+        runner = web.AppRunner(front.app(), access_log=None, shutdown_timeout=DRAIN_S)
+        await runner.setup()
+        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+        watcher: asyncio.Task[None] | None = None
+        try:
+            await site.start()
+            supervisor.start()
+            watcher = asyncio.create_task(supervisor.watch(session))
+            announced = False
+            while not stop.is_set():
+                if supervisor.all_failed():
+                    sys.stderr.write("error: every replica failed; nothing to serve\n")
+                    return 1
+                if not announced and supervisor.settled():
+                    labels = [r.launch.label for r in supervisor.replicas if r.state == "ready"]
+                    print(ready_line(name, host, port, labels), flush=True)
+                    announced = True
+                waits = {
+                    asyncio.ensure_future(stop.wait()),
+                    asyncio.ensure_future(supervisor.changed().wait()),
+                }
+                await asyncio.wait([*waits, watcher], return_when=asyncio.FIRST_COMPLETED)
+                for waiting in waits:
+                    waiting.cancel()
+                if watcher.done():
+                    watcher.result()  # the watcher never ends by itself: raise what broke it
+            return 130 if interrupted else 0
+        finally:
+            dispatcher.closing = True
+            if watcher is not None:
+                watcher.cancel()
+            await runner.cleanup()
+            supervisor.stop()
+            supervisor.cleanup()
+
+
+def serve(
+    model: str,
+    name: str,
+    launches: Sequence[ReplicaLaunch],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_batch: int | None = None,
+    sock: socket.socket | None = None,
+    wait_s: float = 30.0,
+) -> int:
+    """Serve ``model`` (a folder replicas can load) as ``name`` until SIGTERM or Ctrl-C.
+
+    ``sock``: an already bound listening socket for ``host:port`` (the CLI binds it first so a
+    taken port is an error before anything starts). Returns the exit code: 0 after SIGTERM,
+    130 after Ctrl-C / SIGINT, 1 if every replica failed.
+    """
+    return asyncio.run(
+        _serve(
+            model,
+            name,
+            launches,
+            host=host,
+            port=port,
+            api_key=api_key,
+            max_batch=max_batch,
+            sock=sock,
+            wait_s=wait_s,
+        )
+    )

@@ -1,0 +1,297 @@
+"""The replica processes: start them, watch them, restart the ones that die, stop them all.
+
+Each replica is `python -m homelab_dp.infer.replica` in its own session (so a Ctrl-C in the
+terminal reaches the front only, which then stops them in order), with its output in
+``replica-K.log`` in a private state folder (0700, removed at the end) and the shared secret
+in its environment. A replica is *ready* once it wrote ``replica-K.json`` (its port) and its
+``GET /ready`` answers. One that exits is *restarting* until its new process is ready again;
+after `MAX_QUICK` quick failures in a row (each within `QUICK_S` of its start) it is *failed*
+and stays down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+State = Literal["starting", "ready", "restarting", "failed"]
+REPLICA_MODULE = "homelab_dp.infer.replica"
+TOKEN_ENV = "HOMELAB_DP_REPLICA_TOKEN"
+QUICK_S = 30.0
+"""An exit this soon after the start counts as a quick failure."""
+MAX_QUICK = 3
+"""Quick failures in a row after which a replica is left failed."""
+BACKOFF_S = (0.0, 1.0, 3.0)
+"""Wait before a restart, by how many quick failures in a row preceded it."""
+GRACE_S = 5.0
+"""SIGTERM, then this long, then SIGKILL."""
+
+
+@dataclass(frozen=True)
+class ReplicaLaunch:
+    """Where one replica runs (what the serving plan chose)."""
+
+    device: str
+    """"cpu" or "cuda:0" as the replica sees it."""
+    label: str
+    """What /health shows as its device ("cpu", "GPU 1 (NVIDIA GeForce RTX 3090)")."""
+    cuda_visible: str | None = None
+    """CUDA_VISIBLE_DEVICES for it (a card's UUID or index); None on CPU."""
+    threads: int | None = None
+    """CPU threads for a CPU replica."""
+
+
+@dataclass
+class Replica:
+    """One replica slot and the process currently behind it."""
+
+    id: int
+    """Its slot number (K in replica-K.json), stable across restarts."""
+    launch: ReplicaLaunch
+    """Where it runs."""
+    state: State = "starting"
+    """starting | ready | restarting | failed."""
+    proc: subprocess.Popen[bytes] | None = None
+    """The live process (None between an exit and its restart)."""
+    port: int | None = None
+    """Its loopback port, once replica-K.json said it."""
+    context: int | None = None
+    """The model's context in tokens, from replica-K.json."""
+    started_at: float = 0.0
+    """time.monotonic() of its last start."""
+    quick_failures: int = 0
+    """Quick failures in a row."""
+    restart_at: float = 0.0
+    """When to start it again (while restarting with no process)."""
+    suspect: bool = False
+    """A request to it failed: not picked until /ready answers again."""
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of the live process, if any."""
+        return self.proc.pid if self.proc is not None else None
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the replica processes of one model."""
+
+    def __init__(
+        self,
+        model: str,
+        launches: Sequence[ReplicaLaunch],
+        *,
+        max_batch: int | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        self.python = python
+        self.token = secrets.token_urlsafe(32)
+        self.state_dir = Path(tempfile.mkdtemp(prefix="homelab-dp-serve-"))  # 0700
+        self.replicas = [Replica(i, launch) for i, launch in enumerate(launches)]
+        self._changed = asyncio.Event()
+
+    # -- what the front asks --------------------------------------------------------------
+
+    def ready_ids(self) -> list[int]:
+        """The replicas that may take a request now."""
+        return [r.id for r in self.replicas if r.state == "ready" and not r.suspect]
+
+    def all_failed(self) -> bool:
+        """Every replica is down for good."""
+        return all(r.state == "failed" for r in self.replicas)
+
+    def settled(self) -> bool:
+        """Every replica is ready or failed (the start is over)."""
+        return all(r.state in ("ready", "failed") for r in self.replicas)
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next change of state (take it before checking the state)."""
+        return self._changed
+
+    def context(self) -> int | None:
+        """The model's context length, once a replica told it."""
+        return next((r.context for r in self.replicas if r.context), None)
+
+    def url(self, replica: int, path: str) -> str:
+        """A replica's endpoint."""
+        return f"http://127.0.0.1:{self.replicas[replica].port}{path}"
+
+    def headers(self) -> dict[str, str]:
+        """The replicas' authorization."""
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def suspect(self, replica: int) -> None:
+        """A request to ``replica`` failed: skip it until it answers /ready again."""
+        r = self.replicas[replica]
+        r.suspect = True
+        self._reap(r, time.monotonic())
+
+    def report(self) -> list[dict[str, Any]]:
+        """Per replica: id, device (label), pid, state."""
+        return [
+            {"id": r.id, "device": r.launch.label, "pid": r.pid, "state": r.state}
+            for r in self.replicas
+        ]
+
+    # -- the processes --------------------------------------------------------------------
+
+    def command(self, r: Replica) -> list[str]:
+        """The replica's command line (the replica protocol)."""
+        cmd = [self.python, "-m", REPLICA_MODULE, "--model", self.model, "--device"]
+        cmd += [r.launch.device, "--id", str(r.id), "--state-dir", str(self.state_dir)]
+        if self.max_batch is not None:
+            cmd += ["--max-batch", str(self.max_batch)]
+        if r.launch.threads is not None:
+            cmd += ["--threads", str(r.launch.threads)]
+        return cmd
+
+    def environment(self, r: Replica) -> dict[str, str]:
+        """The replica's environment: ours, the token, its card, its threads."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env[TOKEN_ENV] = self.token
+        if r.launch.cuda_visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = r.launch.cuda_visible
+        elif r.launch.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU replica never holds a CUDA context
+        if r.launch.threads is not None:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(r.launch.threads)
+        return env
+
+    def start(self) -> None:
+        """Start every replica."""
+        for r in self.replicas:
+            self._spawn(r)
+
+    def _spawn(self, r: Replica) -> None:
+        (self.state_dir / f"replica-{r.id}.json").unlink(missing_ok=True)  # never a stale port
+        r.port = None
+        with open(self.state_dir / f"replica-{r.id}.log", "ab") as log:
+            r.proc = subprocess.Popen(
+                self.command(r),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=self.environment(r),
+                start_new_session=True,
+            )
+        r.started_at = time.monotonic()
+
+    def _reap(self, r: Replica, now: float) -> None:
+        """If its process exited: restarting (after a backoff) or failed."""
+        if r.proc is None or (code := r.proc.poll()) is None:
+            return
+        r.proc = None
+        quick = now - r.started_at < QUICK_S
+        r.quick_failures = r.quick_failures + 1 if quick else 0
+        if r.quick_failures >= MAX_QUICK:
+            r.state = "failed"
+            self._say(f"replica {r.id} ({r.launch.label}) failed {MAX_QUICK} times in a row", r.id)
+        else:
+            r.state = "restarting"
+            r.restart_at = now + BACKOFF_S[min(r.quick_failures, len(BACKOFF_S) - 1)]
+            self._say(f"replica {r.id} ({r.launch.label}) exited ({code}); restarting")
+        self._notify()
+
+    def log_tail(self, replica: int, lines: int = 5) -> str:
+        """The last lines of a replica's log."""
+        path = self.state_dir / f"replica-{replica}.log"
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def _say(self, message: str, log_of: int | None = None) -> None:
+        """A line on stderr (stdout is for the ready line only), with a log's tail."""
+        sys.stderr.write(message + "\n")
+        tail = self.log_tail(log_of) if log_of is not None else ""
+        if tail:
+            sys.stderr.write("  " + tail.replace("\n", "\n  ") + "\n")
+        sys.stderr.flush()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- watching -------------------------------------------------------------------------
+
+    async def _probe(self, r: Replica, session: aiohttp.ClientSession) -> None:
+        """Read its port once written, then ask /ready."""
+        if r.port is None:
+            try:
+                info = json.loads((self.state_dir / f"replica-{r.id}.json").read_text())
+            except (OSError, ValueError):
+                return
+            if r.proc is None or info.get("pid") != r.proc.pid:
+                return
+            r.port, r.context = int(info["port"]), info.get("context")
+        try:
+            timeout = aiohttp.ClientTimeout(total=2.0)
+            async with session.get(
+                self.url(r.id, "/ready"), headers=self.headers(), timeout=timeout
+            ) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            ok = False
+        if ok and r.proc is not None and (r.state != "ready" or r.suspect):
+            r.state, r.suspect = "ready", False
+            self._notify()
+
+    async def check(self, session: aiohttp.ClientSession) -> None:
+        """One look at every replica: reap exits, restart when due, probe the unconfirmed."""
+        now = time.monotonic()
+        probes = []
+        for r in self.replicas:
+            self._reap(r, now)
+            if r.state == "restarting" and r.proc is None and now >= r.restart_at:
+                self._spawn(r)
+            if r.proc is not None and (r.state != "ready" or r.suspect):
+                probes.append(self._probe(r, session))
+        await asyncio.gather(*probes)
+
+    async def watch(self, session: aiohttp.ClientSession, interval: float = 0.2) -> None:
+        """Check every ``interval`` seconds, until cancelled."""
+        while True:
+            await self.check(session)
+            await asyncio.sleep(interval)
+
+    def stop(self, grace: float = GRACE_S) -> None:
+        """SIGTERM every replica's process group, wait ``grace``, SIGKILL what is left."""
+        live = [r.proc for r in self.replicas if r.proc is not None]
+        for proc in live:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for proc in live:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        for r in self.replicas:
+            r.proc = None
+
+    def cleanup(self) -> None:
+        """Remove the state folder (logs, port files)."""
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal the replica's whole session (it leads its own process group)."""
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
