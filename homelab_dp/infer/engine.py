@@ -87,16 +87,67 @@ class Result:
         }
 
 
+class TextStream:
+    """An answer's text as its tokens arrive: only what is safe to show, stopped at a stop string.
+
+    Each `push` decodes the whole answer so far (a token may complete a character begun by the
+    previous ones) and returns the new text, holding back a trailing U+FFFD (bytes of a
+    character still to come) and any tail that could be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""
+        """The answer so far (cut before a stop string once one appeared)."""
+        self.sent = 0
+        """Characters of ``text`` already returned."""
+        self.stopped = False
+        """A stop string appeared (``text`` ends before it)."""
+
+    def push(self, token: int) -> str:
+        """Add one token; the text it makes safe to show ("" if none yet)."""
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            self.stopped = True
+            return self.flush()
+        return self._take(len(self.text) - self._held_back())
+
+    def flush(self) -> str:
+        """The rest of the text (the answer has ended)."""
+        return self._take(len(self.text))
+
+    def _held_back(self) -> int:
+        if self.text.endswith("\ufffd"):
+            return len(self.text) - len(self.text.rstrip("\ufffd"))
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent : upto], upto
+        return delta
+
+
 class _Row:
-    """A request's running state: its tokens, the text emitted so far, its sampler."""
+    """A request's running state: its tokens, its text stream, its sampler."""
 
     def __init__(self, req: Request, engine: Engine) -> None:
         self.req = req
-        self.engine = engine
+        self.eos_ids = engine.eos_ids
         self.limit = min(req.max_tokens, engine.context - len(req.prompt_ids))
         self.tokens: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters of self.text already emitted
+        self.stream = TextStream(engine.tokenizer, req.stop)
         self.finish: str | None = None
         self.generator: torch.Generator | None = None
         if req.temperature > 0:
@@ -120,46 +171,30 @@ class _Row:
     def add(self, token: int) -> None:
         """Take one generated token: emit the new text, decide whether the row is done."""
         self.tokens.append(token)
-        if token in self.engine.eos_ids:
+        if token in self.eos_ids:
             self._end("stop")
             return
-        self.text = self.engine.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = min(
-            (i for i in (self.text.find(s) for s in self.req.stop if s) if i >= 0), default=-1
-        )
-        if cut >= 0:
-            self.text = self.text[:cut]
+        self._send(self.stream.push(token))
+        if self.stream.stopped:
             self._end("stop")
         elif len(self.tokens) >= self.limit:
             self._end("length")
-        else:
-            self._send(len(self.text) - self._held_back())
 
-    def _held_back(self) -> int:
-        """Characters at the end not to emit yet: a broken character, a stop string's start."""
-        if self.text.endswith("\ufffd"):
-            return len(self.text) - len(self.text.rstrip("\ufffd"))
-        hold = 0
-        for s in self.req.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
-        return hold
-
-    def _send(self, upto: int) -> None:
-        if upto > self.sent:
-            self.req.emit({"text": self.text[self.sent : upto]})
-            self.sent = upto
+    def _send(self, delta: str) -> None:
+        if delta:
+            self.req.emit({"text": delta})
 
     def _end(self, reason: str) -> None:
-        self._send(len(self.text))
+        self._send(self.stream.flush())
         self.finish = reason
         self.req.emit({"finish_reason": reason, "usage": self.result().usage})
 
     def result(self) -> Result:
         return Result(
-            self.text, list(self.tokens), self.finish or "cancelled", len(self.req.prompt_ids)
+            self.stream.text,
+            list(self.tokens),
+            self.finish or "cancelled",
+            len(self.req.prompt_ids),
         )
 
 

@@ -94,12 +94,18 @@ def replica(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_model: Path) -> tuple[Any, Any]:
+def hf(tiny_model: Path) -> Iterator[tuple[Any, Any]]:
+    """transformers' own model and tokenizer, in this process (one torch thread, as the replica)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(
-        tiny_model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield (
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        AutoTokenizer.from_pretrained(tiny_model),
     )
+    torch.set_num_threads(threads)
 
 
 def hf_greedy(hf: tuple[Any, Any], ids: list[int], n: int) -> str:
