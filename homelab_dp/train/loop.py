@@ -219,39 +219,39 @@ class Trainer:
             if step % self.train.log_every == 0 or step == d.total_steps:
                 last_log = self._log_step(step, loss_sum, targets, lr, grad_norm, t0, wall0,
                                           last_log)  # fmt: skip
-            every = self.train.checkpoint_every
-            if every and step % every == 0 and step < d.total_steps:
-                self._checkpoint(step)
+            # Evaluated before the checkpoint of this step, so that it records the evaluation.
             v = self.validator
-            if v is not None and v.due(step, d.total_steps) and self._validate(step):
+            verdict = self._validate(step) if v is not None and v.due(step, d.total_steps) else None
+            keep = verdict is not None and verdict.best and self.train.keep_best
+            every = self.train.checkpoint_every
+            if keep or (every and step % every == 0 and step < d.total_steps):
+                self._checkpoint(step)
+            if keep and r.rank == 0:  # after the write: BEST names a complete checkpoint
+                from homelab_dp.train.checkpoint import mark_best
+
+                mark_best(self.run_dir / "checkpoints", step, verdict.event.loss or 0.0,
+                          self.train.keep_checkpoints)  # fmt: skip
+            if verdict is not None and verdict.stop:
                 self.votes.agreed(vote)
                 return "early_stopped", step
         self.votes.agreed(vote)  # finish the last vote: no collective left in flight
         return "completed", step
 
-    def _validate(self, step: int) -> bool:
-        """Evaluate (every rank), write the ``eval`` event, keep a new best's checkpoint;
-        True when early stopping ends the run here. Every rank has the same loss, so every
-        rank decides the same."""
-        from homelab_dp.train.checkpoint import mark_best
-
-        assert self.validator is not None
-        result = self.validator.evaluate(step, self.model, self.rank, self.guard)
-        verdict = self.validator.record(step, result)
+    def _validate(self, step: int) -> Any:
+        """Evaluate (every rank) and write the ``eval`` event; the `train.validation.Verdict`
+        (best so far, early stop). Every rank has the same loss, so every rank decides alike."""
+        v = self.validator
+        assert v is not None
+        result = v.evaluate(step, self.model, self.rank, self.guard)
+        verdict = v.record(step, result)
         self.events.write(verdict.event)
         log.info("eval after step %d: loss %.4f over %d tokens (%.1f s)", step, result.loss,
                  result.tokens, result.seconds)  # fmt: skip
-        if verdict.best and self.train.keep_best:
-            if self.saved_step != step:
-                self._checkpoint(step)
-            if self.rank.rank == 0:
-                mark_best(self.run_dir / "checkpoints", step, result.loss,
-                          self.train.keep_checkpoints)  # fmt: skip
         if verdict.stop:
             log.warning("early stopping after step %d: no lower eval loss in %d evaluations "
-                        "(best %.4f at step %s)", step, self.validator.since_best,
-                        self.validator.best_loss, self.validator.best_step)  # fmt: skip
-        return verdict.stop
+                        "(best %.4f at step %s)", step, v.since_best, v.best_loss,
+                        v.best_step)  # fmt: skip
+        return verdict
 
     def _log_step(
         self, step: int, loss_sum: Any, targets: float, lr: float, grad_norm: Any, t0: float,
