@@ -66,6 +66,11 @@ def parse_device(device: str) -> torch.device:
     return dev
 
 
+def default_device() -> str:
+    """The first visible GPU when torch sees one, else the CPU."""
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
 def inference_dtype(device: torch.device, preset_dtype: str = "auto") -> torch.dtype:
     """The dtype to generate in on ``device`` (see the module docstring)."""
     if device.type != "cuda":
@@ -109,7 +114,9 @@ def load_for_inference(ref: ModelRef, device: str | torch.device = "cpu") -> Loa
     A folder that transformers cannot read becomes a HomelabError naming the folder.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar per load in a log or a chat says nothing useful
     dev = device if isinstance(device, torch.device) else parse_device(device)
     dtype = inference_dtype(dev, ref.dtype)
     kwargs = {"dtype": dtype, "trust_remote_code": ref.trust_remote_code}
