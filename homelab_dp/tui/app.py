@@ -1,4 +1,4 @@
-"""The Textual app: five screens on the number keys, one run followed in the background.
+"""The Textual app: six screens on the number keys, one run followed in the background.
 
 Screens are Textual modes, so each keeps its state while another is shown. The app builds
 each with what it reads (the session, the controller, the followed run); screens ask the app
@@ -22,6 +22,7 @@ from homelab_dp.render.errors import error_text
 from homelab_dp.run.controller import RunController, make_controller
 from homelab_dp.tui.follower import Following, RunPoller, Snapshot
 from homelab_dp.tui.messages import FollowRun, RunUpdated, UserError
+from homelab_dp.tui.screens.chat import ChatScreen
 from homelab_dp.tui.screens.hardware import HardwareScreen
 from homelab_dp.tui.screens.launch import LaunchScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
@@ -33,7 +34,7 @@ FOLLOW_INTERVAL_S = 0.25
 
 
 class HomelabApp(App[None]):
-    """homelab-dp's TUI: Hardware, Plan, Launch, Monitor and Runs."""
+    """homelab-dp's TUI: Hardware, Plan, Launch, Monitor, Runs and Chat."""
 
     CSS_PATH = "app.tcss"
     TITLE = "homelab-dp"
@@ -44,6 +45,7 @@ class HomelabApp(App[None]):
         Binding("3", "switch_mode('launch')", "Launch"),
         Binding("4", "switch_mode('monitor')", "Monitor"),
         Binding("5", "switch_mode('runs')", "Runs"),
+        Binding("6", "switch_mode('chat')", "Chat"),
         Binding("q", "quit", "Quit"),
     ]
 
@@ -74,6 +76,7 @@ class HomelabApp(App[None]):
         self.add_mode("launch", lambda: LaunchScreen(self.session, self.controller))
         self.add_mode("monitor", lambda: MonitorScreen(self.controller, self.following))
         self.add_mode("runs", lambda: RunsScreen(self.controller))
+        self.add_mode("chat", lambda: ChatScreen(self.controller, self.following))
 
     @property
     def followed(self) -> str | None:
