@@ -79,7 +79,8 @@ def render_serve_plan(planned: ServePlanned) -> Group:
     head = Text()
     head.append(" SERVES " if plan.fits else " DOES NOT FIT ",
                 style="bold black on green" if plan.fits else "bold white on red")  # fmt: skip
-    head.append(f" {planned.ref.name} · {n} replica(s) · {planned.dtype} · context "
+    replicas = f"{n} replica(s) · " if plan.fits else ""
+    head.append(f" {planned.ref.name} · {replicas}{planned.dtype} · context "
                 f"{plan.context} × {plan.concurrent} concurrent\n", style="bold")  # fmt: skip
     head.append(f"{plan.kind}: {planned.source}", style="bright_black")
     parts = Table(title="One replica", box=None, pad_edge=False, title_justify="left")

@@ -154,7 +154,11 @@ def plan_serve(
     what_if_ok: bool = False,
 ) -> ServePlanned:
     """Plan serving MODEL and pick the replica devices. Raises HomelabError for bad input and
-    for a model that no device can hold (replicas cannot help it)."""
+    for a model that no device can hold (replicas cannot help it).
+
+    ``what_if_ok``: a plan only (`serve --plan`), never a server: what-if cards (``--gpus
+    2x24GiB``) are allowed, and a model that fits no device comes back with no replicas and
+    the plan's reasons saying why, instead of an error."""
     wanted = parse_replicas(replicas)
     if concurrent < 1:
         raise HomelabError(f"concurrent: {concurrent} sequences", hint="plan at least 1")
@@ -176,6 +180,8 @@ def plan_serve(
         plan.reasons.insert(0, f"No GPU found ({report.notice or 'none reported'}): serving "
                                "from one CPU process; --gpus cpu:N starts N.")  # fmt: skip
     holding = [i for i, d in enumerate(plan.devices) if d.copies_fit >= 1]
+    if not holding and what_if_ok:  # a plan only: it says so itself (as `plan` does, exit 0)
+        return ServePlanned(ref, spec, plan, [], hw.source, dtype)
     if not holding:
         raise HomelabError(
             f"{ref.name}: a replica needs {format_bytes(plan.per_replica_bytes)} "

@@ -115,10 +115,19 @@ def test_8b_bf16_does_not_fit_a_12gib_card() -> None:
                "vLLM)" in r for r in plan.reasons)  # fmt: skip
     assert "DOES NOT FIT ONE CARD" in text_of(serve_plan_text(spec, plan))
 
+
+def test_serving_a_model_no_card_holds_is_refused_but_planned(cards) -> None:
+    cards("2x2080ti")  # 11 GiB cards
     with pytest.raises(HomelabError) as err:
-        plan_serve(str(LLAMA3_8B), gpus="12GiB", what_if_ok=True)
+        plan_serve(str(LLAMA3_8B))
     assert "replicas cannot help a model that does not fit one card" in err.value.message
     assert "quantize" in err.value.hint
+    # `serve --plan` shows the plan instead, as `plan` does for a run that does not fit.
+    planned = plan_serve(str(LLAMA3_8B), gpus="12GiB", what_if_ok=True)
+    assert planned.replicas == [] and not planned.plan.fits
+    assert planned.plan.devices[0].name == "card 0 (what-if 12.0 GiB)"
+    out = text_of(render_serve_plan(planned))
+    assert "DOES NOT FIT" in out and "Replicas cannot help" in out
 
 
 def test_fewer_sequences_would_fit_says_how_many() -> None:
