@@ -142,7 +142,10 @@ def select_devices(gpus: str | None, report: HardwareReport | None = None) -> De
     kind, nproc, indices = parse_gpus(gpus)
     if kind == "cpu":
         return Devices("cpu", nproc)
-    report = report if report is not None else _probe()
+    if report is None:
+        from homelab_dp.probe import nvml
+
+        report = nvml.probe()
     by_index = {g.index: g for g in report.gpus}
     if kind == "auto":
         if not report.gpus:
@@ -160,12 +163,6 @@ def select_devices(gpus: str | None, report: HardwareReport | None = None) -> De
     devices = Devices("cuda", len(chosen), indices, uuids if len(uuids) == len(chosen) else ())
     _check_torch_sees(devices, report)
     return devices
-
-
-def _probe() -> HardwareReport:
-    from homelab_dp.probe import nvml
-
-    return nvml.probe()
 
 
 def _check_torch_sees(devices: Devices, report: HardwareReport) -> None:
@@ -344,21 +341,10 @@ def stop_workers(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _report(job: EvalJob, doc: dict[str, Any]) -> EvalReport:
-    return EvalReport(
-        model=job.ref.name,
-        data=str(job.data),
-        world_size=int(doc["world_size"]),
-        loss=float(doc["loss"]),
-        perplexity=None if doc["perplexity"] is None else float(doc["perplexity"]),
-        tokens=int(doc["tokens"]),
-        real_tokens=int(doc["real_tokens"]),
-        tokens_per_s=float(doc["tokens_per_s"]),
-        seconds=float(doc["seconds"]),
-        seq_len=job.seq_len,
-        samples=int(doc["samples"]),
-        device=str(doc["device"]),
-        dtype=str(doc["dtype"]),
-    )
+    """The report from rank 0's result document."""
+    figures = {k: doc[k] for k in ("world_size", "loss", "perplexity", "tokens", "real_tokens",
+                                   "tokens_per_s", "seconds", "samples", "device", "dtype")}  # fmt: skip
+    return EvalReport(model=job.ref.name, data=str(job.data), seq_len=job.seq_len, **figures)
 
 
 def _failure(folder: Path, rc: int) -> HomelabError:
@@ -372,20 +358,18 @@ def _failure(folder: Path, rc: int) -> HomelabError:
             return HomelabError(err["message"], hint=err.get("hint") or "")
         rank = err.get("rank", 0)
         first = f"eval failed on rank {rank}: {err['message']}"
-    else:
-        rank, first = 0, f"eval failed (torchrun exit code {rc})"
-    tail = rank_log_tail(folder, rank)
+    else:  # killed, or torchrun itself failed: its log names the rank and the signal
+        rank, first = None, f"eval failed (torchrun exit code {rc})"
+    tail = log_tail(folder, rank)
     return RunFailedError(f"{first}\n{tail}".rstrip(),
                           hint=f"the logs are kept in {folder}")  # fmt: skip
 
 
-def rank_log_tail(folder: Path, rank: int, lines: int = 20) -> str:
+def log_tail(folder: Path, rank: int | None, lines: int = 20) -> str:
     """The last lines a rank wrote on stderr (torchrun's per-rank log), else torchrun's own."""
-    logs = sorted((folder / "logs").glob(f"**/attempt_*/{rank}/stderr.log"),
-                  key=lambda p: p.stat().st_mtime)  # fmt: skip
-    path = logs[-1] if logs else folder / "launcher.log"
+    logs = [] if rank is None else sorted((folder / "logs").glob(f"*/attempt_*/{rank}/stderr.log"))
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = (logs[-1] if logs else folder / "launcher.log").read_text(errors="replace")
     except OSError:
         return ""
     return "\n".join(f"  | {line}" for line in text.splitlines()[-lines:])

@@ -7,8 +7,9 @@ torchrun. Each rank joins the group (gloo on the CPU, nccl on ``cuda:LOCAL_RANK`
 the data with the data pipeline (one sample per row, truncated to ``seq_len``: the front end
 checked the same), loads the model — a full folder, or a base with its PEFT adapter on top (no
 merge) — puts the chunked loss head in place of lm_head (no full logits; full cross-entropy
-where the model changes its logits after lm_head) and runs `train.evaluate.evaluate`. Rank 0
-writes the result as JSON to ``result_path``.
+where the model changes its logits after lm_head) and runs `train.evaluate.evaluate` on each
+group of samples of about one length (`length_groups`: less padding computed, the same sums).
+Rank 0 writes the result as JSON to ``result_path``.
 
 Weights compute in fp32 on the CPU; on CUDA in the run's preset dtype where it names one, else
 bf16 from compute capability 8.0 (Ampere) on and fp16 before it (a bf16 preset on an older card
@@ -32,6 +33,9 @@ from typing import Any
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 TOKENS_PER_FORWARD = {"cpu": 2048, "cuda": 8192}
 """Tokens per forward pass: the micro-batch is this over the block length (at least 1)."""
+GROUP_STEP = 64
+"""Samples go through the model in groups of about one length (a multiple of this): short
+samples then do not carry the padding of the longest one."""
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 log = logging.getLogger("homelab_dp.eval_worker")
 
@@ -73,19 +77,32 @@ def join_group(kind: str) -> tuple[Any, int, int]:
 
 
 def load_blocks(job: dict[str, Any], tokenizer: Any) -> list[Any]:
-    """The data as blocks, one sample per row truncated to ``seq_len``. Blocks are as long as the
-    longest sample (at most ``seq_len``): padding is masked out, so only less of it is computed."""
+    """The data as blocks: one sample per row, truncated to ``seq_len`` (padded to it)."""
     from homelab_dp.data.blocks import build_blocks, tokenize_records
     from homelab_dp.data.records import read_with_lines
 
     path = Path(job["data_path"])
     records, lines, fmt = read_with_lines(path, job["format"])
     examples = tokenize_records(records, fmt, tokenizer, where=[f"{path}:{n}" for n in lines])
-    width = min(int(job["seq_len"]), max(len(ex.input_ids) for ex in examples))
     pad_id = tokenizer.pad_token_id
-    if pad_id is None:
+    if pad_id is None:  # padding is masked out: any id will do
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return build_blocks(examples, width, False, int(pad_id))
+    return build_blocks(examples, int(job["seq_len"]), False, int(pad_id))
+
+
+def length_groups(blocks: list[Any], step: int = GROUP_STEP) -> list[list[Any]]:
+    """The blocks grouped by their real length rounded up to ``step`` (never past the block),
+    each cut to its group's width, longest group first (an out-of-memory shows at once).
+    Only padding is cut: a sample's tokens, mask and targets are the same."""
+    from homelab_dp.data.blocks import Block
+
+    groups: dict[int, list[Any]] = {}
+    for b in blocks:
+        width = min(len(b.input_ids), -(-sum(b.attention_mask) // step) * step)
+        cut = Block(b.input_ids[:width], b.labels[:width], b.attention_mask[:width],
+                    b.position_ids[:width])  # fmt: skip
+        groups.setdefault(width, []).append(cut)
+    return [groups[w] for w in sorted(groups, reverse=True)]
 
 
 def load_model(job: dict[str, Any], device: Any, dtype: Any) -> Any:
@@ -113,7 +130,7 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     """Run this rank's share; rank 0 returns the result document, the others None."""
     from transformers import AutoTokenizer
 
-    from homelab_dp.train.evaluate import eval_blocks, evaluate
+    from homelab_dp.train.evaluate import EvalResult, eval_blocks, evaluate
     from homelab_dp.train.loss import install_loss_head, unsupported_reason
 
     device, rank, world = join_group(job["device"])
@@ -125,12 +142,17 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     head = install_loss_head(model)
     if head is None:
         log.warning("full logits: %s", unsupported_reason(model))
-    width = len(blocks[0].input_ids)
-    micro = max(1, TOKENS_PER_FORWARD[device.type] // width)
-    log.info("%d samples of at most %d tokens, %d per forward, %s on %s, world %d",
-             len(blocks), width, micro, dtype, device, world)  # fmt: skip
-    result = evaluate(model, eval_blocks(blocks, packed=False), rank=rank, world=world,
-                      micro=micro, device=device, loss_head=head)  # fmt: skip
+    loss_sum, tokens, real, seconds = 0.0, 0, 0, 0.0
+    for group in length_groups(blocks):
+        width = len(group[0].input_ids)
+        micro = max(1, TOKENS_PER_FORWARD[device.type] // width)
+        log.info("%d samples of at most %d tokens, %d per forward, %s on %s, world %d",
+                 len(group), width, micro, dtype, device, world)  # fmt: skip
+        part = evaluate(model, eval_blocks(group, packed=False), rank=rank, world=world,
+                        micro=micro, device=device, loss_head=head)  # fmt: skip
+        loss_sum, tokens = loss_sum + part.loss_sum, tokens + part.tokens
+        real, seconds = real + part.real_tokens, seconds + part.seconds
+    result = EvalResult(loss_sum, tokens, real, seconds)
     if rank != 0:
         return None
     ppl = result.perplexity

@@ -27,9 +27,10 @@ from homelab_dp.core.hardware import HardwareReport, HostInfo
 from homelab_dp.run.evaluate import EvalReport, parse_gpus, select_devices
 
 from ..conftest import DATA, ROOT
+from .conftest import DEMO_DATA
 
 pytestmark = pytest.mark.slow
-SEQ_LEN = 32  # some of the rows are longer: truncation is part of what is compared
+SEQ_LEN = 32  # some instruction rows are longer: truncation is part of what is compared
 FIELDS = {"model", "data", "world_size", "loss", "perplexity", "tokens", "real_tokens",
           "tokens_per_s", "seconds", "seq_len"}  # fmt: skip
 
@@ -42,17 +43,20 @@ def _eval(*args: str, timeout: float = 240) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-def direct_loss(model_dir: Path, data: Path, seq_len: int, adapter: Path | None = None) -> tuple[float, int]:
+def direct_loss(
+    model_dir: Path, data: Path, seq_len: int, adapter: Path | None = None
+) -> tuple[float, int]:
     """(mean token NLL, target tokens): each sample alone, truncated to ``seq_len`` inputs."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from homelab_dp.data.blocks import tokenize_records
-    from homelab_dp.data.records import read_records
+    from homelab_dp.data.records import read_with_lines
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    examples = tokenize_records(read_records(data, "auto"), "instruction", tokenizer)
+    records, _, fmt = read_with_lines(data, "auto")
+    examples = tokenize_records(records, fmt, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel
@@ -71,17 +75,30 @@ def direct_loss(model_dir: Path, data: Path, seq_len: int, adapter: Path | None 
     return total / count, count
 
 
-def test_one_and_two_processes_agree_with_a_direct_computation(tiny_model, data_dir) -> None:
-    data = data_dir / "ragged-16.jsonl"
-    one = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:1", "--seq-len", str(SEQ_LEN))
-    two = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:2", "--seq-len", str(SEQ_LEN))
-    assert FIELDS <= one.keys() and FIELDS <= two.keys()
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 texts of 13 to 116 tokens: with --seq-len 96 some are truncated, and the samples go
+    through the model in two length groups (64 and 96 tokens)."""
+    rows = [json.loads(line) for line in DEMO_DATA.read_text(encoding="utf-8").splitlines()[:40]]
+    texts = [" ".join(f"{r['instruction']} {r['output']}" for r in rows[i : i + 1 + i % 7])
+             for i in range(16)]  # fmt: skip
+    path = tmp_path_factory.mktemp("eval-data") / "texts.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def test_one_and_two_processes_agree_with_a_direct_computation(tiny_model, text_data) -> None:
+    data, seq = text_data, "96"
+    one = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:1", "--seq-len", seq)
+    two = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:2", "--seq-len", seq)
+    assert one.keys() >= FIELDS and two.keys() >= FIELDS
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert one["model"] == tiny_model.name and one["data"] == str(data)
-    assert one["seq_len"] == two["seq_len"] == SEQ_LEN and one["device"] == "cpu"
+    assert one["seq_len"] == two["seq_len"] == 96 and one["device"] == "cpu"
     assert one["tokens"] == two["tokens"] and one["real_tokens"] == two["real_tokens"]
+    assert one["samples"] == 16
     assert math.isclose(one["loss"], two["loss"], rel_tol=1e-6)
-    loss, count = direct_loss(tiny_model, data, SEQ_LEN)
+    loss, count = direct_loss(tiny_model, data, 96)
     assert one["tokens"] == count
     assert math.isclose(one["loss"], loss, rel_tol=1e-5), (one["loss"], loss)
     assert math.isclose(one["perplexity"], math.exp(one["loss"]), rel_tol=1e-9)
@@ -95,8 +112,9 @@ def test_an_adapter_folder_is_its_base_with_the_adapter(tiny_model, data_dir, tm
 
     torch.manual_seed(3)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                        init_lora_weights=False)  # random B: the adapter changes the loss
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )  # random B: the adapter changes the loss
     adapter = tmp_path / "adapter"
     get_peft_model(base, config).save_pretrained(adapter)
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -186,20 +204,21 @@ def test_the_table_shows_every_figure() -> None:
         assert needle in text, text
 
 
-def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model) -> None:
+def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model, data_dir) -> None:
     """SIGINT to the CLI (what Ctrl-C sends it; torchrun runs in its own session): exit 130,
     every torchrun and worker process gone, the private folder removed."""
-    big = ROOT / "assets" / "data" / "tiny-instruct.jsonl"
     folders = _eval_dirs()
-    cmd = [sys.executable, "-m", "homelab_dp.cli", "eval", str(tiny_model), "--data", str(big),
-           "--gpus", "cpu:2", "--seq-len", "128"]  # fmt: skip
+    cmd = [sys.executable, "-m", "homelab_dp.cli", "eval", str(tiny_model), "--data",
+           str(data_dir / "ragged-12.jsonl"), "--gpus", "cpu:2"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     cli = psutil.Process(proc.pid)
     family: list[psutil.Process] = []
     deadline = time.monotonic() + 120  # liveness guard: workers start in about 10 s
     while time.monotonic() < deadline and proc.poll() is None:
         family = cli.children(recursive=True)
-        workers = [p for p in family if "homelab_dp.train.eval_worker" in " ".join(_cmdline(p))]
+        # The workers, not torchrun (whose command line names the worker module too).
+        lines = [" ".join(_cmdline(p)) for p in family]
+        workers = [c for c in lines if "eval_worker" in c and "homelab_dp.run.agent" not in c]
         if len(workers) == 2:
             break
         time.sleep(0.2)
@@ -217,3 +236,23 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return p.cmdline()
     except psutil.Error:
         return []
+
+
+def test_length_groups_cut_only_padding() -> None:
+    """Each sample keeps its tokens, mask, positions and targets; groups are 64-token multiples
+    (never past the block), longest first."""
+    from homelab_dp.data.blocks import Example, build_blocks
+    from homelab_dp.train.eval_worker import length_groups
+
+    examples = [Example(list(range(n)), [-100, *range(1, n)]) for n in (5, 70, 130, 200, 300)]
+    blocks = build_blocks(examples, 256, False, 0)
+    groups = length_groups(blocks)
+    assert [len(g[0].input_ids) for g in groups] == [256, 192, 128, 64]
+    cut = [b for g in groups for b in g]
+    assert sorted(b.num_targets for b in cut) == sorted(b.num_targets for b in blocks)
+    for b in cut:
+        real = sum(b.attention_mask)
+        whole = next(x for x in blocks if x.input_ids[:real] == b.input_ids[:real])
+        assert b.labels == whole.labels[: len(b.labels)] and b.position_ids == list(
+            range(len(b.input_ids))
+        )
