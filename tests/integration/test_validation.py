@@ -51,12 +51,19 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
                           timeout=300, check=False)  # fmt: skip
 
 
-def finished(env: dict[str, str], preset: Path) -> tuple[Path, str, dict[str, Any]]:
-    """Run ``preset`` in the foreground (plain lines), then its folder, output and status."""
-    out = cli(env, "run", str(preset))
-    assert out.returncode == 0, out.stdout + out.stderr
+def finished(
+    env: dict[str, str], preset: Path, stop_at: int | None = None
+) -> tuple[Path, str, dict[str, Any]]:
+    """Run ``preset`` in the foreground (plain lines), then its folder, output and status;
+    ``stop_at``: stopped after that many steps (a test stop), then resumed to the end."""
+    stops = {} if stop_at is None else {"HOMELAB_DP_STOP_AT_STEP": str(stop_at)}
+    out = cli({**env, **stops}, "run", str(preset))
     runs = Path(env["HOMELAB_DP_RUNS"])
     run_dir = max(runs.iterdir(), key=lambda p: p.stat().st_mtime)
+    if stop_at is not None:
+        assert out.returncode == 130, out.stdout + out.stderr  # interrupted
+        out = cli(env, "resume", run_dir.name)
+    assert out.returncode == 0, out.stdout + out.stderr
     doc = json.loads(cli(env, "status", run_dir.name, "--json").stdout)
     return run_dir, out.stdout, doc
 
@@ -70,11 +77,15 @@ def test_eval_every_and_at_the_end_the_same_on_1_and_2_processes_and_as_computed
     env: dict[str, str], tiny_model: Path, tmp_path: Path
 ) -> None:
     data = {"eval_fraction": 0.02}  # 40 of the 2,000 samples
-    train = {"max_steps": 5, "eval_every": 2}
+    train = {"max_steps": 5, "eval_every": 2, "keep_checkpoints": 3}
     two = write(tmp_path, "two", tiny_model, nproc=2, data=data, train={**train, "grad_accum": 2})
     one = write(tmp_path, "one", tiny_model, nproc=1, data=data, train={**train, "grad_accum": 4})
     run_two, out_two, doc_two = finished(env, two)
-    run_one, _, _ = finished(env, one)
+    run_one, _, _ = finished(env, one, stop_at=3)  # and resumed: it evaluates as if not
+    # The checkpoint of the stop carries the evaluations so far (the best: step 2).
+    trainer = json.loads((run_one / "checkpoints" / "step-3" / "trainer.json").read_text())
+    step_2 = events(run_one, "eval")[0]
+    assert trainer["eval"] == {"best_loss": step_2["loss"], "best_step": 2, "since_best": 0}
     evals = {n: events(r, "eval") for n, r in ((2, run_two), (1, run_one))}
     for n, found in evals.items():
         assert [e["step"] for e in found] == [2, 4, 5], n  # every 2 steps and the last

@@ -4,8 +4,12 @@
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
+
 from homelab_dp.core.run_view import RunView
-from homelab_dp.render.run_view import eval_line, event_line
+from homelab_dp.render.run_view import eval_line, event_line, live_panel
 from homelab_dp.render.runs import status_lines
 from homelab_dp.train.evaluate import EvalResult
 from homelab_dp.train.validation import Validator
@@ -91,3 +95,9 @@ def test_the_lines_of_an_eval() -> None:
         status_lines(doc)
     )
     assert not [line for line in status_lines({**doc, "eval": None}) if "eval" in line]
+    console = Console(width=120, file=io.StringIO(), color_system=None)
+    with console.capture() as captured:
+        console.print(live_panel(v))
+    assert "eval step 30: loss 2.4000, ppl 11.0, 5,120 tokens · best 2.3100 at step 20" in (
+        captured.get()
+    )
