@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 from textual.pilot import Pilot
@@ -153,7 +155,21 @@ async def test_quitting_the_app_stops_the_server(
         [server] = screen.servers.values()
         pids = [server.pid, *server.replica_pids]
         assert len(pids) == 2
-    assert all(gone(p) for p in pids)  # the app has ended: nothing left behind
+
+        os.kill(server.pid, signal.SIGKILL)  # the server dies: the next answer says so
+        await pilot.press(*"Again", "enter")
+        state = lambda: screen.states.get("pane-model", "")  # noqa: E731
+        await wait_for(pilot, lambda: state().startswith("error"), timeout=30, what="the error")
+        assert "the server exited" in state() and screen.servers == {}
+        assert len(model.history) == 2  # the failed turn is not sent with the next prompt
+        await pilot.press(*"Once more", "enter")  # a new server starts
+        await wait_for(pilot, lambda: len(model.history) == 4, timeout=START_S, what="answer")
+        [server] = screen.servers.values()
+        pids += [server.pid, *server.replica_pids]
+    deadline = time.monotonic() + 30  # the app has ended: nothing is left behind
+    while not all(gone(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if not gone(p)]
+        time.sleep(0.1)
 
 
 def test_chat_screen_snapshot(snap_compare, controller: RunController, runs_root: Path) -> None:

@@ -248,6 +248,7 @@ class ChatScreen(Screen[None]):
         self.workers.cancel_group(self, "chat-ask")
         servers, self.servers = list(self.servers.values()), {}
         self.states.clear()
+        self.busy = False  # a cancelled answer never finishes by itself
         for server in servers:
             server.terminate()
         if servers:
@@ -326,7 +327,7 @@ class ChatScreen(Screen[None]):
         try:
             servers = await self._ready(self._targets())
             await asyncio.gather(
-                *(self._answer(p, s.url, prompt, settings) for p, s in servers.items())
+                *(self._answer(p, s, prompt, settings) for p, s in servers.items())
             )
         except HomelabError as exc:
             self._error(exc)
@@ -335,17 +336,24 @@ class ChatScreen(Screen[None]):
         finally:
             self.busy = False
 
-    async def _answer(self, pane_id: str, url: str, prompt: str, settings: dict[str, Any]) -> None:
+    async def _answer(
+        self, pane_id: str, server: ChatServer, prompt: str, settings: dict[str, Any]
+    ) -> None:
         pane = self.query_one(f"#{pane_id}", ChatPane)
         system = self.query_one("#chat-system", Input).value.strip()
         messages = pane.ask(prompt)
         if system:
             messages.insert(0, {"role": "system", "content": system})
         try:
-            async for piece in stream_chat(self._http, url, messages, **settings):
+            async for piece in stream_chat(self._http, server.url, messages, **settings):
                 pane.add(piece)
         except ServerFailed as exc:
             pane.finish(error=str(exc))
+            await asyncio.sleep(0.5)  # a server that died mid-answer: say why, start anew next
+            if server.exited() is not None and self.servers.get(pane_id) is server:
+                del self.servers[pane_id]
+                self._state(pane_id, f"error: the server exited: {server.why()}")
+                self._reap([server])
             return
         pane.finish()
 

@@ -54,8 +54,10 @@ class ChatPane(VerticalScroll):
         self._done.append(self.answer)
         if error:
             self._done.append(f"\n[{error}]", style="bold red")
+            self.history.pop()  # a failed turn is not part of the conversation sent next
+        else:
+            self.history.append({"role": "assistant", "content": self.answer})
         self._done.append("\n\n")
-        self.history.append({"role": "assistant", "content": self.answer})
         self._note = ""
         self._show()
 
