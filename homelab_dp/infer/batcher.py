@@ -1,9 +1,9 @@
 """Dynamic batching: one thread generates, taking every waiting request as one batch.
 
 Requests are submitted from any thread (the replica's event loop). The generating thread
-blocks until one arrives, then takes it and every other request waiting at that moment (up to
-``max_batch``) and decodes them together with `Engine.generate`; requests that arrive meanwhile
-wait for the next batch. A batch that fails (e.g. out of memory) ends each of its requests with
+blocks until one arrives, then takes it and every other request waiting or arriving within
+`GATHER_S` (up to ``max_batch``) and decodes them together with `Engine.generate`; requests
+that arrive later wait for the next batch. A batch that fails (e.g. out of memory) ends each of its requests with
 an ``{"error": ...}`` event, and the thread goes on with the next.
 """
 
@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 
 from homelab_dp.infer.engine import Engine, Request
+
+GATHER_S = 0.005
+"""How long a new batch waits for more requests after its first: a burst of concurrent clients
+reaches the generating thread over a few milliseconds (the event loop reads them one by one),
+and without this the first would be decoded alone and the rest only after it."""
 
 
 class Batcher:
     """The generating thread and its queue of waiting requests."""
 
-    def __init__(self, engine: Engine, max_batch: int) -> None:
+    def __init__(self, engine: Engine, max_batch: int, gather_s: float = GATHER_S) -> None:
         self.engine = engine
         self.max_batch = max(1, max_batch)
+        self.gather_s = gather_s if self.max_batch > 1 else 0.0
         self._waiting: queue.Queue[Request | None] = queue.Queue()
         self._active: list[Request] = []
         self._lock = threading.Lock()
@@ -58,9 +65,10 @@ class Batcher:
         if first is None:
             return None
         batch = [first]
+        deadline = time.monotonic() + self.gather_s
         while len(batch) < self.max_batch:
             try:
-                more = self._waiting.get_nowait()
+                more = self._waiting.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if more is None:  # stop: finish nothing
