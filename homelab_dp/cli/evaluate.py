@@ -14,8 +14,16 @@ def register(sub: Any) -> None:
     p.add_argument("model", help="a run id, a run folder (its result) or a model folder")
     p.add_argument("--data", required=True, help="the data file")
     p.add_argument("--format", default="auto", help="auto | text | completion | instruction | chat")
-    p.add_argument("--seq-len", type=int, help="tokens per block")
-    p.add_argument("--gpus", help="cpu:N evaluates on N CPU processes")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sample at most (default: the run's, else min(2048, the model's positions))",
+    )
+    p.add_argument(
+        "--gpus",
+        help="cpu:N evaluates on N CPU processes, 0,1 on those GPUs (default: every visible GPU, "
+        "else one CPU process)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON document")
     p.set_defaults(func=cmd_eval)
 

@@ -11,7 +11,8 @@ reads and tokenizes the data exactly as the worker will (`data.records.read_with
 ``torchrun … -m homelab_dp.train.eval_worker ARGS_FILE`` in its own session with every output
 in files there (no pipe from the workers), waits, and reads the result rank 0 wrote. The folder
 goes afterwards, unless the evaluation failed: the error then quotes the failing rank's log and
-names the folder. Ctrl-C stops torchrun and its workers (none is left behind) and is re-raised.
+names the folder. Ctrl-C (or SIGTERM) stops torchrun and its workers (none is left behind) and
+is re-raised as KeyboardInterrupt.
 
 The job file (read by `homelab_dp.train.eval_worker`): ``model_path``, ``base_path`` (an
 adapter's base or null), ``tokenizer_path``, ``trust_remote_code``, ``dtype`` (the run's preset
@@ -29,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -308,18 +310,29 @@ def run_eval(job: EvalJob) -> EvalReport:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env=eval_env(job.devices),
                                 start_new_session=True)  # fmt: skip
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         rc = proc.wait()
     except KeyboardInterrupt:
         stop_workers(proc)
         shutil.rmtree(folder, ignore_errors=True)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     result = folder / "result.json"
     if rc == 0 and result.is_file():
         doc = json.loads(result.read_text(encoding="utf-8"))
         shutil.rmtree(folder, ignore_errors=True)
         return _report(job, doc)
     raise _failure(folder, rc)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM to the front end stops the evaluation as Ctrl-C does (torchrun, in its own
+    session, would otherwise run on)."""
+    raise KeyboardInterrupt
 
 
 def stop_workers(proc: subprocess.Popen[bytes]) -> None:

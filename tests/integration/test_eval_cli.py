@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from homelab_dp.core.hardware import HardwareReport, HostInfo
 from homelab_dp.run.evaluate import EvalReport, parse_gpus, select_devices
 
 from ..conftest import DATA, ROOT
-from .conftest import DEMO_DATA
+from .conftest import DEMO_DATA, make_run
 
 pytestmark = pytest.mark.slow
 SEQ_LEN = 32  # some instruction rows are longer: truncation is part of what is compared
@@ -88,12 +89,18 @@ def text_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_one_and_two_processes_agree_with_a_direct_computation(tiny_model, text_data) -> None:
-    data, seq = text_data, "96"
-    one = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:1", "--seq-len", seq)
-    two = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:2", "--seq-len", seq)
+    """The model folder on 1 process; the same weights as a run's result on 2, named by a
+    prefix of the run id, with the run's seq_len as the default."""
+    data = text_data
+    run_dir = make_run(Path(os.environ["HOMELAB_DP_RUNS"]), tiny_model, data,
+                       name="20260101-000000-evaltest-abcd", seq_len=96)  # fmt: skip
+    shutil.copytree(tiny_model, run_dir / "final")
+    one = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:1", "--seq-len", "96")
+    two = _eval("20260101-000000-eval", "--data", str(data), "--gpus", "cpu:2")
     assert one.keys() >= FIELDS and two.keys() >= FIELDS
     assert (one["world_size"], two["world_size"]) == (1, 2)
-    assert one["model"] == tiny_model.name and one["data"] == str(data)
+    assert one["model"] == tiny_model.name and two["model"] == run_dir.name
+    assert one["data"] == str(data)
     assert one["seq_len"] == two["seq_len"] == 96 and one["device"] == "cpu"
     assert one["tokens"] == two["tokens"] and one["real_tokens"] == two["real_tokens"]
     assert one["samples"] == 16
