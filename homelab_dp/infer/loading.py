@@ -127,9 +127,10 @@ def load_for_inference(ref: ModelRef, device: str | torch.device = "cpu") -> Loa
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, ref.path).merge_and_unload()
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the reason, this folder does not load
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise HomelabError(
-            f"{ref.path}: cannot load the model ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+            f"{ref.path}: cannot load the model ({reason})",
             hint="point at a complete model folder (config.json, safetensors weights, tokenizer)",
         ) from None
     model.to(device=dev, dtype=dtype)

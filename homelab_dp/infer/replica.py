@@ -230,9 +230,16 @@ async def serve(
     await runner.cleanup()
 
 
+def _leave(signum: int, _frame: Any) -> None:
+    print(f"replica: signal {signum} while loading; exiting", flush=True)
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load, warm up, serve; 2 with an ``error:`` line when the model or arguments are bad."""
     parent = os.getppid()  # before loading: a parent that dies meanwhile is noticed too
+    for sig in (signal.SIGTERM, signal.SIGINT):  # while loading: just go (the loop takes over)
+        signal.signal(sig, _leave)
     args = parse_args(argv)
     token = os.environ.get(TOKEN_ENV, "")
     try:

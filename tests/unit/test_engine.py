@@ -208,3 +208,27 @@ def test_no_chat_template_falls_back_to_instruction(loaded: Any) -> None:
     assert template.kind == INSTRUCTION
     text = render_messages(tok, [{"role": "user", "content": "Hi"}], template)
     assert text == format_instruction("Hi")
+
+
+def test_an_adapter_is_merged_into_one_plain_model(loaded: Any, tmp_path: Path) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(DEMO_MODEL), config)
+    adapted.save_pretrained(tmp_path / "adapter")
+    ref = resolve_model(str(tmp_path / "adapter"))
+    assert ref.is_adapter and ref.tokenizer_path == DEMO_MODEL
+    merged = load_for_inference(ref, "cpu").model
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    ids = torch.tensor([loaded.tokenizer("The capital of")["input_ids"]])
+    with torch.no_grad():
+        want = adapted(ids).logits
+        with adapted.disable_adapter():
+            base = adapted(ids).logits
+        got = merged(ids).logits
+    assert torch.allclose(got, want, atol=1e-4)
+    assert not torch.allclose(got, base, atol=1e-3)  # the adapter changes the answer
