@@ -81,7 +81,8 @@ def serve_hardware(
     """The devices to serve on, and the probe when it chose them.
 
     No ``--gpus``: the probed GPUs (NVML, or the recording named by HOMELAB_DP_FAKE_NVML), or one
-    CPU process when there is none. ``--gpus cpu:N``: N CPU processes. A what-if card spec
+    CPU process when there is none. ``--gpus cpu:N``: N CPU processes, each an equal share of
+    the host RAM available (``cpu:N:SIZE``: of SIZE). A what-if card spec
     (``2x24GiB``) only where ``what_if_ok`` (a plan, not a server).
     """
     if gpus and gpus.strip().lower().startswith("cpu"):
@@ -134,7 +135,8 @@ def serve_devices(hw: PlanHardware) -> list[ServeDevice]:
 
 
 def adapter_bytes(ref: ModelRef) -> int:
-    """An adapter's weights as stored (0 for a full model)."""
+    """An adapter's weights as stored (0 for a full model): the replica merges it into the
+    base at load, so it is alive beside the base only then; counted as that peak."""
     if not ref.is_adapter:
         return 0
     for name in ADAPTER_FILES:
