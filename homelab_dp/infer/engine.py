@@ -154,19 +154,17 @@ class _Row:
             self.generator = torch.Generator(device=engine.device)
             self.generator.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """The next token from this row's logits (a 1-D float tensor)."""
-        if self.generator is None:
-            return int(torch.argmax(logits))
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token (a 0-d tensor, on the device) drawn from this row's 1-D logits."""
+        assert self.generator is not None
         probs = torch.softmax(logits / self.req.temperature, dim=-1)
-        if self.req.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # Keep a token while the mass before it is below top_p (the first always stays).
-            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= self.req.top_p
-            sorted_probs[drop] = 0.0
-            choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
-            return int(order[choice])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.req.top_p >= 1.0:
+            return torch.multinomial(probs, 1, generator=self.generator)[0]
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep a token while the mass before it is below top_p (the first always stays).
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= self.req.top_p
+        sorted_probs[drop] = 0.0
+        return order[torch.multinomial(sorted_probs, 1, generator=self.generator)[0]]
 
     def add(self, token: int) -> None:
         """Take one generated token: emit the new text, decide whether the row is done."""
@@ -233,11 +231,13 @@ class Engine:
         running = list(range(len(rows)))  # batch row -> index in rows
         next_pos = positions[:, -1] + 1
         while True:
-            for b, i in enumerate(running):
+            for i, token in zip(
+                running, self._pick([rows[i] for i in running], logits), strict=True
+            ):
                 if rows[i].req.cancelled.is_set():
                     rows[i].finish = "cancelled"
                 else:
-                    rows[i].add(rows[i].pick(logits[b]))
+                    rows[i].add(token)
             keep = [b for b, i in enumerate(running) if rows[i].finish is None]
             if not keep:
                 break
@@ -251,6 +251,16 @@ class Engine:
             logits = self._forward(step, mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
         return [row.result() for row in rows]
+
+    def _pick(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
+        """Each row's next token: greedy rows by one argmax, sampling rows by their generator;
+        one copy to the host for the whole batch (a single device sync per step)."""
+        greedy = logits.argmax(dim=-1)
+        chosen = [
+            greedy[b] if row.generator is None else row.sample(logits[b])
+            for b, row in enumerate(rows)
+        ]
+        return torch.stack(chosen).tolist()
 
     def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
