@@ -33,6 +33,8 @@ from typing import Any
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 TOKENS_PER_FORWARD = {"cpu": 2048, "cuda": 8192}
 """Tokens per forward pass: the micro-batch is this over the block length (at least 1)."""
+FULL_LOGITS_BYTES = 1 << 30
+"""The logits one forward may hold where the chunked loss head cannot be used (Gemma-2)."""
 GROUP_STEP = 64
 """Samples go through the model in groups of about one length (a multiple of this): short
 samples then do not carry the padding of the longest one."""
@@ -105,6 +107,17 @@ def length_groups(blocks: list[Any], step: int = GROUP_STEP) -> list[list[Any]]:
     return [groups[w] for w in sorted(groups, reverse=True)]
 
 
+def forward_tokens(model: Any, device_type: str, *, chunked: bool) -> int:
+    """Tokens per forward pass: `TOKENS_PER_FORWARD`, fewer where the full logits are made
+    (about 8 bytes a logit: the compute dtype and the fp32 copy the cross-entropy takes)."""
+    budget = TOKENS_PER_FORWARD[device_type]
+    if chunked:
+        return budget
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    vocab = int(base.get_output_embeddings().weight.shape[0])
+    return max(1, min(budget, FULL_LOGITS_BYTES // (8 * vocab)))
+
+
 def load_model(job: dict[str, Any], device: Any, dtype: Any) -> Any:
     """The model in eval mode on ``device``: a full folder, or the base with its adapter."""
     from transformers import AutoModelForCausalLM
@@ -142,10 +155,11 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     head = install_loss_head(model)
     if head is None:
         log.warning("full logits: %s", unsupported_reason(model))
+    budget = forward_tokens(model, device.type, chunked=head is not None)
     loss_sum, tokens, real, seconds = 0.0, 0, 0, 0.0
     for group in length_groups(blocks):
         width = len(group[0].input_ids)
-        micro = max(1, TOKENS_PER_FORWARD[device.type] // width)
+        micro = max(1, budget // width)
         log.info("%d samples of at most %d tokens, %d per forward, %s on %s, world %d",
                  len(group), width, micro, dtype, device, world)  # fmt: skip
         part = evaluate(model, eval_blocks(group, packed=False), rank=rank, world=world,
@@ -167,7 +181,6 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
         "samples": len(blocks),
         "device": device.type,
         "dtype": DTYPE_NAMES[str(dtype)],
-        "loss_head": "chunked" if head is not None else "full logits",
     }
 
 
