@@ -68,6 +68,10 @@ class StartEvent(Event):
     tokens_per_step: int = 0
     samples: int = 0
     """Training blocks per epoch."""
+    eval_blocks: int = 0
+    """Blocks of eval data (validation while training); 0 without any."""
+    eval_every: int = 0
+    """``train.eval_every`` (0: only at the end) when there is eval data."""
     pids: list[int] = field(default_factory=list)
     """Every rank's worker pid, by global rank."""
     peak_memory_kind: str = ""

@@ -89,9 +89,12 @@ def event_line(e: dict[str, Any], v: RunView) -> str | None:
     if kind == "devices":
         return device_line(v)
     if kind == "start":
+        n, every = int(e.get("eval_blocks") or 0), int(e.get("eval_every") or 0)
+        when = f"every {every} steps and at the end" if every else "at the end"
+        evals = f", evaluating {n} block{'s' if n != 1 else ''} {when}" if n else ""
         return (
             f"started {v.run_id}: {v.method} · {v.distribution}, "
-            f"{v.world_size} process(es), {v.total_steps} steps"
+            f"{v.world_size} process(es), {v.total_steps} steps{evals}"
         )
     if kind == "eval":
         return eval_line(e)

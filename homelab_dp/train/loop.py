@@ -222,6 +222,8 @@ class Trainer:
             # Evaluated before the checkpoint of this step, so that it records the evaluation.
             v = self.validator
             verdict = self._validate(step) if v is not None and v.due(step, d.total_steps) else None
+            if verdict is not None:  # the training throughput leaves the evaluation out
+                last_log = (last_log[0] + verdict.event.seconds, last_log[1], last_log[2])
             keep = verdict is not None and verdict.best and self.train.keep_best
             every = self.train.checkpoint_every
             if keep or (every and step % every == 0 and step < d.total_steps):

@@ -359,6 +359,8 @@ def start_event(spec: RunSpec, s: SetUp) -> StartEvent:
         trainable_params=s.model.loaded.trainable_params, micro_batch=rank.micro,
         grad_accum=rank.accum, effective_batch=rank.effective, seq_len=seq_len,
         tokens_per_step=rank.effective * seq_len, samples=s.data.n_blocks,
+        eval_blocks=s.data.eval.n_blocks if s.data.eval is not None else 0,
+        eval_every=spec.preset.train.eval_every,
         pids=pids.tolist(), peak_memory_kind=peak_memory_kind(rank.device),
         estimate=per_device, estimate_bytes=(per_device or {}).get("total"),
     )  # fmt: skip

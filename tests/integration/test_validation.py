@@ -108,6 +108,8 @@ def test_eval_every_and_at_the_end_the_same_on_1_and_2_processes_and_as_computed
     assert direct.loss == pytest.approx(evals[2][-1]["loss"], rel=1e-6, abs=0)
 
     # The follower printed each eval; status shows the last (and the best).
+    n = events(run_two, "start")[0]["eval_blocks"]
+    assert n > 0 and f"evaluating {n} block{'s' if n > 1 else ''} every 2 steps" in out_two
     for e in evals[2]:
         assert f"eval step {e['step']}: loss {e['loss']:.4f}, ppl {e['perplexity']:,.1f}, " \
                f"{e['tokens']:,} tokens" in out_two  # fmt: skip

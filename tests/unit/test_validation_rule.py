@@ -81,6 +81,21 @@ def test_the_view_keeps_every_eval_the_latest_and_the_best() -> None:
     assert v.status == "completed" and v.end_reason == "early_stopped"
 
 
+def test_the_start_line_says_what_is_evaluated_and_when() -> None:
+    v = RunView(run_id="r")
+    start = {"type": "start", "method": "full", "distribution": "ddp", "world_size": 2,
+             "total_steps": 60, "eval_blocks": 3, "eval_every": 20}  # fmt: skip
+    v.apply(start)
+    assert event_line(start, v) == (
+        "started r: full · ddp, 2 process(es), 60 steps, evaluating 3 blocks every 20 steps "
+        "and at the end"
+    )
+    assert event_line({**start, "eval_every": 0, "eval_blocks": 1}, v).endswith(
+        "60 steps, evaluating 1 block at the end"
+    )
+    assert event_line({**start, "eval_blocks": 0}, v).endswith("60 steps")  # no eval data
+
+
 def test_the_lines_of_an_eval() -> None:
     e = eval_event(20, 2.31, best=True)
     assert eval_line(e) == "eval step 20: loss 2.3100, ppl 10.1, 5,120 tokens (best so far)"
