@@ -36,12 +36,18 @@ FIELDS = {"model", "data", "world_size", "loss", "perplexity", "tokens", "real_t
           "tokens_per_s", "seconds", "seq_len"}  # fmt: skip
 
 
-def _eval(*args: str, timeout: float = 240) -> dict[str, Any]:
-    """`homelab-dp eval … --json` in a subprocess; its document."""
+def _start(*args: str) -> subprocess.Popen[str]:
+    """`homelab-dp eval … --json` in a subprocess."""
     cmd = [sys.executable, "-m", "homelab_dp.cli", "eval", *args, "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)  # fmt: skip
+
+
+def _document(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
+    """The JSON document of a finished `_start` (its stderr when it failed)."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out)
 
 
 def direct_loss(
@@ -95,8 +101,11 @@ def test_one_and_two_processes_agree_with_a_direct_computation(tiny_model, text_
     run_dir = make_run(Path(os.environ["HOMELAB_DP_RUNS"]), tiny_model, data,
                        name="20260101-000000-evaltest-abcd", seq_len=96)  # fmt: skip
     shutil.copytree(tiny_model, run_dir / "final")
-    one = _eval(str(tiny_model), "--data", str(data), "--gpus", "cpu:1", "--seq-len", "96")
-    two = _eval("20260101-000000-eval", "--data", str(data), "--gpus", "cpu:2")
+    # Side by side: most of each is starting processes and importing torch.
+    procs = (_start(str(tiny_model), "--data", str(data), "--gpus", "cpu:1", "--seq-len", "96"),
+             _start("20260101-000000-eval", "--data", str(data), "--gpus", "cpu:2"))  # fmt: skip
+    loss, count = direct_loss(tiny_model, data, 96)
+    one, two = (_document(p) for p in procs)
     assert one.keys() >= FIELDS and two.keys() >= FIELDS
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert one["model"] == tiny_model.name and two["model"] == run_dir.name
@@ -105,7 +114,6 @@ def test_one_and_two_processes_agree_with_a_direct_computation(tiny_model, text_
     assert one["tokens"] == two["tokens"] and one["real_tokens"] == two["real_tokens"]
     assert one["samples"] == 16
     assert math.isclose(one["loss"], two["loss"], rel_tol=1e-6)
-    loss, count = direct_loss(tiny_model, data, 96)
     assert one["tokens"] == count
     assert math.isclose(one["loss"], loss, rel_tol=1e-5), (one["loss"], loss)
     assert math.isclose(one["perplexity"], math.exp(one["loss"]), rel_tol=1e-9)
@@ -126,10 +134,11 @@ def test_an_adapter_folder_is_its_base_with_the_adapter(tiny_model, data_dir, tm
     get_peft_model(base, config).save_pretrained(adapter)
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     data = data_dir / "ragged-12.jsonl"
-    got = _eval(str(adapter), "--data", str(data), "--gpus", "cpu:2", "--seq-len", str(SEQ_LEN))
-    assert got["model"] == "adapter" and got["world_size"] == 2
+    proc = _start(str(adapter), "--data", str(data), "--gpus", "cpu:2", "--seq-len", str(SEQ_LEN))
     loss, count = direct_loss(tiny_model, data, SEQ_LEN, adapter)
     base_loss, _ = direct_loss(tiny_model, data, SEQ_LEN)
+    got = _document(proc)
+    assert got["model"] == "adapter" and got["world_size"] == 2
     assert got["tokens"] == count and abs(loss - base_loss) > 1e-3
     assert math.isclose(got["loss"], loss, rel_tol=1e-5), (got["loss"], loss, base_loss)
 
