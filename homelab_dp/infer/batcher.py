@@ -86,8 +86,9 @@ class Batcher:
                 self.engine.generate(batch)
             except Exception as exc:  # noqa: BLE001 - reported to the clients, the thread lives on
                 traceback.print_exc()
+                error = {"message": f"generation failed: {exc}", "type": "server_error"}
                 for req in batch:
-                    req.emit({"error": {"message": f"generation failed: {exc}"}})
+                    req.emit({"error": {**error, "param": None, "code": None}})
             finally:
                 with self._lock:
                     self._active = []

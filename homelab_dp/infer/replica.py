@@ -8,7 +8,9 @@ binds 127.0.0.1 on an ephemeral port and writes ``DIR/replica-K.json`` atomicall
 
 - ``GET /ready`` -> ``{"ok": true, "in_flight": n, "served": requests accepted so far}``;
 - ``POST /generate`` -> an NDJSON stream of ``{"text": delta}`` lines and one last
-  ``{"finish_reason", "usage"}`` line; a bad body is HTTP 400 with ``param`` (`request_body`);
+  ``{"finish_reason", "usage"}`` line (or, when the generation itself fails, an
+  ``{"error": {"message", "type": "server_error", ...}}`` line); a bad body is HTTP 400 with
+  ``param`` (`request_body`);
 - every request needs ``Authorization: Bearer <token>`` (else 401).
 
 The aiohttp server runs in the main thread's event loop; generation runs in one thread
