@@ -163,6 +163,7 @@ class _Row:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep a token while the mass before it is below top_p (the first always stays).
         drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= self.req.top_p
+        drop[0] = False
         sorted_probs[drop] = 0.0
         return order[torch.multinomial(sorted_probs, 1, generator=self.generator)[0]]
 

@@ -3,7 +3,7 @@
     python -m homelab_dp.infer.replica --model MODEL --device DEVICE --id K --state-dir DIR
         [--max-batch B] [--threads T]            (env HOMELAB_DP_REPLICA_TOKEN=<secret>)
 
-The protocol (docs of the serve front): it loads MODEL on DEVICE, runs a 1-token warm-up,
+The protocol between the serve front and its replicas: it loads MODEL on DEVICE, runs a 1-token warm-up,
 binds 127.0.0.1 on an ephemeral port and writes ``DIR/replica-K.json`` atomically; then
 
 - ``GET /ready`` -> ``{"ok": true, "in_flight": n, "served": requests accepted so far}``;

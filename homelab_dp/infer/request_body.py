@@ -50,7 +50,7 @@ class GenerateBody:
     temperature: float
     """0: greedy."""
     top_p: float
-    """Nucleus sampling mass in (0, 1]."""
+    """Nucleus sampling mass in [0, 1] (0 keeps only the most likely token)."""
     stop: tuple[str, ...]
     """Strings that end the answer (empty strings dropped)."""
     seed: int | None
@@ -121,8 +121,8 @@ def parse_body(body: Any) -> GenerateBody:
     if temperature < 0:
         raise BadRequest("temperature must be >= 0 (0 = greedy)", "temperature")
     top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest("top_p must be in (0, 1]", "top_p")
+    if not 0 <= top_p <= 1:
+        raise BadRequest("top_p must be between 0 and 1", "top_p")
     return GenerateBody(
         prompt=prompt,
         messages=messages,

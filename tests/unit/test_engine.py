@@ -131,8 +131,9 @@ def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
     assert alone.token_ids == a.token_ids  # its own generator: the batch does not matter
     # A tiny top_p keeps only the most likely token: greedy.
     greedy = engine.generate([Request(prompt, 30)])[0]
-    nucleus = engine.generate([Request(prompt, 30, temperature=1.0, top_p=1e-6, seed=3)])[0]
-    assert nucleus.token_ids == greedy.token_ids
+    for top_p in (1e-6, 0.0):
+        nucleus = engine.generate([Request(prompt, 30, temperature=1.0, top_p=top_p, seed=3)])[0]
+        assert nucleus.token_ids == greedy.token_ids
 
 
 def test_a_cancelled_row_leaves_and_the_others_finish(engine: Engine) -> None:
