@@ -84,3 +84,14 @@ def test_bad_model_is_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.startswith("error: model") and "hint:" in done.stderr
     assert done.stdout == ""
+    # Before torch: the answer is as quick as any bad argument.
+    code = (
+        "import sys\n"
+        "from homelab_dp.cli.main import main\n"
+        "assert main(['chat', sys.argv[1]]) == 2\n"
+        "print('torch' in sys.modules)\n"
+    )
+    check = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "missing")], capture_output=True, text=True
+    )
+    assert check.stdout.strip() == "False", check.stderr
