@@ -212,22 +212,30 @@ class Engine:
         )
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         # transformers 5.2x names the cache argument `cache` (`past_key_values` is deprecated
-        # there); older releases only know `past_key_values`.
+        # there); older releases only know `past_key_values`. Models with their own code may
+        # not take `logits_to_keep` (then every position's logits are computed).
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def _new_cache(self) -> Any:
+        """An empty KV cache; given the config, sliding-window layers keep only their window."""
+        from transformers import DynamicCache
+
+        if "config" in inspect.signature(DynamicCache.__init__).parameters:
+            return DynamicCache(config=self.model.config)
+        return DynamicCache()
 
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> list[Result]:
         """Run the batch to its end; one `Result` per request, in order."""
-        from transformers import DynamicCache
-
         for req in requests:
             if not req.prompt_ids or len(req.prompt_ids) >= self.context or req.max_tokens < 1:
                 raise ValueError("a request needs 1..context-1 prompt tokens and max_tokens >= 1")
         rows = [_Row(req, self) for req in requests]
         ids, mask = self._left_padded([r.req.prompt_ids for r in rows])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = self._new_cache()
         logits = self._forward(ids, mask, positions, cache)
         running = list(range(len(rows)))  # batch row -> index in rows
         next_pos = positions[:, -1] + 1
@@ -281,7 +289,7 @@ class Engine:
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            **self.last_only,
             **{self.cache_arg: cache},
         )
         return out.logits[:, -1, :].float()
