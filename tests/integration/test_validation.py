@@ -51,11 +51,9 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
                           timeout=300, check=False)  # fmt: skip
 
 
-def finished(
-    env: dict[str, str], preset: Path, stop_at: int | None = None
-) -> tuple[Path, str, dict[str, Any]]:
-    """Run ``preset`` in the foreground (plain lines), then its folder, output and status;
-    ``stop_at``: stopped after that many steps (a test stop), then resumed to the end."""
+def finished(env: dict[str, str], preset: Path, stop_at: int | None = None) -> tuple[Path, str]:
+    """Run ``preset`` in the foreground (plain lines); its folder and output. ``stop_at``:
+    stopped after that many steps (a test stop), then resumed to the end."""
     stops = {} if stop_at is None else {"HOMELAB_DP_STOP_AT_STEP": str(stop_at)}
     out = cli({**env, **stops}, "run", str(preset))
     runs = Path(env["HOMELAB_DP_RUNS"])
@@ -64,8 +62,11 @@ def finished(
         assert out.returncode == 130, out.stdout + out.stderr  # interrupted
         out = cli(env, "resume", run_dir.name)
     assert out.returncode == 0, out.stdout + out.stderr
-    doc = json.loads(cli(env, "status", run_dir.name, "--json").stdout)
-    return run_dir, out.stdout, doc
+    return run_dir, out.stdout
+
+
+def status(env: dict[str, str], run_dir: Path) -> dict[str, Any]:
+    return json.loads(cli(env, "status", run_dir.name, "--json").stdout)
 
 
 @pytest.fixture
@@ -80,8 +81,8 @@ def test_eval_every_and_at_the_end_the_same_on_1_and_2_processes_and_as_computed
     train = {"max_steps": 5, "eval_every": 2, "keep_checkpoints": 3}
     two = write(tmp_path, "two", tiny_model, nproc=2, data=data, train={**train, "grad_accum": 2})
     one = write(tmp_path, "one", tiny_model, nproc=1, data=data, train={**train, "grad_accum": 4})
-    run_two, out_two, doc_two = finished(env, two)
-    run_one, _, _ = finished(env, one, stop_at=3)  # and resumed: it evaluates as if not
+    run_two, out_two = finished(env, two)
+    run_one, _ = finished(env, one, stop_at=3)  # and resumed: it evaluates as if not
     # The checkpoint of the stop carries the evaluations so far (the best: step 2).
     trainer = json.loads((run_one / "checkpoints" / "step-3" / "trainer.json").read_text())
     step_2 = events(run_one, "eval")[0]
@@ -114,9 +115,10 @@ def test_eval_every_and_at_the_end_the_same_on_1_and_2_processes_and_as_computed
         assert f"eval step {e['step']}: loss {e['loss']:.4f}, ppl {e['perplexity']:,.1f}, " \
                f"{e['tokens']:,} tokens" in out_two  # fmt: skip
     last = evals[2][-1]
-    assert doc_two["eval"] == {"step": 5, "loss": last["loss"], "perplexity": last["perplexity"],
-                               "tokens": last["tokens"], "best_step": 5,
-                               "best_loss": last["loss"]}  # fmt: skip
+    assert status(env, run_two)["eval"] == {
+        "step": 5, "loss": last["loss"], "perplexity": last["perplexity"],
+        "tokens": last["tokens"], "best_step": 5, "best_loss": last["loss"],
+    }  # fmt: skip
     text = cli(env, "status", run_two.name).stdout
     assert f"eval      step 5: loss {last['loss']:.4f}" in text
 
@@ -154,7 +156,8 @@ def test_keep_best_and_early_stopping(env: dict[str, str], tiny_model: Path, tmp
              "keep_checkpoints": 1}  # fmt: skip
     preset = write(tmp_path, "stop", tiny_model, nproc=2, data={"eval_fraction": 0.01},
                    train=train)  # fmt: skip
-    run_dir, out, doc = finished(env, preset)
+    run_dir, _ = finished(env, preset)
+    doc = status(env, run_dir)
     found = events(run_dir, "eval")
     losses = [e["loss"] for e in found]
     # The rule, replayed on the losses: stop at the first eval `patience` evals after the best.
