@@ -233,3 +233,44 @@ def test_an_adapter_is_merged_into_one_plain_model(loaded: Any, tmp_path: Path) 
         got = merged(ids).logits
     assert torch.allclose(got, want, atol=1e-4)
     assert not torch.allclose(got, base, atol=1e-3)  # the adapter changes the answer
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma2-sliding-window"])
+def test_batched_greedy_on_other_architectures(loaded: Any, arch: str) -> None:
+    """Learned absolute positions (GPT-2) and a sliding window shorter than the prompts
+    (Gemma-2, window 8): batched still equals alone equals transformers' generate."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    tok = loaded.tokenizer
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=128)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = Gemma2Config(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=8,
+            max_position_embeddings=128,
+        )
+        model = Gemma2ForCausalLM(config)
+    model.eval()
+    engine = Engine(model, tok, context=128, eos_ids={tok.eos_token_id})
+    prompts = [ids_of(engine, p) for p in ("Hello", "The capital of Foulek is a city on the river")]
+    batch = engine.generate([Request(p, 16) for p in prompts])
+    for p, together in zip(prompts, batch, strict=True):
+        assert together.token_ids == engine.generate([Request(p, 16)])[0].token_ids
+        reference = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )[0, len(p) :].tolist()
+        assert together.token_ids == reference
