@@ -206,7 +206,8 @@ async def serve(
     replica = Replica(loaded, template, batcher, token)
     runner = web.AppRunner(replica.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    # On stop, streams still open get half a second (aiohttp waits 60 s by default).
+    site = web.TCPSite(runner, "127.0.0.1", 0, shutdown_timeout=0.5)
     await site.start()
     port = int(runner.addresses[0][1])
     stop = asyncio.Event()
