@@ -156,44 +156,64 @@ class Front:
         return web.json_response(doc)
 
     async def _stream(self, request: web.Request, generation: api.Generation) -> web.StreamResponse:
-        """Server-sent events; the response starts with the replica's first line, so a refusal
-        or no replica is still a plain HTTP error."""
+        """Server-sent events, started at the replica's first line: a refusal or no replica
+        before it is still a plain HTTP error."""
+        events = EventStream(request)
+        try:
+            refused = await self._relay(events, generation)
+            if refused is not None:
+                return refused
+            assert events.response is not None
+            await events.response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left: closing its lines dropped the request on the replica too
+        assert events.response is not None
+        return events.response
+
+    async def _relay(self, events: EventStream, generation: api.Generation) -> web.Response | None:
+        """The replica's lines as chunks, [DONE] last; an error before the first one as the
+        HTTP response to send instead, after it as an error event."""
         kind = generation.kind
         meta = dict(id=api.new_id(kind), created=int(time.time()), model=self.name)
-        out: web.StreamResponse | None = None
         try:
             async with aclosing(self.dispatcher.stream(generation.replica_body())) as lines:
                 async for doc in lines:
-                    if out is None:
-                        out = web.StreamResponse(headers=SSE_HEADERS)
-                        await out.prepare(request)
-                        if kind == "chat":
-                            await out.write(api.sse(api.chunk(kind, **meta, role=True, text="")))
+                    if events.response is None and kind == "chat":
+                        await events.send(api.sse(api.chunk(kind, **meta, role=True, text="")))
                     if "finish_reason" in doc:
-                        last = api.chunk(
-                            kind,
-                            **meta,
-                            finish_reason=doc["finish_reason"],
-                            usage=doc.get("usage"),
-                        )
-                        await out.write(api.sse(last) + api.SSE_DONE)
+                        reason, usage = doc["finish_reason"], doc.get("usage")
+                        last = api.chunk(kind, **meta, finish_reason=reason, usage=usage)
+                        await events.send(api.sse(last) + api.SSE_DONE)
                     else:
-                        await out.write(api.sse(api.chunk(kind, **meta, text=doc.get("text", ""))))
+                        text = doc.get("text", "")
+                        await events.send(api.sse(api.chunk(kind, **meta, text=text)))
         except Refused as exc:
-            if out is None:
+            if events.response is None:
                 return web.json_response(exc.body, status=exc.status)
-            await out.write(api.sse(exc.body) + api.SSE_DONE)
+            await events.send(api.sse(exc.body) + api.SSE_DONE)
         except Unavailable as exc:
-            if out is None:
+            if events.response is None:
                 return _error(503, str(exc), type="server_error", code="unavailable")
-            await out.write(api.sse(api.error_body(str(exc), type="server_error")) + api.SSE_DONE)
-        except ReplicaGone as exc:
-            assert out is not None  # before the first line the request went to another replica
+            await events.send(api.sse(api.error_body(str(exc), type="server_error")) + api.SSE_DONE)
+        except ReplicaGone as exc:  # only after the first line: before, another replica took it
             body = api.error_body(f"the answer was cut: {exc}", type="server_error")
-            await out.write(api.sse(body) + api.SSE_DONE)
-        assert out is not None
-        await out.write_eof()
-        return out
+            await events.send(api.sse(body) + api.SSE_DONE)
+        return None
+
+
+class EventStream:
+    """A server-sent-events answer whose HTTP response starts with its first event."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def send(self, data: bytes) -> None:
+        """Write events (starting the response at the first)."""
+        if self.response is None:
+            self.response = web.StreamResponse(headers=SSE_HEADERS)
+            await self.response.prepare(self.request)
+        await self.response.write(data)
 
 
 def ready_line(name: str, host: str, port: int, labels: Sequence[str]) -> str:

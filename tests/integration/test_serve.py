@@ -24,6 +24,9 @@ from typing import Any
 
 import pytest
 
+from homelab_dp.cli.serve import is_loopback
+from homelab_dp.serve.front import ready_line
+
 from .conftest import DEMO_MODEL, ROOT
 
 KEY = "test-key-123"
@@ -314,6 +317,15 @@ def test_bad_command_lines_start_nothing(tmp_path: Path, args: list[str], says: 
     assert done.stderr.startswith("error: ") and "\nhint: " in done.stderr
     assert says in done.stderr.splitlines()[0]
     assert done.stdout == "" and list(tmp_path.glob("homelab-dp-serve-*")) == []  # no replica
+
+
+def test_what_counts_as_loopback_and_the_ready_line() -> None:
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.5", "example.org"]))
+    assert ready_line("m", "::", 80, ["GPU 0 (A)", "GPU 1 (B)"]) == (
+        "serving m on http://[::]:80/v1 with 2 replicas (GPU 0 (A), GPU 1 (B))"
+    )
+    assert ready_line("m", "127.0.0.1", 80, ["cpu"]).endswith("with 1 replica (cpu)")
 
 
 def test_an_unknown_model_is_an_error(tmp_path: Path) -> None:
