@@ -121,6 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from homelab_dp.serve.front import serve
     from homelab_dp.serve.supervisor import ReplicaLaunch
 
+    if args.json and not args.plan:
+        raise HomelabError("--json goes with --plan", hint="serve MODEL --plan --json")
     if not args.plan and not is_loopback(args.host) and not args.api_key:
         raise HomelabError(
             f"--host {args.host} is reachable from other machines and there is no --api-key",

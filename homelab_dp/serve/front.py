@@ -263,7 +263,10 @@ async def _serve(
             announced = False
             while not stop.is_set():
                 if supervisor.all_failed():
-                    sys.stderr.write("error: every replica failed; nothing to serve\n")
+                    sys.stderr.write(
+                        "error: every replica failed; nothing to serve\n"
+                        "hint: the replicas' last log lines above say why\n"
+                    )
                     return 1
                 if not announced and supervisor.settled():
                     labels = [r.launch.label for r in supervisor.replicas if r.state == "ready"]

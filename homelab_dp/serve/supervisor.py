@@ -5,8 +5,8 @@ terminal reaches the front only, which then stops them in order), with its outpu
 ``replica-K.log`` in a private state folder (0700, removed at the end) and the shared secret
 in its environment. A replica is *ready* once it wrote ``replica-K.json`` (its port) and its
 ``GET /ready`` answers. One that exits is *restarting* until its new process is ready again;
-after `MAX_QUICK` quick failures in a row (each within `QUICK_S` of its start) it is *failed*
-and stays down.
+after `MAX_QUICK` quick failures in a row (each within `QUICK_S` of its start), or at once when
+it exits 2 before being ready (it cannot load the model), it is *failed* and stays down.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ BACKOFF_S = (0.0, 1.0, 3.0)
 """Wait before a restart, by how many quick failures in a row preceded it."""
 GRACE_S = 5.0
 """SIGTERM, then this long, then SIGKILL."""
+BAD_INPUT = 2
+"""A replica's exit code when it cannot load the model (an `error:` line in its log)."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,10 @@ class Supervisor:
         r.proc = None
         quick = now - r.started_at < QUICK_S
         r.quick_failures = r.quick_failures + 1 if quick else 0
-        if r.quick_failures >= MAX_QUICK:
+        if code == BAD_INPUT and r.state != "ready":
+            r.state = "failed"  # it could not load the model: another try fails the same way
+            self._say(f"replica {r.id} ({r.launch.label}) cannot start", r.id)
+        elif r.quick_failures >= MAX_QUICK:
             r.state = "failed"
             self._say(f"replica {r.id} ({r.launch.label}) failed {MAX_QUICK} times in a row", r.id)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -337,6 +338,24 @@ def test_an_unknown_model_is_an_error(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 2 and done.stderr.startswith("error: ")
+
+
+def test_a_model_no_replica_can_load_ends_the_server(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(DEMO_MODEL, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    done = subprocess.run(
+        serve_command(str(broken), "--gpus", "cpu:2", "--port", "0"),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+        timeout=120,
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.count("cannot load the model") == 2  # each replica's log line, once
+    assert done.stderr.rstrip().splitlines()[-2] == "error: every replica failed; nothing to serve"
+    assert list(tmp_path.glob("homelab-dp-serve-*")) == []
 
 
 def test_sigterm_stops_everything(server: Server) -> None:
