@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import ipaddress
+import os
 import socket
 from typing import Any
 
 from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
 from homelab_dp.errors import HomelabError
+
+KEY_ENV = "HOMELAB_DP_API_KEY"
 
 
 def _positive(text: str) -> int:
@@ -36,7 +39,11 @@ def register(sub: Any) -> None:
     p.add_argument("--gpus", help="cpu:N serves from N CPU processes")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
-    p.add_argument("--api-key", help="required of every request; needed to bind off loopback")
+    p.add_argument(
+        "--api-key",
+        help=f"required of every request; needed to bind off loopback (or set {KEY_ENV}, "
+        "which other users cannot read in the process list)",
+    )
     p.add_argument("--plan", action="store_true", help="print the serving plan and exit")
     p.add_argument("--json", action="store_true", help="with --plan: one JSON document")
     p.add_argument(
@@ -121,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from homelab_dp.serve.front import serve
     from homelab_dp.serve.supervisor import ReplicaLaunch
 
+    args.api_key = args.api_key or os.environ.get(KEY_ENV) or None
     if args.json and not args.plan:
         raise HomelabError("--json goes with --plan", hint="serve MODEL --plan --json")
     if not args.plan and not is_loopback(args.host) and not args.api_key:

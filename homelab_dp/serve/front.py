@@ -33,6 +33,8 @@ from homelab_dp.serve.supervisor import ReplicaLaunch, Supervisor
 
 DRAIN_S = 2.0
 """How long requests in flight may finish after a stop signal."""
+MAX_BODY = 8 * 1024 * 1024
+"""The largest request body (a long conversation); larger is a 413."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -61,7 +63,7 @@ class Front:
 
     def app(self) -> web.Application:
         """The aiohttp application."""
-        app = web.Application(middlewares=[self._middleware])
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -107,22 +109,28 @@ class Front:
         return "unavailable" if self.supervisor.all_failed() else "starting"
 
     async def health(self, request: web.Request) -> web.Response:
+        """``GET /health``: the status and every replica's id, device, pid, state and counts."""
         status = self.status()
         doc = {"status": status, "model": self.name, "replicas": self.replicas()}
         return web.json_response(doc, status=200 if status == "ok" else 503)
 
     async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: the one model served."""
         return web.json_response(api.models_list(self.name, self.created))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
         generation = api.parse_completion(api.parse_json(await request.read()))
         return await self._generate(request, generation)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
         generation = api.parse_chat(api.parse_json(await request.read()))
         return await self._generate(request, generation)
 
     def _check(self, generation: api.Generation) -> None:
+        """The model asked for, and max_tokens against the context (the replica checks the
+        prompt's tokens too)."""
         api.check_model(generation, self.name)
         context = self.supervisor.context()
         if generation.max_tokens is not None and context and generation.max_tokens >= context:
