@@ -5,8 +5,9 @@ terminal reaches the front only, which then stops them in order), with its outpu
 ``replica-K.log`` in a private state folder (0700, removed at the end) and the shared secret
 in its environment. A replica is *ready* once it wrote ``replica-K.json`` (its port) and its
 ``GET /ready`` answers. One that exits is *restarting* until its new process is ready again;
-after `MAX_QUICK` quick failures in a row (each within `QUICK_S` of its start), or at once when
-it exits 2 before being ready (it cannot load the model), it is *failed* and stays down.
+after `MAX_QUICK` quick failures in a row (each before it was ready or within `QUICK_S` of its
+start), or at once when it exits 2 before being ready (it cannot load the model), it is
+*failed* and stays down.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ State = Literal["starting", "ready", "restarting", "failed"]
 REPLICA_MODULE = "homelab_dp.infer.replica"
 TOKEN_ENV = "HOMELAB_DP_REPLICA_TOKEN"
 QUICK_S = 30.0
-"""An exit this soon after the start counts as a quick failure."""
+"""An exit this soon after the start (or before it was ready) counts as a quick failure."""
 MAX_QUICK = 3
 """Quick failures in a row after which a replica is left failed."""
 BACKOFF_S = (0.0, 1.0, 3.0)
@@ -199,7 +200,8 @@ class Supervisor:
         if r.proc is None or (code := r.proc.poll()) is None:
             return
         r.proc = None
-        quick = now - r.started_at < QUICK_S
+        # Quick: it never got ready (a slow load counts too), or it died soon after its start.
+        quick = r.state != "ready" or now - r.started_at < QUICK_S
         r.quick_failures = r.quick_failures + 1 if quick else 0
         if code == BAD_INPUT and r.state != "ready":
             r.state = "failed"  # it could not load the model: another try fails the same way
