@@ -358,6 +358,39 @@ def test_a_model_no_replica_can_load_ends_the_server(tmp_path: Path) -> None:
     assert list(tmp_path.glob("homelab-dp-serve-*")) == []
 
 
+def test_ctrl_c_stops_everything_with_130(tmp_path: Path) -> None:
+    out = tmp_path / "stdout.txt"
+    with open(out, "wb") as o:
+        proc = subprocess.Popen(
+            serve_command(str(DEMO_MODEL), "--gpus", "cpu:1", "--port", "0"),
+            stdout=o,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=dict(os.environ, TMPDIR=str(tmp_path)),
+        )
+    try:
+        deadline = time.monotonic() + READY_S
+        while "serving" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        replica = next(p for p in Path("/proc").glob("[0-9]*") if _child_of(p, proc.pid))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        assert not replica.exists()
+        assert list(tmp_path.glob("homelab-dp-serve-*")) == []
+    finally:
+        stop(proc)
+
+
+def _child_of(proc_dir: Path, parent: int) -> bool:
+    """Whether /proc/PID is a child process of ``parent`` (its replica)."""
+    try:
+        fields = (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return int(fields[1]) == parent
+
+
 def test_sigterm_stops_everything(server: Server) -> None:
     """Last: stops the shared server."""
     pids = [r["pid"] for r in health(server)["replicas"]]
