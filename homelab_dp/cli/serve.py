@@ -31,6 +31,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not above 0 and at most 1")
+    return value
+
+
 def register(sub: Any) -> None:
     """Add `serve` to the main parser's subparsers."""
     p = sub.add_parser("serve", help="serve a model: one replica per GPU behind one HTTP API")
@@ -47,7 +57,10 @@ def register(sub: Any) -> None:
     p.add_argument("--plan", action="store_true", help="print the serving plan and exit")
     p.add_argument("--json", action="store_true", help="with --plan: one JSON document")
     p.add_argument(
-        "--context", type=_positive, help="tokens per sequence the plan budgets KV cache for"
+        "--context",
+        type=_positive,
+        help="tokens per sequence the plan budgets KV cache for (vllm: also each replica's "
+        "max_model_len; default the model's positions)",
     )
     p.add_argument(
         "--concurrent",
@@ -56,13 +69,22 @@ def register(sub: Any) -> None:
         help="sequences at once per replica the plan budgets KV cache for (default 8)",
     )
     p.add_argument(
-        "--max-batch", type=_positive, help="sequences a replica decodes together (8 CPU, 32 GPU)"
+        "--max-batch",
+        type=_positive,
+        help="sequences a transformers replica decodes together (8 CPU, 32 GPU); vllm "
+        "ignores it (vLLM schedules its own batches)",
     )
     p.add_argument(
         "--engine",
         choices=("transformers", "vllm"),
         default="transformers",
-        help="generation in the replicas (default transformers; vllm needs CUDA and vllm)",
+        help="generation in the replicas (default transformers; vllm needs CUDA GPUs and vllm "
+        "installed, and serves the same API)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_share,
+        help="vllm: the share of each card a replica takes (default 0.9)",
     )
     p.set_defaults(func=cmd_serve)
 
@@ -117,10 +139,6 @@ def check_engine(engine: str, devices: list[str]) -> None:
             "--engine vllm: vLLM replicas need CUDA GPUs, and these replicas run on the CPU",
             hint="drop --engine (transformers replicas run on the CPU)",
         )
-    raise HomelabError(
-        "--engine vllm: vLLM replicas are not built into this version yet",
-        hint="drop --engine: transformers replicas serve the same API on every GPU",
-    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -156,6 +174,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print_rich(render_serve_plan(planned))
         return EXIT_OK
     check_engine(args.engine, [r.device for r in planned.replicas])
+    if args.gpu_memory_utilization is not None and args.engine != "vllm":
+        raise HomelabError(
+            "--gpu-memory-utilization is for vLLM replicas",
+            hint="add --engine vllm, or drop --gpu-memory-utilization",
+        )
     sock = bind(args.host, args.port)
     ref = planned.ref
     model = (ref.run_dir or ref.path).absolute()
@@ -171,4 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_batch=args.max_batch,
         sock=sock,
+        engine=args.engine,
+        context=args.context,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )

@@ -242,6 +242,9 @@ async def _serve(
     max_batch: int | None,
     sock: socket.socket | None,
     wait_s: float,
+    engine: str,
+    context: int | None,
+    gpu_memory_utilization: float | None,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -254,7 +257,14 @@ async def _serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    supervisor = Supervisor(model, launches, max_batch=max_batch)
+    supervisor = Supervisor(
+        model,
+        launches,
+        max_batch=max_batch,
+        engine=engine,
+        context=context,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
     connector = aiohttp.TCPConnector(limit=1024)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -310,11 +320,16 @@ def serve(
     max_batch: int | None = None,
     sock: socket.socket | None = None,
     wait_s: float = 30.0,
+    engine: str = "transformers",
+    context: int | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> int:
     """Serve ``model`` (a folder replicas can load) as ``name`` until SIGTERM or Ctrl-C.
 
     ``sock``: an already bound listening socket for ``host:port`` (the CLI binds it first so a
-    taken port is an error before anything starts). Returns the exit code: 0 after SIGTERM,
+    taken port is an error before anything starts). ``engine``: the replicas' kind
+    (``transformers`` or ``vllm``); ``context`` and ``gpu_memory_utilization`` go to vLLM
+    replicas (see `Supervisor`). Returns the exit code: 0 after SIGTERM,
     130 after Ctrl-C / SIGINT, 1 if every replica failed.
     """
     return asyncio.run(
@@ -328,5 +343,8 @@ def serve(
             max_batch=max_batch,
             sock=sock,
             wait_s=wait_s,
+            engine=engine,
+            context=context,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
     )

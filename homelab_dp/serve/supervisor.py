@@ -1,6 +1,7 @@
 """The replica processes: start them, watch them, restart the ones that die, stop them all.
 
-Each replica is `python -m homelab_dp.infer.replica` in its own session (so a Ctrl-C in the
+Each replica is `python -m homelab_dp.infer.replica` (``engine="vllm"``:
+`homelab_dp.infer.vllm_replica`, the same protocol) in its own session (so a Ctrl-C in the
 terminal reaches the front only, which then stops them in order), with its output in
 ``replica-K.log`` in a private state folder (0700, removed at the end) and the shared secret
 in its environment. A replica is *ready* once it wrote ``replica-K.json`` (its port) and its
@@ -31,7 +32,11 @@ from typing import Any, Literal
 import aiohttp
 
 State = Literal["starting", "ready", "restarting", "failed"]
-REPLICA_MODULE = "homelab_dp.infer.replica"
+REPLICA_MODULES = {
+    "transformers": "homelab_dp.infer.replica",
+    "vllm": "homelab_dp.infer.vllm_replica",
+}
+"""The replica module of each engine (both speak the replica protocol)."""
 TOKEN_ENV = "HOMELAB_DP_REPLICA_TOKEN"
 QUICK_S = 30.0
 """An exit this soon after the start (or before it was ready) counts as a quick failure."""
@@ -99,10 +104,19 @@ class Supervisor:
         launches: Sequence[ReplicaLaunch],
         *,
         max_batch: int | None = None,
+        engine: str = "transformers",
+        context: int | None = None,
+        gpu_memory_utilization: float | None = None,
         python: str = sys.executable,
     ) -> None:
+        if engine not in REPLICA_MODULES:
+            raise ValueError(f"engine {engine!r}: one of {', '.join(REPLICA_MODULES)}")
         self.model = model
         self.max_batch = max_batch
+        self.engine = engine
+        # vLLM replicas only: their max_model_len cap and share of the card (None: defaults).
+        self.context_cap = context  # (`context()` is the context the replicas report)
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.python = python
         self.token = secrets.token_urlsafe(32)
         self.state_dir = Path(tempfile.mkdtemp(prefix="homelab-dp-serve-"))  # 0700
@@ -156,8 +170,14 @@ class Supervisor:
 
     def command(self, r: Replica) -> list[str]:
         """The replica's command line (the replica protocol)."""
-        cmd = [self.python, "-m", REPLICA_MODULE, "--model", self.model, "--device"]
+        cmd = [self.python, "-m", REPLICA_MODULES[self.engine], "--model", self.model, "--device"]
         cmd += [r.launch.device, "--id", str(r.id), "--state-dir", str(self.state_dir)]
+        if self.engine == "vllm":  # vLLM schedules its own batches: no --max-batch
+            if self.context_cap is not None:
+                cmd += ["--context", str(self.context_cap)]
+            if self.gpu_memory_utilization is not None:
+                cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+            return cmd
         if self.max_batch is not None:
             cmd += ["--max-batch", str(self.max_batch)]
         if r.launch.threads is not None:

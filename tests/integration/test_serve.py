@@ -298,6 +298,9 @@ def taken_port() -> socket.socket:
         (["--host", "0.0.0.0"], "--api-key"),
         (["--gpus", "cpu:2", "--replicas", "3"], "--replicas 3"),
         (["--port", "TAKEN"], "--port"),
+        # vllm is not installed here (and CPU replicas could not run it anyway).
+        (["--gpus", "cpu:1", "--engine", "vllm"], "--engine vllm"),
+        (["--gpus", "cpu:1", "--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization"),
     ],
 )
 def test_bad_command_lines_start_nothing(tmp_path: Path, args: list[str], says: str) -> None:

@@ -1,0 +1,260 @@
+"""The replica protocol's process and HTTP side, shared by both replica kinds.
+
+`infer.replica` (transformers, our batcher) and `infer.vllm_replica` (vLLM's engine) differ only
+in how a checked request becomes a stream of events; everything the serve front relies on is
+here, once:
+
+- the command line both accept (`base_parser`) and the start-up checks (`check_setup`: the
+  secret in ``HOMELAB_DP_REPLICA_TOKEN``, the state folder), an ``error:`` / ``hint:`` pair and
+  exit 2 for bad input (`report`);
+- the HTTP surface (`ReplicaServer`): the bearer-token middleware (401), ``GET /ready``, and
+  ``POST /generate``, which checks the body (`request_body`), renders and tokenizes the prompt
+  (`prompting`) and checks its length (HTTP 400 before anything streams), then writes the
+  subclass's events as NDJSON until the ``finish_reason`` (or ``error``) line. A client that
+  leaves mid-stream closes the subclass's event stream (its ``finally`` cancels the request);
+- `run_until_stopped`: bind 127.0.0.1 on port 0, write ``replica-K.json`` atomically, then wait
+  for SIGTERM/SIGINT or the parent's death (``os.getppid()`` polled each second) and stop;
+- while loading (before the event loop takes the signals), SIGTERM/SIGINT end the process at
+  once (`leave_while_loading`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from homelab_dp.errors import HomelabError
+from homelab_dp.infer.prompting import Template, prompt_ids
+from homelab_dp.infer.request_body import BadRequest, GenerateBody, check_length, parse_body
+
+TOKEN_ENV = "HOMELAB_DP_REPLICA_TOKEN"
+Event = dict[str, Any]
+
+
+def base_parser(prog: str) -> argparse.ArgumentParser:
+    """The arguments every replica takes (the replica protocol's start line)."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--model", required=True, help="a run folder, model folder or adapter folder")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--id", type=int, required=True, help="this replica's number K")
+    p.add_argument("--state-dir", type=Path, required=True, help="where replica-K.json goes")
+    return p
+
+
+def check_setup(args: argparse.Namespace) -> str:
+    """The replica's secret, once the environment and ``--state-dir`` are usable."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise HomelabError(
+            f"{TOKEN_ENV} is not set", hint="the serve front sets it; replicas need a secret"
+        )
+    if not args.state_dir.is_dir():
+        raise HomelabError(f"--state-dir {args.state_dir}: no such folder")
+    return token
+
+
+def report(exc: HomelabError) -> int:
+    """Print ``error:`` (and ``hint:``) for the log; the exit code of bad input (2)."""
+    print(f"error: {exc.message}", flush=True)
+    if exc.hint:
+        print(f"hint: {exc.hint}", flush=True)
+    return 2
+
+
+def _leave(signum: int, _frame: Any) -> None:
+    print(f"replica: signal {signum} while loading; exiting", flush=True)
+    os._exit(0)
+
+
+def leave_while_loading() -> int:
+    """SIGTERM/SIGINT end the process at once until the event loop takes them; the parent pid
+    (read first, so a parent that dies while the model loads is noticed too)."""
+    parent = os.getppid()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _leave)
+    return parent
+
+
+def exit_now(code: int) -> None:
+    """Leave without waiting for generating threads (they may be inside a forward pass)."""
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def write_ready_file(state_dir: Path, info: dict[str, Any]) -> Path:
+    """Write ``replica-K.json`` atomically (a reader never sees half of it)."""
+    path = state_dir / f"replica-{info['id']}.json"
+    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(info), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    """An OpenAI-shaped error body with ``status``."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return web.json_response(body, status=status)
+
+
+def server_error(message: str) -> Event:
+    """The stream's last line when generation itself failed."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+
+def is_last(event: Event) -> bool:
+    """Whether ``event`` ends a stream (the finish line or an error)."""
+    return "finish_reason" in event or "error" in event
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request, its prompt tokenized: what an engine needs to answer it."""
+
+    body: GenerateBody
+    """The checked body (sampling settings)."""
+    prompt_ids: list[int]
+    """The prompt's token ids, rendered with the model's template."""
+    max_tokens: int
+    """Tokens to generate at most (the body's, else what the context leaves)."""
+    stop: tuple[str, ...]
+    """The body's stop strings, then the template's."""
+
+
+def prepare(body: Any, tokenizer: Any, template: Template, context: int) -> Prepared:
+    """Check a decoded body, render and tokenize its prompt; a `BadRequest` names what is wrong."""
+    parsed = parse_body(body)
+    if parsed.messages is not None:
+        ids = prompt_ids(tokenizer, messages=parsed.messages, template=template)
+    else:
+        ids = prompt_ids(tokenizer, prompt=parsed.prompt)
+    source = "prompt" if parsed.prompt is not None else "messages"
+    max_tokens = check_length(len(ids), parsed.max_tokens, context, source)
+    return Prepared(parsed, ids, max_tokens, tuple(parsed.stop) + template.stop)
+
+
+class ReplicaServer:
+    """The HTTP side: checks requests and streams the events a subclass's `events` yields."""
+
+    def __init__(self, token: str, tokenizer: Any, template: Template, context: int) -> None:
+        self.token = f"Bearer {token}".encode()
+        self.tokenizer = tokenizer
+        self.template = template
+        self.context = context
+        self.in_flight = 0
+        self.served = 0
+
+    def events(self, prepared: Prepared) -> AsyncIterator[Event]:
+        """Generate one request: ``{"text"}`` deltas, then a finish (or error) event.
+
+        Closing the iterator early (the client left) must cancel the generation.
+        """
+        raise NotImplementedError
+
+    def app(self) -> web.Application:
+        """The aiohttp application: the two endpoints behind the bearer-token check."""
+
+        @web.middleware
+        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self.token):
+                return error_response(401, "missing or wrong bearer token", "authentication_error")
+            return await handler(request)
+
+        app = web.Application(middlewares=[auth], client_max_size=8 * 1024 * 1024)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_post("/generate", self.generate)
+        return app
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """``{"ok": true, "in_flight": n, "served": requests accepted so far}``."""
+        return web.json_response({"ok": True, "in_flight": self.in_flight, "served": self.served})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """Stream one request's events as NDJSON (400 before streaming for a bad body)."""
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return error_response(
+                400, "the request body is not valid JSON", "invalid_request_error"
+            )
+        try:
+            prepared = prepare(body, self.tokenizer, self.template, self.context)
+        except BadRequest as exc:
+            return web.json_response(exc.body(), status=400)
+        self.in_flight += 1
+        self.served += 1
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        try:
+            # aclosing: a write that fails (the client went) closes the stream, which cancels.
+            async with contextlib.aclosing(self.events(prepared)) as events:
+                await response.prepare(request)
+                async for event in events:
+                    await response.write(json.dumps(event).encode() + b"\n")
+                    if is_last(event):
+                        break
+            await response.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            print("replica: client disconnected; its request is cancelled", flush=True)
+            raise
+        finally:
+            self.in_flight -= 1
+        return response
+
+
+async def _watch_parent(stop: asyncio.Event, parent: int) -> None:
+    """Set ``stop`` when the parent process is gone (we were re-parented)."""
+    while not stop.is_set():
+        if os.getppid() != parent:
+            print("replica: parent process gone; exiting", flush=True)
+            stop.set()
+            return
+        await asyncio.sleep(1.0)
+
+
+async def run_until_stopped(
+    server: ReplicaServer,
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    *,
+    parent: int,
+    on_stop: Callable[[], None],
+) -> None:
+    """Serve on 127.0.0.1 (port 0), announce it in ``replica-K.json``, run until SIGTERM/SIGINT
+    or the death of the process ``parent``; then ``on_stop`` and close.
+
+    ``info``: the ready file's fields besides ``id``, ``pid``, ``port`` and ``device``.
+    """
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    # On stop, streams still open get half a second (aiohttp waits 60 s by default).
+    site = web.TCPSite(runner, "127.0.0.1", 0, shutdown_timeout=0.5)
+    await site.start()
+    port = int(runner.addresses[0][1])
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = {"id": args.id, "pid": os.getpid(), "port": port, "device": args.device, **info}
+    write_ready_file(args.state_dir, ready)
+    print(
+        f"replica {args.id}: ready on 127.0.0.1:{port} ({info.get('model')} on {args.device})",
+        flush=True,
+    )
+    watcher = asyncio.create_task(_watch_parent(stop, parent))
+    await stop.wait()
+    watcher.cancel()
+    print(f"replica {args.id}: stopping", flush=True)
+    on_stop()
+    await runner.cleanup()
