@@ -23,6 +23,8 @@ result), and vLLM gets the token ids, so both engines see the same tokens.
   new part of its text as a ``{"text"}`` line, and the finished one adds the
   ``{"finish_reason", "usage"}`` line (usage from ``prompt_token_ids`` and the output's
   ``token_ids``). A client that leaves aborts its request (``engine.abort``).
+- **Card**: vLLM reads ``CUDA_VISIBLE_DEVICES`` as indices; a UUID there (how `serve` names a
+  card) becomes its NVML index with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (`index_for_vllm`).
 - **Batching**: vLLM schedules its own batches (continuous batching); ``--max-batch`` and
   ``--threads`` are accepted (the front passes the same arguments to both kinds) and ignored.
 
@@ -38,9 +40,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, MutableMapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -235,11 +238,11 @@ class VllmReplica(ReplicaServer):
 
     async def events(self, prepared: Prepared) -> AsyncIterator[Event]:
         """Generate with vLLM and yield the protocol's lines; abort when closed early."""
-        params = self.vllm.SamplingParams(**sampling_kwargs(prepared, self.stop_ids))
         request_id = uuid.uuid4().hex
         prompt = {"prompt_token_ids": prepared.prompt_ids}
         sent, done = "", False
         try:
+            params = self.vllm.SamplingParams(**sampling_kwargs(prepared, self.stop_ids))
             stream = self.engine.generate(prompt, params, request_id, lora_request=self.lora)
             async with contextlib.aclosing(stream) as outputs:
                 async for output in outputs:
@@ -300,6 +303,30 @@ def _shutdown(engine: Any) -> None:
     if callable(shutdown):
         with contextlib.suppress(Exception):
             shutdown()
+
+
+def index_for_vllm(env: MutableMapping[str, str]) -> None:
+    """Turn a card's UUID in ``CUDA_VISIBLE_DEVICES`` (what `serve` sets when NVML gives one)
+    into its NVML index, with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA counts cards in NVML's
+    order: vLLM reads the variable as numbers (``int()``). Anything else is left as it is."""
+    visible = env.get("CUDA_VISIBLE_DEVICES", "")
+    if not visible.startswith("GPU-") or "," in visible:
+        return
+    try:
+        import pynvml  # nvidia-ml-py: installed with vllm
+
+        pynvml.nvmlInit()
+        try:
+            index = pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(visible))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001 - no NVML, an unknown UUID: vLLM cannot use it
+        raise HomelabError(
+            f"CUDA_VISIBLE_DEVICES={visible}: no card index for this UUID ({exc})",
+            hint="set CUDA_VISIBLE_DEVICES to the card's index for a vLLM replica",
+        ) from None
+    env["CUDA_VISIBLE_DEVICES"] = str(index)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 
 
 def build_engine(settings: VllmSettings) -> tuple[Any, Any]:
@@ -376,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = check_setup(args)
         check_device(args.device)
+        index_for_vllm(os.environ)  # before anything starts CUDA
         ref = resolve_model(args.model)
         settings = vllm_settings(
             ref, context=args.context, gpu_memory_utilization=args.gpu_memory_utilization

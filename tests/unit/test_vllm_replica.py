@@ -3,12 +3,15 @@
 vllm is not installed here and there is no GPU, so the engine itself never runs in these tests:
 they check what the replica hands vLLM (engine and sampling arguments, built from the real demo
 model folder and tokenizer), how vLLM's cumulative outputs become protocol lines (stand-ins
-with RequestOutput's fields), which module the supervisor starts for ``engine="vllm"``, and
-that a replica process without vllm exits 2 with an ``error:`` line and no ready file.
+with RequestOutput's fields), the shared HTTP side over a stand-in for vLLM's engine (real HTTP
+on loopback: the token, the NDJSON stream, a 400, abort when a stream is closed early), which
+module the supervisor starts for ``engine="vllm"``, and that a replica process without vllm
+exits 2 with an ``error:`` line and no ready file.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -16,8 +19,11 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.infer.http_replica import prepare
@@ -25,6 +31,8 @@ from homelab_dp.infer.loading import load_tokenizer
 from homelab_dp.infer.prompting import INSTRUCTION, INSTRUCTION_STOP, Template, prompt_ids
 from homelab_dp.infer.request_body import BadRequest
 from homelab_dp.infer.vllm_replica import (
+    VllmReplica,
+    index_for_vllm,
     lora_rank,
     output_events,
     parse_args,
@@ -62,6 +70,83 @@ class Output:
     @property
     def outputs(self) -> list[Completion]:
         return [Completion(self.text, list(range(self.tokens)), self.finish_reason)]
+
+
+class StandInEngine:
+    """Stands in for vLLM's AsyncLLMEngine: streams a fixed answer as cumulative outputs."""
+
+    PIECES = ("He", "Hello", "Hello there")
+
+    def __init__(self) -> None:
+        self.params: list[Any] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt: dict, params: Any, request_id: str, lora_request: Any = None):
+        self.params.append(params)
+        for i, text in enumerate(self.PIECES, 1):
+            last = i == len(self.PIECES)
+            yield Output(text, i, last, "stop" if last else None, prompt["prompt_token_ids"])
+            await asyncio.sleep(0)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def stand_in_replica() -> tuple[VllmReplica, StandInEngine]:
+    ref = resolve_model(str(DEMO_MODEL))
+    engine = StandInEngine()
+    vllm = SimpleNamespace(SamplingParams=dict)  # the replica's arguments as they are
+    tokenizer = load_tokenizer(ref)
+    settings = vllm_settings(ref, context=64)
+    template = Template(INSTRUCTION, (INSTRUCTION_STOP,))
+    return VllmReplica(engine, vllm, tokenizer, template, settings, "secret"), engine
+
+
+def test_the_http_side_streams_vllm_outputs_as_protocol_lines() -> None:
+    replica, engine = stand_in_replica()
+    auth = {"Authorization": "Bearer secret"}
+
+    async def talk() -> list[Any]:
+        async with TestClient(TestServer(replica.app())) as client:
+            denied = await client.post("/generate", json={"prompt": "Hi"})
+            ok = await client.post(
+                "/generate", json={"prompt": "Hi", "max_tokens": 5}, headers=auth
+            )
+            lines = [json.loads(x) for x in (await ok.text()).splitlines()]
+            long = await client.post(
+                "/generate", json={"prompt": "Hi", "max_tokens": 64}, headers=auth
+            )
+            ready = await (await client.get("/ready", headers=auth)).json()
+            return [denied.status, ok.status, ok.headers["Content-Type"], lines, long.status,
+                    (await long.json())["error"]["param"], ready]  # fmt: skip
+
+    denied, status, kind, lines, long, param, ready = asyncio.run(talk())
+    assert (denied, status, kind) == (401, 200, "application/x-ndjson")
+    prompt = len(prompt_ids(replica.tokenizer, prompt="Hi"))
+    assert lines == [
+        {"text": "He"},
+        {"text": "llo"},
+        {"text": " there"},
+        {"finish_reason": "stop",
+         "usage": {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}},
+    ]  # fmt: skip
+    assert (long, param) == (400, "max_tokens")  # checked against --context 64, not 512
+    assert engine.params[0]["max_tokens"] == 5 and engine.params[0]["stop"] == [INSTRUCTION_STOP]
+    assert ready == {"ok": True, "in_flight": 0, "served": 1} and engine.aborted == []
+
+
+def test_a_stream_closed_early_aborts_its_request() -> None:
+    replica, engine = stand_in_replica()
+    prepared = prepare({"prompt": "Hi", "max_tokens": 5}, replica.tokenizer, replica.template, 64)
+
+    async def leave_after_one() -> Any:
+        events = replica.events(prepared)
+        first = await anext(events)
+        await events.aclose()  # what the HTTP side does when the client has gone
+        return first
+
+    assert asyncio.run(leave_after_one()) == {"text": "He"}
+    assert len(engine.aborted) == 1
 
 
 def test_it_imports_without_vllm() -> None:
@@ -189,6 +274,17 @@ def test_the_supervisor_starts_vllm_replicas_with_their_arguments() -> None:
         plain.cleanup()
     with pytest.raises(ValueError, match="engine"):
         Supervisor("/m", [launch], engine="tgi")
+
+
+def test_vllm_gets_card_indices_not_uuids() -> None:
+    for visible in ("1", "0,1", "MIG-abc", ""):
+        env = {"CUDA_VISIBLE_DEVICES": visible}
+        index_for_vllm(env)
+        assert env == {"CUDA_VISIBLE_DEVICES": visible}  # numbers already, or not ours to map
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-00000000-no-such-card"}
+    with pytest.raises(HomelabError, match="CUDA_VISIBLE_DEVICES=GPU-"):
+        index_for_vllm(env)  # no NVML here; where there is one, no card has this UUID
+    assert env == {"CUDA_VISIBLE_DEVICES": "GPU-00000000-no-such-card"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
