@@ -59,8 +59,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--context",
         type=_positive,
-        help="tokens per sequence the plan budgets KV cache for (vllm: also each replica's "
-        "max_model_len; default the model's positions)",
+        help="tokens per sequence the plan budgets KV cache for (vllm: also caps each "
+        "replica's max_model_len, otherwise the model's positions)",
     )
     p.add_argument(
         "--concurrent",
