@@ -48,8 +48,8 @@ LOGITS_BYTES = 4
 """Logits are fp32 whatever the weights' dtype (transformers upcasts them for sampling)."""
 
 CANNOT_HELP = (
-    "replicas cannot help a model that does not fit one card: quantize it (QLoRA result merged "
-    "to 4-bit) or shard it (tensor parallel, e.g. vLLM)"
+    "replicas cannot help a model that does not fit one card: quantize it (a 4-bit or 8-bit "
+    "copy) or shard it across cards (tensor parallel, e.g. vLLM's --tensor-parallel-size)"
 )
 
 
@@ -258,12 +258,14 @@ def serve_reasons(spec: ModelSpec, plan: ServePlan, adapter_bytes: int = 0) -> l
         )
         if plan.kind == "cpu" and len(plan.devices) > 1:
             out.append("Fewer CPU processes give each a larger share (--gpus cpu:1).")
-        if plan.max_concurrent >= 1:
+        if plan.max_concurrent >= 1:  # the weights fit: only the KV cache is too big
             out.append(
-                f"With {plan.max_concurrent} concurrent sequence(s) of {plan.context} tokens "
-                f"(instead of {plan.concurrent}), or a shorter context, one copy would fit."
+                f"The weights fit; the KV cache does not. With {plan.max_concurrent} concurrent "
+                f"sequence(s) of {plan.context} tokens (instead of {plan.concurrent}), or a "
+                "shorter context, one copy would fit (--concurrent, --context)."
             )
-        out.append(CANNOT_HELP[0].upper() + CANNOT_HELP[1:] + ".")
+        else:
+            out.append(CANNOT_HELP[0].upper() + CANNOT_HELP[1:] + ".")
         return [*out, _assumed(plan)]
     hold = [d for d in plan.devices if d.copies_fit >= 1]
     unit = "card" if plan.kind == "cuda" else "process"

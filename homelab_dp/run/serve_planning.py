@@ -189,11 +189,14 @@ def plan_serve(
             f"{ref.name}: a replica needs {format_bytes(plan.per_replica_bytes)} "
             f"(weights, KV cache of {concurrent} × {ctx} tokens, overhead), more than any "
             f"{'card' if hw.kind == 'cuda' else 'CPU process'} here has "
-            f"({format_bytes(max(d.memory_bytes for d in plan.devices))} the largest): "
-            + CANNOT_HELP,
-            hint="quantize it or shard it; fewer concurrent sequences or a shorter context "
-            "shrink only the KV cache (`serve --plan` shows the breakdown)",
-        )
+            f"({format_bytes(max(d.memory_bytes for d in plan.devices))} the largest)"
+            + (": its KV cache is what does not fit" if plan.max_concurrent >= 1
+               else ": " + CANNOT_HELP),
+            hint=f"serve fewer sequences at once (--concurrent {plan.max_concurrent}) or a "
+            "shorter context (--context); `serve --plan` shows the breakdown"
+            if plan.max_concurrent >= 1
+            else "quantize it or shard it; `serve --plan` shows the breakdown",
+        )  # fmt: skip
     if wanted is not None and wanted > len(holding):
         unit = "GPU" if hw.kind == "cuda" else "CPU process"
         raise HomelabError(

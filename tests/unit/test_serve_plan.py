@@ -111,8 +111,8 @@ def test_8b_bf16_does_not_fit_a_12gib_card() -> None:
     assert plan.max_concurrent == 0  # the 15 GiB of weights alone are too big
     assert any(r.startswith("The model does not fit one card") for r in plan.reasons)
     assert "Replicas" + CANNOT_HELP[len("replicas") :] + "." in plan.reasons
-    assert any("quantize it (QLoRA result merged to 4-bit) or shard it (tensor parallel, e.g. "
-               "vLLM)" in r for r in plan.reasons)  # fmt: skip
+    assert any("quantize it (a 4-bit or 8-bit copy) or shard it across cards" in r
+               for r in plan.reasons)  # fmt: skip
     assert "DOES NOT FIT ONE CARD" in text_of(serve_plan_text(spec, plan))
 
 
@@ -140,6 +140,7 @@ def test_fewer_sequences_would_fit_says_how_many() -> None:
                          kind="cuda")  # fmt: skip
     assert again.fits
     assert any(f"With {plan.max_concurrent} concurrent" in r for r in plan.reasons)
+    assert not any("Replicas cannot help" in r for r in plan.reasons)  # the weights do fit
 
 
 def test_bad_replicas_and_what_if_serving(cards) -> None:
