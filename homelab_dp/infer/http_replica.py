@@ -254,7 +254,19 @@ async def run_until_stopped(
     )
     watcher = asyncio.create_task(_watch_parent(stop, parent))
     await stop.wait()
+    orphaned = os.getppid() != parent
     watcher.cancel()
     print(f"replica {args.id}: stopping", flush=True)
     on_stop()
     await runner.cleanup()
+    if orphaned:  # the front was killed and cannot clean up: leave nothing in its folder
+        remove_own_files(Path(args.state_dir), args.id)
+
+
+def remove_own_files(state_dir: Path, replica_id: int) -> None:
+    """Remove this replica's ready file and log, and the state folder once it is empty (the
+    last orphaned replica out removes it)."""
+    for name in (f"replica-{replica_id}.json", f"replica-{replica_id}.log"):
+        (state_dir / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty yet: another replica's files remain
+        state_dir.rmdir()

@@ -249,10 +249,13 @@ def test_bad_model_exits_2_with_an_error_line(tmp_path: Path) -> None:
 
 
 def test_it_exits_when_its_parent_dies(tiny_model: Path, tmp_path: Path) -> None:
-    """A parent python process starts the replica and is killed -9: the replica leaves."""
-    log = tmp_path / "replica-0.log"
+    """A parent python process starts the replica and is killed -9: the replica leaves, and
+    takes its files and the emptied state folder with it (the dead front cannot)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    log = state / "replica-0.log"
     replica_cmd = [sys.executable, "-m", "homelab_dp.infer.replica", "--model", str(tiny_model)]
-    replica_cmd += ["--id", "0", "--state-dir", str(tmp_path), "--threads", "1"]
+    replica_cmd += ["--id", "0", "--state-dir", str(state), "--threads", "1"]
     parent_code = (
         "import subprocess, sys\n"
         "with open(sys.argv[1], 'w') as log:\n"
@@ -269,7 +272,7 @@ def test_it_exits_when_its_parent_dies(tiny_model: Path, tmp_path: Path) -> None
     )
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    wait_ready(tmp_path)
+    wait_ready(state)
     assert not gone(child)
     parent.kill()
     parent.wait()
@@ -277,4 +280,4 @@ def test_it_exits_when_its_parent_dies(tiny_model: Path, tmp_path: Path) -> None
     while not gone(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(child), "the replica outlived its parent"
-    assert "parent process gone" in log.read_text()
+    assert not state.exists()  # ready file and log removed, then the empty folder
