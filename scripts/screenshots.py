@@ -4,7 +4,7 @@
     python scripts/screenshots.py [--size 80x24] [--out assets/screenshots]
 
 Writes ``plan.svg``, ``monitor.svg`` (the README's) and ``hardware.svg``, ``launch.svg``,
-``runs.svg``. Everything comes from recordings, so the pictures are the same on any machine:
+``runs.svg``, ``chat.svg``. Everything comes from recordings, so the pictures are the same on any machine:
 two RTX 3090s joined by NVLink (``tests/data/nvml/2x3090-nvlink.json``) and the recorded LoRA
 run of ``tests/data/events/``, replayed up to step 38 so that the Monitor shows a run in flight.
 """
@@ -84,6 +84,7 @@ async def shoot(out: Path, size: tuple[int, int], runs: Path) -> dict[str, float
             ("3", "launch", lambda: True),
             ("4", "monitor", lambda: app.screen.shown is not None),
             ("5", "runs", lambda: bool(app.screen.runs)),
+            ("6", "chat", lambda: True),
         ):
             await pilot.press(key)
             while not ready_when():
@@ -107,7 +108,7 @@ def main() -> None:
         runs = Path(tmp) / "runs"
         runs.mkdir()
         timings = asyncio.run(shoot(args.out, (width, height), runs))
-    for name in ("hardware", "plan", "launch", "monitor", "runs"):
+    for name in ("hardware", "plan", "launch", "monitor", "runs", "chat"):
         print(f"wrote {args.out / (name + '.svg')}")
     print(
         f"time to first paint: {timings['first_paint_s'] * 1000:.0f} ms from start "
