@@ -12,7 +12,13 @@ time budget:
    doctor command gets a row saying so).
 3. ``homelab-dp run tiny-demo --set hardware.devices=[0] --set model.dtype=bf16``: the demo on
    one card in bf16, one process, to its end (status, steps, seconds).
-4. ``homelab-dp measure`` of a full fine-tune, LoRA and QLoRA of Qwen2-0.5B's layers with random
+4. ``homelab-dp eval RUN --data assets/data/tiny-instruct.jsonl --json`` of that demo run:
+   device, dtype, loss, perplexity, tokens/s.
+5. ``homelab-dp serve RUN --replicas 1 --port 0`` of that run, in its own process session:
+   the ready line's URL, ``/health``'s device, 8 concurrent ``/v1/completions`` (requests/s,
+   generated tokens/s from their usage), one streamed chat completion (``data: [DONE]``), then
+   SIGTERM: a clean exit and no replica pid left (`gpu_validate_steps`).
+6. ``homelab-dp measure`` of a full fine-tune, LoRA and QLoRA of Qwen2-0.5B's layers with random
    weights (assets/configs/qwen2-0.5b, saved as safetensors into a temporary folder) and the
    tiny tokenizer (assets/models/tiny-llama): the config takes the tokenizer's vocabulary size
    (2048) and token ids, so the model has 24 Qwen2-0.5B layers and a small embedding. For each:
@@ -25,8 +31,11 @@ time budget:
 
 Nothing is imported at module level beyond the standard library: torch and transformers are
 imported inside functions, and textual, bitsandbytes and datasets never by this script (the
-QLoRA row says "bitsandbytes not installed" when it is missing). Without a GPU it prints that
-none was found and exits 0.
+QLoRA row says "bitsandbytes not installed" when it is missing; the serve row says "aiohttp
+missing: carry its wheel" when aiohttp is). Without a GPU it prints that none was found and
+exits 0. Wheels to carry to a bare GPU image beside torch/transformers/peft/accelerate:
+textual, bitsandbytes, and aiohttp with its dependencies (multidict, yarl, propcache,
+frozenlist, aiosignal, aiohappyeyeballs, attrs).
 """
 
 from __future__ import annotations
@@ -43,6 +52,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # its helpers beside it, however
+    sys.path.append(str(Path(__file__).resolve().parent))  # it was loaded (last: no shadowing)
+from gpu_validate_steps import guarded, run_id_of, step_eval, step_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "models" / "tiny-llama"
@@ -210,7 +223,8 @@ def step_doctor(r: Runner, report: Report) -> None:
     report.add("doctor", summary or f"exit {out.returncode}", "; ".join(bad)[:600])
 
 
-def step_tiny_demo(r: Runner, report: Report, cpu: bool) -> None:
+def step_tiny_demo(r: Runner, report: Report, cpu: bool) -> str | None:
+    """The demo to its end; its run id when it left a result (the eval and serve rows use it)."""
     args = ["run", "tiny-demo", "--json", "--set", "train.max_steps=30",
             "--set", "train.checkpoint_every=15"]  # fmt: skip
     args += ["--gpus", "cpu:1"] if cpu else ["--set", "hardware.devices=[0]", "--set",
@@ -230,6 +244,7 @@ def step_tiny_demo(r: Runner, report: Report, cpu: bool) -> None:
     else:
         detail = (state or {}).get("reason") or last_line(out.stderr)
     report.add("tiny-demo (1 process)", status, detail)
+    return run_id_of(events) if end and end.get("final_path") else None
 
 
 def build_model(folder: Path, device: str, layers: int | None) -> int:
@@ -350,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         r = Runner(work, args.budget_s)
-        step_probe(r, report)
-        step_doctor(r, report)
-        step_tiny_demo(r, report, args.cpu)
+        guarded(report, "probe", step_probe, r, report)
+        guarded(report, "doctor", step_doctor, r, report)
+        run_id = guarded(report, "tiny-demo (1 process)", step_tiny_demo, r, report, args.cpu)
+        guarded(report, "eval (tiny-demo run)", step_eval, r, report, run_id, args.cpu)
+        guarded(report, "serve (tiny-demo run)", step_serve, r, report, run_id, args.cpu)
         model = work / "qwen2-0.5b-random"
         try:
             t = time.monotonic()

@@ -99,3 +99,43 @@ def test_memory_rows_speed_and_the_table() -> None:
     report = v.Report(device="NVIDIA H200")
     report.add("probe", "ok", "1 | card")
     assert "| probe | ok | 1 / card |" in report.markdown()
+
+
+def test_the_serve_and_eval_helpers() -> None:
+    _load()  # puts benchmarks/ on the path, as the script does
+    import gpu_validate_steps as s
+
+    from homelab_dp.serve.front import ready_line
+
+    # the URL from the very line `homelab-dp serve` prints, after other output
+    line = ready_line("20261201-tiny-demo-c75d", "127.0.0.1", 36113, ["GPU 0 (NVIDIA H200)"])
+    assert s.serving_url(f"loading...\n{line}\n") == "http://127.0.0.1:36113/v1"
+    assert s.serving_url(ready_line("m", "::1", 8000, ["cpu", "cpu"])) == "http://[::1]:8000/v1"
+    assert s.serving_url("loading the model\n") is None
+    # requests/s and generated tokens/s from the usage objects
+    usages = [{"prompt_tokens": 9, "completion_tokens": 5}, {"completion_tokens": 7}]
+    assert s.throughput(usages, 0.5) == (4.0, 24.0)
+    assert s.throughput([], 0.0) == (0.0, 0.0)
+    # the run id: the first event that names it
+    events = [{"type": "state", "status": "starting", "run_id": "r1"}, {"type": "start"}]
+    assert s.run_id_of(events) == "r1"
+    assert s.run_id_of([{"type": "state", "run_id": None}]) is None
+    # a process that ended is gone; this one is alive
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert s.pids_alive([int(done.stdout), os.getpid()]) == [os.getpid()]
+
+
+def test_a_step_that_raises_becomes_a_failed_row() -> None:
+    _load()
+    import gpu_validate_steps as s
+
+    v = sys.modules["gpu_validate"]
+    report = v.Report(device="x")
+
+    def broken(n: int) -> int:
+        raise ValueError(f"bad {n}")
+
+    assert s.guarded(report, "eval", broken, 3) is None
+    assert s.guarded(report, "ok step", lambda n: n + 1, 3) == 4
+    assert report.rows == [("eval", "failed", "ValueError: bad 3")]
