@@ -6,19 +6,29 @@ import json
 import os
 import re
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.core.events import Event
 from homelab_dp.core.runspec import RunSpec
+from homelab_dp.errors import HomelabError
+from homelab_dp.rundir.index import RUNS_ENV, ensure_private_dir, index_path, register, runs_root
 
-RUNS_ENV = "HOMELAB_DP_RUNS"
 
-
-def runs_root() -> Path:
-    """The runs folder: $HOMELAB_DP_RUNS or ./runs."""
-    return Path(os.environ.get(RUNS_ENV) or "runs").absolute()
+def open_runs_root(folder: str | Path, source: str = "--runs") -> Path:
+    """``folder`` as a runs root, created 0700 if missing; a HomelabError naming ``source``
+    (the option or variable that gave it) when it cannot be."""
+    path = Path(folder).expanduser().absolute()
+    try:
+        return ensure_private_dir(path)
+    except OSError as exc:
+        raise HomelabError(
+            f"{source} {folder}: cannot create the runs folder ({exc.strerror or exc})",
+            hint="give a folder you can write to, or leave it out: runs then go to "
+            "$XDG_DATA_HOME/homelab-dp/runs (~/.local/share/homelab-dp/runs)",
+        ) from None
 
 
 def new_run_id(name: str) -> str:
@@ -28,16 +38,28 @@ def new_run_id(name: str) -> str:
 
 
 def create_run_dir(spec: RunSpec, root: Path | None = None) -> Path:
-    """Create ``root/<spec.run_id>`` private to the user (0700) and write spec.json into it."""
-    root = root or runs_root()
-    root.mkdir(parents=True, exist_ok=True)
+    """Create ``root/<spec.run_id>`` private to the user (0700), write spec.json into it and
+    record it in the per-user run index (so it is found by id from any folder)."""
+    root = open_runs_root(root or runs_root(), "runs folder" if root else _root_source())
     run_dir = root / spec.run_id
     run_dir.mkdir(mode=0o700)  # fails if it exists: never overwrite a run
     os.chmod(run_dir, 0o700)  # mkdir's mode is masked by the umask
     for sub in ("logs", "checkpoints"):
         (run_dir / sub).mkdir(mode=0o700)
     write_run_spec(run_dir, spec)
+    try:
+        register(run_dir)
+    except OSError as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
+        raise HomelabError(
+            f"run index {index_path()}: cannot write it ({exc.strerror or exc})",
+            hint="make $XDG_DATA_HOME/homelab-dp writable (or point XDG_DATA_HOME elsewhere)",
+        ) from None
     return run_dir
+
+
+def _root_source() -> str:
+    return RUNS_ENV if os.environ.get(RUNS_ENV) else "runs folder"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

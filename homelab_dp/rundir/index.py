@@ -1,0 +1,222 @@
+"""Where runs live, and the per-user index that finds any of them from any folder.
+
+The runs root is ``$HOMELAB_DP_RUNS`` if set, else ``$XDG_DATA_HOME/homelab-dp/runs``
+(``~/.local/share/homelab-dp/runs``). Every run folder also gets one line in the per-user index
+``$XDG_DATA_HOME/homelab-dp/index.jsonl`` (``{"id", "path", "created"}``), appended with
+O_APPEND in a single write so concurrent runs never interleave or tear lines. `known_runs`
+merges the index with the run folders under the current root and under ``./runs`` (where runs
+went before the per-user root), so a run is found by id wherever it was made.
+
+This module sits under `files` (which re-exports `runs_root`): it imports nothing of the run
+folder's other modules, so `files.create_run_dir` can call `register` without an import circle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from homelab_dp.errors import RunNotFoundError
+
+RUNS_ENV = "HOMELAB_DP_RUNS"
+INDEX_NAME = "index.jsonl"
+LEGACY_RUNS = "runs"
+"""Runs made before the per-user root went to ``./runs`` of the folder they were started in."""
+_HINT = "`homelab-dp runs` lists every run it knows, with its folder"
+
+
+class RunUnknownError(RunNotFoundError):
+    """No known run has that id or id prefix."""
+
+
+class RunAmbiguousError(RunNotFoundError):
+    """An id prefix that matches several runs."""
+
+
+class RunGoneError(RunNotFoundError):
+    """The index knows the run, but its folder is no longer there."""
+
+
+@dataclass(frozen=True)
+class IndexedRun:
+    """One run the index or a scan knows of."""
+
+    id: str
+    """The run id (the folder's name)."""
+    path: Path
+    """The run folder, resolved (symlinks followed)."""
+    exists: bool
+    """Whether the folder is still a run folder (has spec.json); False: moved or deleted."""
+    created: float | None = None
+    """When it was registered (Unix time), if known."""
+
+
+def data_home() -> Path:
+    """The per-user data folder: ``$XDG_DATA_HOME/homelab-dp`` (default ~/.local/share)."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base).expanduser().absolute() / "homelab-dp"
+
+
+def runs_root() -> Path:
+    """The runs folder: ``$HOMELAB_DP_RUNS``, else the per-user ``data_home()/runs``."""
+    env = os.environ.get(RUNS_ENV)
+    return Path(env).expanduser().absolute() if env else data_home() / "runs"
+
+
+def index_path() -> Path:
+    """The per-user run index file."""
+    return data_home() / INDEX_NAME
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` and any missing parents private to the user (0700); OSError if it cannot."""
+    path = path.expanduser().absolute()
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            if not folder.is_dir():  # a file in the way
+                raise
+            continue  # made by a concurrent process a moment ago
+        os.chmod(folder, 0o700)  # mkdir's mode is masked by the umask
+    return path
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` is a run folder (it holds spec.json)."""
+    try:
+        return (path / "spec.json").is_file()
+    except OSError:  # e.g. a folder we may not enter
+        return False
+
+
+def register(run_dir: Path, created: float | None = None) -> None:
+    """Record a run folder in the per-user index (one line, one O_APPEND write, file 0600)."""
+    ensure_private_dir(data_home())
+    path = Path(run_dir).resolve()
+    line = json.dumps({"id": path.name, "path": str(path), "created": created or time.time()})
+    data = (line + "\n").encode("utf-8")
+    fd = os.open(index_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        # O_APPEND moves to the end and writes in one step, so lines from concurrent runs
+        # follow one another whole; a line is far below any size a write would split.
+        written = os.write(fd, data)
+    finally:
+        os.close(fd)
+    if written != len(data):
+        raise OSError(f"{index_path()}: short write ({written} of {len(data)} bytes)")
+
+
+def _indexed() -> list[IndexedRun]:
+    """The index's lines, in order; unreadable lines (a crash mid-write) are skipped."""
+    try:
+        text = index_path().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+            path = Path(doc["path"])
+            created = doc.get("created")
+            out.append(IndexedRun(str(doc["id"]), path, False, float(created or 0) or None))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _scan(folder: Path) -> list[Path]:
+    """The run folders directly under ``folder`` (none if it is missing or unreadable)."""
+    try:
+        children = list(folder.iterdir())
+    except OSError:
+        return []
+    return [p for p in children if is_run_dir(p)]
+
+
+def _legacy_root() -> Path | None:
+    try:
+        return Path.cwd() / LEGACY_RUNS
+    except OSError:  # the current folder was deleted
+        return None
+
+
+def known_runs(root: Path | None = None) -> list[IndexedRun]:
+    """Every run the index knows, plus every run folder under ``root`` (default `runs_root()`)
+    and under ``./runs``, one entry per resolved folder, oldest first.
+
+    Runs found by the scan but missing from the index are added to it (best effort), so a run
+    made before the index existed is found from anywhere once it has been seen.
+    """
+    root = (root or runs_root()).absolute()
+    found: dict[Path, IndexedRun] = {}
+    for run in _indexed():
+        path = run.path.resolve()
+        found[path] = IndexedRun(run.id, path, is_run_dir(path), run.created)
+    new = []
+    for folder in (root, _legacy_root()):
+        for run_dir in _scan(folder) if folder else []:
+            path = run_dir.resolve()
+            if path not in found:
+                created = _mtime(path / "spec.json")
+                found[path] = IndexedRun(path.name, path, True, created)
+                new.append(found[path])
+    for run in new:
+        try:
+            register(run.path, run.created)
+        except OSError:
+            break  # a read-only data folder: listing still works, it is just not remembered
+    return sorted(found.values(), key=lambda r: (r.created or 0.0, r.id))
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def find_run(ref: str, root: Path | None = None) -> Path:
+    """The folder of the run whose id is ``ref`` or starts with it (unique), or a run folder's
+    path. Raises RunUnknownError, RunAmbiguousError or RunGoneError (HomelabErrors with hints)."""
+    root = (root or runs_root()).absolute()
+    if not ref.strip():
+        raise RunUnknownError("run id: empty", hint=_HINT)
+    if os.sep in ref or "/" in ref:  # a path to a run folder
+        folder = Path(ref).expanduser()
+        if is_run_dir(folder):
+            return folder.absolute()
+        raise RunUnknownError(f"run {ref!r}: not a run folder (no spec.json)", hint=_HINT)
+    runs = known_runs(root)
+    exact = [r for r in runs if r.id == ref]
+    matches = exact or [r for r in runs if r.id.startswith(ref)]
+    present = [r for r in matches if r.exists]
+    if not matches:
+        raise RunUnknownError(
+            f"run {ref!r}: no such run under {root}, ./{LEGACY_RUNS} or in the run index "
+            f"{index_path()}",
+            hint=_HINT + "; a run kept elsewhere: pass its folder with --runs DIR",
+        )
+    if len(present) == 1 and (exact or len(matches) == 1):
+        return present[0].path
+    if len(matches) == 1 or (exact and not present):
+        run = matches[-1]
+        raise RunGoneError(
+            f"run {run.id} was at {run.path}; that folder is gone",
+            hint="it was moved or deleted; if it was moved, give its new path "
+            "(or its runs folder with --runs DIR)",
+        )
+    names = ", ".join(r.id if not exact else str(r.path) for r in matches[:3])
+    more = "…" if len(matches) > 3 else ""
+    raise RunAmbiguousError(
+        f"run id prefix {ref!r} matches {len(matches)} runs ({names}{more})",
+        hint="give more of the id (" + _HINT + ")",
+    )
