@@ -23,7 +23,7 @@ from homelab_dp.core.preset import Preset
 from homelab_dp.core.preset_store import open_preset
 from homelab_dp.core.run_view import RunView
 from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
-from homelab_dp.errors import HomelabError, RunNotFoundError, RunStateError
+from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.run import preflight
 from homelab_dp.run.planning import Planned, cpu_hardware, make_plan, with_target_share
 from homelab_dp.rundir.files import (
@@ -34,6 +34,7 @@ from homelab_dp.rundir.files import (
     runs_root,
     write_run_spec,
 )
+from homelab_dp.rundir.index import IndexedRun, find_run, known_runs
 from homelab_dp.rundir.state import (
     ACTIVE,
     alive_pids,
@@ -96,22 +97,14 @@ class RunController:
 
     # ------------------------------------------------------------------ lookup
     def run_dir(self, run_id: str) -> Path:
-        """The folder of a run by id (or unique id prefix)."""
-        path = self.root / run_id
-        if run_id and "/" not in run_id and (path / "spec.json").is_file():
-            return path
-        matches = [p for p in self._run_dirs() if p.name.startswith(run_id)] if run_id else []
-        if len(matches) == 1:
-            return matches[0]
-        hint = "`homelab-dp runs` lists the runs"
-        if len(matches) > 1:
-            raise RunNotFoundError(f"run {run_id!r}: ambiguous ({len(matches)} runs match)", hint)
-        raise RunNotFoundError(f"run {run_id!r}: no such run under {self.root}", hint)
+        """The folder of a run by id, unique id prefix or folder path, wherever it lives: the
+        per-user run index, this root or ./runs (`rundir.index.find_run`). Raises a
+        RunNotFoundError that says whether the id is unknown, ambiguous or its folder gone."""
+        return find_run(run_id, self.root)
 
     def _run_dirs(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        return [p for p in self.root.iterdir() if (p / "spec.json").is_file()]
+        """Every known run folder that is still there, oldest first."""
+        return [run.path for run in known_runs(self.root) if run.exists]
 
     # ------------------------------------------------------------------ preparing
     def prepare(
@@ -259,7 +252,9 @@ class RunController:
     # ------------------------------------------------------------------ inspecting
     def view(self, run_id: str) -> RunView:
         """Every event and sample of the run folded into a RunView, with the current status."""
-        run_dir = self.run_dir(run_id)
+        return self._fold(self.run_dir(run_id))
+
+    def _fold(self, run_dir: Path) -> RunView:
         view = self.new_view(run_dir)
         for event in read_all(run_dir / "events.jsonl"):
             view.apply(event)
@@ -284,16 +279,25 @@ class RunController:
     def status(self, run_id: str) -> dict[str, Any]:
         """The `status --json` document: state, progress and final figures."""
         run_dir = self.run_dir(run_id)
-        return summarize(run_dir, self.view(run_id), current_state(run_dir))
+        return summarize(run_dir, self._fold(run_dir), current_state(run_dir))
 
     def list_runs(self) -> list[dict[str, Any]]:
-        """Every run, newest first (`runs --json`)."""
-        rows = []
-        for run_dir in self._run_dirs():
-            state = current_state(run_dir)
-            view = self.view(run_dir.name)
-            rows.append(summarize(run_dir, view, state))
+        """Every known run (index, root, ./runs), newest first (`runs --json`). Each row has
+        ``path`` and ``exists``; a folder that has gone, or cannot be read, is a row that says so
+        (``status`` null, ``reason``), never an error."""
+        rows = [self._row(run) for run in known_runs(self.root)]
         return sorted(rows, key=lambda r: r.get("created") or 0, reverse=True)
+
+    def _row(self, run: IndexedRun) -> dict[str, Any]:
+        reason = "folder gone"
+        if run.exists:
+            try:
+                state = current_state(run.path)
+                return {**summarize(run.path, self._fold(run.path), state), "exists": True}
+            except (OSError, ValueError, KeyError, TypeError, HomelabError) as exc:
+                reason = f"unreadable run folder: {exc}"
+        return {"run_id": run.id, "path": str(run.path), "exists": run.exists, "status": None,
+                "reason": reason, "created": run.created}  # fmt: skip
 
 
 def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, Any]:
