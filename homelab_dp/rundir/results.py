@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.rundir import index
 from homelab_dp.rundir.files import read_run_spec, runs_root
 
 
@@ -115,22 +116,15 @@ def _run_ref(run_dir: Path) -> ModelRef:
 
 
 def find_run(ref: str, root: Path | None = None) -> Path | None:
-    """The run folder whose id is ``ref`` or starts with it (unique), else None."""
-    root = root or runs_root()
-    if not ref or "/" in ref or not root.is_dir():
+    """The run folder whose id is ``ref`` or starts with it (unique), wherever the run lives
+    (`rundir.index.find_run`: the per-user index, ``root``, ./runs); None when no run has that
+    id. An ambiguous prefix or a run whose folder has gone raises its HomelabError."""
+    if not ref or "/" in ref:
         return None
-    exact = root / ref
-    if (exact / "spec.json").is_file():
-        return exact
-    matches = sorted(
-        p for p in root.iterdir() if p.name.startswith(ref) and (p / "spec.json").is_file()
-    )
-    if len(matches) > 1:
-        raise HomelabError(
-            f"run id prefix {ref!r} matches {len(matches)} runs ({', '.join(p.name for p in matches[:3])}…)",
-            hint="give more of the id (`homelab-dp runs` lists them)",
-        )
-    return matches[0] if matches else None
+    try:
+        return index.find_run(ref, root)
+    except index.RunUnknownError:
+        return None
 
 
 def resolve_model(ref: str, root: Path | None = None) -> ModelRef:
