@@ -1,15 +1,26 @@
-"""What every command module shares: exit codes, the argument parser, printing a result."""
+"""What every command module shares: exit codes, the argument parser, the ``--runs`` option,
+printing a result."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from homelab_dp.render.errors import error_lines
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+RUNS_COMMANDS = ("run", "runs", "status", "attach", "stop", "resume", "measure", "eval", "chat",
+                 "serve")  # fmt: skip
+"""The commands that read or make runs: each takes ``--runs DIR``."""
+RUNS_HELP = (
+    "the runs folder to use (created if missing); overrides $HOMELAB_DP_RUNS. Default: "
+    "$HOMELAB_DP_RUNS, else ~/.local/share/homelab-dp/runs. A run is found by id from any "
+    "folder without it (the per-user run index)"
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -19,6 +30,25 @@ class Parser(argparse.ArgumentParser):
         hint = f"see `{self.prog} --help`"
         sys.stderr.write(error_lines([f"{self.prog}: {message}"], hint) + "\n")
         raise SystemExit(EXIT_BAD_INPUT)
+
+
+def add_runs_option(parser: argparse.ArgumentParser, *, top: bool = False) -> None:
+    """Add ``--runs DIR`` to ``parser``. On a subcommand it is SUPPRESSed when absent, so it
+    never overwrites a ``--runs`` given before the command (``homelab-dp --runs DIR runs``)."""
+    default = None if top else argparse.SUPPRESS
+    parser.add_argument("--runs", metavar="DIR", default=default, help=RUNS_HELP)
+
+
+def use_runs_option(args: argparse.Namespace) -> None:
+    """Make ``--runs DIR`` the runs root of this process and of what it starts (it sets
+    $HOMELAB_DP_RUNS, which the controller and `rundir.results` read). The folder is created
+    0700; one that cannot be raises a HomelabError naming it, before anything starts."""
+    folder = getattr(args, "runs", None)
+    if not folder:
+        return
+    from homelab_dp.rundir.files import RUNS_ENV, open_runs_root
+
+    os.environ[RUNS_ENV] = str(open_runs_root(folder, "--runs"))
 
 
 def print_json(doc: Any) -> None:

@@ -14,7 +14,14 @@ import sys
 from collections.abc import Callable, Sequence
 
 from homelab_dp.cli import chat, doctor, evaluate, measure, plan, presets, probe, runs, serve
-from homelab_dp.cli.common import EXIT_INTERRUPTED, EXIT_OK, Parser
+from homelab_dp.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    RUNS_COMMANDS,
+    Parser,
+    add_runs_option,
+    use_runs_option,
+)
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.errors import error_text
 
@@ -28,9 +35,12 @@ COMMANDS = (probe, doctor, plan, measure, presets, runs, evaluate, chat, serve)
 def build_parser() -> argparse.ArgumentParser:
     """The whole command-line contract: every command module's parsers under one."""
     parser = Parser(prog="homelab-dp", description=DESCRIPTION)
+    add_runs_option(parser, top=True)  # also for the TUI: `homelab-dp --runs DIR`
     sub = parser.add_subparsers(dest="command", parser_class=Parser)
     for command in COMMANDS:
         command.register(sub)
+    for name in RUNS_COMMANDS:  # one option, the same on every command that touches runs
+        add_runs_option(sub.choices[name])
     return parser
 
 
@@ -45,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    try:
+        use_runs_option(args)  # a --runs folder that cannot be made: exit 2, nothing started
+    except HomelabError as exc:
+        return report_error(exc)
     if func is None:  # no command: the Textual TUI
         from homelab_dp.tui.app import run_tui
 

@@ -24,8 +24,11 @@ def open_runs_root(folder: str | Path, source: str = "--runs") -> Path:
     try:
         return ensure_private_dir(path)
     except OSError as exc:
+        why = exc.strerror or str(exc)
+        if isinstance(exc, (FileExistsError, NotADirectoryError)) and exc.filename:
+            why = f"{exc.filename} is a file, not a folder"
         raise HomelabError(
-            f"{source} {folder}: cannot create the runs folder ({exc.strerror or exc})",
+            f"{source} {folder}: cannot create the runs folder ({why})",
             hint="give a folder you can write to, or leave it out: runs then go to "
             "$XDG_DATA_HOME/homelab-dp/runs (~/.local/share/homelab-dp/runs)",
         ) from None
