@@ -6,6 +6,7 @@ Each reads the JSON documents of `RunController.list_runs` and `RunController.st
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -21,19 +22,40 @@ def runs_lines(rows: list[dict[str, Any]]) -> list[str]:
     """`homelab-dp runs`: a header, then one line a run."""
     if not rows:
         return [NO_RUNS]
-    out = [f"{'run':<44} {'status':<12} {'steps':>11} {'loss':>8} {'energy':>9}"]
+    out = [f"{'run':<44} {'status':<12} {'steps':>11} {'loss':>8} {'energy':>9}  folder"]
     for r in rows:
+        if r.get("exists") is False or "step" not in r:  # gone, or a folder that cannot be read
+            word = "gone" if r.get("exists") is False else "unreadable"
+            out.append(f"{r['run_id']:<44} {word:<12} {'':>11} {'':>8} {'':>9}  {where(r)}")
+            continue
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "–"
         energy = f"{r['energy_wh']:.2f} Wh" if r.get("energy_wh") else "–"
         steps = f"{r['step']}/{r['total_steps']}"
-        out.append(f"{r['run_id']:<44} {r['status']:<12} {steps:>11} {loss:>8} {energy:>9}")
+        out.append(
+            f"{r['run_id']:<44} {r['status']:<12} {steps:>11} {loss:>8} {energy:>9}  {where(r)}"
+        )
     return out
+
+
+def short_path(path: str | Path) -> str:
+    """A path for people: under the home folder it starts with ``~``."""
+    path = Path(path)
+    try:
+        return str(Path("~") / path.relative_to(Path.home()))
+    except (ValueError, RuntimeError):  # outside home, or no home to speak of
+        return str(path)
+
+
+def where(row: dict[str, Any]) -> str:
+    """The folder a run lives in (its runs folder), shortened with ``~``."""
+    return short_path(Path(row["path"]).parent) if row.get("path") else "–"
 
 
 def status_lines(doc: dict[str, Any]) -> list[str]:
     """`homelab-dp status RUN`: state, strategy, progress and the figures known so far."""
     lines = [
         f"run       {doc['run_id']}",
+        *([f"folder    {short_path(doc['path'])}"] if doc.get("path") else []),
         f"status    {doc['status']}" + (f" — {doc['reason']}" if doc.get("reason") else ""),
         f"strategy  {doc['method']} · {doc['distribution']} · {doc['world_size']} process(es)",
         f"progress  step {doc['step']}/{doc['total_steps']}"
@@ -66,7 +88,10 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def row_cells(run: dict[str, Any]) -> tuple[Text | str, ...]:
-    """One row of the TUI's history: status, steps, final loss, energy, duration, id."""
+    """One row of the TUI's history: status, steps, final loss, energy, duration, id (a run
+    whose folder has gone says so, with nothing else to show)."""
+    if run.get("exists") is False:
+        return (Text("gone", style="dim"), "", "", "", "", str(run["run_id"]))
     status = str(run.get("status") or "unknown")
     steps = f"{run.get('step') or 0}/{run.get('total_steps') or '?'}"
     loss = "-" if run.get("loss") is None else f"{run['loss']:.3f}"
