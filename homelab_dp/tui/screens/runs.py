@@ -1,4 +1,5 @@
-"""Screen 5, Runs: every run under the runs folder; follow one, resume a stopped one."""
+"""Screen 5, Runs: every run the controller knows (the per-user run index, the runs folder and
+./runs: the same list as `homelab-dp runs`); follow one, resume a stopped one."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ COLUMNS = ("status", "steps", "loss", "energy", "time", "run")
 
 
 class RunsScreen(Screen[None]):
-    """The run history, newest first, refreshed every few seconds."""
+    """The run history, newest first, refreshed every few seconds; a run whose folder has gone
+    is a row that says so (following or resuming it shows why not)."""
 
     BINDINGS = [
         Binding("enter", "follow", "Follow", show=False),
@@ -76,14 +78,17 @@ class RunsScreen(Screen[None]):
         self.runs = runs
         table.clear()
         for run in runs:
-            table.add_row(*row_cells(run), key=run["run_id"])
+            table.add_row(*row_cells(run), key=run.get("path") or run["run_id"])  # ids may repeat
         ids = [r["run_id"] for r in runs]
         if selected in ids:
             table.move_cursor(row=ids.index(selected))
         if not runs:
             root = self.controller.root
             self.query_one("#runs-help", Static).update(
-                Text(f"No runs under {root} yet: start one on 3 Launch or with `homelab-dp run`.")
+                Text(
+                    f"No runs yet (new runs go to {root}): start one on 3 Launch or with "
+                    "`homelab-dp run`."
+                )
             )
 
     def selected(self) -> str | None:
