@@ -22,7 +22,7 @@ from homelab_dp.core.run_view import RunView
 from homelab_dp.core.vocabulary import EXIT_CODE_BY_STATUS
 from homelab_dp.render.run_view import event_line, final_text, live_panel
 from homelab_dp.run.controller import RunController
-from homelab_dp.rundir.state import ACTIVE, current_state
+from homelab_dp.rundir.state import LIVE, current_state
 from homelab_dp.rundir.tail import file_size
 
 POLL_S = 0.25
@@ -56,7 +56,7 @@ def follow(
                 for event in tail.read():
                     view.apply(event)
                     printer.event(event)
-                if state.get("status") not in ACTIVE:
+                if state.get("status") not in LIVE:
                     for event in tail.read():  # drain what the end wrote
                         view.apply(event)
                         printer.event(event)

@@ -46,6 +46,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from homelab_dp.cli.follow import follow
 
     controller = _controller()
+    if args.queue and args.gpus and not args.gpus.lower().startswith("cpu"):
+        from homelab_dp.errors import HomelabError
+
+        raise HomelabError(
+            f"--queue with --gpus {args.gpus}: a what-if size spec has no cards to wait for",
+            hint="queue on real devices (leave out --gpus, or --set hardware.devices=[0,1]) "
+            "or on the CPU with --gpus cpu:N",
+        )
     rendezvous = _rendezvous(args)
     overrides = list(args.set) + (_fitted(args) if args.auto_fit else [])
     prepared = controller.prepare(
@@ -55,15 +63,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         force=args.force,
         nnodes=rendezvous.nnodes,
     )
-    run_id = controller.start(prepared, rendezvous, auto_fit=args.auto_fit)
+    run_id = controller.start(
+        prepared, rendezvous, auto_fit=args.auto_fit, queue=args.queue, force=args.force
+    )
+    head = f"started {run_id}"
+    if args.queue and not args.json:
+        queue = controller.status(run_id).get("queue") or {}
+        waits = ", ".join(queue.get("waiting_for") or []) or "nothing: it starts now"
+        head = f"queued {run_id} (position {queue.get('position', 1)}, waiting for {waits})"
     if args.detach:
         if args.json:
-            print(json.dumps({"type": "detached", "run_id": run_id}))
+            print(json.dumps({"type": "detached", "run_id": run_id, "queued": args.queue}))
         else:
-            print(f"started {run_id}\nfollow it with: homelab-dp attach {run_id}")
+            print(f"{head}\nfollow it with: homelab-dp attach {run_id}")
         return 0
     if not args.json:
-        print(f"started {run_id} (Ctrl-C detaches; stop with: homelab-dp stop {run_id})")
+        print(f"{head} (Ctrl-C detaches; stop with: homelab-dp stop {run_id})")
     return follow(controller, run_id, _mode(args), history_until=0)
 
 
@@ -158,7 +173,17 @@ def register(sub: Any) -> None:
     p.add_argument("--detach", action="store_true", help="return at once; the run goes on")
     p.add_argument("--json", action="store_true", help="events as JSON lines")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--force", action="store_true", help="start even if the plan does not fit")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start even if the plan does not fit or another run is using the devices",
+    )
+    p.add_argument(
+        "--queue",
+        action="store_true",
+        help="wait (in the background, first in first out) until no other run uses the devices "
+        "and the plan's memory is free, then start",
+    )
     p.add_argument(
         "--auto-fit",
         action="store_true",

@@ -23,6 +23,7 @@ from homelab_dp.render.text import duration, mfu_text, num
 STATUS_STYLE = {
     "running": "bold green",
     "starting": "bold cyan",
+    "queued": "bold magenta",
     "stopping": "bold yellow",
     "completed": "bold green",
     "interrupted": "bold yellow",
@@ -122,8 +123,7 @@ def live_panel(v: RunView) -> Panel:
     head = Table.grid(padding=(0, 2))
     head.add_row(
         f"[bold]{v.run_id}[/]",
-        f"status [bold]{v.status}[/]",
-        f"{v.method} · {v.distribution}",
+        f"status [bold]{v.status}[/] · {v.method} · {v.distribution}",
     )
     stats = Table.grid(padding=(0, 2))
     trend = v.loss_trend
@@ -186,8 +186,8 @@ def head_text(view: RunView, width: int = 30) -> Text:
     out.append(view.run_id, style="bold")
     out.append("  ")
     out.append(view.status, style=STATUS_STYLE.get(view.status, "bold"))
-    if view.method:
-        out.append(f"  {view.method} · {view.distribution} · world {view.world_size}")
+    if view.method:  # a visible separator: whitespace alone vanishes in some SVG renderings
+        out.append(f" · {view.method} · {view.distribution} · world {view.world_size}")
     out.append("\n")
     frac = view.step / view.total_steps if view.total_steps else None
     out.append("step ").append_text(gauge(frac, width, "green"))

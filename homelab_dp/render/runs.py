@@ -32,7 +32,7 @@ def runs_lines(rows: list[dict[str, Any]]) -> list[str]:
         energy = f"{r['energy_wh']:.2f} Wh" if r.get("energy_wh") else "–"
         steps = f"{r['step']}/{r['total_steps']}"
         out.append(
-            f"{r['run_id']:<44} {r['status']:<12} {steps:>11} {loss:>8} {energy:>9}  {where(r)}"
+            f"{r['run_id']:<44} {status_word(r):<12} {steps:>11} {loss:>8} {energy:>9}  {where(r)}"
         )
     return out
 
@@ -51,6 +51,22 @@ def where(row: dict[str, Any]) -> str:
     return short_path(Path(row["path"]).parent) if row.get("path") else "–"
 
 
+def status_word(doc: dict[str, Any]) -> str:
+    """The status, with a queued run's position: "queued #2"."""
+    queue = doc.get("queue")
+    if doc.get("status") == "queued" and queue:
+        return f"queued #{queue.get('position')}"
+    return str(doc.get("status") or "unknown")
+
+
+def queue_line(queue: dict[str, Any] | None) -> str | None:
+    """A queued run's place and what it waits for, in words (None: not queued)."""
+    if not queue:
+        return None
+    waits = ", ".join(queue.get("waiting_for") or []) or "nothing (starting)"
+    return f"position {queue.get('position')} in the queue, waiting for {waits}"
+
+
 def status_lines(doc: dict[str, Any]) -> list[str]:
     """`homelab-dp status RUN`: state, strategy, progress and the figures known so far."""
     lines = [
@@ -58,6 +74,7 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
         *([f"folder    {short_path(doc['path'])}"] if doc.get("path") else []),
         f"status    {doc['status']}" + (f" — {doc['reason']}" if doc.get("reason") else ""),
         f"strategy  {doc['method']} · {doc['distribution']} · {doc['world_size']} process(es)",
+        *([f"queue     {queue_line(doc['queue'])}"] if doc.get("queue") else []),
         f"progress  step {doc['step']}/{doc['total_steps']}"
         + (f", loss {doc['loss']:.4f}" if doc.get("loss") is not None else ""),
     ]
@@ -93,11 +110,12 @@ def row_cells(run: dict[str, Any]) -> tuple[Text | str, ...]:
     if run.get("exists") is False:
         return (Text("gone", style="dim"), "", "", "", "", str(run["run_id"]))
     status = str(run.get("status") or "unknown")
+    word = status_word(run)
     steps = f"{run.get('step') or 0}/{run.get('total_steps') or '?'}"
     loss = "-" if run.get("loss") is None else f"{run['loss']:.3f}"
     energy = f"{run.get('energy_wh') or 0.0:.1f} Wh"
     return (
-        Text(status, style=STATUS_STYLE.get(status, "")),
+        Text(word, style=STATUS_STYLE.get(status, "")),
         steps,
         loss,
         energy,

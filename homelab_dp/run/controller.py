@@ -7,6 +7,7 @@ of its own, so a run started over one SSH connection is seen and followed from a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.run import preflight
 from homelab_dp.run.planning import Planned, cpu_hardware, make_plan, with_target_share
+from homelab_dp.run.queue import check_devices_free, devices_of, queue_doc
 from homelab_dp.rundir.files import (
     append_event,
     create_run_dir,
@@ -39,6 +41,7 @@ from homelab_dp.rundir.state import (
     ACTIVE,
     alive_pids,
     current_state,
+    pid_alive,
     update_state,
 )
 from homelab_dp.rundir.tail import RunTail, read_all
@@ -160,22 +163,34 @@ class RunController:
 
     # ------------------------------------------------------------------ starting
     def start(
-        self, prepared: Prepared, rendezvous: Rendezvous | None = None, *, auto_fit: bool = False
+        self,
+        prepared: Prepared,
+        rendezvous: Rendezvous | None = None,
+        *,
+        auto_fit: bool = False,
+        queue: bool = False,
+        force: bool = False,
     ) -> str:
         """Create the run folder and start its keeper in the background; return the run id.
 
         ``auto_fit``: when a rank runs out of memory, the keeper resumes the run with the
         worker's proposal (smaller micro-batch, more accumulation, same effective batch; or
         activation checkpointing) by itself, up to `MAX_OOM_RETRIES` times.
+        ``queue``: the run is created "queued" and its keeper starts it when its devices are
+        free (`homelab_dp.run.queue`). Otherwise a start on devices another run is using is
+        refused, unless ``force``.
         """
         rendezvous = rendezvous or Rendezvous()
         check_port(rendezvous)
         name = Path(prepared.preset.source).stem if prepared.preset.source else "run"
         run_id = new_run_id(name)
         spec = prepared.run_spec(run_id, rendezvous, auto_fit=auto_fit)
+        if not queue and not force:
+            check_devices_free(devices_of(spec), self.root)
         run_dir = create_run_dir(spec, self.root)
-        update_state(run_dir, status="starting", run_id=run_id, created=time.time(), attempt=1)
-        append_event(run_dir, StateEvent(status="starting", run_id=run_id))
+        status = "queued" if queue else "starting"
+        update_state(run_dir, status=status, run_id=run_id, created=time.time(), attempt=1)
+        append_event(run_dir, StateEvent(status=status, run_id=run_id))
         self._spawn_keeper(run_dir)
         return run_id
 
@@ -203,20 +218,25 @@ class RunController:
                 f"run {run_dir.name}: already completed; nothing to resume",
                 hint=f"the result is in {run_dir / 'final'}",
             )
-        if status in ACTIVE:
+        if status in ACTIVE or status == "queued":
             raise RunStateError(
                 f"run {run_dir.name}: still {status}",
                 hint=f"follow it with `homelab-dp attach {run_dir.name}`",
             )
+        # A run interrupted while queued never started: it queues again (from step 0).
+        queued = bool(state.get("queued_only"))
         write_run_spec(run_dir, read_run_spec(run_dir).relaunched(rendezvous or Rendezvous()))
+        status = "queued" if queued else "starting"
         update_state(
             run_dir,
-            status="starting",
-            reason="resuming",
-            attempt=int(state.get("attempt", 1)) + 1,
-            pids={"workers": [], "agent": None, "monitor": None},
+            status=status,
+            reason="queued again" if queued else "resuming",
+            attempt=int(state.get("attempt", 1)) + (0 if queued else 1),
+            queued_only=None,
+            ended=None,
+            pids={"keeper": None, "workers": [], "agent": None, "monitor": None},
         )
-        append_event(run_dir, StateEvent(status="starting", resume=True))
+        append_event(run_dir, StateEvent(status=status, resume=True))
         self._spawn_keeper(run_dir)
         return run_dir.name
 
@@ -225,6 +245,8 @@ class RunController:
         """Graceful stop: the keeper tells every rank; they agree, checkpoint and exit."""
         run_dir = self.run_dir(run_id)
         state = current_state(run_dir)
+        if state.get("status") == "queued":
+            return self._leave_queue(run_dir, state, timeout)
         if state.get("status") not in ACTIVE:
             raise RunStateError(
                 f"run {run_dir.name}: not running ({state.get('status')})",
@@ -247,6 +269,25 @@ class RunController:
         raise RunStateError(
             f"run {run_dir.name}: still running {timeout:.0f} s after the stop request",
             hint="a rank may be stuck in a collective; check its logs, then kill its pids",
+        )
+
+    def _leave_queue(self, run_dir: Path, state: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Stop a queued run: its keeper leaves the queue (interrupted, nothing started)."""
+        keeper = (state.get("pids") or {}).get("keeper")
+        if keeper:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(keeper), signal.SIGTERM)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = current_state(run_dir)
+            if state.get("status") in ACTIVE:  # its turn came just before the request
+                return self.stop(run_dir.name, max(deadline - time.time(), 1.0))
+            if state.get("status") != "queued" and not (keeper and pid_alive(int(keeper))):
+                return state
+            time.sleep(0.2)
+        raise RunStateError(
+            f"run {run_dir.name}: still queued {timeout:.0f} s after the stop request",
+            hint=f"its keeper (pid {keeper}) did not answer; see {run_dir / 'logs' / 'keeper.log'}",
         )
 
     # ------------------------------------------------------------------ inspecting
@@ -301,7 +342,7 @@ class RunController:
 
 
 def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, Any]:
-    """One run as a JSON-ready dict."""
+    """One run as a JSON-ready dict (a queued run's ``queue``: position and what it waits for)."""
     started = state.get("created")
     ended = state.get("ended")
     duration = (ended or time.time()) - started if started and state.get("status") else None
@@ -334,6 +375,7 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
         "pids": state.get("pids"),
         "exit_code": state.get("exit_code"),
         "attempt": state.get("attempt"),
+        "queue": queue_doc(run_dir, state),
     }
 
 

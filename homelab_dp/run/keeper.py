@@ -53,6 +53,8 @@ WORKER_GRACE_S = 20.0
 """How long orphaned workers get to exit after SIGTERM before SIGKILL."""
 AGENT_GRACE_S = 15.0
 """How long torchrun gets to exit after the watchdog killed its stalled workers."""
+QUEUE_POLL_S = 1.5
+"""How often a queued run looks whether its devices are free."""
 
 
 class Keeper:
@@ -230,6 +232,50 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
+def wait_in_queue(run_dir: Path) -> bool:
+    """Wait until the queue lets this run start (`homelab_dp.run.queue.waiting`); then set it
+    "starting" and return True. A stop request while waiting ends the run as interrupted with
+    nothing started, and returns False."""
+    from homelab_dp.run import queue
+
+    stopped: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: stopped.append(signum))
+    update_state(run_dir, pids={"keeper": os.getpid()})
+    spec = read_run_spec(run_dir)
+    devices = queue.devices_of(spec)
+    created = float(read_state(run_dir).get("created") or time.time())
+    need = spec.planned_bytes.get("total")
+    shown: dict[str, Any] | None = None
+    while not stopped:
+        others = queue.others(run_dir.parent, run_dir.name)
+        now = queue.waiting(run_dir.name, created, devices, others)
+        if not now.waiting_for and not devices.cpu and need:  # probe only when it is our turn
+            free = queue.free_memory(devices.indices)
+            now = queue.waiting(run_dir.name, created, devices, others, free, need)
+        if not now.waiting_for:
+            break
+        if now.to_json() != shown:  # `status` reads what the keeper waits for
+            shown = now.to_json()
+            update_state(run_dir, queue=shown)
+        time.sleep(QUEUE_POLL_S)
+    if stopped:
+        reason = "stopped while queued; nothing was started"
+        update_state(
+            run_dir,
+            status="interrupted",
+            reason=reason,
+            ended=time.time(),
+            queue=None,
+            queued_only=True,
+        )
+        append_event(run_dir, StateEvent(status="interrupted", reason=reason))
+        return False
+    update_state(run_dir, status="starting", reason=None, queue=None, started=time.time())
+    append_event(run_dir, StateEvent(status="starting", reason="its turn in the queue"))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="homelab-dp run keeper (started by the controller)"
@@ -241,9 +287,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def supervise(run_dir: Path) -> int:
     """Run the launch; with ``auto_fit`` in the spec, resume after out-of-memory with the
-    worker's proposal (same effective batch), up to `MAX_OOM_RETRIES` times."""
+    worker's proposal (same effective batch), up to `MAX_OOM_RETRIES` times. A queued run
+    first waits for its turn (`wait_in_queue`)."""
     from homelab_dp.run.controller import MAX_OOM_RETRIES, apply_oom_proposal
 
+    if read_state(run_dir).get("status") == "queued" and not wait_in_queue(run_dir):
+        return 0
     retries = 0
     while True:
         keeper = Keeper(run_dir)

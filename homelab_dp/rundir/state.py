@@ -3,7 +3,8 @@
 `state.json` is written by the controller at start and by the keeper (the supervisor that
 outlives the terminal) at the end. When every recorded process is gone but the file still
 says starting/running/stopping, the run died without saying so: `current_state` then reports
-failed, with the reason read from torchrun's error files and the logs.
+failed, with the reason read from torchrun's error files and the logs. A queued run whose
+keeper is gone (a reboot) reads as interrupted, with ``queued_only`` set: nothing had started.
 
 The reason names the root cause: torchrun's summary lists every rank that failed, and the
 "Root Cause (first observed failure)" block says which went first and how (exit code, or the
@@ -32,6 +33,8 @@ from homelab_dp.rundir.files import write_json_atomic
 
 ACTIVE = ACTIVE_STATUSES
 FINAL = FINAL_STATUSES
+LIVE = (*ACTIVE_STATUSES, "queued")
+"""Not ended yet: active, or waiting in the queue (a follower keeps following)."""
 
 
 def read_state(run_dir: Path) -> dict[str, Any]:
@@ -88,6 +91,14 @@ def alive_pids(state: dict[str, Any]) -> list[int]:
 def current_state(run_dir: Path) -> dict[str, Any]:
     """state.json, corrected when the run's processes are gone without a final status."""
     state = read_state(run_dir)
+    if state.get("status") == "queued" and not _keeper_alive(state):
+        state = read_state(run_dir)  # the keeper may have moved on between the two reads
+        if state.get("status") == "queued" and not _keeper_alive(state):
+            state["status"] = "interrupted"
+            state["queued_only"] = True
+            state["reason"] = (f"its keeper died while it was queued (a reboot?); nothing was "
+                               f"started; `homelab-dp resume {run_dir.name}` queues it again")  # fmt: skip
+        return state
     if state.get("status") in ACTIVE and not alive_pids(state):
         # Re-read: the keeper may have written the final state between the two reads.
         state = read_state(run_dir)
@@ -96,6 +107,15 @@ def current_state(run_dir: Path) -> dict[str, Any]:
             state["reason"] = diagnose_failure(run_dir) or "its processes are gone"
             state["reason"] = "the run's processes died without a final state: " + state["reason"]
     return state
+
+
+def _keeper_alive(state: dict[str, Any]) -> bool:
+    """A queued run's keeper is alive (it is the only process a queued run has)."""
+    keeper = (state.get("pids") or {}).get("keeper")
+    # Just created, keeper not recorded yet: the controller writes its pid right after spawning.
+    if not keeper:
+        return time.time() - float(state.get("updated") or 0) < 10
+    return pid_alive(int(keeper))
 
 
 _SIGNAL_RE = re.compile(r"[Ss]ignal (\d+) \((SIG\w+)\)|exitcode\s*:\s*(-?\d+)")

@@ -61,8 +61,8 @@ def test_two_detached_runs_at_once_complete_with_their_figures(
 ) -> None:
     data = data_dir / "ragged-64.jsonl"
     preset = write_preset(tmp_path, "p-6-64", tiny_model, data, seq_len=64, pack=True, max_steps=6)
-    first = start_detached(env, preset)
-    second = start_detached(env, preset)
+    first = start_detached(env, preset, "--force")  # --force: the CPU host is in use by first
+    second = start_detached(env, preset, "--force")
     assert first != second
     docs = [wait_status(env, r, {"completed", "failed"}) for r in (first, second)]
     for doc in docs:
@@ -180,7 +180,7 @@ def test_two_nodes_over_loopback_match_one_node(
 ) -> None:
     data = data_dir / "ragged-64.jsonl"
     preset = write_preset(tmp_path, "p-5-64", tiny_model, data, seq_len=64, pack=True, max_steps=5)
-    one = start_detached(env, preset)
+    one = start_detached(env, preset, "--force")  # three runs share the CPU host on purpose
     port = _free_port()
     nodes = [
         subprocess.Popen(
@@ -189,6 +189,7 @@ def test_two_nodes_over_loopback_match_one_node(
                 "run",
                 str(preset),
                 "--json",
+                "--force",
                 "--gpus",
                 "cpu:1",
                 "--nnodes",

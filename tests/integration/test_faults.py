@@ -165,7 +165,7 @@ def twins(controller: RunController, folder: Path, tiny_model: Path, data: Path)
     """
     preset = fault_preset(folder, "reference", tiny_model, data)
     t = time.time()
-    runs = [start(controller, preset), start(controller, preset)]
+    runs = [start(controller, preset, force=True), start(controller, preset, force=True)]
     dirs = [controller.run_dir(r) for r in runs]
     sockets: list[set[tuple[str, int]]] = [set(), set()]
     while any(current_state(d).get("status") in ACTIVE for d in dirs):  # sample while they run

@@ -1,0 +1,130 @@
+"""The queue for the cards, through the real console script: one CPU run holding the CPU host,
+a start without --queue refused, two queued runs that start in order after it, and a queued run
+stopped before it started.
+
+The first run's rank holds still at step 2 (an injected SIGSTOP, `homelab_dp.train.guard`) while
+the others are queued and inspected, so nothing races the run; it goes on once they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from homelab_dp.rundir.state import alive_pids, read_state
+from homelab_dp.train.guard import FAULT_ENV
+from tests.conftest import write_preset
+
+EXE = Path(sys.executable).with_name("homelab-dp")
+pytestmark = pytest.mark.slow
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(EXE), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def status(env: dict[str, str], run_id: str) -> dict:
+    out = cli(env, "status", run_id, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def detached(env: dict[str, str], preset: Path, *extra: str) -> str:
+    out = cli(env, "run", str(preset), "--gpus", "cpu:1", "--detach", "--json", *extra)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["run_id"]
+
+
+def held_worker(run_dir: Path, timeout: float = 120) -> int:
+    """The run's one worker once it has stopped itself (SIGSTOP) at step 2.
+
+    ``timeout`` is a liveness guard: a run's first step comes 8-18 s after its start."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        workers = read_state(run_dir).get("pids", {}).get("workers") or []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if workers and psutil.Process(workers[0]).status() == psutil.STATUS_STOPPED:
+                return workers[0]
+        time.sleep(0.05)
+    raise AssertionError(f"the worker did not hold still within {timeout} s: {read_state(run_dir)}")
+
+
+def wait_ended(env: dict[str, str], run_id: str, timeout: float = 240) -> dict:
+    """Until the run has ended (``timeout``: a liveness guard, each run takes ~10 s)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        doc = status(env, run_id)
+        if doc["status"] in ("completed", "failed", "interrupted"):
+            return doc
+        time.sleep(1.0)
+    raise AssertionError(f"{run_id} did not end: {doc}")
+
+
+def test_queued_runs_start_in_order_after_the_running_one(
+    tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    runs = tmp_path / "runs"
+    env = {**os.environ, "HOMELAB_DP_RUNS": str(runs)}
+    data = data_dir / "ragged-64.jsonl"
+    preset = write_preset(
+        tmp_path, "q", tiny_model, data, seq_len=64, pack=True, nproc=1, max_steps=4, grad_accum=1
+    )
+    first = detached({**env, FAULT_ENV: "sigstop:rank=0:step=2"}, preset)
+    worker = held_worker(runs / first)
+    try:
+        # Without --queue: refused, nothing created.
+        before = sorted(p.name for p in runs.iterdir())
+        out = cli(env, "run", str(preset), "--gpus", "cpu:1", "--detach")
+        assert out.returncode == 2, out.stderr
+        assert f"error: the CPU host is in use by run {first} (running)" in out.stderr
+        assert "hint: add --queue to start it when they are free, or --force" in out.stderr
+        assert sorted(p.name for p in runs.iterdir()) == before
+        # --queue with a what-if size spec: nothing to wait for.
+        out = cli(env, "run", str(preset), "--queue", "--gpus", "2x24GiB")
+        assert out.returncode == 2 and "error: --queue with --gpus 2x24GiB" in out.stderr
+        assert "hint:" in out.stderr and sorted(p.name for p in runs.iterdir()) == before
+
+        second = detached(env, preset, "--queue")
+        third = detached(env, preset, "--queue")
+        dropped = detached(env, preset, "--queue")
+        docs = {r: status(env, r) for r in (second, third, dropped)}
+        assert [docs[r]["status"] for r in docs] == ["queued"] * 3
+        assert docs[second]["queue"] == {"position": 1, "waiting_for": [first]}
+        assert docs[third]["queue"] == {"position": 2, "waiting_for": [first, second]}
+        assert docs[dropped]["queue"]["position"] == 3
+        table = cli(env, "runs").stdout
+        assert f"{third:<44} queued #2" in table
+        text = cli(env, "status", third).stdout
+        assert f"position 2 in the queue, waiting for {first}, {second}" in text
+
+        # `stop` on a queued run: out of the queue, nothing started.
+        out = cli(env, "stop", dropped)
+        assert out.returncode == 0, out.stderr
+        doc = status(env, dropped)
+        assert doc["status"] == "interrupted"
+        assert doc["reason"] == "stopped while queued; nothing was started"
+        assert not (runs / dropped / "logs" / "launcher.log").exists()
+        assert not alive_pids(read_state(runs / dropped))
+        assert status(env, third)["queue"]["waiting_for"] == [first, second]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
+
+    ended = [wait_ended(env, r) for r in (first, second, third)]
+    assert [d["status"] for d in ended] == ["completed"] * 3, [d["reason"] for d in ended]
+    states = [read_state(runs / r) for r in (first, second, third)]
+    # Each queued run started only after the one before it ended.
+    assert states[1]["started"] >= states[0]["ended"]
+    assert states[2]["started"] >= states[1]["ended"]
+    assert [d["step"] for d in ended] == [4, 4, 4]
