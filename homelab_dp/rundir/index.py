@@ -119,7 +119,7 @@ def _indexed() -> list[IndexedRun]:
     """The index's lines, in order; unreadable lines (a crash mid-write) are skipped."""
     try:
         text = index_path().read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except OSError:  # none yet, or unreadable: the scans still find what is in reach
         return []
     out = []
     for line in text.splitlines():
