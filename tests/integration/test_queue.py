@@ -20,9 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from homelab_dp.rundir.state import alive_pids, read_state
+from homelab_dp.run.controller import make_controller
+from homelab_dp.run.queue import Devices, Other, waiting
+from homelab_dp.rundir.state import alive_pids, read_state, update_state
 from homelab_dp.train.guard import FAULT_ENV
 from tests.conftest import write_preset
+from tests.integration.conftest import make_run
 
 EXE = Path(sys.executable).with_name("homelab-dp")
 pytestmark = pytest.mark.slow
@@ -128,3 +131,54 @@ def test_queued_runs_start_in_order_after_the_running_one(
     assert states[1]["started"] >= states[0]["ended"]
     assert states[2]["started"] >= states[1]["ended"]
     assert [d["step"] for d in ended] == [4, 4, 4]
+
+
+def test_a_queued_run_whose_keeper_died_reads_interrupted_and_resume_queues_it_again(
+    tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    """No run is started: "busy" holds the CPU host (this test's process stands for its keeper)."""
+    root = tmp_path / "runs"
+    controller = make_controller(root)
+    data = data_dir / "ragged-16.jsonl"
+    busy = make_run(root, tiny_model, data, name="busy", world=1)
+    update_state(busy, status="running", created=time.time() - 60, pids={"keeper": os.getpid()})
+    lost = make_run(root, tiny_model, data, name="lost", world=1)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    update_state(lost, status="queued", created=time.time(), pids={"keeper": gone.pid})
+
+    doc = controller.status("lost")  # a reboot: the keeper is gone, nothing had started
+    assert doc["status"] == "interrupted" and doc["queue"] is None
+    assert "nothing was started" in doc["reason"] and "resume lost" in doc["reason"]
+
+    controller.resume("lost")
+    assert controller.status("lost")["queue"] == {"position": 1, "waiting_for": ["busy"]}
+    deadline = time.time() + 60  # liveness guard: the keeper records its wait within ~1 s
+    while not read_state(lost).get("queue") and time.time() < deadline:
+        time.sleep(0.1)
+    assert read_state(lost)["queue"] == {"position": 1, "waiting_for": ["busy"]}
+    state = controller.stop("lost", timeout=60)
+    assert state["status"] == "interrupted"
+    assert state["reason"] == "stopped while queued; nothing was started"
+    assert not (lost / "logs" / "launcher.log").exists() and not alive_pids(state)
+
+
+def test_the_waiting_rule() -> None:
+    """Cards overlap by UUID when both runs know them, else by index; FIFO; memory last."""
+    gpus01 = Devices(False, (0, 1), ("GPU-a", "GPU-b"))
+    others = [
+        Other("uses-1", "running", 1.0, Devices(False, (1,), ("GPU-b",))),
+        Other("other-card", "running", 2.0, Devices(False, (2,), ("GPU-c",))),
+        Other("cpu", "running", 3.0, Devices(cpu=True)),
+        Other("queued-before", "queued", 4.0, Devices(False, (0,))),
+        Other("queued-after", "queued", 9.0, Devices(False, (0,))),
+        Other("done", "completed", 0.5, Devices(False, (0, 1))),
+    ]
+    w = waiting("me", 5.0, gpus01, others)
+    assert w.to_json() == {"position": 2, "waiting_for": ["uses-1", "queued-before"]}
+    free = {0: 30 << 30, 1: 10 << 30}
+    alone = waiting("me", 5.0, gpus01, others[1:3], free, need_bytes=20 << 30)
+    assert alone.to_json() == {"position": 1, "waiting_for": ["memory on GPU 1"]}
+    assert not waiting("me", 5.0, gpus01, others[1:3], free, need_bytes=8 << 30).waiting_for
+    assert waiting("me", 5.0, Devices(cpu=True), others).waiting_for == ("cpu",)
+    assert gpus01.shared(others[0].devices) == "GPU 1"
