@@ -41,7 +41,7 @@ async def test_nothing_followed_says_where_to_start(controller: RunController) -
 async def test_a_finished_run_shows_every_panel(controller: RunController) -> None:
     async with open_monitor(controller, RUN_ID, shows_snapshot) as (app, _, _):
         head = plain(app, "#mon-head")
-        assert f"{RUN_ID}  completed  lora · ddp · world 2" in head
+        assert f"{RUN_ID}  completed · lora · ddp · world 2" in head
         assert "40/40  ETA done  elapsed 2m44s" in head
         assert "loss 1.4798 ↓" in head and "energy 26.5 Wh ≈ 0.01 EUR" in head
         loss_chart = app.screen.query_one("#chart-loss", Chart)

@@ -27,6 +27,7 @@ class LaunchScreen(Screen[None]):
 
     BINDINGS = [
         Binding("s", "start", "Start"),
+        Binding("u", "queue", "Queue"),
         Binding("w", "save", "Save"),
         Binding("escape", "blur", "Leave field", show=False),
     ]
@@ -39,6 +40,8 @@ class LaunchScreen(Screen[None]):
         self.launching = False
         self.started: str | None = None
         """The id of the run this screen started last."""
+        self.queueing = False
+        """Whether the launch being prepared queues its run (Queue) or starts it (Start)."""
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -52,7 +55,8 @@ class LaunchScreen(Screen[None]):
             yield Static(id="launch-command")
             with Horizontal(classes="buttons"):
                 yield Button("Start run", id="start", variant="success", compact=True)
-                yield Checkbox("--force (start even if it does not fit)", id="force", compact=True)
+                yield Button("Queue", id="queue", compact=True)
+                yield Checkbox("--force (start anyway)", id="force", compact=True)
             yield Static(id="launch-status")
             yield Label("Save these settings as a preset", classes="section")
             with Horizontal(classes="row"):
@@ -119,6 +123,14 @@ class LaunchScreen(Screen[None]):
     @on(Button.Pressed, "#start")
     def action_start(self) -> None:
         """Prepare (model, data, plan) and start the run, off the UI thread."""
+        self._begin(queue=False)
+
+    @on(Button.Pressed, "#queue")
+    def action_queue(self) -> None:
+        """Prepare, then queue the run: it starts by itself when its devices are free."""
+        self._begin(queue=True)
+
+    def _begin(self, queue: bool) -> None:
         if self.launching:
             self.app.notify("a run is already being prepared", severity="warning")
             return
@@ -131,14 +143,19 @@ class LaunchScreen(Screen[None]):
         self._status("preparing: reading the model and the data, checking the plan…", "cyan")
         force = self.query_one("#force", Checkbox).value
         s = self.session
-        self._launch(s.preset_name, s.overrides(), s.gpus or None, force)
+        self.queueing = queue
+        self._launch(s.preset_name, s.overrides(), s.gpus or None, force, queue)
 
     @work(thread=True, exclusive=True, group="launch", exit_on_error=False)
-    def _launch(self, preset: str, overrides: list[str], gpus: str | None, force: bool) -> str:
+    def _launch(
+        self, preset: str, overrides: list[str], gpus: str | None, force: bool, queue: bool
+    ) -> str:
         prepared = self.controller.prepare(preset, overrides=overrides, gpus=gpus, force=force)
         if get_current_worker().is_cancelled:  # the TUI was closed while preparing
             raise RuntimeError("launch cancelled")
-        return self.controller.start(prepared)
+        # --force also starts on devices another run is using; --queue waits for them instead.
+        options = {k: True for k, on in (("queue", queue), ("force", force)) if on}
+        return self.controller.start(prepared, **options)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """The launch thread ended: follow the new run, or show why it did not start."""
@@ -151,8 +168,9 @@ class LaunchScreen(Screen[None]):
         if event.state == WorkerState.SUCCESS:
             run_id = str(event.worker.result)
             self.started = run_id
-            self._status(f"started {run_id}", "green")
-            self.app.notify(f"started run {run_id}\nfollow it with: homelab-dp attach {run_id}")
+            verb = "queued" if self.queueing else "started"
+            self._status(f"{verb} {run_id}", "green")
+            self.app.notify(f"{verb} run {run_id}\nfollow it with: homelab-dp attach {run_id}")
             self.post_message(FollowRun(run_id))
             return
         error = event.worker.error

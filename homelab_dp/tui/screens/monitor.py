@@ -21,7 +21,7 @@ from homelab_dp.render.run_view import (
 )
 from homelab_dp.render.text import mfu_text
 from homelab_dp.run.controller import RunController
-from homelab_dp.rundir.state import ACTIVE
+from homelab_dp.rundir.state import LIVE
 from homelab_dp.tui.follower import Following, Snapshot
 from homelab_dp.tui.messages import UserError
 from homelab_dp.tui.screens.confirm import ConfirmScreen
@@ -120,7 +120,7 @@ class MonitorScreen(Screen[None]):
         if snapshot is None:
             self.app.notify("no run followed", severity="warning")
             return
-        if snapshot.view.status not in ACTIVE:
+        if snapshot.view.status not in LIVE:
             self.app.notify(f"run {snapshot.run_id} is {snapshot.view.status}: nothing to stop")
             return
         run_id = snapshot.run_id
