@@ -27,7 +27,7 @@ class LaunchScreen(Screen[None]):
 
     BINDINGS = [
         Binding("s", "start", "Start"),
-        Binding("u", "queue", "Queue"),
+        Binding("u", "queue", "Queue", show=False),  # the Queue button shows it; the footer is full
         Binding("w", "save", "Save"),
         Binding("escape", "blur", "Leave field", show=False),
     ]
