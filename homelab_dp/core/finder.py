@@ -38,7 +38,7 @@ def plan_largest_micro_batch(
     """
     t = preset.train
     requested = t.micro_batch * hw.world_size * t.grad_accum
-    limit = SAFETY_MARGIN * hw.min_memory
+    limit = hw.budget(SAFETY_MARGIN)  # on local cards others use: what is free, less a margin
     fit: Fit | None = None
     dtype = resolve_dtype(preset, hw)
     for method, dist in allowed_options(preset):

@@ -6,7 +6,7 @@ Pure data and parsing; the probing itself lives in `homelab_dp.probe`.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from homelab_dp.errors import HardwareSpecError
@@ -18,6 +18,33 @@ BF16_MIN_CAPABILITY = (8, 0)
 """The oldest compute capability with bf16 arithmetic (Ampere); older cards compute in fp16."""
 
 DeviceKind = Literal["cuda", "cpu"]
+
+FREE_MARGIN_MIN = 256 * MiB
+FREE_MARGIN_SHARE = 0.02
+"""A local card's budget keeps this much of its free memory back (the larger of the two):
+other processes' memory moves between the probe and the run's peak."""
+
+
+def free_margin(total: int) -> int:
+    """What a plan leaves of a local card's free memory: max(256 MiB, 2% of the card)."""
+    return max(FREE_MARGIN_MIN, int(FREE_MARGIN_SHARE * total))
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process that holds memory on a GPU, as NVML lists it (compute and graphics)."""
+
+    pid: int
+    name: str | None
+    """Its name (psutil, /proc/PID/comm, or a recording's); None when it cannot be read
+    (another PID namespace or user, or it has exited)."""
+    used_bytes: int | None
+    """Device memory it holds; None where NVML says "not available" (no permission, WDDM)."""
+    kind: str = "compute"
+    """How NVML lists it: "compute", "graphics" or "compute+graphics"."""
+    run_id: str | None = None
+    """The homelab-dp run whose keeper, agent or worker it is; set by planning, never by the
+    probe (which does not read run folders)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +75,9 @@ class GpuInfo:
     compute_capability: tuple[int, int] | None = None
     """CUDA compute capability (major, minor): (8, 6) for an RTX 3090, (7, 5) for an RTX 2080 Ti.
     bf16 needs 8.0 (Ampere) or newer; see `BF16_MIN_CAPABILITY`."""
+    processes: tuple[GpuProcess, ...] | None = None
+    """The compute and graphics processes holding memory on it, one per pid; None when NVML
+    could not list them (not supported, no permission)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +144,24 @@ class PlanDevice:
     compute_capability: tuple[int, int] | None = None
     """(major, minor) from the probe or a what-if ``--gpus 2x11GiB@7.5``; None on the CPU and
     where it is not known (the planner then assumes bf16 works, and says so)."""
+    free_bytes: int | None = None
+    """A local card's free memory at probe time; None for what-if cards and the CPU, whose
+    whole memory is budgeted."""
+    processes: tuple[GpuProcess, ...] | None = None
+    """What holds memory on a local card (None: not known, e.g. a what-if card)."""
+
+    def budget(self, margin: float) -> int:
+        """What a plan may use here: ``margin`` (the planner's safety margin) of the memory,
+        and on a local card no more than its free memory less `free_margin`."""
+        whole = int(margin * self.memory_bytes)
+        if self.free_bytes is None:
+            return whole
+        return max(0, min(whole, self.free_bytes - free_margin(self.memory_bytes)))
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory in use by others at probe time (0 for a what-if card or the CPU)."""
+        return 0 if self.free_bytes is None else max(0, self.memory_bytes - self.free_bytes)
 
 
 @dataclass(frozen=True)
@@ -139,6 +187,22 @@ class PlanHardware:
     def min_memory(self) -> int:
         """The smallest device's memory: mixed cards are limited by the smallest."""
         return min(d.memory_bytes for d in self.devices)
+
+    def budget(self, margin: float) -> int:
+        """What each device may use: the smallest `PlanDevice.budget` (every rank gets the
+        same share)."""
+        return min(d.budget(margin) for d in self.devices)
+
+    def limited(self, margin: float) -> tuple[int, ...]:
+        """Positions of the local cards whose budget is cut by what other processes hold."""
+        return tuple(
+            i for i, d in enumerate(self.devices) if d.budget(margin) < int(margin * d.memory_bytes)
+        )
+
+    def idle(self) -> PlanHardware:
+        """The same devices with nothing else on them: every card budgeted whole."""
+        devices = tuple(replace(d, free_bytes=None, processes=None) for d in self.devices)
+        return replace(self, devices=devices)
 
     def below_capability(self, capability: tuple[int, int]) -> tuple[int, ...]:
         """Positions of the devices whose known compute capability is below ``capability``."""

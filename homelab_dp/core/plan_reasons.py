@@ -231,16 +231,21 @@ def choice_reasons(
     """Why ``chosen``: the hardware, each option rejected as too big, and the verdict.
 
     ``tried`` is every option the decision tree budgeted, in order; ``margin`` is the fraction
-    of the smallest device's memory a plan may use.
+    of the smallest device's memory a plan may use (less on a local card that others use:
+    `PlanHardware.budget`).
     """
     cap = hw.min_memory
-    usable = margin * cap
+    usable = hw.budget(margin)
     n = hw.world_size
     where = f"{n} CPU process{'es' if n > 1 else ''}" if hw.kind == "cpu" else f"{n} GPU(s)"
+    if hw.limited(margin):  # other processes hold memory: the free memory limits the plan
+        why = "usable: what is free less a margin, see below"
+    else:
+        why = f"usable after a {int(round((1 - margin) * 100))}% margin"
     out = [
         f"{count(spec.params)} parameters ({spec.model_type}), {where}, "
-        f"{format_bytes(cap)} on the smallest device ({format_bytes(usable)} usable after a "
-        f"{int(round((1 - margin) * 100))}% margin), compute in {dtype}."
+        f"{format_bytes(cap)} on the smallest device ({format_bytes(usable)} {why}), "
+        f"compute in {dtype}."
     ]
     out += dtype_reasons(preset, hw, dtype)
     if len({d.memory_bytes for d in hw.devices}) > 1:
@@ -272,9 +277,12 @@ def choice_reasons(
         )
     total = chosen.budget.total
     verdict = "fits" if chosen.fits else "does NOT fit"
+    of = f"{100 * total / cap:.0f}% of {format_bytes(cap)}"
+    if hw.limited(margin):
+        of = f"{100 * total / max(usable, 1):.0f}% of the {format_bytes(usable)} usable"
     out.append(
         f"Chosen: {_describe(chosen)} — {format_bytes(total)} per device at the {chosen.budget.peak_phase} "
-        f"peak, {verdict} ({100 * total / cap:.0f}% of {format_bytes(cap)})."
+        f"peak, {verdict} ({of})."
     )
     if chosen.distribution != "ddp" and chosen.fits:
         out.append(
@@ -296,10 +304,10 @@ def fit_advice(
     """What would make the run fit, each checked with the same budget arithmetic.
 
     ``best`` is the smallest option that did not fit; ``evaluate`` budgets the what-ifs and
-    ``margin`` is the fraction of the smallest device's memory a plan may use.
+    ``margin`` is the fraction of the smallest device's memory a plan may use (`hw.budget`).
     """
     m, d, ck = best.method, best.distribution, best.activation_checkpointing
-    usable = margin * hw.min_memory
+    usable = hw.budget(margin)
     out: list[str] = []
     t = preset.train
 
@@ -330,7 +338,7 @@ def fit_advice(
     if hw.kind == "cuda" and m == "full":
         size = hw.min_memory
         for n in range(hw.world_size + 1, 17):
-            more = replace(hw, devices=tuple(hw.devices[:1]) * n)
+            more = replace(hw, devices=tuple(hw.idle().devices[:1]) * n)  # other cards, idle
             c = evaluate(spec, preset, more, "full", "fsdp-full", True)
             if c.fits:
                 out.append(

@@ -19,7 +19,7 @@ scaling) are `homelab_dp.core.plan_reasons`; this module decides and budgets.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from homelab_dp.core.calibration import (
@@ -34,6 +34,7 @@ from homelab_dp.core.hardware import (
     PlanHardware,
     format_capability,
 )
+from homelab_dp.core.held_memory import held_reasons, idle_advice, idle_choice_reason
 from homelab_dp.core.host_memory import HostBudget
 from homelab_dp.core.memory import (
     Budget,
@@ -58,7 +59,8 @@ if TYPE_CHECKING:
     from homelab_dp.core.fit import Fit
 
 SAFETY_MARGIN = 0.95
-"""A plan fits when its total is at most this fraction of the smallest device's memory."""
+"""A plan fits when its total is at most this fraction of the smallest device's memory (and,
+on a local card others use, at most its free memory less a margin: `PlanHardware.budget`)."""
 
 ORDER: tuple[tuple[str, str], ...] = (
     ("full", "ddp"),
@@ -129,11 +131,21 @@ class Plan:
     """The micro-batch finder's answer, when it chose the micro-batch."""
     host: HostBudget | None = None
     """Host RAM of loading, saving and merging (`with_host`); None: not looked at."""
+    idle: Candidate | None = None
+    """What the plan would choose on the same cards idle, when other processes hold memory
+    that cuts a card's budget (None: every card budgeted whole, or nothing held)."""
 
     @property
     def fits(self) -> bool:
         """The chosen option fits the devices, and the machine's RAM holds its host peaks."""
         return self.chosen.fits and (self.host is None or self.host.fits)
+
+    @property
+    def fits_when_idle(self) -> bool:
+        """The run would fit once the other processes on its cards are gone (True when it
+        fits now: an idle card budgets at least as much)."""
+        idle_fits = self.idle.fits if self.idle is not None else self.chosen.fits
+        return (self.chosen.fits or idle_fits) and (self.host is None or self.host.fits)
 
     @property
     def world_size(self) -> int:
@@ -162,6 +174,9 @@ class Plan:
                         "compute_capability": (
                             list(d.compute_capability) if d.compute_capability else None
                         ),
+                        "free_bytes": d.free_bytes,
+                        "budget_bytes": d.budget(SAFETY_MARGIN),
+                        "processes": [asdict(p) for p in d.processes or ()],
                     }
                     for d in self.hardware.devices
                 ],
@@ -178,6 +193,7 @@ class Plan:
             "method": self.chosen.method,
             "distribution": self.chosen.distribution,
             "fits": self.fits,
+            "fits_when_idle": self.fits_when_idle,
             "peak_phase": b.peak_phase,
             "phase_tensor_bytes": dict(b.phases),
             "per_device_bytes": b.per_device_bytes(),
@@ -314,7 +330,7 @@ def evaluate(
     overhead = calibration.overhead if calibration else None
     b = budget(spec, train_shape(preset, hw, method, dist, ckpt, **kw), overhead)
     ok, note = supported(method, dist, hw, resolve_dtype(preset, hw))
-    fits = ok and b.total <= SAFETY_MARGIN * hw.min_memory
+    fits = ok and b.total <= hw.budget(SAFETY_MARGIN)
     return Candidate(method, dist, ckpt, b, fits, ok, note)
 
 
@@ -372,6 +388,14 @@ def plan(
         advice = tuple(
             fit_advice(spec, preset, hw, best_effort, evaluate, SAFETY_MARGIN, calibration)
         )
+    idle = None
+    if hw.limited(SAFETY_MARGIN):  # others hold memory: what would the same cards idle take?
+        idle = plan(spec, preset, hw.idle(), calibration).chosen
+        reasons += held_reasons(hw, SAFETY_MARGIN)
+        if chosen and idle.fits and _option_key(idle) != _option_key(chosen):
+            reasons.append(idle_choice_reason(idle))
+        if not chosen and idle.fits:
+            advice = (idle_advice(hw, SAFETY_MARGIN, idle), *advice)
     measured = None
     if calibration is not None and calibration.fingerprint:
         c = best_effort
@@ -393,7 +417,12 @@ def plan(
         assumptions=tuple(overhead_terms(hw.kind, calibration.overhead if calibration else None)),
         calibration=calibration,
         measured=measured,
+        idle=idle,
     )
+
+
+def _option_key(c: Candidate) -> tuple[str, str, bool]:
+    return (c.method, c.distribution, c.activation_checkpointing)
 
 
 def _model_key(spec: ModelSpec) -> dict[str, Any]:

@@ -20,7 +20,9 @@ Recording format (see ``tests/data/nvml/*.json``)::
         "temperature": celsius,
         "power_usage_mw": ..., "power_limit_mw": ..., "energy_mj": ...,
         "pcie": {"gen": 4, "width": 16, "gen_max": 4, "width_max": 16},
-        "nvlink": [{"active": true, "remote_bus_id": "00000000:4A:00.0"}, ...]
+        "nvlink": [{"active": true, "remote_bus_id": "00000000:4A:00.0"}, ...],
+        "compute_processes": [{"pid": 4242, "name": "python3", "used_bytes": 6442450944}],
+        "graphics_processes": [{"pid": 2101, "name": "Xorg", "used_bytes": null}]
       }],
       "pairs": {"0-1": {"p2p_read": "OK", "p2p_nvlink": "OK", "topology": "NODE"}}
     }
@@ -31,6 +33,13 @@ missing key also answers "not supported", as a card that does not know the query
 ``"handle"`` key set to an error makes ``nvmlDeviceGetHandleByIndex`` fail for it. P2P answers are
 names of ``NVML_P2P_STATUS_*`` (``"OK"``, ``"CHIPSET_NOT_SUPPORTED"``, ``"GPU_NOT_SUPPORTED"`` …)
 or integers; topology answers are names of ``NVML_TOPOLOGY_*`` (``"HOSTBRIDGE"``, ``"NODE"`` …).
+
+Processes: ``used_bytes`` null is NVML's "not available"; ``name`` is what the probe reports for
+the pid (the test machine's /proc is not asked). A recording without the process keys (made before
+they existed) answers "not supported": no processes known, the recorded free memory stands.
+``"VERSION_MISMATCH"`` makes a call raise pynvml's ``NVMLLibraryMismatchError`` (an nvidia-ml-py
+newer than the driver); ``compute_processes_v2`` / ``graphics_processes_v2`` then answer the
+``_v2`` calls.
 """
 
 from __future__ import annotations
@@ -73,6 +82,8 @@ class FakeNvml:
         self.NVMLError_NotSupported = pynvml.NVMLError_NotSupported
         self.NVMLError_LibraryNotFound = pynvml.NVMLError_LibraryNotFound
         self.NVMLError_DriverNotLoaded = pynvml.NVMLError_DriverNotLoaded
+        # Not an NVMLError: raised by nvidia-ml-py itself for a call the driver is too old for
+        self.NVMLLibraryMismatchError = pynvml.NVMLLibraryMismatchError
         self.recording = recording
         self.recording_source = source
         self.recorded_host = _host(recording.get("host"), source)
@@ -89,6 +100,8 @@ class FakeNvml:
         return self.NVMLError(code)
 
     def _answer(self, value: Any) -> Any:
+        if value == "VERSION_MISMATCH":
+            raise self.NVMLLibraryMismatchError(f"{self.recording_source}: recorded")
         if value == "NOT_SUPPORTED":
             raise self._error("NOT_SUPPORTED")
         if isinstance(value, str) and value.startswith("ERROR:"):
@@ -236,6 +249,36 @@ class FakeNvml:
             0: "p2p_read",  # NVML_P2P_CAPS_INDEX_READ
         }.get(p2p_index, f"p2p_{p2p_index}")
         return self._enum("NVML_P2P_STATUS_", self._pair("nvmlDeviceGetP2PStatus", h1, h2, key))
+
+    def _processes(self, name: str, handle: Any, key: str) -> list[SimpleNamespace]:
+        listed = self._field(name, handle, key)
+        return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p.get("used_bytes")) for p in listed]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[SimpleNamespace]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses", handle, "compute_processes")
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[SimpleNamespace]:
+        name = "nvmlDeviceGetGraphicsRunningProcesses"
+        return self._processes(name, handle, "graphics_processes")
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[SimpleNamespace]:
+        name = "nvmlDeviceGetComputeRunningProcesses_v2"
+        return self._processes(name, handle, "compute_processes_v2")
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v2(self, handle: Any) -> list[SimpleNamespace]:
+        name = "nvmlDeviceGetGraphicsRunningProcesses_v2"
+        return self._processes(name, handle, "graphics_processes_v2")
+
+    def recorded_process_name(self, pid: int) -> str | None:
+        """The name the recording gives ``pid`` (the probe asks this instead of /proc)."""
+        for device in self.devices:
+            for key in ("compute_processes", "graphics_processes",
+                        "compute_processes_v2", "graphics_processes_v2"):  # fmt: skip
+                listed = device.get(key)
+                for entry in listed if isinstance(listed, list) else ():
+                    if entry.get("pid") == pid:
+                        return entry.get("name")
+        return None
 
     def nvmlDeviceGetTopologyCommonAncestor(self, h1: Any, h2: Any) -> int:
         level = self._pair("nvmlDeviceGetTopologyCommonAncestor", h1, h2, "topology")

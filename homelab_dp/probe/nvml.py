@@ -1,7 +1,8 @@
 """The NVML gateway: the only module that talks to pynvml (package nvidia-ml-py).
 
 Every NVML query is guarded: "not supported", "no permission", a lost GPU or a function the
-driver lacks becomes None for that one field, never a crash (the approach of nvitop). No driver,
+driver lacks becomes None for that one field, never a crash (the approach of nvitop). The
+processes holding memory on each card are `homelab_dp.probe.processes`. No driver,
 no pynvml or no GPU gives a CPU-host report with a notice that says why and what to do.
 
 pynvml is imported lazily, inside functions, so that importing this module stays cheap. When the
@@ -19,6 +20,7 @@ from typing import Any
 from homelab_dp.core.hardware import GpuInfo, GpuLink, HardwareReport
 from homelab_dp.probe.fake import FAKE_ENV, load_recording
 from homelab_dp.probe.host import host_info
+from homelab_dp.probe.processes import running_processes
 from homelab_dp.probe.visible import VISIBLE_ENV, visibility
 
 __all__ = ["FAKE_ENV", "NvmlSession", "host_info", "probe", "sample"]
@@ -259,6 +261,7 @@ class NvmlSession:
             compute_capability=_capability(
                 _query(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
             ),
+            processes=running_processes(nvml, handle),
         )
 
     def _nvlink_counts(self, gpus: list[GpuInfo]) -> dict[tuple[int, int], int]:

@@ -7,7 +7,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.core.hardware import format_bytes
+from homelab_dp.core.hardware import PlanHardware, format_bytes
+from homelab_dp.core.held_memory import holders
 from homelab_dp.core.memory import COMPONENTS
 from homelab_dp.core.plan_reasons import PLAIN, count
 from homelab_dp.core.planner import SAFETY_MARGIN, Plan
@@ -75,9 +76,13 @@ def render_plan(plan: Plan) -> RenderableType:
     devices.add_column("estimate / capacity", justify="right")
     if measured:  # this very configuration was measured here: show it beside the estimate
         devices.add_column("tensors: estimate / measured", justify="right")
-    for d in plan.hardware.devices:
-        row = [d.name, memory_bar(per, d.memory_bytes),
-               f"{format_bytes(per['total'])} / {format_bytes(d.memory_bytes)}"]  # fmt: skip
+    limited = plan.hardware.limited(SAFETY_MARGIN)
+    for i, d in enumerate(plan.hardware.devices):
+        cap, of = d.memory_bytes, format_bytes(d.memory_bytes)
+        if i in limited:  # others hold memory: the run has what is free
+            cap = d.free_bytes or 0
+            of = f"{format_bytes(cap)} free"
+        row = [d.name, memory_bar(per, cap), f"{format_bytes(per['total'])} / {of}"]
         if measured:
             row.append(f"{format_bytes(measured['estimate_tensor_bytes'])} / "
                        f"{format_bytes(measured['tensor_bytes'])} ({100 * measured['error']:+.1f}%)")  # fmt: skip
@@ -86,7 +91,7 @@ def render_plan(plan: Plan) -> RenderableType:
     cands = Table(title="Every candidate (per device)")
     for col in ("method", "distribution", "ckpt", "total", "comm/step", "fits"):
         cands.add_column(col, justify="right" if col in ("total", "comm/step") else "left")
-    limit = SAFETY_MARGIN * plan.hardware.min_memory
+    limit = plan.hardware.budget(SAFETY_MARGIN)
     for c in j["candidates"]:
         if not c["supported"]:
             fits = "[bright_black]n/a[/]"
@@ -105,9 +110,12 @@ def render_plan(plan: Plan) -> RenderableType:
             style=style,
         )
     reasons = Text("\n".join(f"• {r}" for r in j["reasons"]))
+    if not plan.fits and plan.fits_when_idle:
+        head += "\n[yellow]fits when the other processes on the cards are gone[/]"
     blocks: list[RenderableType] = [
         Panel(head, title="plan", expand=False),
         devices,
+        *([held] if (held := held_text(plan.hardware)) else []),
         legend(per),
         *([host_line(j["host"])] if j.get("host") else []),
         cands,
@@ -129,6 +137,25 @@ def render_plan(plan: Plan) -> RenderableType:
                            + ("" if f["exact"] else f" (asked {f['requested_effective_batch']})")))  # fmt: skip
     blocks.append(Text(_provenance(j), style="dim"))
     return Group(*blocks)
+
+
+def held_text(hw: PlanHardware) -> Text | None:
+    """One line per local card with memory others hold: how much, by whom, the budget left
+    (None when no card has any listed process and none is cut)."""
+    limited = hw.limited(SAFETY_MARGIN)
+    lines = [i for i, d in enumerate(hw.devices) if d.processes or i in limited]
+    if not lines:
+        return None
+    out = Text()
+    for n, i in enumerate(lines):
+        d = hw.devices[i]
+        name = f"GPU {hw.indices[i]}" if i < len(hw.indices) else d.name
+        out.append("\n" if n else "").append(f"{name}: ", style="bold")
+        out.append(f"{format_bytes(d.held_bytes)} held by ", style="yellow")
+        out.append(holders(d))
+        if i in limited:
+            out.append(f" · budget {format_bytes(d.budget(SAFETY_MARGIN))}", style="bright_black")
+    return out
 
 
 def host_line(host: dict) -> Text:
@@ -189,6 +216,11 @@ def decision_text(planned: Planned) -> Text:
         f"trainable) · {t['dtype']} · seq_len {t['seq_len']}\n"
         f"{planned.hardware.kind}: {devices} ({planned.hardware.source})\n"
     )
+    held = held_text(planned.hardware)
+    if held is not None:
+        out.append_text(held).append("\n")
+    if not planned.plan.fits and planned.plan.fits_when_idle:
+        out.append("fits when the other processes on the cards are gone\n", style="yellow")
     out.append("effective batch ")
     out.append(str(t["effective_batch"]), style="bold")
     out.append(f" = micro {t['micro_batch']} × {t['world_size']} dev × accum {t['grad_accum']}\n")

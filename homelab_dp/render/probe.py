@@ -84,6 +84,9 @@ def render_probe(report: HardwareReport) -> RenderableType:
                 pcie_link(g),
             )
         parts.append(table)
+        held = processes_table(report)
+        if held is not None:
+            parts.append(held)
     if report.links:
         links = Table(title="Between cards")
         for col in ("pair", "link", "what it means"):
@@ -97,6 +100,21 @@ def render_probe(report: HardwareReport) -> RenderableType:
     if report.notice:
         parts.append(Text(f"note: {report.notice}", style="yellow"))
     return Group(*parts)
+
+
+def processes_table(report: HardwareReport) -> Table | None:
+    """The processes holding memory on each card (NVML's compute and graphics lists); None
+    when there are none to show."""
+    rows = [(g, p) for g in report.gpus for p in g.processes or ()]
+    if not rows:
+        return None
+    table = Table(title="Processes on the cards", expand=False)
+    for col in ("#", "pid", "name", "type", "memory"):
+        table.add_column(col, justify="right" if col in ("pid", "memory") else "left")
+    for g, p in rows:
+        used = format_bytes(p.used_bytes) if p.used_bytes is not None else "n/a"
+        table.add_row(str(g.index), str(p.pid), p.name or "?", p.kind, used)
+    return table
 
 
 def compute_text(g: GpuInfo) -> str:

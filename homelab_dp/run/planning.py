@@ -6,15 +6,24 @@ Shared by the CLI, the TUI and the run controller; imports no torch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from homelab_dp.core.hardware import HardwareReport, PlanDevice, PlanHardware, parse_gpus_spec
+from homelab_dp.core.hardware import (
+    GpuProcess,
+    HardwareReport,
+    PlanDevice,
+    PlanHardware,
+    parse_gpus_spec,
+)
 from homelab_dp.core.host_plan import with_host
 from homelab_dp.core.model_spec import ModelSpec, load_model_spec
 from homelab_dp.core.planner import Plan, plan
 from homelab_dp.core.preset import Preset
+from homelab_dp.core.vocabulary import ACTIVE_STATUSES
 from homelab_dp.errors import HardwareSpecError, PresetError
 from homelab_dp.probe import nvml
+from homelab_dp.rundir.index import known_runs
+from homelab_dp.rundir.state import read_state, recorded_pids
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,10 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
     only the GPUs it leaves visible can be planned, still under their NVML indices, and naming
     a hidden one is a `HardwareSpecError`. The plan keeps each GPU's UUID, which the run puts in
     ``CUDA_VISIBLE_DEVICES`` (`homelab_dp.run.launcher.worker_env`).
+
+    Probed cards carry their free memory and the processes holding memory on them, so the
+    planner budgets what is free (`homelab_dp.core.held_memory`); a process that belongs to a
+    homelab-dp run is marked with its run id. What-if cards are budgeted whole.
     """
     if gpus:
         host_ram = nvml.host_info().ram_total
@@ -85,7 +98,17 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
             hint="`homelab-dp probe` lists the GPUs and their indices",
         )
     gpus = [by_index[i] for i in indices]
-    chosen = tuple(PlanDevice(g.name, g.memory_total, g.compute_capability) for g in gpus)
+    ours = our_pids() if any(g.processes for g in gpus) else {}
+    chosen = tuple(
+        PlanDevice(
+            g.name,
+            g.memory_total,
+            g.compute_capability,
+            g.memory_free,
+            _mark_ours(g.processes, ours),
+        )
+        for g in gpus
+    )
     uuids = tuple(g.uuid for g in gpus if g.uuid)
     hardware = PlanHardware(
         "cuda",
@@ -95,6 +118,27 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
         uuids=uuids if len(uuids) == len(gpus) else (),
     )
     return hardware, report
+
+
+def our_pids() -> dict[int, str]:
+    """The pids of the homelab-dp runs active now (keeper, agent, monitor, workers), each with
+    its run id: every run the per-user index knows (`homelab_dp.rundir.index.known_runs`)."""
+    out: dict[int, str] = {}
+    for run in known_runs():
+        state = read_state(run.path) if run.exists else {}
+        if state.get("status") in ACTIVE_STATUSES:  # a finished run's pids may be reused
+            for pid in recorded_pids(state):
+                out[pid] = run.id
+    return out
+
+
+def _mark_ours(
+    processes: tuple[GpuProcess, ...] | None, ours: dict[int, str]
+) -> tuple[GpuProcess, ...] | None:
+    """``processes`` with the run id set on each that belongs to one of our runs."""
+    if not processes:
+        return processes
+    return tuple(replace(p, run_id=ours.get(p.pid)) for p in processes)
 
 
 def make_plan(
@@ -122,8 +166,6 @@ def make_plan(
 def with_target_share(planned: Planned, share: float) -> Plan:
     """The plan with its chosen option budgeted for data whose blocks are at most ``share``
     targets (`TrainShape.target_share`); the choice itself stays the one made for any data."""
-    from dataclasses import replace
-
     from homelab_dp.core.planner import evaluate
 
     p = planned.plan
