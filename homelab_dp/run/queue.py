@@ -18,6 +18,7 @@ from typing import Any
 from homelab_dp.core.runspec import RunSpec
 from homelab_dp.errors import HomelabError
 from homelab_dp.rundir.files import read_run_spec
+from homelab_dp.rundir.index import known_runs
 from homelab_dp.rundir.state import ACTIVE, current_state
 
 CPU_HOST = "cpu"
@@ -120,14 +121,13 @@ def conflicts(devices: Devices, others: Iterable[Other]) -> list[Other]:
 
 
 def run_dirs(root: Path) -> list[Path]:
-    """Every run folder the queue considers: the runs root's."""
-    if not root.is_dir():
-        return []
-    return [p for p in root.iterdir() if (p / "spec.json").is_file()]
+    """Every run folder the queue considers: every run this user has, wherever its folder is
+    (the per-user index, `homelab_dp.rundir.index`), and those under ``root``."""
+    return [r.path for r in known_runs(root) if r.exists]
 
 
 def others(root: Path, exclude: str | None = None) -> list[Other]:
-    """Every other run under ``root`` with its current status (dead keepers corrected)."""
+    """Every other run of this user with its current status (dead keepers corrected)."""
     out = []
     for run_dir in run_dirs(root):
         if run_dir.name == exclude:
