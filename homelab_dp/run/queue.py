@@ -149,7 +149,10 @@ def free_memory(indices: Sequence[int]) -> dict[int, int | None]:
     """Free bytes on each of these cards now (NVML; None for a card it cannot read)."""
     from homelab_dp.probe.nvml import probe
 
-    report = probe()
+    try:
+        report = probe()
+    except HomelabError:  # an unreadable recording: memory unknown, the runs alone decide
+        return dict.fromkeys(indices)
     by_index = {g.index: g.memory_free for g in report.gpus}
     return {i: by_index.get(i) for i in indices}
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from homelab_dp.run.controller import make_controller
-from homelab_dp.run.queue import Devices, Other, waiting
+from homelab_dp.run.queue import Devices, Other, free_memory, waiting
 from homelab_dp.rundir.state import alive_pids, read_state, update_state
 from homelab_dp.train.guard import FAULT_ENV
 from tests.conftest import write_preset
@@ -182,3 +182,12 @@ def test_the_waiting_rule() -> None:
     assert not waiting("me", 5.0, gpus01, others[1:3], free, need_bytes=8 << 30).waiting_for
     assert waiting("me", 5.0, Devices(cpu=True), others).waiting_for == ("cpu",)
     assert gpus01.shared(others[0].devices) == "GPU 1"
+
+
+def test_free_memory_reads_the_cards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keeper's memory probe: free bytes per card index from NVML (here a recording)."""
+    recording = Path(__file__).parents[1] / "data" / "nvml" / "2x3090-nvlink.json"
+    monkeypatch.setenv("HOMELAB_DP_FAKE_NVML", str(recording))
+    assert free_memory([1, 0, 7]) == {1: 25499271168, 0: 25220546560, 7: None}
+    busy = waiting("me", 1.0, Devices(False, (0, 1)), [], free_memory([0, 1]), 25_300_000_000)
+    assert busy.waiting_for == ("memory on GPU 0",)
