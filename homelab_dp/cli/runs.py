@@ -146,6 +146,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    if args.forget_gone:
+        forgotten = _controller().forget_gone()
+        if args.json:
+            print_json({"forgotten": forgotten})
+        else:
+            print(f"forgot {len(forgotten)} run(s) whose folder has gone"
+                  + "".join(f"\n  {run_id}" for run_id in forgotten))  # fmt: skip
+        return 0
     rows = _controller().list_runs()
     if args.json:
         print_json(rows)
@@ -193,8 +201,13 @@ def register(sub: Any) -> None:
     _add_rendezvous(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("runs", help="every run, newest first")
+    p = sub.add_parser("runs", help="every run, newest first, wherever it lives")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--forget-gone",
+        action="store_true",
+        help="drop the runs whose folder has gone (moved or deleted) from the run index",
+    )
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("status", help="one run's state and figures")

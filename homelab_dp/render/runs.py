@@ -34,6 +34,8 @@ def runs_lines(rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"{r['run_id']:<44} {status_word(r):<12} {steps:>11} {loss:>8} {energy:>9}  {where(r)}"
         )
+    if any(r.get("exists") is False for r in rows):
+        out.append("gone: the folder was moved or deleted (`homelab-dp runs --forget-gone`)")
     return out
 
 

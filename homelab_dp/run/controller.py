@@ -36,7 +36,7 @@ from homelab_dp.rundir.files import (
     runs_root,
     write_run_spec,
 )
-from homelab_dp.rundir.index import IndexedRun, find_run, known_runs
+from homelab_dp.rundir.index import IndexedRun, find_run, forget_gone, known_runs
 from homelab_dp.rundir.state import (
     ACTIVE,
     alive_pids,
@@ -328,6 +328,10 @@ class RunController:
         (``status`` null, ``reason``), never an error."""
         rows = [self._row(run) for run in known_runs(self.root)]
         return sorted(rows, key=lambda r: r.get("created") or 0, reverse=True)
+
+    def forget_gone(self) -> list[str]:
+        """Drop the runs whose folder has gone from the per-user index; their ids."""
+        return [run.id for run in forget_gone()]
 
     def _row(self, run: IndexedRun) -> dict[str, Any]:
         reason = "folder gone"

@@ -13,6 +13,7 @@ folder's other modules, so `files.create_run_dir` can call `register` without an
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -104,15 +105,63 @@ def register(run_dir: Path, created: float | None = None) -> None:
     path = Path(run_dir).resolve()
     line = json.dumps({"id": path.name, "path": str(path), "created": created or time.time()})
     data = (line + "\n").encode("utf-8")
-    fd = os.open(index_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        # O_APPEND moves to the end and writes in one step, so lines from concurrent runs
-        # follow one another whole; a line is far below any size a write would split.
-        written = os.write(fd, data)
-    finally:
-        os.close(fd)
+    while True:
+        fd = os.open(index_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            # Appenders share the lock (O_APPEND alone keeps their lines whole); `forget_gone`
+            # takes it alone to rewrite the file, and a file it replaced meanwhile is retried.
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if _same_file(fd):
+                written = os.write(fd, data)
+                break
+        finally:
+            os.close(fd)
     if written != len(data):
         raise OSError(f"{index_path()}: short write ({written} of {len(data)} bytes)")
+
+
+def _same_file(fd: int) -> bool:
+    """Whether ``fd`` is still the index file (not one `forget_gone` has replaced)."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(index_path()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def forget_gone() -> list[IndexedRun]:
+    """Drop the index lines of runs whose folder has gone; return the runs forgotten."""
+    try:
+        fd = os.open(index_path(), os.O_RDWR)
+    except FileNotFoundError:
+        return []
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # no append in flight, none until the file is replaced
+        with open(fd, encoding="utf-8", closefd=False) as fh:
+            lines = fh.read().splitlines()
+        keep, gone = [], []
+        for line, run in zip(lines, map(_parse, lines), strict=True):
+            if run is not None and not is_run_dir(run.path):
+                gone.append(run)
+            else:
+                keep.append(line)
+        if gone:
+            tmp = index_path().with_name(f".{INDEX_NAME}.tmp")
+            tmp.write_text("".join(f"{line}\n" for line in keep), encoding="utf-8")
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, index_path())
+    finally:
+        os.close(fd)
+    return list({run.path: run for run in gone}.values())  # a run indexed twice: once
+
+
+def _parse(line: str) -> IndexedRun | None:
+    """One index line, or None for a line a crash left unfinished."""
+    try:
+        doc = json.loads(line)
+        created = doc.get("created")
+        return IndexedRun(str(doc["id"]), Path(doc["path"]), False, float(created or 0) or None)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _indexed() -> list[IndexedRun]:
@@ -121,16 +170,7 @@ def _indexed() -> list[IndexedRun]:
         text = index_path().read_text(encoding="utf-8")
     except OSError:  # none yet, or unreadable: the scans still find what is in reach
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            doc = json.loads(line)
-            path = Path(doc["path"])
-            created = doc.get("created")
-            out.append(IndexedRun(str(doc["id"]), path, False, float(created or 0) or None))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out
+    return [run for run in map(_parse, text.splitlines()) if run is not None]
 
 
 def _scan(folder: Path) -> list[Path]:
@@ -212,7 +252,7 @@ def find_run(ref: str, root: Path | None = None) -> Path:
         raise RunGoneError(
             f"run {run.id} was at {run.path}; that folder is gone",
             hint="it was moved or deleted; if it was moved, give its new path "
-            "(or its runs folder with --runs DIR)",
+            "(or its runs folder with --runs DIR); `homelab-dp runs --forget-gone` forgets it",
         )
     names = ", ".join(r.id if not exact else str(r.path) for r in matches[:3])
     more = "…" if len(matches) > 3 else ""

@@ -139,6 +139,11 @@ def test_a_run_in_a_runs_folder_is_found_by_id_until_its_folder_goes(
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"error: run {run_id} was at {run_dir}; that folder is gone" in out.stderr
 
+    forgot = cli(env, b, "runs", "--forget-gone", "--json")
+    assert json.loads(forgot.stdout) == {"forgotten": [run_id]}
+    assert run_id not in cli(env, b, "runs", "--json").stdout
+    assert "no such run" in cli(env, b, "status", run_id).stderr
+
 
 def test_a_runs_folder_that_cannot_be_created_starts_nothing(
     env: dict[str, str], folders: tuple[Path, Path], tmp_path: Path

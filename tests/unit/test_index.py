@@ -149,3 +149,35 @@ def test_an_index_that_cannot_be_written_still_lists(
     with pytest.raises(OSError):
         register(a)
     assert os.path.isfile(tmp_path / "file")
+
+
+def test_forget_gone_drops_only_gone_runs_and_loses_no_concurrent_append(tmp_path: Path) -> None:
+    kept = [_run(tmp_path / "runs", f"kept-{i:03d}") for i in range(3)]
+    gone = _run(tmp_path / "old", "gone-001")
+    for folder in (*kept, gone, gone):
+        register(folder)
+    shutil.rmtree(gone)
+    late = [_run(tmp_path / "late", f"late-{i:03d}") for i in range(300)]  # registered meanwhile
+    barrier = threading.Barrier(3)
+
+    def append(chunk: list[Path]) -> None:
+        barrier.wait()
+        for folder in chunk:
+            register(folder)
+
+    threads = [threading.Thread(target=append, args=(late[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    forgotten = [index.forget_gone()]
+    for i in range(30):  # rewrite after rewrite while the others append
+        register(tmp_path / "nowhere" / f"never-{i}")
+        forgotten.append(index.forget_gone())
+    for t in threads:
+        t.join()
+    assert [r.id for r in forgotten[0]] == ["gone-001"]  # indexed twice, forgotten once
+    assert [[r.id for r in batch] for batch in forgotten[1:]] == [[f"never-{i}"] for i in range(30)]
+    ids = [json.loads(line)["id"] for line in index.index_path().read_text().splitlines()]
+    # Every other line is there, the 300 appended during the rewrites included, each once.
+    assert sorted(ids) == sorted(f.name for f in kept + late)
+    assert _mode(index.index_path()) == 0o600
