@@ -305,10 +305,14 @@ class RunController:
         return view
 
     def new_view(self, run_dir: Path) -> RunView:
-        """An empty view of the run, with what its run spec says: cost per kWh, estimate."""
+        """An empty view of the run, with what its run spec says: cost per kWh, estimate, and
+        the strategy (a queued run has no start event yet; the worker's repeats it)."""
         spec = read_run_spec(run_dir)
         return RunView(
             run_id=run_dir.name,
+            method=spec.resolved.method,
+            distribution=spec.resolved.distribution,
+            world_size=spec.resolved.world_size,
             per_kwh=float(spec.preset.cost.per_kwh or 0.0),
             currency=str(spec.preset.cost.currency or ""),
             estimate_bytes=spec.planned_bytes.get("total"),
