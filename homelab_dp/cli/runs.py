@@ -116,7 +116,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     controller = _controller()
     # Only what the resumed run writes is printed; earlier events are history.
     history = file_size(controller.run_dir(args.run) / "events.jsonl")
-    run_id = controller.resume(args.run, _rendezvous(args))
+    run_id = controller.resume(args.run, _rendezvous(args), queue=args.queue, force=args.force)
     if args.detach:
         print(
             json.dumps({"type": "detached", "run_id": run_id}) if args.json else f"resumed {run_id}"
@@ -227,6 +227,10 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("resume", help="continue a stopped or failed run from its last checkpoint")
     p.add_argument("run")
+    p.add_argument("--queue", action="store_true", help="wait until its devices are free")
+    p.add_argument(
+        "--force", action="store_true", help="resume even if another run is using the devices"
+    )
     p.add_argument("--detach", action="store_true")
     p.add_argument("--json", action="store_true")
     _add_rendezvous(p)

@@ -7,7 +7,6 @@ of its own, so a run started over one SSH connection is seen and followed from a
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -27,7 +26,7 @@ from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.run import preflight
 from homelab_dp.run.planning import Planned, cpu_hardware, make_plan, with_target_share
-from homelab_dp.run.queue import check_devices_free, devices_of, queue_doc
+from homelab_dp.run.queue import check_devices_free, devices_of, leave_queue, queue_doc
 from homelab_dp.rundir.files import (
     append_event,
     create_run_dir,
@@ -41,7 +40,6 @@ from homelab_dp.rundir.state import (
     ACTIVE,
     alive_pids,
     current_state,
-    pid_alive,
     update_state,
 )
 from homelab_dp.rundir.tail import RunTail, read_all
@@ -208,8 +206,18 @@ class RunController:
         update_state(run_dir, pids={"keeper": proc.pid})
         return proc.pid
 
-    def resume(self, run_id: str, rendezvous: Rendezvous | None = None) -> str:
-        """Continue a stopped or failed run from its newest complete checkpoint."""
+    def resume(
+        self,
+        run_id: str,
+        rendezvous: Rendezvous | None = None,
+        *,
+        queue: bool = False,
+        force: bool = False,
+    ) -> str:
+        """Continue a stopped or failed run from its newest complete checkpoint.
+
+        ``queue`` (and always for a run interrupted while queued: it never started) puts it in
+        the queue; otherwise devices another run is using refuse it, unless ``force``."""
         run_dir = self.run_dir(run_id)
         state = current_state(run_dir)
         status = state.get("status")
@@ -224,8 +232,11 @@ class RunController:
                 hint=f"follow it with `homelab-dp attach {run_dir.name}`",
             )
         # A run interrupted while queued never started: it queues again (from step 0).
-        queued = bool(state.get("queued_only"))
-        write_run_spec(run_dir, read_run_spec(run_dir).relaunched(rendezvous or Rendezvous()))
+        queued = queue or bool(state.get("queued_only"))
+        spec = read_run_spec(run_dir)
+        if not queued and not force:
+            check_devices_free(devices_of(spec), self.root)
+        write_run_spec(run_dir, spec.relaunched(rendezvous or Rendezvous()))
         status = "queued" if queued else "starting"
         update_state(
             run_dir,
@@ -246,7 +257,10 @@ class RunController:
         run_dir = self.run_dir(run_id)
         state = current_state(run_dir)
         if state.get("status") == "queued":
-            return self._leave_queue(run_dir, state, timeout)
+            left = leave_queue(run_dir, state, timeout)
+            if left is not None:
+                return left
+            state = current_state(run_dir)  # its turn came just before the request: stop it
         if state.get("status") not in ACTIVE:
             raise RunStateError(
                 f"run {run_dir.name}: not running ({state.get('status')})",
@@ -269,25 +283,6 @@ class RunController:
         raise RunStateError(
             f"run {run_dir.name}: still running {timeout:.0f} s after the stop request",
             hint="a rank may be stuck in a collective; check its logs, then kill its pids",
-        )
-
-    def _leave_queue(self, run_dir: Path, state: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Stop a queued run: its keeper leaves the queue (interrupted, nothing started)."""
-        keeper = (state.get("pids") or {}).get("keeper")
-        if keeper:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(keeper), signal.SIGTERM)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            state = current_state(run_dir)
-            if state.get("status") in ACTIVE:  # its turn came just before the request
-                return self.stop(run_dir.name, max(deadline - time.time(), 1.0))
-            if state.get("status") != "queued" and not (keeper and pid_alive(int(keeper))):
-                return state
-            time.sleep(0.2)
-        raise RunStateError(
-            f"run {run_dir.name}: still queued {timeout:.0f} s after the stop request",
-            hint=f"its keeper (pid {keeper}) did not answer; see {run_dir / 'logs' / 'keeper.log'}",
         )
 
     # ------------------------------------------------------------------ inspecting

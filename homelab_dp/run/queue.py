@@ -10,16 +10,20 @@ The keeper polls it (`homelab_dp.run.keeper`); `start` refuses with it (`conflic
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.core.runspec import RunSpec
-from homelab_dp.errors import HomelabError
+from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.rundir.files import read_run_spec
 from homelab_dp.rundir.index import known_runs
-from homelab_dp.rundir.state import ACTIVE, current_state
+from homelab_dp.rundir.state import ACTIVE, current_state, pid_alive
 
 CPU_HOST = "cpu"
 """The device key of the CPU host (every CPU run uses all of it)."""
@@ -190,4 +194,25 @@ def check_devices_free(devices: Devices, root: Path) -> None:
     raise HomelabError(
         f"{what} {verb} in use by run {first.run_id} ({first.status}){more}",
         hint="add --queue to start it when they are free, or --force to start it anyway",
+    )
+
+
+def leave_queue(run_dir: Path, state: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    """Stop a queued run: its keeper leaves the queue (interrupted, nothing started); the final
+    state, or None when its turn came first (the run is active: stop it as a run)."""
+    keeper = (state.get("pids") or {}).get("keeper")
+    if keeper:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(keeper), signal.SIGTERM)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = current_state(run_dir)
+        if state.get("status") in ACTIVE:
+            return None
+        if state.get("status") != "queued" and not (keeper and pid_alive(int(keeper))):
+            return state
+        time.sleep(0.2)
+    raise RunStateError(
+        f"run {run_dir.name}: still queued {timeout:.0f} s after the stop request",
+        hint=f"its keeper (pid {keeper}) did not answer; see {run_dir / 'logs' / 'keeper.log'}",
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from homelab_dp.errors import HomelabError
 from homelab_dp.run.controller import make_controller
 from homelab_dp.run.queue import Devices, Other, free_memory, waiting
 from homelab_dp.rundir.state import alive_pids, read_state, update_state
@@ -161,6 +162,18 @@ def test_a_queued_run_whose_keeper_died_reads_interrupted_and_resume_queues_it_a
     assert state["status"] == "interrupted"
     assert state["reason"] == "stopped while queued; nothing was started"
     assert not (lost / "logs" / "launcher.log").exists() and not alive_pids(state)
+
+    # A run stopped after it had started resumes only when its devices are free, or queued.
+    paused = make_run(root, tiny_model, data, name="paused", world=1)
+    update_state(paused, status="interrupted", created=time.time(), pids={"keeper": gone.pid})
+    with pytest.raises(HomelabError, match="the CPU host is in use by run busy") as refused:
+        controller.resume("paused")
+    assert "--queue" in refused.value.hint and read_state(paused)["status"] == "interrupted"
+    controller.resume("paused", queue=True)
+    assert controller.status("paused")["queue"] == {"position": 1, "waiting_for": ["busy"]}
+    while not read_state(paused).get("queue") and time.time() < deadline:
+        time.sleep(0.1)
+    assert controller.stop("paused", timeout=60)["status"] == "interrupted"
 
 
 def test_the_waiting_rule() -> None:
