@@ -62,6 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         force=args.force,
         nnodes=rendezvous.nnodes,
+        queue=args.queue,
     )
     run_id = controller.start(
         prepared, rendezvous, auto_fit=args.auto_fit, queue=args.queue, force=args.force

@@ -25,8 +25,8 @@ from homelab_dp.core.run_view import RunView
 from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.run import preflight
+from homelab_dp.run import queue as waiting_room
 from homelab_dp.run.planning import Planned, cpu_hardware, make_plan, with_target_share
-from homelab_dp.run.queue import check_devices_free, devices_of, leave_queue, queue_doc
 from homelab_dp.rundir.files import (
     append_event,
     create_run_dir,
@@ -116,9 +116,11 @@ class RunController:
         gpus: str | None = None,
         force: bool = False,
         nnodes: int = 1,
+        queue: bool = False,
     ) -> Prepared:
         """Preflight in this process: preset, plan, torch for a CUDA plan, model folder, data.
-        Raises HomelabError."""
+        Raises HomelabError. ``queue``: the run will wait for its cards, so it is planned on
+        them idle; otherwise devices another run is using refuse it (unless ``force``)."""
         preset = open_preset(preset_ref, overrides)
         if gpus and not gpus.lower().startswith("cpu"):
             raise HomelabError(
@@ -129,6 +131,13 @@ class RunController:
         planned = make_plan(preset, gpus)
         if gpus:  # cpu:N — check the count against this machine's cores
             cpu_hardware(planned.hardware.world_size, planned.hardware.min_memory, "run")
+        hw = planned.hardware
+        if queue:
+            planned = waiting_room.on_idle_cards(planned, gpus)
+        elif not force:  # before the fit: another run's memory would read as "does not fit"
+            waiting_room.check_devices_free(
+                waiting_room.devices_on(hw.kind, hw.indices, hw.uuids), self.root
+            )
         p = planned.plan
         if not p.fits and not force:
             chosen = [r for r in p.reasons if r.startswith("Chosen:")]
@@ -184,7 +193,7 @@ class RunController:
         run_id = new_run_id(name)
         spec = prepared.run_spec(run_id, rendezvous, auto_fit=auto_fit)
         if not queue and not force:
-            check_devices_free(devices_of(spec), self.root)
+            waiting_room.check_devices_free(waiting_room.devices_of(spec), self.root)
         run_dir = create_run_dir(spec, self.root)
         status = "queued" if queue else "starting"
         update_state(run_dir, status=status, run_id=run_id, created=time.time(), attempt=1)
@@ -235,7 +244,7 @@ class RunController:
         queued = queue or bool(state.get("queued_only"))
         spec = read_run_spec(run_dir)
         if not queued and not force:
-            check_devices_free(devices_of(spec), self.root)
+            waiting_room.check_devices_free(waiting_room.devices_of(spec), self.root)
         write_run_spec(run_dir, spec.relaunched(rendezvous or Rendezvous()))
         status = "queued" if queued else "starting"
         update_state(
@@ -257,7 +266,7 @@ class RunController:
         run_dir = self.run_dir(run_id)
         state = current_state(run_dir)
         if state.get("status") == "queued":
-            left = leave_queue(run_dir, state, timeout)
+            left = waiting_room.leave_queue(run_dir, state, timeout)
             if left is not None:
                 return left
             state = current_state(run_dir)  # its turn came just before the request: stop it
@@ -378,7 +387,7 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
         "pids": state.get("pids"),
         "exit_code": state.get("exit_code"),
         "attempt": state.get("attempt"),
-        "queue": queue_doc(run_dir, state),
+        "queue": waiting_room.queue_doc(run_dir, state),
     }
 
 

@@ -15,12 +15,13 @@ import os
 import signal
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.core.runspec import RunSpec
 from homelab_dp.errors import HomelabError, RunStateError
+from homelab_dp.run.planning import Planned, host_available
 from homelab_dp.rundir.files import read_run_spec
 from homelab_dp.rundir.index import known_runs
 from homelab_dp.rundir.state import ACTIVE, current_state, pid_alive
@@ -58,11 +59,14 @@ class Devices:
 
 def devices_of(spec: RunSpec) -> Devices:
     """The devices a run spec launches on."""
-    if spec.resolved.device == "cpu":
+    return devices_on(spec.resolved.device, spec.launch.gpu_indices, spec.launch.gpu_uuids)
+
+
+def devices_on(kind: str, indices: Sequence[int], uuids: Sequence[str | None]) -> Devices:
+    """The devices of a plan's hardware: "cpu" (the CPU host), or these cards."""
+    if kind == "cpu":
         return Devices(cpu=True)
-    return Devices(
-        False, tuple(spec.launch.gpu_indices), tuple(u for u in spec.launch.gpu_uuids if u)
-    )
+    return Devices(False, tuple(indices), tuple(u for u in uuids if u))
 
 
 @dataclass(frozen=True)
@@ -216,3 +220,17 @@ def leave_queue(run_dir: Path, state: dict[str, Any], timeout: float) -> dict[st
         f"run {run_dir.name}: still queued {timeout:.0f} s after the stop request",
         hint=f"its keeper (pid {keeper}) did not answer; see {run_dir / 'logs' / 'keeper.log'}",
     )
+
+
+def on_idle_cards(planned: Planned, gpus: str | None) -> Planned:
+    """A queued run's plan: on its cards with nothing else on them (it waits until the plan's
+    memory is free), when other processes now hold some of it; else the plan as made."""
+    from homelab_dp.core.host_plan import with_host
+    from homelab_dp.core.planner import plan
+
+    if planned.plan.idle is None:
+        return planned
+    idle = planned.hardware.idle()
+    fresh = plan(planned.spec, planned.preset, idle, planned.plan.calibration)
+    fresh = with_host(fresh, planned.preset, host_available(gpus, idle, planned.report))
+    return replace(planned, hardware=idle, plan=fresh)

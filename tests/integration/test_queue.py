@@ -1,6 +1,6 @@
 """The queue for the cards, through the real console script: one CPU run holding the CPU host,
-a start without --queue refused, two queued runs that start in order after it, and a queued run
-stopped before it started.
+a start without --queue refused, two queued runs that start in order after it; a queued run
+whose keeper died, resumed into the queue again and stopped there (no run started).
 
 The first run's rank holds still at step 2 (an injected SIGSTOP, `homelab_dp.train.guard`) while
 the others are queued and inspected, so nothing races the run; it goes on once they are.
@@ -20,10 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from homelab_dp.core.preset_store import open_preset
 from homelab_dp.errors import HomelabError
 from homelab_dp.run.controller import make_controller
-from homelab_dp.run.queue import Devices, Other, free_memory, waiting
-from homelab_dp.rundir.state import alive_pids, read_state, update_state
+from homelab_dp.run.planning import make_plan
+from homelab_dp.run.queue import Devices, Other, free_memory, on_idle_cards, waiting
+from homelab_dp.rundir.state import FINAL, alive_pids, current_state, read_state, update_state
 from homelab_dp.train.guard import FAULT_ENV
 from tests.conftest import write_preset
 from tests.integration.conftest import make_run
@@ -64,15 +66,14 @@ def held_worker(run_dir: Path, timeout: float = 120) -> int:
     raise AssertionError(f"the worker did not hold still within {timeout} s: {read_state(run_dir)}")
 
 
-def wait_ended(env: dict[str, str], run_id: str, timeout: float = 240) -> dict:
-    """Until the run has ended (``timeout``: a liveness guard, each run takes ~10 s)."""
+def wait_ended(run_dir: Path, timeout: float = 240) -> dict:
+    """Until the run has ended, then its `status --json` document (read here: a CLI call a
+    second would compete with the runs for the 2 cores). ``timeout`` is a liveness guard: each
+    run takes ~10 s."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        doc = status(env, run_id)
-        if doc["status"] in ("completed", "failed", "interrupted"):
-            return doc
-        time.sleep(1.0)
-    raise AssertionError(f"{run_id} did not end: {doc}")
+    while current_state(run_dir).get("status") not in FINAL and time.time() < deadline:
+        time.sleep(0.3)
+    return make_controller(run_dir.parent).status(run_dir.name)
 
 
 def test_queued_runs_start_in_order_after_the_running_one(
@@ -101,31 +102,19 @@ def test_queued_runs_start_in_order_after_the_running_one(
 
         second = detached(env, preset, "--queue")
         third = detached(env, preset, "--queue")
-        dropped = detached(env, preset, "--queue")
-        docs = {r: status(env, r) for r in (second, third, dropped)}
-        assert [docs[r]["status"] for r in docs] == ["queued"] * 3
+        docs = {r: status(env, r) for r in (second, third)}
+        assert [docs[r]["status"] for r in docs] == ["queued"] * 2
         assert docs[second]["queue"] == {"position": 1, "waiting_for": [first]}
         assert docs[third]["queue"] == {"position": 2, "waiting_for": [first, second]}
-        assert docs[dropped]["queue"]["position"] == 3
         table = cli(env, "runs").stdout
         assert f"{third:<44} queued #2" in table
         text = cli(env, "status", third).stdout
         assert f"position 2 in the queue, waiting for {first}, {second}" in text
-
-        # `stop` on a queued run: out of the queue, nothing started.
-        out = cli(env, "stop", dropped)
-        assert out.returncode == 0, out.stderr
-        doc = status(env, dropped)
-        assert doc["status"] == "interrupted"
-        assert doc["reason"] == "stopped while queued; nothing was started"
-        assert not (runs / dropped / "logs" / "launcher.log").exists()
-        assert not alive_pids(read_state(runs / dropped))
-        assert status(env, third)["queue"]["waiting_for"] == [first, second]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGCONT)
 
-    ended = [wait_ended(env, r) for r in (first, second, third)]
+    ended = [wait_ended(runs / r) for r in (first, second, third)]
     assert [d["status"] for d in ended] == ["completed"] * 3, [d["reason"] for d in ended]
     states = [read_state(runs / r) for r in (first, second, third)]
     # Each queued run started only after the one before it ended.
@@ -158,10 +147,12 @@ def test_a_queued_run_whose_keeper_died_reads_interrupted_and_resume_queues_it_a
     while not read_state(lost).get("queue") and time.time() < deadline:
         time.sleep(0.1)
     assert read_state(lost)["queue"] == {"position": 1, "waiting_for": ["busy"]}
-    state = controller.stop("lost", timeout=60)
-    assert state["status"] == "interrupted"
-    assert state["reason"] == "stopped while queued; nothing was started"
-    assert not (lost / "logs" / "launcher.log").exists() and not alive_pids(state)
+    out = cli({**os.environ, "HOMELAB_DP_RUNS": str(root)}, "stop", "lost")
+    assert out.returncode == 0, out.stderr
+    assert "lost: interrupted — stopped while queued; nothing was started" in out.stdout
+    state = read_state(lost)
+    assert state["status"] == "interrupted" and not alive_pids(state)
+    assert not (lost / "logs" / "launcher.log").exists()  # no worker was ever launched
 
     # A run stopped after it had started resumes only when its devices are free, or queued.
     paused = make_run(root, tiny_model, data, name="paused", world=1)
@@ -204,3 +195,21 @@ def test_free_memory_reads_the_cards(monkeypatch: pytest.MonkeyPatch) -> None:
     assert free_memory([1, 0, 7]) == {1: 25499271168, 0: 25220546560, 7: None}
     busy = waiting("me", 1.0, Devices(False, (0, 1)), [], free_memory([0, 1]), 25_300_000_000)
     assert busy.waiting_for == ("memory on GPU 0",)
+
+
+def test_a_queued_run_is_planned_on_idle_cards_and_waits_for_their_memory(
+    monkeypatch: pytest.MonkeyPatch, in_repo: Path
+) -> None:
+    """Card 1 of the busy recording has 6 GiB held by an inference server: full DDP (18.5 GiB a
+    card) does not fit now; queued, it is planned on the cards idle and waits for card 1."""
+    recording = Path(__file__).parents[1] / "data" / "nvml" / "2x3090-busy.json"
+    monkeypatch.setenv("HOMELAB_DP_FAKE_NVML", str(recording))
+    overrides = ["hardware.devices=auto", "train.activation_checkpointing=false",
+                 "train.distribution=ddp"]  # fmt: skip
+    planned = make_plan(open_preset("qwen2-0.5b-full-ddp", overrides))
+    assert not planned.plan.fits and planned.plan.fits_when_idle
+    queued = on_idle_cards(planned, None)
+    assert queued.plan.fits and queued.plan.idle is None
+    need = queued.plan.to_json()["per_device_bytes"]["total"]  # what the keeper reads
+    wait = waiting("me", 1.0, Devices(False, (0, 1)), [], free_memory([0, 1]), need)
+    assert wait.waiting_for == ("memory on GPU 1",)

@@ -150,10 +150,13 @@ class LaunchScreen(Screen[None]):
     def _launch(
         self, preset: str, overrides: list[str], gpus: str | None, force: bool, queue: bool
     ) -> str:
-        prepared = self.controller.prepare(preset, overrides=overrides, gpus=gpus, force=force)
+        # --force also starts on devices another run is using; --queue waits for them instead.
+        queued = {"queue": True} if queue else {}
+        prepared = self.controller.prepare(
+            preset, overrides=overrides, gpus=gpus, force=force, **queued
+        )
         if get_current_worker().is_cancelled:  # the TUI was closed while preparing
             raise RuntimeError("launch cancelled")
-        # --force also starts on devices another run is using; --queue waits for them instead.
         options = {k: True for k, on in (("queue", queue), ("force", force)) if on}
         return self.controller.start(prepared, **options)
 
