@@ -70,6 +70,7 @@ def main() -> None:
     results: dict[str, list[float]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["HOMELAB_DP_RUNS"] = tmp
+        os.environ["XDG_DATA_HOME"] = tmp  # its runs stay out of the user's run index
         for _ in range(args.repeats):
             for name, (fn, overrides) in configs.items():
                 results[name].append(fn(Path(tmp), overrides))

@@ -93,7 +93,7 @@ def main() -> None:
     rows: list[tuple[str, float, float | None]] = []  # (what, seconds, processes gone)
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp) / "runs"
-        env = {**os.environ, "HOMELAB_DP_RUNS": str(runs)}
+        env = {**os.environ, "HOMELAB_DP_RUNS": str(runs), "XDG_DATA_HOME": str(runs.parent)}
         env.pop("HOMELAB_DP_FAULT", None)
 
         started = time.perf_counter()

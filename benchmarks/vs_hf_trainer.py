@@ -195,7 +195,7 @@ def run_homelab(tmp: Path, model: Path, data: Path, a: argparse.Namespace) -> di
     """Run the preset through the CLI and read its figures from events.jsonl."""
     preset = tmp / "vs-hf.toml"
     preset.write_text(preset_toml(model, data, a), encoding="utf-8")
-    env = {**os.environ, "HOMELAB_DP_RUNS": str(tmp / "runs")}
+    env = {**os.environ, "HOMELAB_DP_RUNS": str(tmp / "runs"), "XDG_DATA_HOME": str(tmp)}
     env.pop("HOMELAB_DP_FAULT", None)
     cmd = [str(EXE), "run", str(preset), "--gpus", f"cpu:{a.nproc}", "--json"]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)

@@ -105,6 +105,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["XDG_CONFIG_HOME"] = str(Path(tmp) / "config")  # the shipped presets only
+        os.environ["XDG_DATA_HOME"] = str(Path(tmp) / "data")  # not the user's run index
         runs = Path(tmp) / "runs"
         runs.mkdir()
         timings = asyncio.run(shoot(args.out, (width, height), runs))

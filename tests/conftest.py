@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,29 @@ def in_repo(monkeypatch: pytest.MonkeyPatch) -> Path:
     """Run from the repository root, with runs and user presets in temporary folders."""
     monkeypatch.chdir(ROOT)
     return ROOT
+
+
+_SESSION_HOME: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Private data, config and runs folders for the whole session too: module- and
+    session-scoped fixtures run before `_private_dirs`, and a run they start must not land in
+    the user's run index (``$XDG_DATA_HOME/homelab-dp/index.jsonl``) or runs folder."""
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="homelab-dp-tests-")
+    _SESSION_HOME.append(home)
+    for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CONFIG_HOME", "config"),
+                     ("HOMELAB_DP_RUNS", "runs")):  # fmt: skip
+        os.environ[var] = os.path.join(home, sub)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    for home in _SESSION_HOME:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
