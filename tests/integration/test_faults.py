@@ -85,7 +85,7 @@ def fault(spec: str | None) -> Iterator[None]:
 
 def start(c: RunController, preset: Path, spec: str | None = None, **kw: Any) -> str:
     with fault(spec):
-        return c.start(c.prepare(str(preset)), **kw)
+        return c.start(c.prepare(str(preset), force=kw.get("force", False)), **kw)
 
 
 def wait_done(c: RunController, run_id: str, timeout: float = 240) -> dict[str, Any]:
