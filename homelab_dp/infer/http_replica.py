@@ -38,6 +38,7 @@ from aiohttp import web
 from homelab_dp.errors import HomelabError
 from homelab_dp.infer.prompting import Template, prompt_ids
 from homelab_dp.infer.request_body import BadRequest, GenerateBody, check_length, parse_body
+from homelab_dp.rundir.files import write_json_atomic
 
 TOKEN_ENV = "HOMELAB_DP_REPLICA_TOKEN"
 Event = dict[str, Any]
@@ -96,9 +97,7 @@ def exit_now(code: int) -> None:
 def write_ready_file(state_dir: Path, info: dict[str, Any]) -> Path:
     """Write ``replica-K.json`` atomically (a reader never sees half of it)."""
     path = state_dir / f"replica-{info['id']}.json"
-    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(info), encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, info)
     return path
 
 

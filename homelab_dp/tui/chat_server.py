@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from homelab_dp.run.launcher import free_port  # a loopback port free now
 
 STOP_WAIT_S = 5.0
 """How long a stopped server may take to exit before its group is killed."""
@@ -35,13 +36,6 @@ _LIVE: set[ChatServer] = set()
 
 class ServerFailed(Exception):
     """The server exited or answered with an error; the message says why in one line."""
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (the server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ChatServer:
