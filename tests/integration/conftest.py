@@ -7,18 +7,22 @@ built once per session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from homelab_dp.core.preset import preset_from_dict
 from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.run.launcher import run_foreground
 from homelab_dp.rundir.files import create_run_dir, read_run_spec, write_run_spec
+from homelab_dp.rundir.state import read_state
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -168,3 +172,21 @@ def bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     import torch
 
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def held_workers(run_dir: Path, count: int, timeout: float = 60) -> list[int]:
+    """The run's ``count`` workers, once all have stopped themselves (SIGSTOP) where the test
+    told them to (``HOMELAB_DP_FAULT``).
+
+    ``timeout`` is a liveness guard: they stop within a step of their first step."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        workers = read_state(run_dir).get("pids", {}).get("workers") or []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            stopped = [psutil.Process(p).status() == psutil.STATUS_STOPPED for p in workers]
+            if len(workers) == count and all(stopped):
+                return workers
+        time.sleep(0.05)
+    raise AssertionError(
+        f"the workers did not hold still within {timeout} s: {read_state(run_dir)}"
+    )

@@ -16,13 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from safetensors.torch import load_file
 
 from homelab_dp.rundir.state import alive_pids, read_state
 from homelab_dp.train.guard import FAULT_ENV
 from tests.conftest import write_preset
+from tests.integration.conftest import held_workers
 
 EXE = Path(sys.executable).with_name("homelab-dp")
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_attach_kill_follower_stop_and_resume(
         if kinds[-1] == "step":
             break
     assert "step" in kinds
-    workers = _held_workers(Path(env["HOMELAB_DP_RUNS"]) / run_id)
+    workers = held_workers(Path(env["HOMELAB_DP_RUNS"]) / run_id, 2)
     try:
         follower.kill()  # the follower dies; the run does not
         follower.wait()
@@ -132,23 +132,6 @@ def test_attach_kill_follower_stop_and_resume(
 
     again = cli(env, "resume", run_id)
     assert again.returncode == 2 and "already completed" in again.stderr
-
-
-def _held_workers(run_dir: Path, timeout: float = 60) -> list[int]:
-    """The run's two workers, once both have stopped themselves (SIGSTOP) where told to.
-
-    ``timeout`` is a liveness guard: they stop within a step of the first step event."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        workers = read_state(run_dir).get("pids", {}).get("workers") or []
-        with contextlib.suppress(psutil.NoSuchProcess):
-            stopped = [psutil.Process(p).status() == psutil.STATUS_STOPPED for p in workers]
-            if len(workers) == 2 and all(stopped):
-                return workers
-        time.sleep(0.05)
-    raise AssertionError(
-        f"the workers did not hold still within {timeout} s: {read_state(run_dir)}"
-    )
 
 
 def _wait_until_pending(

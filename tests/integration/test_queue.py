@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from homelab_dp.core.preset_store import open_preset
@@ -28,7 +27,7 @@ from homelab_dp.run.queue import Devices, Other, free_memory, on_idle_cards, wai
 from homelab_dp.rundir.state import FINAL, alive_pids, current_state, read_state, update_state
 from homelab_dp.train.guard import FAULT_ENV
 from tests.conftest import write_preset
-from tests.integration.conftest import make_run
+from tests.integration.conftest import held_workers, make_run
 
 EXE = Path(sys.executable).with_name("homelab-dp")
 pytestmark = pytest.mark.slow
@@ -52,20 +51,6 @@ def detached(env: dict[str, str], preset: Path, *extra: str) -> str:
     return json.loads(out.stdout.strip().splitlines()[-1])["run_id"]
 
 
-def held_worker(run_dir: Path, timeout: float = 120) -> int:
-    """The run's one worker once it has stopped itself (SIGSTOP) at step 2.
-
-    ``timeout`` is a liveness guard: a run's first step comes 8-18 s after its start."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        workers = read_state(run_dir).get("pids", {}).get("workers") or []
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if workers and psutil.Process(workers[0]).status() == psutil.STATUS_STOPPED:
-                return workers[0]
-        time.sleep(0.05)
-    raise AssertionError(f"the worker did not hold still within {timeout} s: {read_state(run_dir)}")
-
-
 def wait_ended(run_dir: Path, timeout: float = 240) -> dict:
     """Until the run has ended, then its `status --json` document (read here: a CLI call a
     second would compete with the runs for the 2 cores). ``timeout`` is a liveness guard: each
@@ -86,7 +71,7 @@ def test_queued_runs_start_in_order_after_the_running_one(
         tmp_path, "q", tiny_model, data, seq_len=64, pack=True, nproc=1, max_steps=4, grad_accum=1
     )
     first = detached({**env, FAULT_ENV: "sigstop:rank=0:step=2"}, preset)
-    worker = held_worker(runs / first)
+    [worker] = held_workers(runs / first, 1, timeout=120)  # its first step: 8-18 s after start
     try:
         # Without --queue: refused, nothing created.
         before = sorted(p.name for p in runs.iterdir())

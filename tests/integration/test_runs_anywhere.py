@@ -14,12 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from homelab_dp.rundir.state import alive_pids, read_state
 from homelab_dp.train.guard import FAULT_ENV
 from tests.conftest import DATA, write_preset
+from tests.integration.conftest import held_workers
 
 EXE = Path(sys.executable).with_name("homelab-dp")
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_started_in_one_folder_stopped_and_resumed_from_another(
     assert table[1].startswith(run_id) and table[1].split()[-1] == str(root.resolve())
     assert status(env, b, run_id[:-3])["run_id"] == run_id  # a unique prefix, from B
 
-    worker = _held_worker(root / run_id)
+    [worker] = held_workers(root / run_id, 1)
     try:
         stopping = subprocess.Popen([str(EXE), "stop", run_id], env=env, cwd=b, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
@@ -156,20 +156,6 @@ def test_a_runs_folder_that_cannot_be_created_starts_nothing(
         assert f"error: --runs {tmp_path / 'a-file' / 'runs'}: cannot create" in out.stderr
         assert "hint:" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "xdg-data").exists()  # no run folder, no index line
-
-
-def _held_worker(run_dir: Path, timeout: float = 60) -> int:
-    """The run's one worker, once it has stopped itself (SIGSTOP) where told to.
-
-    ``timeout`` is a liveness guard: it stops within a step of starting."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        workers = read_state(run_dir).get("pids", {}).get("workers") or []
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if workers and psutil.Process(workers[0]).status() == psutil.STATUS_STOPPED:
-                return workers[0]
-        time.sleep(0.05)
-    raise AssertionError(f"the worker did not hold still within {timeout} s: {read_state(run_dir)}")
 
 
 def _wait_until_pending(
