@@ -40,7 +40,7 @@ from homelab_dp.core.preset import ModelSection, Preset
 from homelab_dp.data.blocks import build_blocks, tokenize_records
 from homelab_dp.data.records import FORMATS, read_with_lines
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
-from homelab_dp.run.launcher import WORKER_MODULE, torchrun_command
+from homelab_dp.run.launcher import torchrun_command
 from homelab_dp.rundir.results import ModelRef, resolve_model
 
 EVAL_MODULE = "homelab_dp.train.eval_worker"
@@ -275,11 +275,7 @@ def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
 def eval_command(folder: Path, nproc: int, job_file: Path) -> list[str]:
     """The launcher's torchrun command (loopback rendezvous, logs under ``folder/logs``) with
     the eval worker in place of the training worker."""
-    cmd = torchrun_command(folder, nproc)
-    tail = ["-m", WORKER_MODULE, str(Path(folder).absolute())]
-    if cmd[-3:] != tail:  # the launcher's contract changed: fail loudly, not oddly
-        raise AssertionError(f"unexpected torchrun command tail {cmd[-3:]}")
-    return [*cmd[:-2], EVAL_MODULE, str(job_file)]
+    return torchrun_command(folder, nproc, worker=(EVAL_MODULE, job_file))
 
 
 def eval_env(devices: Devices) -> dict[str, str]:

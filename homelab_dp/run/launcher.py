@@ -42,8 +42,12 @@ def torchrun_command(
     rendezvous: Rendezvous | None = None,
     *,
     resume: bool = False,
+    worker: tuple[str, Path] | None = None,
 ) -> list[str]:
     """The argv that starts ``nproc_per_node`` workers of ``run_dir`` under torchrun.
+
+    ``worker``: (module, its argument) in place of the training worker and ``run_dir`` (the
+    eval worker and its job file); logs still go to ``run_dir/logs``.
 
     The rendezvous is named after the run folder on a single node, and
     ``homelab-dp-<master_addr>-<master_port>`` on several nodes, so that nodes whose run folders
@@ -74,7 +78,7 @@ def torchrun_command(
         "--log-dir", str(run_dir / "logs"),
         "--redirects=3",
         "--tee=3",
-        "-m", WORKER_MODULE, str(run_dir),
+        "-m", *((worker[0], str(worker[1])) if worker else (WORKER_MODULE, str(run_dir))),
     ]  # fmt: skip
     if resume:
         cmd.append("--resume")
