@@ -72,7 +72,10 @@ class RunsScreen(Screen[None]):
         self.app.call_from_thread(self.show, runs)
 
     def show(self, runs: list[dict[str, Any]]) -> None:
-        """Fill the table, keeping the cursor on the same run."""
+        """Fill the table, keeping the cursor on the same run. Nothing changed since the last
+        read (the periodic refresh, mostly): the table is left as it is, not rebuilt."""
+        if runs == self.runs and self.runs:
+            return
         table = self.query_one(DataTable)
         selected = self.selected()
         self.runs = runs
