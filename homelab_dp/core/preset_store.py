@@ -13,6 +13,7 @@ from pathlib import Path
 
 import tomli_w  # pure-Python TOML writer; a declared dependency
 
+from homelab_dp.core.hub_ids import looks_like_hub_id
 from homelab_dp.core.preset import Preset, apply_overrides, load_preset
 from homelab_dp.errors import PresetError
 
@@ -91,6 +92,8 @@ def _resolve_path(value: str, preset_file: Path | None) -> str:
     for base in bases:
         if (base / p).exists():
             return str((base / p).resolve())
+    if looks_like_hub_id(value):  # found nowhere on disk: a Hugging Face id, kept as typed
+        return value
     return str((Path.cwd() / p).absolute())
 
 
