@@ -1,21 +1,40 @@
-"""Checks made in the parent process before anything is spawned: model folder, data, plan,
-and for a CUDA plan that the installed torch sees the planned cards.
+"""Checks made in the parent process before anything is spawned: loggers, model folder, data,
+plan, and for a CUDA plan that the installed torch sees the planned cards.
 
 Every problem found here is a `HomelabError` (exit 2, nothing started, nothing written).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.core.hardware import HardwareReport, PlanHardware
 from homelab_dp.core.preset import Preset
-from homelab_dp.errors import DataError, HardwareSpecError, ModelSpecError
+from homelab_dp.errors import DataError, HardwareSpecError, ModelSpecError, PresetError
 from homelab_dp.run import doctor
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+REPORTER_INSTALL = {
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+    "wandb": ("wandb", 'pip install "homelab-dp[wandb]"'),
+    "mlflow": ("mlflow", 'pip install "homelab-dp[mlflow]"'),
+}
+"""A ``log.report_to`` name → the module rank 0 imports and how to install it."""
+
+
+def check_reporters(preset: Preset) -> None:
+    """Every logger named in ``log.report_to`` is installed (found, not imported: wandb and
+    mlflow take seconds to import)."""
+    for name in preset.log.report_to:
+        module, install = REPORTER_INSTALL[name]
+        if importlib.util.find_spec(module) is None:
+            raise PresetError(
+                f'log.report_to: "{name}" is named, but the {module} package is not installed',
+                hint=f'{install}, or take "{name}" out of log.report_to',
+            )
 
 
 def check_model_folder(preset: Preset) -> None:
