@@ -118,10 +118,12 @@ class RunController:
         nnodes: int = 1,
         queue: bool = False,
     ) -> Prepared:
-        """Preflight in this process: preset, plan, torch for a CUDA plan, model folder, data.
-        Raises HomelabError. ``queue``: the run will wait for its cards, so it is planned on
-        them idle; otherwise devices another run is using refuse it (unless ``force``)."""
+        """Preflight in this process: preset, loggers, plan, torch for a CUDA plan, model
+        folder, data. Raises HomelabError. ``queue``: the run will wait for its cards, so it is
+        planned on them idle; otherwise devices another run is using refuse it (unless
+        ``force``)."""
         preset = open_preset(preset_ref, overrides)
+        preflight.check_reporters(preset)  # a logger not installed: before the plan
         if gpus and not gpus.lower().startswith("cpu"):
             raise HomelabError(
                 f"--gpus {gpus}: `run` uses real devices; sizes are for `plan` what-ifs",
