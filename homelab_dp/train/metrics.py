@@ -23,11 +23,15 @@ if TYPE_CHECKING:
 
 
 class EventLog:
-    """Appends events to ``events.jsonl``; a no-op on ranks other than 0 unless ``force``."""
+    """Appends events to ``events.jsonl``; a no-op on ranks other than 0 unless ``force``.
+
+    ``sink`` (rank 0: `train.reporting.Reporting`, the run's loggers) also gets every event
+    written, so TensorBoard & co. show exactly the figures of the file."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path = path
         self.enabled = enabled
+        self.sink: Any = None
 
     def write(self, event: Event, force: bool = False) -> dict[str, Any]:
         """Write one event line (flushed at once) and return its object; ``force`` writes on any
@@ -40,7 +44,14 @@ class EventLog:
                 os.write(fd, line)  # one write per line: atomic with O_APPEND
             finally:
                 os.close(fd)
+        if self.enabled and self.sink is not None:
+            self.sink.event(event)
         return doc
+
+    def close(self) -> None:
+        """Flush and close the loggers (after the end, a failure or a stop)."""
+        if self.sink is not None:
+            self.sink.close()
 
 
 def _jsonable(value: Any) -> Any:

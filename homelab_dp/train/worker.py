@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return EXIT_FAILED
     finally:
+        events.close()  # the loggers' last figures on disk, however the rank ends
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -126,6 +127,10 @@ def run_rank(spec: RunSpec, run_dir: Path, events: Any, stop: StopFlag, resume: 
     t_start = time.time()
     guard = RankGuard(run_dir, int(os.environ["RANK"]))  # heartbeats, orphan check
     s = set_up(spec, run_dir, events, resume)
+    if events.enabled and not s.memory.measuring:  # rank 0's curves ([log] report_to)
+        from homelab_dp.train.reporting import open_reporting
+
+        events.sink = open_reporting(spec, run_dir, s.position.start_step, events)
     trainer = Trainer(spec, run_dir, s, events, stop, guard, t_start)
     events.write(start_event(spec, s))
     trainer.run()

@@ -1,0 +1,176 @@
+"""Rank 0's loggers (`homelab_dp.train.reporting`), in process: the TensorBoard event files read
+back with TensorBoard's own reader hold the figures of the events written, a resumed run
+continues the same curves, ``report_to = []`` writes no folder, a failing logger becomes one
+warning and training goes on, and a logger that is not installed is refused by ``run`` before
+anything starts. The same files of a real two-process run are checked in
+tests/integration/test_validation.py::test_keep_best_and_early_stopping.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from homelab_dp.cli.main import main
+from homelab_dp.core.events import EndEvent, EvalEvent, StepEvent, WarningEvent
+from homelab_dp.core.preset import Preset
+from homelab_dp.core.preset_sections import LogSection
+from homelab_dp.core.runspec import Launch, Resolved, RunSpec
+from homelab_dp.train.metrics import EventLog
+from homelab_dp.train.reporting import (
+    DeviceSamples,
+    Reporting,
+    TensorBoardBackend,
+    open_reporting,
+)
+
+LOSSES = [2.5, 2.25, 2.0, 1.875]
+
+
+def spec(report_to: list[str]) -> RunSpec:
+    preset = Preset(log=LogSection(report_to=report_to))  # type: ignore[arg-type]
+    resolved = Resolved("full", "ddp", False, "cpu", 2, "fp32", 1, 1, 1e-3)
+    return RunSpec("20261201-120000-demo-abcd", preset, resolved, Launch(nproc_per_node=2))
+
+
+def step(n: int, loss: float) -> StepEvent:
+    return StepEvent(step=n, total_steps=4, epoch=n / 8, loss=loss, lr=1e-3 * n, grad_norm=0.5 + n,
+                     tokens_per_s=1000.0 + n, samples_per_s=10.0, step_time_s=0.25,
+                     peak_memory_bytes=[2**30 + n * 2**20, 2**30 + 2 * n * 2**20])  # fmt: skip
+
+
+def sample(rank0_rss: int) -> str:
+    devices = [{"key": "rank0", "utilization_pct": 180.0, "memory_used": rank0_rss},
+               {"key": "rank1", "utilization_pct": 170.0, "memory_used": 3 * 2**28}]  # fmt: skip
+    return json.dumps({"type": "devices", "time": 1.0, "devices": devices}) + "\n"
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar curve of RUN/tensorboard, read by TensorBoard's own reader."""
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def warnings(run_dir: Path) -> list[str]:
+    lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    return [e["message"] for e in map(json.loads, lines) if e["type"] == "warning"]
+
+
+def test_tensorboard_holds_the_events_figures_and_a_resume_continues_the_curves(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    devices = run_dir / "devices.jsonl"
+    devices.write_text(sample(1), encoding="utf-8")  # an earlier attempt's: not read again
+    events = EventLog(run_dir / "events.jsonl", enabled=True)
+    events.sink = open_reporting(spec(["tensorboard"]), run_dir, 0, events)
+    with devices.open("a", encoding="utf-8") as out:
+        out.write(sample(5 * 2**28))  # the monitor's sample while step 1 trains
+    events.write(step(1, LOSSES[0]))
+    events.write(step(2, LOSSES[1]))  # no new sample: no device figure at step 2
+    events.write(EvalEvent(step=2, loss=1.5, perplexity=math.exp(1.5), tokens=99))
+    events.write(step(3, 9.0))  # logged after the checkpoint of step 2, then the run crashes
+    events.close()
+
+    # The resume from step 2's checkpoint: step 3 again, with another loss, and step 4.
+    events = EventLog(run_dir / "events.jsonl", enabled=True)
+    events.sink = open_reporting(spec(["tensorboard"]), run_dir, 2, events)
+    events.write(step(3, LOSSES[2]))
+    events.write(step(4, LOSSES[3]))
+    events.write(EndEvent(reason="completed", steps=4))
+    assert events.sink.closed and warnings(run_dir) == []
+
+    found = scalars(run_dir)
+    assert found["train/loss"] == [(n + 1, loss) for n, loss in enumerate(LOSSES)]  # 9.0 purged
+    assert [n for n, _ in found["train/lr"]] == [1, 2, 3, 4]
+    assert [v for _, v in found["train/lr"]] == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3], rel=1e-6)
+    assert found["train/grad_norm"] == [(n, 0.5 + n) for n in range(1, 5)]
+    assert found["train/tokens_per_s"] == [(n, 1000.0 + n) for n in range(1, 5)]
+    # float32, as TensorBoard stores every scalar: exact for whole MiB
+    assert found["rank1/peak_memory_bytes"] == [(n, 2**30 + 2 * n * 2**20) for n in range(1, 5)]
+    assert found["eval/loss"] == [(2, 1.5)]
+    ((at, perplexity),) = found["eval/perplexity"]  # float32, as TensorBoard stores scalars
+    assert at == 2 and perplexity == pytest.approx(math.exp(1.5), rel=1e-6)
+    assert found["rank0/memory_used_bytes"] == [(1, 5 * 2**28)]  # the new sample, once
+    assert found["rank1/utilization_pct"] == [(1, 170.0)]
+    assert "train/mfu" not in found  # None on the CPU: left out
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert acc.Tags()["tensors"] == ["run/preset/text_summary"]  # once, by the fresh start
+    assert len(list((run_dir / "tensorboard").iterdir())) == 2  # one file per attempt
+
+
+def test_report_to_nothing_writes_no_folder(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl", enabled=True)
+    assert open_reporting(spec([]), tmp_path, 0, events) is None
+    events.write(step(1, 2.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl"]
+
+
+class FullDisk:
+    """A logger whose every write fails, as one on a full disk or a lost server would."""
+
+    name = "wandb"
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.writes += 1
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        raise AssertionError("dropped: never flushed")
+
+    def close(self) -> None:
+        raise AssertionError("dropped: never closed")
+
+
+def test_a_failing_logger_is_one_warning_and_the_others_go_on(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl", enabled=True)
+    failing = FullDisk()
+    board = TensorBoardBackend(tmp_path / "tensorboard", 0, {})
+    warn = lambda message: events.write(WarningEvent(message=message))  # noqa: E731
+    events.sink = Reporting([failing, board], DeviceSamples(tmp_path / "devices.jsonl"), warn)
+    for n, loss in enumerate(LOSSES, start=1):
+        events.write(step(n, loss))
+    events.write(EndEvent(reason="completed", steps=4))
+    assert failing.writes == 1
+    assert warnings(tmp_path) == ["wandb: could not write (OSError: [Errno 28] No space left on "
+                                  "device); logging to it stopped, training goes on"]  # fmt: skip
+    assert [v for _, v in scalars(tmp_path)["train/loss"]] == LOSSES
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_a_logger_that_cannot_start_in_the_worker_is_a_warning(tmp_path):
+    """The front end refuses this preset; a resume on a machine without wandb gets here."""
+    events = EventLog(tmp_path / "events.jsonl", enabled=True)
+    events.sink = open_reporting(spec(["wandb", "tensorboard"]), tmp_path, 0, events)
+    events.write(step(1, 2.0))
+    events.close()
+    assert warnings(tmp_path) == ["wandb: could not start (ModuleNotFoundError: No module named "
+                                  "'wandb'); the run goes on without it"]  # fmt: skip
+    assert scalars(tmp_path)["train/loss"] == [(1, 2.0)]
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_run_refuses_a_logger_that_is_not_installed(name, in_repo, capsys):
+    if importlib.util.find_spec(name) is not None:
+        pytest.skip(f"{name} is installed")
+    runs = Path(os.environ["HOMELAB_DP_RUNS"])
+    rc = main(["run", "tiny-demo", "--gpus", "cpu:2", "--detach",
+               "--set", f'log.report_to=["tensorboard", "{name}"]'])  # fmt: skip
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err, err
+    assert lines == [
+        f'error: log.report_to: "{name}" is named, but the {name} package is not installed',
+        f'hint: pip install "homelab-dp[{name}]", or take "{name}" out of log.report_to',
+    ]
+    assert not runs.exists() or not any(runs.iterdir())
