@@ -1,18 +1,45 @@
-"""`homelab-dp plan`: will it fit, and how to spread it (no torch: answers in milliseconds)."""
+"""`homelab-dp plan`: will it fit, and how to spread it (no torch: answers in milliseconds).
+
+Either a preset (``plan PRESET``) or a model alone (``plan --model ID_OR_FOLDER``: a Hugging
+Face id, whose config.json is all that is read — from the cache, else downloaded — or a
+local model folder), with every other field at its default. The flags ``--seq-len``,
+``--micro-batch``, ``--method`` and ``--revision`` are ``--set`` overrides of either.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
+from homelab_dp.core.vocabulary import METHODS
+from homelab_dp.errors import HomelabError
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
 
 
 def register(sub: Any) -> None:
     """Add `plan` to the main parser's subparsers."""
     p = sub.add_parser("plan", help="will it fit, and how to spread it")
-    p.add_argument("preset", help="a preset file or the name of one (homelab-dp presets list)")
+    p.add_argument(
+        "preset", nargs="?", help="a preset file or the name of one (homelab-dp presets list)"
+    )
+    p.add_argument(
+        "--model",
+        metavar="ID_OR_FOLDER",
+        help="plan a model without a preset: a Hugging Face id (Qwen/Qwen2.5-0.5B) or a "
+        "model folder; the other fields take their defaults",
+    )
+    p.add_argument("--revision", help="with a model id: a branch, tag or commit (default main)")
     p.add_argument("--gpus", help="plan for other hardware: 2x24GiB, 24GiB,12GiB, cpu:2")
+    p.add_argument("--seq-len", type=_positive, help="tokens per sequence (data.seq_len)")
+    p.add_argument("--micro-batch", type=_positive, help="sequences per device (train.micro_batch)")
+    p.add_argument("--method", choices=("auto", *METHODS), help="train.method (default auto)")
     p.add_argument("--json", action="store_true", help="one JSON document")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument(
@@ -23,11 +50,37 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The named flags as ``--set`` overrides, before the ``--set`` ones (which win)."""
+    out = []
+    if args.revision is not None:
+        out.append(f"model.revision={json.dumps(args.revision)}")
+    if args.seq_len is not None:
+        out.append(f"data.seq_len={args.seq_len}")
+    if args.micro_batch is not None:
+        out.append(f"train.micro_batch={args.micro_batch}")
+    if args.method is not None:
+        out.append(f"train.method={json.dumps(args.method)}")
+    return out + list(args.set)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from homelab_dp.core.preset_store import open_preset
-    from homelab_dp.run.planning import make_plan
+    from homelab_dp.run.planning import make_plan, preset_for_model
 
-    preset = open_preset(args.preset, args.set)
+    if (args.preset is None) == (args.model is None):
+        both = args.preset is not None
+        raise HomelabError(
+            "plan: give a preset or --model, not both" if both
+            else "plan: give a preset (PRESET) or a model (--model ID_OR_FOLDER)",
+            hint="`homelab-dp plan tiny-demo`, or `homelab-dp plan --model Qwen/Qwen2.5-0.5B "
+            "--gpus 24GiB` (`homelab-dp presets list` shows the presets)",
+        )  # fmt: skip
+    overrides = flag_overrides(args)
+    if args.model is not None:
+        preset = preset_for_model(args.model, overrides)
+    else:
+        preset = open_preset(args.preset, overrides)
     planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch)
     if args.json:
         print_json(planned.plan.to_json())

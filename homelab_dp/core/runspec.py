@@ -72,6 +72,18 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class ModelOrigin:
+    """A model given by Hugging Face id: what the user named, shown by `status` and `runs`.
+    The run itself only ever uses the local snapshot folder in ``preset.model.path``."""
+
+    repo_id: str
+    revision: str = ""
+    """As asked ("" : main)."""
+    commit: str = ""
+    """The commit of the snapshot folder the run uses."""
+
+
+@dataclass(frozen=True)
 class Retry:
     """One automatic resume after out-of-memory (`run --auto-fit`)."""
 
@@ -103,6 +115,8 @@ class RunSpec:
     measure_steps: int = 0
     """`homelab-dp measure`: probe memory for this many steps, no checkpoint or result."""
     retries: tuple[Retry, ...] = ()
+    model_origin: ModelOrigin | None = None
+    """The Hugging Face id the model came from (None: a local folder was given)."""
 
     @property
     def planned_bytes(self) -> dict[str, int]:
@@ -152,6 +166,8 @@ class RunSpec:
         }
         if self.collective_timeout_s:
             out["collective_timeout_s"] = self.collective_timeout_s
+        if self.model_origin is not None:
+            out["model_origin"] = asdict(self.model_origin)
         return out
 
     @classmethod
@@ -182,4 +198,5 @@ class RunSpec:
             resume=bool(data.get("resume")),
             measure_steps=int(data.get("measure_steps") or 0),
             retries=retries,
+            model_origin=ModelOrigin(**data["model_origin"]) if data.get("model_origin") else None,
         )

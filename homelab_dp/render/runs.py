@@ -69,12 +69,21 @@ def queue_line(queue: dict[str, Any] | None) -> str | None:
     return f"position {queue.get('position')} in the queue, waiting for {waits}"
 
 
+def model_text(model: dict[str, Any]) -> str:
+    """A run's model: ``org/name (main, commit 1a2b3c4)`` when given by id, else its folder."""
+    if not model.get("repo_id"):
+        return short_path(model.get("path") or "–")
+    commit = f", commit {model['commit'][:7]}" if model.get("commit") else ""
+    return f"{model['repo_id']} ({model.get('revision') or 'main'}{commit})"
+
+
 def status_lines(doc: dict[str, Any]) -> list[str]:
     """`homelab-dp status RUN`: state, strategy, progress and the figures known so far."""
     lines = [
         f"run       {doc['run_id']}",
         *([f"folder    {short_path(doc['path'])}"] if doc.get("path") else []),
         f"status    {doc['status']}" + (f" — {doc['reason']}" if doc.get("reason") else ""),
+        *([f"model     {model_text(doc['model'])}"] if doc.get("model") else []),
         f"strategy  {doc['method']} · {doc['distribution']} · {doc['world_size']} process(es)",
         *([f"queue     {queue_line(doc['queue'])}"] if doc.get("queue") else []),
         f"progress  step {doc['step']}/{doc['total_steps']}"

@@ -22,10 +22,11 @@ from homelab_dp.core.planner import Plan
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.preset_store import open_preset
 from homelab_dp.core.run_view import RunView
-from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
+from homelab_dp.core.runspec import Launch, ModelOrigin, Rendezvous, Resolved, RunSpec
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.run import preflight
 from homelab_dp.run import queue as waiting_room
+from homelab_dp.run.model_source import model_doc, with_local_model
 from homelab_dp.run.planning import Planned, cpu_hardware, make_plan, with_target_share
 from homelab_dp.rundir.files import (
     append_event,
@@ -56,6 +57,8 @@ class Prepared:
     planned: Planned
     resolved: Resolved
     blocks: int
+    origin: ModelOrigin | None = None
+    """The Hugging Face id ``preset.model.path`` was given as (the path is now its snapshot)."""
 
     @property
     def plan(self) -> Plan:
@@ -87,6 +90,7 @@ class Prepared:
             auto_fit=auto_fit,
             collective_timeout_s=self.preset.train.collective_timeout_s or None,
             measure_steps=measure_steps,
+            model_origin=self.origin,
         )
 
 
@@ -119,9 +123,9 @@ class RunController:
         queue: bool = False,
     ) -> Prepared:
         """Preflight in this process: preset, loggers, plan, torch for a CUDA plan, model
-        folder, data. Raises HomelabError. ``queue``: the run will wait for its cards, so it is
-        planned on them idle; otherwise devices another run is using refuse it (unless
-        ``force``)."""
+        folder (a model id's snapshot, downloaded when missing), data. Raises HomelabError.
+        ``queue``: the run will wait for its cards, so it is planned on them idle; otherwise
+        devices another run is using refuse it (unless ``force``)."""
         preset = open_preset(preset_ref, overrides)
         preflight.check_reporters(preset)  # a logger not installed: before the plan
         if gpus and not gpus.lower().startswith("cpu"):
@@ -149,6 +153,10 @@ class RunController:
                 + " — or pass --force to try anyway",
             )
         preflight.check_torch_sees_cards(planned.hardware, planned.report)
+        # A model id was planned from its config.json; the run needs the whole snapshot, and
+        # its workers (and any resume) get the local folder, never the id.
+        preset, origin = with_local_model(preset)
+        planned = replace(planned, preset=preset)
         preflight.check_model_folder(preset)
         ws = p.world_size * nnodes  # multi-node: every node runs the same devices
         blocks, share = preflight.check_data(preset, planned.spec.max_positions, ws,
@@ -168,7 +176,7 @@ class RunController:
             grad_accum=p.grad_accum,
             lr=p.lr.applied,
         )
-        return Prepared(preset, planned, resolved, blocks)
+        return Prepared(preset, planned, resolved, blocks, origin)
 
     # ------------------------------------------------------------------ starting
     def start(
@@ -367,6 +375,7 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
         "reason": state.get("reason"),
         "created": started,
         "duration_s": duration,
+        "model": model_doc(read_run_spec(run_dir)),
         "method": view.method,
         "distribution": view.distribution,
         "world_size": view.world_size,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from homelab_dp.core.hardware import (
     GpuProcess,
@@ -16,12 +17,14 @@ from homelab_dp.core.hardware import (
     parse_gpus_spec,
 )
 from homelab_dp.core.host_plan import with_host
+from homelab_dp.core.hub_ids import looks_like_hub_id
 from homelab_dp.core.model_spec import ModelSpec, load_model_spec
 from homelab_dp.core.planner import Plan, plan
-from homelab_dp.core.preset import Preset
+from homelab_dp.core.preset import Preset, apply_overrides, preset_from_dict
 from homelab_dp.core.vocabulary import ACTIVE_STATUSES
-from homelab_dp.errors import HardwareSpecError, PresetError
+from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
 from homelab_dp.probe import nvml
+from homelab_dp.run.model_source import config_folder
 from homelab_dp.rundir.index import known_runs
 from homelab_dp.rundir.state import read_state, recorded_pids
 
@@ -141,10 +144,35 @@ def _mark_ours(
     return tuple(replace(p, run_id=ours.get(p.pid)) for p in processes)
 
 
+def preset_for_model(model: str, overrides: list[str] | None = None) -> Preset:
+    """A preset made in memory to plan ``model`` (a model folder or a Hugging Face id) with
+    every other field at its default and ``overrides`` (``--set``) applied: `plan --model`.
+    It has no data file (planning reads none), so it can be planned, never run."""
+    path = Path(model).expanduser()
+    if path.exists():
+        model = str(path.absolute())
+    elif not looks_like_hub_id(model):
+        raise ModelSpecError(
+            f"--model {model}: no such folder, and not a Hugging Face id (org/name)",
+            hint="give a local model folder (with config.json) or an id such as Qwen/Qwen2.5-0.5B",
+        )
+    # data.path is required of a preset; planning reads no data, so it is blanked after checks
+    preset = preset_from_dict({"model": {"path": model}, "data": {"path": "-"}})
+    preset = apply_overrides(preset, overrides or [])
+    return replace(preset, data=replace(preset.data, path=""))
+
+
 def make_plan(
-    preset: Preset, gpus: str | None = None, *, find_micro_batch: bool = False
+    preset: Preset,
+    gpus: str | None = None,
+    *,
+    find_micro_batch: bool = False,
+    fetch: bool = True,
 ) -> Planned:
     """Plan ``preset`` (paths already resolved) on the probed or what-if hardware.
+
+    A model given by Hugging Face id is planned from its config.json alone: the cached one,
+    else downloaded (only that file) when ``fetch`` and online (`run.model_source`).
 
     What `homelab-dp measure` stored for this hardware corrects the overhead terms and is shown
     beside the estimate. ``find_micro_batch``: the largest micro-batch that fits, accumulation
@@ -154,7 +182,7 @@ def make_plan(
     from homelab_dp.core.finder import plan_largest_micro_batch
     from homelab_dp.run.calibration import hardware_calibration
 
-    spec = load_model_spec(preset.model.path)
+    spec = load_model_spec(config_folder(preset.model.path, preset.model.revision, fetch=fetch))
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
     make = plan_largest_micro_batch if find_micro_batch else plan

@@ -202,7 +202,7 @@ def test_every_problem_is_reported_at_once(in_repo, capsys) -> None:
         (["plan", "tiny-demo", "--set", "micro_batch"], "--set micro_batch: expected KEY=VALUE"),
         (["plan", "no-such-preset"], "preset 'no-such-preset'"),
         (["presets", "show", "nope"], "preset 'nope'"),
-        (["plan"], "the following arguments are required: preset"),
+        (["plan"], "give a preset (PRESET) or a model (--model ID_OR_FOLDER)"),
     ],
 )
 def test_bad_arguments(argv, needle, in_repo, capsys) -> None:

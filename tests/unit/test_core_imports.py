@@ -13,7 +13,7 @@ import pytest
 import homelab_dp.core
 
 CORE = Path(homelab_dp.core.__file__).parent
-PURE_PARTS = ("core", "data", "rundir", "serve")
+PURE_PARTS = ("core", "data", "rundir", "serve", "hub")
 MODULES = sorted(
     f"homelab_dp.{part}.{p.stem}"
     for part in PURE_PARTS

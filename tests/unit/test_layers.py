@@ -17,7 +17,7 @@ PACKAGE = Path(homelab_dp.__file__).parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "errors"),
     ("core",),
-    ("probe", "data", "rundir"),
+    ("probe", "data", "rundir", "hub"),
     ("train", "run", "infer", "serve"),
     ("render",),
     ("tui",),
