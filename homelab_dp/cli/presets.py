@@ -14,8 +14,9 @@ def register(sub: Any) -> None:
     psub = p.add_subparsers(dest="action", required=True, parser_class=Parser)
     q = psub.add_parser("list", help="every preset found")
     q.add_argument("--json", action="store_true")
-    q = psub.add_parser("show", help="print one preset")
+    q = psub.add_parser("show", help="print one preset and the results of its completed runs")
     q.add_argument("name")
+    q.add_argument("--json", action="store_true", help="name, path, text and results")
     q = psub.add_parser("save", help="save a preset with overrides under a new name")
     q.add_argument("name")
     q.add_argument("--from", dest="source", required=True, metavar="PRESET")
@@ -37,13 +38,32 @@ def cmd_presets(args: argparse.Namespace) -> int:
             print(f"{name:<24} {path}" + (f"\n{'':<24} {first[0]}" if first else ""))
         return EXIT_OK
     if args.action == "show":
-        path = preset_store.find_preset(args.name)
-        preset_store.load_preset(path)  # validate before showing
-        print(f"# {path}")
-        print(path.read_text(encoding="utf-8"), end="")
-        return EXIT_OK
+        return _show(args)
     # save
     preset = preset_store.open_preset(args.source, args.set)
     path = preset_store.save_preset(args.name, preset, force=args.force)
     print(f"saved {path}\nrun it with: homelab-dp run {args.name}")
+    return EXIT_OK
+
+
+def _show(args: argparse.Namespace) -> int:
+    """The preset's text, then the recorded results of its completed runs (every run of a
+    preset of this name: `homelab_dp.run.preset_results`)."""
+    from homelab_dp.core import preset_store
+    from homelab_dp.core.preset_results import preset_name
+    from homelab_dp.render.preset_results import results_lines
+    from homelab_dp.rundir.preset_results import read_results
+
+    path = preset_store.find_preset(args.name)
+    preset_store.load_preset(path)  # validate before showing
+    text = path.read_text(encoding="utf-8")
+    records = read_results(preset_name(path))
+    if args.json:
+        print_json({"name": preset_name(path), "path": str(path), "text": text,
+                    "results": records})  # fmt: skip
+        return EXIT_OK
+    print(f"# {path}")
+    print(text, end="" if text.endswith("\n") else "\n")
+    print(f"\n# Results of completed runs of {preset_name(path)} ({len(records)})")
+    print("\n".join(results_lines(records)))
     return EXIT_OK

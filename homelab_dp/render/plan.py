@@ -12,6 +12,8 @@ from homelab_dp.core.held_memory import holders
 from homelab_dp.core.memory import COMPONENTS
 from homelab_dp.core.plan_reasons import PLAIN, count
 from homelab_dp.core.planner import SAFETY_MARGIN, Plan
+from homelab_dp.core.preset_results import PresetRuns
+from homelab_dp.render.preset_results import expected_text
 from homelab_dp.run.planning import Planned
 
 COLOURS = {
@@ -54,8 +56,9 @@ def legend(per_device: dict[str, int]) -> Text:
     return out
 
 
-def render_plan(plan: Plan) -> RenderableType:
-    """The decision, the memory of every device, every candidate, reasons and advice."""
+def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableType:
+    """The decision, the memory of every device, every candidate, reasons and advice; with
+    ``expected`` (`run.preset_results.expected_runs`), what the preset's recorded runs say."""
     j = plan.to_json()
     t = j["training"]
     ok = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
@@ -135,6 +138,8 @@ def render_plan(plan: Plan) -> RenderableType:
         blocks.append(Text(f"micro-batch finder: {f['micro_batch']} × accumulation "
                            f"{f['grad_accum']} = effective batch {f['effective_batch']}"
                            + ("" if f["exact"] else f" (asked {f['requested_effective_batch']})")))  # fmt: skip
+    if (line := expected_text(expected)) is not None:
+        blocks.append(line)
     blocks.append(Text(_provenance(j), style="dim"))
     return Group(*blocks)
 
@@ -278,5 +283,10 @@ def reasons_block(planned: Planned) -> Text:
 
 
 def render_planned(planned: Planned) -> Group:
-    """The whole plan pane."""
-    return Group(decision_text(planned), candidates_block(planned), Text(), reasons_block(planned))
+    """The whole plan pane (with the expected line when the preset has recorded runs)."""
+    from homelab_dp.run.preset_results import expected_runs
+
+    parts: list[RenderableType] = [decision_text(planned)]
+    if (line := expected_text(expected_runs(planned))) is not None:
+        parts.append(line)
+    return Group(*parts, candidates_block(planned), Text(), reasons_block(planned))

@@ -130,17 +130,22 @@ class Keeper:
         return self.final_status(rc)
 
     def finish(self, verdict: Verdict) -> int:
-        """Write the final state and event of the run."""
-        update_state(
-            self.run_dir,
-            status=verdict.status,
-            reason=verdict.reason,
-            exit_code=self.exit_code,
-            ended=time.time(),
-            failure=verdict.failure,
-        )
+        """Write the final state and event of the run (a completed run's results first)."""
+        final = {"status": verdict.status, "reason": verdict.reason, "ended": time.time()}
+        if verdict.status == "completed":  # before the state says so: a follower then finds it
+            self._record_results(final)
+        update_state(self.run_dir, **final, exit_code=self.exit_code, failure=verdict.failure)
         append_event(self.run_dir, StateEvent(status=verdict.status, reason=verdict.reason))
         return 0 if verdict.status in ("completed", "interrupted") else 1
+
+    def _record_results(self, final: dict[str, Any]) -> None:
+        """Record the run's figures against its preset (`homelab_dp.run.preset_results`)."""
+        from homelab_dp.run.preset_results import record_run
+
+        try:
+            record_run(self.run_dir, final)
+        except Exception as exc:  # noqa: BLE001 - the run is over: recording never changes that
+            print(f"keeper: the run's results were not recorded: {exc!r}", file=sys.stderr)
 
     def _supervise(self) -> list[int]:
         """Poll until torchrun exits: record workers, forward a stop, run the watchdog."""
