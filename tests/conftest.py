@@ -32,7 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
     home = tempfile.mkdtemp(prefix="homelab-dp-tests-")
     _SESSION_HOME.append(home)
     for var, sub in (("XDG_DATA_HOME", "data"), ("XDG_CONFIG_HOME", "config"),
-                     ("HOMELAB_DP_RUNS", "runs")):  # fmt: skip
+                     ("XDG_CACHE_HOME", "cache"), ("HOMELAB_DP_RUNS", "runs")):  # fmt: skip
         os.environ[var] = os.path.join(home, sub)
 
 
@@ -45,10 +45,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def _private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
-    """Never touch the user's real runs folder, saved presets or memory calibration, and see
-    every recorded GPU (a CUDA_VISIBLE_DEVICES of the machine running the tests would hide some)."""
+    """Never touch the user's real runs folder, saved presets, memory calibration or token
+    cache, and see every recorded GPU (a CUDA_VISIBLE_DEVICES of the machine running the tests
+    would hide some)."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg")))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))  # tokens
     monkeypatch.setenv("HOMELAB_DP_RUNS", str(tmp_path_factory.mktemp("runs")))
     monkeypatch.delenv("HOMELAB_DP_PRESETS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
