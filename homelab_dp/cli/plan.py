@@ -67,6 +67,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 def cmd_plan(args: argparse.Namespace) -> int:
     from homelab_dp.core.preset_store import open_preset
     from homelab_dp.run.planning import make_plan, preset_for_model
+    from homelab_dp.run.preset_results import expected_runs
 
     if (args.preset is None) == (args.model is None):
         both = args.preset is not None
@@ -82,10 +83,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         preset = open_preset(args.preset, overrides)
     planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch)
+    # What the preset's recorded runs say (`run.preset_results`): expected duration and energy.
+    expected = expected_runs(planned)
     if args.json:
-        print_json(planned.plan.to_json())
+        seen = expected.to_json() if expected else {"expected": None, "recorded_runs": None}
+        print_json({**planned.plan.to_json(), **seen})
     else:
         from homelab_dp.render.plan import render_plan
 
-        print_rich(render_plan(planned.plan))
+        print_rich(render_plan(planned.plan, expected))
     return EXIT_OK  # whether or not it fits: the answer is in `fits`
