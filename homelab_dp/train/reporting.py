@@ -10,7 +10,7 @@ fed from rank 0's event stream: `train.metrics.EventLog` hands each event it wri
   last logged step (``devices.jsonl``, `run.monitor`): ``gpu{i}/memory_used_bytes``,
   ``gpu{i}/utilization_pct``, ``gpu{i}/memory_utilization_pct``, ``gpu{i}/temperature_c``,
   ``gpu{i}/power_w`` (on the CPU ``rank{r}/memory_used_bytes`` and ``rank{r}/utilization_pct``,
-  the rank's RSS and CPU %);
+  the rank's RSS and CPU %), at the first logged step the newest sample taken while loading;
 - an ``eval`` event: ``eval/loss``, ``eval/perplexity`` (then a flush);
 - ``end``: flush and close; ``error``: flush.
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,6 +47,9 @@ DEFAULT_PROJECT = "homelab-dp"
 """The W&B project / MLflow experiment when ``log.project`` is empty."""
 FLUSH_SECS = 10
 """How stale a live TensorBoard may be (SummaryWriter's default is 120 s)."""
+FRESH_S = 5.0
+"""A device sample taken this long before the loggers opened still counts (the monitor samples
+every second); older ones belong to an earlier attempt."""
 _DEVICE_FIELDS = (
     ("memory_used", "memory_used_bytes"),
     ("utilization_pct", "utilization_pct"),
@@ -182,15 +186,20 @@ def device_scalars(sample: dict[str, Any]) -> dict[str, float]:
 
 
 class DeviceSamples:
-    """The monitor's newest sample since the last call (``devices.jsonl``, read from where it
-    stood when this attempt started: a resume does not reread a long run's history)."""
+    """The monitor's newest sample since the last call (``devices.jsonl``).
 
-    def __init__(self, path: Path) -> None:
-        self.tail = JsonlTail(path, start=file_size(path))
+    Read from its last 64 KiB when the loggers open (a resume does not reread a long run's
+    history; the first step still gets the sample taken while the model loaded), and only
+    samples at most `FRESH_S` seconds older than the opening count (not the last attempt's)."""
+
+    def __init__(self, path: Path, now: float | None = None) -> None:
+        self.tail = JsonlTail(path, start=max(file_size(path) - 65536, 0))  # a cut line: skipped
+        self.since = (time.time() if now is None else now) - FRESH_S
 
     def newest(self) -> dict[str, float]:
-        """Scalars of the newest sample with devices since the last call; {} when none."""
-        samples = [s for s in self.tail.read() if s.get("devices")]
+        """Scalars of the newest fresh sample with devices since the last call; {} when none."""
+        samples = [s for s in self.tail.read()
+                   if s.get("devices") and float(s.get("time") or 0.0) >= self.since]  # fmt: skip
         return device_scalars(samples[-1]) if samples else {}
 
 

@@ -5,6 +5,7 @@
   by the follower's lines and by ``status`` (text and ``--json``);
 - ``train.keep_best`` keeps the best checkpoint beside the newest, and early stopping ends the
   run after ``train.early_stopping_patience`` evaluations without a lower loss, as completed;
+  the same run's TensorBoard files hold its step and eval losses and device samples;
 - each bad preset of the feature: one clear error, nothing started.
 
 The split itself (disjoint, seeded, the same on any world size, never trained on) is
@@ -185,6 +186,27 @@ def test_keep_best_and_early_stopping(env: dict[str, str], tiny_model: Path, tmp
     assert trainer["eval"] == {"best_loss": min(losses), "best_step": best_step,
                                "since_best": patience}  # fmt: skip
     assert doc["eval"]["best_step"] == best_step and doc["eval"]["step"] == stop_at
+
+    # Rank 0's TensorBoard files (the default log.report_to), read by TensorBoard's own
+    # reader: the figures of events.jsonl (as float32) and the device monitor's samples.
+    curves = tensorboard_scalars(run_dir / "tensorboard")
+    for tag, kind, field in (("train/loss", "step", "loss"), ("train/lr", "step", "lr"),
+                             ("eval/loss", "eval", "loss")):  # fmt: skip
+        written = events(run_dir, kind)
+        assert [n for n, _ in curves[tag]] == [e["step"] for e in written], tag
+        assert [v for _, v in curves[tag]] == pytest.approx([e[field] for e in written], rel=1e-7)
+    for name in ("memory_used_bytes", "utilization_pct"):  # CPU: each rank's RSS and CPU %
+        assert {"rank0", "rank1"} <= {t.split("/")[0] for t in curves if t.endswith(name)}
+    assert all(v > 0 for _, v in curves["rank0/memory_used_bytes"])
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar curve of a TensorBoard folder: tag → [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 BAD = {

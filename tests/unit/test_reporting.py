@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -45,10 +46,12 @@ def step(n: int, loss: float) -> StepEvent:
                      peak_memory_bytes=[2**30 + n * 2**20, 2**30 + 2 * n * 2**20])  # fmt: skip
 
 
-def sample(rank0_rss: int) -> str:
+def sample(rank0_rss: int, age_s: float = 0.0) -> str:
+    """A devices.jsonl line of the CPU monitor, taken ``age_s`` seconds ago."""
     devices = [{"key": "rank0", "utilization_pct": 180.0, "memory_used": rank0_rss},
                {"key": "rank1", "utilization_pct": 170.0, "memory_used": 3 * 2**28}]  # fmt: skip
-    return json.dumps({"type": "devices", "time": 1.0, "devices": devices}) + "\n"
+    doc = {"type": "devices", "time": time.time() - age_s, "devices": devices}
+    return json.dumps(doc) + "\n"
 
 
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -67,18 +70,22 @@ def test_tensorboard_holds_the_events_figures_and_a_resume_continues_the_curves(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     devices = run_dir / "devices.jsonl"
-    devices.write_text(sample(1), encoding="utf-8")  # an earlier attempt's: not read again
+    # An earlier attempt's sample (a minute old), then one taken while the model loaded.
+    devices.write_text(sample(1, age_s=60) + sample(4 * 2**28, age_s=1), encoding="utf-8")
     events = EventLog(run_dir / "events.jsonl", enabled=True)
     events.sink = open_reporting(spec(["tensorboard"]), run_dir, 0, events)
-    with devices.open("a", encoding="utf-8") as out:
-        out.write(sample(5 * 2**28))  # the monitor's sample while step 1 trains
     events.write(step(1, LOSSES[0]))
-    events.write(step(2, LOSSES[1]))  # no new sample: no device figure at step 2
+    with devices.open("a", encoding="utf-8") as out:
+        out.write(sample(5 * 2**28))  # the monitor's sample while step 2 trains
+    events.write(step(2, LOSSES[1]))
     events.write(EvalEvent(step=2, loss=1.5, perplexity=math.exp(1.5), tokens=99))
-    events.write(step(3, 9.0))  # logged after the checkpoint of step 2, then the run crashes
+    events.write(step(3, 9.0))  # no new sample; then the run crashes after step 2's checkpoint
     events.close()
 
-    # The resume from step 2's checkpoint: step 3 again, with another loss, and step 4.
+    # The resume from step 2's checkpoint (its monitor sampled while the model loaded): step 3
+    # again, with another loss, and step 4.
+    with devices.open("a", encoding="utf-8") as out:
+        out.write(sample(6 * 2**28, age_s=1))
     events = EventLog(run_dir / "events.jsonl", enabled=True)
     events.sink = open_reporting(spec(["tensorboard"]), run_dir, 2, events)
     events.write(step(3, LOSSES[2]))
@@ -97,8 +104,9 @@ def test_tensorboard_holds_the_events_figures_and_a_resume_continues_the_curves(
     assert found["eval/loss"] == [(2, 1.5)]
     ((at, perplexity),) = found["eval/perplexity"]  # float32, as TensorBoard stores scalars
     assert at == 2 and perplexity == pytest.approx(math.exp(1.5), rel=1e-6)
-    assert found["rank0/memory_used_bytes"] == [(1, 5 * 2**28)]  # the new sample, once
-    assert found["rank1/utilization_pct"] == [(1, 170.0)]
+    # Each fresh sample once, at the step after it was taken (the minute-old one: never).
+    assert found["rank0/memory_used_bytes"] == [(1, 4 * 2**28), (2, 5 * 2**28), (3, 6 * 2**28)]
+    assert found["rank1/utilization_pct"] == [(1, 170.0), (2, 170.0), (3, 170.0)]
     assert "train/mfu" not in found  # None on the CPU: left out
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
