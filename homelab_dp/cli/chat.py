@@ -25,7 +25,10 @@ HELP = """commands:
 def register(sub: Any) -> None:
     """Add `chat` to the main parser's subparsers."""
     p = sub.add_parser("chat", help="chat with a model in the terminal")
-    p.add_argument("model", help="a run id, a run folder (its result) or a model folder")
+    p.add_argument(
+        "model",
+        help="a run id, a run folder (its result), a model folder or a Hugging Face id (org/name)",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
     p.add_argument("--system", default="", help="a system message")
@@ -118,11 +121,11 @@ def _loop(chat: Any) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Load MODEL and chat on stdin/stdout until EOF, /quit or Ctrl-C."""
-    from homelab_dp.rundir.results import resolve_model
+    from homelab_dp.run.model_source import resolve_model_arg
 
     _check(args)
     device = _device(args)
-    ref = resolve_model(args.model)  # a bad MODEL stops here, before torch is imported
+    ref = resolve_model_arg(args.model)  # a bad MODEL stops here, before torch is imported
     sys.stderr.write(f"loading {ref.name} …\n")
     from homelab_dp.infer.conversation import Conversation
     from homelab_dp.infer.loading import default_device, load_for_inference

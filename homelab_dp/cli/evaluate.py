@@ -11,7 +11,10 @@ from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
 def register(sub: Any) -> None:
     """Add `eval` to the main parser's subparsers."""
     p = sub.add_parser("eval", help="loss and perplexity of a model on a data set")
-    p.add_argument("model", help="a run id, a run folder (its result) or a model folder")
+    p.add_argument(
+        "model",
+        help="a run id, a run folder (its result), a model folder or a Hugging Face id (org/name)",
+    )
     p.add_argument("--data", required=True, help="the data file")
     p.add_argument("--format", default="auto", help="auto | text | completion | instruction | chat")
     p.add_argument(

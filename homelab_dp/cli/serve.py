@@ -44,7 +44,10 @@ def _share(text: str) -> float:
 def register(sub: Any) -> None:
     """Add `serve` to the main parser's subparsers."""
     p = sub.add_parser("serve", help="serve a model: one replica per GPU behind one HTTP API")
-    p.add_argument("model", help="a run id, a run folder (its result) or a model folder")
+    p.add_argument(
+        "model",
+        help="a run id, a run folder (its result), a model folder or a Hugging Face id (org/name)",
+    )
     p.add_argument("--replicas", default="auto", help="N, or auto (as many as fit)")
     p.add_argument("--gpus", help="cpu:N serves from N CPU processes")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -1,11 +1,12 @@
 """`homelab-dp eval`'s front end: check everything, start the workers under torchrun, read the result.
 
-`prepare` resolves MODEL (`rundir.results.resolve_model`), picks the devices (``--gpus cpu:N``,
-GPU indices, or every visible GPU from the NVML probe, never initialising CUDA here), checks the
-model folder as the run preflight does, the sequence length against the model's positions, and
-reads and tokenizes the data exactly as the worker will (`data.records.read_with_lines`,
-`data.blocks.tokenize_records`): every mistake is a `HomelabError` before anything is spawned.
-(The tokenizer comes from transformers, which imports torch on the CPU; CUDA is never touched.)
+`prepare` resolves MODEL (`run.model_source.resolve_model_arg`: a Hugging Face id to its local
+snapshot), picks the devices (``--gpus cpu:N``, GPU indices, or every visible GPU from the NVML
+probe, never initialising CUDA here), checks the model folder as the run preflight does, the
+sequence length against the model's positions, and reads and tokenizes the data exactly as the
+worker will (`data.records.read_with_lines`, `data.blocks.tokenize_records`): every mistake is
+a `HomelabError` before anything is spawned. (The tokenizer comes from transformers, which
+imports torch on the CPU; CUDA is never touched.)
 
 `run_eval` writes the job as JSON into a private temporary folder (0700), starts
 ``torchrun … -m homelab_dp.train.eval_worker ARGS_FILE`` in its own session with every output
@@ -41,7 +42,8 @@ from homelab_dp.data.blocks import build_blocks, tokenize_records
 from homelab_dp.data.records import FORMATS, read_with_lines
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
 from homelab_dp.run.launcher import torchrun_command
-from homelab_dp.rundir.results import ModelRef, resolve_model
+from homelab_dp.run.model_source import resolve_model_arg
+from homelab_dp.rundir.results import ModelRef
 
 EVAL_MODULE = "homelab_dp.train.eval_worker"
 DEFAULT_SEQ_LEN = 2048
@@ -246,7 +248,7 @@ def prepare(model: str, data: str, fmt: str = "auto", seq_len: int | None = None
     """Resolve and check everything ``eval`` was given; a HomelabError before anything starts.
     The cheap checks come first; the GPU probe (and torch's answer, in a child) last."""
     parse_gpus(gpus)
-    ref = resolve_model(model)
+    ref = resolve_model_arg(model)  # a Hugging Face id: its local snapshot
     check_model(ref)
     seq_len = choose_seq_len(ref, seq_len)
     path = Path(data).expanduser().absolute()

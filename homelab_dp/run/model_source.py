@@ -53,17 +53,20 @@ def with_local_model(preset: Preset) -> tuple[Preset, ModelOrigin | None]:
     return replace(preset, model=model), snap.origin
 
 
-def resolve_model_arg(ref: str, root: Path | None = None, *, config_only: bool = False) -> ModelRef:
+def resolve_model_arg(
+    ref: str, root: Path | None = None, *, config_only: bool = False, fetch: bool = True
+) -> ModelRef:
     """What a MODEL argument names: a run id, a run folder, a model folder (`rundir.results`),
     or a Hugging Face id (``org/name`` or ``org/name@revision``), whose cached snapshot is used
     (downloaded when missing and online). ``config_only``: config.json is enough (a serving
-    plan). The ref of an id is named by the id and points at the snapshot folder."""
+    plan); not ``fetch``: the cache only (the TUI downloads no model). The ref of an id is
+    named by the id and points at the snapshot folder."""
     repo_id, revision = split_revision(ref.strip())
     if not is_model_id(repo_id):
         return resolve_model(ref, root)
     from homelab_dp.hub.models import named, resolve_model_id
 
-    snap = resolve_model_id(repo_id, revision, config_only=config_only)
+    snap = resolve_model_id(repo_id, revision, config_only=config_only, fetch=fetch)
     return replace(resolve_model(str(snap.folder), root), name=named(repo_id, revision))
 
 

@@ -24,8 +24,9 @@ from homelab_dp.core.serve_plan import (
 )
 from homelab_dp.errors import HardwareSpecError, HomelabError
 from homelab_dp.probe import nvml
+from homelab_dp.run.model_source import resolve_model_arg
 from homelab_dp.run.planning import Planned
-from homelab_dp.rundir.results import ModelRef, resolve_model
+from homelab_dp.rundir.results import ModelRef
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -49,7 +50,7 @@ class ServePlanned:
     """A serving plan with what it was made for, and the replicas to start."""
 
     ref: ModelRef
-    """The model, as `rundir.results.resolve_model` found it."""
+    """The model, as `run.model_source.resolve_model_arg` found it."""
     spec: ModelSpec
     """Its sizes (the base's config.json for an adapter)."""
     plan: ServePlan
@@ -164,7 +165,8 @@ def plan_serve(
     wanted = parse_replicas(replicas)
     if concurrent < 1:
         raise HomelabError(f"concurrent: {concurrent} sequences", hint="plan at least 1")
-    ref = resolve_model(model)
+    # A Hugging Face id: its local snapshot, which the replicas load (a plan needs its config)
+    ref = resolve_model_arg(model, config_only=what_if_ok)
     spec = load_model_spec(ref.config_path)
     positions = spec.max_positions or DEFAULT_CONTEXT
     ctx = min(DEFAULT_CONTEXT, positions) if context is None else context

@@ -140,5 +140,6 @@ def resolve_model(ref: str, root: Path | None = None) -> ModelRef:
         return _run_ref(run_dir)
     raise HomelabError(
         f"model {ref!r}: no such folder, and no run with that id under {root or runs_root()}",
-        hint="give a run id (`homelab-dp runs`), a run folder, or a model folder",
+        hint="give a run id (`homelab-dp runs`), a run folder, a model folder, or a Hugging "
+        "Face id (org/name)",
     )

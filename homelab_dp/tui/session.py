@@ -31,7 +31,7 @@ class EditableField:
 
 
 FIELDS: tuple[EditableField, ...] = (
-    EditableField("model.path", "model folder", "text"),
+    EditableField("model.path", "model or id", "text"),  # the help line: folder or HF id
     EditableField("data.path", "data", "text"),
     EditableField("data.seq_len", "seq_len", "int"),
     EditableField("train.micro_batch", "micro-batch", "int"),
@@ -124,8 +124,10 @@ class Session:
         """The preset with the overrides applied and paths resolved. Raises HomelabError."""
         return open_preset(self.preset_name, self.overrides())
 
-    def plan(self) -> Planned:
-        """Plan the current choices (fast: no torch). Raises HomelabError."""
+    def plan(self, *, fetch: bool = True) -> Planned:
+        """Plan the current choices (fast: no torch). A model given by Hugging Face id is
+        planned from its config.json: the cached one, else downloaded when ``fetch`` (one small
+        file; never while typing). Raises HomelabError."""
         self.planned = None  # a failed re-plan must not leave the old plan looking current
-        self.planned = make_plan(self.open(), self.gpus.strip() or None)
+        self.planned = make_plan(self.open(), self.gpus.strip() or None, fetch=fetch)
         return self.planned

@@ -27,8 +27,9 @@ from textual.widgets import Checkbox, Footer, Header, Input, Label, Select, Stat
 from homelab_dp.errors import HomelabError
 from homelab_dp.probe import nvml
 from homelab_dp.run.controller import RunController
+from homelab_dp.run.model_source import resolve_model_arg
 from homelab_dp.rundir.files import read_run_spec
-from homelab_dp.rundir.results import ModelRef, resolve_model
+from homelab_dp.rundir.results import ModelRef
 from homelab_dp.tui.chat_server import ChatServer, ServerFailed, stream_chat
 from homelab_dp.tui.follower import Following
 from homelab_dp.tui.messages import UserError
@@ -194,7 +195,8 @@ class ChatScreen(Screen[None]):
     # ------------------------------------------------------------------ servers
     def _targets(self) -> dict[str, str]:
         """The MODEL argument of each pane shown. Raises HomelabError."""
-        ref = resolve_model(self.model, self.controller.root)
+        # A Hugging Face id must be in the cache: no download of a whole model in the TUI
+        ref = resolve_model_arg(self.model, self.controller.root, fetch=False)
         # The server gets folders, not a run id: it may look for runs somewhere else.
         panes = {"pane-model": str(ref.run_dir or ref.path)}
         self.query_one("#pane-model", ChatPane).border_title = ref.name

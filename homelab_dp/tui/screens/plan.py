@@ -15,6 +15,7 @@ from textual.widgets import Footer, Header, Input, Label, Select, Static
 
 from homelab_dp.core.preset import field_docs
 from homelab_dp.errors import HomelabError
+from homelab_dp.hub.models import NotCachedError
 from homelab_dp.render.errors import error_text
 from homelab_dp.render.plan import render_planned
 from homelab_dp.render.serve_plan import serve_plan_text
@@ -157,7 +158,8 @@ class PlanScreen(Screen[None]):
             self.session.edits[key] = event.value
         if self._timer is not None:
             self._timer.stop()
-        self._timer = self.set_timer(DEBOUNCE_S, self.replan)  # re-plan once typing pauses
+        # Re-plan once typing pauses, from the cache only: a half-typed model id is no download
+        self._timer = self.set_timer(DEBOUNCE_S, lambda: self.replan(fetch=False))
 
     @on(Input.Submitted)
     def _submitted(self) -> None:
@@ -179,8 +181,9 @@ class PlanScreen(Screen[None]):
         self.set_focus(None)
 
     # ------------------------------------------------------------------ planning
-    def replan(self) -> None:
-        """Plan the session's choices (milliseconds: no torch) and show the result."""
+    def replan(self, fetch: bool = True) -> None:
+        """Plan the session's choices (milliseconds: no torch) and show the result. ``fetch``:
+        a model id's config.json may be downloaded (not while typing: Enter fetches it)."""
         if self._timer is not None:
             self._timer.stop()
             self._timer = None
@@ -191,7 +194,11 @@ class PlanScreen(Screen[None]):
             view.update("No preset found: put one in ./presets or save one from Launch.")
             return
         try:
-            planned = self.session.plan()
+            planned = self.session.plan(fetch=fetch)
+        except NotCachedError as exc:
+            hint = "press Enter in the model field to download its config.json" if not fetch else ""
+            self._show_error(HomelabError(exc.message, hint or exc.hint))
+            return
         except HomelabError as exc:
             self._show_error(exc)
             return
