@@ -1,35 +1,11 @@
-"""The data pipeline: a dataset file → validated records → tokenized examples → training blocks.
+"""Training blocks from tokenized samples: packing and padding (no torch).
 
-Used by the parent process for the preflight (every problem is a `DataError` naming the file,
-line and field, raised before anything is launched) and by each worker to build its blocks.
-No torch: blocks are plain lists; the worker turns them into tensors. The tokenizer is any
-Hugging Face tokenizer (only ``__call__``, ``eos_token_id``, ``pad_token_id`` and
-``apply_chat_template`` are used).
-
-Loss masks per format (``-100`` = no loss):
-
-- **text**: every token.
-- **completion**: the completion only. Prompt and completion are tokenized separately and
-  joined as given (no separator is added: start the completion with a space where one is meant).
-- **instruction**: the output only, after the fixed prompt of `format_instruction`::
-
-      ### Instruction:
-      {instruction}
-
-      ### Input:          <- these two lines only when "input" is not empty
-      {input}
-
-      ### Response:
-      {output}</s>
-
-- **chat**: the assistant turns only (their content and the end-of-turn marker the chat
-  template writes), found by rendering the conversation prefix by prefix with the tokenizer's
-  own ``apply_chat_template``; system and user turns and the role headers carry no loss.
-
-Text, completion and instruction samples start with the special tokens the tokenizer adds
-itself (``<s>`` for LLaMA-style tokenizers, nothing for others) and end with ``eos``; chat
-samples are exactly what the template renders. The first token of a sample is never a target
-(nothing in the sample precedes it).
+The data pipeline: a dataset (`homelab_dp.data.sources`) → validated records
+(`homelab_dp.data.records`) → tokenized samples (`homelab_dp.data.tokenize`, loss masks; kept in
+the token cache, `homelab_dp.data.token_cache`, through `homelab_dp.data.loading`) → blocks (here).
+Every problem is a `DataError` naming the file, row or line and field, raised by the preflight
+before anything is launched; each worker builds the same blocks from the cached samples. Blocks
+are plain lists; the worker turns them into tensors.
 
 Blocks (`build_blocks`) hold exactly ``seq_len`` tokens with labels already shifted: the label
 at position t is the target for position t, i.e. the next token, so the worker computes
@@ -62,10 +38,11 @@ import heapq
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from homelab_dp.data.records import FORMATS, detect_format, read_records, read_with_lines
+from homelab_dp.data.loading import load_examples
+from homelab_dp.data.records import FORMATS, detect_format, read_records
+from homelab_dp.data.tokenize import IGNORE_INDEX, Example, format_instruction, tokenize_records
 from homelab_dp.errors import DataError
 
 __all__ = [
@@ -85,17 +62,6 @@ __all__ = [
     "tokenize_records",
 ]
 
-IGNORE_INDEX = -100
-
-
-@dataclass
-class Example:
-    """One tokenized sample. ``labels[i]`` is ``input_ids[i]`` where token i is a target."""
-
-    input_ids: list[int]
-    labels: list[int]
-    """Same length as input_ids; -100 where there is no loss (prompt, system/user turns)."""
-
 
 @dataclass
 class Block:
@@ -113,133 +79,6 @@ class Block:
     def num_targets(self) -> int:
         """Tokens with a loss in this block."""
         return sum(label != IGNORE_INDEX for label in self.labels)
-
-
-def format_instruction(instruction: str, input: str = "") -> str:
-    """The prompt of an instruction record; the output follows it directly."""
-    if input:
-        return f"### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-    return f"### Instruction:\n{instruction}\n\n### Response:\n"
-
-
-def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, without special tokens (one batched call: fast tokenizers)."""
-    if not texts:
-        return []
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-
-def _leading_ids(tokenizer: Any) -> list[int]:
-    """The special tokens the tokenizer puts before a text (``<s>`` for LLaMA, none for GPT-2)."""
-    plain = _encode(tokenizer, ["a"])[0]
-    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
-    for k in range(len(full) - len(plain) + 1):
-        if full[k : k + len(plain)] == plain:
-            return full[:k]
-    return []
-
-
-def _eos(tokenizer: Any) -> int:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        raise DataError(
-            "the model's tokenizer has no end-of-sequence (eos) token",
-            hint="set eos_token in the model folder's tokenizer_config.json",
-        )
-    return int(eos)
-
-
-def _prompt_answer(lead: list[int], prompt: list[int], answer: list[int], eos: int) -> Example:
-    ids = lead + prompt + answer + [eos]
-    labels = [IGNORE_INDEX] * (len(lead) + len(prompt)) + answer + [eos]
-    labels[0] = IGNORE_INDEX
-    return Example(ids, labels)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def _chat_example(tokenizer: Any, messages: list[dict], where: str) -> Example:
-    """Render a conversation; loss on the tokens that each assistant turn adds."""
-    import jinja2  # a transformers dependency; only chat data needs it
-
-    def ids_of(msgs: list[dict], generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=generation_prompt
-        )
-        return _encode(tokenizer, [text])[0]
-
-    try:
-        ids = ids_of(messages, False)
-        labels = [IGNORE_INDEX] * len(ids)
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            # The turn starts after the prefix rendered with the assistant header and ends where
-            # the prefix through this turn stops matching; comparing token prefixes (not
-            # lengths) copes with templates that write extra text after the last message.
-            start = _common_prefix(ids, ids_of(messages[:i], True))
-            end = _common_prefix(ids, ids_of(messages[: i + 1], False))
-            labels[start:end] = ids[start:end]
-    except jinja2.TemplateError as exc:
-        raise DataError(
-            f"{where}: the model's chat template refused this conversation: {exc}",
-            hint="fix the order of roles the template expects (often: system?, user, assistant, …)",
-        ) from None
-    if labels:
-        labels[0] = IGNORE_INDEX
-    return Example(ids, labels)
-
-
-def tokenize_records(
-    records: Sequence[dict],
-    fmt: str,
-    tokenizer: Any,
-    *,
-    where: Sequence[str] | None = None,
-) -> list[Example]:
-    """Tokenize validated records of one format, with the loss mask of the module docstring.
-
-    ``where`` (optional, one per record, e.g. ``"data.jsonl:7"``) names records in errors.
-    """
-    if fmt not in FORMATS:
-        raise DataError(f"data.format: unknown format {fmt!r}", hint=f"one of {FORMATS}")
-    if fmt == "chat":
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                "chat data needs a chat template, and the model's tokenizer has none",
-                hint="use a model whose tokenizer has a chat_template, "
-                "or convert the data to the instruction format",
-            )
-        places = (
-            list(where) if where is not None else [f"record {i + 1}" for i in range(len(records))]
-        )
-        return [
-            _chat_example(tokenizer, r["messages"], w) for r, w in zip(records, places, strict=True)
-        ]
-    eos = _eos(tokenizer)
-    lead = _leading_ids(tokenizer)
-    if fmt == "text":
-        out = []
-        for ids in _encode(tokenizer, [r["text"] for r in records]):
-            ids = lead + ids + [eos]
-            out.append(Example(ids, [IGNORE_INDEX] + ids[1:]))
-        return out
-    if fmt == "completion":
-        prompts = [r["prompt"] for r in records]
-        answers = [r["completion"] for r in records]
-    else:
-        prompts = [format_instruction(r["instruction"], r.get("input") or "") for r in records]
-        answers = [r["output"] for r in records]
-    return [
-        _prompt_answer(lead, p, a, eos)
-        for p, a in zip(_encode(tokenizer, prompts), _encode(tokenizer, answers), strict=True)
-    ]
 
 
 def _block(ids: list[int], targets: list[int], seq_len: int, pad_id: int) -> Block:
@@ -364,37 +203,19 @@ def load_dataset(
     seq_len_limit: int | None,
     min_blocks: int,
 ) -> list[Block]:
-    """Read, check, tokenize and block a dataset as the preset's [data] section says.
+    """Read, check, tokenize (or read from the token cache) and block a dataset as the
+    preset's [data] section says.
 
-    ``data_cfg`` is a `homelab_dp.core.preset.DataSection` (path, format, seq_len, pack);
-    ``seq_len_limit`` is the model's position limit (None: unknown); ``min_blocks`` is
-    world_size × micro_batch. Raises DataError (file[:line], field, hint) for a missing or
-    empty file, a bad JSON line, records that do not fit the format, chat without an assistant
-    turn, seq_len beyond the model's positions, nothing with loss, or fewer blocks than needed.
+    ``data_cfg`` is a `homelab_dp.core.preset.DataSection` (path, split, columns, format,
+    seq_len, pack); ``seq_len_limit`` is the model's position limit (None: unknown);
+    ``min_blocks`` is world_size × micro_batch. Raises DataError (file[:line] or row, field,
+    hint) for a missing or empty file, a bad record, records that do not fit the format, chat
+    without an assistant turn, seq_len beyond the model's positions, nothing with loss, or
+    fewer blocks than needed.
     """
-    path = Path(data_cfg.path)
-    examples, fmt, pad_id = load_examples(data_cfg, path, tokenizer, seq_len_limit=seq_len_limit)
-    return blocks_of(examples, data_cfg, fmt, pad_id, where=str(path), min_blocks=min_blocks)
-
-
-def load_examples(
-    data_cfg: Any, path: Path, tokenizer: Any, *, seq_len_limit: int | None
-) -> tuple[list[Example], str, int]:
-    """The tokenized samples of ``path`` (one per record, in file order), their format and the
-    padding id; checks data.seq_len against the model's positions first."""
-    seq_len = int(data_cfg.seq_len)
-    if seq_len_limit is not None and seq_len > seq_len_limit:
-        raise DataError(
-            f"data.seq_len: {seq_len} is beyond the model's {seq_len_limit} positions "
-            "(max_position_embeddings)",
-            hint=f"set data.seq_len to at most {seq_len_limit}",
-        )
-    records, lines, fmt = read_with_lines(path, data_cfg.format)
-    examples = tokenize_records(records, fmt, tokenizer, where=[f"{path}:{n}" for n in lines])
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:  # padding is masked out, so any id will do
-        pad_id = _eos(tokenizer)
-    return examples, fmt, int(pad_id)
+    data = load_examples(data_cfg, tokenizer, seq_len_limit=seq_len_limit)
+    return blocks_of(data.examples, data_cfg, data.fmt, data.pad_id, where=data.label,
+                     min_blocks=min_blocks)  # fmt: skip
 
 
 def blocks_of(

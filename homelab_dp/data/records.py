@@ -16,10 +16,15 @@ instruction     ``instruction``: non-empty string; ``output``: non-empty string;
                 ``input``: optional string (missing or null means none)
 chat            ``messages``: non-empty list of ``{"role", "content"}``, role one of
                 system / user / assistant, content a string; at least one assistant turn
+sharegpt        ``conversations``: non-empty list of ``{"from", "value"}``, from one of
+                human / gpt / system; at least one gpt turn (read as chat,
+                `homelab_dp.data.layouts`)
 ==============  ===========================================================================
 
-Every problem names ``file:line`` and the field; all lines are checked, the first problem is
-reported with the count of the others.
+``data.columns`` renames columns to these fields first (`homelab_dp.data.layouts`). Every
+problem names ``file:line`` (``file row N`` for the columnar files of `homelab_dp.data.sources`,
+which check their rows with `check_records`) and the field; all records are checked, the first
+problem is reported with the count of the others.
 """
 
 from __future__ import annotations
@@ -29,14 +34,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.data.layouts import rename_columns, sharegpt_problems, sharegpt_to_chat
 from homelab_dp.errors import DataError
 
 FORMATS = ("text", "completion", "instruction", "chat")
+"""The formats samples are tokenized in (`homelab_dp.data.tokenize`)."""
+LAYOUTS = (*FORMATS, "sharegpt")
+"""What data.format may name besides auto: ShareGPT records are read as chat."""
 ROLES = ("system", "user", "assistant")
-_ACCEPTED = '{"text"} | {"prompt","completion"} | {"instruction","input","output"} | {"messages"}'
+_ACCEPTED = (
+    '{"text"} | {"prompt","completion"} | {"instruction","input","output"} | {"messages"} '
+    '| {"conversations"}'
+)
 _FORMAT_HINT = (
     f"accepted records: {_ACCEPTED}; set data.format to say which (text | completion | "
-    "instruction | chat)"
+    "instruction | chat | sharegpt), or map your columns with data.columns"
 )
 
 
@@ -107,6 +119,8 @@ def format_from_keys(keys: list[str]) -> str | None:
     """The format a record's keys point to, or None (a distinguishing key is enough)."""
     if "messages" in keys:
         return "chat"
+    if "conversations" in keys:
+        return "sharegpt"
     if "instruction" in keys:
         return "instruction"
     if "prompt" in keys or "completion" in keys:
@@ -116,8 +130,9 @@ def format_from_keys(keys: list[str]) -> str | None:
     return None
 
 
-def detect_format(path: Path) -> str:
-    """The format of a dataset: ``.txt`` is text; otherwise from the first record's keys.
+def detect_format(path: Path, columns: dict[str, str] | None = None) -> str:
+    """The format of a dataset file: ``.txt`` is text; otherwise from the first record's keys
+    (after ``columns``, data.columns).
 
     Raises DataError for a missing or empty file, a bad first line, or keys that fit no format
     (naming the keys found and the accepted ones).
@@ -129,15 +144,22 @@ def detect_format(path: Path) -> str:
     for number, value, problem in _parsed_lines(path, text):
         if value is None:  # the first record decides: a bad one is reported at once
             raise DataError(str(problem), hint="each line must be one JSON object")
-        fmt = format_from_keys(list(value))
-        if fmt is None:
-            found = ", ".join(repr(k) for k in value) or "none"
-            raise DataError(
-                f"{path}:{number}: cannot tell the data format from the keys ({found})",
-                hint=_FORMAT_HINT,
-            )
-        return fmt
+        value, problem = rename_columns(value, columns or {}, f"{path}:{number}")
+        if problem:
+            raise DataError(problem, hint="fix data.columns to name the data's own keys")
+        return format_of(list(value), f"{path}:{number}")
     raise AssertionError("unreachable: _open_text rejects blank files")
+
+
+def format_of(keys: list[str], where: str) -> str:
+    """`format_from_keys`, or a DataError naming the keys found and the accepted ones."""
+    fmt = format_from_keys(keys)
+    if fmt is None:
+        found = ", ".join(repr(k) for k in keys) or "none"
+        raise DataError(
+            f"{where}: cannot tell the data format from the keys ({found})", hint=_FORMAT_HINT
+        )
+    return fmt
 
 
 def _check_str(record: dict, key: str, where: str, *, required: bool, non_empty: bool) -> str:
@@ -187,6 +209,8 @@ def check_record(record: dict, fmt: str, where: str) -> list[str]:
     """Every problem of one record against its format (empty list: the record is fine)."""
     if fmt == "chat":
         return _check_chat(record, where)
+    if fmt == "sharegpt":
+        return sharegpt_problems(record, where)
     checks = {
         "text": [("text", True, True)],
         "completion": [("prompt", True, False), ("completion", True, True)],
@@ -206,14 +230,22 @@ def check_record(record: dict, fmt: str, where: str) -> list[str]:
     return problems
 
 
-def read_with_lines(path: Path, fmt: str) -> tuple[list[dict], list[int], str]:
-    """Validated records, the line each starts on, and the format (``auto`` resolved)."""
-    path = Path(path)
-    if fmt not in (*FORMATS, "auto"):
+def check_format_name(fmt: str) -> None:
+    """A DataError unless ``fmt`` is auto or one of `LAYOUTS`."""
+    if fmt not in (*LAYOUTS, "auto"):
         raise DataError(
             f"data.format: unknown format {fmt!r}",
-            hint="one of auto, text, completion, instruction, chat",
+            hint="one of auto, text, completion, instruction, chat, sharegpt",
         )
+
+
+def read_with_lines(
+    path: Path, fmt: str, columns: dict[str, str] | None = None
+) -> tuple[list[dict], list[int], str]:
+    """Validated records, the line each starts on, and the format (``auto`` resolved; ShareGPT
+    records come back as chat records, format ``chat``). ``columns``: data.columns."""
+    path = Path(path)
+    check_format_name(fmt)
     text = _open_text(path)
     if path.suffix.lower() == ".txt":
         if fmt not in ("auto", "text"):
@@ -223,22 +255,46 @@ def read_with_lines(path: Path, fmt: str) -> tuple[list[dict], list[int], str]:
             )
         return _paragraphs(text)
     if fmt == "auto":
-        fmt = detect_format(path)
+        fmt = detect_format(path, columns)
     values, lines, problems = _json_lines(path, text)
-    for value, number in zip(values, lines, strict=True):
-        problems.extend(check_record(value, fmt, f"{path}:{number}"))
+    if columns:
+        renamed = [
+            rename_columns(v, columns, f"{path}:{n}") for v, n in zip(values, lines, strict=True)
+        ]
+        values = [v for v, _ in renamed]
+        problems.extend(p for _, p in renamed if p)
+    records, fmt = check_records(
+        values, [f"{path}:{n}" for n in lines], fmt, problems=problems, label="the file"
+    )
+    return records, lines, fmt
+
+
+def check_records(
+    values: list[dict], wheres: list[str], fmt: str, *, problems: list[str] | None = None,
+    label: str = "the data",
+) -> tuple[list[dict], str]:  # fmt: skip
+    """Every record checked against ``fmt`` (not auto); the first problem (after any given
+    ``problems``) raised with the count of the others. Returns the records, ShareGPT converted
+    to chat, and the format they are tokenized in."""
+    problems = list(problems or [])
+    for value, where in zip(values, wheres, strict=True):
+        problems.extend(check_record(value, fmt, where))
     if problems:
         first = problems[0]
         more = len(problems) - 1
         if more:
-            first += f" (and {more} more problem{'s' if more > 1 else ''} in the file)"
+            first += f" (and {more} more problem{'s' if more > 1 else ''} in {label})"
         hint = (
             "each line must be one JSON object"
             if "JSON" in problems[0]
+            else "fix data.columns to name the data's own columns"
+            if "data.columns" in problems[0]
             else f"the {fmt} format needs {_needs(fmt)}; {_FORMAT_HINT}"
         )
         raise DataError(first, hint=hint)
-    return values, lines, fmt
+    if fmt == "sharegpt":
+        return [sharegpt_to_chat(v) for v in values], "chat"
+    return values, fmt
 
 
 def _needs(fmt: str) -> str:
@@ -247,6 +303,7 @@ def _needs(fmt: str) -> str:
         "completion": "'prompt' and a non-empty 'completion'",
         "instruction": "non-empty 'instruction' and 'output' (and an optional 'input')",
         "chat": "'messages': a list of {role, content} with at least one assistant turn",
+        "sharegpt": "'conversations': a list of {from, value} with at least one gpt turn",
     }[fmt]
 
 

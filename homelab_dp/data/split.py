@@ -1,8 +1,8 @@
 """Training and eval data for validation while training (no torch).
 
-The eval data is either its own file (``data.eval_path``, read and checked exactly like the
-training data, in any supported format) or a held-out share of the training samples
-(``data.eval_fraction``). The held-out samples are chosen from the *samples* — one per record
+The eval data is either its own data set (``data.eval_path``, read and checked exactly like
+the training data, in any supported format; of a folder or Hub id, its validation or test
+split) or a held-out share of the training samples (``data.eval_fraction``). The held-out samples are chosen from the *samples* — one per record
 of the file, before any packing or text splitting — by ``train.seed`` alone (`split_indices`),
 so the eval set is the same on any world size and micro-batch, and no piece of a held-out
 sample is ever trained on. The training blocks are then built from the remaining samples and
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from homelab_dp.data.blocks import Block, blocks_of, load_examples
+from homelab_dp.data.blocks import Block, blocks_of
+from homelab_dp.data.loading import load_examples
 from homelab_dp.errors import DataError
 
 
@@ -46,6 +46,9 @@ class TrainEval:
     eval: list[Block]
     held_out: int = 0
     """Samples held out of the training file (data.eval_fraction), else 0."""
+    cache: tuple[str, ...] = ()
+    """How this process had each data set's samples: ``hit`` (the token cache) or ``built``
+    (tokenized here), the training data first (`homelab_dp.data.loading.Loaded.cache`)."""
 
 
 def load_train_eval(
@@ -54,12 +57,13 @@ def load_train_eval(
     """The training blocks (at least ``min_blocks``) and the eval blocks of a [data] section.
 
     ``data_cfg`` is a `homelab_dp.core.preset.DataSection`; sections of older code without
-    the eval fields read as "no eval data". Raises DataError naming the file (and line) of
-    any bad record in either file, or the field whose split leaves nothing to train or
+    the eval fields read as "no eval data". The samples come from the token cache when it has
+    them (`homelab_dp.data.loading`). Raises DataError naming the file (and line or row) of
+    any bad record in either data set, or the field whose split leaves nothing to train or
     evaluate on.
     """
-    path = Path(data_cfg.path)
-    examples, fmt, pad = load_examples(data_cfg, path, tokenizer, seq_len_limit=seq_len_limit)
+    data = load_examples(data_cfg, tokenizer, seq_len_limit=seq_len_limit)
+    examples, fmt, pad, path = data.examples, data.fmt, data.pad_id, data.label
     fraction = float(getattr(data_cfg, "eval_fraction", 0.0) or 0.0)
     eval_path = str(getattr(data_cfg, "eval_path", "") or "")
     if fraction > 0:
@@ -76,17 +80,10 @@ def load_train_eval(
         held_where = f"{path} (the {len(held)} sample(s) held out by data.eval_fraction)"
         evals = blocks_of([examples[i] for i in held], data_cfg, fmt, pad, where=held_where,
                           min_blocks=1)  # fmt: skip
-        return TrainEval(train, evals, len(held))
-    train = blocks_of(examples, data_cfg, fmt, pad, where=str(path), min_blocks=min_blocks)
+        return TrainEval(train, evals, len(held), (data.cache,))
+    train = blocks_of(examples, data_cfg, fmt, pad, where=path, min_blocks=min_blocks)
     if not eval_path:
-        return TrainEval(train, [])
-    epath = Path(eval_path)
-    if not epath.is_file():
-        raise DataError(
-            f"data.eval_path: {eval_path} does not exist",
-            hint='data.eval_path must be a local .jsonl or .txt file (or "" for none)',
-        )
-    eval_examples, eval_fmt, _ = load_examples(data_cfg, epath, tokenizer,
-                                               seq_len_limit=seq_len_limit)  # fmt: skip
-    evals = blocks_of(eval_examples, data_cfg, eval_fmt, pad, where=str(epath), min_blocks=1)
-    return TrainEval(train, evals)
+        return TrainEval(train, [], cache=(data.cache,))
+    ev = load_examples(data_cfg, tokenizer, seq_len_limit=seq_len_limit, eval_data=True)
+    evals = blocks_of(ev.examples, data_cfg, ev.fmt, pad, where=ev.label, min_blocks=1)
+    return TrainEval(train, evals, cache=(data.cache, ev.cache))

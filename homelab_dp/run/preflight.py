@@ -13,7 +13,7 @@ from typing import Any
 
 from homelab_dp.core.hardware import HardwareReport, PlanHardware
 from homelab_dp.core.preset import Preset
-from homelab_dp.errors import DataError, HardwareSpecError, ModelSpecError, PresetError
+from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
 from homelab_dp.run import doctor
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -100,19 +100,16 @@ def check_data(
     """Load and validate the dataset as the worker will; returns the number of training blocks
     (after any held-out split, `homelab_dp.data.split`) and the largest share of a block's
     tokens that are targets (what the chunked loss keeps). The eval data (data.eval_path or
-    data.eval_fraction) is checked the same way: an error names its file and line."""
+    data.eval_fraction) is checked the same way: an error names its file and line or row.
+    The tokenized samples go into the token cache (`homelab_dp.data.token_cache`), where every
+    rank of the run reads them instead of tokenizing again."""
+    from homelab_dp.data.loading import source_of
     from homelab_dp.data.split import load_train_eval
 
-    if not Path(preset.data.path).is_file():
-        raise DataError(
-            f"data.path: {preset.data.path} does not exist",
-            hint="data.path must be a local .jsonl or .txt file",
-        )
-    if preset.data.eval_path and not Path(preset.data.eval_path).is_file():
-        raise DataError(  # before the tokenizer loads: a typo is named at once
-            f"data.eval_path: {preset.data.eval_path} does not exist",
-            hint='data.eval_path must be a local .jsonl or .txt file (or "" for none)',
-        )
+    # Before the tokenizer loads: a typo in a path or id is named at once.
+    source_of(preset.data)
+    if preset.data.eval_path:
+        source_of(preset.data, eval_data=True)
     tokenizer = load_tokenizer(preset)
     data = load_train_eval(
         preset.data,

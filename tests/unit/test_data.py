@@ -478,7 +478,6 @@ def test_undetectable_format_names_keys_found_and_accepted():
         ("unknown-format.jsonl", "auto", "unknown-format.jsonl:1: cannot tell the data format"),
         ("wrong-type.jsonl", "chat", "wrong-type.jsonl:1: field 'messages' missing"),
         ("paragraphs.txt", "chat", "paragraphs.txt: a .txt file holds plain text, but data.format"),
-        ("does-not-exist.jsonl", "auto", "does-not-exist.jsonl: no such data file"),
     ],
 )
 def test_each_bad_dataset_is_reported_with_file_line_and_field(tok, name, fmt, message):

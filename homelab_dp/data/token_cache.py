@@ -1,0 +1,180 @@
+"""The token cache: a data set's tokenized samples, made once and read by every process.
+
+The preflight tokenizes a data set and writes its samples here; every rank of the run then
+reads them instead of tokenizing again (a rank that finds them missing makes and writes them
+itself). A later run of the same data and tokenizer reads them too.
+
+Layout: ``$XDG_CACHE_HOME/homelab-dp/tokens/<key>/`` (``~/.cache`` by default):
+
+- ``samples.arrow``: an Arrow IPC file of two ``list<int32>`` columns, ``input_ids`` and
+  ``labels`` (one row per sample, in data order), memory-mapped when read; its schema metadata
+  holds the format the samples were tokenized in, their count and what the data was.
+  Written to a temporary name and renamed, so no reader ever sees half a file.
+- ``uses.jsonl``: one line per process that used the entry, ``{"pid", "time", "use"}`` with
+  use ``built`` (it tokenized) or ``hit`` (it read the file): the record of who tokenized.
+
+The key is the sha256 of everything the samples depend on: the tokenizer (`tokenizer_digest`:
+the content of its files, its class, special tokens and chat template), the data's identity
+(each file's path, size and modification time), data.format, data.columns and data.split, the
+tokenizer libraries' versions, and this code (`CACHE_VERSION` and the tokenizing module's own
+source). The samples do not depend on data.seq_len or data.pack (blocks are cut from them each
+time, which is cheap), so those are left out: a new seq_len reuses the samples.
+
+Clearing it is deleting the folder (``rm -rf ~/.cache/homelab-dp/tokens``); nothing else refers
+to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from homelab_dp.data import tokenize
+from homelab_dp.data.tokenize import Example
+
+CACHE_VERSION = 1
+"""Raise it when the cache file's layout or the meaning of a sample changes."""
+FILE = "samples.arrow"
+USES = "uses.jsonl"
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/homelab-dp/tokens`` (``~/.cache/homelab-dp/tokens`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "homelab-dp" / "tokens"
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """sha256 of what makes a tokenizer tokenize as it does: the content of its folder's files
+    (all but weights), or the fast tokenizer's serialized state when it has no folder, and its
+    class, special tokens and chat template."""
+    h = hashlib.sha256()
+    h.update(type(tokenizer).__name__.encode())
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "chat_template"):
+        h.update(repr(getattr(tokenizer, attr, None)).encode())
+    h.update(repr(sorted(getattr(tokenizer, "special_tokens_map", {}).items())).encode())
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if folder.is_dir():
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and not f.name.endswith(_WEIGHTS):
+                h.update(f.name.encode())
+                h.update(hashlib.sha256(f.read_bytes()).digest())
+    else:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        h.update(backend.to_str().encode() if backend is not None else b"")
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for lib in ("tokenizers", "transformers"):
+        try:
+            out[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            out[lib] = ""
+    return out
+
+
+def cache_key(tokenizer: Any, identity: Any, **data: Any) -> str:
+    """The entry's key: sha256 of the tokenizer, the data's ``identity`` and the ``data``
+    settings that change the samples (format, columns, split), the libraries and this code."""
+    parts = {
+        "version": CACHE_VERSION,
+        "code": hashlib.sha256(Path(tokenize.__file__).read_bytes()).hexdigest(),
+        "libraries": _versions(),
+        "tokenizer": tokenizer_digest(tokenizer),
+        "data": identity,
+        **data,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class Cached:
+    """An entry read back: the samples, the format they were tokenized in, and its folder."""
+
+    examples: list[Example]
+    fmt: str
+    folder: Path
+
+
+def read(key: str) -> Cached | None:
+    """The entry of ``key``, memory-mapped, or None when there is none (or it cannot be read:
+    it is then made again)."""
+    import pyarrow as pa
+
+    folder = cache_root() / key
+    path = folder / FILE
+    if not path.is_file():
+        return None
+    try:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+            meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+            ids = table.column("input_ids").to_pylist()
+            labels = table.column("labels").to_pylist()
+    except (OSError, pa.ArrowInvalid, KeyError):
+        return None
+    if meta.get("count") != str(len(ids)) or "format" not in meta:
+        return None
+    examples = [Example(i, lab) for i, lab in zip(ids, labels, strict=True)]
+    return Cached(examples, meta["format"], folder)
+
+
+def write(key: str, examples: Sequence[Example], fmt: str, about: str) -> Path:
+    """Store the samples under ``key`` atomically (a temporary file renamed into place); a
+    cache folder that cannot be written leaves the samples uncached. Returns the folder."""
+    import pyarrow as pa
+
+    folder = cache_root() / key
+    schema = pa.schema(
+        [("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))],
+        metadata={"format": fmt, "count": str(len(examples)), "data": about,
+                  "version": str(CACHE_VERSION)},
+    )  # fmt: skip
+    table = pa.table(
+        [
+            pa.array([e.input_ids for e in examples], type=pa.list_(pa.int32())),
+            pa.array([e.labels for e in examples], type=pa.list_(pa.int32())),
+        ],
+        schema=schema,
+    )
+    tmp = folder / f".{FILE}.{os.getpid()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            writer.write_table(table, max_chunksize=4096)
+        os.replace(tmp, folder / FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    return folder
+
+
+def note_use(folder: Path, use: str) -> None:
+    """Append this process's use (``built`` or ``hit``) to the entry's ``uses.jsonl`` in one
+    ``O_APPEND`` write (lines of concurrent processes never interleave); best effort."""
+    line = json.dumps({"pid": os.getpid(), "time": round(time.time(), 3), "use": use}) + "\n"
+    try:
+        fd = os.open(folder / USES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def uses(folder: Path) -> list[dict[str, Any]]:
+    """The entry's recorded uses, oldest first."""
+    path = folder / USES
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
