@@ -105,8 +105,10 @@ class Data:
 
 
 def load_data(preset: Preset, rank: Rank) -> Data:
-    """Tokenize the data set into blocks no longer than the model's context; the eval data
-    (its own file, or the samples held out by the seed) into blocks of the same shape."""
+    """The data set in blocks no longer than the model's context; the eval data (its own data
+    set, or the samples held out by the seed) in blocks of the same shape. The samples come
+    from the token cache the preflight wrote (`homelab_dp.data.token_cache`); a rank that finds
+    it missing tokenizes and writes it itself. Each rank logs which it was."""
     import torch
     from transformers import AutoConfig
 
@@ -123,6 +125,7 @@ def load_data(preset: Preset, rank: Rank) -> Data:
     limit = getattr(config, "max_position_embeddings", None)
     split = load_train_eval(preset.data, tokenizer, seed=preset.train.seed, seq_len_limit=limit,
                             min_blocks=rank.world * rank.micro)  # fmt: skip
+    log.info("data: %s (token cache)", ", ".join(split.cache))
     blocks = split.train
     labels = torch.tensor([b.labels for b in blocks], dtype=torch.long)
     mask = torch.tensor([b.attention_mask for b in blocks], dtype=torch.long)
