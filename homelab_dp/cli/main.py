@@ -3,7 +3,7 @@
 Each command group is a module with ``register(subparsers)``, which adds its parser and sets
 ``func`` (the function that runs it and returns the exit code): probe, doctor, plan, pull,
 measure, presets, runs (run, runs, status, attach, stop, resume), and the result's use: eval,
-chat and serve. With no command, the TUI opens.
+chat, serve and export. With no command, the TUI opens.
 """
 
 from __future__ import annotations
@@ -13,7 +13,19 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from homelab_dp.cli import chat, doctor, evaluate, measure, plan, presets, probe, pull, runs, serve
+from homelab_dp.cli import (
+    chat,
+    doctor,
+    evaluate,
+    export,
+    measure,
+    plan,
+    presets,
+    probe,
+    pull,
+    runs,
+    serve,
+)
 from homelab_dp.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -28,7 +40,7 @@ from homelab_dp.render.errors import error_text
 DESCRIPTION = (
     "`homelab-dp`: the headless command line (argparse + rich). Thin: no logic of its own."
 )
-COMMANDS = (probe, doctor, plan, pull, measure, presets, runs, evaluate, chat, serve)
+COMMANDS = (probe, doctor, plan, pull, measure, presets, runs, evaluate, chat, serve, export)
 """The command modules, in the order `homelab-dp --help` lists them."""
 
 
