@@ -62,10 +62,13 @@ def _bucket_tiling(strategy: Any) -> dict[str, Any]:
     return {"params": len(strategy.trainable), "storages": storages}
 
 
-def _rank(rank: int, world: int, folder: str, lean: bool, accum: int) -> None:
-    """One rank: load, wrap (lean or as DDP defaults), train STEPS steps probed; JSON out."""
+CONFIGS = [(lean, accum) for accum in (1, 2) for lean in (True, False)]
+"""Each rank trains every configuration in turn, in one process group: one spawn for all."""
+
+
+def _train(root: Path, rank: int, world: int, lean: bool, accum: int) -> dict[str, Any]:
+    """One configuration: load, wrap (lean or as DDP defaults), train STEPS steps probed."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from homelab_dp.train.loop import micro_step
@@ -73,15 +76,12 @@ def _rank(rank: int, world: int, folder: str, lean: bool, accum: int) -> None:
     from homelab_dp.train.model import load_model
     from homelab_dp.train.strategy import Strategy, build_optimizer, wrap_model
 
-    root = Path(folder)
-    dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=rank,
-                            world_size=world)  # fmt: skip
     preset, resolved, device = _preset(root, accum), _resolved(world, accum), torch.device("cpu")
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1 + rank)
     shape = (STEPS, accum, MICRO, SEQ)
     ids = torch.randint(0, 2048, shape, generator=gen)
-    probe = MemoryProbe(device)
+    probe = MemoryProbe(device)  # a fresh probe: it counts only what this configuration makes
     probe.start()
     loaded = load_model(preset, resolved, device)
     probe.track({"weights": list(loaded.model.parameters())})
@@ -114,25 +114,48 @@ def _rank(rank: int, world: int, folder: str, lean: bool, accum: int) -> None:
     out["unseen_bucket_bytes"] = strategy.unseen_bucket_bytes()
     out["tiling"] = _bucket_tiling(strategy) if lean else None
     out["weights"] = [float(p.detach().double().sum()) for p in strategy.trainable[:4]]
-    (root / f"rank{rank}.json").write_text(json.dumps(out), encoding="utf-8")
+    return out
+
+
+def _rank(rank: int, world: int, folder: str) -> None:
+    """One rank: every configuration of CONFIGS in turn; one JSON file each."""
+    import gc
+
+    import torch.distributed as dist
+
+    root = Path(folder)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=rank,
+                            world_size=world)  # fmt: skip
+    for lean, accum in CONFIGS:
+        out = _train(root, rank, world, lean, accum)
+        name = f"{'lean' if lean else 'default'}-a{accum}-rank{rank}.json"
+        (root / name).write_text(json.dumps(out), encoding="utf-8")
+        gc.collect()  # the previous configuration's model, DDP buckets and state are gone
     dist.destroy_process_group()
 
 
-def _spawn(tmp: Path, lean: bool, accum: int, world: int = 2) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two spawned ranks that trained every configuration (one spawn: imports cost seconds)."""
     import torch.multiprocessing as mp
 
-    folder = tmp / f"{'lean' if lean else 'default'}-a{accum}"
-    folder.mkdir()
-    mp.start_processes(_rank, args=(world, str(folder), lean, accum), nprocs=world,
-                       start_method="spawn")  # fmt: skip
-    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+    folder = tmp_path_factory.mktemp("ddp-lean")
+    mp.start_processes(_rank, args=(2, str(folder)), nprocs=2, start_method="spawn")
+    return folder
+
+
+def _results(folder: Path, lean: bool, accum: int, world: int = 2) -> list[dict[str, Any]]:
+    name = "lean" if lean else "default"
+    return [
+        json.loads((folder / f"{name}-a{accum}-rank{r}.json").read_text()) for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_two_ranks_grads_are_bucket_views_and_the_peak_drops_by_one_gradient_copy(
-    accum: int, tmp_path: Path
+    accum: int, trained: Path
 ) -> None:
-    lean, default = _spawn(tmp_path, True, accum), _spawn(tmp_path, False, accum)
+    lean, default = _results(trained, True, accum), _results(trained, False, accum)
     for r in lean:
         assert r["bucket_view"] and r["static_graph"] == (accum == 1)
         assert r["unseen_bucket_bytes"] == 0  # every gradient is a bucket view, counted as one
