@@ -28,6 +28,7 @@ from homelab_dp.train.reporting import (
     DeviceSamples,
     Reporting,
     TensorBoardBackend,
+    device_scalars,
     open_reporting,
 )
 
@@ -182,3 +183,17 @@ def test_run_refuses_a_logger_that_is_not_installed(name, in_repo, capsys):
         f'hint: pip install "homelab-dp[{name}]", or take "{name}" out of log.report_to',
     ]
     assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_a_gpu_sample_becomes_per_card_scalars():
+    """The monitor's NVML sample (`run.monitor`): one group per card, None readings left out."""
+    card = {"index": 3, "key": "gpu3", "utilization_pct": 97, "memory_utilization_pct": 41,
+            "memory_used": 80 * 2**30, "memory_total": 141 * 2**30, "temperature_c": 71,
+            "power_w": 650.5, "energy_mj": None, "energy_wh": 0.25}  # fmt: skip
+    other = {**card, "index": 4, "key": "gpu4", "power_w": None}
+    assert device_scalars({"devices": [card, other]}) == {
+        "gpu3/memory_used_bytes": 80.0 * 2**30, "gpu3/utilization_pct": 97.0,
+        "gpu3/memory_utilization_pct": 41.0, "gpu3/temperature_c": 71.0, "gpu3/power_w": 650.5,
+        "gpu4/memory_used_bytes": 80.0 * 2**30, "gpu4/utilization_pct": 97.0,
+        "gpu4/memory_utilization_pct": 41.0, "gpu4/temperature_c": 71.0,
+    }  # fmt: skip
