@@ -31,7 +31,7 @@ def add_snapshot(
     ``refs``; returns the snapshot folder."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "blobs").mkdir(exist_ok=True)
     (repo / "refs").mkdir(exist_ok=True)
     for src in files:
