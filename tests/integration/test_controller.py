@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import stat
+import statistics
 import subprocess
 import sys
 import time
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from homelab_dp.cli.main import main
+from homelab_dp.rundir.preset_results import read_results
 from homelab_dp.rundir.state import alive_pids, read_state
 from homelab_dp.train.guard import FAULT_ENV
 from tests.conftest import write_preset
@@ -57,7 +60,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_two_detached_runs_at_once_complete_with_their_figures(
-    env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
+    env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path, capsys
 ) -> None:
     data = data_dir / "ragged-64.jsonl"
     preset = write_preset(tmp_path, "p-6-64", tiny_model, data, seq_len=64, pack=True, max_steps=6)
@@ -75,6 +78,30 @@ def test_two_detached_runs_at_once_complete_with_their_figures(
         assert stat.S_IMODE(os.stat(doc["path"]).st_mode) == 0o700
     runs = json.loads(cli(env, "runs", "--json").stdout)
     assert {r["run_id"] for r in runs} == {first, second}
+
+    # Each is recorded against its preset with the figures `status` shows of it; the next plan
+    # of the preset expects their duration, and `presets show` lists them.
+    records = {r["run_id"]: r for r in read_results("p-6-64")}
+    assert set(records) == {first, second}
+    for doc in docs:
+        r = records[doc["run_id"]]
+        assert r == json.loads(Path(doc["path"], "results.json").read_text(encoding="utf-8"))
+        assert (r["tokens_per_s"], r["mfu"], r["energy_wh"], r["wall_s"], r["tokens"], r["steps"],
+                r["final_loss"], r["peak_memory_bytes"], r["source"]) == (
+            doc["tokens_per_s"], doc["mfu"], doc["energy_wh"], doc["duration_s"], doc["tokens"],
+            doc["step"], doc["loss"], doc["peak_memory_bytes"], str(preset))  # fmt: skip
+    assert main(["plan", str(preset), "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)["expected"]
+    tps = statistics.median(d["tokens_per_s"] for d in docs)
+    tokens = 6 * statistics.median(d["tokens"] / 6 for d in docs)
+    fixed = statistics.median(d["duration_s"] - d["tokens"] / d["tokens_per_s"] for d in docs)
+    assert (expected["from_runs"], expected["tokens_per_s"]) == (2, tps)
+    assert expected["duration_s"] == pytest.approx(max(fixed, 0) + tokens / tps)
+    print(f"expected {expected}; the runs took {[d['duration_s'] for d in docs]} s")
+    assert main(["plan", str(preset)]) == 0
+    assert "expected: ~" in capsys.readouterr().out
+    assert main(["presets", "show", str(preset)]) == 0
+    assert {first, second} <= set(capsys.readouterr().out.split())
 
 
 def test_attach_kill_follower_stop_and_resume(
@@ -121,6 +148,7 @@ def test_attach_kill_follower_stop_and_resume(
     assert not alive_pids(read_state(run_dir))
     complete = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file()]
     assert complete, "a graceful stop leaves a complete checkpoint"
+    assert not (run_dir / "results.json").exists()  # an interrupted run is not recorded
 
     resumed = cli(env, "resume", run_id, "--json", timeout=400)
     assert resumed.returncode == 0, resumed.stderr
@@ -129,6 +157,7 @@ def test_attach_kill_follower_stop_and_resume(
     assert steps and steps[0] == doc["step"] + 1 and steps[-1] == 250
     final = json.loads(cli(env, "status", run_id, "--json").stdout)
     assert final["status"] == "completed" and final["attempt"] == 2
+    assert [r["launches"] for r in read_results("p-250-64")] == [2]  # recorded once, completed
 
     again = cli(env, "resume", run_id)
     assert again.returncode == 2 and "already completed" in again.stderr
@@ -162,7 +191,9 @@ def test_two_nodes_over_loopback_match_one_node(
     env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
     data = data_dir / "ragged-64.jsonl"
-    preset = write_preset(tmp_path, "p-5-64", tiny_model, data, seq_len=64, pack=True, max_steps=5)
+    # Checkpoints every step: the node without rank 0 writes its shards too and must not fail.
+    preset = write_preset(tmp_path, "p-5-64", tiny_model, data, seq_len=64, pack=True, max_steps=5,
+                          checkpoint_every=1)  # fmt: skip
     one = start_detached(env, preset, "--force")  # three runs share the CPU host on purpose
     port = _free_port()
     nodes = [
@@ -202,6 +233,14 @@ def test_two_nodes_over_loopback_match_one_node(
     assert len(two_node_ids) == 2
     holder = [r for r in two_node_ids if (runs / r / "final" / "model.safetensors").is_file()]
     assert len(holder) == 1
+    (other,) = two_node_ids - set(holder)
+    ends = [e for e in events if e["type"] == "end"]
+    assert ends and all(e["reason"] == "completed" for e in ends)
+    assert len(start["pids"]) == 2
+    assert (
+        not (runs / other / "events.jsonl").is_file()
+        or not (runs / other / "events.jsonl").read_text().strip()
+    ), "rank 0 alone writes the events"
     single = wait_status(env, one, {"completed", "failed"})
     assert single["status"] == "completed"
     a = load_file(str(runs / one / "final" / "model.safetensors"))
