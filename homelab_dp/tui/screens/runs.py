@@ -1,8 +1,10 @@
 """Screen 5, Runs: every run the controller knows (the per-user run index, the runs folder and
-./runs: the same list as `homelab-dp runs`); follow one, resume a stopped one."""
+./runs: the same list as `homelab-dp runs`); follow one, resume a stopped one, export a result
+(`e`: the dialog in `export_dialog`, then `homelab-dp export` in a child process)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -13,9 +15,12 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.infer.export import export_in_child
+from homelab_dp.render.export import export_lines
 from homelab_dp.render.runs import row_cells
 from homelab_dp.run.controller import RunController
 from homelab_dp.tui.messages import FollowRun, UserError
+from homelab_dp.tui.screens.export_dialog import ExportDialog
 
 REFRESH_S = 3.0
 COLUMNS = ("status", "steps", "loss", "energy", "time", "run")
@@ -29,6 +34,7 @@ class RunsScreen(Screen[None]):
         Binding("enter", "follow", "Follow", show=False),
         Binding("r", "refresh", "Refresh"),
         Binding("R", "resume", "Resume"),
+        Binding("e", "export", "Export"),
     ]
     AUTO_FOCUS = "#runs"
 
@@ -41,7 +47,7 @@ class RunsScreen(Screen[None]):
         yield Header()
         yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
         yield Static(
-            "enter: follow in 4 Monitor · R: resume a stopped or failed run · r: refresh",
+            "enter: follow in 4 Monitor · R: resume a stopped or failed run · e: export",
             id="runs-help",
         )
         yield Footer()
@@ -96,10 +102,8 @@ class RunsScreen(Screen[None]):
 
     def selected(self) -> str | None:
         """The id of the run under the cursor."""
-        table = self.query_one(DataTable)
-        if not self.runs or table.cursor_row < 0 or table.cursor_row >= len(self.runs):
-            return None
-        return self.runs[table.cursor_row]["run_id"]
+        row = self._selected_row()
+        return None if row is None else row["run_id"]
 
     @on(DataTable.RowSelected)
     def action_follow(self) -> None:
@@ -120,3 +124,34 @@ class RunsScreen(Screen[None]):
             return
         self.app.notify(f"resuming {resumed}")
         self.post_message(FollowRun(resumed))
+
+    def action_export(self) -> None:
+        """Ask for a format and a folder, then export the selected run's result."""
+        row = self._selected_row()
+        if row is None:
+            return
+        run_id, where = row["run_id"], row.get("path") or row["run_id"]
+
+        def chosen(answer: tuple[str, Path] | None) -> None:
+            if answer is not None:
+                fmt, out = answer
+                self.app.notify(f"exporting {run_id} as {fmt} to {out}")
+                self._export(where, fmt, out)
+
+        self.app.push_screen(ExportDialog(run_id), chosen)
+
+    def _selected_row(self) -> dict[str, Any] | None:
+        table = self.query_one(DataTable)
+        if not self.runs or table.cursor_row < 0 or table.cursor_row >= len(self.runs):
+            return None
+        return self.runs[table.cursor_row]
+
+    @work(thread=True, group="export", exit_on_error=False)
+    def _export(self, run: str, fmt: str, out: Path) -> None:
+        """The export in a child process (torch, the merge), waited for off the UI thread."""
+        try:
+            result = export_in_child(run, fmt, out)
+        except HomelabError as exc:
+            self.post_message(UserError(exc))
+            return
+        self.app.call_from_thread(self.app.notify, "\n".join(export_lines(result.to_json())))
