@@ -191,7 +191,14 @@ def check_export(run: str, fmt: str, out: Path) -> tuple[Source, Path, Path | No
                 f"${LLAMA_CPP_ENV} nor on PATH",
                 hint=GGUF_HINT,
             )
-    return source, check_out(out), converter
+    out = check_out(out)
+    for folder in (source.ref.run_dir, source.weights, source.adapter):
+        if folder is not None and out.is_relative_to(folder.absolute()):
+            raise HomelabError(
+                f"--out {out}: inside {folder}, which the export reads",
+                hint="give a folder outside the run and its model folders",
+            )
+    return source, out, converter
 
 
 def _copy(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:

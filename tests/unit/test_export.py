@@ -208,6 +208,11 @@ def test_refusals_exit_2_and_write_nothing(runs: Path, tmp_path: Path,
     assert 'pip install "homelab-dp[gguf]"' in err and "gguf package alone has no" in err
     assert not out.exists()
 
+    inside = runs / LORA / "final" / "export"
+    rc, _, err = _export(capsys, str(runs / LORA), "--format", "adapter", "--out", str(inside))
+    assert rc == 2 and f"--out {inside}: inside {runs / LORA}, which the export reads" in err
+    assert not inside.exists()
+
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     rc, _, err = _export(capsys, str(runs / LORA), "--format", "adapter", "--out", str(out))
