@@ -17,12 +17,14 @@ COLUMNS = ("date", "run", "devices", "batch", "tokens/s", "MFU", "peak/GPU", "en
 
 
 def about(seconds: float) -> str:
-    """A rough duration: ``~2 h 05 min``, ``~12 min``, ``~40 s``."""
+    """A rough duration: ``~2 h 05 min``, ``~12 min``, ``~1 min 40 s``, ``~40 s``."""
     s = int(round(seconds))
     if s >= 3600:
         return f"~{s // 3600} h {s % 3600 // 60:02d} min"
-    if s >= 60:
+    if s >= 600:
         return f"~{round(s / 60)} min"
+    if s >= 60:
+        return f"~{s // 60} min {s % 60:02d} s"
     return f"~{s} s"
 
 
