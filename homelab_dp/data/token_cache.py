@@ -26,9 +26,11 @@ to it.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,14 +121,37 @@ def read(key: str) -> Cached | None:
         with pa.memory_map(str(path)) as source:
             table = pa.ipc.open_file(source).read_all()
             meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-            ids = table.column("input_ids").to_pylist()
-            labels = table.column("labels").to_pylist()
+            ids = _lists(table.column("input_ids"))
+            labels = _lists(table.column("labels"))
     except (OSError, pa.ArrowInvalid, KeyError):
         return None
     if meta.get("count") != str(len(ids)) or "format" not in meta:
         return None
     examples = [Example(i, lab) for i, lab in zip(ids, labels, strict=True)]
     return Cached(examples, meta["format"], folder)
+
+
+def _lists(column: Any) -> list[list[int]]:
+    """A ``list<int32>`` column as Python lists: the values and offsets read straight from the
+    mapped buffers (no per-row conversion, no numpy or pandas), then sliced per row."""
+    arr = column.combine_chunks()
+    values = arr.flatten()
+    flat = _ints(values.buffers()[1], values.offset, len(values))
+    offsets = _ints(arr.buffers()[1], arr.offset, len(arr) + 1)
+    return [
+        flat[a - offsets[0] : b - offsets[0]]
+        for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+    ]
+
+
+def _ints(buffer: Any, offset: int, count: int) -> list[int]:
+    """``count`` int32 values of an Arrow buffer (little-endian) from element ``offset``."""
+    out = array.array("i")
+    if buffer is not None and count:
+        out.frombytes(memoryview(buffer).cast("B")[offset * 4 : (offset + count) * 4])
+        if sys.byteorder == "big":
+            out.byteswap()
+    return out.tolist()
 
 
 def write(key: str, examples: Sequence[Example], fmt: str, about: str) -> Path:
