@@ -16,6 +16,12 @@ conversation to the same text `infer.prompting` renders it to for this run (`tem
   ``TEMPLATE`` line: `ollama create` then uses its own detection of the chat template from
   ``tokenizer_config.json`` / ``chat_template.jinja``, and the export says so in its notes.
 
+Checked with Go's ``text/template`` as Ollama runs it (``missingkey=zero``, consecutive
+messages of one role joined by a blank line before the template sees them): the instruction
+template renders every conversation as `infer.prompting` does; the plain and chat templates do
+for every conversation without two messages of one role in a row (Ollama has joined those
+before any template can tell them apart).
+
 Neither template writes the beginning-of-sequence token when the tokenizer adds it by itself
 (LLaMA's ``<s>``): Ollama's runtime adds it as training did, and a second one would change the
 prompt. Stop strings: the eos token(s) text, and ``### Instruction:`` for instruction models

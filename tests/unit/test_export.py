@@ -178,6 +178,17 @@ def test_chat_and_plain_modelfiles() -> None:
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]  # fmt: skip
     rendered = tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True)
     assert "<s>" + parts.render(talk) == rendered
+    # ChatML: its end of turn is a stop string too.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    chatml = build_modelfile(tokenizer, Template(CHAT), ["</s>"])
+    assert chatml.text.endswith(
+        '{{ .Content }}<|im_end|>\n{{ end }}{{ end }}<|im_start|>assistant\n"""\n'
+        'PARAMETER stop "</s>"\nPARAMETER stop "<|im_end|>"\n'
+    )
     # A template that moves the system message into the first turn does not cut: no TEMPLATE.
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'system' %}{% set s = m['content'] %}"
