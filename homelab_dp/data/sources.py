@@ -235,7 +235,7 @@ def _rows(path: Path, columns: dict[str, str], limit: int = 0) -> tuple[list[dic
 def _csv_header(path: Path) -> list[str]:
     """The header row of a CSV file (the file must be UTF-8 text with one)."""
     try:
-        with path.open(encoding="utf-8", newline="") as fh:
+        with path.open(encoding="utf-8-sig", newline="") as fh:  # a BOM is no part of a name
             header = next(csv.reader(fh), [])
     except UnicodeDecodeError:
         raise DataError(f"{path}:1: not UTF-8 text", hint="save the dataset as UTF-8") from None
