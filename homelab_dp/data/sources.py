@@ -101,15 +101,17 @@ def resolve_source(value: str, split: str, *, field: str = "data.path") -> Sourc
     if path.is_file():
         return Source(path, str(path))
     if path.is_dir():
-        if not _data_files(path):
-            raise DataError(
-                f"{field}: {path} holds no data files ({', '.join(DATA_SUFFIXES)})",
-                hint=f"{field} must be {_WHAT}",
-            )
-        return Source(path, str(path), split)
-    if looks_like_hub_id(value):
-        return Source(_hub_snapshot(value, field), value, split)
-    raise DataError(f"{field}: {value} does not exist", hint=f"{field} must be {_WHAT}")
+        folder, name = path, str(path)
+    elif looks_like_hub_id(value):
+        folder, name = _hub_snapshot(value, field), value
+    else:
+        raise DataError(f"{field}: {value} does not exist", hint=f"{field} must be {_WHAT}")
+    if not _data_files(folder):
+        raise DataError(
+            f"{field}: {folder} holds no data files ({', '.join(DATA_SUFFIXES)})",
+            hint=f"{field} must be {_WHAT}",
+        )
+    return Source(folder, name, split)
 
 
 def _hub_snapshot(repo_id: str, field: str) -> Path:
