@@ -1,5 +1,6 @@
-"""core/ stays pure, and the data pipeline, the run-folder primitives and the serving front stay
-torch-free: importing any of their modules loads no torch, textual, rich or pynvml."""
+"""core/ stays pure, and the data pipeline, the run-folder primitives, the Hugging Face model
+resolution (hub/) and the serving front stay torch-free: importing any of their modules loads no
+torch, textual, rich or pynvml."""
 
 from __future__ import annotations
 
