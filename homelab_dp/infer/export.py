@@ -241,7 +241,8 @@ def _gguf(source: Source, converter: Path, staging: Path) -> None:
     outfile = staging / "model.gguf"
     cmd = [sys.executable, str(converter), str(merged), "--outfile", str(outfile),
            "--outtype", GGUF_TYPES.get(source.dtype, "auto")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # it converts on the CPU: no CUDA context
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0 or not outfile.is_file():
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
         raise ExportFailed(
@@ -288,7 +289,12 @@ def export_run(run: str, fmt: str, out: Path) -> ExportResult:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export", dir=out.parent))
     try:
-        notes = _write(source, fmt, staging, converter)
+        try:
+            notes = _write(source, fmt, staging, converter)
+        except OSError as exc:  # a full disk, a folder that cannot be read: no traceback
+            raise ExportFailed(f"export to {out} failed: {exc}",
+                               hint="free space beside DIR, or check the folders' permissions"
+                               ) from None  # fmt: skip
         staging.chmod(0o755)  # mkdtemp's 0700 would keep other users (an ollama server) out
         check_out(out)  # someone may have written there meanwhile
         try:
