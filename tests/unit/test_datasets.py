@@ -185,6 +185,12 @@ def test_hub_ids_come_from_the_local_cache_only(tok, tmp_path, monkeypatch):
     reference = blocks(tok, cfg(jsonl(tmp_path / "ref.jsonl", INSTRUCT)))
     assert blocks(tok, cfg("org/qa", columns=MAP)) == reference
     assert len(blocks(tok, cfg("org/qa", columns=MAP, split="test"))) < len(reference)
+    bare = cache / "datasets--org--bare" / "snapshots" / "0123abc"
+    bare.mkdir(parents=True)
+    (bare / "README.md").write_text("# no data here\n", encoding="utf-8")
+    (bare.parent.parent / "refs").mkdir()
+    (bare.parent.parent / "refs" / "main").write_text("0123abc", encoding="utf-8")
+    assert error(blocks, tok, cfg("org/bare")).startswith(f"data.path: {bare} holds no data files")
     msg = error(blocks, tok, cfg("org/missing", columns=MAP))
     assert msg == (
         f"data.path: the dataset org/missing is not in the Hugging Face cache ({cache}), "
