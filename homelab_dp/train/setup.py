@@ -125,7 +125,12 @@ def load_data(preset: Preset, rank: Rank) -> Data:
     limit = getattr(config, "max_position_embeddings", None)
     split = load_train_eval(preset.data, tokenizer, seed=preset.train.seed, seq_len_limit=limit,
                             min_blocks=rank.world * rank.micro)  # fmt: skip
-    log.info("data: %s (token cache)", ", ".join(split.cache))
+    # hit: read what the preflight wrote; built: tokenized here (the cache was missing)
+    names = ("train", "eval")[: len(split.cache)]
+    log.info(
+        "data: token cache %s",
+        ", ".join(f"{u} ({n})" for u, n in zip(split.cache, names, strict=True)),
+    )
     blocks = split.train
     labels = torch.tensor([b.labels for b in blocks], dtype=torch.long)
     mask = torch.tensor([b.attention_mask for b in blocks], dtype=torch.long)
