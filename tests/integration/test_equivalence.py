@@ -42,7 +42,10 @@ def test_two_ranks_match_one_process(
 
     data = data_dir / "ragged-16.jsonl"
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
-    for micro, accum in ((2, 1), (1, 2)):
+    # Accumulation under every distribution; without it (micro 2) where the wrapper differs most
+    # from one process (DDP's reducer, FSDP's full sharding): each run costs seconds of CI.
+    shapes = ((2, 1), (1, 2)) if distribution in ("ddp", "fsdp-full") else ((1, 2),)
+    for micro, accum in shapes:
         rd = make_run(tmp_path, tiny_model, data, name=f"{distribution}-{micro}x{accum}",
                       distribution=distribution, micro=micro, accum=accum, dtype="fp64")  # fmt: skip
         assert run(rd, 2) == 0

@@ -5,8 +5,9 @@
 acts like SIGTERM at a step boundary) and resumed ends with weights bit for bit equal to an
 uninterrupted run: mid-epoch (k = 2; the resumed part crosses into the second epoch) and right
 after the step that crossed the epoch boundary (k = 3: samples 8-11 are 3 of epoch 1 and 1 of
-epoch 2). A 2-rank checkpoint resumes on
-1 process (accumulation 2 keeps the effective batch); that run matches to fp32 rounding.
+epoch 2; this one with train.deterministic on, which changes no bit on the CPU). A 2-rank
+checkpoint resumes on 1 process (accumulation 2 keeps the effective batch); that run matches to
+fp32 rounding.
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ def test_ddp_resume_is_bitwise_mid_epoch_and_at_epoch_boundary(
     n = events(full, "start")[0]["samples"]
     assert n == 11
     for k, (epoch, offset) in ((2, (0, 8)), (3, (1, 12 - n))):
-        rd = _setup(tmp_path, tiny_model, data, "ddp", f"stop{k}")
+        # The k = 3 run also turns train.deterministic on: torch's deterministic-only mode in
+        # every rank (no op of a CPU run lacks a deterministic kernel) gives the same bits on the
+        # CPU, exact already, as the uninterrupted run without the switch.
+        train = {**TRAIN, "deterministic": k == 3}
+        rd = make_run(tmp_path, tiny_model, data, name=f"stop{k}", distribution="ddp", train=train)
         assert run(rd, 2, stop_at=k) == 0
         _stopped(rd, k)
         trainer = json.loads((rd / "checkpoints" / f"step-{k}" / "trainer.json").read_text())
@@ -87,6 +92,9 @@ def test_ddp_resume_is_bitwise_mid_epoch_and_at_epoch_boundary(
         assert run(rd, 2, resume=True) == 0
         _resumed_from(rd, k)
         assert bitwise_equal(final_weights(rd), reference)
+        log = (rd / "logs" / "launcher.log").read_text(encoding="utf-8")
+        on = log.count("deterministic algorithms on (train.deterministic)")
+        assert on == (4 if k == 3 else 0)  # 2 ranks × (the stopped run + the resumed run)
 
     assert run(on_one, 1, resume=True) == 0
     start = _resumed_from(on_one, 2)
@@ -124,22 +132,4 @@ def test_zero1_resume_is_bitwise(
     _stopped(rd, 3)
     assert run(rd, 2, resume=True) == 0
     _resumed_from(rd, 3)
-    assert bitwise_equal(final_weights(rd), final_weights(ddp_full))
-
-
-def test_deterministic_algorithms_change_nothing_on_the_cpu(
-    ddp_full: Path, tiny_model: Path, data_dir: Path, tmp_path: Path
-) -> None:
-    """``train.deterministic = true`` turns torch's deterministic-only mode on in every rank (no
-    op of a CPU run lacks a deterministic kernel), and the CPU, exact already, gives the same
-    bits: stopped, resumed, and bit for bit the uninterrupted run without the switch."""
-    data = data_dir / "ragged-12.jsonl"
-    rd = make_run(tmp_path, tiny_model, data, name="deterministic", distribution="ddp",
-                  train={**TRAIN, "deterministic": True})  # fmt: skip
-    assert run(rd, 2, stop_at=2) == 0
-    _stopped(rd, 2)
-    assert run(rd, 2, resume=True) == 0
-    _resumed_from(rd, 2)
-    log = (rd / "logs" / "launcher.log").read_text(encoding="utf-8")
-    assert log.count("deterministic algorithms on (train.deterministic)") == 4  # 2 ranks × 2
     assert bitwise_equal(final_weights(rd), final_weights(ddp_full))
