@@ -35,9 +35,9 @@ class ExportDialog(ModalScreen[tuple[str, Path] | None]):
     ExportDialog { align: center middle; }
     #export { width: 76; height: auto; border: thick $primary; background: $surface;
               padding: 1 2; }
-    #export .row { height: 3; }
-    #export .row > Label { width: 9; padding-top: 1; }
-    #export .row > Input, #export .row > Select { width: 1fr; }
+    #export .export-row { height: 3; }
+    #export .export-row > Label { width: 9; padding-top: 1; }
+    #export .export-row > Input, #export .export-row > Select { width: 1fr; }
     #export-keys { margin-top: 1; color: $text-muted; }
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
@@ -52,13 +52,16 @@ class ExportDialog(ModalScreen[tuple[str, Path] | None]):
         options = [(FORMAT_WORDS[f], f) for f in FORMATS]
         with Vertical(id="export"):
             yield Label(f"Export run {self.run_id}")
-            with Horizontal(classes="row"):
+            with Horizontal(classes="export-row"):
                 yield Label("format")
                 yield Select(options, value=self.fmt, allow_blank=False, id="export-format")
-            with Horizontal(classes="row"):
+            with Horizontal(classes="export-row"):
                 yield Label("folder")
                 yield Input(str(default_out(self.run_id, self.fmt, self.where)), id="export-out")
-            yield Label("[b]enter[/b] export    [b]escape[/b] cancel", id="export-keys")
+            yield Label(
+                "[b]enter[/b] export    [b]tab[/b] format / folder    [b]escape[/b] cancel",
+                id="export-keys",
+            )
 
     def on_mount(self) -> None:
         self.query_one("#export-out", Input).focus()
