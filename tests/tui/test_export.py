@@ -43,7 +43,7 @@ async def test_export_dialog_exports_the_selected_run(runs_root: Path, tmp_path:
         assert isinstance(dialog, ExportDialog)
         folder = dialog.query_one("#export-out", Input)
         assert folder.value == str(default_out(LORA, "merged"))
-        assert folder.region.height == 3  # shown whole (border and text), not cut to a line
+        assert folder.parent.size.height == 3  # shown whole (border and text), not cut to a line
         dialog.query_one("#export-format", Select).value = "adapter"
         await pilot.pause()
         assert folder.value == str(default_out(LORA, "adapter"))  # the default follows
