@@ -3,7 +3,8 @@ first run's preflight; its ranks and every process of a second run read the cach
 
 Measured, not assumed: every process that uses a cache entry notes ``built`` (it tokenized) or
 ``hit`` (it read the file) in the entry's ``uses.jsonl`` (`homelab_dp.data.token_cache`), and
-the cache file is the very same file (inode and modification time) after the second run.
+the cache file is the very same file (inode and modification time) after the second run; each
+rank's log line says ``data: token cache hit (train)``.
 """
 
 from __future__ import annotations
@@ -67,5 +68,9 @@ def test_a_second_run_tokenizes_nowhere(tiny_model: Path, tmp_path: Path, monkey
     after = (entry / token_cache.FILE).stat()
     assert (after.st_ino, after.st_mtime_ns) == (stored.st_ino, stored.st_mtime_ns)
     assert [p.name for p in token_cache.cache_root().iterdir()] == [entry.name]
+    for run_dir in (first, second):  # each rank's log says so too
+        log = "".join(f.read_text(encoding="utf-8") for f in (run_dir / "logs").glob("*.log"))
+        assert log.count("data: token cache hit (train)") == 2, log[-3000:]
+        assert "data: token cache built" not in log
     start = [events(r, "start")[0] for r in (first, second)]
     assert start[0]["samples"] == start[1]["samples"] > 0
