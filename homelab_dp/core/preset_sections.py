@@ -63,8 +63,9 @@ class DataSection:
     those of one padded sample per row, without the padding. Samples longer than seq_len are
     truncated (text is split into seq_len pieces). false pads each sample to seq_len instead."""
     eval_path: str = ""
-    """A data file to evaluate on while training (any supported format, found like data.path,
-    read with data.format); "" for none. Not with eval_fraction."""
+    """Data to evaluate on while training: a file, folder or dataset id like data.path (of a
+    folder or id, its validation split, else its test split), read with data.format and
+    data.columns; "" for none. Not with eval_fraction."""
     eval_fraction: float = 0.0
     """Hold out this share (0 to 0.5) of the training samples, chosen by train.seed before
     packing, to evaluate on; they are never trained on. 0 for none. Not with eval_path."""
