@@ -7,9 +7,10 @@
   lines), ``.csv`` (a header row; every cell read as a string, an empty cell as "") and
   ``.parquet`` are read through the ``datasets`` library (problems name ``file row N``, the
   N-th record of the file from 1);
-- a **folder** of such files (searched recursively): the split is chosen by file name with the
-  ``datasets`` library's own rules (``train*``, ``test*``, ``validation*``, ``data/train-0000…``;
-  every file is ``train`` when no name says a split), ``data.split`` naming which;
+- a **folder** of such files (searched recursively): ``data.split`` names the split, as the
+  folder's dataset card declares its splits (README.md's YAML ``configs``, default config),
+  else by file name with the ``datasets`` library's own rules (``train*``, ``test*``,
+  ``validation*``, ``data/train-0000…``; every file is ``train`` when no name says a split);
 - a **Hub dataset id** (``org/name``, found nowhere on disk): its snapshot in the local
   Hugging Face cache (``$HF_HUB_CACHE``), offline, read as a folder. Nothing is downloaded.
 
@@ -85,8 +86,8 @@ class Source:
             raise DataError(
                 f"data.split: no split {self.split!r} in {self.root} "
                 f"(splits found: {', '.join(splits) or 'none'})",
-                hint="set data.split to one of them; split names come from the file names "
-                "(train*, test*, validation*)",
+                hint="set data.split to one of them; split names come from the dataset card "
+                "(README.md configs) or the file names (train*, test*, validation*)",
             )
         return splits[self.split]
 
@@ -149,7 +150,8 @@ def split_files(folder: Path) -> dict[str, list[Path]]:
 
     files = _data_files(folder)
     try:
-        found = DataFilesDict.from_patterns(get_data_patterns(str(folder)), str(folder))
+        patterns = _card_patterns(folder) or get_data_patterns(str(folder))
+        found = DataFilesDict.from_patterns(patterns, str(folder))
     except Exception:  # the library found no data file it knows: every file is train
         return {"train": files}
     out = {}
@@ -160,6 +162,26 @@ def split_files(folder: Path) -> dict[str, list[Path]]:
         if kept:
             out[str(name)] = kept
     return out
+
+
+def _card_patterns(folder: Path) -> dict[str, list[str]] | None:
+    """The splits a dataset card (README.md's YAML ``configs``) declares for its default
+    configuration, as the Hub shows them (``train_sft: data/train_sft-*``); None without."""
+    card = folder / "README.md"
+    if not card.is_file():
+        return None
+    from datasets.data_files import sanitize_patterns
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        configs = (metadata_load(card) or {}).get("configs") or []
+    except Exception:  # a card whose YAML does not parse says nothing about splits
+        return None
+    configs = [c for c in configs if isinstance(c, dict) and c.get("data_files")]
+    if not configs:
+        return None
+    default = [c for c in configs if c.get("default") or c.get("config_name") == "default"]
+    return sanitize_patterns((default or configs)[0]["data_files"])
 
 
 def read_source(

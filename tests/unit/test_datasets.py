@@ -185,6 +185,21 @@ def test_hub_ids_come_from_the_local_cache_only(tok, tmp_path, monkeypatch):
     reference = blocks(tok, cfg(jsonl(tmp_path / "ref.jsonl", INSTRUCT)))
     assert blocks(tok, cfg("org/qa", columns=MAP)) == reference
     assert len(blocks(tok, cfg("org/qa", columns=MAP, split="test"))) < len(reference)
+    # A dataset card's configs name the splits (as on the Hub), whatever the file names.
+    chat = cache / "datasets--org--chat" / "snapshots" / "0123abc"
+    parquet(chat / "data" / "sft-00000-of-00001.parquet", SHAREGPT)
+    parquet(chat / "data" / "gen-00000-of-00001.parquet", SHAREGPT[:3])
+    card = "---\nconfigs:\n- config_name: default\n  data_files:\n"
+    card += (
+        "  - split: train_sft\n    path: data/sft-*\n  - split: test_gen\n    path: data/gen-*\n"
+    )
+    (chat / "README.md").write_text(card + "---\n# chat\n", encoding="utf-8")
+    (chat.parent.parent / "refs").mkdir()
+    (chat.parent.parent / "refs" / "main").write_text("0123abc", encoding="utf-8")
+    chat_ref = blocks(tok, cfg(jsonl(tmp_path / "chat.jsonl", CHAT)))
+    assert blocks(tok, cfg("org/chat", split="train_sft")) == chat_ref
+    msg = error(blocks, tok, cfg("org/chat"))
+    assert msg == f"data.split: no split 'train' in {chat} (splits found: train_sft, test_gen)"
     bare = cache / "datasets--org--bare" / "snapshots" / "0123abc"
     bare.mkdir(parents=True)
     (bare / "README.md").write_text("# no data here\n", encoding="utf-8")
