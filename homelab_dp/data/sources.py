@@ -192,16 +192,16 @@ def read_source(
     check_format_name(fmt)
     columns = check_columns(columns or {})
     files = source.files()
-    if fmt == "auto":
-        fmt = _detect(files[0], columns)
     records: list[dict] = []
     wheres: list[str] = []
     final = fmt
-    for f in files:
+    for f in files:  # the first file's first record tells an auto format
         if f.suffix.lower() in BUILDERS:
             rows, where = _rows(f, columns)
+            fmt = format_of(list(rows[0]), where[0]) if fmt == "auto" else fmt
             got, final = check_records(rows, where, fmt, label="the file")
         else:
+            fmt = detect_format(f, columns) if fmt == "auto" else fmt
             got, lines, final = read_with_lines(f, fmt, columns)
             where = [f"{f}:{n}" for n in lines]
         records += got
@@ -209,16 +209,11 @@ def read_source(
     return records, wheres, final
 
 
-def _detect(path: Path, columns: dict[str, str]) -> str:
-    """The format of a source from its first file's first record (after data.columns)."""
-    if path.suffix.lower() not in BUILDERS:
-        return detect_format(path, columns)
-    rows, where = _rows(path, columns, limit=1)
-    return format_of(list(rows[0]), where[0])
+def _rows(path: Path, columns: dict[str, str]) -> tuple[list[dict], list[str]]:
+    """A columnar file's rows (null cells left out, columns renamed) and ``file row N`` each.
 
-
-def _rows(path: Path, columns: dict[str, str], limit: int = 0) -> tuple[list[dict], list[str]]:
-    """A columnar file's rows (null cells left out, columns renamed) and ``file row N`` each."""
+    The whole file is read, never a part: a stream left half-read can leave the reader's
+    threads running into the interpreter's exit (an abort instead of exit code 2)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -235,11 +230,7 @@ def _rows(path: Path, columns: dict[str, str], limit: int = 0) -> tuple[list[dic
         stream = datasets.load_dataset(
             kind, data_files=str(path), split="train", streaming=True, **extra
         )
-        rows = []
-        for row in stream:
-            rows.append({k: v for k, v in row.items() if v is not None})
-            if limit and len(rows) >= limit:
-                break
+        rows = [{k: v for k, v in row.items() if v is not None} for row in stream]
     except DataError:
         raise
     except Exception as exc:  # a damaged file: the library's own words, one line
