@@ -258,14 +258,16 @@ def read_with_lines(
         fmt = detect_format(path, columns)
     values, lines, problems = _json_lines(path, text)
     if columns:
-        renamed = [
-            rename_columns(v, columns, f"{path}:{n}") for v, n in zip(values, lines, strict=True)
-        ]
-        values = [v for v, _ in renamed]
-        problems.extend(p for _, p in renamed if p)
-    records, fmt = check_records(
-        values, [f"{path}:{n}" for n in lines], fmt, problems=problems, label="the file"
-    )
+        kept: list[tuple[dict, int]] = []
+        for value, number in zip(values, lines, strict=True):
+            value, problem = rename_columns(value, columns, f"{path}:{number}")
+            if problem:  # reported once, not again as the field it was mapped to
+                problems.append(problem)
+            else:
+                kept.append((value, number))
+        values, lines = [v for v, _ in kept], [n for _, n in kept]
+    wheres = [f"{path}:{n}" for n in lines]
+    records, fmt = check_records(values, wheres, fmt, problems=problems, label="the file")
     return records, lines, fmt
 
 
