@@ -68,13 +68,13 @@ class Source:
         return self.name if self.split is None else f"{self.name} (split {self.split})"
 
     def identity(self) -> list[tuple[str, int, int]]:
-        """Every data file's path, size and modification time (ns): what the data *is* for
+        """Every data file's absolute path, size and modification time (ns): what the data *is* for
         the token cache (a folder lists all its files, whatever the split)."""
         files = [self.root] if self.split is None else _data_files(self.root)
         out = []
         for f in files:
             st = f.stat()  # follows a Hub snapshot's links to the blobs
-            out.append((str(f), st.st_size, st.st_mtime_ns))
+            out.append((str(f.absolute()), st.st_size, st.st_mtime_ns))
         return out
 
     def files(self) -> list[Path]:
