@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,7 +20,9 @@ import pytest
 import tomli_w
 
 from homelab_dp.cli import main
+from homelab_dp.core.vocabulary import FINAL_STATUSES
 from homelab_dp.data import token_cache
+from homelab_dp.rundir.state import read_state
 from tests.integration.conftest import DEMO_DATA, events
 
 pytestmark = pytest.mark.slow
@@ -46,9 +49,13 @@ def test_a_second_run_tokenizes_nowhere(tiny_model: Path, tmp_path: Path, monkey
 
     def one_run() -> Path:
         before = set(runs.iterdir()) if runs.exists() else set()
-        assert main(["run", str(preset), "--json"]) == 0
+        assert main(["run", str(preset), "--detach"]) == 0  # the preflight runs in this process
         (run_dir,) = set(runs.iterdir()) - before
-        assert events(run_dir, "end")[-1]["reason"] == "completed"
+        deadline = time.time() + 300  # a liveness guard: ~15 s on an idle 2-core machine
+        while read_state(run_dir).get("status") not in FINAL_STATUSES:
+            assert time.time() < deadline, read_state(run_dir)
+            time.sleep(0.2)
+        assert read_state(run_dir)["status"] == "completed", read_state(run_dir)
         return run_dir
 
     first = one_run()
