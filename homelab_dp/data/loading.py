@@ -19,6 +19,7 @@ from homelab_dp.data.layouts import check_columns
 from homelab_dp.data.records import check_format_name
 from homelab_dp.data.sources import Source, read_source, resolve_source, split_files
 from homelab_dp.data.tokenize import Example, eos_id, tokenize_records
+from homelab_dp.data.tokenizer_ref import loaded
 from homelab_dp.errors import DataError
 
 log = logging.getLogger("homelab_dp.data")
@@ -77,7 +78,7 @@ def load_examples(
     data_cfg: Any, tokenizer: Any, *, seq_len_limit: int | None, eval_data: bool = False
 ) -> Loaded:
     """The tokenized samples of data.path (or data.eval_path), from the token cache when it
-    has them; checks data.seq_len against the model's positions first. Raises DataError
+    has them (``tokenizer`` may be a `TokenizerRef`: loaded only on a miss); checks data.seq_len against the model's positions first. Raises DataError
     naming the file and line or row of any bad record."""
     check_seq_len(data_cfg, seq_len_limit)
     fmt = str(getattr(data_cfg, "format", "auto"))
@@ -87,18 +88,19 @@ def load_examples(
     key = token_cache.cache_key(
         tokenizer, source.identity(), format=fmt, columns=columns, split=source.split
     )
-    pad = tokenizer.pad_token_id
-    pad_id = int(pad) if pad is not None else eos_id(tokenizer)  # padding is masked out
     cached = token_cache.read(key)
     if cached is not None:
         token_cache.note_use(cached.folder, "hit")
         log.info("data: %d samples of %s from the token cache %s", len(cached.examples),
                  source.label, cached.folder)  # fmt: skip
-        return Loaded(cached.examples, cached.fmt, pad_id, source.label, "hit", key)
+        return Loaded(cached.examples, cached.fmt, cached.pad_id, source.label, "hit", key)
     started = time.perf_counter()
     records, wheres, resolved = read_source(source, fmt, columns)
+    tokenizer = loaded(tokenizer)  # a miss: only now is a `TokenizerRef` loaded
+    pad = tokenizer.pad_token_id
+    pad_id = int(pad) if pad is not None else eos_id(tokenizer)  # padding is masked out
     examples = tokenize_records(records, resolved, tokenizer, where=wheres)
-    folder = token_cache.write(key, examples, resolved, about=source.label)
+    folder = token_cache.write(key, examples, resolved, about=source.label, pad_id=pad_id)
     token_cache.note_use(folder, "built")
     log.info("data: tokenized %d samples of %s in %.2f s into the token cache %s",
              len(examples), source.label, time.perf_counter() - started, folder)  # fmt: skip

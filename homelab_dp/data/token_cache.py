@@ -14,7 +14,8 @@ Layout: ``$XDG_CACHE_HOME/homelab-dp/tokens/<key>/`` (``~/.cache`` by default):
   use ``built`` (it tokenized) or ``hit`` (it read the file): the record of who tokenized.
 
 The key is the sha256 of everything the samples depend on: the tokenizer (`tokenizer_digest`:
-the content of its files, its class, special tokens and chat template), the data's identity
+the content of its folder's files, which decide its class, vocabulary, special tokens and chat
+template, so no tokenizer is loaded to look an entry up), the data's identity
 (each file's path, size and modification time), data.format, data.columns and data.split, the
 tokenizer libraries' versions, and this code (`CACHE_VERSION` and the tokenizing module's own
 source). The samples do not depend on data.seq_len or data.pack (blocks are cut from them each
@@ -40,8 +41,9 @@ from typing import Any
 
 from homelab_dp.data import tokenize
 from homelab_dp.data.tokenize import Example
+from homelab_dp.data.tokenizer_ref import tokenizer_folder
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Raise it when the cache file's layout or the meaning of a sample changes."""
 FILE = "samples.arrow"
 USES = "uses.jsonl"
@@ -56,22 +58,22 @@ def cache_root() -> Path:
 
 def tokenizer_digest(tokenizer: Any) -> str:
     """sha256 of what makes a tokenizer tokenize as it does: the content of its folder's files
-    (all but weights), or the fast tokenizer's serialized state when it has no folder, and its
-    class, special tokens and chat template."""
+    (all but weights; a `TokenizerRef` is never loaded for it), or, for a tokenizer with no
+    folder, its class, special tokens, chat template and serialized state."""
     h = hashlib.sha256()
-    h.update(type(tokenizer).__name__.encode())
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "chat_template"):
-        h.update(repr(getattr(tokenizer, attr, None)).encode())
-    h.update(repr(sorted(getattr(tokenizer, "special_tokens_map", {}).items())).encode())
-    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
-    if folder.is_dir():
+    folder = tokenizer_folder(tokenizer)
+    if folder is not None:
         for f in sorted(folder.iterdir()):
             if f.is_file() and not f.name.endswith(_WEIGHTS):
                 h.update(f.name.encode())
                 h.update(hashlib.sha256(f.read_bytes()).digest())
-    else:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        h.update(backend.to_str().encode() if backend is not None else b"")
+        return h.hexdigest()
+    h.update(type(tokenizer).__name__.encode())
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "chat_template"):
+        h.update(repr(getattr(tokenizer, attr, None)).encode())
+    h.update(repr(sorted(getattr(tokenizer, "special_tokens_map", {}).items())).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else b"")
     return h.hexdigest()
 
 
@@ -105,6 +107,8 @@ class Cached:
 
     examples: list[Example]
     fmt: str
+    pad_id: int
+    """The id blocks are padded with (masked out), as the tokenizer gave it."""
     folder: Path
 
 
@@ -125,10 +129,10 @@ def read(key: str) -> Cached | None:
             labels = _lists(table.column("labels"))
     except (OSError, pa.ArrowInvalid, KeyError):
         return None
-    if meta.get("count") != str(len(ids)) or "format" not in meta:
+    if meta.get("count") != str(len(ids)) or "format" not in meta or "pad_id" not in meta:
         return None
     examples = [Example(i, lab) for i, lab in zip(ids, labels, strict=True)]
-    return Cached(examples, meta["format"], folder)
+    return Cached(examples, meta["format"], int(meta["pad_id"]), folder)
 
 
 def _lists(column: Any) -> list[list[int]]:
@@ -154,7 +158,7 @@ def _ints(buffer: Any, offset: int, count: int) -> list[int]:
     return out.tolist()
 
 
-def write(key: str, examples: Sequence[Example], fmt: str, about: str) -> Path:
+def write(key: str, examples: Sequence[Example], fmt: str, about: str, pad_id: int) -> Path:
     """Store the samples under ``key`` atomically (a temporary file renamed into place); a
     cache folder that cannot be written leaves the samples uncached. Returns the folder."""
     import pyarrow as pa
@@ -163,7 +167,7 @@ def write(key: str, examples: Sequence[Example], fmt: str, about: str) -> Path:
     schema = pa.schema(
         [("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))],
         metadata={"format": fmt, "count": str(len(examples)), "data": about,
-                  "version": str(CACHE_VERSION)},
+                  "version": str(CACHE_VERSION), "pad_id": str(pad_id)},
     )  # fmt: skip
     table = pa.table(
         [

@@ -105,12 +105,14 @@ def check_data(
     rank of the run reads them instead of tokenizing again."""
     from homelab_dp.data.loading import source_of
     from homelab_dp.data.split import load_train_eval
+    from homelab_dp.data.tokenizer_ref import TokenizerRef
 
     # Before the tokenizer loads: a typo in a path or id is named at once.
     source_of(preset.data)
     if preset.data.eval_path:
         source_of(preset.data, eval_data=True)
-    tokenizer = load_tokenizer(preset)
+    # Loaded only if the token cache misses: a hit imports no transformers here (seconds).
+    tokenizer = TokenizerRef(Path(preset.model.path), lambda: load_tokenizer(preset))
     data = load_train_eval(
         preset.data,
         tokenizer,

@@ -237,3 +237,31 @@ def test_the_token_cache_tokenizes_once_and_notices_a_changed_file(tok, tmp_path
     # A damaged entry is made again, not trusted.
     (token_cache.cache_root() / third.key / token_cache.FILE).write_bytes(b"garbage")
     assert load_examples(data, tok, seq_len_limit=None).cache == "built"
+
+
+def test_a_cache_hit_loads_no_tokenizer(tmp_path: Path) -> None:
+    """The preflight of data tokenized before reads the cache without loading the tokenizer:
+    the key needs only the tokenizer's files, so no transformers import (seconds) happens.
+    The samples, their format and the padding id are those of the run that made the entry."""
+    import subprocess
+    import sys
+
+    data = parquet(tmp_path / "qa.parquet", QA)
+    doc = {"model": {"path": str(MODEL)},
+           "data": {"path": str(data), "columns": MAP, "seq_len": 64}}  # fmt: skip
+    code = (
+        "import json, sys\n"
+        "from homelab_dp.core.preset import preset_from_dict\n"
+        "from homelab_dp.run.preflight import check_data\n"
+        f"preset = preset_from_dict(json.loads({json.dumps(json.dumps(doc))}))\n"
+        "blocks, share = check_data(preset, 128, 2, 2)\n"
+        "print(json.dumps([blocks, share, 'transformers' in sys.modules]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           check=True, cwd=tmp_path) for _ in range(2)]  # fmt: skip
+    first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert first[2] and not second[2]  # tokenized with transformers, then read without it
+    assert first[:2] == second[:2]
+    (entry,) = [p for p in token_cache.cache_root().iterdir() if p.is_dir()]
+    assert [u["use"] for u in token_cache.uses(entry)] == ["built", "hit"]
