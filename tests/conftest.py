@@ -45,12 +45,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def _private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
-    """Never touch the user's real runs folder, saved presets, memory calibration or token
-    cache, and see every recorded GPU (a CUDA_VISIBLE_DEVICES of the machine running the tests
-    would hide some)."""
+    """Never touch the user's real runs folder, saved presets or memory calibration, and see
+    every recorded GPU (a CUDA_VISIBLE_DEVICES of the machine running the tests would hide some).
+    The token cache is the session's (`pytest_configure`): shared by every test, as a user's is
+    by every run, so a run's preflight after the first reads it instead of importing
+    transformers to tokenize; a test that counts the cache's uses sets its own XDG_CACHE_HOME."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg")))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))  # tokens
     monkeypatch.setenv("HOMELAB_DP_RUNS", str(tmp_path_factory.mktemp("runs")))
     monkeypatch.delenv("HOMELAB_DP_PRESETS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

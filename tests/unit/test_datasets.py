@@ -239,13 +239,14 @@ def test_the_token_cache_tokenizes_once_and_notices_a_changed_file(tok, tmp_path
     assert load_examples(data, tok, seq_len_limit=None).cache == "built"
 
 
-def test_a_cache_hit_loads_no_tokenizer(tmp_path: Path) -> None:
+def test_a_cache_hit_loads_no_tokenizer(tmp_path: Path, monkeypatch) -> None:
     """The preflight of data tokenized before reads the cache without loading the tokenizer:
     the key needs only the tokenizer's files, so no transformers import (seconds) happens.
     The samples, their format and the padding id are those of the run that made the entry."""
     import subprocess
     import sys
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the children inherit it
     data = parquet(tmp_path / "qa.parquet", QA)
     doc = {"model": {"path": str(MODEL)},
            "data": {"path": str(data), "columns": MAP, "seq_len": 64}}  # fmt: skip
