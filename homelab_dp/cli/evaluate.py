@@ -15,8 +15,15 @@ def register(sub: Any) -> None:
         "model",
         help="a run id, a run folder (its result), a model folder or a Hugging Face id (org/name)",
     )
-    p.add_argument("--data", required=True, help="the data file")
-    p.add_argument("--format", default="auto", help="auto | text | completion | instruction | chat")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="a data file (.jsonl .json .csv .parquet .txt), a folder of them, or a dataset id",
+    )
+    p.add_argument(
+        "--format", default="auto", help="auto | text | completion | instruction | chat | sharegpt"
+    )
+    p.add_argument("--split", default="train", help="the split of a folder or dataset id (train)")
     p.add_argument(
         "--seq-len",
         type=int,
@@ -35,7 +42,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Check everything, evaluate under torchrun (`run.evaluate`), print the result."""
     from homelab_dp.run.evaluate import evaluate_model
 
-    report = evaluate_model(args.model, args.data, args.format, args.seq_len, args.gpus)
+    report = evaluate_model(args.model, args.data, args.format, args.seq_len, args.gpus,
+                            split=args.split)  # fmt: skip
     if args.json:
         print_json(report.to_json())
     else:

@@ -54,11 +54,13 @@ def check_seq_len(data_cfg: Any, seq_len_limit: int | None) -> None:
         )
 
 
-def source_of(data_cfg: Any, *, eval_data: bool = False) -> Source:
+def source_of(data_cfg: Any, *, eval_data: bool = False, field: str = "data.path") -> Source:
     """The source of data.path, or of data.eval_path (a folder's or Hub id's validation split,
-    else its test split); DataError naming the field when it does not exist."""
+    else its test split); DataError naming the field (``field`` for data.path: `eval` says
+    --data) when it does not exist."""
     if not eval_data:
-        return resolve_source(str(data_cfg.path), str(getattr(data_cfg, "split", "train")))
+        split = str(getattr(data_cfg, "split", "train"))
+        return resolve_source(str(data_cfg.path), split, field=field)
     value = str(data_cfg.eval_path)
     source = resolve_source(value, EVAL_SPLITS[0], field="data.eval_path")
     if source.split is None:
@@ -75,7 +77,12 @@ def source_of(data_cfg: Any, *, eval_data: bool = False) -> Source:
 
 
 def load_examples(
-    data_cfg: Any, tokenizer: Any, *, seq_len_limit: int | None, eval_data: bool = False
+    data_cfg: Any,
+    tokenizer: Any,
+    *,
+    seq_len_limit: int | None,
+    eval_data: bool = False,
+    field: str = "data.path",
 ) -> Loaded:
     """The tokenized samples of data.path (or data.eval_path), from the token cache when it
     has them (``tokenizer`` may be a `TokenizerRef`: loaded only on a miss); checks data.seq_len against the model's positions first. Raises DataError
@@ -84,7 +91,7 @@ def load_examples(
     fmt = str(getattr(data_cfg, "format", "auto"))
     check_format_name(fmt)
     columns = check_columns(getattr(data_cfg, "columns", None) or {})
-    source = source_of(data_cfg, eval_data=eval_data)
+    source = source_of(data_cfg, eval_data=eval_data, field=field)
     key = token_cache.cache_key(
         tokenizer, source.identity(), format=fmt, columns=columns, split=source.split
     )

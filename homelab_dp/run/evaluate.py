@@ -4,9 +4,11 @@
 snapshot), picks the devices (``--gpus cpu:N``, GPU indices, or every visible GPU from the NVML
 probe, never initialising CUDA here), checks the model folder as the run preflight does, the
 sequence length against the model's positions, and reads and tokenizes the data exactly as the
-worker will (`data.records.read_with_lines`, `data.blocks.tokenize_records`): every mistake is
-a `HomelabError` before anything is spawned. (The tokenizer comes from transformers, which
-imports torch on the CPU; CUDA is never touched.)
+worker will, through the training data's path (`data.loading.load_examples`: a file of any
+supported kind, a folder or a dataset id, and the token cache, which the workers then read):
+every mistake is a `HomelabError` before anything is spawned. (The tokenizer, loaded only when
+the cache misses, comes from transformers, which imports torch on the CPU; CUDA is never
+touched.)
 
 `run_eval` writes the job as JSON into a private temporary folder (0700), starts
 ``torchrun … -m homelab_dp.train.eval_worker ARGS_FILE`` in its own session with every output
@@ -17,8 +19,8 @@ is re-raised as KeyboardInterrupt.
 
 The job file (read by `homelab_dp.train.eval_worker`): ``model_path``, ``base_path`` (an
 adapter's base or null), ``tokenizer_path``, ``trust_remote_code``, ``dtype`` (the run's preset
-dtype or auto), ``device`` (cpu | cuda), ``data_path``, ``format`` (resolved), ``seq_len``,
-``result_path`` and ``error_dir``.
+dtype or auto), ``device`` (cpu | cuda), ``data_path`` (a path or a dataset id), ``split``,
+``format`` (as given: it keys the token cache), ``seq_len``, ``result_path`` and ``error_dir``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.core.hardware import HardwareReport, PlanDevice, PlanHardware
-from homelab_dp.core.preset import ModelSection, Preset
-from homelab_dp.data.blocks import build_blocks, tokenize_records
-from homelab_dp.data.records import FORMATS, read_with_lines
+from homelab_dp.core.hub_ids import looks_like_hub_id
+from homelab_dp.core.preset import DataSection, ModelSection, Preset
+from homelab_dp.data.blocks import build_blocks
+from homelab_dp.data.loading import load_examples
+from homelab_dp.data.records import FORMATS
+from homelab_dp.data.tokenizer_ref import TokenizerRef
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
 from homelab_dp.run.launcher import torchrun_command
 from homelab_dp.run.model_source import resolve_model_arg
@@ -75,7 +80,8 @@ class EvalJob:
     """Everything checked and resolved: what the workers are started with."""
 
     ref: ModelRef
-    data: Path
+    data: DataSection
+    """--data as a [data] section: path (absolute, or a dataset id), format as given, split."""
     format: str
     """The data format, ``auto`` resolved."""
     seq_len: int
@@ -219,41 +225,53 @@ def choose_seq_len(ref: ModelRef, seq_len: int | None) -> int:
     return seq_len
 
 
-def check_data(ref: ModelRef, data: Path, fmt: str, seq_len: int) -> tuple[str, int]:
-    """Read, validate and tokenize the data as the worker will; returns the resolved format and
-    the rows left with a target token within ``seq_len`` (a DataError names file:line)."""
-    if fmt not in (*FORMATS, "auto"):
+def data_section(data: str, fmt: str, split: str, seq_len: int) -> DataSection:
+    """--data as a [data] section (read as data.path is): a path made absolute, or a dataset
+    id (``org/name``) that exists nowhere on disk, kept as typed."""
+    if fmt not in (*FORMATS, "sharegpt", "auto"):
         raise DataError(
-            f"--format: unknown format {fmt!r}", hint=f"one of auto, {', '.join(FORMATS)}"
+            f"--format: unknown format {fmt!r}",
+            hint=f"one of auto, {', '.join(FORMATS)}, sharegpt",
         )
-    if not data.is_file():
-        raise DataError(f"--data: {data}: no such file", hint="give a local .jsonl or .txt file")
-    records, lines, fmt = read_with_lines(data, fmt)
-    from transformers import AutoTokenizer  # the model's own tokenizer: the worker's tokens
+    path = Path(data).expanduser()
+    value = data if not path.exists() and looks_like_hub_id(data) else str(path.absolute())
+    return DataSection(path=value, format=fmt, split=split, seq_len=seq_len, pack=False)  # type: ignore[arg-type]
 
-    tokenizer = AutoTokenizer.from_pretrained(ref.tokenizer_path, local_files_only=True,
-                                              trust_remote_code=ref.trust_remote_code)  # fmt: skip
-    examples = tokenize_records(records, fmt, tokenizer, where=[f"{data}:{n}" for n in lines])
-    blocks = build_blocks(examples, seq_len, False, 0)  # the pad id does not matter for a count
+
+def check_data(ref: ModelRef, data: DataSection) -> tuple[str, int]:
+    """Read, validate and tokenize the data as the worker will (into the token cache, which
+    the workers read); returns the resolved format and the rows left with a target token within
+    data.seq_len (a DataError names the file and line or row)."""
+
+    def tokenizer() -> Any:  # the model's own tokenizer: the worker's tokens (on a cache miss)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(ref.tokenizer_path, local_files_only=True,
+                                             trust_remote_code=ref.trust_remote_code)  # fmt: skip
+
+    loaded = load_examples(data, TokenizerRef(Path(ref.tokenizer_path), tokenizer),
+                           seq_len_limit=None, field="--data")  # fmt: skip
+    blocks = build_blocks(loaded.examples, data.seq_len, False, loaded.pad_id)
     if not blocks:
         raise DataError(
-            f"{data}: no token is left with a loss within {seq_len} tokens ({fmt} format)",
+            f"{loaded.label}: no token is left with a loss within {data.seq_len} tokens "
+            f"({loaded.fmt} format)",
             hint="the prompts fill the whole sequence: raise --seq-len",
         )
-    return fmt, len(blocks)
+    return loaded.fmt, len(blocks)
 
 
 def prepare(model: str, data: str, fmt: str = "auto", seq_len: int | None = None,
-            gpus: str | None = None) -> EvalJob:  # fmt: skip
+            gpus: str | None = None, split: str = "train") -> EvalJob:  # fmt: skip
     """Resolve and check everything ``eval`` was given; a HomelabError before anything starts.
     The cheap checks come first; the GPU probe (and torch's answer, in a child) last."""
     parse_gpus(gpus)
     ref = resolve_model_arg(model)  # a Hugging Face id: its local snapshot
     check_model(ref)
     seq_len = choose_seq_len(ref, seq_len)
-    path = Path(data).expanduser().absolute()
-    fmt, samples = check_data(ref, path, fmt, seq_len)
-    return EvalJob(ref, path, fmt, seq_len, samples, select_devices(gpus))
+    section = data_section(data, fmt, split, seq_len)
+    resolved, samples = check_data(ref, section)
+    return EvalJob(ref, section, resolved, seq_len, samples, select_devices(gpus))
 
 
 def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
@@ -266,8 +284,9 @@ def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
         "trust_remote_code": ref.trust_remote_code,
         "dtype": ref.dtype,
         "device": job.devices.kind,
-        "data_path": str(job.data),
-        "format": job.format,
+        "data_path": job.data.path,
+        "split": job.data.split,
+        "format": job.data.format,
         "seq_len": job.seq_len,
         "result_path": str(folder / "result.json"),
         "error_dir": str(folder / "errors"),
@@ -355,7 +374,7 @@ def _report(job: EvalJob, doc: dict[str, Any]) -> EvalReport:
     """The report from rank 0's result document."""
     figures = {k: doc[k] for k in ("world_size", "loss", "perplexity", "tokens", "real_tokens",
                                    "tokens_per_s", "seconds", "samples", "device", "dtype")}  # fmt: skip
-    return EvalReport(model=job.ref.name, data=str(job.data), seq_len=job.seq_len, **figures)
+    return EvalReport(model=job.ref.name, data=job.data.path, seq_len=job.seq_len, **figures)
 
 
 def _failure(folder: Path, rc: int) -> HomelabError:
@@ -387,6 +406,6 @@ def log_tail(folder: Path, rank: int | None, lines: int = 20) -> str:
 
 
 def evaluate_model(model: str, data: str, fmt: str = "auto", seq_len: int | None = None,
-                   gpus: str | None = None) -> EvalReport:  # fmt: skip
+                   gpus: str | None = None, split: str = "train") -> EvalReport:  # fmt: skip
     """`prepare` then `run_eval`: what `homelab-dp eval` does."""
-    return run_eval(prepare(model, data, fmt, seq_len, gpus))
+    return run_eval(prepare(model, data, fmt, seq_len, gpus, split))

@@ -79,17 +79,17 @@ def join_group(kind: str) -> tuple[Any, int, int]:
 
 
 def load_blocks(job: dict[str, Any], tokenizer: Any) -> list[Any]:
-    """The data as blocks: one sample per row, truncated to ``seq_len`` (padded to it)."""
-    from homelab_dp.data.blocks import build_blocks, tokenize_records
-    from homelab_dp.data.records import read_with_lines
+    """The data as blocks: one sample per row, truncated to ``seq_len`` (padded to it); the
+    samples come from the token cache the front end filled (`homelab_dp.data.loading`)."""
+    from homelab_dp.core.preset import DataSection
+    from homelab_dp.data.blocks import build_blocks
+    from homelab_dp.data.loading import load_examples
 
-    path = Path(job["data_path"])
-    records, lines, fmt = read_with_lines(path, job["format"])
-    examples = tokenize_records(records, fmt, tokenizer, where=[f"{path}:{n}" for n in lines])
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:  # padding is masked out: any id will do
-        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return build_blocks(examples, int(job["seq_len"]), False, int(pad_id))
+    seq_len = int(job["seq_len"])
+    data = DataSection(path=job["data_path"], format=job["format"], seq_len=seq_len, pack=False,
+                       split=job.get("split", "train"))  # fmt: skip
+    loaded = load_examples(data, tokenizer, seq_len_limit=None, field="--data")
+    return build_blocks(loaded.examples, seq_len, False, loaded.pad_id)
 
 
 def length_groups(blocks: list[Any], step: int = GROUP_STEP) -> list[list[Any]]:
