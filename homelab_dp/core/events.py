@@ -72,6 +72,8 @@ class StartEvent(Event):
     """Blocks of eval data (validation while training); 0 without any."""
     eval_every: int = 0
     """``train.eval_every`` (0: only at the end) when there is eval data."""
+    data_format: str = ""
+    """The training data's format, ``auto`` resolved: the prompt format the model learns."""
     pids: list[int] = field(default_factory=list)
     """Every rank's worker pid, by global rank."""
     peak_memory_kind: str = ""

@@ -49,6 +49,8 @@ class TrainEval:
     cache: tuple[str, ...] = ()
     """How this process had each data set's samples: ``hit`` (the token cache) or ``built``
     (tokenized here), the training data first (`homelab_dp.data.loading.Loaded.cache`)."""
+    fmt: str = ""
+    """The training data's format, ``auto`` resolved (what the model learns to answer in)."""
 
 
 def load_train_eval(
@@ -80,10 +82,10 @@ def load_train_eval(
         held_where = f"{path} (the {len(held)} sample(s) held out by data.eval_fraction)"
         evals = blocks_of([examples[i] for i in held], data_cfg, fmt, pad, where=held_where,
                           min_blocks=1)  # fmt: skip
-        return TrainEval(train, evals, len(held), (data.cache,))
+        return TrainEval(train, evals, len(held), (data.cache,), fmt)
     train = blocks_of(examples, data_cfg, fmt, pad, where=path, min_blocks=min_blocks)
     if not eval_path:
-        return TrainEval(train, [], cache=(data.cache,))
+        return TrainEval(train, [], cache=(data.cache,), fmt=fmt)
     ev = load_examples(data_cfg, tokenizer, seq_len_limit=seq_len_limit, eval_data=True)
     evals = blocks_of(ev.examples, data_cfg, ev.fmt, pad, where=ev.label, min_blocks=1)
-    return TrainEval(train, evals, cache=(data.cache, ev.cache))
+    return TrainEval(train, evals, cache=(data.cache, ev.cache), fmt=fmt)

@@ -89,6 +89,25 @@ def _folder_ref(folder: Path) -> ModelRef:
     )
 
 
+def _data_format(run_dir: Path, fmt: str) -> str:
+    """The run's data format: the preset's, or for ``auto`` what its start event says the
+    worker resolved it to (any data source, a Parquet file or a dataset id too)."""
+    if fmt != "auto":
+        return fmt
+    try:
+        lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return fmt
+    for line in reversed(lines):
+        try:
+            doc = json.loads(line)
+        except ValueError:  # a torn last line
+            continue
+        if doc.get("type") == "start" and doc.get("data_format"):
+            return str(doc["data_format"])
+    return fmt
+
+
 def _run_ref(run_dir: Path) -> ModelRef:
     """A run folder: its result (the merged model where there is one)."""
     spec = read_run_spec(run_dir)
@@ -98,7 +117,7 @@ def _run_ref(run_dir: Path) -> ModelRef:
         name=run_dir.name,
         run_dir=run_dir,
         seq_len=int(preset.data.seq_len),
-        data_format=str(preset.data.format),
+        data_format=_data_format(run_dir, str(preset.data.format)),
         data_path=Path(preset.data.path),
         trust_remote_code=bool(preset.model.trust_remote_code),
         dtype=str(preset.model.dtype),

@@ -97,6 +97,8 @@ class Data:
     real_tokens: Any
     """Non-padding tokens per block: throughput."""
     n_blocks: int
+    fmt: str
+    """The data format, ``auto`` resolved (the start event records it)."""
     order: Any
     """The seeded global sample order (`train.strategy.SampleOrder`)."""
     total_steps: int
@@ -146,6 +148,7 @@ def load_data(preset: Preset, rank: Rank) -> Data:
         targets=(labels != IGNORE_INDEX).sum(1),
         real_tokens=mask.sum(1),
         n_blocks=len(blocks),
+        fmt=split.fmt,
         order=SampleOrder(len(blocks), train.seed),
         total_steps=total_steps,
         eval=eval_blocks(split.eval, bool(preset.data.pack)) if split.eval else None,
@@ -368,7 +371,7 @@ def start_event(spec: RunSpec, s: SetUp) -> StartEvent:
         grad_accum=rank.accum, effective_batch=rank.effective, seq_len=seq_len,
         tokens_per_step=rank.effective * seq_len, samples=s.data.n_blocks,
         eval_blocks=s.data.eval.n_blocks if s.data.eval is not None else 0,
-        eval_every=spec.preset.train.eval_every,
+        eval_every=spec.preset.train.eval_every, data_format=s.data.fmt,
         pids=pids.tolist(), peak_memory_kind=peak_memory_kind(rank.device),
         estimate=per_device, estimate_bytes=(per_device or {}).get("total"),
     )  # fmt: skip

@@ -81,3 +81,10 @@ def test_a_second_run_tokenizes_nowhere(tiny_model: Path, tmp_path: Path, monkey
         assert "data: token cache built" not in log
     start = [events(r, "start")[0] for r in (first, second)]
     assert start[0]["samples"] == start[1]["samples"] > 0
+    # The format "auto" resolved to (the columns make it instruction) is recorded for what
+    # serves the result: chat and serve prompt it the way it learned.
+    from homelab_dp.infer.prompting import trained_format
+    from homelab_dp.rundir.results import resolve_model
+
+    assert start[0]["data_format"] == "instruction"
+    assert trained_format(resolve_model(str(second))) == "instruction"
