@@ -32,14 +32,17 @@ def follow(
     controller: RunController,
     run_id: str,
     mode: str,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     history_until: int | None = None,
 ) -> int:
     """Follow ``run_id`` until it ends; ``mode`` is "live", "plain" or "json". Returns exit code.
 
     Events before byte ``history_until`` of events.jsonl (default: all there are now) are
     history: folded into the view without being printed, so only what happens from now on is.
+    ``out`` defaults to the sys.stdout of the moment (not of the import: a caller in the same
+    process may have swapped it since).
     """
+    out = sys.stdout if out is None else out
     run_dir = controller.run_dir(run_id)
     view = controller.new_view(run_dir)
     tail = controller.tail(run_id)
