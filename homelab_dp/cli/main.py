@@ -62,8 +62,20 @@ def report_error(exc: HomelabError) -> int:
     return exc.exit_code
 
 
+def quiet_libraries() -> None:
+    """Keep the libraries' own chatter off a command's output: deprecation notices of
+    transformers and peft (FutureWarning) and bitsandbytes' note that an optional CPU kernel
+    package is missing. Their errors still show; the rank logs of a run keep everything."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `homelab-dp` console script."""
+    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)

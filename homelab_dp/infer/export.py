@@ -282,6 +282,16 @@ def _listing(out: Path) -> tuple[list[str], int]:
     return files, sum((out / f).stat().st_size for f in files)
 
 
+def _modes_by_umask(folder: Path) -> None:
+    """The modes any tool gives what it writes (0666 and 0777 less the umask), to ``folder``
+    and everything in it: mkdtemp made it 0700, and writers in it chose their own modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def export_run(run: str, fmt: str, out: Path) -> ExportResult:
     """Export RUN's result as ``fmt`` into ``out`` (see the module docstring). A user mistake
     raises its HomelabError before anything is written; any failure leaves ``out`` as it was."""
@@ -295,7 +305,7 @@ def export_run(run: str, fmt: str, out: Path) -> ExportResult:
             raise ExportFailed(f"export to {out} failed: {exc}",
                                hint="free space beside DIR, or check the folders' permissions"
                                ) from None  # fmt: skip
-        staging.chmod(0o755)  # mkdtemp's 0700 would keep other users (an ollama server) out
+        _modes_by_umask(staging)  # mkdtemp's 0700 would keep other users (an ollama server) out
         check_out(out)  # someone may have written there meanwhile
         try:
             staging.rename(out)  # onto an empty folder too: atomic on POSIX

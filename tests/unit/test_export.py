@@ -251,6 +251,17 @@ def test_adapter_and_hf_exports_copy_the_result(
     assert rc == 0, err
     assert doc is not None and doc["files"] == sorted(p.name for p in DEMO_MODEL.iterdir())
     assert doc["dtype"] == "as saved"
+    # What is exported gets the modes any tool would give it under this umask (the staging
+    # folder was mkdtemp's 0700, a copied or saved file may come 0600).
+    os.chmod(final / "adapter_model.safetensors", 0o600)  # as a run's private folder holds it
+    rc, doc, err = _export(capsys, str(runs / LORA), "--format", "adapter", "--out",
+                           str(tmp_path / "modes"))  # fmt: skip
+    assert rc == 0, err
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "modes").iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+    assert (tmp_path / "modes").stat().st_mode & 0o777 == 0o777 & ~umask
 
 
 def test_gguf_runs_llama_cpps_converter_on_the_merge(runs: Path, tmp_path: Path,
