@@ -57,6 +57,15 @@ def _private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test sends Ctrl-C (SIGINT): the default disposition, so
+    Python turns it into KeyboardInterrupt. A test session started in the background of a
+    non-interactive shell (``cmd &``) has SIGINT ignored, and children inherit that."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def write_preset(
     folder: Path,
     name: str,

@@ -27,7 +27,7 @@ from homelab_dp.cli import main
 from homelab_dp.core.hardware import HardwareReport, HostInfo
 from homelab_dp.run.evaluate import EvalReport, parse_gpus, select_devices
 
-from ..conftest import DATA, ROOT
+from ..conftest import DATA, ROOT, default_sigint
 from .conftest import DEMO_DATA, make_run
 
 pytestmark = pytest.mark.slow
@@ -258,7 +258,8 @@ def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model, data_dir) -> No
     folders = _eval_dirs()
     cmd = [sys.executable, "-m", "homelab_dp.cli", "eval", str(tiny_model), "--data",
            str(data_dir / "ragged-12.jsonl"), "--gpus", "cpu:2"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            preexec_fn=default_sigint)  # fmt: skip
     cli = psutil.Process(proc.pid)
     family: list[psutil.Process] = []
     deadline = time.monotonic() + 120  # liveness guard: workers start in about 10 s

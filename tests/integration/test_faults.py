@@ -36,7 +36,7 @@ from homelab_dp.rundir.state import ACTIVE, alive_pids, current_state, read_stat
 from homelab_dp.rundir.tail import JsonlTail
 from homelab_dp.train.checkpoint_check import check_checkpoint, find_usable
 from homelab_dp.train.guard import FAULT_ENV
-from tests.conftest import write_preset
+from tests.conftest import default_sigint, write_preset
 from tests.integration.conftest import bitwise_equal, copy_run, events, final_weights
 from tests.integration.test_controller import EXE, cli
 
@@ -267,7 +267,8 @@ def test_3_signals_to_the_follower_and_to_the_agent(controller, folder, tiny_mod
     step = events(run_dir, "step")[-1]["step"]
     wait_step(run_dir, step + 5)  # unaffected: it goes on
     attached = subprocess.Popen([str(EXE), "attach", run_id], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=default_sigint)  # fmt: skip
     assert attached.stdout is not None
     for line in attached.stdout:
         if re.search(r" step \d+/\d+ ", line):
