@@ -104,15 +104,20 @@ def test_two_detached_runs_at_once_complete_with_their_figures(
     assert {first, second} <= set(capsys.readouterr().out.split())
 
 
+STOP_STEPS = 12
+"""Steps of the run stopped at step 2 and resumed (it trains the other ten)."""
+
+
 def test_attach_kill_follower_stop_and_resume(
     env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
-    """`stop` must find the run still going (before step 250). Rather than racing the run, both
-    ranks hold still at the start of step 2 (an injected SIGSTOP, `homelab_dp.train.guard`) until
-    the stop request is pending on them; then they go on and take it at that step's end."""
+    """`stop` must find the run still going. Rather than racing the run, both ranks hold still
+    at the start of step 2 (an injected SIGSTOP, `homelab_dp.train.guard`) until the stop
+    request is pending on them; then they go on and take it at that step's end. The resume
+    trains the rest, to STOP_STEPS."""
     data = data_dir / "ragged-64.jsonl"
     preset = write_preset(
-        tmp_path, "p-250-64", tiny_model, data, seq_len=64, pack=True, max_steps=250
+        tmp_path, "p-12-64", tiny_model, data, seq_len=64, pack=True, max_steps=STOP_STEPS
     )
     hold = "sigstop:rank=0:step=2;sigstop:rank=1:step=2"  # fires once per run folder
     run_id = start_detached({**env, FAULT_ENV: hold}, preset)
@@ -143,7 +148,7 @@ def test_attach_kill_follower_stop_and_resume(
     _, err = stopping.communicate(timeout=240)
     assert stopping.returncode == 0, err
     doc = json.loads(cli(env, "status", run_id, "--json").stdout)
-    assert doc["status"] == "interrupted" and doc["step"] < 250
+    assert doc["status"] == "interrupted" and 2 <= doc["step"] < STOP_STEPS
     run_dir = Path(doc["path"])
     assert not alive_pids(read_state(run_dir))
     complete = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file()]
@@ -154,10 +159,10 @@ def test_attach_kill_follower_stop_and_resume(
     assert resumed.returncode == 0, resumed.stderr
     events = [json.loads(line) for line in resumed.stdout.splitlines()]
     steps = [e["step"] for e in events if e["type"] == "step"]
-    assert steps and steps[0] == doc["step"] + 1 and steps[-1] == 250
+    assert steps and steps[0] == doc["step"] + 1 and steps[-1] == STOP_STEPS
     final = json.loads(cli(env, "status", run_id, "--json").stdout)
     assert final["status"] == "completed" and final["attempt"] == 2
-    assert [r["launches"] for r in read_results("p-250-64")] == [2]  # recorded once, completed
+    assert [r["launches"] for r in read_results("p-12-64")] == [2]  # recorded once, completed
 
     again = cli(env, "resume", run_id)
     assert again.returncode == 2 and "already completed" in again.stderr
