@@ -150,7 +150,10 @@ async def test_quitting_the_app_stops_the_server(
         prompt.focus()
         await pilot.press(*"Hi", "enter")
         model = screen.query_one("#pane-model", ChatPane)
-        await wait_for(pilot, lambda: len(model.history) == 2, timeout=START_S, what="the answer")
+        # The answer is in, and the ask is over (busy is cleared just after: a prompt before
+        # that only gets "wait for the answer to finish").
+        await wait_for(pilot, lambda: len(model.history) == 2 and not screen.busy,
+                       timeout=START_S, what="the answer")  # fmt: skip
         assert model.answer.strip()
         [server] = screen.servers.values()
         pids = [server.pid, *server.replica_pids]
@@ -159,7 +162,8 @@ async def test_quitting_the_app_stops_the_server(
         os.kill(server.pid, signal.SIGKILL)  # the server dies: the next answer says so
         await pilot.press(*"Again", "enter")
         state = lambda: screen.states.get("pane-model", "")  # noqa: E731
-        await wait_for(pilot, lambda: state().startswith("error"), timeout=30, what="the error")
+        await wait_for(pilot, lambda: state().startswith("error") and not screen.busy,
+                       timeout=30, what="the error")  # fmt: skip
         assert "the server exited" in state() and screen.servers == {}
         assert len(model.history) == 2  # the failed turn is not sent with the next prompt
         await pilot.press(*"Once more", "enter")  # a new server starts
