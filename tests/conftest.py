@@ -36,6 +36,16 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[var] = os.path.join(home, sub)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything but the unit tests is one xdist group (`--dist loadgroup` in pyproject): the
+    integration tests' runs, servers and TUI sessions take one worker, one at a time, in order;
+    the unit tests go to whichever worker is free (in practice, the other)."""
+    unit = Path(__file__).parent / "unit"
+    for item in items:
+        if unit not in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("one-at-a-time"))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     import shutil
 
