@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+import mmap
 import os
 import sys
 import time
@@ -122,12 +123,17 @@ def read(key: str) -> Cached | None:
     if not path.is_file():
         return None
     try:
-        with pa.memory_map(str(path)) as source:
-            table = pa.ipc.open_file(source).read_all()
-            meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-            ids = _lists(table.column("input_ids"))
-            labels = _lists(table.column("labels"))
-    except (OSError, pa.ArrowInvalid, KeyError):
+        with open(path, "rb") as fh:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        # Python's own mapping, read as a buffer: pyarrow's file readers start I/O threads,
+        # and a rank or CLI that exits with those alive has been seen to abort ("terminate
+        # called without an active exception") after its work was done.
+        options = pa.ipc.IpcReadOptions(use_threads=False)
+        table = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped)), options=options).read_all()
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        ids = _lists(table.column("input_ids"))
+        labels = _lists(table.column("labels"))
+    except (OSError, ValueError, pa.ArrowInvalid, KeyError):  # ValueError: an empty file
         return None
     if meta.get("count") != str(len(ids)) or "format" not in meta or "pad_id" not in meta:
         return None

@@ -266,3 +266,27 @@ def test_a_cache_hit_loads_no_tokenizer(tmp_path: Path, monkeypatch) -> None:
     assert first[:2] == second[:2]
     (entry,) = [p for p in token_cache.cache_root().iterdir() if p.is_dir()]
     assert [u["use"] for u in token_cache.uses(entry)] == ["built", "hit"]
+
+
+def test_reading_the_cache_starts_no_thread(tmp_path: Path) -> None:
+    """A cache hit maps the file and reads it as a buffer: no pyarrow I/O thread is left
+    behind in the rank or CLI that read it (a process exiting with such threads alive has been
+    seen to abort after its work was done)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from homelab_dp.data import token_cache\n"
+        "from homelab_dp.data.tokenize import Example\n"
+        "threads = lambda: len(os.listdir('/proc/self/task'))\n"
+        "token_cache.write('k', [Example([1, 2, 3], [2, 3, -100])], 'text', 'x', pad_id=0)\n"
+        "before = threads()\n"
+        "got = token_cache.read('k')\n"
+        "print(before, threads(), got.examples[0].input_ids, got.pad_id)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()  # fmt: skip
+    assert out[0] == out[1], out  # as many threads after the read as before
+    assert out[2:] == ["[1,", "2,", "3]", "0"]
