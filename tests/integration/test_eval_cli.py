@@ -143,8 +143,10 @@ def test_an_adapter_folder_is_its_base_with_the_adapter(tiny_model, data_dir, tm
     assert math.isclose(got["loss"], loss, rel_tol=1e-5), (got["loss"], loss, base_loss)
 
 
-def _eval_dirs() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("homelab-dp-eval-*")}
+def _eval_dirs(tmp: Path) -> set[str]:
+    """The eval folders in ``tmp``: each test gives its evals a temporary folder of their own
+    (a test in the other pytest worker may be making eval folders in the system's meanwhile)."""
+    return {p.name for p in tmp.glob("homelab-dp-eval-*")}
 
 
 BAD = DATA / "bad_input" / "models"
@@ -178,7 +180,9 @@ def test_bad_input_is_refused_before_anything_starts(kind, tiny_model, data_dir,
     argv, needle = CASES[kind]
     argv = [a.format(model=tiny_model, data=data_dir / "ragged-12.jsonl") for a in argv]
     children = {p.pid for p in psutil.Process().children(recursive=True)}
-    folders = _eval_dirs()
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))  # where eval would make its folder
     rc = main(["eval", *argv])
     out = capsys.readouterr()
     lines = out.err.strip().splitlines()
@@ -186,7 +190,7 @@ def test_bad_input_is_refused_before_anything_starts(kind, tiny_model, data_dir,
     assert lines[0].startswith("error: ") and needle in lines[0], lines
     assert lines[-1].startswith("hint: ") and len(lines) == 2
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children, "spawned"
-    assert _eval_dirs() <= folders and not marker.exists()
+    assert _eval_dirs(private) == set() and not marker.exists()
 
 
 def test_data_of_every_kind_training_reads(tiny_model, data_dir, tmp_path, monkeypatch) -> None:
@@ -252,13 +256,15 @@ def test_the_table_shows_every_figure() -> None:
         assert needle in text, text
 
 
-def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model, data_dir) -> None:
+def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model, data_dir, tmp_path) -> None:
     """SIGINT to the CLI (what Ctrl-C sends it; torchrun runs in its own session): exit 130,
     every torchrun and worker process gone, the private folder removed."""
-    folders = _eval_dirs()
+    private = tmp_path / "tmp"
+    private.mkdir()
     cmd = [sys.executable, "-m", "homelab_dp.cli", "eval", str(tiny_model), "--data",
            str(data_dir / "ragged-12.jsonl"), "--gpus", "cpu:2"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            env={**os.environ, "TMPDIR": str(private)},
                             preexec_fn=default_sigint)  # fmt: skip
     cli = psutil.Process(proc.pid)
     family: list[psutil.Process] = []
@@ -272,12 +278,13 @@ def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model, data_dir) -> No
             break
         time.sleep(0.2)
     assert proc.poll() is None and len(family) >= 3, "the workers never started"
+    assert len(_eval_dirs(private)) == 1  # its folder, made where TMPDIR says
     os.kill(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
     gone, alive = psutil.wait_procs(family, timeout=10)
     assert not alive, [(_cmdline(p), p.status()) for p in alive]
-    assert _eval_dirs() <= folders
+    assert _eval_dirs(private) == set()
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
