@@ -26,6 +26,11 @@ REFRESH_S = 3.0
 COLUMNS = ("status", "steps", "loss", "energy", "time", "run")
 
 
+def cell_width(cell: Text | str) -> int:
+    """Terminal cells a table cell takes."""
+    return (cell if isinstance(cell, Text) else Text(cell)).cell_len
+
+
 class RunsScreen(Screen[None]):
     """The run history, newest first, refreshed every few seconds; a run whose folder has gone
     is a row that says so (following or resuming it shows why not)."""
@@ -54,9 +59,6 @@ class RunsScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.sub_title = "5 Runs"
-        table = self.query_one(DataTable)
-        for name in COLUMNS:
-            table.add_column(name, key=name)
         self.action_refresh()
         self.set_interval(REFRESH_S, self._refresh_if_shown)
 
@@ -85,9 +87,16 @@ class RunsScreen(Screen[None]):
         table = self.query_one(DataTable)
         selected = self.selected()
         self.runs = runs
-        table.clear()
-        for run in runs:
-            table.add_row(*row_cells(run), key=run.get("path") or run["run_id"])  # ids may repeat
+        rows = [row_cells(run) for run in runs]
+        # Columns as wide as their widest cell, set here: left to DataTable, the widths are
+        # measured only when its queue runs empty, and a frame drawn before that stays cached
+        # with every column as narrow as its header (seen under load).
+        table.clear(columns=True)
+        for index, name in enumerate(COLUMNS):
+            width = max([len(name), *(cell_width(row[index]) for row in rows)])
+            table.add_column(name, key=name, width=width)
+        for run, cells in zip(runs, rows, strict=True):
+            table.add_row(*cells, key=run.get("path") or run["run_id"])  # ids may repeat
         ids = [r["run_id"] for r in runs]
         if selected in ids:
             table.move_cursor(row=ids.index(selected))
