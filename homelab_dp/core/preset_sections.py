@@ -17,6 +17,7 @@ Reporter = Literal["tensorboard", "wandb", "mlflow"]
 Method = Literal["auto", vocabulary.Method]
 Distribution = Literal["auto", vocabulary.Distribution]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
+Offload = Literal["auto", vocabulary.Offload]
 AutoBool = Literal["auto"] | bool
 
 
@@ -105,6 +106,17 @@ class TrainSection:
     """adamw | adamw8bit (bitsandbytes) | sgd."""
     activation_checkpointing: AutoBool = "auto"
     """auto (the planner turns it on when that makes the run fit) | true | false."""
+    offload: Offload = "auto"
+    """FSDP only: keep state in host RAM instead of on the cards. none | optimizer (the
+    optimizer state lives in host memory and the optimizer step runs on the CPU) | params
+    (FSDP2's CPU offload: the sharded weights, gradients and optimizer state live in pinned host
+    memory, copied to the card for each forward and backward; the step runs on the CPU) | auto
+    (the planner offloads only when nothing without offload fits). Costs PCIe traffic every
+    step; the plan shows how much and the expected slowdown."""
+    offload_activations: AutoBool = "auto"
+    """Keep the activations saved for backward in pinned host RAM (copied back as backward
+    needs them): for long contexts. With activation checkpointing only each layer's input is
+    saved, and offloaded. auto: the planner turns it on only when nothing else fits."""
     seed: int = 42
     """Seeds the model init of adapters, dropout and the global sample order."""
     checkpoint_every: int = 0

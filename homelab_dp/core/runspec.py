@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from homelab_dp.core.preset import Preset, preset_from_dict
-from homelab_dp.core.vocabulary import Device, Distribution, Dtype, Method
+from homelab_dp.core.vocabulary import Device, Distribution, Dtype, Method, Offload
 
 RUN_SPEC_VERSION = 2
 """Written into every spec.json; 1 is the untyped document of earlier versions."""
@@ -39,6 +39,10 @@ class Resolved:
     grad_accum: int
     lr: float
     """Peak learning rate after any effective-batch scaling."""
+    offload: Offload = "none"
+    """What FSDP keeps in host RAM (none | optimizer | params); none in specs written before."""
+    offload_activations: bool = False
+    """Saved activations in host RAM (`torch.autograd.graph.save_on_cpu`)."""
 
     @property
     def effective_batch(self) -> int:

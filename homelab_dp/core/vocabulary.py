@@ -14,6 +14,9 @@ Method = Literal["full", "lora", "qlora"]
 Distribution = Literal["ddp", "zero1", "fsdp-grad-op", "fsdp-full"]
 """DDP; DDP with the optimizer state sharded; FSDP2 keeping weights between forward and backward;
 FSDP2 sharding everything."""
+Offload = Literal["none", "optimizer", "params"]
+"""What FSDP keeps in host RAM: nothing; the optimizer state (the step on the CPU); the sharded
+weights, gradients and optimizer state (FSDP2's CPUOffloadPolicy)."""
 Dtype = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cpu", "cuda"]
 Status = Literal[
@@ -25,6 +28,7 @@ DISTRIBUTIONS: tuple[str, ...] = get_args(Distribution)
 SHARDED: tuple[str, ...] = ("fsdp-grad-op", "fsdp-full")
 """The FSDP2 distributions."""
 DTYPES: tuple[str, ...] = get_args(Dtype)
+OFFLOADS: tuple[str, ...] = get_args(Offload)
 ACTIVE_STATUSES: tuple[str, ...] = ("starting", "running", "stopping")
 """A run in one of these has processes that may still be alive."""
 FINAL_STATUSES: tuple[str, ...] = ("completed", "failed", "interrupted", "stopped")

@@ -33,8 +33,11 @@ def test_the_written_document_keeps_every_version_1_key_and_value() -> None:
     old = _v1()
     new = RunSpec.from_json(old).to_json()
     assert new["version"] == RUN_SPEC_VERSION
-    for key in ("run_id", "preset_source", "resolved", "plan", "gpu_indices", "nproc_per_node"):
+    for key in ("run_id", "preset_source", "plan", "gpu_indices", "nproc_per_node"):
         assert new[key] == old[key], key
+    # Fields added since (offload) come with their defaults; every old one keeps its value.
+    assert {k: new["resolved"][k] for k in old["resolved"]} == old["resolved"]
+    assert new["resolved"]["offload"] == "none" and new["resolved"]["offload_activations"] is False
     assert new["preset"] == RunSpec.from_json(old).preset.to_dict()
     assert new["rendezvous"] == {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1",
                                  "master_port": None}  # fmt: skip
