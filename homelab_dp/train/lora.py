@@ -27,6 +27,8 @@ get gradients. On the CPU the compute dtype is fp32, so no dtype of a CPU run ch
 
 from __future__ import annotations
 
+import math
+import zlib
 from typing import Any
 
 import torch
@@ -77,6 +79,35 @@ def add_lora(model: nn.Module, lora: Any) -> nn.Module:
     peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     _drop_input_grad_hook(model)  # peft adds it to a checkpointed model that is not quantized
     return peft_model
+
+
+def adapter_init(name: str, shape: tuple[int, ...] | torch.Size, seed: int) -> torch.Tensor:
+    """The initial value (fp32, on the CPU) of the LoRA parameter called ``name``.
+
+    peft's default init — ``lora_A`` Kaiming-uniform with a = √5, ``lora_B`` zero, so the adapted
+    model starts equal to its base — drawn from a generator seeded by ``seed`` (train.seed) and
+    the parameter's name alone. QLoRA adapters are made so on every path: a model loaded whole
+    (DDP) and one filled shard by shard (FSDP2, `train.quantized_load`) start from the same
+    adapters, whatever the load drew from the global generator before them.
+    """
+    value = torch.empty(tuple(shape), dtype=torch.float32)
+    if ".lora_B." in name:
+        return value.zero_()
+    if ".lora_A." not in name:
+        raise ValueError(f"{name}: not a LoRA A or B matrix")
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
+
+
+def seed_adapters(model: nn.Module, seed: int) -> int:
+    """Set every LoRA A and B matrix of ``model`` to `adapter_init`; how many were set."""
+    n = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(adapter_init(name, param.shape, seed))
+                n += 1
+    return n
 
 
 def disable_cpu_bf16_repack(model: nn.Module) -> int:

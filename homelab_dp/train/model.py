@@ -38,7 +38,12 @@ from homelab_dp.core.preset import Preset
 from homelab_dp.core.runspec import Resolved
 from homelab_dp.errors import HomelabError
 from homelab_dp.train.attention import attention_implementation
-from homelab_dp.train.lora import add_lora, disable_cpu_bf16_repack, prepare_frozen_base
+from homelab_dp.train.lora import (
+    add_lora,
+    disable_cpu_bf16_repack,
+    prepare_frozen_base,
+    seed_adapters,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,10 @@ class LoadedModel:
     source: nn.Module | None = None
     """Sharded load, rank 0 only: the same model with its real weights on the CPU, loaded as DDP
     loads it; `materialize` sends it into the shards and drops it."""
+    materializer: Any = None
+    """Sharded load: what fills the shards after ``fully_shard`` (``fn(loaded, device)``);
+    None: `materialize` from ``source``. QLoRA streams from the folder
+    (`train.quantized_load.stream_weights`)."""
 
 
 def compute_dtype(resolved: Resolved) -> torch.dtype:
@@ -102,14 +111,19 @@ def load_model(
     """Load the model for ``resolved.method`` on ``device``; LoRA adapters are seeded by train.seed.
 
     ``sharded`` (FSDP2, an initialised process group): build it on the meta device, rank 0 also
-    loading the real weights on the CPU (see the module docstring); QLoRA always loads whole.
+    loading the real weights on the CPU (see the module docstring); QLoRA is built on meta on
+    every rank and streamed from the folder, quantized as it is read (`train.quantized_load`).
     ``compute`` (tests and benchmarks only, not with ``sharded``): the LoRA/QLoRA base's dtype
     instead of `compute_dtype` (bf16 on the CPU, to see what a CUDA run holds).
     """
     from transformers import AutoModelForCausalLM
 
     method = resolved.method
-    if sharded and method != "qlora":
+    if sharded and method == "qlora":
+        from homelab_dp.train.quantized_load import build_on_meta
+
+        return build_on_meta(preset, resolved, compute_dtype(resolved))
+    if sharded:
         return _load_on_meta(preset, resolved)
     compute = compute or compute_dtype(resolved)
     kwargs: dict[str, Any] = {
@@ -118,14 +132,9 @@ def load_model(
         "attn_implementation": attention_implementation(device.type, resolved.dtype),
     }
     if method == "qlora":
-        from transformers import BitsAndBytesConfig
+        from homelab_dp.train.quantized_load import bnb_config
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute,
-        )
+        kwargs["quantization_config"] = bnb_config(compute)
         kwargs["dtype"] = compute  # what is not 4-bit (embeddings, lm_head, norms)
         kwargs["device_map"] = {"": device}
     elif method == "lora":
@@ -148,6 +157,8 @@ def load_model(
     params = count_params(model)
     if method in ("lora", "qlora"):
         model = add_lora(model, preset.lora)
+    if method == "qlora":  # the adapters FSDP2's streamed load makes too (`adapter_init`)
+        seed_adapters(model, preset.train.seed)
     if method == "qlora" and device.type == "cpu":
         disable_cpu_bf16_repack(model)
     layers = decoder_layers(model)
@@ -262,7 +273,7 @@ def materialize(loaded: LoadedModel, device: torch.device) -> None:
     with torch.no_grad():
         for name, param in list(model.named_parameters()):  # a tied weight comes once
             full = source.pop(name, None) if rank == 0 else None
-            real = _receive(param, full, device, rank, world)
+            real = receive(param, full, device, rank, world)
             del full
             torch.utils.swap_tensors(param, nn.Parameter(real, requires_grad=param.requires_grad))
         made: dict[int, torch.Tensor] = {}
@@ -273,9 +284,15 @@ def materialize(loaded: LoadedModel, device: torch.device) -> None:
                 if id(buf) not in made:  # a buffer shared by two modules is sent once
                     name = f"{module_name}.{key}" if module_name else key
                     full = source.pop(name, None) if rank == 0 else None
-                    made[id(buf)] = _receive(buf, full, device, rank, world)
+                    made[id(buf)] = receive(buf, full, device, rank, world)
                     del full
                 module._buffers[key] = made[id(buf)]
+    check_materialized(model, source)
+
+
+def check_materialized(model: nn.Module, source: dict[str, torch.Tensor]) -> None:
+    """Raise `HomelabError` if a tensor of ``model`` is still on meta or ``source`` (what rank
+    0 loaded) has tensors that were never sent."""
     left = [n for n, t in _tensors(model) if t.is_meta] + [
         f"{type(m).__name__}.{k}"
         for m in model.modules()
@@ -293,7 +310,7 @@ def materialize(loaded: LoadedModel, device: torch.device) -> None:
 _DDP_HINT = "set train.distribution = 'ddp' (loads the model whole on every rank)"
 
 
-def _receive(
+def receive(
     t: torch.Tensor, full: torch.Tensor | None, device: torch.device, rank: int, world: int
 ) -> torch.Tensor:
     """A real tensor for the meta ``t``: this rank's shard of a DTensor, or a whole buffer.

@@ -62,7 +62,12 @@ def init_distributed(spec: RunSpec) -> Rank:
     if cuda:
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+    backend = "nccl" if cuda else "gloo"
+    if cuda and resolved.offload != "none":
+        # Offloaded shards and gradients are host tensors: the gradient norm's all-reduce of
+        # them goes over gloo, everything on the cards over NCCL.
+        backend = "cuda:nccl,cpu:gloo"
+    dist.init_process_group(backend, **kwargs)
     world = dist.get_world_size()
     micro, effective, accum = resolved.micro_batch, resolved.effective_batch, resolved.grad_accum
     if world != resolved.world_size:
@@ -224,9 +229,26 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
             scaler = torch.amp.GradScaler("cuda")
         if not strategy.is_fsdp:  # FSDP2 casts through its MixedPrecisionPolicy
             autocast = functools.partial(torch.autocast, "cuda", dtype=dtype)
+    if resolved.offload_activations:
+        autocast = _offloading(autocast, pin=device.type == "cuda")
     flat = attention_implementation(device.type, resolved.dtype) == "flash_attention_2"
     return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast,
                  loss_head=loss_head, flat_batches=flat and spec.preset.data.pack)  # fmt: skip
+
+
+def _offloading(autocast: Any, *, pin: bool) -> Any:
+    """``train.offload_activations``: the forward's context also sends every tensor saved for
+    backward to (pinned) host memory, brought back as backward needs it
+    (``torch.autograd.graph.save_on_cpu``; with activation checkpointing, each checkpointed
+    layer's saved input)."""
+    import torch
+
+    @contextlib.contextmanager
+    def context() -> Any:
+        with autocast(), torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            yield
+
+    return context
 
 
 def _count_loaded(memory: Any, loaded: Any) -> None:

@@ -52,6 +52,8 @@ class Strategy:
     trainable: list[nn.Parameter] = field(default_factory=list)
     grad_accum: int = 1
     """Micro-steps per optimizer step (see `zero_grad`)."""
+    offload: str = "none"
+    """What lives in host memory (`Resolved.offload`): none | optimizer | params."""
 
     @property
     def is_fsdp(self) -> bool:
@@ -159,25 +161,33 @@ def wrap_model(
         return Strategy(kind, wrapped, model, _trainable(model), accum)
     if kind not in SHARDED:
         raise HomelabError(f"resolved.distribution: unknown {kind!r}", "use ddp|zero1|fsdp-*")
-    if resolved.method == "qlora":
-        raise HomelabError(
-            "qlora runs under ddp only (4-bit weights cannot be sharded by FSDP2 here)",
-            hint="set train.distribution = 'ddp'",
-        )
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and resolved.dtype in ("bf16", "fp16"):
+        # QLoRA's packed 4-bit weights are stored in this same dtype: the cast leaves them be.
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype(resolved), reduce_dtype=torch.float32)
+    # train.offload = "params": the shards, their gradients and the optimizer state in (pinned)
+    # host memory, copied to the card for each all-gather; the optimizer steps on the CPU.
+    offload = OffloadPolicy()
+    if resolved.offload == "params":
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     reshard = kind == "fsdp-full"
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard, "mp_policy": mp,
+              "offload_policy": offload}  # fmt: skip
     for layer in loaded.decoder_layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     if loaded.on_meta:  # built on meta (`load_model(sharded=True)`): rank 0 sends the shards
-        materialize(loaded, device)
-    return Strategy(kind, model, model, _trainable(model))
+        (loaded.materializer or materialize)(loaded, device)
+    return Strategy(kind, model, model, _trainable(model), offload=resolved.offload)
 
 
 def _no_forward_buffer_sync() -> dict[str, bool]:
@@ -215,11 +225,25 @@ def build_optimizer(
     """AdamW (fused on CUDA, foreach on CPU), bitsandbytes 8-bit AdamW, or SGD with momentum.
 
     ``zero1`` wraps the same optimizer class in ``ZeroRedundancyOptimizer`` (on 2+ processes).
+    Offload (FSDP2): with "params" the shards are in host memory, so AdamW is the CPU's
+    (foreach); with "optimizer" it is `train.host_optimizer.HostAdamW`, whose state and step
+    are in host memory while the shards stay on the card.
     """
     kwargs: dict[str, Any] = {"lr": lr}
+    if strategy.offload != "none" and train.optimizer != "adamw":
+        raise HomelabError(
+            f"train.optimizer = {train.optimizer!r} cannot run with train.offload = "
+            f"{strategy.offload!r}: the offloaded step is AdamW's",
+            hint="set train.optimizer = 'adamw', or train.offload = 'none'",
+        )
+    if train.optimizer == "adamw" and strategy.offload == "optimizer":
+        from homelab_dp.train.host_optimizer import HostAdamW
+
+        return HostAdamW(_param_groups(strategy, train.weight_decay), lr=lr)
     if train.optimizer == "adamw":
         cls: type = torch.optim.AdamW
-        kwargs.update(fused=True) if device.type == "cuda" else kwargs.update(foreach=True)
+        on_card = device.type == "cuda" and strategy.offload != "params"
+        kwargs.update(fused=True) if on_card else kwargs.update(foreach=True)
     elif train.optimizer == "adamw8bit":
         import bitsandbytes as bnb
 

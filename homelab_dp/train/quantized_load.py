@@ -1,0 +1,255 @@
+"""QLoRA under FSDP2: a 4-bit model that no process ever holds whole, in 16-bit or in 4-bit.
+
+Every rank builds the model without weights (`build_on_meta`): the architecture from
+``config.json`` on the meta device (buffers such as rotary ``inv_freq`` computed for real, on
+every rank alike), the linear layers replaced by bitsandbytes ``Linear4bit`` exactly as
+``from_pretrained`` with a ``BitsAndBytesConfig`` replaces them (the same modules kept 16-bit),
+each 4-bit weight already in its packed shape, stored in the compute dtype
+(``bnb_4bit_quant_storage``) so that FSDP2 shards it like any other parameter, and the LoRA
+adapters on top. ``fully_shard`` then shards the empty model, and `stream_weights` fills it:
+rank 0 reads the model folder's safetensors one tensor at a time (memory-mapped), casts it to
+the compute dtype, quantizes a linear weight to NF4 on its own device (the card on CUDA), and
+scatters each rank its rows; the quantization state (absmax, the double-quantization
+statistics), which is no parameter, is broadcast whole. So host RAM holds one 16-bit tensor at
+a time, rank 0's card one tensor and its packed copy beside its shards, and every rank ends with
+only its shards. The quantized values are bit for bit those ``from_pretrained`` makes (the same
+bitsandbytes call on the same values), and the adapters are `train.lora.adapter_init`'s, as on
+the whole-model path, so QLoRA under FSDP2 learns what QLoRA under DDP learns.
+
+A pre-quantized checkpoint (a folder saved in 4-bit) is not read here: it needs
+``train.distribution = "ddp"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from homelab_dp.core.preset import Preset
+from homelab_dp.core.runspec import Resolved
+from homelab_dp.errors import HomelabError
+from homelab_dp.train.attention import attention_implementation
+from homelab_dp.train.lora import (
+    adapter_init,
+    add_lora,
+    disable_cpu_bf16_repack,
+    prepare_frozen_base,
+)
+
+_DDP_HINT = "set train.distribution = 'ddp' (QLoRA then loads the whole 4-bit model on each rank)"
+
+
+def bnb_config(compute: torch.dtype, storage: torch.dtype | None = None) -> Any:
+    """NF4 with double quantization computing in ``compute``; packed weights stored as
+    ``storage`` (uint8 by default, the compute dtype for FSDP2)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=storage or torch.uint8,
+    )
+
+
+def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> Any:
+    """The QLoRA model without weights, ready for ``fully_shard`` (see the module docstring).
+
+    Returns a `train.model.LoadedModel` whose ``materializer`` is `stream_weights`.
+    """
+    import bitsandbytes as bnb
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from homelab_dp.train.model import LoadedModel, decoder_layers
+
+    remote = preset.model.trust_remote_code
+    qconfig = bnb_config(compute, storage=compute)
+    config = AutoConfig.from_pretrained(preset.model.path, trust_remote_code=remote)
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=compute, trust_remote_code=remote,
+            attn_implementation=attention_implementation(resolved.device, resolved.dtype),
+        )  # fmt: skip
+        quantizer = Bnb4BitHfQuantizer(qconfig)
+        keep = quantizer.get_modules_to_not_convert(
+            model, qconfig.llm_int8_skip_modules, model._keep_in_fp32_modules
+        )
+        replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=qconfig)
+    params = sum(p.numel() for p in model.parameters())  # before packing: logical sizes
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            _pack_on_meta(module, compute)
+    model.config.use_cache = False
+    model.train()
+    model = prepare_frozen_base(model, gradient_checkpointing=resolved.activation_checkpointing)
+    model = add_lora(model, preset.lora)  # on meta too: no draws; `stream_weights` fills them
+    if resolved.device == "cpu":
+        disable_cpu_bf16_repack(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    stream = functools.partial(stream_weights, folder=Path(preset.model.path),
+                               seed=preset.train.seed, compute=compute)  # fmt: skip
+    return LoadedModel(model, True, params, trainable, decoder_layers(model), on_meta=True,
+                       materializer=stream)  # fmt: skip
+
+
+def _pack_on_meta(module: nn.Module, storage: torch.dtype) -> None:
+    """Give a meta ``Linear4bit`` its weight in the packed shape bitsandbytes quantizes to
+    (two 4-bit values a byte, viewed as ``storage``), so ``fully_shard`` shards that shape."""
+    import bitsandbytes as bnb
+
+    old = module.weight
+    n = old.numel()
+    packed = torch.empty(((n + 1) // (storage.itemsize * 2), 1), dtype=storage, device="meta")
+    module.logical_shape = tuple(old.shape)  # the checkpoint tensor's (out, in)
+    # Kept on the module: FSDP2 replaces the Params4bit by a plain (DTensor) parameter.
+    module.quant_settings = {"blocksize": old.blocksize, "quant_type": old.quant_type,
+                             "compress_statistics": old.compress_statistics}  # fmt: skip
+    module.weight = bnb.nn.Params4bit(
+        packed,
+        requires_grad=False,
+        quant_storage=storage,
+        module=module,
+        bnb_quantized=True,
+        **module.quant_settings,
+    )
+    module.quant_storage = storage
+
+
+class _Checkpoint:
+    """The model folder's safetensors, read one tensor at a time (rank 0 only)."""
+
+    def __init__(self, folder: Path) -> None:
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            self.files = {k: folder / v for k, v in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            single = folder / "model.safetensors"
+            if not single.is_file():
+                raise HomelabError(f"{folder}: no model.safetensors or index", hint=_DDP_HINT)
+            with safe_open(str(single), framework="pt") as f:
+                self.files = {k: single for k in f.keys()}  # noqa: SIM118 (not a dict)
+        self._open: dict[Path, Any] = {}
+
+    def key_for(self, name: str, prefix: str) -> str | None:
+        """The checkpoint key of the model's tensor ``name`` (with or without the base model's
+        prefix, as checkpoints of some families are saved)."""
+        for key in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+            if key in self.files:
+                return key
+        return None
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.files[key]
+        if path not in self._open:
+            self._open = {path: safe_open(str(path), framework="pt")}  # one file open at a time
+        return self._open[path].get_tensor(key)
+
+
+def _base_name(name: str) -> str:
+    """A PEFT parameter name as the base model names it (prefix and ``base_layer`` dropped)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def stream_weights(
+    loaded: Any, device: torch.device, *, folder: Path, seed: int, compute: torch.dtype
+) -> None:
+    """Fill the sharded meta QLoRA model from ``folder`` (a collective; after ``fully_shard``).
+
+    Rank 0 makes each parameter's full value (read and cast; a 4-bit weight quantized on
+    ``device``; an adapter from `adapter_init`) and `train.model.receive` scatters it; each
+    ``Linear4bit`` gets the quantization state rank 0 made, broadcast. Raises `HomelabError`
+    for a tensor the folder does not have.
+    """
+    import bitsandbytes as bnb
+    from transformers.pytorch_utils import Conv1D
+
+    from homelab_dp.train.model import check_materialized, receive
+
+    model = loaded.model
+    rank, world = dist.get_rank(), dist.get_world_size()
+    source = _Checkpoint(folder) if rank == 0 else None
+    prefix = getattr(model.get_base_model(), "base_model_prefix", "model")
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()):  # a tied weight comes once
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            four_bit = isinstance(owner, bnb.nn.Linear4bit) and attr == "weight"
+            full, state = None, None
+            if source is not None:
+                if ".lora_A." in name or ".lora_B." in name:
+                    full = adapter_init(name, param.shape, seed).to(device)
+                else:
+                    key = source.key_for(_base_name(name), prefix)
+                    if key is None:
+                        raise HomelabError(
+                            f"{folder}: no tensor for {_base_name(name)!r} in the checkpoint",
+                            hint=_DDP_HINT,
+                        )
+                    value = source.get(key).to(device=device, dtype=compute if four_bit
+                                                  else param.dtype)  # fmt: skip
+                    if four_bit:
+                        if getattr(owner, "source_cls", None) is Conv1D:
+                            value = value.T  # GPT-2's Conv1D stores (in, out)
+                        full, state = _quantize(owner, value, device)
+                    else:
+                        full = value
+                    del value
+            real = receive(param, full, device, rank, world)
+            del full
+            torch.utils.swap_tensors(param, nn.Parameter(real, requires_grad=param.requires_grad))
+            if four_bit:
+                owner.quant_state = _broadcast_state(state, device)
+                del state
+    if source is not None:
+        del source
+    check_materialized(model, {})
+
+
+def _quantize(module: nn.Module, value: torch.Tensor, device: torch.device) -> tuple[Any, Any]:
+    """NF4-quantize ``value`` as ``from_pretrained`` does (a ``Params4bit`` moved to its
+    device); the packed tensor and its quantization state."""
+    import bitsandbytes as bnb
+
+    if tuple(value.shape) != module.logical_shape:
+        raise HomelabError(
+            f"checkpoint tensor of shape {tuple(value.shape)} for a {module.logical_shape} layer",
+            hint=_DDP_HINT,
+        )
+    q = bnb.nn.Params4bit(
+        value, requires_grad=False, quant_storage=module.quant_storage, **module.quant_settings
+    )._quantize(device)
+    return q.data, q.quant_state
+
+
+def _broadcast_state(state: Any, device: torch.device) -> Any:
+    """Rank 0's ``QuantState`` on every rank (its tensors broadcast on ``device``)."""
+    from bitsandbytes.functional import QuantState
+
+    layout: list[Any] = [None]
+    packed: dict[str, torch.Tensor] = {}
+    if state is not None:
+        packed = state.as_dict(packed=True)
+        layout = [{k: (tuple(v.shape), v.dtype) for k, v in packed.items()}]
+    dist.broadcast_object_list(layout, src=0, device=device if device.type == "cuda" else None)
+    out = {}
+    for key, (shape, dtype) in layout[0].items():
+        t = packed[key].to(device) if key in packed else torch.empty(shape, dtype=dtype,
+                                                                      device=device)  # fmt: skip
+        dist.broadcast(t, src=0)
+        out[key] = t
+    return QuantState.from_dict(qs_dict=out, device=device)
