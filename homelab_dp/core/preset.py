@@ -193,10 +193,17 @@ def _cross_checks(preset: Preset, data: dict[str, Any]) -> list[str]:
             problems.append("hardware.devices: the list of GPU indices is empty")
         elif any(i < 0 for i in devices) or len(set(devices)) != len(devices):
             problems.append(f"hardware.devices: indices must be distinct and >= 0, got {devices}")
-    if preset.train.method == "qlora" and preset.train.distribution not in ("auto", "ddp"):
-        problems.append(
-            f"train.distribution: qlora runs under ddp only, got {preset.train.distribution!r}"
-        )
+    train = preset.train
+    if train.method == "qlora" and train.distribution == "zero1":
+        problems.append("train.distribution: qlora runs under ddp, fsdp-grad-op or fsdp-full "
+                        "(ZeRO-1 shards only the adapters' tiny optimizer state), got 'zero1'")  # fmt: skip
+    if train.offload in ("optimizer", "params"):
+        if train.distribution in ("ddp", "zero1"):
+            problems.append(f"train.offload = {train.offload!r} needs FSDP: set train.distribution "
+                            f"= 'fsdp-grad-op', 'fsdp-full' or 'auto', got {train.distribution!r}")  # fmt: skip
+        if train.optimizer != "adamw":
+            problems.append(f"train.offload = {train.offload!r} steps AdamW in host memory: set "
+                            f"train.optimizer = 'adamw', got {train.optimizer!r}")  # fmt: skip
     return problems + _eval_checks(preset)
 
 

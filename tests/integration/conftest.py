@@ -83,6 +83,9 @@ def make_run(
     activation_checkpointing: bool = False,
     train: dict[str, Any] | None = None,
     rendezvous: Rendezvous | None = None,
+    offload: str = "none",
+    offload_activations: bool = False,
+    measure_steps: int = 0,
 ) -> Path:
     """A run folder with spec.json for the given plan (what the controller would write)."""
     preset = preset_from_dict(
@@ -113,10 +116,13 @@ def make_run(
         micro_batch=micro,
         grad_accum=accum,
         lr=lr,
+        offload=offload,  # type: ignore[arg-type]
+        offload_activations=offload_activations,
     )
     rdzv = rendezvous or Rendezvous()
     launch = Launch(nproc_per_node=world // rdzv.nnodes, rendezvous=rdzv)
-    spec = RunSpec(run_id=name, preset=preset, resolved=resolved, launch=launch)
+    spec = RunSpec(run_id=name, preset=preset, resolved=resolved, launch=launch,
+                   measure_steps=measure_steps)  # fmt: skip
     return create_run_dir(spec, root)
 
 
