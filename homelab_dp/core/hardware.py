@@ -149,6 +149,10 @@ class PlanDevice:
     whole memory is budgeted."""
     processes: tuple[GpuProcess, ...] | None = None
     """What holds memory on a local card (None: not known, e.g. a what-if card)."""
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    """The PCIe link the card trains at (`trained_pcie_link`); None: not known (a what-if
+    card, or NVML did not say), and an offloading plan then assumes one, saying so."""
 
     def budget(self, margin: float) -> int:
         """What a plan may use here: ``margin`` (the planner's safety margin) of the memory,
@@ -224,6 +228,25 @@ class PlanHardware:
         if position < len(self.indices):
             return f"GPU {self.indices[position]} ({name})"
         return name
+
+
+PCIE_GB_PER_S_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+"""Usable GB/s per lane and direction after line coding (8b/10b to gen 2, 128b/130b to gen 5)."""
+
+
+def trained_pcie_link(gpu: GpuInfo) -> tuple[int | None, int | None]:
+    """(generation, width) of the link ``gpu`` trains at: NVML's maximum for the card in its
+    slot when it gives one (an idle card drops its current link to save power), else the
+    current link."""
+    gen = gpu.pcie_gen_max or gpu.pcie_gen
+    width = gpu.pcie_width_max or gpu.pcie_width
+    return gen, width
+
+
+def pcie_bytes_per_s(gen: int, width: int, efficiency: float = 1.0) -> float:
+    """Bytes per second one way over a PCIe ``gen`` x``width`` link, times ``efficiency``."""
+    per_lane = PCIE_GB_PER_S_PER_LANE.get(gen, PCIE_GB_PER_S_PER_LANE[6] if gen > 6 else 0.25)
+    return per_lane * 1e9 * width * efficiency
 
 
 def format_capability(capability: tuple[int, int] | None) -> str:

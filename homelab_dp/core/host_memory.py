@@ -3,16 +3,26 @@ loading, saving the result, merging an adapter — per process and for the machi
 
 Loading: DDP and ZeRO-1 read a full copy in every process (fp32 for a full fine-tune, the
 compute dtype for LoRA); FSDP reads one, on rank 0, and scatters the shards; QLoRA quantizes as
-it loads (about one tensor at a time). Saving the result: rank 0 holds the whole model once
-(FSDP gathers it, DDP copies it off the card). A merge loads the 16-bit base again on rank 0.
-The numbers that are assumed, not measured, say so below.
+it loads (about one tensor at a time; under FSDP only rank 0 reads). Saving the result: rank 0
+holds the whole model once (FSDP gathers it, DDP copies it off the card). A merge loads the
+16-bit base again on rank 0. Training with offload: every rank's pinned host memory (the
+offloaded state, the saved activations). The numbers that are assumed, not measured, say so
+below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from homelab_dp.core.memory import Budget, GiB, TrainShape, compute_width, is_fsdp, trainable_params
+from homelab_dp.core.memory import (
+    NF4_PACKED_BYTES,
+    Budget,
+    GiB,
+    TrainShape,
+    compute_width,
+    is_fsdp,
+    trainable_params,
+)
 from homelab_dp.core.model_spec import ModelSpec
 
 CHECKPOINT_BYTES_PER_PARAM = 2
@@ -21,7 +31,7 @@ A merge loads the base in the folder's own dtype."""
 CUDA_HOST_RUNTIME_BYTES = 2 * GiB
 """Assumed: host RAM of one CUDA worker besides model copies (Python, torch, the CUDA and NCCL
 libraries and their host buffers)."""
-HOST_PHASES = ("load", "checkpoint", "merge")
+HOST_PHASES = ("load", "checkpoint", "merge", "train")
 
 
 @dataclass(frozen=True)
@@ -87,12 +97,18 @@ def host_budget(
       LoRA's frozen base), then move it to the card. FSDP loads sharded: only rank 0 reads the
       model (one copy, freed tensor by tensor as it is sent), the others build it on the meta
       device and receive their shards; on the CPU rank 0 also holds its shard of the tensor in
-      flight. QLoRA quantizes onto the card tensor by tensor (one 16-bit tensor on the host).
+      flight. QLoRA quantizes onto the card tensor by tensor (one 16-bit tensor on the host):
+      under DDP every process reads the checkpoint; under FSDP only rank 0 does (the largest
+      16-bit tensor and its packed copy at a time) and the others hold only their runtime.
     * ``checkpoint``: writing the result on rank 0. FSDP gathers the full state dict there (the
       fp32 weights, or LoRA's adapters); DDP's safetensors writer copies the card's weights to
       host memory (no copy when they are already there, on the CPU).
     * ``merge`` (``train.merge`` with LoRA/QLoRA): rank 0 loads the base again, in the folder's
       dtype (`CHECKPOINT_BYTES_PER_PARAM`, assumed 16-bit), merges in place and writes it.
+    * ``train`` (only with offload on CUDA): every rank's pinned host memory for what is
+      offloaded (``device_budget.offload_host_bytes``: the sharded weights, gradients and
+      optimizer state, or the optimizer state and a host copy of the weights, or the saved
+      activations of a micro-step), beside its runtime; every local rank together.
 
     Besides those copies every process holds, on CUDA, `CUDA_HOST_RUNTIME_BYTES` (assumed); on
     the CPU, where the "device" is host RAM, its own tensors of that moment from
@@ -103,7 +119,7 @@ def host_budget(
     """
     n = max(1, shape.world_size)
     cpu = shape.device == "cpu"
-    fsdp = is_fsdp(shape) and shape.method != "qlora"
+    fsdp = is_fsdp(shape)
     trainable = trainable_params(spec, shape)
     if shape.method == "full":
         load_width = 4  # fp32 master weights
@@ -123,7 +139,11 @@ def host_budget(
     at_load = b.phases.get("load", b.weights) if cpu else 0
     at_end = b.weights + b.optimizer if cpu else 0
 
-    if shape.method == "qlora":
+    if shape.method == "qlora" and fsdp:  # rank 0 reads, one tensor and its packed copy
+        biggest_linear = max((lin.d_in * lin.d_out for lin in spec.linears), default=0)
+        tensor = largest * CHECKPOINT_BYTES_PER_PARAM + biggest_linear * NF4_PACKED_BYTES
+        first, other = runtime + at_load + tensor, runtime + at_load
+    elif shape.method == "qlora":
         first = other = runtime + (at_load if cpu else largest * CHECKPOINT_BYTES_PER_PARAM)
     elif fsdp:
         first = runtime + copy + (largest * load_width // n if cpu else 0)
@@ -138,6 +158,9 @@ def host_budget(
     if merge and shape.method != "full":
         base = spec.params * CHECKPOINT_BYTES_PER_PARAM + adapters
         phases["merge"] = (end + base, end + base + (n - 1) * end)
+    if b.offload_host_bytes:
+        pinned = runtime + b.offload_host_bytes
+        phases["train"] = (pinned, n * pinned)
     return HostBudget(
         processes=n,
         phases={k: (int(p), int(t)) for k, (p, t) in phases.items()},

@@ -26,21 +26,47 @@ second forward). On one process there is no wrapper: gradients live from the fir
 the step. ``buffers``: FSDP's gathered parameters, autocast's 16-bit weight copies, QLoRA's
 dequantized weight. Attention: SDPA with a mask (padding, or packing's block-diagonal one) keeps a
 b·s² mask per layer and repeated key/value heads; FlashAttention varlen (CUDA) neither.
+
+QLoRA under FSDP2, as the worker runs it: the NF4 weights are stored with bitsandbytes'
+quant_storage = the compute dtype, so their packed bytes (0.5 per weight) are ordinary FSDP2
+parameters, sharded over N; their quantization state (absmax: `NF4_BYTES_PER_PARAM` − 0.5 per
+weight) is no parameter and stays whole on every rank. Embeddings, lm_head and norms stay in the
+compute dtype (fp32 on the CPU), sharded; the fp32 LoRA adapters sit in the same units, so their
+weights, gradients and AdamW state are sharded too. Gathered (``buffers``): fsdp-full the root
+unit after forward plus the current and the prefetched decoder layer, fsdp-grad-op every unit
+from forward to backward; plus one linear dequantized at a time, as under DDP.
+
+Offload (`TrainShape.offload`, ``offload_activations``; CUDA only, the CPU's device is host
+RAM): what moves to pinned host memory leaves the card's components, and the budget says how
+many bytes this rank pins (`Budget.offload_host_bytes`) and moves over PCIe per step
+(`Budget.pcie_bytes_per_step`); `homelab_dp.core.offload` prices them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
-from typing import Literal
 
-from homelab_dp.core.logits_memory import chunk_peak_bytes, chunked_loss, full_logits_bytes
+from homelab_dp.core.activation_memory import (
+    activation_bytes,
+    layer_activation_bytes,
+    loss_head_bytes,
+    outer_activation_bytes,
+)
 from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.vocabulary import SHARDED, Device, Distribution, Dtype, Method
+from homelab_dp.core.shape import (
+    TrainShape,
+    compute_width,
+    ddp_buckets,
+    is_fsdp,
+    offloads,
+    trainable_params,
+)
 
 GiB, MiB = 1024**3, 1024**2
 
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+NF4_PACKED_BYTES = 0.5
+"""NF4's packed weights: 4 bits each (an FSDP2 parameter under quant_storage = compute dtype)."""
+NF4_BYTES_PER_PARAM = NF4_PACKED_BYTES + 1 / 64 + 4 / (64 * 256)
 """NF4 weights with double quantization: 4 bits, an 8-bit absmax per 64-block, fp32 per 256 blocks."""
 
 # Assumed, not measured (stated as such in every plan) unless a calibration replaces them.
@@ -52,31 +78,6 @@ CPU_FRAGMENTATION = 0.05
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
 PHASES = ("load", "forward", "backward", "optimizer")
-
-
-@dataclass(frozen=True)
-class TrainShape:
-    """One configuration to budget: method, distribution and batch geometry."""
-
-    method: Method
-    distribution: Distribution
-    world_size: int
-    device: Device
-    dtype: Dtype
-    micro_batch: int
-    seq_len: int
-    grad_accum: int = 1
-    activation_checkpointing: bool = False
-    optimizer: Literal["adamw", "adamw8bit", "sgd"] = "adamw"
-    lora_r: int = 16
-    lora_targets: str | tuple[str, ...] = "all-linear"
-    packed: bool = True
-    """data.pack: whole samples per row, positions restarting (no mask); else padded rows."""
-    attention: Literal["sdpa", "flash_attention_2"] = "sdpa"
-    """`train.attention`'s kernel; SDPA gets a mask on packed batches too, FlashAttention none."""
-    target_share: float = 1.0
-    """Largest share of a block's tokens that are targets (the chunked loss keeps only those);
-    1.0, an upper bound, until the data has been read."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,10 @@ class Budget:
     trainable_params: int
     phases: dict[str, int] = field(default_factory=dict)
     """Predicted live tensor bytes at each budgeted moment (load, forward, backward, optimizer)."""
+    offload_host_bytes: int = 0
+    """Pinned host bytes of this rank's offloaded state and activations (0: nothing offloaded)."""
+    pcie_bytes_per_step: int = 0
+    """Bytes this device moves over PCIe per optimizer step for the offload, both directions."""
 
     @property
     def tensors(self) -> int:
@@ -134,137 +139,26 @@ class Budget:
         return asdict(self)
 
 
-def compute_width(shape: TrainShape) -> int:
-    """Bytes per element of activations and gathered weights."""
-    return 4 if shape.dtype == "fp32" else 2
-
-
-def is_fsdp(shape: TrainShape) -> bool:
-    return shape.distribution in SHARDED
-
-
-def attention_masked(shape: TrainShape) -> bool:
-    """Whether attention gets a b·s² mask: SDPA on padded and on packed batches alike."""
-    return shape.attention == "sdpa"
-
-
-def ddp_buckets(shape: TrainShape) -> bool:
-    """DDP (or ZeRO-1's DDP) wraps the model: two or more processes, gradients in its buckets."""
-    return shape.distribution in ("ddp", "zero1") and shape.world_size > 1
-
-
-def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
-    """Bytes one decoder layer saves for backward, per token (SDPA; no checkpointing).
-
-    LLaMA-style, fp32 (elements): the two residual sums, per RMSNorm its normalised input and
-    its output (4h), q and k after RoPE, v, the attention output, and four intermediate-sized MLP
-    tensors (gate, up, SiLU(gate), their product). 16-bit on CUDA: the residual stream and the
-    norms stay fp32 under autocast, and the norm output is cast to 16-bit once more. GPT-2: the
-    two LayerNorm outputs and residual sums, c_attn's q/k/v, the merged heads, c_fc's output and
-    gelu_new's four tanh-formula tensors; dropout keeps one mask per site.
-    """
-    h, inter, a = spec.hidden, spec.intermediate, spec.heads
-    attn, kvd = a * spec.head_dim, spec.kv_heads * spec.head_dim
-    w = compute_width(shape)
-    cpu = shape.device == "cpu"
-    small = 4 * (2 + a)  # per-token norm statistics and SDPA's log-sum-exp, fp32
-    if spec.model_type == "gpt2":
-        out = w * (8 * h + 5 * inter) + small
-        if spec.hidden_dropout > 0:
-            out += 2 * h * (w if cpu else 1)  # CPU dropout keeps a float mask, CUDA a bool one
-    else:
-        if attention_masked(shape):
-            # With a mask (padding, or packing's block-diagonal one) SDPA converts it to an
-            # additive (b, 1, s, s) one per layer, and transformers repeats the key/value heads.
-            kvd = attn
-        rest = 2 * attn + 2 * kvd + 4 * inter
-        if spec.model_type == "phi3":
-            rest += attn + kvd  # the fused qkv output stays alive beside the rotated q and k
-        out = (24 * h if w == 4 else 28 * h) + w * rest + small
-        if shape.method != "full":
-            out -= 2 * 4 * h  # frozen norm weights: the normalised input is not saved
-        if attention_masked(shape):
-            out += shape.seq_len * w
-        if spec.model_type == "gemma2":
-            out += 4 * h * 4  # post-attention and post-MLP norms keep their input and output
-    if cpu and spec.attention_dropout > 0:
-        # SDPA has no fused CPU kernel with dropout: the math kernel keeps the softmax, the
-        # dropout mask and the dropped probabilities, each heads × seq per token. With one
-        # sequence it scales q and k as views of c_attn's output, which then stays alive.
-        out += 3 * a * shape.seq_len * w + (2 * h * w if shape.micro_batch == 1 else 0)
-    if shape.method != "full":
-        out += len(spec.lora_targets(_targets(shape))) * shape.lora_r * w  # lora_A outputs
-    return out
-
-
-def outer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
-    """Bytes per token outside the decoder layers: embeddings, final norm, the batch itself."""
-    h, w = spec.hidden, compute_width(shape)
-    if spec.model_type == "gpt2":
-        embed = 2 if spec.embedding_dropout > 0 else 1  # the dropout output and its mask
-        out = (embed + 1) * h * 4 if w == 4 else embed * h * 2 + h * 6
-    else:
-        out = 3 * h * 4 if w == 4 else 14 * h  # embedding output, final norm input/output
-        if shape.method != "full":
-            # A frozen final norm does not save its normalised input; with 16-bit frozen
-            # embeddings and norms (train.lora) only the norm's fp32 input stays (measured).
-            out = 2 * h * 4 if w == 4 else 4 * h
-    out += 3 * 8  # input ids, attention mask and labels (int64)
-    return out
-
-
-def activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
-    """Activations saved for backward at the end of the forward pass (logits excluded)."""
-    tokens = shape.micro_batch * shape.seq_len
-    outer = outer_activation_bytes(spec, shape) * tokens + 2 * shape.seq_len * spec.head_dim * 4
-    if shape.activation_checkpointing:
-        # Each layer keeps only its output (the next layer's input), in the residual dtype.
-        res = 4 if shape.dtype == "fp32" or not is_fsdp(shape) else 2
-        return int(spec.layers * spec.hidden * res * tokens + outer)
-    return int(spec.layers * layer_activation_bytes(spec, shape) * tokens + outer)
-
-
-def loss_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
-    """The loss head's bytes at the forward's and at the backward's peak (`core.logits_memory`).
-
-    Chunked cross-entropy where the worker installs it: its saved tensors plus its peak extra;
-    the matmul runs in the compute dtype, lm_head's weight is fp32 for a full fine-tune under
-    DDP (cast, and the cast saved, under autocast) and in the compute dtype otherwise, and the
-    hidden states arrive in fp32 when the residual stream is fp32 (full, unsharded).
-    """
-    tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
-    if not chunked_loss(spec.model_type):
-        return full_logits_bytes(tokens, spec.vocab, w)
-    full = shape.method == "full"
-    fp32_master = full and not is_fsdp(shape)
-    weight_w = 4 if fp32_master else (w if shape.device == "cuda" or full else 4)
-    hidden_w = 4 if fp32_master or shape.device == "cpu" else w
-    targets = min(tokens, math.ceil(tokens * shape.target_share))
-    b = chunk_peak_bytes(spec.vocab, spec.hidden, tokens, w, weight_bytes=weight_w,
-                         hidden_bytes=hidden_w, weight_grad=full, targets=targets)  # fmt: skip
-    return {"forward": b["saved"] + b["forward"], "backward": b["saved"] + b["backward"]}
-
-
-def logits_bytes(spec: ModelSpec, shape: TrainShape) -> int:
-    """The loss head's bytes at the start of backward (the ``logits`` component)."""
-    return loss_head_bytes(spec, shape)["backward"]
-
-
-def trainable_params(spec: ModelSpec, shape: TrainShape) -> int:
-    """Parameters that receive gradients."""
-    if shape.method == "full":
-        return spec.params
-    return spec.lora_params(shape.lora_r, _targets(shape))
-
-
-def _targets(shape: TrainShape) -> str | list[str]:
-    t = shape.lora_targets
-    return t if isinstance(t, str) else list(t)
-
-
 def _optimizer_bytes_per_param(shape: TrainShape) -> float:
     """AdamW: m and v in fp32; 8-bit AdamW: two bytes; SGD: the momentum buffer."""
     return {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 4.0}[shape.optimizer]
+
+
+def _qlora_packed(spec: ModelSpec, shape: TrainShape) -> tuple[float, float, float]:
+    """QLoRA's (packed 4-bit linears, their quantization state, the rest in 16-bit) in bytes.
+
+    The NF4 weights are stored with bitsandbytes' quant_storage = the compute dtype: 0.5 bytes
+    per weight, ordinary parameters that FSDP2 shards. Their quantization state (an 8-bit absmax
+    per 64 weights, fp32 per 256 blocks) is not a parameter and stays whole on every rank.
+    Embeddings, lm_head and norms stay in the compute dtype (fp32 on the CPU).
+    """
+    base_w = compute_width(shape) if shape.device == "cuda" else 4
+    q = spec.quantizable_params
+    return (
+        q * NF4_PACKED_BYTES,
+        q * (NF4_BYTES_PER_PARAM - NF4_PACKED_BYTES),
+        (spec.params - q) * base_w,
+    )
 
 
 def comm_bytes_per_step(spec: ModelSpec, shape: TrainShape) -> int:
@@ -273,13 +167,19 @@ def comm_bytes_per_step(spec: ModelSpec, shape: TrainShape) -> int:
     DDP and ZeRO-1 all-reduce fp32 gradients once per step: 2(N-1)/N × gradient bytes; ZeRO-1
     also broadcasts the updated parameter shards. FSDP all-gathers 16-bit (fp32 on CPU)
     parameters every micro-step (grad-op once, full twice: forward and backward) and
-    reduce-scatters gradients once. LoRA moves only the adapters' gradients.
+    reduce-scatters gradients once. LoRA moves only the adapters' gradients; QLoRA under FSDP
+    all-gathers its packed 4-bit weights, the 16-bit rest and the fp32 adapters every
+    micro-step and reduce-scatters the adapters' gradients.
     """
     n = shape.world_size
     if n <= 1:
         return 0
     ring = (n - 1) / n
     grad_bytes = trainable_params(spec, shape) * 4
+    gathers = (1 if shape.distribution == "fsdp-grad-op" else 2) * shape.grad_accum
+    if shape.method == "qlora" and is_fsdp(shape):
+        packed, _, rest = _qlora_packed(spec, shape)
+        return int(ring * (gathers * (packed + rest + grad_bytes) + grad_bytes))
     if shape.method != "full":
         return int(2 * ring * grad_bytes)
     gather = spec.params * compute_width(shape)
@@ -287,20 +187,24 @@ def comm_bytes_per_step(spec: ModelSpec, shape: TrainShape) -> int:
         return int(2 * ring * grad_bytes)
     if shape.distribution == "zero1":
         return int(2 * ring * grad_bytes + ring * spec.params * 4)
-    gathers = 1 if shape.distribution == "fsdp-grad-op" else 2
-    return int(ring * (gathers * shape.grad_accum * gather + grad_bytes))
+    return int(ring * (gathers * gather + grad_bytes))
 
 
 def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
-    """Weights, gradients, optimizer state and the buffers of the step, before activations."""
+    """Weights, gradients, optimizer state and the buffers of the step, before activations.
+
+    ``shard``: the bytes of this rank's FSDP-sharded parameters (what params offload moves).
+    """
     n, w = shape.world_size, compute_width(shape)
     trainable = trainable_params(spec, shape)
     opt = trainable * _optimizer_bytes_per_param(shape)
     fsdp = is_fsdp(shape)
-    buffers = 0.0
+    buffers = shard = 0.0
     base_w = w if shape.device == "cuda" else 4  # frozen weights (train.lora); fp32 on the CPU
+    root = spec.embedding_params + spec.lm_head_params + spec.final_norm_params
     if shape.method == "full":
         weights = spec.params * 4 / (n if fsdp else 1)  # fp32 master weights
+        shard = weights if fsdp else 0.0
         grads = trainable * 4 / (n if fsdp else 1)
         opt = opt / (1 if shape.distribution == "ddp" else n)
         if shape.distribution == "fsdp-grad-op":
@@ -308,10 +212,22 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
         elif shape.distribution == "fsdp-full":
             # The root unit (embeddings, final norm, lm_head) stays gathered after forward,
             # plus the current and the prefetched decoder layer.
-            root = spec.embedding_params + spec.lm_head_params + spec.final_norm_params
             buffers += (root + 2 * spec.layer_params) * w
         elif shape.device == "cuda" and w == 2:
             buffers += spec.params * w  # autocast's 16-bit weight copies, saved for backward
+    elif shape.method == "qlora" and fsdp:
+        # FSDP2 shards the packed weights, the 16-bit rest and the fp32 adapters (weights,
+        # gradients, AdamW state: /N); the quantization state stays whole on every rank.
+        packed, state, rest = _qlora_packed(spec, shape)
+        shard = (packed + rest + trainable * 4) / n
+        weights, grads, opt = shard + state, trainable * 4 / n, opt / n
+        if shape.distribution == "fsdp-grad-op":
+            buffers += packed + rest + trainable * 4  # every unit gathered forward to backward
+        else:  # the root unit after forward, the current and the prefetched decoder layer
+            layer = spec.linear_params_per_layer * NF4_PACKED_BYTES + trainable * 4 / spec.layers
+            other = spec.norm_params_per_layer + spec.other_params_per_layer
+            buffers += root * base_w + 2 * (layer + other * base_w)
+        buffers += 2 * max(lin.d_in * lin.d_out for lin in spec.linears) * base_w  # dequantized
     else:
         if shape.method == "qlora":
             other = spec.params - spec.quantizable_params  # embeddings, lm_head, norms
@@ -321,20 +237,46 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
         else:
             base = spec.params * base_w
             if fsdp:
+                shard = base / n + trainable * 4
                 base = base / n + 2 * spec.layer_params * base_w
         weights = base + trainable * 4
         grads = trainable * 4
     # DDP on 2+ processes: the gradients are views of its buckets, alive from the load on.
     resident = trainable * 4 if ddp_buckets(shape) else 0.0
     # foreach AdamW (the CPU) makes one temporary per parameter (sqrt of v); fused AdamW none.
-    local = trainable / (1 if shape.distribution == "ddp" or shape.method != "full" else n)
+    local = trainable / (1 if shape.distribution == "ddp" or shape.method == "lora" else n)
     step_temp = local * 4 if shape.optimizer == "adamw" and shape.device == "cpu" else 0.0
     # Accumulated gradients (unless resident); FSDP2 keeps them unsharded while sync is off.
     accum = shape.grad_accum > 1 and not resident
     accum_grads = (trainable * 4 if fsdp else grads) if accum else 0.0
     return {"weights": weights, "grads": grads, "opt": opt, "buffers": buffers,
             "resident": resident, "step_temp": step_temp, "accum_grads": accum_grads,
-            "trainable": trainable}  # fmt: skip
+            "trainable": trainable, "shard": shard}  # fmt: skip
+
+
+def _offload(spec: ModelSpec, shape: TrainShape, s: dict[str, float]) -> dict[str, float]:
+    """The states left on the card once ``shape.offload`` moved some to pinned host memory,
+    with ``host`` (this rank's pinned bytes) and ``pcie`` (its bytes over PCIe per step).
+
+    params (FSDP2's CPUOffloadPolicy): the sharded parameters, their gradients and the
+    optimizer state live in host RAM and the step runs on the CPU; the shards go to the card at
+    every all-gather (forward each micro-step, fsdp-full also backward) and the gradient shards
+    come back once per step. optimizer: AdamW's state (and a host copy of the fp32 weights)
+    lives in host RAM; per step the gradient and weight shards go to the host and the updated
+    weights come back (3 × 4 bytes per local trainable parameter). Activations: `budget`.
+    """
+    params, optimizer, _ = offloads(shape)
+    out = {**s, "host": 0.0, "pcie": 0.0}
+    if params:
+        gathers = (1 if shape.distribution == "fsdp-grad-op" else 2) * shape.grad_accum
+        out["host"] = s["shard"] + s["grads"] + s["opt"] + s["step_temp"]
+        out["pcie"] = gathers * s["shard"] + s["grads"]
+        out.update(weights=s["weights"] - s["shard"], grads=0.0, opt=0.0, step_temp=0.0)
+    elif optimizer:
+        out["host"] = s["grads"] + s["opt"] + s["step_temp"]
+        out["pcie"] = 3 * s["grads"]
+        out.update(opt=0.0, step_temp=0.0)
+    return out
 
 
 def _inside_backward(
@@ -345,10 +287,13 @@ def _inside_backward(
     Going down the layers, the parameter gradients made so far grow while the activations
     still saved shrink, so the larger total is at the first or the last layer processed. The
     layer in hand holds its saved (or, with checkpointing, recomputed) activations, and its
-    backward the gradients of its input and of the MLP's intermediate tensors.
+    backward the gradients of its input and of the MLP's intermediate tensors. With the
+    parameters offloaded each layer's gradients go to the host once reduced; with the
+    activations offloaded only the next layer's saved tensors are back on the card.
     """
     tokens, w, n = shape.micro_batch * shape.seq_len, compute_width(shape), shape.world_size
     fsdp = is_fsdp(shape)
+    off_params, _, off_acts = offloads(shape)
     layer = layer_activation_bytes(spec, shape) * tokens
     res = 4 if shape.dtype == "fp32" or not fsdp else 2
     saved = spec.hidden * res * tokens if shape.activation_checkpointing else layer
@@ -360,8 +305,17 @@ def _inside_backward(
         if fsdp:
             temps += spec.layer_params * 4  # the layer's unsharded gradient before reduce-scatter
     else:
-        head, per_layer = 0.0, s["trainable"] * 4 / spec.layers
+        head, per_layer = 0.0, s["grads"] / spec.layers
+        if fsdp and shape.method == "qlora":
+            temps += s["trainable"] * 4 / spec.layers  # unsharded before reduce-scatter
+    if off_params:
+        head = per_layer = 0.0
     rest = spec.layers - 1
+    if off_acts:
+        outer, kept = 24.0 * tokens, saved  # the batch; the next layer's tensors come back
+        if shape.grad_accum > 1 or s["resident"]:
+            return s["accum_grads"] + s["resident"], outer + layer + temps + kept
+        return max(head, head + rest * per_layer), outer + layer + temps + kept
     if shape.grad_accum > 1 or s["resident"]:  # every gradient exists already
         return s["accum_grads"] + s["resident"], outer + layer + temps + rest * saved
     first = (head, rest * saved)  # the last layer: every lower layer's activations saved
@@ -371,10 +325,28 @@ def _inside_backward(
 
 
 def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None) -> Budget:
-    """The per-device memory budget of ``shape`` for the model ``spec``."""
-    s = _model_states(spec, shape)
+    """The per-device memory budget of ``shape`` for the model ``spec``.
+
+    Offload (`TrainShape.offload`, `offload_activations`, CUDA only) moves state to pinned host
+    memory (`_offload`); with the activations offloaded (`torch.autograd.graph.save_on_cpu`)
+    every saved tensor goes to the host as it is saved: about one decoder layer's is on the
+    card, plus the loss head, and 2 × the saved bytes cross PCIe per micro-step. The host bytes
+    and the PCIe traffic are `Budget.offload_host_bytes` and `Budget.pcie_bytes_per_step`.
+    """
+    s = _offload(spec, shape, _model_states(spec, shape))
     tokens = shape.micro_batch * shape.seq_len
     acts = activation_bytes(spec, shape)
+    host_acts = 0
+    if offloads(shape)[2]:
+        res = 4 if shape.dtype == "fp32" or not is_fsdp(shape) else 2
+        layer = (
+            spec.hidden * res
+            if shape.activation_checkpointing
+            else (layer_activation_bytes(spec, shape))
+        )
+        host_acts, acts = acts, int(layer * tokens + 24 * tokens)
+        s["host"] += host_acts
+        s["pcie"] += 2 * host_acts * shape.grad_accum
     head = loss_head_bytes(spec, shape)
     logits = head["backward"]
     bufs = s["buffers"]
@@ -420,7 +392,8 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
         weights=ints[0], gradients=ints[1], optimizer=ints[2], activations=ints[3],
         logits=ints[4], buffers=ints[5], overhead=int(ov.bytes_for(sum(ints))), peak_phase=phase,
         comm_bytes_per_step=comm_bytes_per_step(spec, shape), trainable_params=int(s["trainable"]),
-        phases={k: int(v) for k, v in phases.items()},
+        phases={k: int(v) for k, v in phases.items()}, offload_host_bytes=int(s["host"]),
+        pcie_bytes_per_step=int(s["pcie"]),
     )  # fmt: skip
 
 

@@ -1,0 +1,94 @@
+"""The shape of one training configuration, as the memory model budgets it (pure).
+
+`TrainShape` and the few facts read straight off it: the compute width, whether FSDP shards,
+DDP's buckets, the trainable parameters, and what is offloaded to host memory. The memory
+model (`homelab_dp.core.memory`) re-exports them; `homelab_dp.core.offload` prices the offload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.core.vocabulary import SHARDED, Device, Distribution, Dtype, Method, Offload
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    """One configuration to budget: method, distribution and batch geometry."""
+
+    method: Method
+    distribution: Distribution
+    world_size: int
+    device: Device
+    dtype: Dtype
+    micro_batch: int
+    seq_len: int
+    grad_accum: int = 1
+    activation_checkpointing: bool = False
+    optimizer: Literal["adamw", "adamw8bit", "sgd"] = "adamw"
+    lora_r: int = 16
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    packed: bool = True
+    """data.pack: whole samples per row, positions restarting (no mask); else padded rows."""
+    attention: Literal["sdpa", "flash_attention_2"] = "sdpa"
+    """`train.attention`'s kernel; SDPA gets a mask on packed batches too, FlashAttention none."""
+    target_share: float = 1.0
+    """Largest share of a block's tokens that are targets (the chunked loss keeps only those);
+    1.0, an upper bound, until the data has been read."""
+    offload: Offload = "none"
+    """`train.offload` as planned: none | optimizer (AdamW's state in host RAM, the step on the
+    CPU) | params (FSDP2's CPUOffloadPolicy: sharded weights, gradients and optimizer state in
+    pinned host RAM). FSDP only; on the CPU it moves nothing (the device is host RAM)."""
+    offload_activations: bool = False
+    """Every tensor saved for backward in pinned host RAM (`torch.autograd.graph.save_on_cpu`)."""
+
+
+def compute_width(shape: TrainShape) -> int:
+    """Bytes per element of activations and gathered weights."""
+    return 4 if shape.dtype == "fp32" else 2
+
+
+def is_fsdp(shape: TrainShape) -> bool:
+    return shape.distribution in SHARDED
+
+
+def attention_masked(shape: TrainShape) -> bool:
+    """Whether attention gets a b·s² mask: SDPA on padded and on packed batches alike."""
+    return shape.attention == "sdpa"
+
+
+def ddp_buckets(shape: TrainShape) -> bool:
+    """DDP (or ZeRO-1's DDP) wraps the model: two or more processes, gradients in its buckets."""
+    return shape.distribution in ("ddp", "zero1") and shape.world_size > 1
+
+
+def lora_targets_of(shape: TrainShape) -> str | list[str]:
+    """The LoRA target spec as `ModelSpec.lora_targets` takes it."""
+    t = shape.lora_targets
+    return t if isinstance(t, str) else list(t)
+
+
+def trainable_params(spec: ModelSpec, shape: TrainShape) -> int:
+    """Parameters that receive gradients."""
+    if shape.method == "full":
+        return spec.params
+    return spec.lora_params(shape.lora_r, lora_targets_of(shape))
+
+
+def offloads(shape: TrainShape) -> tuple[bool, bool, bool]:
+    """(parameters, optimizer state, activations) in host RAM, as the card sees it.
+
+    Only on CUDA: on the CPU the "device" is host RAM and offloading moves nothing. Parameters
+    and optimizer state only under FSDP (`train.offload` needs it); activations under any
+    distribution.
+    """
+    if shape.device != "cuda":
+        return (False, False, False)
+    sharded = is_fsdp(shape)
+    return (
+        sharded and shape.offload == "params",
+        sharded and shape.offload == "optimizer",
+        shape.offload_activations,
+    )
