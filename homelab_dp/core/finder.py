@@ -15,9 +15,9 @@ from homelab_dp.core.model_spec import ModelSpec
 from homelab_dp.core.planner import (
     SAFETY_MARGIN,
     Plan,
-    allowed_options,
     checkpointing_options,
     evaluate,
+    option_stages,
     plan,
     resolve_dtype,
     supported,
@@ -34,23 +34,26 @@ def plan_largest_micro_batch(
     """Plan with the largest micro-batch that fits, accumulation keeping the effective batch.
 
     The options are tried in the decision tree's order (full before LoRA before QLoRA,
-    checkpointing off before on); the first that fits at some micro-batch takes its largest.
+    checkpointing off before on, offload only after every option without it); the first that
+    fits at some micro-batch takes its largest.
     """
     t = preset.train
     requested = t.micro_batch * hw.world_size * t.grad_accum
     limit = hw.budget(SAFETY_MARGIN)  # on local cards others use: what is free, less a margin
     fit: Fit | None = None
     dtype = resolve_dtype(preset, hw)
-    for method, dist in allowed_options(preset):
-        if not supported(method, dist, hw, dtype)[0]:
+    options = [o for stage in option_stages(preset, hw) for o in stage]
+    for method, dist, off, acts in options:
+        if not supported(method, dist, hw, dtype, off)[0]:
             continue
         for ckpt in checkpointing_options(preset):
 
             def total(
-                micro: int, accum: int, m: str = method, d: str = dist, c: bool = ckpt
-            ) -> int:
+                micro: int, accum: int, m: str = method, d: str = dist, c: bool = ckpt,
+                o: str = off, a: bool = acts,
+            ) -> int:  # fmt: skip
                 cand = evaluate(spec, preset, hw, m, d, c, calibration, micro_batch=micro,
-                                grad_accum=accum)  # fmt: skip
+                                grad_accum=accum, offload=o, offload_activations=a)  # fmt: skip
                 return cand.budget.total
 
             found = search_micro_batch(total, limit, requested, hw.world_size)

@@ -7,7 +7,7 @@ Holds the text the planner attaches to a plan, apart from the decision itself (t
   count for people (the renderer and the TUI use both too);
 - ``choice_reasons``: the hardware, what was rejected as too big, what was chosen and why;
 - ``fit_advice``: when nothing fits, what would (shorter sequences, a smaller micro-batch,
-  QLoRA, larger or more cards), each checked with the same budget arithmetic;
+  QLoRA, offload, larger or more cards), each checked with the same budget arithmetic;
 - ``LrAdvice``, ``lr_advice`` and ``lr_reasons``: the learning rate scaled to the planned
   effective batch (linear and square-root rules).
 
@@ -40,6 +40,7 @@ from homelab_dp.core.memory import (
     Overhead,
 )
 from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.core.offload import OffloadCost, cost_words, offload_words
 from homelab_dp.core.preset import Preset
 
 PLAIN = {
@@ -69,6 +70,12 @@ class Option(Protocol):
     def fits(self) -> bool: ...
     @property
     def supported(self) -> bool: ...
+    @property
+    def offload(self) -> str: ...
+    @property
+    def offload_activations(self) -> bool: ...
+    @property
+    def offload_cost(self) -> OffloadCost | None: ...
 
 
 class Evaluate(Protocol):
@@ -147,7 +154,8 @@ def count(n: int) -> str:
 
 def _describe(c: Option) -> str:
     ck = " with activation checkpointing" if c.activation_checkpointing else ""
-    return f"{PLAIN[c.method]} with {PLAIN[c.distribution]}{ck}"
+    off = offload_words(c.offload, c.offload_activations)
+    return f"{PLAIN[c.method]} with {PLAIN[c.distribution]}{ck}" + (f", {off}" if off else "")
 
 
 def _cards(hw: PlanHardware, positions: Sequence[int]) -> str:
@@ -227,12 +235,15 @@ def choice_reasons(
     tried: Sequence[Option],
     dtype: str,
     margin: float,
+    *,
+    only_offload: bool = False,
 ) -> list[str]:
     """Why ``chosen``: the hardware, each option rejected as too big, and the verdict.
 
     ``tried`` is every option the decision tree budgeted, in order; ``margin`` is the fraction
     of the smallest device's memory a plan may use (less on a local card that others use:
-    `PlanHardware.budget`).
+    `PlanHardware.budget`). ``only_offload``: nothing in ``tried`` (every option without
+    offload) fits, and ``chosen`` fits only with offload; the verdict says so and what it costs.
     """
     cap = hw.min_memory
     usable = hw.budget(margin)
@@ -252,11 +263,13 @@ def choice_reasons(
         out.append(
             "Mixed cards: every card gets the same share, so the smallest one limits the plan."
         )
+    t = preset.train
     pinned = [
         f"{k} = {v!r}"
-        for k, v in (("method", preset.train.method), ("distribution", preset.train.distribution))
+        for k, v in (("method", t.method), ("distribution", t.distribution),
+                     ("offload", t.offload), ("offload_activations", t.offload_activations))
         if v != "auto"
-    ]
+    ]  # fmt: skip
     if pinned:
         out.append("The preset pins " + " and ".join(pinned) + "; only that was considered.")
     # One line per (method, distribution) rejected, with its smallest budget.
@@ -264,10 +277,8 @@ def choice_reasons(
     for cand in tried:
         if cand is chosen:
             break
-        if cand.supported and (cand.method, cand.distribution) != (
-            chosen.method,
-            chosen.distribution,
-        ):
+        own = (cand.method, cand.distribution) == (chosen.method, chosen.distribution)
+        if cand.supported and (not own or only_offload):  # without offload: its own too
             rejected[(cand.method, cand.distribution)] = cand  # the last one tried is smallest
     for cand in rejected.values():
         ck = " even with activation checkpointing" if cand.activation_checkpointing else ""
@@ -280,9 +291,14 @@ def choice_reasons(
     of = f"{100 * total / cap:.0f}% of {format_bytes(cap)}"
     if hw.limited(margin):
         of = f"{100 * total / max(usable, 1):.0f}% of the {format_bytes(usable)} usable"
+    cost = chosen.offload_cost
+    paid = ""
+    if cost is not None:
+        paid = "; only offload makes it fit" if only_offload and chosen.fits else "; offload"
+        paid += f": {cost_words(cost)}"
     out.append(
         f"Chosen: {_describe(chosen)} — {format_bytes(total)} per device at the {chosen.budget.peak_phase} "
-        f"peak, {verdict} ({of})."
+        f"peak, {verdict} ({of}){paid}."
     )
     if chosen.distribution != "ddp" and chosen.fits:
         out.append(
@@ -290,6 +306,47 @@ def choice_reasons(
             "over the links between cards; NVLink or fast PCIe helps."
         )
     return out
+
+
+def host_short_reasons(short: Sequence[tuple[Option, int]], available: int | None) -> list[str]:
+    """One line per offloading option that fits the cards but not the machine's host RAM
+    (each with its host peak, bytes)."""
+    seen: set[str] = set()
+    out = []
+    for c, need in short:
+        if (what := _describe(c)) in seen:
+            continue
+        seen.add(what)
+        out.append(
+            f"Host RAM: {what} fits the cards but needs {format_bytes(need)} of host RAM, "
+            f"more than the {format_bytes(available or 0)} available."
+        )
+    return out
+
+
+def _offload_advice(
+    spec: ModelSpec, preset: Preset, hw: PlanHardware, best: Option, evaluate: Evaluate,
+    calibration: HardwareCalibration | None,
+) -> str | None:  # fmt: skip
+    """Offload that would make ``best``'s method fit when the preset's pins kept it out."""
+    t = preset.train
+    if hw.kind != "cuda" or best.offload != "none" or best.offload_activations:
+        return None
+    ck = t.activation_checkpointing in ("auto", True)
+    tries = [(d, "params", False) for d in ("fsdp-full", "fsdp-grad-op") if hw.world_size > 1]
+    tries.append((best.distribution, "none", True))
+    for dist, off, acts in tries:
+        c = evaluate(spec, preset, hw, best.method, dist, ck, calibration, offload=off,
+                     offload_activations=acts)  # fmt: skip
+        if not (c.supported and c.fits and c.offload_cost):
+            continue
+        sets = [f"train.offload = {off!r}"] if off != "none" else []
+        sets += ["train.offload_activations = true"] if acts else []
+        if dist != best.distribution:
+            sets.append(f"train.distribution = {dist!r}")
+        return (f"Offload fits: {', '.join(sets)} — {format_bytes(c.budget.total)} per device; "
+                f"{cost_words(c.offload_cost)}.")  # fmt: skip
+    return None
 
 
 def fit_advice(
@@ -312,7 +369,9 @@ def fit_advice(
     t = preset.train
 
     def fits(**kw: Any) -> bool:
-        return evaluate(spec, preset, hw, m, d, ck, calibration, **kw).budget.total <= usable
+        c = evaluate(spec, preset, hw, m, d, ck, calibration, offload=best.offload,
+                     offload_activations=best.offload_activations, **kw)  # fmt: skip
+        return c.budget.total <= usable
 
     seq = preset.data.seq_len
     while seq > 16 and not fits(seq_len=seq):
@@ -328,11 +387,15 @@ def fit_advice(
             )
             break
     if m != "qlora" and preset.train.method not in ("auto", "qlora"):
-        q = evaluate(spec, preset, hw, "qlora", "ddp", True)
-        if q.fits:
-            out.append(
-                f"QLoRA fits: {format_bytes(q.budget.total)} per device (train.method = 'qlora')."
-            )
+        for qd in ("ddp", "fsdp-grad-op", "fsdp-full"):
+            q = evaluate(spec, preset, hw, "qlora", qd, True)
+            if q.fits:
+                dist = "" if qd == "ddp" else f", train.distribution = {qd!r}"
+                out.append(f"QLoRA fits: {format_bytes(q.budget.total)} per device "
+                           f"(train.method = 'qlora'{dist}).")  # fmt: skip
+                break
+    if (line := _offload_advice(spec, preset, hw, best, evaluate, calibration)) is not None:
+        out.append(line)
     need = best.budget.total / margin
     out.append(f"Larger cards: this plan needs {format_bytes(need)} per device.")
     if hw.kind == "cuda" and m == "full":

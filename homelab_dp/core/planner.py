@@ -1,66 +1,59 @@
 """The strategy planner: which method and distribution, and why, for a model on some devices.
 
-Decision tree (a pinned method or distribution in the preset is respected):
+Decision tree (a pinned method, distribution or offload in the preset is respected):
 
 1. Full fine-tune if it fits: DDP (every card holds everything; fastest), else ZeRO-1
    (optimizer state sharded), else FSDP grad-op (gradients and optimizer sharded), else FSDP
    full (everything sharded).
 2. Else LoRA (frozen base, small adapters): DDP, else FSDP grad-op, else FSDP full.
-3. Else QLoRA (4-bit base) under DDP.
+3. Else QLoRA (4-bit base): DDP, else FSDP grad-op, else FSDP full (the packed 4-bit weights
+   sharded, `homelab_dp.core.memory`).
+4. Only when nothing above fits (and `train.offload` / `train.offload_activations` are
+   "auto"): the same options with offload to host RAM — the optimizer state or the sharded
+   parameters (FSDP only), the saved activations (any distribution) — and of those that fit
+   the one that moves the fewest bytes over PCIe per step (`homelab_dp.core.offload` prices
+   it). Never on the CPU, where the device is host RAM (a pinned offload is planned, at no
+   cost).
 
-Within each step activation checkpointing is tried off first, then on (when the preset says
+Within each option activation checkpointing is tried off first, then on (when the preset says
 "auto"), because it costs about a third more compute but no communication. Mixed cards are
 limited by the smallest. When nothing fits, the plan says what would.
 
 The words (the reasons for the choice, the advice when nothing fits, the learning-rate
-scaling) are `homelab_dp.core.plan_reasons`; this module decides and budgets.
+scaling) are `homelab_dp.core.plan_reasons`; the checks of what a preset may ask of the cards
+`homelab_dp.core.plan_inputs`; the answer's types and JSON `homelab_dp.core.plan_result`. This
+module decides and budgets.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from homelab_dp.core.calibration import (
-    HardwareCalibration,
-    Measurement,
-    calibration_json,
-    config_key,
-    measured_reasons,
-)
-from homelab_dp.core.hardware import (
-    BF16_MIN_CAPABILITY,
-    PlanHardware,
-    format_capability,
-)
+from homelab_dp.core.calibration import HardwareCalibration, config_key, measured_reasons
+from homelab_dp.core.hardware import PlanHardware
 from homelab_dp.core.held_memory import held_reasons, idle_advice, idle_choice_reason
-from homelab_dp.core.host_memory import HostBudget
-from homelab_dp.core.memory import (
-    Budget,
-    TrainShape,
-    assumed_overhead,
-    budget,
-)
+from homelab_dp.core.host_memory import host_budget
+from homelab_dp.core.memory import TrainShape, budget
 from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.core.offload import offload_cost
+from homelab_dp.core.plan_inputs import (
+    FP16_SHARDING_NOTE,
+    attention_path,
+    check_fp16_sharding,
+    check_offload,
+    resolve_dtype,
+)
 from homelab_dp.core.plan_reasons import (
-    LrAdvice,
     choice_reasons,
     fit_advice,
+    host_short_reasons,
     lr_advice,
     lr_reasons,
     overhead_terms,
 )
+from homelab_dp.core.plan_result import SAFETY_MARGIN, Candidate, Plan
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.vocabulary import DISTRIBUTIONS, METHODS, SHARDED
-from homelab_dp.errors import PresetError
-
-if TYPE_CHECKING:
-    from homelab_dp.core.fit import Fit
-
-SAFETY_MARGIN = 0.95
-"""A plan fits when its total is at most this fraction of the smallest device's memory (and,
-on a local card others use, at most its free memory less a margin: `PlanHardware.budget`)."""
 
 ORDER: tuple[tuple[str, str], ...] = (
     ("full", "ddp"),
@@ -71,209 +64,15 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("lora", "fsdp-grad-op"),
     ("lora", "fsdp-full"),
     ("qlora", "ddp"),
+    ("qlora", "fsdp-grad-op"),
+    ("qlora", "fsdp-full"),
 )
 """The order in which the decision tree tries (method, distribution)."""
 
-FP16_SHARDING_NOTE = (
-    "FSDP needs bf16: the worker scales the fp16 loss (GradScaler) under DDP and ZeRO-1 only"
-)
-"""Why FSDP is not a candidate when the plan computes in fp16."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One (method, distribution, checkpointing) option with its budget."""
-
-    method: str
-    distribution: str
-    activation_checkpointing: bool
-    budget: Budget
-    fits: bool
-    supported: bool = True
-    note: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "distribution": self.distribution,
-            "activation_checkpointing": self.activation_checkpointing,
-            "fits": self.fits,
-            "supported": self.supported,
-            "peak_phase": self.budget.peak_phase,
-            "phase_tensor_bytes": dict(self.budget.phases),
-            "per_device_bytes": self.budget.per_device_bytes(),
-            "comm_bytes_per_step": self.budget.comm_bytes_per_step,
-            "note": self.note,
-        }
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The planner's answer."""
-
-    spec: ModelSpec
-    hardware: PlanHardware
-    chosen: Candidate
-    candidates: tuple[Candidate, ...]
-    micro_batch: int
-    grad_accum: int
-    seq_len: int
-    dtype: str
-    lr: LrAdvice
-    reasons: tuple[str, ...]
-    advice: tuple[str, ...] = ()
-    assumptions: tuple[str, ...] = field(default=())
-    calibration: HardwareCalibration | None = None
-    """What was measured on this hardware (None: nothing looked up, e.g. in tests)."""
-    measured: Measurement | None = None
-    """A measurement of exactly the chosen configuration on this hardware, if there is one."""
-    fit: Fit | None = None
-    """The micro-batch finder's answer, when it chose the micro-batch."""
-    host: HostBudget | None = None
-    """Host RAM of loading, saving and merging (`with_host`); None: not looked at."""
-    idle: Candidate | None = None
-    """What the plan would choose on the same cards idle, when other processes hold memory
-    that cuts a card's budget (None: every card budgeted whole, or nothing held)."""
-
-    @property
-    def fits(self) -> bool:
-        """The chosen option fits the devices, and the machine's RAM holds its host peaks."""
-        return self.chosen.fits and (self.host is None or self.host.fits)
-
-    @property
-    def fits_when_idle(self) -> bool:
-        """The run would fit once the other processes on its cards are gone (True when it
-        fits now: an idle card budgets at least as much)."""
-        idle_fits = self.idle.fits if self.idle is not None else self.chosen.fits
-        return (self.chosen.fits or idle_fits) and (self.host is None or self.host.fits)
-
-    @property
-    def world_size(self) -> int:
-        return self.hardware.world_size
-
-    @property
-    def effective_batch(self) -> int:
-        return self.micro_batch * self.world_size * self.grad_accum
-
-    def to_json(self) -> dict[str, Any]:
-        """The `plan --json` document.
-
-        Its field names are an interface, not internals: the renderer and the TUI read them,
-        scripts read `plan --json`, and each run's spec carries the document.
-        """
-        b = self.chosen.budget
-        return {
-            "model": {**self.spec.summary(), "trainable_params": b.trainable_params},
-            "hardware": {
-                "kind": self.hardware.kind,
-                "source": self.hardware.source,
-                "devices": [
-                    {
-                        "name": d.name,
-                        "memory_bytes": d.memory_bytes,
-                        "compute_capability": (
-                            list(d.compute_capability) if d.compute_capability else None
-                        ),
-                        "free_bytes": d.free_bytes,
-                        "budget_bytes": d.budget(SAFETY_MARGIN),
-                        "processes": [asdict(p) for p in d.processes or ()],
-                    }
-                    for d in self.hardware.devices
-                ],
-            },
-            "training": {
-                "micro_batch": self.micro_batch,
-                "grad_accum": self.grad_accum,
-                "world_size": self.world_size,
-                "effective_batch": self.effective_batch,
-                "seq_len": self.seq_len,
-                "activation_checkpointing": self.chosen.activation_checkpointing,
-                "dtype": self.dtype,
-            },
-            "method": self.chosen.method,
-            "distribution": self.chosen.distribution,
-            "fits": self.fits,
-            "fits_when_idle": self.fits_when_idle,
-            "peak_phase": b.peak_phase,
-            "phase_tensor_bytes": dict(b.phases),
-            "per_device_bytes": b.per_device_bytes(),
-            "comm_bytes_per_step": b.comm_bytes_per_step,
-            "lr": self.lr.to_json(),
-            "candidates": [c.to_json() for c in self.candidates],
-            "reasons": list(self.reasons),
-            "advice": list(self.advice),
-            "assumptions": list(self.assumptions),
-            "calibration": self._calibration_json(),
-            "micro_batch_finder": self.fit.to_json() if self.fit else None,
-            "host": self.host.to_json() if self.host else None,
-        }
-
-    def _calibration_json(self) -> dict[str, Any]:
-        """Which numbers are measured on this hardware and which are estimated or assumed."""
-        ov = assumed_overhead(self.hardware.kind, self.world_size)
-        return calibration_json(self.calibration, self.measured, self.chosen.budget, ov)
-
-
-def resolve_dtype(preset: Preset, hw: PlanHardware) -> str:
-    """The compute dtype of ``preset`` on ``hw``, decided from the planned cards.
-
-    fp32 on the CPU. On CUDA, "auto" is bf16 when every planned card has compute capability
-    8.0 (Ampere) or newer, else fp16, which the worker trains with dynamic loss scaling (a
-    GradScaler); a card whose capability is not known (a what-if ``--gpus 2x24GiB``, or NVML
-    did not say) counts as new enough. A pinned dtype is kept, except that "bf16" on a card
-    below 8.0 is a `PresetError` naming ``model.dtype`` and the card.
-    """
-    if hw.kind == "cpu":
-        return "fp32"
-    old = hw.below_capability(BF16_MIN_CAPABILITY)
-    wanted = preset.model.dtype
-    if wanted == "auto":
-        return "fp16" if old else "bf16"
-    if wanted == "bf16" and old:
-        first = old[0]
-        raise PresetError(
-            f"model.dtype = 'bf16': {hw.label(first)} is compute capability "
-            f"{format_capability(hw.devices[first].compute_capability)}, and bf16 needs "
-            f"{format_capability(BF16_MIN_CAPABILITY)} (Ampere) or newer",
-            hint='set model.dtype = "auto" (fp16 with loss scaling on this card) or "fp16", '
-            "e.g. --set model.dtype=auto",
-        )
-    return wanted
-
-
-def _check_fp16_sharding(preset: Preset, hw: PlanHardware, dtype: str) -> None:
-    """A pinned FSDP distribution cannot train in fp16: refuse it before planning."""
-    dist = preset.train.distribution
-    if hw.kind != "cuda" or dtype != "fp16" or dist not in SHARDED:
-        return
-    old = hw.below_capability(BF16_MIN_CAPABILITY)
-    why = (
-        f"model.dtype = 'auto' gives fp16 on {hw.label(old[0])}, compute capability "
-        f"{format_capability(hw.devices[old[0]].compute_capability)}"
-        if preset.model.dtype == "auto" and old
-        else f"model.dtype = {preset.model.dtype!r}"
-    )
-    raise PresetError(
-        f"train.distribution = {dist!r} cannot train in fp16 ({why}): {FP16_SHARDING_NOTE}",
-        hint="set train.distribution = 'auto', 'ddp' or 'zero1' (fp16 with loss scaling)"
-        + ("" if old else ", or model.dtype = 'bf16'"),
-    )
-
-
-def attention_path(device: str, dtype: str) -> str:
-    """The attention kernel the worker will load with (`train.attention`): FlashAttention on
-    CUDA in bf16/fp16 when flash_attn is installed here (found, not imported), else SDPA."""
-    if device != "cuda" or dtype not in ("bf16", "fp16"):
-        return "sdpa"
-    try:
-        found = importlib.util.find_spec("flash_attn") is not None
-    except (ImportError, ValueError):  # a broken or half-installed package
-        found = False
-    return "flash_attention_2" if found else "sdpa"
-
 
 def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool, **kw: Any):
-    """The memory model's shape of one option of ``preset`` on ``hw``."""
+    """The memory model's shape of one option of ``preset`` on ``hw`` (``offload`` and
+    ``offload_activations`` among ``kw``: none and False unless given)."""
     targets = preset.lora.target_modules
     dtype = resolve_dtype(preset, hw)
     return TrainShape(
@@ -292,24 +91,27 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         packed=preset.data.pack,
         attention=attention_path(hw.kind, dtype),  # type: ignore[arg-type]
         target_share=kw.get("target_share", 1.0),
+        offload=kw.get("offload", "none"),
+        offload_activations=kw.get("offload_activations", False),
     )
 
 
 def supported(
-    method: str, dist: str, hw: PlanHardware, dtype: str | None = None
+    method: str, dist: str, hw: PlanHardware, dtype: str | None = None, offload: str = "none"
 ) -> tuple[bool, str]:
     """Whether the worker can train ``method`` under ``dist`` on ``hw`` (and why not).
 
-    ``dtype``: the compute dtype (`resolve_dtype`); fp16 on CUDA rules FSDP out.
+    ``dtype``: the compute dtype (`resolve_dtype`); fp16 on CUDA rules FSDP out. ``offload``
+    of the optimizer or the parameters needs FSDP.
     """
-    if method == "qlora" and dist != "ddp":
-        return False, "QLoRA runs under DDP only (4-bit weights are not sharded)"
     if method != "full" and dist == "zero1":
         return False, "ZeRO-1 saves nothing for LoRA: the adapters' optimizer state is tiny"
     if dist != "ddp" and hw.world_size == 1:
         return False, "sharding needs more than one device"
     if dtype == "fp16" and hw.kind == "cuda" and dist in SHARDED:
         return False, FP16_SHARDING_NOTE
+    if offload != "none" and dist not in SHARDED:
+        return False, f"train.offload = {offload!r} needs FSDP (its CPU offload moves shards)"
     return True, ""
 
 
@@ -323,15 +125,19 @@ def evaluate(
     calibration: HardwareCalibration | None = None,
     **kw: Any,
 ) -> Candidate:
-    """Budget one (method, distribution, checkpointing) option on ``hw``.
+    """Budget one (method, distribution, checkpointing) option on ``hw``, with the offload
+    ``kw`` names (``offload``, ``offload_activations``; none by default) and what it costs.
 
     A calibration of this hardware replaces the assumed overhead terms with measured ones.
     """
     overhead = calibration.overhead if calibration else None
-    b = budget(spec, train_shape(preset, hw, method, dist, ckpt, **kw), overhead)
-    ok, note = supported(method, dist, hw, resolve_dtype(preset, hw))
+    shape = train_shape(preset, hw, method, dist, ckpt, **kw)
+    b = budget(spec, shape, overhead)
+    ok, note = supported(method, dist, hw, shape.dtype, shape.offload)
     fits = ok and b.total <= hw.budget(SAFETY_MARGIN)
-    return Candidate(method, dist, ckpt, b, fits, ok, note)
+    cost = offload_cost(spec, shape, b, hw)
+    return Candidate(method, dist, ckpt, b, fits, ok, note, shape.offload,
+                     shape.offload_activations, cost)  # fmt: skip
 
 
 def checkpointing_options(preset: Preset) -> tuple[bool, ...]:
@@ -347,42 +153,126 @@ def allowed_options(preset: Preset) -> list[tuple[str, str]]:
     return pairs
 
 
+def offload_stages(preset: Preset, hw: PlanHardware) -> list[list[tuple[str, bool]]]:
+    """The (offload, offload_activations) settings the tree tries, stage by stage.
+
+    First the least the preset allows (nothing, unless pinned); then, for what is "auto", every
+    offload, which the tree tries only when nothing in the first stage fits. On the CPU
+    offload moves nothing, so "auto" never chooses it (a pinned value is still planned). The
+    optimizer state and the parameters go to the host only with AdamW (the worker steps it
+    there: `core.preset` refuses a pinned offload with another optimizer).
+    """
+    t = preset.train
+    o, a = t.offload, t.offload_activations
+    first = ("none" if o == "auto" else o, False if a == "auto" else bool(a))
+    if hw.kind != "cuda":
+        return [[first]]
+    host_step = t.optimizer == "adamw"
+    offs = (("none", "optimizer", "params") if host_step else ("none",)) if o == "auto" else (o,)
+    acts = (False, True) if a == "auto" else (bool(a),)
+    rest = [(oo, aa) for aa in acts for oo in offs if (oo, aa) != first]
+    return [[first], rest] if rest else [[first]]
+
+
+def option_stages(preset: Preset, hw: PlanHardware) -> list[list[tuple[str, str, str, bool]]]:
+    """(method, distribution, offload, offload_activations) in the tree's order, by stage
+    (`offload_stages`); offload of the optimizer or parameters under FSDP only."""
+    pairs = allowed_options(preset)
+    stages = []
+    for settings in offload_stages(preset, hw):
+        opts = [(m, d, o, a) for m, d in pairs for o, a in settings if o == "none" or d in SHARDED]
+        if opts:
+            stages.append(opts)
+    return stages
+
+
+def offloading(c: Candidate) -> bool:
+    return c.offload != "none" or c.offload_activations
+
+
+def _decide(spec, preset, hw, dtype, calibration, host_available):
+    """The decision tree: (chosen or None, every candidate tried, the first stage's, the
+    candidates refused for host RAM). In each stage the options go in the tree's order, each
+    with checkpointing off then on; the fitting one that moves the fewest bytes over PCIe per
+    step wins (without offload: the first that fits)."""
+    ckpts = checkpointing_options(preset)
+    tried: list[Candidate] = []
+    first: list[Candidate] = []
+    short: list[tuple[Candidate, int]] = []
+    for i, stage in enumerate(option_stages(preset, hw)):
+        fitting: list[Candidate] = []
+        for m, d, o, a in stage:
+            if i and not supported(m, d, hw, dtype, o)[0]:
+                continue  # a later stage lists only what could be chosen
+            for ck in ckpts:
+                c = evaluate(spec, preset, hw, m, d, ck, calibration, offload=o,
+                             offload_activations=a)  # fmt: skip
+                tried.append(c)
+                need = _host_short(spec, preset, hw, c, host_available) if c.fits else None
+                if need is not None:
+                    short.append((c, need))
+                elif c.fits:
+                    fitting.append(c)
+                    break
+            if fitting and fitting[-1].budget.pcie_bytes_per_step == 0:
+                break  # nothing crosses PCIe: the first that fits stands
+        if i == 0:
+            first = list(tried)
+        if fitting:
+            return min(fitting, key=lambda c: c.budget.pcie_bytes_per_step), tried, first, short
+    return None, tried, first, short
+
+
+def _host_short(spec, preset, hw, c: Candidate, available: int | None) -> int | None:
+    """The host peak of an offloading option whose host RAM the machine cannot hold, else None
+    (and None when the machine's RAM is not known)."""
+    if available is None or not offloading(c):
+        return None
+    shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing,
+                        offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
+    host = host_budget(spec, shape, c.budget, merge=preset.train.merge, available=available)
+    return None if host.fits else host.total_bytes
+
+
 def plan(
     spec: ModelSpec,
     preset: Preset,
     hw: PlanHardware,
     calibration: HardwareCalibration | None = None,
+    *,
+    host_available: int | None = None,
 ) -> Plan:
     """Run the decision tree for ``preset`` on ``hw`` (with what was measured on it, if known).
 
-    Raises `PresetError` for a dtype the planned cards cannot train in (`resolve_dtype`).
+    ``host_available``: the machine's RAM, when known; an offloading option whose host RAM
+    does not fit it is not chosen (`homelab_dp.core.host_plan.with_host` passes it).
+    Raises `PresetError` for a dtype the planned cards cannot train in (`resolve_dtype`), and
+    for a pinned choice they cannot train (`check_fp16_sharding`, `check_offload`).
     """
     dtype = resolve_dtype(preset, hw)
-    _check_fp16_sharding(preset, hw, dtype)
+    check_fp16_sharding(preset, hw, dtype)
+    check_offload(preset, hw, dtype)
+    chosen, tried, first, short = _decide(spec, preset, hw, dtype, calibration, host_available)
+    usable = [c for c in tried if c.supported and all(c is not x for x, _ in short)]
+    best_effort = chosen or min(usable, key=lambda c: c.budget.total, default=tried[-1])
+    # Every candidate, each with the checkpointing setting the plan would use for it, under the
+    # first stage's offload; and the chosen one, when it offloads more.
     ckpts = checkpointing_options(preset)
-    chosen: Candidate | None = None
-    tried: list[Candidate] = []
-    for method, dist in allowed_options(preset):
-        for ckpt in ckpts:
-            cand = evaluate(spec, preset, hw, method, dist, ckpt, calibration)
-            tried.append(cand)
-            if cand.fits:
-                chosen = cand
-                break
-        if chosen:
-            break
-    best_effort = chosen or min(
-        (c for c in tried if c.supported), key=lambda c: c.budget.total, default=tried[-1]
-    )
-    # Every candidate, each with the checkpointing setting the plan would use for it.
+    off, acts = offload_stages(preset, hw)[0][0]
     candidates = []
     for method in METHODS:
         for dist in DISTRIBUTIONS:
-            options = [evaluate(spec, preset, hw, method, dist, c, calibration) for c in ckpts]
+            options = [evaluate(spec, preset, hw, method, dist, c, calibration, offload=off,
+                                offload_activations=acts) for c in ckpts]  # fmt: skip
             fitting = [c for c in options if c.fits]
             candidates.append(fitting[0] if fitting else options[-1])
+    if _option_key(best_effort) not in {_option_key(c) for c in candidates}:
+        candidates.append(best_effort)
     lr = lr_advice(preset, hw.world_size)
-    reasons = choice_reasons(spec, preset, hw, best_effort, tried, dtype, SAFETY_MARGIN)
+    later = chosen is not None and all(chosen is not c for c in first)
+    reasons = choice_reasons(spec, preset, hw, best_effort, first if later else tried, dtype,
+                             SAFETY_MARGIN, only_offload=later)  # fmt: skip
+    reasons += host_short_reasons(short, host_available)
     advice: tuple[str, ...] = ()
     if not chosen:
         advice = tuple(
@@ -390,7 +280,7 @@ def plan(
         )
     idle = None
     if hw.limited(SAFETY_MARGIN):  # others hold memory: what would the same cards idle take?
-        idle = plan(spec, preset, hw.idle(), calibration).chosen
+        idle = plan(spec, preset, hw.idle(), calibration, host_available=host_available).chosen
         reasons += held_reasons(hw, SAFETY_MARGIN)
         if chosen and idle.fits and _option_key(idle) != _option_key(chosen):
             reasons.append(idle_choice_reason(idle))
@@ -398,9 +288,7 @@ def plan(
             advice = (idle_advice(hw, SAFETY_MARGIN, idle), *advice)
     measured = None
     if calibration is not None and calibration.fingerprint:
-        c = best_effort
-        shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
-        measured = calibration.match(config_key(_model_key(spec), shape))
+        measured = calibration.match(measurement_key(spec, preset, hw, best_effort))
         reasons += measured_reasons(best_effort.budget.tensors, measured, calibration)
     return Plan(
         spec=spec,
@@ -421,8 +309,8 @@ def plan(
     )
 
 
-def _option_key(c: Candidate) -> tuple[str, str, bool]:
-    return (c.method, c.distribution, c.activation_checkpointing)
+def _option_key(c: Candidate) -> tuple[str, str, bool, str, bool]:
+    return (c.method, c.distribution, c.activation_checkpointing, c.offload, c.offload_activations)
 
 
 def _model_key(spec: ModelSpec) -> dict[str, Any]:
@@ -430,6 +318,13 @@ def _model_key(spec: ModelSpec) -> dict[str, Any]:
 
 
 def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candidate) -> dict:
-    """The calibration key of candidate ``c`` (what `homelab-dp measure` stores)."""
-    shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing)
-    return config_key(_model_key(spec), shape)
+    """The calibration key of candidate ``c`` (what `homelab-dp measure` stores). Offload that
+    is off stays out of the key, so what was measured before offload existed still matches."""
+    shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing,
+                        offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
+    key = config_key(_model_key(spec), shape)
+    if shape.offload == "none":
+        key["shape"].pop("offload", None)
+    if not shape.offload_activations:
+        key["shape"].pop("offload_activations", None)
+    return key

@@ -10,6 +10,7 @@ from rich.text import Text
 from homelab_dp.core.hardware import PlanHardware, format_bytes
 from homelab_dp.core.held_memory import holders
 from homelab_dp.core.memory import COMPONENTS
+from homelab_dp.core.offload import ASSUMED_MFU, offload_words, seconds
 from homelab_dp.core.plan_reasons import PLAIN, count
 from homelab_dp.core.planner import SAFETY_MARGIN, Plan
 from homelab_dp.core.preset_results import PresetRuns
@@ -63,6 +64,7 @@ def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableTyp
     t = j["training"]
     ok = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
     ck = ", activation checkpointing" if t["activation_checkpointing"] else ""
+    ck += f", offload {off}" if (off := offload_label(j)) else ""
     head = (
         f"{ok}  {PLAIN[j['method']]} · {PLAIN[j['distribution']]}{ck}\n"
         f"model {count(j['model']['params'])} params "
@@ -92,7 +94,7 @@ def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableTyp
         devices.add_row(*row)
 
     cands = Table(title="Every candidate (per device)")
-    for col in ("method", "distribution", "ckpt", "total", "comm/step", "fits"):
+    for col in ("method", "distribution", "ckpt", "offload", "total", "comm/step", "fits"):
         cands.add_column(col, justify="right" if col in ("total", "comm/step") else "left")
     limit = plan.hardware.budget(SAFETY_MARGIN)
     for c in j["candidates"]:
@@ -100,13 +102,13 @@ def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableTyp
             fits = "[bright_black]n/a[/]"
         else:
             fits = "[green]yes[/]" if c["fits"] else "[red]no[/]"
-        chosen = c["method"] == j["method"] and c["distribution"] == j["distribution"]
-        style = "bold" if chosen else ""
+        style = "bold" if _is_chosen(c, j) else ""
         total = c["per_device_bytes"]["total"]
         cands.add_row(
             c["method"],
             c["distribution"],
             "on" if c["activation_checkpointing"] else "off",
+            offload_label(c) or "-",
             f"{format_bytes(total)}" + (" ✗" if total > limit else ""),
             format_bytes(c["comm_bytes_per_step"]),
             fits,
@@ -120,6 +122,7 @@ def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableTyp
         devices,
         *([held] if (held := held_text(plan.hardware)) else []),
         legend(per),
+        *([offload_line(j)] if j.get("offload_cost") else []),
         *([host_line(j["host"])] if j.get("host") else []),
         cands,
         Panel(reasons, title="why", expand=False),
@@ -163,10 +166,40 @@ def held_text(hw: PlanHardware) -> Text | None:
     return out
 
 
+def _is_chosen(c: dict, j: dict) -> bool:
+    """Whether candidate ``c`` of the `plan --json` document ``j`` is its chosen option."""
+    keys = ("method", "distribution", "offload", "offload_activations")
+    return all(c.get(k) == j.get(k) for k in keys)
+
+
+def offload_label(c: dict) -> str:
+    """A candidate's offload in a word: "params", "optimizer", "acts", "params+acts" ("" none)."""
+    parts = [c["offload"]] if c.get("offload", "none") != "none" else []
+    return "+".join(parts + (["acts"] if c.get("offload_activations") else []))
+
+
+def offload_line(j: dict) -> Text:
+    """One line under the chosen budget: what is offloaded, the host RAM it pins, the PCIe
+    traffic per step and the expected slowdown."""
+    c = j["offload_cost"]
+    out = Text("offload ", style="bold")
+    out.append(offload_words(j["offload"], j["offload_activations"]) + ": ")
+    if not c["pcie_bytes_per_step"] and not c["host_bytes_per_device"]:
+        return out.append(f"nothing moves ({c['link']})", style="dim")
+    out.append(f"{format_bytes(c['host_bytes_per_device'])} pinned host RAM per device · ")
+    out.append(f"{format_bytes(c['pcie_bytes_per_step'])} over PCIe per step", style="bold")
+    out.append(f" ({c['link']}{', assumed' if c['assumed'] else ''}) "
+               f"≈ +{seconds(c['pcie_seconds_per_step'])} s per step")  # fmt: skip
+    if c["slowdown"] is None:
+        return out.append(" (card's compute peak not known: no slowdown estimate)", style="dim")
+    return out.append(f" (~{c['slowdown']:.2f}× slower at {ASSUMED_MFU:.0%} MFU)", style="yellow")
+
+
 def host_line(host: dict) -> Text:
     """One line: the machine's host RAM at its peak (loading, saving or merging), rank 0's part,
     and what is available."""
-    phase = {"load": "loading", "checkpoint": "saving", "merge": "merging"}
+    phase = {"load": "loading", "checkpoint": "saving", "merge": "merging",
+             "train": "training (offload, pinned)"}  # fmt: skip
     out = Text("host RAM ")
     out.append(format_bytes(host["total_bytes"]), style="bold")
     out.append(f" {phase.get(host['peak_phase'], host['peak_phase'])} "
@@ -236,6 +269,10 @@ def decision_text(planned: Planned) -> Text:
     )
     out.append(f" linear {lr['linear']:.3g}, sqrt {lr['sqrt']:.3g})\n")
     out.append(f"gradient sync {format_bytes(j['comm_bytes_per_step'])} per step per device\n")
+    if (cost := j.get("offload_cost")) and cost["pcie_bytes_per_step"]:
+        out.append(f"offload {offload_label(j)}: ", style="bold")
+        out.append(f"{format_bytes(cost['pcie_bytes_per_step'])} over PCIe per step ≈ "
+                   f"+{seconds(cost['pcie_seconds_per_step'])} s\n")  # fmt: skip
     return out
 
 
@@ -248,12 +285,14 @@ def candidates_block(planned: Planned) -> Group:
         if not c["supported"]:
             skipped += 1
             continue
-        chosen = (c["method"], c["distribution"]) == (j["method"], j["distribution"])
+        chosen = _is_chosen(c, j)
         per = c["per_device_bytes"]
         head = Text("▶ " if chosen else "  ", style="bold cyan")
         name = f"{c['method']} · {c['distribution']}" + (
             " · ckpt" if c["activation_checkpointing"] else ""
         )
+        if off := offload_label(c):
+            name += f" · {off}"
         head.append(f"{name:<24}", style="bold" if chosen else "")
         head.append(f"{format_bytes(per['total']):>9} ")
         head.append("fits" if c["fits"] else "too big", style="green" if c["fits"] else "red")

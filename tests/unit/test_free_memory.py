@@ -26,7 +26,11 @@ CARD = 24 * GiB  # an RTX 3090 as NVML reports it: 25769803776 bytes
 FREE = (24899485696, 19056820224)  # recorded free memory of cards 0 and 1
 # Full DDP without checkpointing: 18.5 GiB per card. Idle cards allow 22.8 GiB, the free
 # memory of card 1 (6 GiB held by an inference server) only 17.3 GiB.
-FITS_ONLY_IDLE = ("train.activation_checkpointing=false", "train.distribution=ddp")
+FITS_ONLY_IDLE = (
+    "train.activation_checkpointing=false",
+    "train.distribution=ddp",
+    "train.offload_activations=false",
+)  # offloading them would fit the busy card
 
 
 def _plan(monkeypatch: pytest.MonkeyPatch, recording: Path, *overrides: str, gpus=None):

@@ -1,0 +1,169 @@
+"""The planner's answer: `Candidate` (one option and its budget), `Plan`, and the `plan --json`
+document they write (pure). The planner (`homelab_dp.core.planner`) makes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from homelab_dp.core.calibration import HardwareCalibration, Measurement, calibration_json
+from homelab_dp.core.hardware import PlanHardware
+from homelab_dp.core.host_memory import HostBudget
+from homelab_dp.core.memory import Budget, assumed_overhead
+from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.core.offload import OffloadCost
+from homelab_dp.core.plan_reasons import LrAdvice
+
+if TYPE_CHECKING:
+    from homelab_dp.core.fit import Fit
+
+SAFETY_MARGIN = 0.95
+"""A plan fits when its total is at most this fraction of the smallest device's memory (and,
+on a local card others use, at most its free memory less a margin: `PlanHardware.budget`)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (method, distribution, checkpointing) option with its budget."""
+
+    method: str
+    distribution: str
+    activation_checkpointing: bool
+    budget: Budget
+    fits: bool
+    supported: bool = True
+    note: str = ""
+    offload: str = "none"
+    """`train.offload` of this option: none | optimizer | params (what the run resolves to)."""
+    offload_activations: bool = False
+    """Saved activations in pinned host RAM (`torch.autograd.graph.save_on_cpu`)."""
+    offload_cost: OffloadCost | None = None
+    """Host RAM, PCIe traffic and expected slowdown of the offload; None when none."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "distribution": self.distribution,
+            "activation_checkpointing": self.activation_checkpointing,
+            "fits": self.fits,
+            "supported": self.supported,
+            "peak_phase": self.budget.peak_phase,
+            "phase_tensor_bytes": dict(self.budget.phases),
+            "per_device_bytes": self.budget.per_device_bytes(),
+            "comm_bytes_per_step": self.budget.comm_bytes_per_step,
+            "note": self.note,
+            "offload": self.offload,
+            "offload_activations": self.offload_activations,
+            "offload_cost": self.offload_cost.to_json() if self.offload_cost else None,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer."""
+
+    spec: ModelSpec
+    hardware: PlanHardware
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    dtype: str
+    lr: LrAdvice
+    reasons: tuple[str, ...]
+    advice: tuple[str, ...] = ()
+    assumptions: tuple[str, ...] = field(default=())
+    calibration: HardwareCalibration | None = None
+    """What was measured on this hardware (None: nothing looked up, e.g. in tests)."""
+    measured: Measurement | None = None
+    """A measurement of exactly the chosen configuration on this hardware, if there is one."""
+    fit: Fit | None = None
+    """The micro-batch finder's answer, when it chose the micro-batch."""
+    host: HostBudget | None = None
+    """Host RAM of loading, saving and merging (`with_host`); None: not looked at."""
+    idle: Candidate | None = None
+    """What the plan would choose on the same cards idle, when other processes hold memory
+    that cuts a card's budget (None: every card budgeted whole, or nothing held)."""
+
+    @property
+    def fits(self) -> bool:
+        """The chosen option fits the devices, and the machine's RAM holds its host peaks."""
+        return self.chosen.fits and (self.host is None or self.host.fits)
+
+    @property
+    def fits_when_idle(self) -> bool:
+        """The run would fit once the other processes on its cards are gone (True when it
+        fits now: an idle card budgets at least as much)."""
+        idle_fits = self.idle.fits if self.idle is not None else self.chosen.fits
+        return (self.chosen.fits or idle_fits) and (self.host is None or self.host.fits)
+
+    @property
+    def world_size(self) -> int:
+        return self.hardware.world_size
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch * self.world_size * self.grad_accum
+
+    def to_json(self) -> dict[str, Any]:
+        """The `plan --json` document.
+
+        Its field names are an interface, not internals: the renderer and the TUI read them,
+        scripts read `plan --json`, and each run's spec carries the document.
+        """
+        b = self.chosen.budget
+        return {
+            "model": {**self.spec.summary(), "trainable_params": b.trainable_params},
+            "hardware": {
+                "kind": self.hardware.kind,
+                "source": self.hardware.source,
+                "devices": [
+                    {
+                        "name": d.name,
+                        "memory_bytes": d.memory_bytes,
+                        "compute_capability": (
+                            list(d.compute_capability) if d.compute_capability else None
+                        ),
+                        "free_bytes": d.free_bytes,
+                        "budget_bytes": d.budget(SAFETY_MARGIN),
+                        "processes": [asdict(p) for p in d.processes or ()],
+                    }
+                    for d in self.hardware.devices
+                ],
+            },
+            "training": {
+                "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum,
+                "world_size": self.world_size,
+                "effective_batch": self.effective_batch,
+                "seq_len": self.seq_len,
+                "activation_checkpointing": self.chosen.activation_checkpointing,
+                "dtype": self.dtype,
+            },
+            "method": self.chosen.method,
+            "distribution": self.chosen.distribution,
+            "fits": self.fits,
+            "fits_when_idle": self.fits_when_idle,
+            "peak_phase": b.peak_phase,
+            "phase_tensor_bytes": dict(b.phases),
+            "per_device_bytes": b.per_device_bytes(),
+            "comm_bytes_per_step": b.comm_bytes_per_step,
+            "offload": self.chosen.offload,
+            "offload_activations": self.chosen.offload_activations,
+            "offload_cost": cost.to_json() if (cost := self.chosen.offload_cost) else None,
+            "lr": self.lr.to_json(),
+            "candidates": [c.to_json() for c in self.candidates],
+            "reasons": list(self.reasons),
+            "advice": list(self.advice),
+            "assumptions": list(self.assumptions),
+            "calibration": self._calibration_json(),
+            "micro_batch_finder": self.fit.to_json() if self.fit else None,
+            "host": self.host.to_json() if self.host else None,
+        }
+
+    def _calibration_json(self) -> dict[str, Any]:
+        """Which numbers are measured on this hardware and which are estimated or assumed."""
+        ov = assumed_overhead(self.hardware.kind, self.world_size)
+        return calibration_json(self.calibration, self.measured, self.chosen.budget, ov)
