@@ -236,9 +236,11 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
             buffers += 2 * largest * base_w  # one linear dequantized at a time for the matmul
         else:
             base = spec.params * base_w
-            if fsdp:
-                shard = base / n + trainable * 4
-                base = base / n + 2 * spec.layer_params * base_w
+            if fsdp:  # gathered as for a full fine-tune: grad-op everything, full the root
+                shard = base / n + trainable * 4  # unit and two layers (counted as weights)
+                kept = spec.params if shape.distribution == "fsdp-grad-op" else (
+                    root + 2 * spec.layer_params)  # fmt: skip
+                base = base / n + kept * base_w
         weights = base + trainable * 4
         grads = trainable * 4
     # DDP on 2+ processes: the gradients are views of its buckets, alive from the load on.

@@ -105,6 +105,20 @@ def test_qlora_under_fsdp_shards_the_packed_weights_and_keeps_the_quant_state_wh
     assert ddp.weights == int(Q * NF4_BYTES_PER_PARAM + rest + ADAPTERS * 4)
 
 
+def test_lora_under_fsdp_grad_op_keeps_the_whole_base_gathered() -> None:
+    # reshard_after_forward=False: every unit stays gathered from forward to backward (the
+    # whole 16-bit base, 138 GB), so offloading the shards cannot make it fit a 24 GiB card;
+    # fsdp-full keeps the root unit (embeddings, lm_head) and two decoder layers.
+    spec, base = LLAMA2_70B, LLAMA2_70B.params * 2
+    grad_op = budget(spec, _shape(method="lora", distribution="fsdp-grad-op"))
+    assert grad_op.phases["load"] == int(base / 2 + base + ADAPTERS * 4)
+    full = budget(spec, _shape(method="lora", distribution="fsdp-full"))
+    root = spec.embedding_params + spec.lm_head_params + spec.final_norm_params
+    assert full.phases["load"] == int(base / 2 + (root + 2 * spec.layer_params) * 2 + ADAPTERS * 4)
+    p = _plan("2x24GiB", method="lora", offload="params")
+    assert p.fits and (p.chosen.distribution, p.chosen.offload) == ("fsdp-full", "params")
+
+
 def test_qlora_under_fsdp_all_gathers_the_packed_weights_every_micro_step() -> None:
     spec = LLAMA2_70B
     gather = Q * 0.5 + (spec.params - Q) * 2 + ADAPTERS * 4
