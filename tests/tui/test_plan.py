@@ -33,7 +33,7 @@ async def test_shows_the_plan_of_the_chosen_preset(controller: RunController) ->
         assert "lr 0.0001" in text
         # a stacked bar per device size for every candidate, the chosen one marked
         assert "▶ lora · ddp" in text
-        assert text.count("2× 24.0 GiB █") == 8
+        assert text.count("2× 24.0 GiB █") == 10  # full ×4, lora ×3, qlora ×3 (FSDP too)
         assert app.session.planned is not None
         assert app.session.planned.plan.world_size == 2
 
