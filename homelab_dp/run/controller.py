@@ -175,6 +175,8 @@ class RunController:
             micro_batch=p.micro_batch,
             grad_accum=p.grad_accum,
             lr=p.lr.applied,
+            offload=p.chosen.offload,  # type: ignore[arg-type]
+            offload_activations=p.chosen.offload_activations,
         )
         return Prepared(preset, planned, resolved, blocks, origin)
 

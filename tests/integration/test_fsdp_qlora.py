@@ -1,20 +1,67 @@
-"""QLoRA under FSDP2 and offload on 2 CPU ranks (gloo): offload changes no step, a stopped run
-resumes bit for bit, and the streamed load never holds the model whole on rank 0.
+"""QLoRA under FSDP2 and offload on 2 CPU ranks (gloo): through the CLI it learns the adapter
+QLoRA under DDP learns, offload changes no step, a stopped run resumes bit for bit, and the
+streamed load never holds the model whole on rank 0.
 
 Every run is the real worker under torchrun; the 4-bit weights are bitsandbytes' NF4 on the CPU.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import bitwise_equal, events, final_weights, make_run, run
+from homelab_dp.cli import main
+from homelab_dp.core.vocabulary import FINAL_STATUSES
+from homelab_dp.rundir.state import read_state
+from tests.conftest import write_preset
+from tests.integration.conftest import (
+    bitwise_equal,
+    events,
+    final_weights,
+    make_run,
+    max_abs_diff,
+    run,
+)
 
 pytestmark = pytest.mark.slow
 QLORA = {"method": "qlora", "lr": 1e-2, "activation_checkpointing": True}
 STEPS = {"max_steps": 4, "checkpoint_every": 2}
+
+
+def _run_cli(*argv: str) -> Path:
+    """``homelab-dp run ... --detach``, waited for in its run folder; the run folder."""
+    runs = Path(os.environ["HOMELAB_DP_RUNS"])
+    before = set(runs.iterdir()) if runs.exists() else set()
+    assert main(["run", *argv, "--detach"]) == 0
+    (run_dir,) = set(runs.iterdir()) - before
+    deadline = time.time() + 600  # a liveness guard: ~20 s on an idle 2-core machine
+    while read_state(run_dir).get("status") not in FINAL_STATUSES:
+        assert time.time() < deadline, read_state(run_dir)
+        time.sleep(0.2)
+    assert read_state(run_dir)["status"] == "completed", read_state(run_dir)
+    return run_dir
+
+
+def test_qlora_under_fsdp_learns_the_adapter_qlora_under_ddp_learns(
+    tiny_model: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    """The same preset, three distributions, through `homelab-dp run`: the same losses and the
+    same adapter, to float rounding (gradients reduce-scattered instead of all-reduced)."""
+    preset = write_preset(tmp_path, "qlora", tiny_model, data_dir / "ragged-64.jsonl",
+                          method="qlora", lr=1e-2, max_steps=6)  # fmt: skip
+    runs = {d: _run_cli(str(preset), "--set", f"train.distribution={d}")
+            for d in ("ddp", "fsdp-grad-op", "fsdp-full")}  # fmt: skip
+    ddp = final_weights(runs["ddp"])
+    ddp_losses = [e["loss"] for e in events(runs["ddp"], "step")]
+    for dist in ("fsdp-grad-op", "fsdp-full"):
+        start = events(runs[dist], "start")[-1]
+        assert (start["method"], start["distribution"]) == ("qlora", dist)
+        losses = [e["loss"] for e in events(runs[dist], "step")]
+        assert len(losses) == 6 and losses == pytest.approx(ddp_losses, rel=1e-6)
+        assert max_abs_diff(final_weights(runs[dist]), ddp) < 1e-6, dist
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,18 @@ CASES: dict[str, tuple[list[str], str]] = {
                                 "--set train.nope: unknown key"),
     "a bad --gpus spec": (["run", "tiny-demo", "--gpus", "cpu:x"],
                           "--gpus: cannot read the RAM size 'x' in 'cpu:x'"),
+    "offload asked of DDP": (
+        ["run", "tiny-demo", "--set", "train.offload=params", "--set", "train.distribution=ddp"],
+        "train.offload = 'params' needs FSDP: set train.distribution = 'fsdp-grad-op', "
+        "'fsdp-full' or 'auto', got 'ddp'"),
+    "offload on a single device": (
+        ["run", "tiny-demo", "--set", "train.offload=params", "--gpus", "cpu:1"],
+        "train.offload = 'params' needs FSDP, and FSDP needs two or more devices: this plan "
+        "has one"),
+    "offload with an optimizer it cannot step": (
+        ["run", "tiny-demo", "--set", "train.offload=optimizer", "--set",
+         "train.optimizer=adamw8bit"],
+        "train.offload = 'optimizer' steps AdamW in host memory: set train.optimizer = 'adamw'"),
 }  # fmt: skip
 
 
