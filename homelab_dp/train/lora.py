@@ -81,6 +81,21 @@ def add_lora(model: nn.Module, lora: Any) -> nn.Module:
     return peft_model
 
 
+def bnb_config(compute: torch.dtype, storage: torch.dtype | None = None) -> Any:
+    """QLoRA's quantization: NF4 with double quantization, computing in ``compute``; packed
+    weights stored as ``storage`` (uint8 by default; the compute dtype under FSDP2, so that it
+    shards them as parameters of that dtype)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=storage or torch.uint8,
+    )
+
+
 def adapter_init(name: str, shape: tuple[int, ...] | torch.Size, seed: int) -> torch.Tensor:
     """The initial value (fp32, on the CPU) of the LoRA parameter called ``name``.
 

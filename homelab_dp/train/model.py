@@ -40,6 +40,7 @@ from homelab_dp.errors import HomelabError
 from homelab_dp.train.attention import attention_implementation
 from homelab_dp.train.lora import (
     add_lora,
+    bnb_config,
     disable_cpu_bf16_repack,
     prepare_frozen_base,
     seed_adapters,
@@ -111,8 +112,8 @@ def load_model(
     """Load the model for ``resolved.method`` on ``device``; LoRA adapters are seeded by train.seed.
 
     ``sharded`` (FSDP2, an initialised process group): build it on the meta device, rank 0 also
-    loading the real weights on the CPU (see the module docstring); QLoRA is built on meta on
-    every rank and streamed from the folder, quantized as it is read (`train.quantized_load`).
+    loading the real weights on the CPU (see the module docstring). Not for QLoRA: under FSDP2
+    it is built by `train.quantized_load.build_on_meta` (streamed, quantized as it is read).
     ``compute`` (tests and benchmarks only, not with ``sharded``): the LoRA/QLoRA base's dtype
     instead of `compute_dtype` (bf16 on the CPU, to see what a CUDA run holds).
     """
@@ -120,9 +121,7 @@ def load_model(
 
     method = resolved.method
     if sharded and method == "qlora":
-        from homelab_dp.train.quantized_load import build_on_meta
-
-        return build_on_meta(preset, resolved, compute_dtype(resolved))
+        raise ValueError("QLoRA under FSDP2 loads through train.quantized_load.build_on_meta")
     if sharded:
         return _load_on_meta(preset, resolved)
     compute = compute or compute_dtype(resolved)
@@ -132,8 +131,6 @@ def load_model(
         "attn_implementation": attention_implementation(device.type, resolved.dtype),
     }
     if method == "qlora":
-        from homelab_dp.train.quantized_load import bnb_config
-
         kwargs["quantization_config"] = bnb_config(compute)
         kwargs["dtype"] = compute  # what is not 4-bit (embeddings, lm_head, norms)
         kwargs["device_map"] = {"": device}

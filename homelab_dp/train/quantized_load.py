@@ -38,25 +38,12 @@ from homelab_dp.train.attention import attention_implementation
 from homelab_dp.train.lora import (
     adapter_init,
     add_lora,
+    bnb_config,
     disable_cpu_bf16_repack,
     prepare_frozen_base,
 )
 
 _DDP_HINT = "set train.distribution = 'ddp' (QLoRA then loads the whole 4-bit model on each rank)"
-
-
-def bnb_config(compute: torch.dtype, storage: torch.dtype | None = None) -> Any:
-    """NF4 with double quantization computing in ``compute``; packed weights stored as
-    ``storage`` (uint8 by default, the compute dtype for FSDP2)."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute,
-        bnb_4bit_quant_storage=storage or torch.uint8,
-    )
 
 
 def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> Any:
@@ -80,6 +67,10 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
             config, dtype=compute, trust_remote_code=remote,
             attn_implementation=attention_implementation(resolved.device, resolved.dtype),
         )  # fmt: skip
+    # init_empty_weights re-creates every parameter it registers, which unties a tied lm_head:
+    # tie it again (one parameter, sent once), as from_pretrained does.
+    model.tie_weights()
+    with torch.device("meta"):
         quantizer = Bnb4BitHfQuantizer(qconfig)
         keep = quantizer.get_modules_to_not_convert(
             model, qconfig.llm_int8_skip_modules, model._keep_in_fp32_modules

@@ -195,7 +195,8 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     from homelab_dp.errors import HomelabError
     from homelab_dp.train.attention import attention_implementation
     from homelab_dp.train.loss import install_loss_head, unsupported_reason
-    from homelab_dp.train.model import load_model, master_dtype
+    from homelab_dp.train.model import compute_dtype, load_model, master_dtype
+    from homelab_dp.train.quantized_load import build_on_meta
     from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
 
@@ -203,8 +204,13 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     # Same seed on every rank: identical LoRA init without relying on a broadcast.
     torch.manual_seed(train.seed)
     random.seed(train.seed)
-    # FSDP2 loads sharded: the model on meta, rank 0 alone reading the weights (train.model).
-    loaded = load_model(spec.preset, resolved, device, sharded=resolved.distribution in SHARDED)
+    # FSDP2 loads sharded: the model on meta, rank 0 alone reading the weights (train.model);
+    # QLoRA's 4-bit weights are quantized as rank 0 reads them (train.quantized_load).
+    sharded = resolved.distribution in SHARDED
+    if sharded and resolved.method == "qlora":
+        loaded = build_on_meta(spec.preset, resolved, compute_dtype(resolved))
+    else:
+        loaded = load_model(spec.preset, resolved, device, sharded=sharded)
     _count_loaded(memory, loaded)
     # Before the wrapper: DDP and FSDP2 then see lm_head's parameters under the same names.
     loss_head = install_loss_head(loaded.model)
