@@ -15,6 +15,7 @@ from homelab_dp.core.hardware import (
     PlanDevice,
     PlanHardware,
     parse_gpus_spec,
+    trained_pcie_link,
 )
 from homelab_dp.core.host_plan import with_host
 from homelab_dp.core.hub_ids import looks_like_hub_id
@@ -109,6 +110,7 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
             g.compute_capability,
             g.memory_free,
             _mark_ours(g.processes, ours),
+            *trained_pcie_link(g),  # what offloaded copies cross (core.offload)
         )
         for g in gpus
     )
@@ -202,7 +204,8 @@ def with_target_share(planned: Planned, share: float) -> Plan:
         return p
     refined = evaluate(planned.spec, planned.preset, planned.hardware, c.method, c.distribution,
                        c.activation_checkpointing, p.calibration, micro_batch=p.micro_batch,
-                       grad_accum=p.grad_accum, seq_len=p.seq_len, target_share=share)  # fmt: skip
+                       grad_accum=p.grad_accum, seq_len=p.seq_len, target_share=share,
+                       offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
     return replace(p, chosen=replace(c, budget=refined.budget))
 
 
