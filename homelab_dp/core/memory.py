@@ -275,9 +275,15 @@ def _offload(spec: ModelSpec, shape: TrainShape, s: dict[str, float]) -> dict[st
         out["pcie"] = gathers * s["shard"] + s["grads"]
         out.update(weights=s["weights"] - s["shard"], grads=0.0, opt=0.0, step_temp=0.0)
     elif optimizer:
-        out["host"] = s["grads"] + s["opt"] + s["step_temp"]
+        # m and v, the weights' host copy (the size of the gradient shards) and, during the
+        # step, the gradients' host copies.
+        out["host"] = 2 * s["grads"] + s["opt"] + s["step_temp"]
         out["pcie"] = 3 * s["grads"]
         out.update(opt=0.0, step_temp=0.0)
+    elif is_fsdp(shape) and shape.offload == "optimizer":
+        # On the CPU `HostAdamW`'s copies share the one memory: the weights' copy from the
+        # first step on (counted with the optimizer state), the gradients' during the step.
+        out.update(opt=s["opt"] + s["grads"], step_temp=s["step_temp"] + s["grads"])
     return out
 
 
@@ -367,8 +373,15 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     # activation: the old buckets (the gradients' views) beside the new ones, and the batch.
     rebuilds = s["resident"] and shape.grad_accum > 1
     rebuild = base + 2 * s["resident"] + 24 * tokens if rebuilds else 0
+    load = s["weights"] + s["resident"]
+    if shape.method == "qlora" and is_fsdp(shape):
+        # Rank 0 streams the checkpoint (`train.quantized_load`): beside its shards, the tensor
+        # in hand in the compute dtype (the largest: an embedding, lm_head or a linear).
+        largest = max(spec.embedding_params, spec.lm_head_params,
+                      max(lin.d_in * lin.d_out for lin in spec.linears))  # fmt: skip
+        load += largest * (compute_width(shape) if shape.device == "cuda" else 4)
     phases = {
-        "load": s["weights"] + s["resident"],
+        "load": load,
         "forward": max(forward, rebuild),
         "backward": max(start, inside, end),
         "optimizer": s["weights"] + s["grads"] + s["opt"] + s["step_temp"],

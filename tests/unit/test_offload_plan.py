@@ -88,7 +88,10 @@ def test_qlora_under_fsdp_shards_the_packed_weights_and_keeps_the_quant_state_wh
     # Weights: this rank's shard of the packed weights, the 16-bit rest and the fp32 adapters,
     # plus the whole quantization state (1.09 GB: about 1/64 byte per weight).
     shard = (packed + rest + ADAPTERS * 4) / n
-    assert abs(full.phases["load"] - (shard + state)) <= 1
+    # Loading, rank 0 also holds the tensor it streams, in bf16: the largest is the embedding
+    # (32000 × 8192 × 2 bytes = 0.52 GB; the largest linear, 8192 × 28672, is 0.47 GB).
+    streamed = spec.embedding_params * 2
+    assert abs(full.phases["load"] - (shard + state + streamed)) <= 1
     assert 18e9 < shard < 18.1e9 and 1.08e9 < state < 1.09e9
     # Gathered: fsdp-full the root unit and two decoder layers, plus one dequantized linear
     # (2 × 8192 × 28672 × 2 bytes = 0.94 GB): 2.86 GB; grad-op the whole packed model.
@@ -147,14 +150,15 @@ def test_params_offload_leaves_the_gathered_units_and_the_quant_state_on_the_car
     assert abs(grad_op.pcie_bytes_per_step - (3 * shard + ADAPTERS * 4 / 2)) <= 4
 
 
-def test_optimizer_offload_moves_twelve_bytes_per_trainable_parameter_per_rank() -> None:
+def test_optimizer_offload_pins_sixteen_and_moves_twelve_bytes_per_trainable_parameter() -> None:
     spec, s = LLAMA2_70B, _shape()
     b = budget(spec, replace(s, offload="optimizer"))
     local = ADAPTERS / 2
     assert b.optimizer == 0 and b.gradients == budget(spec, s).gradients
-    # A host copy of the fp32 weights plus AdamW's m and v; the gradient and weight shards to
-    # the host and the updated weights back: 12 bytes per local trainable parameter each.
-    assert abs(b.offload_host_bytes - 12 * local) <= 1
+    # Host: AdamW's m and v, a copy of the fp32 weights and, during the step, of the gradients
+    # (`HostAdamW`): 16 bytes per local trainable parameter. PCIe: the gradient and weight
+    # shards to the host and the updated weights back, 12.
+    assert abs(b.offload_host_bytes - 16 * local) <= 1
     assert abs(b.pcie_bytes_per_step - 12 * local) <= 1
 
 
@@ -177,9 +181,18 @@ def test_offload_moves_nothing_on_the_cpu() -> None:
     spec = LLAMA2_70B
     s = _shape(device="cpu", dtype="fp32", world_size=2)
     plain = budget(spec, s)
-    for kw in ({"offload": "params"}, {"offload": "optimizer"}, {"offload_activations": True}):
+    for kw in ({"offload": "params"}, {"offload_activations": True}):
         b = budget(spec, replace(s, **kw))
         assert b == plain and b.pcie_bytes_per_step == 0 and b.offload_host_bytes == 0
+    # `HostAdamW` still makes its copies, in the same memory: the weights' from the first step
+    # on (with the optimizer state), the gradients' during the step (measured on the tiny
+    # model by `homelab-dp measure`: within 1% in each phase).
+    b = budget(spec, replace(s, offload="optimizer"))
+    local = ADAPTERS / 2 * 4
+    assert b.pcie_bytes_per_step == 0 and b.offload_host_bytes == 0
+    assert b.phases["load"] == plain.phases["load"]
+    assert abs(b.optimizer - (plain.optimizer + local)) <= 1
+    assert abs(b.phases["optimizer"] - (plain.phases["optimizer"] + 2 * local)) <= 2
 
 
 # -- the planner on the 70B cases -------------------------------------------------------------
@@ -360,7 +373,8 @@ def test_a_pinned_offload_on_the_cpu_budgets_the_same_and_costs_nothing() -> Non
     for kw in ({"offload": "params"}, {"offload": "optimizer"}, {"offload_activations": True}):
         p = _plan("cpu:2:32GiB", spec=tiny, method="lora", distribution="fsdp-full",
                   seq_len=256, **kw)  # fmt: skip
-        assert p.chosen.budget == plain.chosen.budget
+        if "optimizer" not in kw.values():  # (HostAdamW's copies: the test above)
+            assert p.chosen.budget == plain.chosen.budget
         cost = p.chosen.offload_cost
         assert cost is not None and cost.pcie_bytes_per_step == 0 and cost.slowdown == 1.0
         assert cost.host_bytes_per_device == 0 and "CPU" in cost.link
