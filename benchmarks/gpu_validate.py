@@ -28,6 +28,11 @@ time budget:
    6 · N counts the weight-gradient matmuls that LoRA and QLoRA skip (their work is nearer
    4 · N), so their MFU overstates the card's use by about half; memory probes are on during a
    measure, so tokens/s is a little below a plain run's.
+7. QLoRA under FSDP2 on the same model (`benchmarks/qlora_fsdp_one_card.py`, in a process
+   group of one: FSDP2 across cards needs two): full sharding with nothing, the params, the
+   optimizer or the activations offloaded, beside QLoRA loaded whole; per configuration the
+   largest loss difference from the whole-model run, the measured ``max_memory_allocated``
+   beside the memory model's estimate, and tokens/s.
 
 Nothing is imported at module level beyond the standard library: torch and transformers are
 imported inside functions, and textual, bitsandbytes and datasets never by this script (the
@@ -336,6 +341,41 @@ def step_measure(r: Runner, report: Report, method: str, model: Path, params: in
                            f"({100 * doc['error']:+.1f}%), {steps} steps")  # fmt: skip
 
 
+def step_qlora_fsdp(r: Runner, report: Report, model: Path, cpu: bool) -> None:
+    """QLoRA under FSDP2 and each offload mode on one card (`qlora_fsdp_one_card`)."""
+    name = "QLoRA-FSDP (one card)"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        report.add(name, "skipped", "bitsandbytes not installed")
+        return
+    if r.left() < 60:
+        report.add(name, "skipped", "out of the time budget")
+        return
+    script = Path(__file__).resolve().parent / "qlora_fsdp_one_card.py"
+    size = ["--seq-len", "64", "--micro", "2", "--steps", "3"] if cpu else ["--steps", "6"]
+    cmd = [sys.executable, str(script), str(model), "--device", "cpu" if cpu else "cuda",
+           "--json", *size]  # fmt: skip
+    try:
+        out = subprocess.run(cmd, env=r.env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=max(30.0, min(300.0, r.left())), check=False)  # fmt: skip
+        doc = json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
+        report.add(name, "failed", f"{type(exc).__name__}: {exc}"[:300])
+        return
+    worst, failed = 0.0, []
+    for row in doc["rows"]:
+        if "error" in row:
+            failed.append(f"{row['config']}: {row['error']}")
+            continue
+        worst = max(worst, row.get("max_loss_diff") or 0.0)
+        est, got = row.get("estimate_bytes"), row.get("peak_bytes")
+        error = f"{100 * (est - got) / got:+.1f}%" if est and got else "–"
+        rate = f", {row['tokens_per_s']:,.0f} tokens/s" if row.get("tokens_per_s") else ""
+        report.memory.append((f"qlora {row['config']}", "peak" + rate, gib(est), gib(got), error))
+    result = "failed" if failed else "ok"
+    report.add(name, result, "; ".join(failed) or f"{len(doc['rows'])} configurations, largest "
+               f"loss difference from QLoRA loaded whole {worst:.2e}")  # fmt: skip
+
+
 def gpu_name() -> str | None:
     """The first card's name as torch sees it, or None without a usable GPU."""
     try:
@@ -382,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             peak = None if args.cpu else peak_bf16_flops(name or "")
             for method in ("full", "lora", "qlora"):
                 step_measure(r, report, method, model, params, args.cpu, args.steps, peak)
+            guarded(report, "QLoRA-FSDP (one card)", step_qlora_fsdp, r, report, model, args.cpu)
     text = report.markdown()
     print(text)
     if args.json_out:
