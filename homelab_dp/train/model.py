@@ -248,7 +248,7 @@ def _match_source(model: nn.Module, source: nn.Module | None) -> None:
             t.data = t.data.to(loaded[n][1])
 
 
-def materialize(loaded: LoadedModel, device: torch.device) -> None:
+def materialize(loaded: LoadedModel, device: torch.device, *, host_shards: bool = False) -> None:
     """Give the sharded meta model its weights, tensor by tensor, from rank 0 (a collective).
 
     After ``fully_shard``. Each parameter gets this rank's rows on ``device`` (FSDP2 shards dim 0
@@ -270,7 +270,7 @@ def materialize(loaded: LoadedModel, device: torch.device) -> None:
     with torch.no_grad():
         for name, param in list(model.named_parameters()):  # a tied weight comes once
             full = source.pop(name, None) if rank == 0 else None
-            real = receive(param, full, device, rank, world)
+            real = receive(param, full, device, rank, world, host_shard=host_shards)
             del full
             torch.utils.swap_tensors(param, nn.Parameter(real, requires_grad=param.requires_grad))
         made: dict[int, torch.Tensor] = {}
@@ -308,8 +308,9 @@ _DDP_HINT = "set train.distribution = 'ddp' (loads the model whole on every rank
 
 
 def receive(
-    t: torch.Tensor, full: torch.Tensor | None, device: torch.device, rank: int, world: int
-) -> torch.Tensor:
+    t: torch.Tensor, full: torch.Tensor | None, device: torch.device, rank: int, world: int,
+    *, host_shard: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """A real tensor for the meta ``t``: this rank's shard of a DTensor, or a whole buffer.
 
     ``full`` is rank 0's loaded tensor (None elsewhere). Every rank allocates only what it keeps
@@ -351,6 +352,10 @@ def receive(
     dist.scatter(out, pieces, src=0)
     if out is not local:
         local.copy_(out[:mine])
+    if host_shard and local.device.type == "cuda":
+        # train.offload = "params": FSDP2's CPU offload wants every shard in (pinned) host
+        # memory before its first forward; moved one at a time, so no card holds them all.
+        local = local.to("cpu").pin_memory()
     return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
                               shape=t.shape, stride=t.stride())  # fmt: skip
 

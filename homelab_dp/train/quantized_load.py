@@ -157,14 +157,17 @@ def _base_name(name: str) -> str:
 
 
 def stream_weights(
-    loaded: Any, device: torch.device, *, folder: Path, seed: int, compute: torch.dtype
-) -> None:
+    loaded: Any, device: torch.device, *, folder: Path, seed: int, compute: torch.dtype,
+    host_shards: bool = False,
+) -> None:  # fmt: skip
     """Fill the sharded meta QLoRA model from ``folder`` (a collective; after ``fully_shard``).
 
     Rank 0 makes each parameter's full value (read and cast; a 4-bit weight quantized on
     ``device``; an adapter from `adapter_init`) and `train.model.receive` scatters it; each
-    ``Linear4bit`` gets the quantization state rank 0 made, broadcast. Raises `HomelabError`
-    for a tensor the folder does not have.
+    ``Linear4bit`` gets the quantization state rank 0 made, broadcast (it stays on ``device``:
+    the matmul dequantizes there). ``host_shards`` (``train.offload = "params"``): each shard
+    goes to pinned host memory as it arrives. Raises `HomelabError` for a tensor the folder
+    does not have.
     """
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
@@ -200,7 +203,7 @@ def stream_weights(
                     else:
                         full = value
                     del value
-            real = receive(param, full, device, rank, world)
+            real = receive(param, full, device, rank, world, host_shard=host_shards)
             del full
             torch.utils.swap_tensors(param, nn.Parameter(real, requires_grad=param.requires_grad))
             if four_bit:

@@ -193,7 +193,8 @@ def wrap_model(
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     if loaded.on_meta:  # built on meta (`load_model(sharded=True)`): rank 0 sends the shards
-        (loaded.materializer or materialize)(loaded, device)
+        fill = loaded.materializer or materialize
+        fill(loaded, device, host_shards=resolved.offload == "params")
     return Strategy(kind, model, model, _trainable(model), offload=resolved.offload)
 
 
