@@ -2,10 +2,12 @@
 
 The card keeps the (sharded) weights and gradients; AdamW's two moments (8 bytes a trainable
 parameter, in fp32) and a host copy of the weights (4 bytes) live in host RAM, pinned on CUDA.
-Each step copies every gradient and weight to the host, runs torch's own AdamW arithmetic there
-(``torch.optim.adamw.adamw``, foreach, exactly what ``torch.optim.AdamW(foreach=True)`` computes
-on the CPU) and copies the updated weights back: 12 bytes a trainable parameter cross PCIe per
-step, and the card saves the 8 bytes of state per parameter.
+Each step copies every gradient and weight to the host (into pinned buffers kept from step to
+step on CUDA; on the CPU the gradients' copies live only through the step), runs torch's own
+AdamW arithmetic there (``torch.optim.adamw.adamw``, foreach, exactly what
+``torch.optim.AdamW(foreach=True)`` computes on the CPU) and copies the updated weights back:
+12 bytes a trainable parameter cross PCIe per step, and the card saves the 8 bytes of state
+per parameter.
 
 The state has AdamW's own keys (``step``, ``exp_avg``, ``exp_avg_sq``), and for an FSDP2 (DTensor)
 parameter each moment is a DTensor of the parameter's placement whose local shard is a host
@@ -54,6 +56,8 @@ class HostAdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self._host_weights: dict[torch.Tensor, torch.Tensor] = {}
+        self._host_grads: dict[torch.Tensor, torch.Tensor] = {}
+        """Pinned gradient buffers, kept on CUDA (pinning host memory every step is slow)."""
 
     def _host(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=pin)
@@ -86,7 +90,11 @@ class HostAdamW(torch.optim.Optimizer):
                     self._host_weights[p] = self._host(local.shape, local.dtype, pin)
                 host = self._host_weights[p]
                 host.copy_(local, non_blocking=True)
-                grad = self._host(local.shape, local.dtype, pin)
+                grad = self._host_grads.get(p) if pin else None
+                if grad is None:
+                    grad = self._host(local.shape, local.dtype, pin)
+                    if pin:
+                        self._host_grads[p] = grad
                 grad.copy_(_local(p.grad), non_blocking=True)
                 state = self._state_for(p, pin)
                 weights.append(host)
