@@ -8,7 +8,8 @@ Decision tree (a pinned method, distribution or offload in the preset is respect
 2. Else LoRA (frozen base, small adapters): DDP, else FSDP grad-op, else FSDP full.
 3. Else QLoRA (4-bit base): DDP, else FSDP grad-op, else FSDP full (the packed 4-bit weights
    sharded, `homelab_dp.core.memory`).
-4. Only when nothing above fits (and `train.offload` / `train.offload_activations` are
+4. Only when nothing above fits, not even on the same cards idle (memory others hold is waited
+   for, not offloaded around), and `train.offload` / `train.offload_activations` are
    "auto"): the same options with offload to host RAM — the optimizer state or the sharded
    parameters (FSDP only), the saved activations (any distribution) — and of those that fit
    the one that moves the fewest bytes over PCIe per step (`homelab_dp.core.offload` prices
@@ -190,16 +191,18 @@ def offloading(c: Candidate) -> bool:
     return c.offload != "none" or c.offload_activations
 
 
-def _decide(spec, preset, hw, dtype, calibration, host_available):
+def _decide(spec, preset, hw, dtype, calibration, host_available, *, offload: bool = True):
     """The decision tree: (chosen or None, every candidate tried, the first stage's, the
     candidates refused for host RAM). In each stage the options go in the tree's order, each
     with checkpointing off then on; the fitting one that moves the fewest bytes over PCIe per
-    step wins (without offload: the first that fits)."""
+    step wins (without offload: the first that fits). ``offload`` False: the first stage only
+    (what the preset pins, else nothing offloaded)."""
     ckpts = checkpointing_options(preset)
     tried: list[Candidate] = []
     first: list[Candidate] = []
     short: list[tuple[Candidate, int]] = []
-    for i, stage in enumerate(option_stages(preset, hw)):
+    stages = option_stages(preset, hw)
+    for i, stage in enumerate(stages if offload else stages[:1]):
         fitting: list[Candidate] = []
         for m, d, o, a in stage:
             if i and not supported(m, d, hw, dtype, o)[0]:
@@ -252,7 +255,15 @@ def plan(
     dtype = resolve_dtype(preset, hw)
     check_fp16_sharding(preset, hw, dtype)
     check_offload(preset, hw, dtype)
-    chosen, tried, first, short = _decide(spec, preset, hw, dtype, calibration, host_available)
+    # Memory other processes hold is waited for (`run --queue`), never offloaded around: offload
+    # is tried only when the same cards, idle, would not hold the run without it either.
+    offload = (
+        not hw.limited(SAFETY_MARGIN)
+        or _decide(spec, preset, hw.idle(), dtype, calibration, host_available, offload=False)[0]
+        is None
+    )
+    chosen, tried, first, short = _decide(spec, preset, hw, dtype, calibration, host_available,
+                                          offload=offload)  # fmt: skip
     usable = [c for c in tried if c.supported and all(c is not x for x, _ in short)]
     best_effort = chosen or min(usable, key=lambda c: c.budget.total, default=tried[-1])
     # Every candidate, each with the checkpointing setting the plan would use for it, under the
