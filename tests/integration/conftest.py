@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from dataclasses import replace
@@ -137,6 +138,24 @@ def run(run_dir: Path, nproc: int, *, stop_at: int | None = None, resume: bool =
     if rc != 0:
         print((run_dir / "logs" / "launcher.log").read_text(encoding="utf-8")[-6000:])
     return rc
+
+
+def run_detached(*argv: str, guard_s: float) -> Path:
+    """``homelab-dp run ARGV --detach`` in this process (the preflight runs here), waited for in
+    its run folder until it completes; the run folder. ``guard_s`` is a liveness guard."""
+    from homelab_dp.cli import main
+    from homelab_dp.core.vocabulary import FINAL_STATUSES
+
+    runs = Path(os.environ["HOMELAB_DP_RUNS"])
+    before = set(runs.iterdir()) if runs.exists() else set()
+    assert main(["run", *argv, "--detach"]) == 0
+    (run_dir,) = set(runs.iterdir()) - before
+    deadline = time.time() + guard_s
+    while read_state(run_dir).get("status") not in FINAL_STATUSES:
+        assert time.time() < deadline, read_state(run_dir)
+        time.sleep(0.2)
+    assert read_state(run_dir)["status"] == "completed", read_state(run_dir)
+    return run_dir
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:

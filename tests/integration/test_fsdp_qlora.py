@@ -7,15 +7,10 @@ Every run is the real worker under torchrun; the 4-bit weights are bitsandbytes'
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 import pytest
 
-from homelab_dp.cli import main
-from homelab_dp.core.vocabulary import FINAL_STATUSES
-from homelab_dp.rundir.state import read_state
 from tests.conftest import write_preset
 from tests.integration.conftest import (
     bitwise_equal,
@@ -24,25 +19,12 @@ from tests.integration.conftest import (
     make_run,
     max_abs_diff,
     run,
+    run_detached,
 )
 
 pytestmark = pytest.mark.slow
 QLORA = {"method": "qlora", "lr": 1e-2, "activation_checkpointing": True}
 STEPS = {"max_steps": 4, "checkpoint_every": 2}
-
-
-def _run_cli(*argv: str) -> Path:
-    """``homelab-dp run ... --detach``, waited for in its run folder; the run folder."""
-    runs = Path(os.environ["HOMELAB_DP_RUNS"])
-    before = set(runs.iterdir()) if runs.exists() else set()
-    assert main(["run", *argv, "--detach"]) == 0
-    (run_dir,) = set(runs.iterdir()) - before
-    deadline = time.time() + 600  # a liveness guard: ~20 s on an idle 2-core machine
-    while read_state(run_dir).get("status") not in FINAL_STATUSES:
-        assert time.time() < deadline, read_state(run_dir)
-        time.sleep(0.2)
-    assert read_state(run_dir)["status"] == "completed", read_state(run_dir)
-    return run_dir
 
 
 def test_qlora_under_fsdp_learns_the_adapter_qlora_under_ddp_learns(
@@ -52,7 +34,8 @@ def test_qlora_under_fsdp_learns_the_adapter_qlora_under_ddp_learns(
     same adapter, to float rounding (gradients reduce-scattered instead of all-reduced)."""
     preset = write_preset(tmp_path, "qlora", tiny_model, data_dir / "ragged-64.jsonl",
                           method="qlora", lr=1e-2, max_steps=6)  # fmt: skip
-    runs = {d: _run_cli(str(preset), "--set", f"train.distribution={d}")
+    # A liveness guard of 600 s a run: ~12 s each on an idle 2-core machine.
+    runs = {d: run_detached(str(preset), "--set", f"train.distribution={d}", guard_s=600)
             for d in ("ddp", "fsdp-grad-op", "fsdp-full")}  # fmt: skip
     ddp = final_weights(runs["ddp"])
     ddp_losses = [e["loss"] for e in events(runs["ddp"], "step")]

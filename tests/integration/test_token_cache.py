@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,11 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
-from homelab_dp.cli import main
-from homelab_dp.core.vocabulary import FINAL_STATUSES
 from homelab_dp.data import token_cache
-from homelab_dp.rundir.state import read_state
-from tests.integration.conftest import DEMO_DATA, events
+from tests.integration.conftest import DEMO_DATA, events, run_detached
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +41,9 @@ def test_a_second_run_tokenizes_nowhere(tiny_model: Path, tmp_path: Path, monkey
     }  # fmt: skip
     preset = tmp_path / "cached.toml"
     preset.write_text(tomli_w.dumps(doc), encoding="utf-8")
-    runs = Path(os.environ["HOMELAB_DP_RUNS"])
 
-    def one_run() -> Path:
-        before = set(runs.iterdir()) if runs.exists() else set()
-        assert main(["run", str(preset), "--detach"]) == 0  # the preflight runs in this process
-        (run_dir,) = set(runs.iterdir()) - before
-        deadline = time.time() + 300  # a liveness guard: ~15 s on an idle 2-core machine
-        while read_state(run_dir).get("status") not in FINAL_STATUSES:
-            assert time.time() < deadline, read_state(run_dir)
-            time.sleep(0.2)
-        assert read_state(run_dir)["status"] == "completed", read_state(run_dir)
-        return run_dir
+    def one_run() -> Path:  # the preflight runs in this process
+        return run_detached(str(preset), guard_s=300)  # ~15 s on an idle 2-core machine
 
     first = one_run()
     (entry,) = token_cache.cache_root().iterdir()
