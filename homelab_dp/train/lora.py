@@ -96,6 +96,11 @@ def bnb_config(compute: torch.dtype, storage: torch.dtype | None = None) -> Any:
     )
 
 
+def is_adapter(name: str) -> bool:
+    """Whether the parameter called ``name`` is a LoRA A or B matrix."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def adapter_init(name: str, shape: tuple[int, ...] | torch.Size, seed: int) -> torch.Tensor:
     """The initial value (fp32, on the CPU) of the LoRA parameter called ``name``.
 
@@ -108,7 +113,7 @@ def adapter_init(name: str, shape: tuple[int, ...] | torch.Size, seed: int) -> t
     value = torch.empty(tuple(shape), dtype=torch.float32)
     if ".lora_B." in name:
         return value.zero_()
-    if ".lora_A." not in name:
+    if not is_adapter(name):
         raise ValueError(f"{name}: not a LoRA A or B matrix")
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     return nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
@@ -119,7 +124,7 @@ def seed_adapters(model: nn.Module, seed: int) -> int:
     n = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
+            if is_adapter(name):
                 param.copy_(adapter_init(name, param.shape, seed))
                 n += 1
     return n

@@ -40,6 +40,7 @@ from homelab_dp.train.lora import (
     add_lora,
     bnb_config,
     disable_cpu_bf16_repack,
+    is_adapter,
     prepare_frozen_base,
 )
 
@@ -185,7 +186,7 @@ def stream_weights(
             four_bit = isinstance(owner, bnb.nn.Linear4bit) and attr == "weight"
             full, state = None, None
             if source is not None:
-                if ".lora_A." in name or ".lora_B." in name:
+                if is_adapter(name):
                     full = adapter_init(name, param.shape, seed).to(device)
                 else:
                     key = source.key_for(_base_name(name), prefix)
@@ -209,8 +210,6 @@ def stream_weights(
             if four_bit:
                 owner.quant_state = _broadcast_state(state, device)
                 del state
-    if source is not None:
-        del source
     check_materialized(model, {})
 
 
