@@ -22,13 +22,18 @@ How the value is read (the rules of ``torch.cuda._parse_visible_devices``, which
 - MIG instances (``"MIG-..."``) are not planned for: such a value is not applied, and the notice
   says so.
 
+Every child process that may touch CUDA (the training workers, eval, serve replicas, chat,
+merge and export) gets its cards from one rule, `cuda_device_env`: ``CUDA_DEVICE_ORDER`` is
+``PCI_BUS_ID`` whenever ``CUDA_VISIBLE_DEVICES`` is set, so an NVML index names the same card
+for CUDA on a rig of mixed cards.
+
 Pure (stdlib); the probe passes the environment in.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
@@ -48,6 +53,24 @@ class Visibility:
 
     def visible(self, index: int) -> bool:
         return self.indices is None or index in self.indices
+
+
+def cuda_device_env(env: Mapping[str, str], cards: Sequence[str] | None) -> dict[str, str]:
+    """``env`` for a child process that may touch CUDA, limited to ``cards``.
+
+    ``cards`` names the cards the child may see, each by UUID or NVML index (as strings), in
+    the order the child numbers them; an empty sequence hides every GPU (a CPU child never
+    holds a CUDA context); None keeps ``env``'s own ``CUDA_VISIBLE_DEVICES`` (the probe already
+    reads it in NVML order). ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` goes with every setting, because
+    NVML indices are PCI bus order while CUDA counts the fastest card first by default: without
+    it index 0 can be the other card of a mixed pair.
+    """
+    out = dict(env)
+    if cards is not None:
+        out[VISIBLE_ENV] = ",".join(cards)
+    if VISIBLE_ENV in out:
+        out[ORDER_ENV] = "PCI_BUS_ID"
+    return out
 
 
 def _number(entry: str) -> int:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from homelab_dp.core.runspec import Rendezvous, RunSpec
+from homelab_dp.probe.visible import cuda_device_env
 from homelab_dp.rundir.files import read_run_spec
 
 WORKER_MODULE = "homelab_dp.train.worker"
@@ -106,10 +107,9 @@ def worker_env(spec: RunSpec) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc)))
     launch = spec.launch
     if launch.gpu_indices:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         by_uuid = len(launch.gpu_uuids) == len(launch.gpu_indices) and launch.rendezvous.nnodes == 1
         names = launch.gpu_uuids if by_uuid else tuple(map(str, launch.gpu_indices))
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(names)
+        env = cuda_device_env(env, names)
     if spec.preset.train.deterministic:  # cuBLAS reads it when CUDA starts: before the workers
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if spec.launch.rendezvous.nnodes == 1:

@@ -15,7 +15,7 @@ from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.errors import HardwareSpecError, PresetError
 from homelab_dp.probe.fake import FAKE_ENV, load_recording
 from homelab_dp.probe.nvml import probe
-from homelab_dp.probe.visible import visibility
+from homelab_dp.probe.visible import cuda_device_env, visibility
 from homelab_dp.run.controller import Prepared
 from homelab_dp.run.launcher import worker_env
 from homelab_dp.run.planning import make_plan
@@ -336,3 +336,19 @@ def test_the_probe_table_names_each_cards_capability_and_precision() -> None:
     )
     assert compute_text(GpuInfo(1, "RTX 3090", 24 * 2**30, compute_capability=(8, 6))) == "8.6 bf16"
     assert compute_text(GpuInfo(2, "unknown", 24 * 2**30)) == "n/a"
+
+
+def test_every_cuda_child_gets_cards_in_pci_bus_order() -> None:
+    """One rule for every child that may touch CUDA: an NVML index or UUID in
+    CUDA_VISIBLE_DEVICES always goes with CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA's default order,
+    fastest first, would give index 0 to the other card of a mixed pair)."""
+
+    env = cuda_device_env({"PATH": "/bin"}, ["1"])
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert cuda_device_env({}, ["GPU-a", "GPU-b"])["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+    hidden = cuda_device_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, [])
+    assert hidden["CUDA_VISIBLE_DEVICES"] == "" and hidden["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    # None keeps the user's own list, now read in PCI bus order as the probe read it.
+    kept = cuda_device_env({"CUDA_VISIBLE_DEVICES": "0"}, None)
+    assert kept == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert cuda_device_env({"HOME": "/h"}, None) == {"HOME": "/h"}
