@@ -3,6 +3,16 @@
 - A full model folder loads with ``AutoModelForCausalLM.from_pretrained`` (safetensors only).
 - A PEFT adapter loads onto its base and is merged (``merge_and_unload``) in the compute dtype,
   so generation runs one plain model with no adapter arithmetic per token.
+- A QLoRA result (``ModelRef.quantized == "nf4"``) loads on the base it was trained against:
+  quantized to NF4 as training quantized it (`train.lora.bnb_config`), the adapter kept apart
+  (merging into 4-bit weights would round the update away), wherever bitsandbytes' 4-bit
+  kernels run on the device (`nf4_works`: CUDA, and the CPU with a bitsandbytes that has CPU
+  kernels). Elsewhere it falls back to the 16-bit base with the adapter merged; ``Loaded.base``
+  says which base was used.
+- The weights load in the dtype (``from_pretrained(dtype=...)``) and are moved with
+  ``.to(device)`` only: a ``.to(dtype)`` would also cast the rotary ``inv_freq`` buffers and the
+  modules a model keeps in fp32 (``_keep_in_fp32_modules``), and rotary angles in 16 bits drift
+  with the position (transformers PR 29285).
 - The dtype: fp32 on the CPU (whatever the run trained in: CPU matmuls in bf16/fp16 are slow and
   fp16 lacks kernels there); on CUDA the run's preset dtype where it names one, else bf16 when the
   card supports it (compute capability 8.0+), else fp16. A bf16 preset on a card without bf16
@@ -13,13 +23,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.rundir.results import ModelRef
+from homelab_dp.rundir.results import ModelRef, refuse_pickle_only
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,6 +49,9 @@ class Loaded:
     """The dtype its weights and matmuls use."""
     context: int
     """The positions the model can attend over (config max_position_embeddings / n_positions)."""
+    base: str = ""
+    """The base weights it computes with: ``nf4`` (a QLoRA result on its quantized base), else
+    the dtype's name (fp32, bf16, fp16)."""
 
 
 def parse_device(device: str) -> torch.device:
@@ -108,9 +122,41 @@ def load_tokenizer(ref: ModelRef) -> Any:
     return tokenizer
 
 
-def load_for_inference(ref: ModelRef, device: str | torch.device = "cpu") -> Loaded:
-    """Load ``ref`` on ``device`` for generation (adapters merged), with its tokenizer.
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
+
+@functools.cache
+def nf4_works(device_type: str) -> bool:
+    """Whether bitsandbytes quantizes to NF4 and back on ``device_type`` (cpu | cuda): a tiny
+    tensor is tried, so a bitsandbytes without kernels for this device answers False."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        import bitsandbytes.functional as bnbf
+
+        x = torch.ones(64, 64, device=device_type)
+        packed, state = bnbf.quantize_4bit(x, quant_type="nf4")
+        back = bnbf.dequantize_4bit(packed, state)
+    except (ImportError, RuntimeError, NotImplementedError, AttributeError, ValueError):
+        return False
+    return bool(torch.allclose(back.float(), x.float()))
+
+
+def base_kind(ref: ModelRef, device: torch.device, dtype: torch.dtype) -> str:
+    """The base ``ref`` loads on: ``nf4`` for a QLoRA result where bitsandbytes works on
+    ``device``, else the dtype's name."""
+    if ref.quantized == "nf4" and ref.is_adapter and nf4_works(device.type):
+        return "nf4"
+    return DTYPE_NAMES[dtype]
+
+
+def load_for_inference(
+    ref: ModelRef, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> Loaded:
+    """Load ``ref`` on ``device`` for generation, with its tokenizer: a QLoRA result on its NF4
+    base with the adapter apart where bitsandbytes works, any other adapter merged.
+
+    ``dtype``: the compute dtype instead of `inference_dtype`'s choice (tests: bf16 on the CPU).
     A folder that transformers cannot read becomes a HomelabError naming the folder.
     """
     from transformers import AutoModelForCausalLM
@@ -118,22 +164,42 @@ def load_for_inference(ref: ModelRef, device: str | torch.device = "cpu") -> Loa
 
     hf_logging.disable_progress_bar()  # a bar per load in a log or a chat says nothing useful
     dev = device if isinstance(device, torch.device) else parse_device(device)
-    dtype = inference_dtype(dev, ref.dtype)
-    kwargs = {"dtype": dtype, "trust_remote_code": ref.trust_remote_code}
+    dtype = dtype or inference_dtype(dev, ref.dtype)
+    base = base_kind(ref, dev, dtype)
+    check_safetensors(ref)
+    # In the dtype from the start: inv_freq and _keep_in_fp32_modules stay fp32.
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": ref.trust_remote_code}
+    if base == "nf4":
+        from homelab_dp.train.lora import bnb_config
+
+        kwargs["quantization_config"] = bnb_config(dtype)
+        kwargs["device_map"] = {"": dev}  # quantized as it is placed on the device
     try:
         tokenizer = load_tokenizer(ref)
-        model = AutoModelForCausalLM.from_pretrained(ref.config_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            ref.config_path, use_safetensors=True, **kwargs
+        )
         if ref.is_adapter:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, ref.path).merge_and_unload()
+            model = PeftModel.from_pretrained(model, ref.path)
+            if base != "nf4":  # merging into 4-bit weights would round the update away
+                model = model.merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - whatever the reason, this folder does not load
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise HomelabError(
             f"{ref.path}: cannot load the model ({reason})",
             hint="point at a complete model folder (config.json, safetensors weights, tokenizer)",
         ) from None
-    model.to(device=dev, dtype=dtype)
+    if base != "nf4":  # a quantized model is placed by device_map (and cannot be moved)
+        model.to(dev)  # the device only: a dtype here would cast the fp32 buffers too
     model.eval()
     model.requires_grad_(False)
-    return Loaded(model, tokenizer, dev, dtype, context_length(model.config))
+    return Loaded(model, tokenizer, dev, dtype, context_length(model.config), base)
+
+
+def check_safetensors(ref: ModelRef) -> None:
+    """Refuse a model or adapter folder whose weights are pickle only (never handed to
+    ``torch.load``): a HomelabError naming the file (`rundir.results.refuse_pickle_only`)."""
+    for folder in {ref.config_path, ref.path}:
+        refuse_pickle_only(folder)

@@ -5,7 +5,11 @@
   (``merge_and_unload``). Loading in the compute dtype, not fp32, keeps the host memory at the
   size of the exported weights; peft computes each update ``B @ A`` in fp32 on the CPU and
   rounds once when it adds it.
-- A full fine-tune's weights (fp32 master weights) are cast to the compute dtype.
+- A full fine-tune's weights (fp32 master weights) load in the compute dtype.
+- Whatever ``from_pretrained`` keeps in fp32 in that dtype (a model's
+  ``_keep_in_fp32_modules``) stays fp32 in the folder written: nothing is cast after the load
+  but a parameter that left the load's dtype (`restore_dtypes`), never a buffer (rotary
+  ``inv_freq`` stays fp32).
 - ``auto`` (a bare folder, not a run) keeps the dtype the weights are stored in.
 
 The folder gets config.json (its ``dtype`` is the dtype written), the weights as safetensors
@@ -45,8 +49,9 @@ def load_merged(
     wanted = torch_dtype(dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            weights, dtype=wanted, trust_remote_code=trust_remote_code
+            weights, dtype=wanted, trust_remote_code=trust_remote_code, use_safetensors=True
         )
+        loaded = {name: p.dtype for name, p in model.named_parameters()}
         if adapter is not None:
             from peft import PeftModel
 
@@ -58,9 +63,24 @@ def load_merged(
             hint="the run's result or its base model is damaged or missing; check the folders",
         ) from None
     if isinstance(wanted, torch.dtype):
-        model.to(dtype=wanted)  # the adapter's own weights may have stayed in fp32
+        restore_dtypes(model, loaded, wanted)
     model.eval()
     return model
+
+
+def restore_dtypes(model: Any, loaded: dict[str, torch.dtype], wanted: torch.dtype) -> int:
+    """Give each floating parameter of the merged ``model`` the dtype the base loaded it in
+    (``loaded``, by name; ``wanted`` for one the base did not have), so a module the model keeps
+    in fp32 stays fp32; buffers are left alone. How many parameters were cast."""
+    n = 0
+    for module_name, module in model.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            full = f"{module_name}.{name}" if module_name else name
+            target = loaded.get(full, wanted)
+            if param.is_floating_point() and param.dtype != target:
+                param.data = param.data.to(target)
+                n += 1
+    return n
 
 
 def save_model_folder(

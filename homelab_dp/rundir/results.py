@@ -3,7 +3,12 @@
 `eval`, `chat` and `serve` take the same MODEL; this module turns it into the folders to load,
 without torch: a full model folder (config.json + weights), or a PEFT adapter folder with the
 base model it was trained on. A LoRA run whose adapter was merged (`final/merged/`) is served
-from the merged folder: the same weights, no adapter arithmetic per token.
+from the merged folder: the same weights, no adapter arithmetic per token. A QLoRA run's
+adapter goes with its base to quantize to NF4 (``quantized``), as it was trained: its
+16-bit merge is another model.
+
+A folder whose weights are pickle only (``pytorch_model.bin`` and no safetensors) is refused
+here, for every command that takes a MODEL: pickle files can run code when loaded.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class ModelRef:
     """The run's preset allowed the model folder's own code (never for a bare folder)."""
     dtype: str = "auto"
     """The run's preset dtype (auto | bf16 | fp16 | fp32)."""
+    quantized: str = ""
+    """``nf4``: the adapter was trained against its base quantized to NF4 (a QLoRA run), and
+    eval, chat and serve load that base so where bitsandbytes works; "" for none."""
 
     @property
     def is_adapter(self) -> bool:
@@ -56,6 +64,41 @@ class ModelRef:
     def config_path(self) -> Path:
         """The folder whose config.json describes the architecture."""
         return self.base if self.base is not None else self.path
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+"""Weight files in Python's pickle format: loading one can run code."""
+
+
+def pickle_only(folder: Path) -> list[str]:
+    """The pickle weight files of ``folder`` when it holds no safetensors weights, else []."""
+    try:
+        if not folder.is_dir() or any(folder.glob("*.safetensors")):
+            return []
+        return sorted(p.name for p in folder.iterdir()
+                      if p.suffix in PICKLE_SUFFIXES and p.is_file())  # fmt: skip
+    except OSError:  # unreadable: whoever reads it next says why
+        return []
+
+
+def refuse_pickle_only(folder: Path) -> None:
+    """A HomelabError naming the pickle file when ``folder`` holds weights in pickle only: the
+    safetensors-only rule, for every command that loads, serves or exports a model."""
+    pickles = pickle_only(folder)
+    if pickles:
+        raise HomelabError(
+            f"{folder / pickles[0]}: pickle weights without safetensors; refused, never loaded",
+            hint="pickle files can run code when loaded; convert the weights to safetensors "
+            "(save_pretrained(..., safe_serialization=True)) on a machine you trust",
+        )
+
+
+def _checked(ref: ModelRef) -> ModelRef:
+    """``ref`` once neither its folder nor its base holds pickle weights only."""
+    refuse_pickle_only(ref.path)
+    if ref.base is not None:
+        refuse_pickle_only(ref.base)
+    return ref
 
 
 def _adapter_base(folder: Path, fallback: str | None) -> Path:
@@ -127,9 +170,13 @@ def _run_ref(run_dir: Path) -> ModelRef:
             f"run {run_dir.name} has no result yet (no {final})",
             hint=f"wait for it to complete, or `homelab-dp resume {run_dir.name}`",
         )
+    adapter = (final / "adapter_config.json").is_file()
+    if adapter and str(preset.train.method) == "qlora":  # its NF4 base, not a 16-bit merge
+        base = _adapter_base(final, preset.model.path)
+        return ModelRef(path=final, base=base, quantized="nf4", **common)
     if (final / "merged" / "config.json").is_file():
         return ModelRef(path=final / "merged", **common)
-    if (final / "adapter_config.json").is_file():
+    if adapter:
         return ModelRef(path=final, base=_adapter_base(final, preset.model.path), **common)
     return ModelRef(path=final, **common)
 
@@ -152,11 +199,11 @@ def resolve_model(ref: str, root: Path | None = None) -> ModelRef:
     if ref.strip() and folder.is_dir():  # Path("") is the current folder: never a silent "."
         folder = folder.absolute()
         if (folder / "spec.json").is_file():
-            return _run_ref(folder)
-        return _folder_ref(folder)
+            return _checked(_run_ref(folder))
+        return _checked(_folder_ref(folder))
     run_dir = find_run(ref, root)
     if run_dir is not None:
-        return _run_ref(run_dir)
+        return _checked(_run_ref(run_dir))
     raise HomelabError(
         f"model {ref!r}: no such folder, and no run with that id under {root or runs_root()}",
         hint="give a run id (`homelab-dp runs`), a run folder, a model folder, or a Hugging "
