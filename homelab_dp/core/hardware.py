@@ -48,6 +48,41 @@ class GpuProcess:
 
 
 @dataclass(frozen=True)
+class MigSlice:
+    """One MIG instance of a card (a GPU instance with its compute instance): what CUDA shows a
+    process as one device, with its own memory."""
+
+    index: int
+    """Its MIG device index under the card (NVML's ``nvmlDeviceGetMigDeviceHandleByIndex``)."""
+    uuid: str | None
+    """``MIG-...``: what ``CUDA_VISIBLE_DEVICES`` names it by (``nvidia-smi -L`` lists it)."""
+    name: str | None
+    """As NVML names it: ``NVIDIA A100-SXM4-80GB MIG 3g.40gb`` (torch gives the same name)."""
+    memory_bytes: int
+    """Its own device memory, a share of the card's."""
+    memory_free: int | None = None
+    memory_used: int | None = None
+
+    @property
+    def profile(self) -> str:
+        """The MIG profile from its name (``3g.40gb``), else ``slice N``."""
+        name = self.name or ""
+        return name.rpartition(" MIG ")[2] if " MIG " in name else f"slice {self.index}"
+
+
+@dataclass(frozen=True)
+class MigInfo:
+    """A card's MIG (Multi-Instance GPU) mode, on cards that have one (A100, A30, H100, H200)."""
+
+    enabled: bool
+    """MIG is on now: CUDA sees the card only as its slices, one per process."""
+    pending: bool
+    """MIG will be on after the card's next reset (``nvidia-smi -mig`` takes effect then)."""
+    slices: tuple[MigSlice, ...] = ()
+    """The MIG instances that exist now (none unless ``enabled``)."""
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     """One GPU as NVML reports it. Every field NVML may not support is optional (None)."""
 
@@ -78,6 +113,28 @@ class GpuInfo:
     processes: tuple[GpuProcess, ...] | None = None
     """The compute and graphics processes holding memory on it, one per pid; None when NVML
     could not list them (not supported, no permission)."""
+    mig: MigInfo | None = None
+    """Its MIG mode and slices; None where the card has no MIG (NVML: not supported). With MIG
+    on, ``memory_*`` are the whole card's, which no process can use: plans use one slice
+    (`mig_slice`)."""
+
+
+def mig_on(gpu: GpuInfo) -> bool:
+    """CUDA sees ``gpu`` only as MIG slices (MIG is on now)."""
+    return gpu.mig is not None and gpu.mig.enabled
+
+
+def mig_slice(gpu: GpuInfo, wanted: str | None = None) -> MigSlice | None:
+    """The slice a one-process run on ``gpu`` uses: the one whose MIG UUID is ``wanted`` (from
+        ``CUDA_VISIBLE_DEVICES``), else the one with the most free memory (the lowest index among
+        equals). Only a slice with a UUID can be named to CUDA, and only one whose memory NVML gave
+    can be planned; None when there is none such."""
+    named = [s for s in gpu.mig.slices if s.uuid and s.memory_bytes] if gpu.mig else []
+    if wanted:
+        named = [s for s in named if s.uuid == wanted] or named
+    if not named:
+        return None
+    return max(named, key=lambda s: (s.memory_free or 0, -s.index))
 
 
 @dataclass(frozen=True)
@@ -129,6 +186,9 @@ class HardwareReport:
     says what it hides (rules: `homelab_dp.probe.visible`)."""
     hidden_gpus: tuple[int, ...] = ()
     """NVML indices of the GPUs CUDA_VISIBLE_DEVICES hides: left out of `gpus` and of plans."""
+    visible_mig: str | None = None
+    """The MIG instance CUDA_VISIBLE_DEVICES names (its ``MIG-...`` UUID): plans use that slice
+    of its card. None when it names none."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict (the `probe --json` document)."""
@@ -181,7 +241,11 @@ class PlanHardware:
     per device, when planned from the probe; empty otherwise."""
     uuids: tuple[str, ...] = field(default=())
     """The same GPUs by NVML UUID, one per index, when NVML gave every one (else empty): what
-    the run puts in CUDA_VISIBLE_DEVICES, so the workers see exactly these cards."""
+    the run puts in CUDA_VISIBLE_DEVICES, so the workers see exactly these cards. A MIG
+    slice is named by its ``MIG-...`` UUID (the card's own UUID shows CUDA no device)."""
+    notes: tuple[str, ...] = field(default=())
+    """What choosing the devices decided that the plan should say (a MIG slice planned in
+    place of its card); the plan's reasons start with these."""
 
     @property
     def world_size(self) -> int:

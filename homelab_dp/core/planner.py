@@ -284,6 +284,7 @@ def plan(
     reasons = choice_reasons(spec, preset, hw, best_effort, first if later else tried, dtype,
                              SAFETY_MARGIN, only_offload=later)  # fmt: skip
     reasons += host_short_reasons(short, host_available)
+    reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:
         advice = tuple(

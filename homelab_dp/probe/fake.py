@@ -22,7 +22,11 @@ Recording format (see ``tests/data/nvml/*.json``)::
         "pcie": {"gen": 4, "width": 16, "gen_max": 4, "width_max": 16},
         "nvlink": [{"active": true, "remote_bus_id": "00000000:4A:00.0"}, ...],
         "compute_processes": [{"pid": 4242, "name": "python3", "used_bytes": 6442450944}],
-        "graphics_processes": [{"pid": 2101, "name": "Xorg", "used_bytes": null}]
+        "graphics_processes": [{"pid": 2101, "name": "Xorg", "used_bytes": null}],
+        "mig_mode": [1, 1],                  # (current, pending): 1 on, 0 off
+        "max_mig_device_count": 7,
+        "mig_devices": [{"name": "NVIDIA A100-SXM4-80GB MIG 3g.40gb", "uuid": "MIG-...",
+                         "memory": {"total": bytes, "free": bytes, "used": bytes}}]
       }],
       "pairs": {"0-1": {"p2p_read": "OK", "p2p_nvlink": "OK", "topology": "NODE"}}
     }
@@ -33,6 +37,11 @@ missing key also answers "not supported", as a card that does not know the query
 ``"handle"`` key set to an error makes ``nvmlDeviceGetHandleByIndex`` fail for it. P2P answers are
 names of ``NVML_P2P_STATUS_*`` (``"OK"``, ``"CHIPSET_NOT_SUPPORTED"``, ``"GPU_NOT_SUPPORTED"`` …)
 or integers; topology answers are names of ``NVML_TOPOLOGY_*`` (``"HOSTBRIDGE"``, ``"NODE"`` …).
+
+MIG: ``mig_devices`` lists the MIG instances by MIG device index (``null`` or a missing index up
+to ``max_mig_device_count`` answers ``NVML_ERROR_NOT_FOUND``, as a free index does); a MIG
+handle answers ``nvmlDeviceGetName``, ``nvmlDeviceGetUUID`` and ``nvmlDeviceGetMemoryInfo`` from
+its entry and "not supported" to everything else. A card without ``mig_mode`` has no MIG.
 
 Processes: ``used_bytes`` null is NVML's "not available"; ``name`` is what the probe reports for
 the pid (the test machine's /proc is not asked). A recording without the process keys (made before
@@ -52,6 +61,9 @@ from typing import Any
 from homelab_dp.core.hardware import HostInfo
 from homelab_dp.errors import HomelabError
 
+_MIG_KEYS = ("name", "uuid", "memory")
+"""What a MIG handle answers from its recorded entry."""
+
 FAKE_ENV = "HOMELAB_DP_FAKE_NVML"
 """Names a recording JSON file; `probe()` and `sample()` then answer from it instead of NVML."""
 
@@ -69,6 +81,17 @@ class _Handle:
 
     def __repr__(self) -> str:
         return f"<fake NVML device {self.index}>"
+
+
+class _MigHandle:
+    """A MIG device handle: the card's handle and the MIG device index under it."""
+
+    def __init__(self, parent: _Handle, index: int) -> None:
+        self.parent = parent
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<fake NVML MIG device {self.parent.index}/{self.index}>"
 
 
 class FakeNvml:
@@ -120,7 +143,19 @@ class FakeNvml:
         return self.devices[handle.index]
 
     def _field(self, name: str, handle: Any, key: str) -> Any:
+        if isinstance(handle, _MigHandle):  # a MIG instance knows its name, UUID and memory
+            self._enter(name)
+            entry = self._mig_entry(handle.parent, handle.index)
+            known = entry.get(key, "NOT_SUPPORTED") if key in _MIG_KEYS else "NOT_SUPPORTED"
+            return self._answer(known)
         return self._answer(self._device(name, handle).get(key, "NOT_SUPPORTED"))
+
+    def _mig_entry(self, parent: _Handle, index: int) -> dict[str, Any]:
+        listed = self._answer(self.devices[parent.index].get("mig_devices", "NOT_SUPPORTED"))
+        entry = listed[index] if 0 <= index < len(listed) else None
+        if entry is None:
+            raise self._error("NOT_FOUND")
+        return entry
 
     def _sub(self, name: str, handle: Any, key: str, sub: str) -> Any:
         return self._answer(self._field(name, handle, key).get(sub, "NOT_SUPPORTED"))
@@ -279,6 +314,21 @@ class FakeNvml:
                     if entry.get("pid") == pid:
                         return entry.get("name")
         return None
+
+    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        current, pending = self._field("nvmlDeviceGetMigMode", handle, "mig_mode")
+        return [current, pending]  # pynvml returns a list
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        return self._field("nvmlDeviceGetMaxMigDeviceCount", handle, "max_mig_device_count")
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> _MigHandle:
+        self._device("nvmlDeviceGetMigDeviceHandleByIndex", handle)
+        count = self._answer(self.devices[handle.index].get("max_mig_device_count", 0))
+        if not 0 <= index < count:
+            raise self._error("INVALID_ARGUMENT")
+        self._mig_entry(handle, index)
+        return _MigHandle(handle, index)
 
     def nvmlDeviceGetTopologyCommonAncestor(self, h1: Any, h2: Any) -> int:
         level = self._pair("nvmlDeviceGetTopologyCommonAncestor", h1, h2, "topology")

@@ -19,8 +19,11 @@ How the value is read (the rules of ``torch.cuda._parse_visible_devices``, which
   probe`` show, as CUDA counts with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. CUDA's default order
   (``FASTEST_FIRST``) can number mixed cards differently; the notice then says so.
 - The order of the entries does not matter here: homelab-dp numbers cards by NVML index.
-- MIG instances (``"MIG-..."``) are not planned for: such a value is not applied, and the notice
-  says so.
+- MIG instances (``"MIG-..."``, as ``nvidia-smi -L`` lists them; a prefix that matches one is
+  enough): CUDA gives a process one MIG instance, the first named, so the card that holds it is
+  the one visible card and plans use that slice (`Visibility.mig_uuid`); the rest of the list
+  is not used, and the notice says so. A value whose first entry names no MIG instance NVML
+  lists here (another machine's, or the older ``MIG-GPU-.../gi/ci`` form) is not applied.
 
 Every child process that may touch CUDA (the training workers, eval, serve replicas, chat,
 merge and export) gets its cards from one rule, `cuda_device_env`: ``CUDA_DEVICE_ORDER`` is
@@ -50,6 +53,9 @@ class Visibility:
     """NVML indices of the visible GPUs, ascending; None: every GPU (unset, or not applied)."""
     notice: str | None = None
     """What it hides and how it was read, for people; None when it hides nothing."""
+    mig_uuid: str | None = None
+    """The MIG instance it names (its full ``MIG-...`` UUID), which plans use on its card;
+    None when it names none."""
 
     def visible(self, index: int) -> bool:
         return self.indices is None or index in self.indices
@@ -116,25 +122,58 @@ def _cards(indices: list[int] | tuple[int, ...], names: Mapping[int, str]) -> st
     return ", ".join(words)
 
 
+def _mig_visibility(
+    value: str,
+    count: int,
+    names: Mapping[int, str],
+    slices: Mapping[int, Sequence[str]],
+) -> Visibility:
+    """``CUDA_VISIBLE_DEVICES`` naming MIG instances: the first one named, if NVML lists it."""
+    shown = f"{VISIBLE_ENV}={value!r}"
+    first, *rest = value.split(",")
+    found = [
+        (i, u) for i, listed in slices.items() for u in listed if first and u.startswith(first)
+    ]
+    if len(found) != 1:
+        return Visibility(
+            value,
+            None,
+            f"{shown} names a MIG instance that NVML does not list here, so it is not applied "
+            f"(`homelab-dp probe` lists the MIG slices; a run sets {VISIBLE_ENV} to the GPU or "
+            f"MIG slice it planned)",
+        )
+    index, uuid = found[0]
+    text = f"{shown} names MIG instance {uuid} of {_cards([index], names)}"
+    hidden = [i for i in range(count) if i != index]
+    if hidden:
+        text += f" and hides {_cards(hidden, names)}"
+    text += "; plans and runs use that slice only"
+    if rest:
+        text += (
+            f" (CUDA gives a process one MIG instance, the first named: {len(rest)} more not used)"
+        )
+    return Visibility(value, (index,), text, mig_uuid=uuid)
+
+
 def visibility(
-    env: Mapping[str, str], count: int, uuids: Mapping[int, str | None], names: Mapping[int, str]
+    env: Mapping[str, str],
+    count: int,
+    uuids: Mapping[int, str | None],
+    names: Mapping[int, str],
+    slices: Mapping[int, Sequence[str]] | None = None,
 ) -> Visibility:
     """Apply ``env``'s ``CUDA_VISIBLE_DEVICES`` to the ``count`` GPUs NVML lists.
 
     ``uuids`` and ``names`` map NVML indices to what NVML said of each card (a card that could not
-    be opened has neither, so only its number can name it).
+    be opened has neither, so only its number can name it); ``slices`` maps the index of each
+    card with MIG on to the UUIDs of its MIG instances.
     """
     value = env.get(VISIBLE_ENV)
     if value is None:
         return Visibility(None, None)
     shown = f"{VISIBLE_ENV}={value!r}"
     if value.startswith("MIG-"):
-        return Visibility(
-            value,
-            None,
-            f"{shown} names MIG instances; homelab-dp plans and runs whole GPUs, so it is not "
-            f"applied (a run sets {VISIBLE_ENV} to the GPUs it planned)",
-        )
+        return _mig_visibility(value, count, names, slices or {})
     order, stop = _parse(value, count, uuids)
     indices = tuple(sorted(order))
     hidden = [i for i in range(count) if i not in indices]

@@ -10,10 +10,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from homelab_dp.core.hardware import (
+    GpuInfo,
     GpuProcess,
     HardwareReport,
     PlanDevice,
     PlanHardware,
+    format_bytes,
+    mig_on,
+    mig_slice,
     parse_gpus_spec,
     trained_pcie_link,
 )
@@ -102,6 +106,9 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
             hint="`homelab-dp probe` lists the GPUs and their indices",
         )
     gpus = [by_index[i] for i in indices]
+    if len(gpus) == 1 and mig_on(gpus[0]):
+        return _mig_hardware(gpus[0], report), report
+    check_no_mig(gpus)
     ours = our_pids() if any(g.processes for g in gpus) else {}
     chosen = tuple(
         PlanDevice(
@@ -121,8 +128,85 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
         source="probe",
         indices=tuple(indices),
         uuids=uuids if len(uuids) == len(gpus) else (),
+        notes=tuple(_mig_pending_note(g) for g in gpus if g.mig and g.mig.pending),
     )
     return hardware, report
+
+
+def _card(g: GpuInfo) -> str:
+    return f"GPU {g.index} ({g.name})"
+
+
+def _mig_off(g: GpuInfo) -> str:
+    return f"sudo nvidia-smi -i {g.index} -mig 0, then reset the card (sudo nvidia-smi -i {g.index} -r)"
+
+
+def check_no_mig(gpus: list[GpuInfo]) -> None:
+    """Several cards, one with MIG on: refused. CUDA gives a process one MIG slice, and NCCL
+    does not run between MIG instances, so no run can span a MIG slice and another device."""
+    mig = [g for g in gpus if mig_on(g)]
+    if not mig:
+        return
+    whole = [g.index for g in gpus if not mig_on(g)]
+    cards = " and ".join(_card(g) for g in mig)
+    has = "has" if len(mig) == 1 else "have"
+    others = ""
+    if whole:
+        others = f", or the cards without MIG: hardware.devices=[{','.join(map(str, whole))}]"
+    raise HardwareSpecError(
+        f"hardware.devices: {cards} {has} MIG on, and a run on {len(gpus)} devices cannot use a "
+        "MIG slice: CUDA gives a process one MIG slice, and NCCL does not run between MIG "
+        "instances",
+        hint=f"turn MIG off to train on the whole card: {_mig_off(mig[0])}; or plan on one "
+        f"MIG slice: hardware.devices=[{mig[0].index}]{others} (e.g. --set "
+        f"hardware.devices=[{whole[0] if whole else mig[0].index}])",
+    )
+
+
+def _mig_hardware(g: GpuInfo, report: HardwareReport) -> PlanHardware:
+    """One card with MIG on, planned as the one MIG slice a process gets (`mig_slice`): its
+    memory, its MIG UUID (what the run puts in CUDA_VISIBLE_DEVICES), never the whole card."""
+    chosen = mig_slice(g, report.visible_mig)
+    if chosen is None:
+        none = "no MIG instance" if not g.mig or not g.mig.slices else "no MIG instance NVML names"
+        raise HardwareSpecError(
+            f"hardware.devices: {_card(g)} has MIG on but {none}: CUDA cannot run on it",
+            hint=f"create one: sudo nvidia-smi mig -i {g.index} -cgi <profile> -C (`nvidia-smi "
+            f"mig -i {g.index} -lgip` lists the profiles), or turn MIG off: {_mig_off(g)}",
+        )
+    assert chosen.uuid is not None  # mig_slice picks only slices CUDA can be told
+    slices = g.mig.slices if g.mig else ()
+    why = (
+        "named by CUDA_VISIBLE_DEVICES"
+        if chosen.uuid == report.visible_mig
+        else "the most free memory" if len(slices) > 1 else "its only one"
+    )  # fmt: skip
+    free = f", {format_bytes(chosen.memory_free)} free" if chosen.memory_free is not None else ""
+    note = (
+        f"MIG: {_card(g)} is split into {len(slices)} MIG slice{'s' if len(slices) > 1 else ''}; "
+        f"the plan uses slice {chosen.index} ({chosen.profile}, {chosen.uuid}, "
+        f"{format_bytes(chosen.memory_bytes)}{free}: {why}) in one process, never the whole "
+        "card: CUDA gives a process one MIG slice, and NCCL does not run between them. For the "
+        f"whole card turn MIG off: {_mig_off(g)}; for another slice, set CUDA_VISIBLE_DEVICES "
+        "to its MIG UUID (`homelab-dp probe` lists them)."
+    )
+    device = PlanDevice(
+        chosen.name or f"{g.name} MIG {chosen.profile}",
+        chosen.memory_bytes,
+        g.compute_capability,
+        chosen.memory_free,
+        None,  # NVML lists the card's processes, not which slice each one is on
+        *trained_pcie_link(g),
+    )
+    return PlanHardware("cuda", (device,), source="probe", indices=(g.index,),
+                        uuids=(chosen.uuid,), notes=(note,))  # fmt: skip
+
+
+def _mig_pending_note(g: GpuInfo) -> str:
+    return (
+        f"MIG: {_card(g)} turns MIG on at its next reset; until then CUDA sees the whole card, "
+        "which this plan is for (after it, a plan uses one MIG slice)."
+    )
 
 
 def our_pids() -> dict[int, str]:
