@@ -4,11 +4,11 @@ printing a result."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
+from homelab_dp.core import json_safe
 from homelab_dp.render.errors import error_lines
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -53,7 +53,7 @@ def use_runs_option(args: argparse.Namespace) -> None:
 
 def print_json(doc: Any) -> None:
     """One indented JSON document on stdout (the ``--json`` output of a command)."""
-    print(json.dumps(doc, indent=2))
+    print(json_safe.dumps(doc, indent=2))
 
 
 def print_rich(renderable: Any) -> None:

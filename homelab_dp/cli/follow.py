@@ -13,11 +13,11 @@ line. Ctrl-C only detaches: the run goes on.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any, TextIO
 
+from homelab_dp.core import json_safe
 from homelab_dp.core.run_view import RunView
 from homelab_dp.core.vocabulary import EXIT_CODE_BY_STATUS
 from homelab_dp.render.run_view import event_line, final_text, live_panel
@@ -103,7 +103,7 @@ class _Printer:
 
     def event(self, e: dict[str, Any]) -> None:
         if self.mode == "json":
-            self.out.write(json.dumps(e) + "\n")
+            self.out.write(json_safe.dumps(e) + "\n")
             self.out.flush()
         elif self.mode == "plain":
             if e.get("type") == "devices":  # a sample a second: a line every 10 s at most

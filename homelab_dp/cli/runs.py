@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 from homelab_dp.cli.common import print_json
+from homelab_dp.core import json_safe
 
 
 def _controller():
@@ -74,7 +74,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         head = f"queued {run_id} (position {queue.get('position', 1)}, waiting for {waits})"
     if args.detach:
         if args.json:
-            print(json.dumps({"type": "detached", "run_id": run_id, "queued": args.queue}))
+            print(json_safe.dumps({"type": "detached", "run_id": run_id, "queued": args.queue}))
         else:
             print(f"{head}\nfollow it with: homelab-dp attach {run_id}")
         return 0
@@ -93,7 +93,7 @@ def _fitted(args: argparse.Namespace) -> list[str]:
     if fit is None or not fit.fits:
         return []  # nothing fits: the plan refuses the run with its reasons
     if args.json:
-        print(json.dumps({"type": "auto_fit", **fit.to_json()}))
+        print(json_safe.dumps({"type": "auto_fit", **fit.to_json()}))
     else:
         print(fit.describe())
     out = [f"train.micro_batch={fit.micro_batch}", f"train.grad_accum={fit.grad_accum}"]
@@ -120,7 +120,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_id = controller.resume(args.run, _rendezvous(args), queue=args.queue, force=args.force)
     if args.detach:
         print(
-            json.dumps({"type": "detached", "run_id": run_id}) if args.json else f"resumed {run_id}"
+            json_safe.dumps({"type": "detached", "run_id": run_id})
+            if args.json
+            else f"resumed {run_id}"
         )
         return 0
     return follow(controller, run_id, _mode(args), history_until=history)

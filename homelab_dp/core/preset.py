@@ -118,6 +118,17 @@ def _check_value(value: Any, tp: Any) -> tuple[bool, Any]:
     return False, value
 
 
+def _non_finite(value: Any) -> bool:
+    """Whether ``value`` is, or holds at any depth, a NaN or an infinity."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # the section module's own names resolve the annotations
 
@@ -144,6 +155,9 @@ def preset_from_dict(data: dict[str, Any], source: str = "") -> Preset:
             if key not in hints:
                 known = ", ".join(hints)
                 problems.append(f"{dotted}: unknown key (known in [{name}]: {known})")
+                continue
+            if _non_finite(value):  # TOML's inf/nan (or 1e999): never a usable setting
+                problems.append(f"{dotted}: must be a finite number, got {value!r}")
                 continue
             ok, conv = _check_value(value, hints[key])
             if not ok:

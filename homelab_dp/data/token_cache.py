@@ -40,6 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
 from homelab_dp.data import tokenize
 from homelab_dp.data.tokenize import Example
 from homelab_dp.data.tokenizer_ref import tokenizer_folder
@@ -196,7 +197,7 @@ def write(key: str, examples: Sequence[Example], fmt: str, about: str, pad_id: i
 def note_use(folder: Path, use: str) -> None:
     """Append this process's use (``built`` or ``hit``) to the entry's ``uses.jsonl`` in one
     ``O_APPEND`` write (lines of concurrent processes never interleave); best effort."""
-    line = json.dumps({"pid": os.getpid(), "time": round(time.time(), 3), "use": use}) + "\n"
+    line = json_safe.dumps({"pid": os.getpid(), "time": round(time.time(), 3), "use": use}) + "\n"
     try:
         fd = os.open(folder / USES, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

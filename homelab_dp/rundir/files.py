@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
 from homelab_dp.core.events import Event
 from homelab_dp.core.runspec import RunSpec
 from homelab_dp.errors import HomelabError
@@ -69,7 +70,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON through a temporary file and a rename, so readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2)
+        json_safe.dump(data, fh, indent=2)
         fh.write("\n")
         fh.flush()
         os.fsync(fh.fileno())
@@ -88,6 +89,6 @@ def write_run_spec(run_dir: Path, spec: RunSpec) -> None:
 
 def append_event(run_dir: Path, event: Event) -> None:
     """Append one controller or keeper event to events.jsonl (one line, one write)."""
-    line = json.dumps(event.to_json())
+    line = json_safe.dumps(event.to_json())
     with open(run_dir / "events.jsonl", "a", encoding="utf-8") as fh:
         fh.write(line + "\n")

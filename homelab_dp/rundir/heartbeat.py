@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
+
 HEARTBEATS = Path("logs") / "heartbeats"
 """The heartbeat folder, relative to the run folder."""
 
@@ -49,7 +51,7 @@ def write_heartbeat(path: Path, beat: dict[str, Any]) -> None:
     """Write one heartbeat through a temporary file and a rename (readers never see half)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps(beat))
+        fh.write(json_safe.dumps(beat))
     os.replace(tmp, path)
 
 

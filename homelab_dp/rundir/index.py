@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from homelab_dp.core import json_safe
 from homelab_dp.errors import RunNotFoundError
 
 RUNS_ENV = "HOMELAB_DP_RUNS"
@@ -103,7 +104,7 @@ def register(run_dir: Path, created: float | None = None) -> None:
     """Record a run folder in the per-user index (one line, one O_APPEND write, file 0600)."""
     ensure_private_dir(data_home())
     path = Path(run_dir).resolve()
-    line = json.dumps({"id": path.name, "path": str(path), "created": created or time.time()})
+    line = json_safe.dumps({"id": path.name, "path": str(path), "created": created or time.time()})
     data = (line + "\n").encode("utf-8")
     while True:
         fd = os.open(index_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

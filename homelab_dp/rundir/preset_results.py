@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
 from homelab_dp.rundir.index import data_home, ensure_private_dir
 
 STORE_NAME = "preset_results.jsonl"
@@ -40,7 +41,7 @@ def save_results(run_dir: Path, record: dict[str, Any]) -> bool:
     except FileExistsError:
         return False
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(record, fh, indent=1)
+        json_safe.dump(record, fh, indent=1)
         fh.write("\n")
     append_result(record)
     return True
@@ -49,7 +50,7 @@ def save_results(run_dir: Path, record: dict[str, Any]) -> bool:
 def append_result(record: dict[str, Any]) -> None:
     """One line in the per-user store (one O_APPEND write, file 0600)."""
     ensure_private_dir(data_home())
-    data = (json.dumps(record) + "\n").encode("utf-8")
+    data = (json_safe.dumps(record) + "\n").encode("utf-8")
     fd = os.open(results_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         written = os.write(fd, data)
