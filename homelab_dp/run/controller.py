@@ -7,7 +7,6 @@ of its own, so a run started over one SSH connection is seen and followed from a
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -41,6 +40,7 @@ from homelab_dp.rundir.state import (
     ACTIVE,
     alive_pids,
     current_state,
+    signal_run_process,
     update_state,
 )
 from homelab_dp.rundir.tail import RunTail, read_all
@@ -289,16 +289,13 @@ class RunController:
             )
         keeper = (state.get("pids") or {}).get("keeper")
         workers = (state.get("pids") or {}).get("workers") or []
-        targets = [keeper] if keeper and keeper in alive_pids(state) else workers
-        for pid in targets:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
+        targets = [keeper] if keeper and keeper in alive_pids(state, run_dir) else workers
+        for pid in targets:  # only a pid that is still the run's process (never a stranger's)
+            signal_run_process(state, int(pid), signal.SIGTERM, run_dir)
         deadline = time.time() + timeout
         while time.time() < deadline:
             state = current_state(run_dir)
-            if state.get("status") not in ACTIVE and not alive_pids(state):
+            if state.get("status") not in ACTIVE and not alive_pids(state, run_dir):
                 return state
             time.sleep(0.3)
         raise RunStateError(

@@ -22,7 +22,6 @@ waits for torchrun, and writes the final status with the reason. It guarantees t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import signal
@@ -41,10 +40,12 @@ from homelab_dp.run.watchdog import Stall, Watchdog
 from homelab_dp.rundir.files import append_event, read_run_spec
 from homelab_dp.rundir.heartbeat import heartbeat_dir
 from homelab_dp.rundir.state import (
+    is_run_process,
     pid_alive,
     read_error_files,
     read_log_since,
     read_state,
+    signal_run_process,
     update_state,
 )
 from homelab_dp.rundir.tail import JsonlTail, file_size
@@ -123,7 +124,8 @@ class Keeper:
         )
         recorded = self._supervise()
         rc = self.agent.returncode
-        self.orphans = [p for p in recorded if pid_alive(p)]
+        state = read_state(self.run_dir)  # the start times recorded with the workers' pids
+        self.orphans = [p for p in recorded if is_run_process(state, p, self.run_dir)]
         self._end_orphans(self.orphans)
         self._stop_monitor()
         self.exit_code = rc
@@ -160,7 +162,7 @@ class Keeper:
                 update_state(self.run_dir, pids={"workers": recorded})
             if self.stop_requested and self.stall is None:  # also reaches late workers
                 for pid in set(recorded) - signalled:
-                    _signal(pid, signal.SIGTERM)
+                    self._signal(pid, signal.SIGTERM)
                 signalled.update(recorded)
             if self.stall is None:
                 stall = self.watchdog.check()
@@ -181,18 +183,23 @@ class Keeper:
             ErrorEvent(kind="Stall", rank=stall.rank, message=f"stalled: {stall.message}"),
         )
         for pid in workers:  # SIGKILL also ends a stopped (SIGSTOP) process; SIGTERM would wait
-            _signal(pid, signal.SIGKILL)
+            self._signal(pid, signal.SIGKILL)
 
     def _end_orphans(self, alive: list[int]) -> None:
         """Workers still alive after the agent is gone (agent killed): stop them, then kill."""
         for pid in alive:
-            _signal(pid, signal.SIGTERM)
+            self._signal(pid, signal.SIGTERM)
         deadline = time.time() + WORKER_GRACE_S
         while alive and time.time() < deadline:
             time.sleep(0.2)
             alive = [p for p in alive if pid_alive(p)]
         for pid in alive:
-            _signal(pid, signal.SIGKILL)
+            self._signal(pid, signal.SIGKILL)
+
+    def _signal(self, pid: int, sig: int) -> None:
+        """Signal a recorded worker, only while it is still that worker (its pid and start
+        time as recorded in state.json): a pid reused by another process is left alone."""
+        signal_run_process(read_state(self.run_dir), pid, sig, self.run_dir)
 
     def _stop_monitor(self) -> None:
         if self.monitor is not None and self.monitor.poll() is None:
@@ -230,11 +237,6 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return proc.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return []
-
-
-def _signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone: nothing to stop
-        os.kill(pid, sig)
 
 
 def wait_in_queue(run_dir: Path) -> bool:

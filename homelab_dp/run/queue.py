@@ -10,8 +10,6 @@ The keeper polls it (`homelab_dp.run.keeper`); `start` refuses with it (`conflic
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import time
 from collections.abc import Iterable, Sequence
@@ -24,7 +22,7 @@ from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.run.planning import Planned, host_available
 from homelab_dp.rundir.files import read_run_spec
 from homelab_dp.rundir.index import known_runs
-from homelab_dp.rundir.state import ACTIVE, current_state, pid_alive
+from homelab_dp.rundir.state import ACTIVE, current_state, is_run_process, signal_run_process
 
 CPU_HOST = "cpu"
 """The device key of the CPU host (every CPU run uses all of it)."""
@@ -205,15 +203,16 @@ def leave_queue(run_dir: Path, state: dict[str, Any], timeout: float) -> dict[st
     """Stop a queued run: its keeper leaves the queue (interrupted, nothing started); the final
     state, or None when its turn came first (the run is active: stop it as a run)."""
     keeper = (state.get("pids") or {}).get("keeper")
-    if keeper:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(keeper), signal.SIGTERM)
+    if keeper:  # only while it is still this run's keeper (a reused pid is left alone)
+        signal_run_process(state, int(keeper), signal.SIGTERM, run_dir)
     deadline = time.time() + timeout
     while time.time() < deadline:
         state = current_state(run_dir)
         if state.get("status") in ACTIVE:
             return None
-        if state.get("status") != "queued" and not (keeper and pid_alive(int(keeper))):
+        if state.get("status") != "queued" and not (
+            keeper and is_run_process(state, int(keeper), run_dir)
+        ):
             return state
         time.sleep(0.2)
     raise RunStateError(

@@ -46,7 +46,9 @@ def read_state(run_dir: Path) -> dict[str, Any]:
 
 
 def update_state(run_dir: Path, **changes: Any) -> dict[str, Any]:
-    """Merge ``changes`` into state.json (pids are merged key by key)."""
+    """Merge ``changes`` into state.json (pids are merged key by key). Every pid recorded is
+    recorded with its start time (``starts``: {pid: start}, `process_start`), so a pid the system
+    has since given to another process is never taken for the run's (`is_run_process`)."""
     state = read_state(run_dir)
     if state.get("status") == "unknown" and "status" not in changes:
         changes["status"] = "starting"
@@ -54,9 +56,70 @@ def update_state(run_dir: Path, **changes: Any) -> dict[str, Any]:
     pids.update(changes.pop("pids", {}) or {})
     state.update(changes)
     state["pids"] = pids
+    recorded = state.get("starts") if isinstance(state.get("starts"), dict) else {}
+    starts = {str(p): recorded[str(p)] for p in _pids_of(pids) if str(p) in recorded}
+    for pid in _pids_of(pids):
+        if str(pid) not in starts:
+            start = process_start(pid)
+            if start is not None:
+                starts[str(pid)] = start
+    state["starts"] = starts
     state["updated"] = time.time()
     write_json_atomic(run_dir / "state.json", state)
     return state
+
+
+def process_start(pid: int) -> int | None:
+    """When the process ``pid`` started (clock ticks since boot: field 22 of /proc/PID/stat),
+    or None when there is no such process (or no /proc). With the pid, it names one process:
+    a pid is reused, a (pid, start) pair is not."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="ascii", errors="replace") as fh:
+            # The command name (field 2) may hold spaces and parentheses: split after its ")".
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as fh:
+            return fh.read().replace(bytes(1), b" ").decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def is_run_process(state: dict[str, Any], pid: int, run_dir: Path | None = None) -> bool:
+    """Whether ``pid`` is alive and still the process the run recorded: the same start time as
+    recorded; for a pid recorded without one (state files of older versions), a command line
+    that is homelab-dp's or names the run (its folder or id). Never signal a pid without this."""
+    if not pid_alive(pid):
+        return False
+    starts = state.get("starts") if isinstance(state.get("starts"), dict) else {}
+    recorded = starts.get(str(pid))
+    if recorded is not None:
+        return process_start(pid) == recorded
+    cmdline = _cmdline(pid)
+    names = ["homelab_dp", "homelab-dp"]
+    if run_dir is not None:
+        names += [str(run_dir), run_dir.name]
+    elif state.get("run_id"):
+        names.append(str(state["run_id"]))
+    return any(name and name in cmdline for name in names)
+
+
+def signal_run_process(
+    state: dict[str, Any], pid: int, sig: int, run_dir: Path | None = None
+) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the run's process (`is_run_process`); whether
+    it was sent. A pid that now belongs to another process is left alone."""
+    if not is_run_process(state, pid, run_dir):
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -76,46 +139,50 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
-def recorded_pids(state: dict[str, Any]) -> list[int]:
-    """Every pid the state records: keeper, agent, monitor and workers."""
-    pids = state.get("pids") or {}
+def _pids_of(pids: dict[str, Any]) -> list[int]:
     out = [pids.get(k) for k in ("keeper", "agent", "monitor")]
     out += list(pids.get("workers") or [])
     return [int(p) for p in out if p]
 
 
-def alive_pids(state: dict[str, Any]) -> list[int]:
-    return [p for p in recorded_pids(state) if pid_alive(p)]
+def recorded_pids(state: dict[str, Any]) -> list[int]:
+    """Every pid the state records: keeper, agent, monitor and workers."""
+    return _pids_of(state.get("pids") or {})
+
+
+def alive_pids(state: dict[str, Any], run_dir: Path | None = None) -> list[int]:
+    """The recorded pids that are alive and still the run's processes (`is_run_process`)."""
+    return [p for p in recorded_pids(state) if is_run_process(state, p, run_dir)]
 
 
 def current_state(run_dir: Path) -> dict[str, Any]:
     """state.json, corrected when the run's processes are gone without a final status."""
     state = read_state(run_dir)
-    if state.get("status") == "queued" and not _keeper_alive(state):
+    if state.get("status") == "queued" and not _keeper_alive(state, run_dir):
         state = read_state(run_dir)  # the keeper may have moved on between the two reads
-        if state.get("status") == "queued" and not _keeper_alive(state):
+        if state.get("status") == "queued" and not _keeper_alive(state, run_dir):
             state["status"] = "interrupted"
             state["queued_only"] = True
             state["reason"] = (f"its keeper died while it was queued (a reboot?); nothing was "
                                f"started; `homelab-dp resume {run_dir.name}` queues it again")  # fmt: skip
         return state
-    if state.get("status") in ACTIVE and not alive_pids(state):
+    if state.get("status") in ACTIVE and not alive_pids(state, run_dir):
         # Re-read: the keeper may have written the final state between the two reads.
         state = read_state(run_dir)
-        if state.get("status") in ACTIVE and not alive_pids(state):
+        if state.get("status") in ACTIVE and not alive_pids(state, run_dir):
             state["status"] = "failed"
             state["reason"] = diagnose_failure(run_dir) or "its processes are gone"
             state["reason"] = "the run's processes died without a final state: " + state["reason"]
     return state
 
 
-def _keeper_alive(state: dict[str, Any]) -> bool:
+def _keeper_alive(state: dict[str, Any], run_dir: Path | None = None) -> bool:
     """A queued run's keeper is alive (it is the only process a queued run has)."""
     keeper = (state.get("pids") or {}).get("keeper")
     # Just created, keeper not recorded yet: the controller writes its pid right after spawning.
     if not keeper:
         return time.time() - float(state.get("updated") or 0) < 10
-    return pid_alive(int(keeper))
+    return is_run_process(state, int(keeper), run_dir)
 
 
 _SIGNAL_RE = re.compile(r"[Ss]ignal (\d+) \((SIG\w+)\)|exitcode\s*:\s*(-?\d+)")

@@ -236,22 +236,23 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
         if not strategy.is_fsdp:  # FSDP2 casts through its MixedPrecisionPolicy
             autocast = functools.partial(torch.autocast, "cuda", dtype=dtype)
     if resolved.offload_activations:
-        autocast = _offloading(autocast, pin=device.type == "cuda")
+        autocast = _offloading(autocast, loaded.model, pin=device.type == "cuda")
     flat = attention_implementation(device.type, resolved.dtype) == "flash_attention_2"
     return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast,
                  loss_head=loss_head, flat_batches=flat and spec.preset.data.pack)  # fmt: skip
 
 
-def _offloading(autocast: Any, *, pin: bool) -> Any:
-    """``train.offload_activations``: the forward's context also sends every tensor saved for
-    backward to (pinned) host memory, brought back as backward needs it
-    (``torch.autograd.graph.save_on_cpu``; with activation checkpointing, each checkpointed
-    layer's saved input)."""
-    import torch
+def _offloading(autocast: Any, model: Any, *, pin: bool) -> Any:
+    """``train.offload_activations``: the forward's context also sends the activations saved for
+    backward to (pinned) host memory, brought back as backward needs it; weights, buffers and
+    small tensors stay (`train.activation_offload.ActivationOffload`)."""
+    from homelab_dp.train.activation_offload import ActivationOffload
+
+    offload = ActivationOffload(model, pin=pin)
 
     @contextlib.contextmanager
     def context() -> Any:
-        with autocast(), torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        with autocast(), offload.context():
             yield
 
     return context
