@@ -80,6 +80,15 @@ class StartEvent(Event):
     estimate: dict[str, int] | None = None
     """The plan's per_device_bytes."""
     estimate_bytes: int | None = None
+    attention: str = ""
+    """The attention kernel the model loaded with: "sdpa" or "flash_attention_2"."""
+    attention_reason: str = ""
+    """Why that kernel (`homelab_dp.core.attention_rule`): the card, the dtype, flash-attn."""
+    packing: str = ""
+    """``data.pack``'s check on the real model (`homelab_dp.train.packing_check`): "exact"
+    (one packed block gave its samples' logits), "off" (data.pack = false)."""
+    packing_error: float | None = None
+    """The check's largest logit difference, packed against one by one (None: not checked)."""
 
 
 @dataclass(kw_only=True)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from homelab_dp.core.attention_rule import attention_reason, packing_reasons
 from homelab_dp.core.calibration import HardwareCalibration
 from homelab_dp.core.hardware import (
     BF16_MIN_CAPABILITY,
@@ -259,6 +260,9 @@ def choice_reasons(
         f"compute in {dtype}."
     ]
     out += dtype_reasons(preset, hw, dtype)
+    if hw.kind == "cuda":
+        out.append(attention_reason(hw, dtype))
+    out += packing_reasons(preset, spec.model_type)
     if len({d.memory_bytes for d in hw.devices}) > 1:
         out.append(
             "Mixed cards: every card gets the same share, so the smallest one limits the plan."

@@ -25,31 +25,73 @@ Padded blocks (pack = false) pass their attention mask on either route.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 
-__all__ = ["attention_implementation", "flash_attn_available"]
+from homelab_dp.core.attention_rule import FLASH_DTYPES, choose_attention, flash_attn_version
 
-FLASH_DTYPES = ("bf16", "fp16")
-"""FlashAttention's kernels take half precision only."""
+__all__ = [
+    "FLASH_DTYPES",
+    "attention_choice",
+    "attention_implementation",
+    "flash_attn_available",
+    "local_capability",
+]
 
 
 def flash_attn_available() -> bool:
-    """Whether the flash_attn package is installed (found, never imported: importing it loads
-    CUDA kernels)."""
+    """Whether a ``flash_attn`` module can be found (never imported: importing it loads CUDA
+    kernels). Not enough for FA2 on its own: flash-attn-4 provides the module too
+    (`homelab_dp.core.attention_rule`)."""
     try:
         return importlib.util.find_spec("flash_attn") is not None
     except (ImportError, ValueError):  # a broken or half-installed package
         return False
 
 
-def attention_implementation(device_type: str, dtype_name: str) -> str:
+def local_capability() -> tuple[int, int] | None:
+    """The compute capability of this process's current CUDA card; None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return int(major), int(minor)
+
+
+def attention_choice(
+    device_type: str,
+    dtype_name: str,
+    *,
+    capability: tuple[int, int] | None = None,
+    capabilities: Sequence[tuple[int, int] | None] | None = None,
+) -> tuple[str, str]:
+    """``(attn_implementation, why)``: `attention_implementation` and the sentence the start
+    event records."""
+    if capabilities is None:
+        if device_type == "cuda" and capability is None:
+            capability = local_capability()
+        capabilities = (capability,)
+    return choose_attention(device_type, dtype_name, capabilities, flash_attn_version())
+
+
+def attention_implementation(
+    device_type: str,
+    dtype_name: str,
+    *,
+    capability: tuple[int, int] | None = None,
+    capabilities: Sequence[tuple[int, int] | None] | None = None,
+) -> str:
     """The ``attn_implementation`` to load the model with.
 
-    ``"flash_attention_2"`` on CUDA in bf16/fp16 when the flash_attn package is installed
-    (packed batches then need no mask; see the module docstring), else ``"sdpa"``.
+    ``"flash_attention_2"`` on CUDA in bf16/fp16 when the installed flash-attn distribution
+    is a 2.x release and the card is compute capability 8.0 or newer (packed batches then need
+    no mask; see the module docstring), else ``"sdpa"`` (`core.attention_rule`).
     ``device_type`` is a torch device type ("cuda", "cpu"); ``dtype_name`` the run's dtype
     ("bf16", "fp16", "fp32", …), the dtype the attention computes in (under autocast the
-    master weights may stay fp32; transformers casts q/k/v for the kernel).
+    master weights may stay fp32; transformers casts q/k/v for the kernel). ``capability``:
+    this rank's card (`local_capability` when not given, on CUDA); ``capabilities``: every
+    card of the run instead. A card not known counts as too old.
     """
-    if device_type == "cuda" and dtype_name in FLASH_DTYPES and flash_attn_available():
-        return "flash_attention_2"
-    return "sdpa"
+    return attention_choice(
+        device_type, dtype_name, capability=capability, capabilities=capabilities
+    )[0]

@@ -37,7 +37,7 @@ from torch import nn
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.runspec import Resolved
 from homelab_dp.errors import HomelabError
-from homelab_dp.train.attention import attention_implementation
+from homelab_dp.train.attention import attention_implementation, local_capability
 from homelab_dp.train.lora import (
     add_lora,
     bnb_config,
@@ -92,6 +92,14 @@ def master_dtype(resolved: Resolved) -> torch.dtype:
     return torch.float64 if resolved.dtype == "fp64" else torch.float32
 
 
+def card_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of the CUDA card ``device``; None for the CPU."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(major), int(minor)
+
+
 def load_tokenizer(preset: Preset) -> Any:
     """The fast tokenizer of the model folder."""
     from transformers import AutoTokenizer
@@ -127,8 +135,11 @@ def load_model(
     compute = compute or compute_dtype(resolved)
     kwargs: dict[str, Any] = {
         "trust_remote_code": preset.model.trust_remote_code,
-        # FlashAttention's varlen kernel on CUDA when installed, else SDPA (train.attention).
-        "attn_implementation": attention_implementation(device.type, resolved.dtype),
+        # FlashAttention-2's varlen kernel on an sm80+ card with flash-attn 2.x installed, else
+        # SDPA (train.attention).
+        "attn_implementation": attention_implementation(
+            device.type, resolved.dtype, capability=card_capability(device)
+        ),
     }
     if method == "qlora":
         kwargs["quantization_config"] = bnb_config(compute)
@@ -187,7 +198,8 @@ def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
     with torch.device("meta"):  # parameters and buffers without storage, no generator draws
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=preset.model.trust_remote_code,
-            attn_implementation=attention_implementation(resolved.device, resolved.dtype),
+            attn_implementation=attention_implementation(resolved.device, resolved.dtype,
+                                                         capability=local_capability()),
         )  # fmt: skip
         model.config.use_cache = False
         model.train()

@@ -181,6 +181,12 @@ class Model:
     flat_batches: bool = False
     """FlashAttention's varlen route: transformers reads the sample boundaries from the positions
     only in a batch of one row, so a packed micro-batch goes in as one row of all its tokens."""
+    attention: str = "sdpa"
+    """The ``attn_implementation`` the model loaded with (`train.attention`)."""
+    attention_reason: str = ""
+    """Why that kernel, for the start event."""
+    packing: Any = None
+    """`train.packing_check.PackingCheck` of data.pack = true on this model, or None."""
 
 
 def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None) -> Model:
@@ -193,9 +199,9 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
 
     from homelab_dp.core.vocabulary import SHARDED
     from homelab_dp.errors import HomelabError
-    from homelab_dp.train.attention import attention_implementation
+    from homelab_dp.train.attention import attention_choice
     from homelab_dp.train.loss import install_loss_head, unsupported_reason
-    from homelab_dp.train.model import compute_dtype, load_model, master_dtype
+    from homelab_dp.train.model import card_capability, compute_dtype, load_model, master_dtype
     from homelab_dp.train.quantized_load import build_on_meta
     from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
@@ -217,6 +223,14 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     if loss_head is None:
         log.warning("full cross-entropy: %s", unsupported_reason(loaded.model))
     strategy = wrap_model(loaded, resolved, device, grad_accum=rank.accum)
+    packing = None
+    if spec.preset.data.pack:  # exact on this model, or refused before the first step
+        from homelab_dp.train.packing_check import check_model
+
+        packing = check_model(strategy.inner, device=device, dtype=resolved.dtype,
+                              fsdp=strategy.is_fsdp)  # fmt: skip
+        log.info("data.pack: packed block == samples one by one (max logit diff %.3g)",
+                 packing.max_diff)  # fmt: skip
     if compile_wanted(train.compile, device.type, resolved.method):
         n = compile_layers(loaded.decoder_layers, strict=train.compile is True)
         log.info("compiling %d decoder layers (train.compile = %s)", n, train.compile)
@@ -237,9 +251,13 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
             autocast = functools.partial(torch.autocast, "cuda", dtype=dtype)
     if resolved.offload_activations:
         autocast = _offloading(autocast, loaded.model, pin=device.type == "cuda")
-    flat = attention_implementation(device.type, resolved.dtype) == "flash_attention_2"
+    attention, why = attention_choice(
+        device.type, resolved.dtype, capability=card_capability(device)
+    )
+    flat = attention == "flash_attention_2"
     return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast,
-                 loss_head=loss_head, flat_batches=flat and spec.preset.data.pack)  # fmt: skip
+                 loss_head=loss_head, flat_batches=flat and spec.preset.data.pack,
+                 attention=attention, attention_reason=why, packing=packing)  # fmt: skip
 
 
 def _offloading(autocast: Any, model: Any, *, pin: bool) -> Any:
@@ -403,4 +421,7 @@ def start_event(spec: RunSpec, s: SetUp) -> StartEvent:
         eval_every=spec.preset.train.eval_every, data_format=s.data.fmt,
         pids=pids.tolist(), peak_memory_kind=peak_memory_kind(rank.device),
         estimate=per_device, estimate_bytes=(per_device or {}).get("total"),
+        attention=s.model.attention, attention_reason=s.model.attention_reason,
+        packing=s.model.packing.verdict if s.model.packing is not None else "off",
+        packing_error=s.model.packing.max_diff if s.model.packing is not None else None,
     )  # fmt: skip

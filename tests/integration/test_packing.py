@@ -113,6 +113,10 @@ def one_step(root: Path, model: Path, data: Path, name: str, *, pack: bool, worl
     assert run(rd, world) == 0
     (step,) = events(rd, "step")
     assert step["effective_batch"] == world * micro * accum
+    (start,) = events(rd, "start")  # the worker checked packing on the model before training
+    assert start["packing"] == ("exact" if pack else "off")
+    assert (start["packing_error"] is not None) == pack and (start["packing_error"] or 0) < 1e-9
+    assert start["attention"] == "sdpa" and "CUDA" in start["attention_reason"]
     return step, final_weights(rd)
 
 

@@ -12,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.core.attention_rule import choose_attention, is_flash_attn_2
 from homelab_dp.data.blocks import IGNORE_INDEX, Block, Example, build_blocks
-from homelab_dp.train.attention import attention_implementation, flash_attn_available
+from homelab_dp.train.attention import (
+    attention_choice,
+    attention_implementation,
+    flash_attn_available,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -23,27 +28,102 @@ SEQ, PAD = 24, 2
 # ------------------------------------------------------------------ the kernel choice
 
 
-@pytest.fixture
-def fake_flash_attn(tmp_path, monkeypatch):
-    """An importable flash_attn package (the hardware boundary: the real one needs CUDA)."""
+def install_flash(tmp_path, monkeypatch, distribution: str, version: str) -> None:
+    """An installed ``flash_attn`` module from ``distribution`` (its dist-info on sys.path, as
+    pip leaves it): the installation boundary, since the real package needs CUDA."""
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text("raise ImportError('not for import')\n")
+    info = tmp_path / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.fixture
+def flash_attn_2(tmp_path, monkeypatch):
+    install_flash(tmp_path, monkeypatch, "flash-attn", "2.7.4.post1")
+
+
+TURING, AMPERE, ADA = (7, 5), (8, 0), (8, 9)
 
 
 def test_sdpa_without_flash_attn():
     assert not flash_attn_available()  # not installed on this machine
     for device, dtype in (("cuda", "bf16"), ("cuda", "fp16"), ("cpu", "bf16"), ("cpu", "fp32")):
-        assert attention_implementation(device, dtype) == "sdpa"
+        for cap in (TURING, ADA):
+            assert attention_implementation(device, dtype, capability=cap) == "sdpa"
+    assert "not installed" in attention_choice("cuda", "bf16", capability=ADA)[1]
 
 
-def test_flash_attention_on_cuda_in_half_precision_only(fake_flash_attn):
+def test_flash_attention_2_on_ampere_or_newer_in_half_precision_only(flash_attn_2):
     assert flash_attn_available()  # found without importing it (its import would raise)
-    assert attention_implementation("cuda", "bf16") == "flash_attention_2"
-    assert attention_implementation("cuda", "fp16") == "flash_attention_2"
-    assert attention_implementation("cuda", "fp32") == "sdpa"
-    assert attention_implementation("cpu", "bf16") == "sdpa"
+    assert attention_implementation("cuda", "bf16", capability=ADA) == "flash_attention_2"
+    assert attention_implementation("cuda", "fp16", capability=AMPERE) == "flash_attention_2"
+    assert attention_implementation("cuda", "fp32", capability=ADA) == "sdpa"
+    assert attention_implementation("cpu", "bf16", capability=ADA) == "sdpa"
     assert attention_implementation("cpu", "fp32") == "sdpa"
+    impl, why = attention_choice("cuda", "bf16", capability=ADA)
+    assert impl == "flash_attention_2" and "2.7.4.post1" in why
+
+
+def test_no_flash_attention_2_on_turing_even_when_installed(flash_attn_2):
+    # A 2080 Ti: FA2's first forward would die ("only supports Ampere GPUs or newer").
+    impl, why = attention_choice("cuda", "fp16", capability=TURING)
+    assert impl == "sdpa" and "8.0" in why and "7.5" in why
+    # One old card among new ones decides for the whole run.
+    assert attention_implementation("cuda", "fp16", capabilities=[ADA, TURING]) == "sdpa"
+    assert attention_implementation("cuda", "bf16", capabilities=[ADA, AMPERE]) == (
+        "flash_attention_2"
+    )
+    # A CUDA card whose capability cannot be read counts as too old; no CUDA here: none.
+    assert attention_implementation("cuda", "bf16", capabilities=[None]) == "sdpa"
+    assert attention_implementation("cuda", "bf16") == "sdpa"
+
+
+@pytest.mark.parametrize(("distribution", "version"), [("flash-attn-4", "4.0.0b4"),
+                                                        ("flash-attn", "3.0.0b1"),
+                                                        ("flash-attn", "1.0.9")])  # fmt: skip
+def test_only_a_2x_flash_attn_distribution_counts(tmp_path, monkeypatch, distribution, version):
+    install_flash(tmp_path, monkeypatch, distribution, version)
+    assert flash_attn_available()  # the module is there...
+    impl, why = attention_choice("cuda", "bf16", capability=ADA)
+    assert impl == "sdpa"  # ...but not FlashAttention-2's API
+    if distribution == "flash-attn":
+        assert f"is {version}" in why
+
+
+def test_the_rule_itself():
+    assert is_flash_attn_2("2.8.3") and is_flash_attn_2("2.7.4.post1")
+    assert not any(is_flash_attn_2(v) for v in ("3.0.0", "1.0.9", "4.0.0b4", "", None))
+    # The plan's rule: a what-if card of unknown capability counts as new enough.
+    assert choose_attention("cuda", "bf16", [None], "2.8.3", unknown_ok=True)[0] == (
+        "flash_attention_2"
+    )
+    assert choose_attention("cuda", "bf16", [None], "2.8.3")[0] == "sdpa"
+
+
+def test_plan_names_the_attention_and_why(monkeypatch, in_repo, flash_attn_2):
+    from homelab_dp.core.preset_store import open_preset
+    from homelab_dp.probe.fake import FAKE_ENV
+    from homelab_dp.run.planning import make_plan
+    from tests.conftest import DATA
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    reasons = {}
+    for rec in ("2x2080ti", "2xa6000-nvlink"):
+        monkeypatch.setenv(FAKE_ENV, str(DATA / "nvml" / f"{rec}.json"))
+        plan = make_plan(open_preset("tiny-demo", ["hardware.devices=auto"])).plan
+        reasons[rec] = [r for r in plan.reasons if r.startswith("Attention: ")]
+    assert reasons["2x2080ti"] == [
+        "Attention: SDPA: FlashAttention-2 needs compute capability 8.0 (Ampere) or newer on "
+        "every card, and a card here is 7.5."
+    ]
+    assert reasons["2xa6000-nvlink"] == [
+        "Attention: FlashAttention-2: flash-attn 2.7.4.post1 is installed and every card is "
+        "compute capability 8.0 or newer."
+    ]
 
 
 # ------------------------------------------------------------------ packed == one per row

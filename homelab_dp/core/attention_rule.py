@@ -1,0 +1,137 @@
+"""Which attention kernel a run loads with, and whether packing is proven ahead (pure).
+
+One rule for the plan (`homelab_dp.core.plan_reasons`) and the worker
+(`homelab_dp.train.attention`): FlashAttention-2 (``"flash_attention_2"``) only on CUDA, in
+bf16/fp16, when every card is compute capability 8.0 (Ampere) or newer and the installed
+``flash-attn`` distribution is a 2.x release; SDPA otherwise. The FA2 kernels refuse older cards
+at the first forward ("FlashAttention only supports Ampere GPUs or newer"), and transformers'
+FA2 path imports the 2.x API: the ``flash-attn-4`` distribution also installs a ``flash_attn``
+module, so a module that can be found says nothing about which one it is.
+
+The installation is read from the distribution's metadata (`importlib.metadata`), never by
+importing ``flash_attn`` (its import loads CUDA kernels).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from collections.abc import Sequence
+
+from homelab_dp.core.hardware import PlanHardware
+from homelab_dp.core.preset import Preset
+
+FLASH_MIN_CAPABILITY = (8, 0)
+"""The oldest compute capability FlashAttention-2 runs on (Ampere)."""
+FLASH_DTYPES = ("bf16", "fp16")
+"""FlashAttention's kernels take half precision only."""
+FLASH_DISTRIBUTION = "flash-attn"
+"""The PyPI distribution of FlashAttention-2 (``pip install flash-attn``)."""
+
+
+def flash_attn_version() -> str | None:
+    """The installed ``flash-attn`` distribution's version, or None when it is not installed
+    (or installed without its ``flash_attn`` module)."""
+    try:
+        version = importlib.metadata.version(FLASH_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    try:
+        found = importlib.util.find_spec("flash_attn") is not None
+    except (ImportError, ValueError):  # a broken or half-installed package
+        found = False
+    return version if found else None
+
+
+def is_flash_attn_2(version: str | None) -> bool:
+    """Whether ``version`` is a 2.x release of flash-attn ("2.7.4.post1": yes; "3.0.0b1",
+    "1.0.9", None: no)."""
+    if not version:
+        return False
+    return version.split(".", 1)[0].strip() == "2"
+
+
+def _cap(capability: tuple[int, int] | None) -> str:
+    return "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+
+
+def choose_attention(
+    device: str,
+    dtype: str,
+    capabilities: Sequence[tuple[int, int] | None] = (),
+    flash_version: str | None = None,
+    *,
+    unknown_ok: bool = False,
+) -> tuple[str, str]:
+    """``(attn_implementation, why)`` for a run on ``device`` ("cuda", "cpu") in ``dtype``.
+
+    ``capabilities``: the compute capability of every planned card (None: not known; counts as
+    new enough when ``unknown_ok``, the plan's rule for a what-if card, else as too old).
+    ``flash_version``: the installed flash-attn distribution's version (`flash_attn_version`).
+    ``why`` is one sentence for the plan and the start event.
+    """
+    if device != "cuda":
+        return "sdpa", f"SDPA: FlashAttention-2 needs CUDA (this run is on the {device})"
+    if dtype not in FLASH_DTYPES:
+        return "sdpa", f"SDPA: FlashAttention-2 needs bf16 or fp16 (this run computes in {dtype})"
+    if flash_version is None:
+        return "sdpa", "SDPA: flash-attn is not installed (pip install flash-attn for FA2)"
+    if not is_flash_attn_2(flash_version):
+        return "sdpa", (
+            f"SDPA: the installed flash-attn is {flash_version}, and transformers' "
+            "flash_attention_2 needs a 2.x release"
+        )
+    need = FLASH_MIN_CAPABILITY
+    old = [
+        c for c in capabilities if (c is None and not unknown_ok) or (c is not None and c < need)
+    ]
+    if not capabilities or old:
+        seen = ", ".join(dict.fromkeys(_cap(c) for c in old)) or "unknown"
+        return "sdpa", (
+            f"SDPA: FlashAttention-2 needs compute capability {_cap(need)} (Ampere) or newer "
+            f"on every card, and a card here is {seen}"
+        )
+    return "flash_attention_2", (
+        f"FlashAttention-2: flash-attn {flash_version} is installed and every card is compute "
+        f"capability {_cap(need)} or newer"
+    )
+
+
+PACKING_PROVEN_FAMILIES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
+    "gemma2", "phi3", "granite", "olmo2", "gpt2",
+})  # fmt: skip
+"""``model_type``s whose transformers forward hands ``position_ids`` to the shared mask builder
+(`transformers.masking_utils`), which turns the restarts of a packed block into a
+block-diagonal mask; tests/unit/test_attention.py proves llama and gpt2 on the CPU. Another
+family, or a model's own code (``trust_remote_code``), may attend across the samples of a
+packed block: the worker checks it before training (`homelab_dp.train.packing_check`)."""
+
+
+def attention_reason(hw: PlanHardware, dtype: str, flash_version: str | None = None) -> str:
+    """The attention kernel the worker will load with on ``hw``, and why
+    (`homelab_dp.core.attention_rule`; ``flash_version``: the installed flash-attn's version,
+    read here when not given). A card of unknown capability counts as new enough (the worker
+    decides on the card itself)."""
+    version = flash_attn_version() if flash_version is None else flash_version
+    caps = [d.compute_capability for d in hw.devices]
+    _, why = choose_attention(hw.kind, dtype, caps, version, unknown_ok=True)
+    return f"Attention: {why}."
+
+
+def packing_reasons(preset: Preset, model_type: str) -> list[str]:
+    """A warning when ``data.pack = true`` cannot be shown exact ahead: a model's own code
+    (``trust_remote_code``) or a family not known to mask packed blocks by sample."""
+    if not preset.data.pack:
+        return []
+    if preset.model.trust_remote_code:
+        why = "the model runs its own code (model.trust_remote_code = true)"
+    elif model_type not in PACKING_PROVEN_FAMILIES:
+        why = f"model_type {model_type!r} is not a family known to mask packed blocks by sample"
+    else:
+        return []
+    return [
+        f"Warning: packing (data.pack = true) cannot be proven exact ahead: {why}; the worker "
+        "compares one packed block with its samples run one by one before training and refuses "
+        "to train if they differ (set data.pack = false to train on padded rows)."
+    ]
