@@ -4,6 +4,10 @@ Every check happens before anything starts (exit 2, `error:` and `hint:`): the m
 the replicas fit the devices (the serving plan), a host off loopback has an API key, the
 engine is available, and the port is free — it is bound here and handed to the server, so
 nobody can take it in between.
+
+The API key: ``--api-key-file PATH`` (its first line; a file other users can read is
+refused) or ``$HOMELAB_DP_API_KEY``; ``--api-key KEY`` still works but is visible to every user
+in the process list, so it draws a warning on stderr. The key never reaches the replicas.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import importlib.util
 import ipaddress
 import os
 import socket
+import stat
+import sys
+from pathlib import Path
 from typing import Any
 
 from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
@@ -41,6 +48,63 @@ def _share(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
+    return value
+
+
+def read_key_file(path: Path) -> str:
+    """The API key in ``path`` (its first line), or an error when the file is missing, empty,
+    or readable or writable by other users."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HomelabError(
+            f"--api-key-file {path}: no such file",
+            hint="write the key on the file's first line (chmod 600 it)",
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HomelabError(
+            f"--api-key-file {path}: cannot be read ({exc})", hint="a text file, chmod 600"
+        ) from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise HomelabError(
+            f"--api-key-file {path}: other users can read or write it "
+            f"(mode {stat.S_IMODE(mode):o})",
+            hint=f"chmod 600 {path}",
+        )
+    lines = text.splitlines()
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise HomelabError(
+            f"--api-key-file {path}: the first line is empty", hint="write the key on it"
+        )
+    return key
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The API key: --api-key-file, --api-key (with a warning) or $HOMELAB_DP_API_KEY."""
+    if args.api_key_file is not None and args.api_key:
+        raise HomelabError(
+            "--api-key and --api-key-file both give the key", hint="keep --api-key-file"
+        )
+    if args.api_key_file is not None:
+        return read_key_file(args.api_key_file)
+    if args.api_key:
+        sys.stderr.write(
+            "warning: --api-key is visible to every user of this machine in the process list\n"
+            f"hint: set {KEY_ENV} or use --api-key-file PATH (chmod 600) instead\n"
+        )
+        return str(args.api_key)
+    return os.environ.get(KEY_ENV) or None
+
+
 def register(sub: Any) -> None:
     """Add `serve` to the main parser's subparsers."""
     p = sub.add_parser("serve", help="serve a model: one replica per GPU behind one HTTP API")
@@ -54,8 +118,19 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument(
         "--api-key",
-        help=f"required of every request; needed to bind off loopback (or set {KEY_ENV}, "
-        "which other users cannot read in the process list)",
+        help=f"required of every request; needed to bind off loopback. Visible to every user "
+        f"in the process list: prefer {KEY_ENV} or --api-key-file",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="read the API key from the first line of this file (readable by you alone)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds a request may take before it is answered 504 (default 600)",
     )
     p.add_argument("--plan", action="store_true", help="print the serving plan and exit")
     p.add_argument("--json", action="store_true", help="with --plan: one JSON document")
@@ -149,7 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from homelab_dp.serve.front import serve
     from homelab_dp.serve.supervisor import ReplicaLaunch
 
-    args.api_key = args.api_key or os.environ.get(KEY_ENV) or None
+    args.api_key = api_key(args)
     if args.json and not args.plan:
         raise HomelabError("--json goes with --plan", hint="serve MODEL --plan --json")
     if not args.plan and not is_loopback(args.host) and not args.api_key:
@@ -200,4 +275,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine=args.engine,
         context=args.context,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        request_timeout=args.request_timeout,
     )

@@ -3,8 +3,13 @@
 Requests are submitted from any thread (the replica's event loop). The generating thread
 blocks until one arrives, then takes it and every other request waiting or arriving within
 `GATHER_S` (up to ``max_batch``) and decodes them together with `Engine.generate`; requests
-that arrive later wait for the next batch. A batch that fails (e.g. out of memory) ends each of its requests with
-an ``{"error": ...}`` event, and the thread goes on with the next.
+that arrive later wait for the next batch.
+
+One request never fails another: a row's own failure ends that row alone (`Engine.generate`);
+when the batch as a whole fails (e.g. out of memory, or one prompt that breaks the forward
+pass), each request that had not been answered yet is generated again alone, so only the one
+that fails alone too ends with an ``{"error": ...}`` event (a request whose text had started
+streaming cannot be started again: it ends with the error). The thread goes on with the next.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import replace
 
-from homelab_dp.infer.engine import Engine, Request
+from homelab_dp.infer.engine import Engine, Event, Request
 
 GATHER_S = 0.005
 """How long a new batch waits for more requests after its first: a burst of concurrent clients
@@ -82,14 +88,49 @@ class Batcher:
                 continue
             with self._lock:
                 self._active = batch
+            watched = [_Watched(req) for req in batch]
             try:
-                self.engine.generate(batch)
+                self.engine.generate([w.request for w in watched])
             except Exception as exc:  # noqa: BLE001 - reported to the clients, the thread lives on
                 traceback.print_exc()
-                error = {"message": f"generation failed: {exc}", "type": "server_error"}
-                for req in batch:
-                    req.emit({"error": {**error, "param": None, "code": None}})
+                self._one_by_one(watched, exc)
             finally:
                 with self._lock:
                     self._active = []
                 self.batches += 1
+
+    def _one_by_one(self, watched: list[_Watched], exc: Exception) -> None:
+        """After a failed batch: each request not answered yet, alone (see the docstring)."""
+        for w in watched:
+            if w.ended or w.request.cancelled.is_set():
+                continue
+            if w.started or len(watched) == 1:
+                _fail(w.request, exc)
+                continue
+            try:
+                self.engine.generate([w.original])
+            except Exception as alone:  # noqa: BLE001 - this request's own failure
+                traceback.print_exc()
+                _fail(w.original, alone)
+
+
+class _Watched:
+    """A request whose events are seen on their way: whether any went out, and the last."""
+
+    def __init__(self, original: Request) -> None:
+        self.original = original
+        self.started = False
+        self.ended = False
+        self.request = replace(original, emit=self._emit)
+
+    def _emit(self, event: Event) -> None:
+        self.started = True
+        self.ended = "finish_reason" in event or "error" in event
+        self.original.emit(event)
+
+
+def _fail(request: Request, exc: Exception) -> None:
+    message = f"generation failed: {type(exc).__name__}: {exc}"
+    request.emit(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    )

@@ -16,6 +16,12 @@ whatever else shares its batch); stops at an eos token (``finish_reason`` "stop"
 the text), at one of its ``stop`` strings (the text ends before it) or at ``max_tokens`` /
 the context ("length"); a cancelled request just leaves (nothing more is emitted).
 
+One row's failure is that row's alone: a request the engine cannot run (no prompt, a seed
+``torch.Generator`` refuses, a temperature whose logits overflow float32), or whose sampling or
+text decoding raises, ends with one ``{"error": ...}`` event (its `Result`'s finish_reason
+``error``) and leaves the batch, which goes on. What fails the whole batch (the forward pass:
+out of memory, a token id past the vocabulary) raises; `Batcher` then tries each request alone.
+
 Text reaches the request's ``emit`` callback incrementally: each step decodes the row's whole
 answer and emits the new suffix, holding back a trailing U+FFFD (a multi-byte character whose
 bytes have not all arrived) and any tail that could be the start of a stop string. The last
@@ -25,6 +31,7 @@ event is ``{"finish_reason": ..., "usage": {...}}``; every other is ``{"text": d
 from __future__ import annotations
 
 import inspect
+import math
 import secrets
 import threading
 from collections.abc import Callable
@@ -33,7 +40,11 @@ from typing import Any
 
 import torch
 
+from homelab_dp.infer.request_body import MIN_TEMPERATURE
+
 Event = dict[str, Any]
+ROW_ERRORS = (ValueError, RuntimeError, OverflowError, TypeError, IndexError)
+"""What one row's own work (seeding, sampling, decoding its text) may raise."""
 
 
 def _ignore(_event: Event) -> None:
@@ -72,7 +83,8 @@ class Result:
     token_ids: list[int]
     """The generated tokens (an eos that ended it included)."""
     finish_reason: str
-    """``stop`` (eos or a stop string), ``length`` (max_tokens or context) or ``cancelled``."""
+    """``stop`` (eos or a stop string), ``length`` (max_tokens or context), ``cancelled``, or
+    ``error`` (this row failed; the others went on)."""
     prompt_tokens: int
     """Tokens in the prompt."""
 
@@ -150,9 +162,34 @@ class _Row:
         self.stream = TextStream(engine.tokenizer, req.stop)
         self.finish: str | None = None
         self.generator: torch.Generator | None = None
-        if req.temperature > 0:
-            self.generator = torch.Generator(device=engine.device)
-            self.generator.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
+        try:
+            self._check(engine)
+            if req.temperature > 0:
+                self.generator = torch.Generator(device=engine.device)
+                seed = req.seed if req.seed is not None else secrets.randbits(63)
+                self.generator.manual_seed(seed)
+        except ROW_ERRORS as exc:
+            self.fail(exc)
+
+    def _check(self, engine: Engine) -> None:
+        """What the engine cannot run (checked here too: on CUDA, NaN probabilities are a
+        device-side assert that would end every request, not an exception)."""
+        req = self.req
+        if not req.prompt_ids or len(req.prompt_ids) >= engine.context or req.max_tokens < 1:
+            raise ValueError("a request needs 1..context-1 prompt tokens and max_tokens >= 1")
+        t = req.temperature
+        if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature {t!r}: 0 or at least {MIN_TEMPERATURE:g}")
+        if not 0 <= req.top_p <= 1:  # (NaN fails this too)
+            raise ValueError(f"top_p {req.top_p!r}: between 0 and 1")
+
+    def fail(self, exc: BaseException) -> None:
+        """End this row alone with an error event."""
+        self.finish = "error"
+        message = f"generation failed: {type(exc).__name__}: {exc}"
+        self.req.emit(
+            {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+        )
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token (a 0-d tensor, on the device) drawn from this row's 1-D logits."""
@@ -228,25 +265,31 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> list[Result]:
-        """Run the batch to its end; one `Result` per request, in order."""
-        for req in requests:
-            if not req.prompt_ids or len(req.prompt_ids) >= self.context or req.max_tokens < 1:
-                raise ValueError("a request needs 1..context-1 prompt tokens and max_tokens >= 1")
+        """Run the batch to its end; one `Result` per request, in order (a row that failed
+        alone has finish_reason ``error``; a failure of the whole batch raises)."""
         rows = [_Row(req, self) for req in requests]
-        ids, mask = self._left_padded([r.req.prompt_ids for r in rows])
+        running = [i for i, r in enumerate(rows) if r.finish is None]  # batch row -> rows index
+        if not running:
+            return [row.result() for row in rows]
+        ids, mask = self._left_padded([rows[i].req.prompt_ids for i in running])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._new_cache()
         logits = self._forward(ids, mask, positions, cache)
-        running = list(range(len(rows)))  # batch row -> index in rows
         next_pos = positions[:, -1] + 1
         while True:
             for i, token in zip(
                 running, self._pick([rows[i] for i in running], logits), strict=True
             ):
-                if rows[i].req.cancelled.is_set():
-                    rows[i].finish = "cancelled"
-                else:
-                    rows[i].add(token)
+                row = rows[i]
+                if row.finish is not None:  # its sampling failed
+                    continue
+                if row.req.cancelled.is_set():
+                    row.finish = "cancelled"
+                    continue
+                try:
+                    row.add(token)
+                except ROW_ERRORS as exc:
+                    row.fail(exc)
             keep = [b for b, i in enumerate(running) if rows[i].finish is None]
             if not keep:
                 break
@@ -265,10 +308,16 @@ class Engine:
         """Each row's next token: greedy rows by one argmax, sampling rows by their generator;
         one copy to the host for the whole batch (a single device sync per step)."""
         greedy = logits.argmax(dim=-1)
-        chosen = [
-            greedy[b] if row.generator is None else row.sample(logits[b])
-            for b, row in enumerate(rows)
-        ]
+        chosen = []
+        for b, row in enumerate(rows):
+            if row.generator is None:
+                chosen.append(greedy[b])
+                continue
+            try:
+                chosen.append(row.sample(logits[b]))
+            except ROW_ERRORS as exc:  # this row alone: the others still get their token
+                row.fail(exc)
+                chosen.append(greedy[b])
         return torch.stack(chosen).tolist()
 
     def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,19 @@ here, once:
   subclass's events as NDJSON until the ``finish_reason`` (or ``error``) line. A client that
   leaves mid-stream closes the subclass's event stream (its ``finally`` cancels the request);
 - `run_until_stopped`: bind 127.0.0.1 on port 0, write ``replica-K.json`` atomically, then wait
-  for SIGTERM/SIGINT or the parent's death (``os.getppid()`` polled each second) and stop;
+  for SIGTERM/SIGINT and stop;
 - while loading (before the event loop takes the signals), SIGTERM/SIGINT end the process at
-  once (`leave_while_loading`).
+  once (`leave_while_loading`);
+- the front's death, at any moment of the replica's life (`watch_parent`): the kernel sends
+  SIGTERM when the parent dies (``prctl(PR_SET_PDEATHSIG)`` on Linux), and a thread polls
+  ``os.getppid()`` every `PARENT_POLL_S` against the front's pid (``HOMELAB_DP_FRONT_PID``, so a
+  front that died while this process was still importing is noticed too). An orphaned replica
+  removes its own files (and the state folder once empty) and exits. No pipe to the parent.
+
+Requests are never trusted: the body must be strict JSON (`request_body.decode_json`), a
+prompt too large for the context by its size is refused before tokenizing, and rendering and
+tokenizing run in one worker thread of their own, off the event loop (other requests go on
+streaming meanwhile). Whatever else a handler raises is a JSON 500, never a plain-text one.
 """
 
 from __future__ import annotations
@@ -23,12 +33,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import json
 import os
 import signal
 import sys
+import threading
+import time
+import traceback
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +52,24 @@ from aiohttp import web
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.infer.prompting import Template, prompt_ids
-from homelab_dp.infer.request_body import BadRequest, GenerateBody, check_length, parse_body
+from homelab_dp.infer.request_body import (
+    BadRequest,
+    GenerateBody,
+    check_length,
+    check_size,
+    decode_json,
+    parse_body,
+)
 from homelab_dp.rundir.files import write_json_atomic
 
 TOKEN_ENV = "HOMELAB_DP_REPLICA_TOKEN"
+FRONT_PID_ENV = "HOMELAB_DP_FRONT_PID"
+"""The serve front's pid (set by its supervisor): the parent this replica must outlive never."""
+PARENT_POLL_S = 0.5
+"""How often the parent watch looks at ``os.getppid()``."""
+MAX_BODY = 8 * 1024 * 1024
+"""The largest /generate body (the front's own limit)."""
+PR_SET_PDEATHSIG = 1
 Event = dict[str, Any]
 
 
@@ -55,7 +84,8 @@ def base_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def check_setup(args: argparse.Namespace) -> str:
-    """The replica's secret, once the environment and ``--state-dir`` are usable."""
+    """The replica's secret, once the environment and ``--state-dir`` are usable; from here on
+    the replica exits when its front is gone (`watch_parent`)."""
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         raise HomelabError(
@@ -63,6 +93,7 @@ def check_setup(args: argparse.Namespace) -> str:
         )
     if not args.state_dir.is_dir():
         raise HomelabError(f"--state-dir {args.state_dir}: no such folder")
+    watch_parent(args.state_dir, args.id)
     return token
 
 
@@ -74,18 +105,72 @@ def report(exc: HomelabError) -> int:
     return 2
 
 
+_parent = 0
+"""The front's pid (`leave_while_loading`)."""
+_own_files: tuple[Path, int] | None = None
+"""This replica's state folder and id, once known (`watch_parent`)."""
+
+
+def _orphaned() -> bool:
+    return _parent > 0 and os.getppid() != _parent
+
+
+def _leave_orphaned(why: str) -> None:
+    """The front is gone: remove this replica's files and exit now."""
+    print(f"replica: {why}; exiting", flush=True)
+    if _own_files is not None:
+        remove_own_files(*_own_files)
+    exit_now(0)
+
+
 def _leave(signum: int, _frame: Any) -> None:
+    if _orphaned():
+        _leave_orphaned(f"signal {signum} while loading, the front gone")
     print(f"replica: signal {signum} while loading; exiting", flush=True)
     os._exit(0)
 
 
 def leave_while_loading() -> int:
-    """SIGTERM/SIGINT end the process at once until the event loop takes them; the parent pid
-    (read first, so a parent that dies while the model loads is noticed too)."""
-    parent = os.getppid()
+    """SIGTERM/SIGINT end the process at once until the event loop takes them; the parent pid:
+    the front's (``HOMELAB_DP_FRONT_PID``) when it set it, else the parent now."""
+    global _parent
+    try:
+        _parent = int(os.environ.get(FRONT_PID_ENV, ""))
+    except ValueError:
+        _parent = os.getppid()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _leave)
-    return parent
+    return _parent
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux; elsewhere the poll does it)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            print(f"replica: prctl failed (errno {ctypes.get_errno()}); polling only", flush=True)
+    except (OSError, AttributeError) as exc:  # no libc prctl: the poll below still works
+        print(f"replica: no prctl ({exc}); polling only", flush=True)
+
+
+def _poll_parent() -> None:
+    while True:
+        if _orphaned():
+            _leave_orphaned("parent process gone")
+        time.sleep(PARENT_POLL_S)
+
+
+def watch_parent(state_dir: Path, replica_id: int) -> None:
+    """From now until the process ends: exit (removing this replica's files) once the front
+    is gone, whether it died before this call or dies later (see the module docstring)."""
+    global _own_files
+    _own_files = (Path(state_dir), replica_id)
+    _die_with_parent()
+    if _orphaned():
+        _leave_orphaned("the front was gone before the replica started")
+    threading.Thread(target=_poll_parent, name="parent-watch", daemon=True).start()
 
 
 def exit_now(code: int) -> None:
@@ -132,8 +217,10 @@ class Prepared:
 
 
 def prepare(body: Any, tokenizer: Any, template: Template, context: int) -> Prepared:
-    """Check a decoded body, render and tokenize its prompt; a `BadRequest` names what is wrong."""
+    """Check a decoded body, render and tokenize its prompt; a `BadRequest` names what is wrong
+    (a prompt too large for ``context`` by its size is refused before the tokenizer sees it)."""
     parsed = parse_body(body)
+    check_size(parsed, context)
     if parsed.messages is not None:
         ids = prompt_ids(tokenizer, messages=parsed.messages, template=template)
     else:
@@ -153,6 +240,9 @@ class ReplicaServer:
         self.context = context
         self.in_flight = 0
         self.served = 0
+        # One thread renders and tokenizes, off the event loop: a long prompt delays the next
+        # prompt's tokenizing, never another request's streaming or /ready.
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     def events(self, prepared: Prepared) -> AsyncIterator[Event]:
         """Generate one request: ``{"text"}`` deltas, then a finish (or error) event.
@@ -166,12 +256,25 @@ class ReplicaServer:
 
         @web.middleware
         async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-            given = request.headers.get("Authorization", "").encode()
+            header = request.headers.get("Authorization", "")
+            given = header.encode("utf-8", errors="replace")  # odd bytes: no match, no crash
             if not hmac.compare_digest(given, self.token):
                 return error_response(401, "missing or wrong bearer token", "authentication_error")
-            return await handler(request)
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                return web.json_response(exc.body(), status=400)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                return error_response(exc.status, exc.reason, "invalid_request_error")
+            except (ConnectionError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a JSON 500 for the front, the trace in the log
+                traceback.print_exc()
+                return error_response(500, f"the replica failed: {exc!r}"[:500], "server_error")
 
-        app = web.Application(middlewares=[auth], client_max_size=8 * 1024 * 1024)
+        app = web.Application(middlewares=[auth], client_max_size=MAX_BODY)
         app.router.add_get("/ready", self.ready)
         app.router.add_post("/generate", self.generate)
         return app
@@ -182,16 +285,11 @@ class ReplicaServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """Stream one request's events as NDJSON (400 before streaming for a bad body)."""
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return error_response(
-                400, "the request body is not valid JSON", "invalid_request_error"
-            )
-        try:
-            prepared = prepare(body, self.tokenizer, self.template, self.context)
-        except BadRequest as exc:
-            return web.json_response(exc.body(), status=400)
+        body = decode_json(await request.read())
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(
+            self.tokenizing, prepare, body, self.tokenizer, self.template, self.context
+        )
         self.in_flight += 1
         self.served += 1
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -212,16 +310,6 @@ class ReplicaServer:
         return response
 
 
-async def _watch_parent(stop: asyncio.Event, parent: int) -> None:
-    """Set ``stop`` when the parent process is gone (we were re-parented)."""
-    while not stop.is_set():
-        if os.getppid() != parent:
-            print("replica: parent process gone; exiting", flush=True)
-            stop.set()
-            return
-        await asyncio.sleep(1.0)
-
-
 async def run_until_stopped(
     server: ReplicaServer,
     args: argparse.Namespace,
@@ -231,7 +319,8 @@ async def run_until_stopped(
     on_stop: Callable[[], None],
 ) -> None:
     """Serve on 127.0.0.1 (port 0), announce it in ``replica-K.json``, run until SIGTERM/SIGINT
-    or the death of the process ``parent``; then ``on_stop`` and close.
+    (the kernel's, too, when ``parent`` dies; `watch_parent` also polls); then ``on_stop`` and
+    close.
 
     ``info``: the ready file's fields besides ``id``, ``pid``, ``port`` and ``device``.
     """
@@ -251,10 +340,8 @@ async def run_until_stopped(
         f"replica {args.id}: ready on 127.0.0.1:{port} ({info.get('model')} on {args.device})",
         flush=True,
     )
-    watcher = asyncio.create_task(_watch_parent(stop, parent))
     await stop.wait()
     orphaned = os.getppid() != parent
-    watcher.cancel()
     print(f"replica {args.id}: stopping", flush=True)
     on_stop()
     await runner.cleanup()

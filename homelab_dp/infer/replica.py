@@ -17,8 +17,9 @@ The HTTP side, the ready file, the signals and the parent watch are `http_replic
 with the vLLM replica, `vllm_replica`). Here: the model loads with transformers, and generation
 runs in one thread (`Batcher`) that streams events back through an asyncio queue per request
 (``loop.call_soon_threadsafe``). A client that disconnects mid-stream cancels its request.
-SIGTERM/SIGINT end the process at once (nothing is finished), and so does the parent's death
-(``os.getppid()`` polled each second). A model that cannot be loaded exits 2 with an
+SIGTERM/SIGINT end the process at once (nothing is finished), and so does the front's death
+at any moment (`http_replica.watch_parent`: the kernel's death signal and a poll of the parent
+pid; an orphan removes its files). A model that cannot be loaded exits 2 with an
 ``error:`` line (and a ``hint:``) in the log, before any replica-K.json is written.
 """
 

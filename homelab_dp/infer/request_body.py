@@ -6,15 +6,33 @@ pass more than the replica uses); a known field of the wrong type is an error.
 
 Defaults for absent (or null) fields: ``max_tokens`` up to the context, ``temperature`` 1.0
 and ``top_p`` 1.0 (the OpenAI API's defaults), no ``stop`` strings, a random ``seed``.
+
+The bounds are the front's (`homelab_dp.serve.openai_api`, which the replica cannot import):
+nothing accepted here can fail in generation. A temperature between 0 and `MIN_TEMPERATURE`
+(float32 logits / T overflow), a seed outside `SEED_RANGE` (``torch.Generator`` raises), a stop
+string over `MAX_STOP_CHARS`, a string that is not valid Unicode (a lone surrogate) and a prompt
+longer than the context can hold by its size alone (`check_size`, before tokenizing) are 400s;
+`decode_json` refuses NaN/Infinity and nesting that exhausts the parser's recursion.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+MIN_TEMPERATURE = 1e-5
+"""The smallest temperature above 0 (float32 logits / T stay finite)."""
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds ``torch.Generator.manual_seed`` takes."""
+MAX_STOP_CHARS = 256
+"""The longest stop string."""
+PROMPT_CHARS_PER_TOKEN = 32
+"""More characters than this per token of the context cannot fit it: refused untokenized."""
+PROMPT_BYTES_PER_TOKEN = 64
+"""Likewise in UTF-8 bytes."""
 
 
 class BadRequest(Exception):
@@ -57,6 +75,30 @@ class GenerateBody:
     """Seed of this request's sampler."""
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_json(raw: bytes) -> Any:
+    """A request body as strict JSON (no NaN/Infinity); `BadRequest` for anything else,
+    nesting deep enough to exhaust the parser's recursion included."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise BadRequest("the request body is not valid JSON (nested too deeply)") from None
+
+
+def _text(value: str, key: str) -> str:
+    """``value``, if it is valid Unicode (a lone surrogate cannot be tokenized)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{key} is not valid Unicode (a lone surrogate)", key) from None
+    return value
+
+
 def _number(body: dict, key: str, default: float) -> float:
     value = body.get(key)
     if value is None:
@@ -84,7 +126,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}", "messages")
         if not isinstance(m.get("content"), str):
             raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": _text(m["content"], "messages")})
     if all(m["role"] == "system" for m in out):
         raise BadRequest("messages needs at least one user or assistant message", "messages")
     return out
@@ -97,7 +139,9 @@ def _stop(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise BadRequest("stop must be a string or a list of strings", "stop")
-    return tuple(s for s in value if s)
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise BadRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters", "stop")
+    return tuple(_text(s, "stop") for s in value if s)
 
 
 def parse_body(body: Any) -> GenerateBody:
@@ -112,17 +156,23 @@ def parse_body(body: Any) -> GenerateBody:
             raise BadRequest("prompt must be a string", "prompt")
         if not prompt:
             raise BadRequest("prompt is empty", "prompt")
+        _text(prompt, "prompt")
     else:
         messages = _messages(messages)
     max_tokens = _integer(body, "max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1", "max_tokens")
     temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise BadRequest("temperature must be >= 0 (0 = greedy)", "temperature")
+    if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise BadRequest(
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}", "temperature"
+        )
     top_p = _number(body, "top_p", 1.0)
     if not 0 <= top_p <= 1:
         raise BadRequest("top_p must be between 0 and 1", "top_p")
+    seed = _integer(body, "seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise BadRequest(f"seed must be within {SEED_RANGE[0]}..{SEED_RANGE[1]}", "seed")
     return GenerateBody(
         prompt=prompt,
         messages=messages,
@@ -130,8 +180,30 @@ def parse_body(body: Any) -> GenerateBody:
         temperature=temperature,
         top_p=top_p,
         stop=_stop(body.get("stop")),
-        seed=_integer(body, "seed"),
+        seed=seed,
     )
+
+
+def check_size(body: GenerateBody, context: int) -> None:
+    """`BadRequest` for a prompt too large for ``context`` tokens by its size alone (characters
+    or UTF-8 bytes), so that no tokenizer spends seconds on it."""
+    texts = (
+        [body.prompt] if body.prompt is not None else [m["content"] for m in body.messages or []]
+    )
+    source = "prompt" if body.prompt is not None else "messages"
+    chars = sum(len(t) for t in texts)
+    if chars > PROMPT_CHARS_PER_TOKEN * context:
+        raise BadRequest(
+            f"the {source} has {chars} characters: more than fit the model's context of "
+            f"{context} tokens",
+            source,
+        )
+    size = sum(len(t.encode("utf-8")) for t in texts)
+    if size > PROMPT_BYTES_PER_TOKEN * context:
+        raise BadRequest(
+            f"the {source} has {size} bytes: more than fit the model's context of {context} tokens",
+            source,
+        )
 
 
 def check_length(prompt_tokens: int, max_tokens: int | None, context: int, source: str) -> int:

@@ -2,9 +2,14 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and
 ``GET /health``. With an API key, every one of them (``/health`` too: it shows pids and
-devices) needs ``Authorization: Bearer KEY``, else 401 with OpenAI's error body. ``/health``
-answers 200 while a replica is ready and 503 otherwise, with the same body, so that an
-outside load balancer can use it as it is.
+devices) needs ``Authorization: Bearer KEY`` (the scheme in any case, RFC 7235), else 401 with
+OpenAI's error body (a header that is not ASCII included). ``/health`` answers 200 while a
+replica is ready and 503 otherwise, with the same body, so that an outside load balancer can
+use it as it is; a replica that stops answering its heartbeat shows as ``unresponsive``.
+
+Every error is a JSON body, a handler's unexpected exception too (500, its traceback on stderr).
+A request has `REQUEST_TIMEOUT_S` (``--request-timeout``) to be answered, else 504. Request
+bodies are read within a shared memory budget and a time limit (`homelab_dp.serve.guards`).
 
 `serve` binds first, then starts the replicas, prints one line on stdout once every replica is
 ready (or failed for good), and on SIGTERM (exit 0) or Ctrl-C / SIGINT (exit 130) stops taking
@@ -14,11 +19,11 @@ requests, gives the ones in flight `DRAIN_S`, and stops every replica process.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import signal
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -28,6 +33,14 @@ from aiohttp import web
 
 from homelab_dp.serve import openai_api as api
 from homelab_dp.serve.balancer import Balancer
+from homelab_dp.serve.guards import (
+    BODIES_BUDGET,
+    BODY_TIMEOUT_S,
+    BODY_WAIT_S,
+    SMALL_BODY,
+    BodyBudget,
+    parse_bearer,
+)
 from homelab_dp.serve.relay import Dispatcher, Refused, ReplicaGone, Unavailable
 from homelab_dp.serve.supervisor import ReplicaLaunch, Supervisor
 
@@ -35,6 +48,8 @@ DRAIN_S = 2.0
 """How long requests in flight may finish after a stop signal."""
 MAX_BODY = 8 * 1024 * 1024
 """The largest request body (a long conversation); larger is a 413."""
+REQUEST_TIMEOUT_S = 600.0
+"""The default deadline of one request, from its body read to its last byte (then 504)."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -53,13 +68,16 @@ class Front:
         dispatcher: Dispatcher,
         *,
         api_key: str | None = None,
+        request_timeout: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.name = name
         self.supervisor = supervisor
         self.dispatcher = dispatcher
         self.balancer = dispatcher.balancer
         self.api_key = api_key
+        self.request_timeout = request_timeout
         self.created = int(time.time())
+        self.bodies = BodyBudget(BODIES_BUDGET)
 
     def app(self) -> web.Application:
         """The aiohttp application."""
@@ -73,8 +91,7 @@ class Front:
     def _authorized(self, request: web.Request) -> bool:
         if self.api_key is None:
             return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        return parse_bearer(request.headers.get("Authorization", ""), self.api_key)
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -93,6 +110,34 @@ class Front:
             if exc.status < 400:
                 raise
             return _error(exc.status, f"{request.method} {request.path}: {exc.reason}")
+        except (ConnectionError, asyncio.CancelledError):
+            raise  # the client left: nobody to answer
+        except Exception:  # noqa: BLE001 - a bug of ours: a JSON 500, the traceback on stderr
+            traceback.print_exc()
+            return _error(500, "internal error (see the server's log)", type="server_error")
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object, its reading bounded in memory and in time."""
+        size = request.content_length
+        if size is not None and size > MAX_BODY:
+            raise api.ApiError(
+                f"the request body ({size} bytes) is over {MAX_BODY} bytes", status=413
+            )
+        if size is not None and size <= SMALL_BODY:
+            raw = await self._read(request)
+        else:
+            async with self.bodies.reserve(size or MAX_BODY, BODY_WAIT_S):
+                raw = await self._read(request)
+        return api.parse_json(raw)
+
+    async def _read(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                return await request.read()
+        except TimeoutError:
+            raise api.ApiError(
+                f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", status=408
+            ) from None
 
     def replicas(self) -> list[dict[str, Any]]:
         """/health's replicas: the supervisor's view with the balancer's counts."""
@@ -103,10 +148,14 @@ class Front:
         return rows
 
     def status(self) -> str:
-        """ok (a replica is ready), starting, or unavailable (every replica failed)."""
+        """ok (a replica is ready), unresponsive (none is, and one stopped answering its
+        heartbeat), starting, or unavailable (every replica failed)."""
         if self.supervisor.ready_ids():
             return "ok"
-        return "unavailable" if self.supervisor.all_failed() else "starting"
+        if self.supervisor.all_failed():
+            return "unavailable"
+        states = {r.state for r in self.supervisor.replicas}
+        return "unresponsive" if "unresponsive" in states else "starting"
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: the status and every replica's id, device, pid, state and counts."""
@@ -120,12 +169,12 @@ class Front:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions``."""
-        generation = api.parse_completion(api.parse_json(await request.read()))
+        generation = api.parse_completion(await self._body(request))
         return await self._generate(request, generation)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
-        generation = api.parse_chat(api.parse_json(await request.read()))
+        generation = api.parse_chat(await self._body(request))
         return await self._generate(request, generation)
 
     def _check(self, generation: api.Generation) -> None:
@@ -133,6 +182,7 @@ class Front:
         prompt's tokens too)."""
         api.check_model(generation, self.name)
         context = self.supervisor.context()
+        api.check_prompt_size(generation, context)
         if generation.max_tokens is not None and context and generation.max_tokens >= context:
             raise api.ApiError(
                 f"max_tokens ({generation.max_tokens}) is beyond the model's context "
@@ -147,11 +197,14 @@ class Front:
         if generation.stream:
             return await self._stream(request, generation)
         try:
-            answer = await self.dispatcher.complete(generation.replica_body())
+            async with asyncio.timeout(self.request_timeout):
+                answer = await self.dispatcher.complete(generation.replica_body())
         except Refused as exc:
             return web.json_response(exc.body, status=exc.status)
         except Unavailable as exc:
             return _error(503, str(exc), type="server_error", code="unavailable")
+        except TimeoutError:
+            return self._timed_out()
         doc = api.response(
             generation.kind,
             id=api.new_id(generation.kind),
@@ -163,12 +216,33 @@ class Front:
         )
         return web.json_response(doc)
 
+    def _timed_out(self) -> web.Response:
+        return _error(
+            504,
+            f"no answer within {self.request_timeout:g} s (the request's deadline)",
+            type="server_error",
+            code="timeout",
+        )
+
     async def _stream(self, request: web.Request, generation: api.Generation) -> web.StreamResponse:
-        """Server-sent events, started at the replica's first line: a refusal or no replica
-        before it is still a plain HTTP error."""
+        """Server-sent events, started at the replica's first line: a refusal, no replica or
+        the deadline before it is still a plain HTTP error; the deadline after it ends the
+        stream with an error event."""
         events = EventStream(request)
         try:
-            refused = await self._relay(events, generation)
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    refused = await self._relay(events, generation)
+            except TimeoutError:
+                if events.response is None:
+                    return self._timed_out()
+                body = api.error_body(
+                    f"the answer was cut at the request's deadline ({self.request_timeout:g} s)",
+                    type="server_error",
+                    code="timeout",
+                )
+                await events.send(api.sse(body) + api.SSE_DONE)
+                refused = None
             if refused is not None:
                 return refused
             assert events.response is not None
@@ -245,6 +319,7 @@ async def _serve(
     engine: str,
     context: int | None,
     gpu_memory_utilization: float | None,
+    request_timeout: float,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -269,7 +344,9 @@ async def _serve(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         dispatcher = Dispatcher(supervisor, Balancer(range(len(launches))), session, wait_s=wait_s)
-        front = Front(name, supervisor, dispatcher, api_key=api_key)
+        front = Front(
+            name, supervisor, dispatcher, api_key=api_key, request_timeout=request_timeout
+        )
         runner = web.AppRunner(front.app(), access_log=None, shutdown_timeout=DRAIN_S)
         await runner.setup()
         site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
@@ -323,13 +400,15 @@ def serve(
     engine: str = "transformers",
     context: int | None = None,
     gpu_memory_utilization: float | None = None,
+    request_timeout: float = REQUEST_TIMEOUT_S,
 ) -> int:
     """Serve ``model`` (a folder replicas can load) as ``name`` until SIGTERM or Ctrl-C.
 
     ``sock``: an already bound listening socket for ``host:port`` (the CLI binds it first so a
     taken port is an error before anything starts). ``engine``: the replicas' kind
     (``transformers`` or ``vllm``); ``context`` and ``gpu_memory_utilization`` go to vLLM
-    replicas (see `Supervisor`). Returns the exit code: 0 after SIGTERM,
+    replicas (see `Supervisor`). ``request_timeout``: each request's deadline (504 after it).
+    Returns the exit code: 0 after SIGTERM,
     130 after Ctrl-C / SIGINT, 1 if every replica failed.
     """
     return asyncio.run(
@@ -346,5 +425,6 @@ def serve(
             engine=engine,
             context=context,
             gpu_memory_utilization=gpu_memory_utilization,
+            request_timeout=request_timeout,
         )
     )

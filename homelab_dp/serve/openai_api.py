@@ -1,10 +1,19 @@
 """The OpenAI-compatible surface, as pure functions: request validation and response shapes.
 
 Requests: ``POST /v1/completions`` and ``POST /v1/chat/completions`` are checked here and turned
-into one `Generation` (what the replica's ``/generate`` takes). A field of the wrong type, a
-missing required field, ``n`` other than 1, a temperature outside [0, 2] or ``max_tokens`` < 1
-raise `ApiError` (HTTP 400 with OpenAI's error body). Fields we do not know are ignored: OpenAI
-clients send many (``logprobs``, ``user``, ``stream_options``, ...).
+into one `Generation` (what the replica's ``/generate`` takes). Every knob is checked against
+what the engine can do, so that no accepted request can fail in generation (and take its batch
+down): a field of the wrong type, a missing required field, ``n`` other than 1, a temperature
+outside [0, 2] or between 0 and `MIN_TEMPERATURE` (logits / T overflow float32), a seed
+``torch.Generator`` cannot take (`SEED_RANGE`), ``max_tokens`` < 1, a string that is not valid
+Unicode (a lone surrogate), a stop string longer than `MAX_STOP_CHARS`, or a knob OpenAI has and
+we do not honour set to anything but its default (``presence_penalty``, ``frequency_penalty``,
+``logit_bias``, ``logprobs``) raise `ApiError` (HTTP 400 with OpenAI's error body, ``param``
+naming the field). The body must be strict JSON: no ``NaN``/``Infinity``, no nesting deep
+enough to exhaust the parser's recursion. A prompt longer than `PROMPT_CHARS_PER_TOKEN` characters
+or `PROMPT_BYTES_PER_TOKEN` UTF-8 bytes per token of the context is refused before any tokenizer
+sees it (`check_prompt_size`). Other fields we do not know are ignored: OpenAI clients send many
+(``user``, ``stream_options``, ...).
 
 Responses: ``text_completion`` / ``chat.completion`` objects, their streamed chunks, and
 server-sent events (``data: {...}\\n\\n`` ending with ``data: [DONE]\\n\\n``).
@@ -20,6 +29,33 @@ from typing import Any, Literal
 Kind = Literal["completion", "chat"]
 ROLES = ("system", "user", "assistant")
 SSE_DONE = b"data: [DONE]\n\n"
+MIN_TEMPERATURE = 1e-5
+"""The smallest temperature above 0 (0 is greedy): float32 logits / 1e-5 stay finite up to
+|logit| ~ 3e33, while 1e-38 makes them inf and the probabilities NaN (vLLM's floor is 1e-5 too).
+The replica checks the same (`homelab_dp.infer.request_body`)."""
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds ``torch.Generator.manual_seed`` takes (beyond them it raises)."""
+MAX_TOKENS_LIMIT = 2**31 - 1
+"""The largest max_tokens taken at all (the context bounds it further once a replica told it)."""
+MAX_STOP_CHARS = 256
+"""The longest stop string (the decoder looks for each one's prefixes at every token)."""
+PROMPT_CHARS_PER_TOKEN = 32
+"""A prompt of more characters than this times the context cannot fit it (no tokenizer we know
+has longer tokens): refused before tokenizing."""
+PROMPT_BYTES_PER_TOKEN = 64
+"""Likewise in UTF-8 bytes."""
+UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "logprobs": False,
+    "top_logprobs": 0,
+    "best_of": 1,
+    "echo": False,
+    "suffix": "",
+}
+"""OpenAI knobs this server does not implement: each passes at its default (what clients send
+unasked), and any other value is a 400 rather than silently ignored."""
 
 
 class ApiError(Exception):
@@ -95,12 +131,19 @@ class Generation:
         }
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or ApiError (400)."""
+    """The request body as a JSON object, or ApiError (400): strict JSON (no NaN/Infinity), and
+    nesting deep enough to exhaust the parser's recursion is a 400 too, not a crash."""
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ApiError("the request body is not valid JSON (nested too deeply)") from None
     if not isinstance(doc, dict):
         raise ApiError("the request body must be a JSON object")
     return doc
@@ -110,7 +153,9 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _int(doc: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
+def _int(
+    doc: dict[str, Any], name: str, *, minimum: int | None = None, maximum: int | None = None
+) -> int | None:
     """An optional integer field (bool is not an integer here, whatever Python says)."""
     value = doc.get(name)
     if value is None:
@@ -119,6 +164,20 @@ def _int(doc: dict[str, Any], name: str, *, minimum: int | None = None) -> int |
         raise ApiError(f"{name} must be an integer, not {_type_name(value)}", param=name)
     if minimum is not None and value < minimum:
         raise ApiError(f"{name} must be at least {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise ApiError(f"{name} must be at most {maximum}, got {value}", param=name)
+    return value
+
+
+def _text(value: str, where: str) -> str:
+    """``value`` if it is valid Unicode (a lone surrogate, which JSON's ``\\ud800`` escape can
+    carry, cannot be encoded, tokenized or sent on)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(
+            f"{where} is not valid Unicode (a lone surrogate such as \\ud800)", param=where
+        ) from None
     return value
 
 
@@ -129,9 +188,31 @@ def _number(doc: dict[str, Any], name: str, default: float, low: float, high: fl
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ApiError(f"{name} must be a number, not {_type_name(value)}", param=name)
-    if not low <= value <= high:
+    if not low <= value <= high:  # NaN fails this too
         raise ApiError(f"{name} must be between {low:g} and {high:g}, got {value}", param=name)
     return float(value)
+
+
+def _temperature(doc: dict[str, Any]) -> float:
+    value = _number(doc, "temperature", 1.0, 0.0, 2.0)
+    if 0 < value < MIN_TEMPERATURE:
+        raise ApiError(
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value:g}",
+            param="temperature",
+        )
+    return value
+
+
+def _unsupported(doc: dict[str, Any]) -> None:
+    """OpenAI knobs we do not implement: their defaults pass, anything else is a 400."""
+    for name, default in UNSUPPORTED_DEFAULTS.items():
+        value = doc.get(name)
+        if value is None or value == default:  # (NaN equals nothing)
+            continue
+        raise ApiError(
+            f"{name} is not supported by this server (only its default, {default!r})",
+            param=name,
+        )
 
 
 def _stop(doc: dict[str, Any]) -> list[str]:
@@ -145,7 +226,9 @@ def _stop(doc: dict[str, Any]) -> list[str]:
         raise ApiError(f"stop takes at most 4 strings, got {len(items)}", param="stop")
     if any(s == "" for s in items):
         raise ApiError("stop strings must not be empty", param="stop")
-    return list(items)
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise ApiError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
+    return [_text(s, "stop") for s in items]
 
 
 def _common(doc: dict[str, Any], kind: Kind, max_tokens_field: str) -> dict[str, Any]:
@@ -153,6 +236,9 @@ def _common(doc: dict[str, Any], kind: Kind, max_tokens_field: str) -> dict[str,
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(f"model must be a string, not {_type_name(model)}", param="model")
+    if model is not None:
+        _text(model, "model")
+    _unsupported(doc)
     n = _int(doc, "n")
     if n not in (None, 1):
         raise ApiError(f"n must be 1 (one answer per request), got {n}", param="n")
@@ -162,12 +248,12 @@ def _common(doc: dict[str, Any], kind: Kind, max_tokens_field: str) -> dict[str,
     return dict(
         kind=kind,
         model=model,
-        max_tokens=_int(doc, max_tokens_field, minimum=1),
-        temperature=_number(doc, "temperature", 1.0, 0.0, 2.0),
+        max_tokens=_int(doc, max_tokens_field, minimum=1, maximum=MAX_TOKENS_LIMIT),
+        temperature=_temperature(doc),
         top_p=_number(doc, "top_p", 1.0, 0.0, 1.0),
         stop=_stop(doc),
         stream=bool(stream),
-        seed=_int(doc, "seed"),
+        seed=_int(doc, "seed", minimum=SEED_RANGE[0], maximum=SEED_RANGE[1]),
     )
 
 
@@ -186,13 +272,13 @@ def parse_completion(doc: dict[str, Any]) -> Generation:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise ApiError(f"prompt must be a string, not {_type_name(prompt)}", param="prompt")
-    return Generation(prompt=prompt, **_common(doc, "completion", "max_tokens"))
+    return Generation(prompt=_text(prompt, "prompt"), **_common(doc, "completion", "max_tokens"))
 
 
 def _content(value: Any, where: str) -> str:
     """A message's content: a string, or a list of text parts (what newer clients send)."""
     if isinstance(value, str):
-        return value
+        return _text(value, where)
     if isinstance(value, list):
         texts = []
         for part in value:
@@ -200,7 +286,7 @@ def _content(value: Any, where: str) -> str:
                 raise ApiError(f"{where}: only text content parts are supported", param=where)
             if not isinstance(part.get("text"), str):
                 raise ApiError(f"{where}: a text part needs a string text", param=where)
-            texts.append(part["text"])
+            texts.append(_text(part["text"], where))
         return "".join(texts)
     raise ApiError(f"{where} must be a string, not {_type_name(value)}", param=where)
 
@@ -232,6 +318,32 @@ def parse_chat(doc: dict[str, Any]) -> Generation:
         "max_completion_tokens" if doc.get("max_completion_tokens") is not None else "max_tokens"
     )
     return Generation(messages=clean, **_common(doc, "chat", field_name))
+
+
+def check_prompt_size(generation: Generation, context: int | None) -> None:
+    """A prompt that cannot fit ``context`` tokens by its size alone: 400, before any tokenizer
+    spends time on it (`PROMPT_CHARS_PER_TOKEN`, `PROMPT_BYTES_PER_TOKEN`). None: not known yet
+    (the replica checks the same)."""
+    if not context:
+        return
+    if generation.prompt is not None:
+        texts, where = [generation.prompt], "prompt"
+    else:
+        texts, where = [m["content"] for m in generation.messages or []], "messages"
+    chars = sum(len(t) for t in texts)
+    if chars > PROMPT_CHARS_PER_TOKEN * context:
+        raise ApiError(
+            f"the {where} has {chars} characters: more than fit the model's context of "
+            f"{context} tokens ({PROMPT_CHARS_PER_TOKEN * context} characters at most)",
+            param=where,
+        )
+    size = sum(len(t.encode("utf-8")) for t in texts)
+    if size > PROMPT_BYTES_PER_TOKEN * context:
+        raise ApiError(
+            f"the {where} has {size} bytes: more than fit the model's context of {context} "
+            f"tokens ({PROMPT_BYTES_PER_TOKEN * context} UTF-8 bytes at most)",
+            param=where,
+        )
 
 
 def check_model(generation: Generation, served: str) -> None:

@@ -1,8 +1,12 @@
 """Sending a generation to a replica, and trying another when the replica dies under it.
 
-The balancer picks the replica; a connection that fails, or an answer that ends before its
-final line (the replica died), marks that replica suspect and sends the request again to
-another ready one, waiting up to ``wait_s`` for one to be ready. So no client sees an error
+The balancer picks the replica; a connection that fails, an answer that ends before its
+final line (the replica died), or a status that says the replica is not serving (401/404: not
+our replica; 502/503/504) marks that replica suspect and sends the request again to another
+ready one, waiting up to ``wait_s`` for one to be ready. Any other refusal (a 400 about the
+request, a 500 of the replica's handler) is about the request, not the replica: it is passed
+to the client at once, never tried again elsewhere (the same request would fail the same way
+on every replica). So no client sees an error
 while a replica is ready, except a streamed answer whose first piece already went out: that
 one ends with `ReplicaGone` (the front sends an error event).
 """
@@ -23,6 +27,8 @@ from homelab_dp.serve.supervisor import Supervisor
 
 MAX_TRIES = 8
 """Tries of one request (each on a replica that was ready when picked)."""
+NOT_SERVING = (401, 404, 502, 503, 504)
+"""Statuses that say the replica (not the request) is at fault: try another."""
 
 
 class Unavailable(Exception):
@@ -96,10 +102,13 @@ class Dispatcher:
             finally:
                 resp.release()
                 self.balancer.end(rid)
-            if resp.status in (401, 404) or not isinstance(doc, dict):
-                # Not an answer about the request: our token, or not a replica. Try another.
+            if resp.status in NOT_SERVING:
+                # Not an answer about the request: our token, not a replica, or not serving.
                 self.supervisor.suspect(rid)
                 continue
+            if not isinstance(doc, dict) or not isinstance(doc.get("error"), dict):
+                kind = "server_error" if resp.status >= 500 else "invalid_request_error"
+                doc = error_body(f"the replica refused the request ({resp.status})", type=kind)
             raise Refused(resp.status, doc)
         raise Unavailable(f"no replica answered after {MAX_TRIES} tries")
 

@@ -9,6 +9,13 @@ in its environment. A replica is *ready* once it wrote ``replica-K.json`` (its p
 after `MAX_QUICK` quick failures in a row (each before it was ready or within `QUICK_S` of its
 start), or at once when it exits 2 before being ready (it cannot load the model), it is
 *failed* and stays down.
+
+Heartbeat: every `HEARTBEAT_S` each ready replica's ``GET /ready`` is asked (in the
+background, `PROBE_TIMEOUT_S` each); one that has not answered for `UNRESPONSIVE_S` (stopped,
+hung, swapping) is *unresponsive*: /health says so and no request goes to it until it
+answers again. A replica's environment holds the per-serve secret, the front's pid (the
+replica exits when its front is gone: `homelab_dp.infer.http_replica`), and never the user's
+API key.
 """
 
 from __future__ import annotations
@@ -31,13 +38,25 @@ from typing import Any, Literal
 
 import aiohttp
 
-State = Literal["starting", "ready", "restarting", "failed"]
+from homelab_dp.probe.visible import cuda_device_env
+
+State = Literal["starting", "ready", "unresponsive", "restarting", "failed"]
 REPLICA_MODULES = {
     "transformers": "homelab_dp.infer.replica",
     "vllm": "homelab_dp.infer.vllm_replica",
 }
 """The replica module of each engine (both speak the replica protocol)."""
 TOKEN_ENV = "HOMELAB_DP_REPLICA_TOKEN"
+FRONT_PID_ENV = "HOMELAB_DP_FRONT_PID"
+"""The front's pid, for a replica to notice it was orphaned before it could look."""
+SECRET_ENVS = ("HOMELAB_DP_API_KEY",)
+"""The user's secrets, which a replica never needs (it has its own per-serve token)."""
+HEARTBEAT_S = 1.0
+"""How often a ready replica's /ready is asked."""
+PROBE_TIMEOUT_S = 2.0
+"""How long one /ready may take."""
+UNRESPONSIVE_S = 5.0
+"""A ready replica with no /ready answer for this long is unresponsive."""
 QUICK_S = 30.0
 """An exit this soon after the start (or before it was ready) counts as a quick failure."""
 MAX_QUICK = 3
@@ -73,7 +92,7 @@ class Replica:
     launch: ReplicaLaunch
     """Where it runs."""
     state: State = "starting"
-    """starting | ready | restarting | failed."""
+    """starting | ready | unresponsive | restarting | failed."""
     proc: subprocess.Popen[bytes] | None = None
     """The live process (None between an exit and its restart)."""
     port: int | None = None
@@ -88,6 +107,10 @@ class Replica:
     """When to start it again (while restarting with no process)."""
     suspect: bool = False
     """A request to it failed: not picked until /ready answers again."""
+    last_seen: float = 0.0
+    """time.monotonic() of its last /ready answer."""
+    probing: bool = False
+    """A heartbeat probe is under way."""
 
     @property
     def pid(self) -> int | None:
@@ -122,6 +145,7 @@ class Supervisor:
         self.state_dir = Path(tempfile.mkdtemp(prefix="homelab-dp-serve-"))  # 0700
         self.replicas = [Replica(i, launch) for i, launch in enumerate(launches)]
         self._changed = asyncio.Event()
+        self._beats: set[asyncio.Task[None]] = set()
 
     # -- what the front asks --------------------------------------------------------------
 
@@ -185,13 +209,16 @@ class Supervisor:
         return cmd
 
     def environment(self, r: Replica) -> dict[str, str]:
-        """The replica's environment: ours, the token, its card, its threads."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        """The replica's environment: ours less the user's secrets, the token, the front's pid,
+        its card (`cuda_device_env`: PCI bus order with it), its threads."""
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENVS}
+        env["PYTHONUNBUFFERED"] = "1"
         env[TOKEN_ENV] = self.token
+        env[FRONT_PID_ENV] = str(os.getpid())
         if r.launch.cuda_visible is not None:
-            env["CUDA_VISIBLE_DEVICES"] = r.launch.cuda_visible
+            env = cuda_device_env(env, [r.launch.cuda_visible])
         elif r.launch.device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU replica never holds a CUDA context
+            env = cuda_device_env(env, [])  # a CPU replica never holds a CUDA context
         if r.launch.threads is not None:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(r.launch.threads)
         return env
@@ -221,9 +248,9 @@ class Supervisor:
             return
         r.proc = None
         # Quick: it never got ready (a slow load counts too), or it died soon after its start.
-        quick = r.state != "ready" or now - r.started_at < QUICK_S
+        quick = r.state not in ("ready", "unresponsive") or now - r.started_at < QUICK_S
         r.quick_failures = r.quick_failures + 1 if quick else 0
-        if code == BAD_INPUT and r.state != "ready":
+        if code == BAD_INPUT and r.state not in ("ready", "unresponsive"):
             r.state = "failed"  # it could not load the model: another try fails the same way
             self._say(f"replica {r.id} ({r.launch.label}) cannot start", r.id)
         elif r.quick_failures >= MAX_QUICK:
@@ -268,17 +295,45 @@ class Supervisor:
             if r.proc is None or info.get("pid") != r.proc.pid:
                 return
             r.port, r.context = int(info["port"]), info.get("context")
+        proc = r.proc
         try:
-            timeout = aiohttp.ClientTimeout(total=2.0)
+            timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
             async with session.get(
                 self.url(r.id, "/ready"), headers=self.headers(), timeout=timeout
             ) as resp:
                 ok = resp.status == 200
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             ok = False
-        if ok and r.proc is not None and (r.state != "ready" or r.suspect):
+        if not ok or r.proc is None or r.proc is not proc:
+            return  # (a process that was replaced meanwhile: its answer says nothing)
+        r.last_seen = time.monotonic()
+        if r.state != "ready" or r.suspect:
+            if r.state == "unresponsive":
+                self._say(f"replica {r.id} ({r.launch.label}) answers again")
             r.state, r.suspect = "ready", False
             self._notify()
+
+    async def _beat(self, r: Replica, session: aiohttp.ClientSession) -> None:
+        try:
+            await self._probe(r, session)
+        finally:
+            r.probing = False
+
+    def _heartbeat(self, r: Replica, session: aiohttp.ClientSession, now: float) -> None:
+        """A ready replica: probe it in the background now and then, and mark it unresponsive
+        once it has been silent for `UNRESPONSIVE_S`."""
+        if r.state == "ready" and now - r.last_seen > UNRESPONSIVE_S:
+            r.state = "unresponsive"
+            self._say(
+                f"replica {r.id} ({r.launch.label}) has not answered for {UNRESPONSIVE_S:g} s; "
+                "no requests go to it until it does"
+            )
+            self._notify()
+        if not r.probing and (r.suspect or now - r.last_seen >= HEARTBEAT_S):
+            r.probing = True
+            task = asyncio.create_task(self._beat(r, session))
+            self._beats.add(task)
+            task.add_done_callback(self._beats.discard)
 
     async def check(self, session: aiohttp.ClientSession) -> None:
         """One look at every replica: reap exits, restart when due, probe the unconfirmed."""
@@ -288,7 +343,11 @@ class Supervisor:
             self._reap(r, now)
             if r.state == "restarting" and r.proc is None and now >= r.restart_at:
                 self._spawn(r)
-            if r.proc is not None and (r.state != "ready" or r.suspect):
+            if r.proc is None:
+                continue
+            if r.state in ("ready", "unresponsive"):
+                self._heartbeat(r, session, now)
+            elif not r.probing:
                 probes.append(self._probe(r, session))
         await asyncio.gather(*probes)
 
