@@ -17,9 +17,10 @@ import os
 from types import TracebackType
 from typing import Any
 
-from homelab_dp.core.hardware import GpuInfo, GpuLink, HardwareReport, MigInfo, MigSlice
+from homelab_dp.core.hardware import GpuInfo, GpuLink, HardwareReport
 from homelab_dp.probe.fake import FAKE_ENV, load_recording
 from homelab_dp.probe.host import host_info
+from homelab_dp.probe.mig import mig_info
 from homelab_dp.probe.processes import running_processes
 from homelab_dp.probe.visible import VISIBLE_ENV, visibility
 
@@ -33,7 +34,6 @@ _P2P_STATUS_OK = 0
 _TEMPERATURE_GPU = 0
 _ERROR_DRIVER_NOT_LOADED = 9
 _ERROR_LIBRARY_NOT_FOUND = 12
-_MIG_ENABLE = 1  # NVML_DEVICE_MIG_ENABLE
 _NVLINK_MAX_LINKS = 18  # fallback when the module does not say (NVML 13 allows up to 36)
 
 _TOPOLOGY_WORDS = {
@@ -263,37 +263,8 @@ class NvmlSession:
                 _query(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
             ),
             processes=running_processes(nvml, handle),
-            mig=self._mig(handle),
+            mig=mig_info(nvml, handle),
         )
-
-    def _mig(self, handle: Any) -> MigInfo | None:
-        """The card's MIG mode and, when it is on, its MIG instances; None for a card without
-        MIG (NVML: not supported). An index that holds no instance (NVML: not found) is
-        skipped; a slice whose memory NVML does not give is listed with 0 bytes."""
-        nvml = self.nvml
-        try:
-            current, pending = _query(nvml, "nvmlDeviceGetMigMode", handle)
-        except (TypeError, ValueError):  # None (not supported) or an answer of another shape
-            return None
-        enabled = current == _MIG_ENABLE
-        slices = []
-        count = _query(nvml, "nvmlDeviceGetMaxMigDeviceCount", handle) if enabled else 0
-        for index in range(count if isinstance(count, int) else 0):
-            mig = _query(nvml, "nvmlDeviceGetMigDeviceHandleByIndex", handle, index)
-            if mig is None:
-                continue
-            memory = _query(nvml, "nvmlDeviceGetMemoryInfo", mig)
-            slices.append(
-                MigSlice(
-                    index=index,
-                    uuid=_text(_query(nvml, "nvmlDeviceGetUUID", mig)),
-                    name=_text(_query(nvml, "nvmlDeviceGetName", mig)),
-                    memory_bytes=_attr(memory, "total") or 0,
-                    memory_free=_attr(memory, "free"),
-                    memory_used=_attr(memory, "used"),
-                )
-            )
-        return MigInfo(enabled, pending == _MIG_ENABLE, tuple(slices))
 
     def _nvlink_counts(self, gpus: list[GpuInfo]) -> dict[tuple[int, int], int]:
         """Active NVLink links from each GPU to each other GPU, keyed (from, to)."""

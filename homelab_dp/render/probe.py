@@ -84,6 +84,9 @@ def render_probe(report: HardwareReport) -> RenderableType:
                 pcie_link(g),
             )
         parts.append(table)
+        mig = mig_table(report)
+        if mig is not None:
+            parts.append(mig)
         held = processes_table(report)
         if held is not None:
             parts.append(held)
@@ -100,6 +103,37 @@ def render_probe(report: HardwareReport) -> RenderableType:
     if report.notice:
         parts.append(Text(f"note: {report.notice}", style="yellow"))
     return Group(*parts)
+
+
+def mig_text(g: GpuInfo) -> str | None:
+    """The card's MIG mode in words ("MIG on, 2 slices", "MIG off, on after a reset"); None
+    for a card without MIG."""
+    if g.mig is None:
+        return None
+    n = len(g.mig.slices)
+    if g.mig.enabled:
+        said = f"MIG on, {n} slice{'s' if n != 1 else ''}"
+        return said if g.mig.pending else said + ", off after a reset"
+    return "MIG off, on after a reset" if g.mig.pending else "MIG off"
+
+
+def mig_table(report: HardwareReport) -> Table | None:
+    """The MIG slices of each card with MIG on: what CUDA sees, one per process (a plan uses
+    one, never the whole card); None when no card has MIG on."""
+    cards = [g for g in report.gpus if g.mig is not None and g.mig.enabled]
+    if not cards:
+        return None
+    table = Table(title="MIG on: CUDA sees these slices, one per process", expand=False)
+    for col in ("#", "slice", "profile", "memory used/total", "UUID"):
+        table.add_column(col, no_wrap=col == "UUID")
+    for g in cards:
+        if not g.mig or not g.mig.slices:
+            table.add_row(str(g.index), "none", "", "", "no MIG instance: CUDA cannot use it")
+        for s in g.mig.slices if g.mig else ():
+            used = format_bytes(s.memory_used) if s.memory_used is not None else "n/a"
+            memory = f"{used} / {format_bytes(s.memory_bytes)}"
+            table.add_row(str(g.index), str(s.index), s.profile, memory, s.uuid or "n/a")
+    return table
 
 
 def processes_table(report: HardwareReport) -> Table | None:
@@ -146,6 +180,9 @@ def gpu_card(g: GpuInfo) -> Text:
         out.append(f"{g.power_w:.0f} / {g.power_limit_w:.0f} W\n")
     else:
         out.append(f"{na(None if g.power_w is None else round(g.power_w), ' W')}\n")
+    mig = mig_text(g)
+    if mig:
+        out.append(f"MIG    {mig.removeprefix('MIG ')}\n", style="yellow" if mig != "MIG off" else "")
     out.append(f"PCIe   {pcie_link(g)}")
     maximum = (g.pcie_gen_max, g.pcie_width_max)
     if g.pcie_gen and g.pcie_width and maximum not in ((None, None), (g.pcie_gen, g.pcie_width)):

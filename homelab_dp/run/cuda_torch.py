@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from homelab_dp.core.hardware import GpuInfo, HardwareReport
+from homelab_dp.core.hardware import GpuInfo, HardwareReport, mig_on
 from homelab_dp.run.machine_facts import TorchFacts
 
 WHEEL_INDEX = "https://download.pytorch.org/whl/"
@@ -36,6 +36,18 @@ def card_key(name: str) -> str:
 
 def same_card(a: str, b: str) -> bool:
     return card_key(a) == card_key(b)
+
+
+def is_mig_device(name: str) -> bool:
+    """A torch device that is a MIG slice: CUDA names it ``<card> MIG <profile>``."""
+    return " mig " in f" {card_key(name)} "
+
+
+def mig_parent(name: str, cards: Sequence[GpuInfo]) -> GpuInfo | None:
+    """The card with MIG on that the MIG slice torch calls ``name`` belongs to."""
+    key = card_key(name)
+    found = [g for g in cards if mig_on(g) and key.startswith(card_key(g.name) + " mig ")]
+    return found[0] if found else None
 
 
 def card_names(names: Sequence[str]) -> str:
@@ -161,7 +173,8 @@ def torch_unusable(report: HardwareReport, torch: TorchFacts) -> tuple[str, str]
 def torch_mismatch(report: HardwareReport, torch: TorchFacts) -> tuple[str, str] | None:
     """Why the installed torch cannot train on the probed cards, as (problem, hint), naming
     both lists of cards; None when it sees them all (same count, same names; torch may number
-    them in another order)."""
+    them in another order). A card with MIG on counts as seen whether torch shows one of its
+    MIG slices or none: CUDA gives a process one MIG slice, and the run names its own."""
     if not report.gpus:
         return None
     nvml_names = [g.name for g in report.gpus]
@@ -170,7 +183,12 @@ def torch_mismatch(report: HardwareReport, torch: TorchFacts) -> tuple[str, str]
     if unusable:
         return f"{unusable[0]}; {listed}", unusable[1]
     torch_names = [d.name for d in torch.devices]
-    if sorted(map(card_key, nvml_names)) != sorted(map(card_key, torch_names)):
+    # A card with MIG on shows CUDA at most one of its slices (one per process), named
+    # "<card> MIG <profile>": the whole cards must match, and each slice be of a MIG card.
+    whole = [g.name for g in report.gpus if not mig_on(g)]
+    torch_whole = [n for n in torch_names if not is_mig_device(n)]
+    strays = [n for n in torch_names if is_mig_device(n) and mig_parent(n, report.gpus) is None]
+    if strays or sorted(map(card_key, whole)) != sorted(map(card_key, torch_whole)):
         return (
             f"torch sees {len(torch_names)} GPU{'s' if len(torch_names) != 1 else ''} "
             f"({card_names(torch_names)}) but {listed}",

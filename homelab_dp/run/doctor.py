@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from homelab_dp.core.hardware import BF16_MIN_CAPABILITY, GiB, HardwareReport, format_bytes
+from homelab_dp.core.hardware import (
+    BF16_MIN_CAPABILITY,
+    GiB,
+    GpuInfo,
+    HardwareReport,
+    format_bytes,
+    mig_slice,
+)
 from homelab_dp.run.cuda_torch import (
     capability_of,
     card_names,
@@ -134,6 +141,8 @@ def check_torch_devices(f: Facts) -> Check:
     unused = list(t.devices)
     far = []
     for g in r.gpus:
+        if g.mig is not None and g.mig.enabled:
+            continue  # torch shows at most one MIG slice, never the card: the MIG check says
         d = next(d for d in unused if same_card(d.name, g.name))
         unused.remove(d)
         if (
@@ -188,6 +197,57 @@ def check_compute(f: Facts) -> list[Check]:
             cc += ", bf16 supported"
         out.append(Check(name, "ok", cc))
     return out
+
+
+def check_mig(f: Facts) -> list[Check]:
+    """Each card that has MIG: off (ok, the whole card is planned), or on (warn: a plan uses
+    one slice in one process), or about to change at the next reset (warn). No check at all
+    where no card has MIG."""
+    return [_mig_check(g, f.report.visible_mig) for g in f.report.gpus if g.mig is not None]
+
+
+def _mig_check(g: GpuInfo, wanted: str | None) -> Check:
+    assert g.mig is not None
+    name, card, i = f"GPU {g.index} MIG", short_name(g.name), g.index
+    off = f"sudo nvidia-smi -i {i} -mig 0, then reset the card (sudo nvidia-smi -i {i} -r)"
+    if not g.mig.enabled:
+        if g.mig.pending:
+            return Check(
+                name,
+                "warn",
+                f"{card}: MIG off now, on after the card's next reset; until then the whole card "
+                "is planned",
+                f"reset the card to apply it (sudo nvidia-smi -i {i} -r), or keep the whole card: "
+                f"sudo nvidia-smi -i {i} -mig 0",
+            )
+        return Check(name, "ok", f"{card}: MIG off: the whole card is planned")
+    chosen = mig_slice(g, wanted)
+    if chosen is None:
+        return Check(
+            name,
+            "warn",
+            f"{card}: MIG on but no MIG instance CUDA can be given: nothing can run on this card",
+            f"create one: sudo nvidia-smi mig -i {i} -cgi <profile> -C (`nvidia-smi mig -i {i} "
+            f"-lgip` lists the profiles), or turn MIG off: {off}",
+        )
+    n = len(g.mig.slices)
+    listed = ", ".join(
+        f"{s.profile} {format_bytes(s.memory_bytes)} ({s.uuid or 'no UUID'})" for s in g.mig.slices
+    )
+    why = "named by CUDA_VISIBLE_DEVICES" if chosen.uuid == wanted else "the most free memory"
+    detail = (
+        f"{card}: MIG on, {n} slice{'s' if n != 1 else ''}: {listed}; a plan uses one slice in "
+        f"one process, never the whole card (now {chosen.uuid}, {why}); no run across cards"
+    )
+    if not g.mig.pending:
+        detail += "; MIG goes off at the card's next reset"
+    return Check(
+        name,
+        "warn",
+        detail,
+        f"to train on the whole card (or across cards), turn MIG off: {off}; to pick a slice, "
+        "set CUDA_VISIBLE_DEVICES to its MIG UUID",
+    )
 
 
 def check_nccl(f: Facts) -> Check:
@@ -345,6 +405,7 @@ def run_checks(f: Facts) -> list[Check]:
         check_torch_build(f),
         check_torch_devices(f),
         *check_compute(f),
+        *check_mig(f),
         check_nccl(f),
         *check_links(f),
         check_bitsandbytes(f),
