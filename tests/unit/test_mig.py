@@ -275,3 +275,22 @@ def test_the_hardware_screen_card_says_mig() -> None:
     data = _recording()
     data["devices"][0].update(mig_mode=[0, 1], mig_devices=[])
     assert mig_text(probe(FakeNvml(data)).gpus[0]) == "MIG off, on after a reset"
+
+
+def test_the_run_names_the_planned_slice_to_cuda(
+    monkeypatch: pytest.MonkeyPatch, in_repo: Path
+) -> None:
+    """The workers see exactly the planned MIG slice: CUDA_VISIBLE_DEVICES holds its MIG UUID
+    (the card's GPU UUID would show CUDA no device while MIG is on)."""
+    from homelab_dp.core.runspec import Resolved
+    from homelab_dp.run.controller import Prepared
+    from homelab_dp.run.launcher import worker_env
+
+    planned = _plan(monkeypatch, MIG_A100)
+    p = planned.plan
+    resolved = Resolved(p.chosen.method, p.chosen.distribution, False, "cuda", 1, p.dtype, 1, 1,
+                        1e-4)  # fmt: skip
+    spec = Prepared(planned.preset, planned, resolved, 1).run_spec("r")
+    assert spec.launch.gpu_indices == (0,) and spec.launch.gpu_uuids == (FREE_SLICE,)
+    env = worker_env(spec)
+    assert env["CUDA_VISIBLE_DEVICES"] == FREE_SLICE
