@@ -143,6 +143,8 @@ class RunView:
     """rank → warning text, for ranks slow for STRAGGLER_STEPS logged steps in a row."""
     _detector: StragglerDetector = field(default_factory=lambda: StragglerDetector())
     events_seen: int = 0
+    skipped_events: int = 0
+    """Event lines of a known type that could not be read (a field of the wrong type): skipped."""
 
     def copy(self) -> RunView:
         """A copy that shares nothing mutable with this view (cheaper than deepcopy)."""
@@ -219,7 +221,14 @@ class RunView:
         if handler is not None:
             # A typed event fills in the fields a line lacks; the view keeps its own value
             # for those, so it is told which fields the line gave (with a value).
-            handler(typed, frozenset(k for k, v in event.items() if v is not None))
+            given = frozenset(k for k, v in event.items() if v is not None)
+            before = dict(self.__dict__)  # shallow: the handlers convert before they append
+            try:
+                handler(typed, given)
+            except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
+                # A damaged line (a field of the wrong type): skipped, the view as it was.
+                self.__dict__.update(before)
+                self.skipped_events += 1
 
     def apply_state(self, state: dict[str, Any]) -> None:
         """Fold the run's state.json (as `current_state` reads it) into the view.

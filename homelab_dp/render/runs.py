@@ -25,7 +25,7 @@ def runs_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = [f"{'run':<44} {'status':<12} {'steps':>11} {'loss':>8} {'energy':>9}  folder"]
     for r in rows:
         if r.get("exists") is False or "step" not in r:  # gone, or a folder that cannot be read
-            word = "gone" if r.get("exists") is False else "unreadable"
+            word = "gone" if r.get("exists") is False else "damaged"
             out.append(f"{r['run_id']:<44} {word:<12} {'':>11} {'':>8} {'':>9}  {where(r)}")
             continue
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "–"
@@ -36,6 +36,9 @@ def runs_lines(rows: list[dict[str, Any]]) -> list[str]:
         )
     if any(r.get("exists") is False for r in rows):
         out.append("gone: the folder was moved or deleted (`homelab-dp runs --forget-gone`)")
+    if any(r.get("exists") is not False and "step" not in r for r in rows):
+        out.append("damaged: the folder is there but cannot be read (`homelab-dp status RUN` "
+                   "says why)")  # fmt: skip
     return out
 
 
@@ -118,8 +121,9 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
 def row_cells(run: dict[str, Any]) -> tuple[Text | str, ...]:
     """One row of the TUI's history: status, steps, final loss, energy, duration, id (a run
     whose folder has gone says so, with nothing else to show)."""
-    if run.get("exists") is False:
-        return (Text("gone", style="dim"), "", "", "", "", str(run["run_id"]))
+    if run.get("exists") is False or "step" not in run:  # gone, or damaged (cannot be read)
+        word = "gone" if run.get("exists") is False else "damaged"
+        return (Text(word, style="dim"), "", "", "", "", str(run["run_id"]))
     status = str(run.get("status") or "unknown")
     word = status_word(run)
     steps = f"{run.get('step') or 0}/{run.get('total_steps') or '?'}"

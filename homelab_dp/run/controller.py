@@ -206,10 +206,13 @@ class RunController:
         spec = prepared.run_spec(run_id, rendezvous, auto_fit=auto_fit)
         if not queue and not force:
             waiting_room.check_devices_free(waiting_room.devices_of(spec), self.root)
-        run_dir = create_run_dir(spec, self.root)
         status = "queued" if queue else "starting"
-        update_state(run_dir, status=status, run_id=run_id, created=time.time(), attempt=1)
-        append_event(run_dir, StateEvent(status=status, run_id=run_id))
+
+        def fill(folder: Path) -> None:  # written before the folder takes its name: all or none
+            update_state(folder, status=status, run_id=run_id, created=time.time(), attempt=1)
+            append_event(folder, StateEvent(status=status, run_id=run_id))
+
+        run_dir = create_run_dir(spec, self.root, fill)
         self._spawn_keeper(run_dir)
         return run_id
 
@@ -240,6 +243,7 @@ class RunController:
         ``queue`` (and always for a run interrupted while queued: it never started) puts it in
         the queue; otherwise devices another run is using refuse it, unless ``force``."""
         run_dir = self.run_dir(run_id)
+        spec = read_run_spec(run_dir)  # a damaged run says so before anything else
         state = current_state(run_dir)
         status = state.get("status")
         if status == "completed":
@@ -254,7 +258,6 @@ class RunController:
             )
         # A run interrupted while queued never started: it queues again (from step 0).
         queued = queue or bool(state.get("queued_only"))
-        spec = read_run_spec(run_dir)
         if not queued and not force:
             waiting_room.check_devices_free(waiting_room.devices_of(spec), self.root)
         write_run_spec(run_dir, spec.relaunched(rendezvous or Rendezvous()))
@@ -351,14 +354,16 @@ class RunController:
         return [run.id for run in forget_gone()]
 
     def _row(self, run: IndexedRun) -> dict[str, Any]:
-        reason = "folder gone"
+        """One run of `list_runs`: its summary; for a folder that has gone, status null; for a
+        folder that is there but cannot be read (damaged), status "damaged" and the reason."""
+        reason, status = "folder gone", None
         if run.exists:
             try:
                 state = current_state(run.path)
                 return {**summarize(run.path, self._fold(run.path), state), "exists": True}
             except (OSError, ValueError, KeyError, TypeError, HomelabError) as exc:
-                reason = f"unreadable run folder: {exc}"
-        return {"run_id": run.id, "path": str(run.path), "exists": run.exists, "status": None,
+                reason, status = str(exc), "damaged"
+        return {"run_id": run.id, "path": str(run.path), "exists": run.exists, "status": status,
                 "reason": reason, "created": run.created}  # fmt: skip
 
 

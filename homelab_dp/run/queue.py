@@ -144,9 +144,12 @@ def others(root: Path, exclude: str | None = None) -> list[Other]:
             continue  # ended runs use nothing; reading their spec would only cost time
         try:
             spec = read_run_spec(run_dir)
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, HomelabError):  # a damaged run uses nothing known
             continue
-        created = float(state.get("created") or run_dir.stat().st_mtime)
+        try:
+            created = float(state.get("created") or run_dir.stat().st_mtime)
+        except (OSError, TypeError, ValueError):
+            created = 0.0
         out.append(Other(run_dir.name, status, created, devices_of(spec)))
     return out
 

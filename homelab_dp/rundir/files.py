@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.core import json_safe
 from homelab_dp.core.events import Event
 from homelab_dp.core.runspec import RunSpec
-from homelab_dp.errors import HomelabError
+from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.rundir.index import RUNS_ENV, ensure_private_dir, index_path, register, runs_root
 
 
@@ -41,16 +43,38 @@ def new_run_id(name: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(2)}"
 
 
-def create_run_dir(spec: RunSpec, root: Path | None = None) -> Path:
-    """Create ``root/<spec.run_id>`` private to the user (0700), write spec.json into it and
-    record it in the per-user run index (so it is found by id from any folder)."""
+class RunDamagedError(RunStateError):
+    """A run folder whose spec.json is missing or cannot be read: that run's commands fail
+    with this (exit 2); every other run works."""
+
+
+def create_run_dir(
+    spec: RunSpec, root: Path | None = None, fill: Callable[[Path], None] | None = None
+) -> Path:
+    """Create ``root/<spec.run_id>`` private to the user (0700), write spec.json into it (and
+    whatever ``fill`` writes: the first state and event) and record it in the per-user run
+    index (so it is found by id from any folder).
+
+    The folder is made whole under a hidden name (``.tmp-<id>``, never listed as a run) and
+    renamed into place: a write that fails (a full disk, a read-only folder) removes it and
+    raises a HomelabError naming the runs folder — no half-made run is ever left behind."""
     root = open_runs_root(root or runs_root(), "runs folder" if root else _root_source())
     run_dir = root / spec.run_id
-    run_dir.mkdir(mode=0o700)  # fails if it exists: never overwrite a run
-    os.chmod(run_dir, 0o700)  # mkdir's mode is masked by the umask
-    for sub in ("logs", "checkpoints"):
-        (run_dir / sub).mkdir(mode=0o700)
-    write_run_spec(run_dir, spec)
+    tmp = root / f".tmp-{spec.run_id}"
+    try:
+        if run_dir.exists():
+            raise FileExistsError(errno.EEXIST, "a run folder of that id exists", str(run_dir))
+        tmp.mkdir(mode=0o700)
+        os.chmod(tmp, 0o700)  # mkdir's mode is masked by the umask
+        for sub in ("logs", "checkpoints"):
+            (tmp / sub).mkdir(mode=0o700)
+        write_run_spec(tmp, spec)
+        if fill is not None:
+            fill(tmp)
+        os.rename(tmp, run_dir)  # never over an existing run: rename fails on a non-empty one
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing started: leave nothing behind
+        raise _creation_error(root, exc) from None
     try:
         register(run_dir)
     except OSError as exc:
@@ -60,6 +84,18 @@ def create_run_dir(spec: RunSpec, root: Path | None = None) -> Path:
             hint="make $XDG_DATA_HOME/homelab-dp writable (or point XDG_DATA_HOME elsewhere)",
         ) from None
     return run_dir
+
+
+def _creation_error(root: Path, exc: OSError) -> HomelabError:
+    """A run folder that could not be made under ``root``, in words, with what to do."""
+    why = exc.strerror or str(exc)
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return HomelabError(
+        f"runs folder {root}: cannot create the run folder ({why})",
+        hint="free space on its disk (df -h), then start the run again"
+        if full
+        else "give a runs folder you can write to with --runs DIR (or $HOMELAB_DP_RUNS)",
+    )
 
 
 def _root_source() -> str:
@@ -78,8 +114,29 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def read_run_spec(run_dir: Path) -> RunSpec:
-    """Read a run's spec.json (any format version)."""
-    return RunSpec.from_json(json.loads((run_dir / "spec.json").read_text(encoding="utf-8")))
+    """Read a run's spec.json (any format version). A missing, empty, corrupt or foreign
+    spec.json raises `RunDamagedError` naming the run and the file."""
+    path = run_dir / "spec.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(doc, dict):
+            raise TypeError(f"a JSON {type(doc).__name__}, not a run spec")
+        return RunSpec.from_json(doc)
+    except FileNotFoundError:
+        why = "missing"
+    except UnicodeDecodeError:
+        why = "not UTF-8 text"
+    except json.JSONDecodeError as exc:
+        why = "empty" if not exc.doc.strip() else f"not valid JSON ({exc.msg}, line {exc.lineno})"
+    except OSError as exc:
+        why = f"cannot be read ({exc.strerror or exc})"
+    except (KeyError, TypeError, ValueError, AttributeError, HomelabError) as exc:
+        why = f"not a run spec ({exc})"
+    raise RunDamagedError(
+        f"run {run_dir.name}: {path} is {why}; the run folder is damaged",
+        hint="restore spec.json from a backup, or move the folder away; "
+        "`homelab-dp runs` lists the other runs",
+    )
 
 
 def write_run_spec(run_dir: Path, spec: RunSpec) -> None:

@@ -51,7 +51,8 @@ class IndexedRun:
     path: Path
     """The run folder, resolved (symlinks followed)."""
     exists: bool
-    """Whether the folder is still a run folder (has spec.json); False: moved or deleted."""
+    """Whether the folder is still there; False: moved or deleted. A folder that is there but
+    lacks a readable spec.json is a damaged run (its commands say what is wrong), not gone."""
     created: float | None = None
     """When it was registered (Unix time), if known."""
 
@@ -100,6 +101,28 @@ def is_run_dir(path: Path) -> bool:
         return False
 
 
+RUN_FILES = ("spec.json", "state.json", "events.jsonl")
+"""A folder holding any of these is a run's (one without spec.json is a damaged run)."""
+
+
+def looks_like_run_dir(path: Path) -> bool:
+    """Whether ``path`` is a run folder, whole or damaged: a visible folder that holds one of
+    `RUN_FILES`. Hidden folders (``.tmp-…``, a run being made) are never runs."""
+    if path.name.startswith("."):
+        return False
+    try:
+        return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
+    except OSError:
+        return False
+
+
+def _folder_exists(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def register(run_dir: Path, created: float | None = None) -> None:
     """Record a run folder in the per-user index (one line, one O_APPEND write, file 0600)."""
     ensure_private_dir(data_home())
@@ -137,17 +160,17 @@ def forget_gone() -> list[IndexedRun]:
         return []
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # no append in flight, none until the file is replaced
-        with open(fd, encoding="utf-8", closefd=False) as fh:
+        with open(fd, "rb", closefd=False) as fh:
             lines = fh.read().splitlines()
         keep, gone = [], []
         for line, run in zip(lines, map(_parse, lines), strict=True):
-            if run is not None and not is_run_dir(run.path):
+            if run is not None and not _folder_exists(run.path):
                 gone.append(run)
-            else:
+            else:  # lines it cannot read are kept as they are: forgetting is for gone runs only
                 keep.append(line)
         if gone:
             tmp = index_path().with_name(f".{INDEX_NAME}.tmp")
-            tmp.write_text("".join(f"{line}\n" for line in keep), encoding="utf-8")
+            tmp.write_bytes(b"".join(line + b"\n" for line in keep))
             os.chmod(tmp, 0o600)
             os.replace(tmp, index_path())
     finally:
@@ -155,32 +178,38 @@ def forget_gone() -> list[IndexedRun]:
     return list({run.path: run for run in gone}.values())  # a run indexed twice: once
 
 
-def _parse(line: str) -> IndexedRun | None:
-    """One index line, or None for a line a crash left unfinished."""
+def _parse(line: bytes) -> IndexedRun | None:
+    """One index line, or None for a line a crash left unfinished or that is not UTF-8 JSON.
+    The id is the folder's name: the folder, not the line, says which run it is (a line whose
+    "id" names another run never opens this folder under that id)."""
     try:
-        doc = json.loads(line)
+        doc = json.loads(line.decode("utf-8"))
         created = doc.get("created")
-        return IndexedRun(str(doc["id"]), Path(doc["path"]), False, float(created or 0) or None)
-    except (ValueError, KeyError, TypeError, AttributeError):
+        path = Path(doc["path"])
+        if not path.name or not path.is_absolute():
+            return None
+        return IndexedRun(path.name, path, False, float(created or 0) or None)
+    except (ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError included
         return None
 
 
 def _indexed() -> list[IndexedRun]:
     """The index's lines, in order; unreadable lines (a crash mid-write) are skipped."""
     try:
-        text = index_path().read_text(encoding="utf-8")
+        data = index_path().read_bytes()  # bytes: one line that is not UTF-8 spoils only itself
     except OSError:  # none yet, or unreadable: the scans still find what is in reach
         return []
-    return [run for run in map(_parse, text.splitlines()) if run is not None]
+    return [run for run in map(_parse, data.splitlines()) if run is not None]
 
 
 def _scan(folder: Path) -> list[Path]:
-    """The run folders directly under ``folder`` (none if it is missing or unreadable)."""
+    """The run folders directly under ``folder``, damaged ones included (`looks_like_run_dir`);
+    none if it is missing or unreadable."""
     try:
         children = list(folder.iterdir())
     except OSError:
         return []
-    return [p for p in children if is_run_dir(p)]
+    return [p for p in children if looks_like_run_dir(p)]
 
 
 def _legacy_root() -> Path | None:
@@ -200,14 +229,17 @@ def known_runs(root: Path | None = None) -> list[IndexedRun]:
     root = (root or runs_root()).absolute()
     found: dict[Path, IndexedRun] = {}
     for run in _indexed():
-        path = run.path.resolve()
-        found[path] = IndexedRun(run.id, path, is_run_dir(path), run.created)
+        try:
+            path = run.path.resolve()
+        except (OSError, RuntimeError):  # a symlink loop or an unreadable path: not a run
+            continue
+        found[path] = IndexedRun(path.name, path, _folder_exists(path), run.created)
     new = []
     for folder in (root, _legacy_root()):
         for run_dir in _scan(folder) if folder else []:
             path = run_dir.resolve()
             if path not in found:
-                created = _mtime(path / "spec.json")
+                created = _mtime(path / "spec.json") or _mtime(path)
                 found[path] = IndexedRun(path.name, path, True, created)
                 new.append(found[path])
     for run in new:
@@ -233,7 +265,7 @@ def find_run(ref: str, root: Path | None = None) -> Path:
         raise RunUnknownError("run id: empty", hint=_HINT)
     if os.sep in ref or "/" in ref:  # a path to a run folder
         folder = Path(ref).expanduser()
-        if is_run_dir(folder):
+        if is_run_dir(folder) or looks_like_run_dir(folder):  # a damaged one says what is wrong
             return folder.absolute()
         raise RunUnknownError(f"run {ref!r}: not a run folder (no spec.json)", hint=_HINT)
     runs = known_runs(root)
@@ -248,6 +280,9 @@ def find_run(ref: str, root: Path | None = None) -> Path:
         )
     if len(present) == 1 and (exact or len(matches) == 1):
         return present[0].path
+    here = [r for r in present if r.path.parent == root.resolve()]
+    if exact and len(present) > 1 and len(here) == 1:  # the same id elsewhere: this root's
+        return here[0].path
     if len(matches) == 1 or (exact and not present):
         run = matches[-1]
         raise RunGoneError(

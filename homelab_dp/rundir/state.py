@@ -40,9 +40,12 @@ LIVE = (*ACTIVE_STATUSES, "queued")
 def read_state(run_dir: Path) -> dict[str, Any]:
     """The raw state.json (an empty "unknown" state when it is missing or unreadable)."""
     try:
-        return json.loads((run_dir / "state.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        state = json.loads((run_dir / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, not JSON, not UTF-8
         return {"status": "unknown", "pids": {}}
+    if not isinstance(state, dict) or not isinstance(state.get("pids") or {}, dict):
+        return {"status": "unknown", "pids": {}}  # damaged: it tells nothing
+    return state
 
 
 def update_state(run_dir: Path, **changes: Any) -> dict[str, Any]:
@@ -141,8 +144,9 @@ def pid_alive(pid: int | None) -> bool:
 
 def _pids_of(pids: dict[str, Any]) -> list[int]:
     out = [pids.get(k) for k in ("keeper", "agent", "monitor")]
-    out += list(pids.get("workers") or [])
-    return [int(p) for p in out if p]
+    workers = pids.get("workers")
+    out += list(workers) if isinstance(workers, list) else []
+    return [p for p in out if isinstance(p, int) and not isinstance(p, bool) and p > 0]
 
 
 def recorded_pids(state: dict[str, Any]) -> list[int]:
