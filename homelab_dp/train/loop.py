@@ -27,6 +27,10 @@ and checks that the torchrun agent is still its parent (if not, the rank stops g
 checkpoint beats on a timer while it is written; the result is written (and merged) by rank 0 in
 a thread while every rank beats and meets the others in a short all-reduce each second, so a
 save or merge of any length is neither a stall nor a collective timeout.
+
+Divergence (`train.divergence`): a logged loss that is not finite, non-finite weights before a
+checkpoint, or `SKIP_LIMIT` fp16 steps in a row skipped by the GradScaler end the run with an
+``error`` event (exit 1), its last good checkpoint kept.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp.core.events import (
     CheckpointEvent,
@@ -50,6 +54,9 @@ from homelab_dp.core.events import (
 from homelab_dp.core.runspec import RunSpec
 from homelab_dp.rundir.heartbeat import CHECKPOINT, SAVING_RESULT
 from homelab_dp.train.setup import SetUp
+
+if TYPE_CHECKING:  # torch stays out of the worker's import until it is set up
+    from homelab_dp.train.divergence import SkippedSteps
 
 STOP_AT_ENV = "HOMELAB_DP_STOP_AT_STEP"
 
@@ -126,6 +133,10 @@ class Trainer:
         self.flops = StepFlops.for_run(spec, self.rank.device, int(self.data.input_ids.shape[1]),
                                        self.rank.world)  # fmt: skip
         self.saved_step: int | None = None
+        from homelab_dp.train.divergence import SkippedSteps
+
+        self.skips = SkippedSteps()
+        """fp16: the GradScaler's consecutive skipped steps (`train.divergence`)."""
         """The step of the checkpoint written last by this run (none is written twice)."""
         self.validator = None
         if self.data.eval is not None and not self.memory.measuring:
@@ -212,7 +223,8 @@ class Trainer:
                                                  grad_accum=r.accum))  # fmt: skip
             lr = m.optimizer.param_groups[0]["lr"]
             grad_norm = optimizer_step(m.strategy, m.optimizer, m.scheduler, m.scaler,
-                                       self.train.max_grad_norm)  # fmt: skip
+                                       self.train.max_grad_norm, skips=self.skips,
+                                       step=step + 1)  # fmt: skip
             self.memory.end_step(step, self.events)
             step += 1
             self.tokens += tokens
@@ -267,7 +279,12 @@ class Trainer:
             torch.cuda.synchronize(dev)
         now = time.time()
         rows = self.stats.gather(loss_sum, time.perf_counter() - t0)
-        self.last_loss = sum(row[0] for row in rows) / max(targets, 1.0)
+        loss = sum(row[0] for row in rows) / max(targets, 1.0)
+        from homelab_dp.train.divergence import check_loss
+
+        # Every rank has the same rows: all end here together, before a NaN reaches an event.
+        check_loss(loss, step, lr=lr, dtype=self.spec.resolved.dtype)
+        self.last_loss = loss
         last_t, last_tokens, last_step = last_log
         span = max(now - last_t, 1e-9)
         tokens_per_s = (self.tokens - last_tokens) / span
@@ -292,6 +309,10 @@ class Trainer:
 
         t = time.time()
         r, m, n_blocks = self.rank, self.model, self.data.n_blocks
+        from homelab_dp.train.divergence import require_finite_weights
+
+        # Never a checkpoint of inf/NaN weights: the last good one stays the newest.
+        require_finite_weights(m.strategy.inner, step, r.device)
         position = step * r.effective
         state = {
             "step": step, "epoch": position // n_blocks, "offset": position % n_blocks,
@@ -347,13 +368,19 @@ def micro_step(
 
 
 def optimizer_step(
-    strategy: Any, optimizer: Any, scheduler: Any, scaler: Any, max_grad_norm: float
-) -> Any:
-    """Unscale (fp16), clip, update, advance the schedule, free the gradients; the grad norm."""
+    strategy: Any, optimizer: Any, scheduler: Any, scaler: Any, max_grad_norm: float,
+    *, skips: SkippedSteps | None = None, step: int = 0,
+) -> Any:  # fmt: skip
+    """Unscale (fp16), clip, update, advance the schedule, free the gradients; the grad norm.
+
+    ``skips`` counts the scaler's consecutive skipped steps (fp16) and ends the run at its
+    limit (`train.divergence.SkippedSteps`); ``step`` is the optimizer step (1-based)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = strategy.clip_grad_norm(max_grad_norm)
-    if scaler is not None:
+    if scaler is not None and skips is not None:
+        skips.step(scaler, optimizer, step)
+    elif scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:

@@ -23,6 +23,10 @@ after each, which spares the backward pass the gradient of the first block's inp
 sequence × hidden tensor and the first block's input-gradient matmuls, all discarded).
 tests/unit/test_lean_dtypes.py checks that the first block is recomputed and its adapters still
 get gradients. On the CPU the compute dtype is fp32, so no dtype of a CPU run changes.
+
+fp16 is the exception (Turing and older cards, no bf16): there the embeddings and norms are
+kept in fp32 (`residual_in_fp32`), so that the residual stream is fp32 and cannot overflow
+fp16's range; the matmuls still run in fp16 under autocast.
 """
 
 from __future__ import annotations
@@ -35,19 +39,51 @@ import torch
 from torch import nn
 
 
-def prepare_frozen_base(model: nn.Module, *, gradient_checkpointing: bool) -> nn.Module:
+def prepare_frozen_base(
+    model: nn.Module, *, gradient_checkpointing: bool, fp32_residual: bool = False
+) -> nn.Module:
     """Freeze every base parameter, keep every dtype, and checkpoint non-reentrantly if asked.
 
+    ``fp32_residual`` (fp16 compute): embeddings and norms in fp32 (`residual_in_fp32`).
     The model must already be in train mode (transformers only recomputes while training).
     """
     for param in model.parameters():
         param.requires_grad_(False)
+    if fp32_residual:
+        residual_in_fp32(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(  # type: ignore[operator]
             gradient_checkpointing_kwargs={"use_reentrant": False}
         )
         _drop_input_grad_hook(model)
     return model
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A normalisation layer: ``nn.LayerNorm`` or a model's own (LlamaRMSNorm, Qwen2RMSNorm,
+    GemmaRMSNorm, …: by class name, as transformers names every one of them)."""
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("Norm", "RMSNorm"))
+
+
+def residual_in_fp32(model: nn.Module) -> int:
+    """Embeddings and norms to fp32: the residual stream of an fp16 run then stays fp32.
+
+    fp16 tops out at 65504, and bf16-native families (Qwen2.x, Gemma) carry residual
+    activations beyond it: with the embeddings' output in fp16 every residual add is fp16, an
+    overflow gives inf, and the GradScaler skips every step. peft's kbit preparation casts every
+    non-quantized parameter to fp32 for this reason; here only the embeddings (their output
+    starts the residual stream) and the norms (their weight multiplies it) are cast, and
+    autocast still runs every matmul in fp16. Costs the embeddings' fp16 bytes again (frozen,
+    no optimizer state). Returns the parameters cast.
+    """
+    n = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or is_norm(module):
+            for param in module.parameters(recurse=False):
+                if param.dtype == torch.float16:
+                    param.data = param.data.float()
+                    n += 1
+    return n
 
 
 def _drop_input_grad_hook(model: nn.Module) -> None:

@@ -159,7 +159,10 @@ def load_model(
     model.train()
     ac = resolved.activation_checkpointing
     if method in ("lora", "qlora"):  # frozen, in the dtype it was loaded in (train.lora)
-        model = prepare_frozen_base(model, gradient_checkpointing=ac)
+        # fp16 (no bf16 on the card): embeddings and norms in fp32, the residual stream too.
+        model = prepare_frozen_base(
+            model, gradient_checkpointing=ac, fp32_residual=compute == torch.float16
+        )
     elif ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = count_params(model)

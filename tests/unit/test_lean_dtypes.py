@@ -127,3 +127,63 @@ def test_adapters_get_gradients_under_bf16_autocast_with_checkpointing(method: s
     assert len(first) == 2 * LINEARS_PER_LAYER
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
     assert frozen == []
+
+
+# -- fp16 compute (Turing): the residual stream in fp32 --------------------------------------------
+
+
+def _residual_outliers(model: torch.nn.Module) -> None:
+    """A stand-in for a bf16-native family's residual outliers: the embeddings' output sits near
+    fp16's top (6e4, still an fp16 number) and layer 0's attention adds ~8e3 to every channel,
+    past 65504. In fp32 nothing overflows."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.no_grad():
+        base.get_input_embeddings().weight.fill_(6e4)
+        attn = base.model.layers[0].self_attn
+        for linear, value in ((attn.v_proj, 0.05), (attn.o_proj, 10.0)):
+            getattr(linear, "base_layer", linear).weight.fill_(value)
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_fp16_keeps_embeddings_and_norms_in_fp32(method: str) -> None:
+    import bitsandbytes as bnb
+
+    from homelab_dp.train.lora import is_norm
+
+    model = _load(method, torch.float16).model
+    base = model.get_base_model()
+    assert base.get_input_embeddings().weight.dtype == torch.float32
+    norms = [m for m in base.modules() if is_norm(m)]
+    assert len(norms) == 2 * LAYERS + 1
+    assert all(m.weight.dtype == torch.float32 for m in norms)
+    assert base.get_output_embeddings().weight.dtype == torch.float16  # a matmul: fp16
+    for name, m in base.named_modules():
+        if name.endswith(".base_layer") and not isinstance(m, bnb.nn.Linear4bit):
+            assert m.weight.dtype == torch.float16, name
+    # bf16 (Ampere and newer) stays lean: nothing widened.
+    lean = _load(method, torch.bfloat16).model.get_base_model()
+    assert lean.get_input_embeddings().weight.dtype == torch.bfloat16
+
+
+def test_fp16_residual_stream_does_not_overflow_where_fp16_would() -> None:
+    """The real model under fp16 autocast: an fp16 residual overflows (NaN loss), the fp32 one
+    that LoRA now keeps under fp16 trains on, its adapters getting finite gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    fixed = _load("lora", torch.float16).model
+    _residual_outliers(fixed)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = fixed(input_ids=ids, labels=ids, use_cache=False)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    grads = [p.grad for p in fixed.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+    from transformers import AutoModelForCausalLM
+
+    raw = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float16)  # the old lean LoRA
+    raw = get_peft_model(raw, LoraConfig(r=8, target_modules="all-linear"))
+    _residual_outliers(raw)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not torch.isfinite(raw(input_ids=ids, labels=ids, use_cache=False).loss)
