@@ -134,6 +134,8 @@ class Front:
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):
                 return await request.read()
+        except ConnectionError:  # the client left mid-body: its buffer goes, nobody to answer
+            raise api.ApiError("the request body was cut (the connection closed)") from None
         except TimeoutError:
             raise api.ApiError(
                 f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", status=408
