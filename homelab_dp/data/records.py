@@ -42,6 +42,10 @@ FORMATS = ("text", "completion", "instruction", "chat")
 LAYOUTS = (*FORMATS, "sharegpt")
 """What data.format may name besides auto: ShareGPT records are read as chat."""
 ROLES = ("system", "user", "assistant")
+MAX_RECORD_BYTES = 8 * 2**20
+"""The largest record read (one JSON line, or one paragraph of a .txt file): 8 MiB, some 2
+million tokens, far beyond any seq_len. A larger one is refused naming its file:line before the
+file is read whole (its tokens would take gigabytes in the preflight)."""
 _ACCEPTED = (
     '{"text"} | {"prompt","completion"} | {"instruction","input","output"} | {"messages"} '
     '| {"conversations"}'
@@ -52,6 +56,30 @@ _FORMAT_HINT = (
 )
 
 
+def check_record_sizes(path: Path, limit: int = MAX_RECORD_BYTES) -> None:
+    """A DataError naming ``file:line`` for the first record over ``limit`` bytes: a JSON line,
+    or a paragraph of a ``.txt`` file. Reads the file in pieces of at most ``limit`` + 1 bytes
+    (a longer line is over the limit by its first piece), so memory stays bounded whatever the
+    file holds."""
+    paragraphs = path.suffix.lower() == ".txt"
+    size, start = 0, 1
+    with open(path, "rb") as fh:
+        for number, line in enumerate(iter(lambda: fh.readline(limit + 1), b""), start=1):
+            if paragraphs and not line.strip():  # a blank line ends a paragraph
+                size = 0
+                continue
+            if size == 0 or not paragraphs:
+                size, start = 0, number
+            size += len(line)
+            if size > limit:
+                raise DataError(
+                    f"{path}:{start}: the record is over {limit // 2**20} MiB "
+                    "(the limit on one record)",
+                    hint="split it into smaller records (a long text into paragraphs or several "
+                    "lines); a record far longer than data.seq_len is truncated anyway",
+                )
+
+
 def _open_text(path: Path) -> str:
     """The file's text, or a DataError for a missing, unreadable or empty file."""
     if not path.exists():
@@ -60,6 +88,7 @@ def _open_text(path: Path) -> str:
         )
     if not path.is_file():
         raise DataError(f"{path}: not a file", hint="data.path must name a .jsonl or .txt file")
+    check_record_sizes(path)  # before the file is read whole: one huge line is refused cheaply
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
