@@ -45,7 +45,7 @@ from homelab_dp.data import tokenize
 from homelab_dp.data.tokenize import Example
 from homelab_dp.data.tokenizer_ref import tokenizer_folder
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: records over MAX_RECORD_BYTES are refused; caches made before are not
 """Raise it when the cache file's layout or the meaning of a sample changes."""
 FILE = "samples.arrow"
 USES = "uses.jsonl"
