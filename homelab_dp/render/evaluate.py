@@ -18,6 +18,7 @@ def eval_rows(report: EvalReport) -> list[tuple[str, str]]:
         ("model", report.model),
         ("data", f"{report.data} ({report.samples:,} samples, seq_len {report.seq_len})"),
         ("processes", f"{procs} · {report.dtype}"),
+        ("base", "NF4 (as the QLoRA run trained on it)" if report.base == "nf4" else report.base),
         ("loss", f"{report.loss:.4f} nats per target token"),
         ("perplexity", ppl),
         ("target tokens", f"{report.tokens:,}"),

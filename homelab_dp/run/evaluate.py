@@ -19,7 +19,7 @@ is re-raised as KeyboardInterrupt.
 
 The job file (read by `homelab_dp.train.eval_worker`): ``model_path``, ``base_path`` (an
 adapter's base or null), ``tokenizer_path``, ``trust_remote_code``, ``dtype`` (the run's preset
-dtype or auto), ``device`` (cpu | cuda), ``data_path`` (a path or a dataset id), ``split``,
+dtype or auto), ``quantized`` (``nf4`` for a QLoRA result: its base is loaded so), ``device`` (cpu | cuda), ``data_path`` (a path or a dataset id), ``split``,
 ``format`` (as given: it keys the token cache), ``seq_len``, ``result_path`` and ``error_dir``.
 """
 
@@ -46,6 +46,7 @@ from homelab_dp.data.loading import load_examples
 from homelab_dp.data.records import FORMATS
 from homelab_dp.data.tokenizer_ref import TokenizerRef
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
+from homelab_dp.probe.visible import cuda_device_env
 from homelab_dp.run.launcher import torchrun_command
 from homelab_dp.run.model_source import resolve_model_arg
 from homelab_dp.rundir.results import ModelRef
@@ -115,6 +116,9 @@ class EvalReport:
     """cpu | cuda."""
     dtype: str
     """The dtype the weights computed in (fp32, bf16, fp16)."""
+    base: str
+    """The base weights: ``nf4`` (a QLoRA result on the NF4 base it was trained against),
+    else the dtype they were loaded in (fp32, bf16, fp16)."""
 
     def to_json(self) -> dict[str, Any]:
         """The document as a dict."""
@@ -283,6 +287,7 @@ def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
         "tokenizer_path": str(ref.tokenizer_path),
         "trust_remote_code": ref.trust_remote_code,
         "dtype": ref.dtype,
+        "quantized": ref.quantized,
         "device": job.devices.kind,
         "data_path": job.data.path,
         "split": job.data.split,
@@ -301,16 +306,17 @@ def eval_command(folder: Path, nproc: int, job_file: Path) -> list[str]:
 
 def eval_env(devices: Devices) -> dict[str, str]:
     """The workers' environment: the chosen GPUs only (or none), loopback rendezvous, offline."""
-    env = dict(os.environ)
+    # The launcher's one rule (`probe.visible.cuda_device_env`): no card for a CPU evaluation
+    # (it never opens a CUDA context), else the chosen cards by UUID or NVML index, counted in
+    # PCI bus order as NVML counts them.
+    cards = (
+        [] if devices.kind == "cpu" else list(devices.gpu_uuids or map(str, devices.gpu_indices))
+    )
+    env = cuda_device_env(os.environ, cards)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
-    if devices.kind == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU evaluation never opens a CUDA context
-        if "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // devices.nproc))
-    else:  # NVML numbers cards in PCI bus order; CUDA must count the same way
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices.gpu_uuids or map(str, devices.gpu_indices))
+    if devices.kind == "cpu" and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // devices.nproc))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env["HOMELAB_DP_LOOPBACK"] = "1"  # homelab_dp.run.agent: TCP stores on 127.0.0.1
@@ -373,7 +379,8 @@ def stop_workers(proc: subprocess.Popen[bytes]) -> None:
 def _report(job: EvalJob, doc: dict[str, Any]) -> EvalReport:
     """The report from rank 0's result document."""
     figures = {k: doc[k] for k in ("world_size", "loss", "perplexity", "tokens", "real_tokens",
-                                   "tokens_per_s", "seconds", "samples", "device", "dtype")}  # fmt: skip
+                                   "tokens_per_s", "seconds", "samples", "device", "dtype",
+                                   "base")}  # fmt: skip
     return EvalReport(model=job.ref.name, data=job.data.path, seq_len=job.seq_len, **figures)
 
 

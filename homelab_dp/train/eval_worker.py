@@ -13,7 +13,10 @@ Rank 0 writes the result as JSON to ``result_path``.
 
 Weights compute in fp32 on the CPU; on CUDA in the run's preset dtype where it names one, else
 bf16 from compute capability 8.0 (Ampere) on and fp16 before it (a bf16 preset on an older card
-falls back to fp16), the rule `homelab_dp.infer.loading` follows for generation.
+falls back to fp16), the rule `homelab_dp.infer.loading` follows for generation. A QLoRA
+result (job ``quantized``: ``nf4``) is evaluated on the base it was trained against, quantized
+to NF4 as the run did, wherever bitsandbytes' 4-bit kernels run (CUDA, and the CPU here);
+elsewhere on the base in the compute dtype. The result names the base (``base``).
 
 A rank that fails writes ``error_dir/rank-N.json`` (message, hint, whether it was bad input)
 before exiting: exit 2 for a `HomelabError`, 1 for anything else.
@@ -118,22 +121,47 @@ def forward_tokens(model: Any, device_type: str, *, chunked: bool) -> int:
     return max(1, min(budget, FULL_LOGITS_BYTES // (8 * vocab)))
 
 
-def load_model(job: dict[str, Any], device: Any, dtype: Any) -> Any:
-    """The model in eval mode on ``device``: a full folder, or the base with its adapter."""
+def base_of(job: dict[str, Any], device: Any, dtype: Any) -> str:
+    """The base the model computes with: ``nf4`` for a QLoRA result (job ``quantized``) where
+    bitsandbytes works on ``device`` (`infer.loading.nf4_works`), else the dtype's name."""
+    from homelab_dp.infer.loading import nf4_works
+
+    if job.get("quantized") == "nf4" and job["base_path"] and nf4_works(device.type):
+        return "nf4"
+    return DTYPE_NAMES[str(dtype)]
+
+
+def load_model(job: dict[str, Any], device: Any, dtype: Any, base_kind: str) -> Any:
+    """The model in eval mode on ``device``: a full folder, or the base with its adapter; the
+    base quantized to NF4 as training did when ``base_kind`` is ``nf4``. Loaded in ``dtype``
+    and moved with ``.to(device)`` only: rotary ``inv_freq`` and ``_keep_in_fp32_modules``
+    stay fp32."""
     from transformers import AutoModelForCausalLM
 
     from homelab_dp.train.attention import attention_implementation
 
     base = job["base_path"] or job["model_path"]
-    model = AutoModelForCausalLM.from_pretrained(
-        base, dtype=dtype, trust_remote_code=bool(job["trust_remote_code"]),
-        attn_implementation=attention_implementation(device.type, DTYPE_NAMES[str(dtype)]),
-    )  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "dtype": dtype, "trust_remote_code": bool(job["trust_remote_code"]),
+        "attn_implementation": attention_implementation(device.type, DTYPE_NAMES[str(dtype)]),
+        "use_safetensors": True,
+    }  # fmt: skip
+    if base_kind == "nf4":  # as `train.model.load_model` loads a QLoRA base
+        from homelab_dp.train.lora import bnb_config
+
+        kwargs["quantization_config"] = bnb_config(dtype)
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     if job["base_path"]:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, job["model_path"])
-    model.to(device)
+    if base_kind != "nf4":  # placed by device_map otherwise
+        model.to(device)
+    if base_kind == "nf4" and device.type == "cpu":
+        from homelab_dp.train.lora import disable_cpu_bf16_repack
+
+        disable_cpu_bf16_repack(model)  # the kernel the in-run eval computed with
     model.eval()
     model.requires_grad_(False)
     return model
@@ -151,7 +179,8 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
                                               trust_remote_code=bool(job["trust_remote_code"]))  # fmt: skip
     blocks = load_blocks(job, tokenizer)
     dtype = eval_dtype(device, job["dtype"])
-    model = load_model(job, device, dtype)
+    base_kind = base_of(job, device, dtype)
+    model = load_model(job, device, dtype, base_kind)
     head = install_loss_head(model)
     if head is None:
         log.warning("full logits: %s", unsupported_reason(model))
@@ -181,6 +210,7 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
         "samples": len(blocks),
         "device": device.type,
         "dtype": DTYPE_NAMES[str(dtype)],
+        "base": base_kind,
     }
 
 

@@ -33,7 +33,7 @@ from .conftest import DEMO_DATA, make_run
 pytestmark = pytest.mark.slow
 SEQ_LEN = 32  # some instruction rows are longer: truncation is part of what is compared
 FIELDS = {"model", "data", "world_size", "loss", "perplexity", "tokens", "real_tokens",
-          "tokens_per_s", "seconds", "seq_len"}  # fmt: skip
+          "tokens_per_s", "seconds", "seq_len", "base"}  # fmt: skip
 
 
 def _start(*args: str) -> subprocess.Popen[str]:
@@ -111,6 +111,7 @@ def test_one_and_two_processes_agree_with_a_direct_computation(tiny_model, text_
     assert one["model"] == tiny_model.name and two["model"] == run_dir.name
     assert one["data"] == str(data)
     assert one["seq_len"] == two["seq_len"] == 96 and one["device"] == "cpu"
+    assert one["base"] == two["base"] == "fp32"  # a full model on the CPU
     assert one["tokens"] == two["tokens"] and one["real_tokens"] == two["real_tokens"]
     assert one["samples"] == 16
     assert math.isclose(one["loss"], two["loss"], rel_tol=1e-6)
@@ -247,12 +248,12 @@ def test_the_table_shows_every_figure() -> None:
 
     report = EvalReport(model="run-1", data="/d.jsonl", world_size=2, loss=1.25, perplexity=3.4903,
                         tokens=1200, real_tokens=3000, tokens_per_s=1500.0, seconds=2.0,
-                        seq_len=256, samples=40, device="cpu", dtype="fp32")  # fmt: skip
+                        seq_len=256, samples=40, device="cpu", dtype="fp32", base="nf4")  # fmt: skip
     console = Console(width=120, record=True)
     console.print(render_eval(report))
     text = console.export_text()
     for needle in ("run-1", "/d.jsonl (40 samples, seq_len 256)", "2 CPU processes · fp32",
-                   "1.2500 nats", "3.490", "1,200", "1,500", "2.00"):  # fmt: skip
+                   "1.2500 nats", "3.490", "1,200", "1,500", "2.00", "NF4"):  # fmt: skip
         assert needle in text, text
 
 
