@@ -8,10 +8,13 @@ one of the commands of `HELP`; EOF, ``/quit`` and Ctrl-C end the chat with exit 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.probe.visible import cuda_device_env
 
 HELP = """commands:
   /reset           forget the conversation (the system message stays)
@@ -50,6 +53,23 @@ def _device(args: argparse.Namespace) -> str | None:
             )
         return f"cuda:{gpus}"
     return args.device
+
+
+def device_env(env: Mapping[str, str], gpus: str | None) -> tuple[dict[str, str], str | None]:
+    """The environment this process loads the model in, and the device to load it on.
+
+    ``gpus`` is what ``--gpus`` asked for: ``cpu`` hides every card (no CUDA context at all), a
+    GPU's NVML index leaves that card alone as ``cuda:0``, counted in PCI bus order as NVML
+    and `homelab-dp probe` count (the launcher's one rule, `probe.visible.cuda_device_env`);
+    None (``--device`` or nothing) keeps ``env``'s own cards, in PCI bus order where
+    ``CUDA_VISIBLE_DEVICES`` names some.
+    """
+    if gpus is None:
+        return cuda_device_env(env, None), None
+    gpus = gpus.strip().lower()
+    if gpus == "cpu":
+        return cuda_device_env(env, []), "cpu"
+    return cuda_device_env(env, [gpus]), "cuda:0"
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -126,6 +146,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     _check(args)
     device = _device(args)
     ref = resolve_model_arg(args.model)  # a bad MODEL stops here, before torch is imported
+    env, where = device_env(os.environ, args.gpus)
+    os.environ.update(env)  # before CUDA starts in this process: it reads them once
+    device = where or device
     sys.stderr.write(f"loading {ref.name} …\n")
     from homelab_dp.infer.conversation import Conversation
     from homelab_dp.infer.loading import default_device, load_for_inference

@@ -19,12 +19,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from homelab_dp.probe.visible import cuda_device_env
 from homelab_dp.run.launcher import free_port  # a loopback port free now
 
 STOP_WAIT_S = 5.0
@@ -77,17 +78,21 @@ class ChatServer:
                "--replicas", "1", "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
         return cmd + (["--gpus", "cpu:1"] if self.cpu else [])
 
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The server's environment (the launcher's one rule, `probe.visible.cuda_device_env`):
+        no card for a CPU server, ``cuda_visible`` where given (its NVML index counted in PCI
+        bus order, as NVML counts), else ``base``'s own cards."""
+        cards = [] if self.cpu else None if self.cuda_visible is None else [self.cuda_visible]
+        return cuda_device_env(base, cards)
+
     def start(self) -> None:
         """Start the server in its own session (its own process group), output to the log."""
         self.port = free_port()
-        env = dict(os.environ)
-        if self.cuda_visible is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
+                env=self.environment(os.environ), start_new_session=True,
             )  # fmt: skip
         self.started = time.monotonic()
         _LIVE.add(self)
