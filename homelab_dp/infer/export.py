@@ -17,7 +17,9 @@ Formats:
   beside a Modelfile ``FROM ./model.gguf``. The ``gguf`` package alone cannot do it: it reads
   and writes GGUF files but has no Hugging Face converter.
 
-DIR must not exist or be empty; nothing is ever overwritten. The export is written into a
+DIR must not exist or be empty; nothing is ever overwritten. DIR is checked as its real path
+(every link resolved): inside the run or its model folders, under /proc, /sys or /dev, a link
+itself, or where this user cannot write, it is refused (exit 2) before anything is written. The export is written into a
 hidden folder beside DIR and renamed to DIR at the end, so a failed export leaves nothing
 half-written. Everything is checked before anything is written (no result yet, an adapter
 export of a full fine-tune, a gguf export without the converter, a DIR that holds files).
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.probe.visible import cuda_device_env
 from homelab_dp.rundir.files import read_run_spec
 from homelab_dp.rundir.results import ModelRef, resolve_model
 
@@ -158,18 +161,68 @@ def find_converter() -> Path | None:
     return Path(found) if found else None
 
 
+SPECIAL_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+"""Kernel file systems: nothing is ever exported there (but /dev/shm, a RAM disk)."""
+
+
 def check_out(out: Path) -> Path:
-    """``out`` as an absolute path that does not exist or is an empty folder (else exit 2)."""
-    out = out.expanduser().absolute()
-    if out.is_dir():
-        if any(out.iterdir()):
+    """``out`` as an absolute real path (every link resolved: where the files would really
+    land) that does not exist or is an empty folder, in a place a folder can be made (else
+    exit 2). A link at ``out`` itself is refused: the rename at the end would replace it."""
+    given = out.expanduser().absolute()
+    if given.is_symlink():
+        raise HomelabError(
+            f"--out {given}: a link is there (to {os.readlink(given)}); an export never "
+            "writes through or over a link",
+            hint="give the real folder's path, or a new folder that is not there",
+        )
+    try:
+        out = given.resolve()
+    except (OSError, RuntimeError) as exc:  # a link loop
+        raise HomelabError(f"--out {given}: cannot be resolved ({exc})",
+                           hint="give a folder path without link loops") from None  # fmt: skip
+    for root in SPECIAL_ROOTS:
+        if out.is_relative_to(root) and not out.is_relative_to("/dev/shm"):
             raise HomelabError(
-                f"--out {out}: the folder is not empty; an export never overwrites",
-                hint="give a new folder (it is created), or empty or remove this one",
+                f"--out {given}: under {root}, a kernel file system, not a place for files",
+                hint="give a folder on a disk, e.g. ./exports/NAME",
             )
+    if out.is_dir():
+        try:
+            if any(out.iterdir()):
+                raise HomelabError(
+                    f"--out {out}: the folder is not empty; an export never overwrites",
+                    hint="give a new folder (it is created), or empty or remove this one",
+                )
+        except OSError as exc:
+            raise _unwritable(given, exc) from None
     elif out.exists():
         raise HomelabError(f"--out {out}: a file is there", hint="give a folder that is not there")
+    writable_parent(given, out)
     return out
+
+
+def _unwritable(given: Path, exc: OSError) -> HomelabError:
+    return HomelabError(
+        f"--out {given}: cannot be written ({exc.strerror or exc})",
+        hint="give a folder you can write to, e.g. ./exports/NAME",
+    )
+
+
+def writable_parent(given: Path, out: Path) -> None:
+    """The nearest existing folder above ``out`` is a folder this user may write in (nothing
+    is made here: the export makes its folders only once every check has passed)."""
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise HomelabError(f"--out {given}: {parent} is a file, not a folder",
+                           hint="give a path whose parents are folders")  # fmt: skip
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HomelabError(
+            f"--out {given}: {parent} is not writable by this user",
+            hint="give a folder you can write to, e.g. ./exports/NAME",
+        )
 
 
 def check_export(run: str, fmt: str, out: Path) -> tuple[Source, Path, Path | None]:
@@ -192,8 +245,8 @@ def check_export(run: str, fmt: str, out: Path) -> tuple[Source, Path, Path | No
                 hint=GGUF_HINT,
             )
     out = check_out(out)
-    for folder in (source.ref.run_dir, source.weights, source.adapter):
-        if folder is not None and out.is_relative_to(folder.absolute()):
+    for folder in (source.ref.run_dir, source.weights, source.adapter, source.ref.path):
+        if folder is not None and out.is_relative_to(folder.resolve()):  # real paths both
             raise HomelabError(
                 f"--out {out}: inside {folder}, which the export reads",
                 hint="give a folder outside the run and its model folders",
@@ -208,6 +261,12 @@ def _copy(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
         return [n for n in names if n in skip and Path(folder) == src]
 
     shutil.copytree(src, dest, dirs_exist_ok=True, ignore=ignore)
+
+
+def cpu_child_env() -> dict[str, str]:
+    """The environment of a child that merges or converts on the CPU: no card visible (the
+    launcher's one rule, `probe.visible.cuda_device_env`, with no card)."""
+    return cuda_device_env(os.environ, [])
 
 
 def _merge(source: Source, dest: Path) -> None:
@@ -241,7 +300,7 @@ def _gguf(source: Source, converter: Path, staging: Path) -> None:
     outfile = staging / "model.gguf"
     cmd = [sys.executable, str(converter), str(merged), "--outfile", str(outfile),
            "--outtype", GGUF_TYPES.get(source.dtype, "auto")]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # it converts on the CPU: no CUDA context
+    env = cpu_child_env()  # it converts on the CPU: no CUDA context
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0 or not outfile.is_file():
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
@@ -296,8 +355,11 @@ def export_run(run: str, fmt: str, out: Path) -> ExportResult:
     """Export RUN's result as ``fmt`` into ``out`` (see the module docstring). A user mistake
     raises its HomelabError before anything is written; any failure leaves ``out`` as it was."""
     source, out, converter = check_export(run, fmt, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export", dir=out.parent))
+    except OSError as exc:  # a read-only file system, a full disk: nothing was written
+        raise _unwritable(out, exc) from None
     try:
         try:
             notes = _write(source, fmt, staging, converter)
@@ -325,7 +387,7 @@ def export_in_child(run: str, fmt: str, out: Path) -> ExportResult:
     (the TUI) never loads torch; its HomelabError comes back as the same error."""
     cmd = [sys.executable, "-m", "homelab_dp.infer.export", run, "--format", fmt, "--out",
            str(out)]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # merge on the CPU: no CUDA context
+    env = cpu_child_env()  # merge on the CPU: no CUDA context
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = done.stdout.strip().splitlines()
     try:
