@@ -8,8 +8,9 @@ with (`attention_path`), and the pinned choices the planned hardware cannot trai
 
 from __future__ import annotations
 
-import importlib.util
+from collections.abc import Sequence
 
+from homelab_dp.core.attention_rule import choose_attention, flash_attn_version
 from homelab_dp.core.hardware import BF16_MIN_CAPABILITY, PlanHardware, format_capability
 from homelab_dp.core.preset import Preset
 from homelab_dp.core.vocabulary import SHARDED
@@ -104,13 +105,11 @@ def check_offload(preset: Preset, hw: PlanHardware, dtype: str) -> None:
         )
 
 
-def attention_path(device: str, dtype: str) -> str:
-    """The attention kernel the worker will load with (`train.attention`): FlashAttention on
-    CUDA in bf16/fp16 when flash_attn is installed here (found, not imported), else SDPA."""
-    if device != "cuda" or dtype not in ("bf16", "fp16"):
-        return "sdpa"
-    try:
-        found = importlib.util.find_spec("flash_attn") is not None
-    except (ImportError, ValueError):  # a broken or half-installed package
-        found = False
-    return "flash_attention_2" if found else "sdpa"
+def attention_path(device: str, dtype: str, capabilities: Sequence[tuple[int, int] | None]) -> str:
+    """The attention kernel the worker will load with, by the worker's own rule
+    (`homelab_dp.core.attention_rule.choose_attention`): FlashAttention-2 on CUDA in bf16/fp16
+    when flash-attn 2.x is installed here and every planned card is compute capability 8.0 or
+    newer (a what-if card of unknown capability counts as new enough), else SDPA. The memory
+    model budgets the packed-attention mask of SDPA and none for FA2, so this must agree with
+    what runs: a 2080 Ti with flash-attn installed trains with SDPA."""
+    return choose_attention(device, dtype, capabilities, flash_attn_version(), unknown_ok=True)[0]

@@ -90,7 +90,7 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         lora_r=preset.lora.r,
         lora_targets=targets if isinstance(targets, str) else tuple(targets),
         packed=preset.data.pack,
-        attention=attention_path(hw.kind, dtype),  # type: ignore[arg-type]
+        attention=attention_path(hw.kind, dtype, [d.compute_capability for d in hw.devices]),  # type: ignore[arg-type]
         target_share=kw.get("target_share", 1.0),
         offload=kw.get("offload", "none"),
         offload_activations=kw.get("offload_activations", False),

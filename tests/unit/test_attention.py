@@ -126,6 +126,29 @@ def test_plan_names_the_attention_and_why(monkeypatch, in_repo, flash_attn_2):
     ]
 
 
+def test_the_memory_budget_assumes_the_attention_that_runs(monkeypatch, in_repo, tmp_path):
+    """The planner budgets SDPA's packed mask (and repeated key/value heads) wherever the
+    worker will run SDPA: installing flash-attn 2 changes nothing on Turing, and removes the
+    mask from the budget on Ampere."""
+    from homelab_dp.core.preset_store import open_preset
+    from homelab_dp.probe.fake import FAKE_ENV
+    from homelab_dp.run.planning import make_plan
+    from tests.conftest import DATA
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def activations(rec: str) -> int:
+        monkeypatch.setenv(FAKE_ENV, str(DATA / "nvml" / f"{rec}.json"))
+        preset = open_preset("tiny-demo", ["hardware.devices=auto", "model.dtype=fp16"])
+        return make_plan(preset).plan.to_json()["per_device_bytes"]["activations"]
+
+    before = {rec: activations(rec) for rec in ("2x2080ti", "2xa6000-nvlink")}
+    install_flash(tmp_path, monkeypatch, "flash-attn", "2.7.4.post1")
+    after = {rec: activations(rec) for rec in ("2x2080ti", "2xa6000-nvlink")}
+    assert after["2x2080ti"] == before["2x2080ti"]
+    assert after["2xa6000-nvlink"] < before["2xa6000-nvlink"]
+
+
 # ------------------------------------------------------------------ packed == one per row
 
 
