@@ -112,18 +112,20 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from homelab_dp.cli.follow import follow
+    from homelab_dp.rundir.state import read_state
     from homelab_dp.rundir.tail import file_size
 
     controller = _controller()
     # Only what the resumed run writes is printed; earlier events are history.
     history = file_size(controller.run_dir(args.run) / "events.jsonl")
     run_id = controller.resume(args.run, _rendezvous(args), queue=args.queue, force=args.force)
+    step = read_state(controller.run_dir(run_id)).get("resume_from")
+    if step == 0:  # said, never silent: the steps it made are trained again
+        sys.stderr.write(f"notice: run {run_id} has no usable checkpoint: it starts again from "
+                         "step 1\n")  # fmt: skip
     if args.detach:
-        print(
-            json_safe.dumps({"type": "detached", "run_id": run_id})
-            if args.json
-            else f"resumed {run_id}"
-        )
+        doc = {"type": "detached", "run_id": run_id, "resume_from": step}
+        print(json_safe.dumps(doc) if args.json else f"resumed {run_id}")
         return 0
     return follow(controller, run_id, _mode(args), history_until=history)
 

@@ -27,6 +27,7 @@ from homelab_dp.run import preflight
 from homelab_dp.run import queue as waiting_room
 from homelab_dp.run.model_source import model_doc, with_local_model
 from homelab_dp.run.planning import Planned, cpu_hardware, make_plan, with_target_share
+from homelab_dp.run.relaunch import resume_step
 from homelab_dp.rundir.files import (
     append_event,
     create_run_dir,
@@ -46,7 +47,6 @@ from homelab_dp.rundir.state import (
 from homelab_dp.rundir.tail import RunTail, read_all
 
 STOP_TIMEOUT_S = 120.0
-MAX_OOM_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,7 @@ class RunController:
         return run_id
 
     def _spawn_keeper(self, run_dir: Path) -> int:
+        (run_dir / "logs").mkdir(mode=0o700, exist_ok=True)  # a folder that lost it (damage)
         log = open(run_dir / "logs" / "keeper.log", "ab")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen(
             [sys.executable, "-m", "homelab_dp.run.keeper", str(run_dir)],
@@ -262,16 +263,20 @@ class RunController:
             waiting_room.check_devices_free(waiting_room.devices_of(spec), self.root)
         write_run_spec(run_dir, spec.relaunched(rendezvous or Rendezvous()))
         status = "queued" if queued else "starting"
+        step = None if state.get("queued_only") else resume_step(run_dir)
+        how = ("" if step is None else f"from checkpoint step {step}" if step
+               else "from step 1: it has no usable checkpoint")  # fmt: skip
         update_state(
             run_dir,
             status=status,
-            reason="queued again" if queued else "resuming",
+            reason=("queued again" if queued else "resuming") + (f" {how}" if how else ""),
+            resume_from=step,
             attempt=int(state.get("attempt", 1)) + (0 if queued else 1),
             queued_only=None,
             ended=None,
             pids={"keeper": None, "workers": [], "agent": None, "monitor": None},
         )
-        append_event(run_dir, StateEvent(status=status, resume=True))
+        append_event(run_dir, StateEvent(status=status, resume=True, reason=how or None))
         self._spawn_keeper(run_dir)
         return run_dir.name
 
@@ -420,28 +425,6 @@ def check_port(rendezvous: Rendezvous) -> None:
                 hint="leave out --master-port (a single-node run takes a free port by itself) "
                 "or choose another port",
             ) from None
-
-
-def apply_oom_proposal(run_dir: Path, failure: dict[str, Any]) -> str | None:
-    """Rewrite a run's spec with an out-of-memory proposal, ready to resume; None if there is none.
-
-    The effective batch is unchanged, so the resumed run continues exactly from its last
-    checkpoint. Returns a one-line description of the change.
-    """
-    proposal = failure.get("proposal") if failure.get("kind") == "oom" else None
-    if not proposal:
-        return None
-    spec = read_run_spec(run_dir)
-    changed = spec.with_batch(int(proposal["micro_batch"]), int(proposal["grad_accum"]),
-                              bool(proposal["activation_checkpointing"]))  # fmt: skip
-    before, after = changed.retries[-1].before, changed.retries[-1].after
-    if after == before:
-        return None
-    write_run_spec(run_dir, changed)
-    ac = ", activation checkpointing on" if after[2] and not before[2] else ""
-    effective = changed.resolved.effective_batch
-    return (f"out of memory: retrying with micro-batch {after[0]} × accumulation {after[1]}"
-            f"{ac} (same effective batch {effective})")  # fmt: skip
 
 
 def make_controller(root: Path | None = None) -> RunController:

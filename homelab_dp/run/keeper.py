@@ -296,7 +296,7 @@ def supervise(run_dir: Path) -> int:
     """Run the launch; with ``auto_fit`` in the spec, resume after out-of-memory with the
     worker's proposal (same effective batch), up to `MAX_OOM_RETRIES` times. A queued run
     first waits for its turn (`wait_in_queue`)."""
-    from homelab_dp.run.controller import MAX_OOM_RETRIES, apply_oom_proposal
+    from homelab_dp.run.relaunch import MAX_OOM_RETRIES, apply_oom_proposal
 
     if read_state(run_dir).get("status") == "queued" and not wait_in_queue(run_dir):
         return 0
