@@ -116,8 +116,11 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     assert found == {"homelab_dp.core.preset", "homelab_dp.core.hardware"}
 
 
-MAX_MODULE_LINES = 450
-"""Past this a module holds more than one job: split it along a seam (docs/ARCHITECTURE.md)."""
+MAX_MODULE_LINES = 800
+"""A module holds one subject whole, sized by its subject rather than by a cap: it may grow to
+about this when that keeps a subject in one place (a planner, a memory model). Past it, it
+almost surely holds two subjects: split it along the seam between them (docs/ARCHITECTURE.md);
+never cut one subject into fragments to fit."""
 
 
 def test_no_module_is_over_the_line_limit() -> None:
