@@ -11,6 +11,7 @@ from homelab_dp.core.hardware import (
     PlanDevice,
     PlanHardware,
     format_bytes,
+    mig_on,
     parse_gpus_spec,
 )
 from homelab_dp.core.model_spec import ModelSpec, load_model_spec
@@ -104,15 +105,39 @@ def serve_hardware(
         ram = report.host.ram_available or report.host.ram_total
         hw = parse_gpus_spec("cpu:1", ram)
         return PlanHardware("cpu", hw.devices, source="probe: no GPU"), report
-    gpus_found = list(report.gpus)
-    uuids = tuple(g.uuid for g in gpus_found if g.uuid)
+    devices: list[PlanDevice] = []
+    indices: list[int] = []
+    uuids: list[str | None] = []
+    for g in report.gpus:
+        if mig_on(g):
+            # CUDA sees a MIG card only as its slices, each a device of its own memory: a
+            # replica per slice (replicas are separate processes and never talk to each other,
+            # so NCCL's lack of MIG-to-MIG support does not matter here). A slice is named to
+            # CUDA by its MIG UUID; one NVML gave no UUID or memory for cannot be served.
+            for sl in g.mig.slices if g.mig else ():
+                if sl.uuid and sl.memory_bytes:
+                    name = f"{g.name} MIG {sl.profile} (slice {sl.index})"
+                    devices.append(PlanDevice(name, sl.memory_bytes, g.compute_capability))
+                    indices.append(g.index)
+                    uuids.append(sl.uuid)
+            continue
+        devices.append(PlanDevice(g.name, g.memory_total, g.compute_capability))
+        indices.append(g.index)
+        uuids.append(g.uuid)
+    named = tuple(u for u in uuids if u)
     hw = PlanHardware(
         "cuda",
-        tuple(PlanDevice(g.name, g.memory_total, g.compute_capability) for g in gpus_found),
+        tuple(devices),
         source="probe",
-        indices=tuple(g.index for g in gpus_found),
-        uuids=uuids if len(uuids) == len(gpus_found) else (),
+        indices=tuple(indices),
+        uuids=named if len(named) == len(devices) else (),
     )
+    if any(mig_on(g) for g in report.gpus) and not hw.uuids:
+        raise HardwareSpecError(
+            "a MIG card is served by its slices' MIG UUIDs, and NVML gave no UUID for a card here",
+            hint="`nvidia-smi -L` lists the UUIDs; serve on the other cards with "
+            "CUDA_VISIBLE_DEVICES, or turn MIG off (sudo nvidia-smi -i N -mig 0, then reset)",
+        )
     return hw, report
 
 

@@ -294,3 +294,16 @@ def test_the_run_names_the_planned_slice_to_cuda(
     assert spec.launch.gpu_indices == (0,) and spec.launch.gpu_uuids == (FREE_SLICE,)
     env = worker_env(spec)
     assert env["CUDA_VISIBLE_DEVICES"] == FREE_SLICE
+
+
+def test_serve_puts_one_replica_on_each_slice(monkeypatch, in_repo: Path) -> None:
+    """Replicas never talk to each other, so a MIG card serves one replica per slice, each
+    named to CUDA by its MIG UUID and planned in the slice's memory (never the whole card's)."""
+    from homelab_dp.run.serve_planning import plan_serve
+
+    monkeypatch.setenv(FAKE_ENV, str(MIG_A100))
+    slices = probe().gpus[0].mig.slices
+    planned = plan_serve("assets/models/tiny-llama")
+    assert [r.cuda_visible for r in planned.replicas] == [s.uuid for s in slices]
+    assert [d.memory_bytes for d in planned.plan.devices] == [s.memory_bytes for s in slices]
+    assert all("MIG 3g.40gb" in r.label for r in planned.replicas)
