@@ -154,13 +154,33 @@ def _collect(strategy: Strategy, optimizer: Any) -> tuple[dict[str, Any], dict[s
 
     The tensors are the live ones (no copies), so ``dcp.load`` fills model and optimizer in place.
     """
-    model_sd = get_model_state_dict(strategy.model, options=_OPTIONS)
+    model_sd = _without_quant_state(
+        strategy, get_model_state_dict(strategy.model, options=_OPTIONS)
+    )
     if _is_zero(optimizer):
         optim_sd: dict[str, Any] = {"state": _zero_state(strategy, optimizer)}
     else:
         optim_sd = get_optimizer_state_dict(strategy.model, optimizer, options=_OPTIONS)
     state = {"model": _dedup_storage(model_sd), "optim": _tensorize(optim_sd["state"])}
     return state, optim_sd
+
+
+def _without_quant_state(strategy: Strategy, sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` without the entries a parameter adds beside itself: bitsandbytes' 4-bit layers
+    save their quantization state (``weight.absmax``, ``weight.quant_map``, ``weight.nested_*``,
+    ``weight.quant_state.*``) even when ``ignore_frozen_params`` drops the frozen weight. It is
+    rebuilt from the base model at every start (resume quantizes the base again), so a QLoRA
+    checkpoint keeps only the adapters. A key that names no such extra is kept."""
+    params = {n for n, _ in strategy.inner.named_parameters()}
+    named = params | {n for n, _ in strategy.inner.named_buffers()}
+
+    def extra(key: str) -> bool:
+        if key in named:
+            return False
+        parts = key.split(".")
+        return any(".".join(parts[:i]) in params for i in range(1, len(parts)))
+
+    return {k: v for k, v in sd.items() if not extra(k)}
 
 
 def _dedup_storage(sd: dict[str, Any]) -> dict[str, Any]:
