@@ -302,12 +302,14 @@ class ReplicaServer:
                     if is_last(event):
                         break
             await response.write_eof()
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:  # (a front's deadline passed while we could not answer)
+            print("replica: client disconnected; its request is cancelled", flush=True)
+        except asyncio.CancelledError:
             print("replica: client disconnected; its request is cancelled", flush=True)
             raise
         finally:
             self.in_flight -= 1
-        return response
+        return response  # (on a closed connection aiohttp drops it quietly)
 
 
 async def run_until_stopped(
