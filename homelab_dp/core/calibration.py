@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
 from homelab_dp.core.hardware import format_bytes
 from homelab_dp.core.memory import COMPONENTS, Budget, Overhead, TrainShape
 
@@ -206,7 +207,7 @@ class CalibrationStore:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
+            json_safe.dump(doc, fh, indent=1)
             fh.write("\n")
         os.replace(tmp, self.path)
         return self.path

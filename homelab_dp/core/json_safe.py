@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import IO, Any
 
 
@@ -34,11 +35,20 @@ def finite_doc(doc: Any) -> Any:
     return doc
 
 
+def _finite_default(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with its ``default`` (what turns an unknown object, a tensor say, into JSON)
+    made finite too: what it returns goes through `finite_doc`."""
+    default: Callable[[Any], Any] | None = kwargs.get("default")
+    if default is not None:
+        kwargs = {**kwargs, "default": lambda obj: finite_doc(default(obj))}
+    return kwargs
+
+
 def dumps(doc: Any, **kwargs: Any) -> str:
     """`json.dumps` of `finite_doc` (``doc``) with ``allow_nan=False``; ``kwargs`` as for it."""
-    return json.dumps(finite_doc(doc), allow_nan=False, **kwargs)
+    return json.dumps(finite_doc(doc), allow_nan=False, **_finite_default(kwargs))
 
 
 def dump(doc: Any, fh: IO[str], **kwargs: Any) -> None:
     """`json.dump` of `finite_doc` (``doc``) to ``fh`` with ``allow_nan=False``."""
-    json.dump(finite_doc(doc), fh, allow_nan=False, **kwargs)
+    json.dump(finite_doc(doc), fh, allow_nan=False, **_finite_default(kwargs))

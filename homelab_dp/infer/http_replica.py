@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import ctypes
 import hmac
-import json
 import os
 import signal
 import sys
@@ -50,6 +49,7 @@ from typing import Any
 
 from aiohttp import web
 
+from homelab_dp.core import json_safe
 from homelab_dp.errors import HomelabError
 from homelab_dp.infer.prompting import Template, prompt_ids
 from homelab_dp.infer.request_body import (
@@ -298,7 +298,7 @@ class ReplicaServer:
             async with contextlib.aclosing(self.events(prepared)) as events:
                 await response.prepare(request)
                 async for event in events:
-                    await response.write(json.dumps(event).encode() + b"\n")
+                    await response.write(json_safe.dumps(event).encode() + b"\n")
                     if is_last(event):
                         break
             await response.write_eof()

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
 from homelab_dp.core.hardware import HardwareReport
 
 ASK_TIMEOUT_S = 120.0
@@ -248,7 +249,7 @@ def bnb_facts(want_cuda: bool) -> BnbFacts:
 def main() -> int:
     """The child: print torch's and bitsandbytes' facts as one JSON line."""
     doc = {"torch": asdict(_ask_torch()), "bnb": asdict(_ask_bnb(want_cuda=True))}
-    print(json.dumps(doc))
+    print(json_safe.dumps(doc))
     return 0
 
 

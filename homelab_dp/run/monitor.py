@@ -10,7 +10,6 @@ counter is not supported. It ends by itself when the run's processes are gone.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 import psutil
 
+from homelab_dp.core import json_safe
 from homelab_dp.rundir.files import read_run_spec
 from homelab_dp.rundir.state import pid_alive, read_state
 
@@ -124,7 +124,7 @@ def monitor(run_dir: Path, interval: float = 1.0, max_samples: int | None = None
     try:
         with open(run_dir / "devices.jsonl", "a", encoding="utf-8") as out:
             while not stop["flag"]:
-                out.write(json.dumps(sampler.sample()) + "\n")
+                out.write(json_safe.dumps(sampler.sample()) + "\n")
                 out.flush()
                 written += 1
                 if max_samples is not None and written >= max_samples:

@@ -26,6 +26,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from homelab_dp.core import json_safe
+
 Kind = Literal["completion", "chat"]
 ROLES = ("system", "user", "assistant")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -437,7 +439,7 @@ def chunk(
 
 def sse(doc: dict[str, Any]) -> bytes:
     """One server-sent event: ``data: {json}`` and a blank line."""
-    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_safe.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
 def models_list(name: str, created: int) -> dict[str, Any]:

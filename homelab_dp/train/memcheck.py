@@ -17,12 +17,12 @@ peak of tensor memory, ``Budget.tensors``. `benchmarks/memory_accuracy.py` print
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
 from homelab_dp.core.memory import Budget, TrainShape, budget
 from homelab_dp.core.model_spec import spec_from_config
 
@@ -269,7 +269,7 @@ def table(results: list[Result]) -> str:
 def to_json(results: list[Result]) -> str:
     """The same as JSON lines (one case a line)."""
     return "\n".join(
-        json.dumps(
+        json_safe.dumps(
             {
                 "case": r.case.name,
                 "estimate_bytes": r.estimate.tensors,

@@ -7,7 +7,6 @@ flushes every line because the controller tails the file. Any rank may write ``e
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from homelab_dp.core import json_safe
 from homelab_dp.core.events import Event
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class EventLog:
         rank (an error: a single O_APPEND write, so lines of several ranks never interleave)."""
         doc = event.to_json()
         if self.enabled or force:
-            line = (json.dumps(doc, default=_jsonable) + "\n").encode("utf-8")
+            line = (json_safe.dumps(doc, default=_jsonable) + "\n").encode("utf-8")
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 os.write(fd, line)  # one write per line: atomic with O_APPEND

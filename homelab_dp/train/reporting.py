@@ -30,13 +30,13 @@ event and that logger is dropped for the rest of the run.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from homelab_dp.core import json_safe
 from homelab_dp.core.events import EndEvent, ErrorEvent, EvalEvent, Event, StepEvent, WarningEvent
 from homelab_dp.core.runspec import RunSpec
 from homelab_dp.rundir.tail import JsonlTail, file_size
@@ -81,7 +81,7 @@ class TensorBoardBackend:
 
         self.writer = SummaryWriter(str(folder), purge_step=start_step + 1, flush_secs=FLUSH_SECS)
         if start_step == 0:  # the preset once, as the TEXT tab shows it
-            text = json.dumps(config, indent=2, default=str)
+            text = json_safe.dumps(config, indent=2, default=str)
             self.writer.add_text("run/preset", f"```\n{text}\n```", 0)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:

@@ -95,6 +95,31 @@ def test_json_safe_turns_non_finite_into_null() -> None:
     assert json_safe.finite(math.nan) is None and json_safe.finite(1.0) == 1.0
 
 
+def test_what_a_default_turns_into_json_is_made_finite_too() -> None:
+    """The worker's events carry tensors, made numbers by the writer's ``default``: a NaN
+    loss tensor is written as null, never as NaN (nor refused by ``allow_nan=False``)."""
+
+    def as_number(obj: object) -> float:
+        assert isinstance(obj, complex)  # the stand-in for a tensor: json cannot write it
+        return obj.real
+
+    text = json_safe.dumps({"loss": complex(math.nan, 0), "lr": complex(2.0, 0)}, default=as_number)
+    assert _strict(text) == {"loss": None, "lr": 2.0}
+
+
+def test_the_event_log_writes_a_nan_loss_as_null(tmp_path: Path) -> None:
+    import torch
+
+    from homelab_dp.core.events import StepEvent
+    from homelab_dp.train.metrics import EventLog
+
+    log = EventLog(tmp_path / "events.jsonl", enabled=True)
+    log.write(StepEvent(step=3, loss=torch.tensor(math.nan), lr=math.inf))
+    line = (tmp_path / "events.jsonl").read_text(encoding="utf-8")
+    doc = _strict(line)
+    assert doc["loss"] is None and doc["lr"] is None and doc["step"] == 3
+
+
 def test_status_of_a_run_with_a_nan_loss_is_valid_json(capsys) -> None:
     runs = Path(os.environ["HOMELAB_DP_RUNS"])
     run = runs / "nan-run"
