@@ -258,7 +258,7 @@ def wait_in_queue(run_dir: Path) -> bool:
         others = queue.others(run_dir.parent, run_dir.name)
         now = queue.waiting(run_dir.name, created, devices, others)
         if not now.waiting_for and not devices.cpu and need:  # probe only when it is our turn
-            free = queue.free_memory(devices.indices)
+            free = queue.free_memory(devices.indices, devices.uuids)
             now = queue.waiting(run_dir.name, created, devices, others, free, need)
         if not now.waiting_for:
             break

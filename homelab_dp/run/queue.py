@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core.hardware import mig_on
 from homelab_dp.core.runspec import RunSpec
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.run.planning import Planned, host_available
@@ -154,15 +155,24 @@ def others(root: Path, exclude: str | None = None) -> list[Other]:
     return out
 
 
-def free_memory(indices: Sequence[int]) -> dict[int, int | None]:
-    """Free bytes on each of these cards now (NVML; None for a card it cannot read)."""
+def free_memory(indices: Sequence[int], uuids: Sequence[str] = ()) -> dict[int, int | None]:
+    """Free bytes on each of these cards now (NVML; None for a card it cannot read).
+
+    On a card with MIG on, a run holds one slice (named among ``uuids`` by its MIG UUID), and
+    what is free is that slice's memory, not the whole card's (None when no slice of the run's
+    is on it)."""
     from homelab_dp.probe.nvml import probe
 
     try:
         report = probe()
     except HomelabError:  # an unreadable recording: memory unknown, the runs alone decide
         return dict.fromkeys(indices)
-    by_index = {g.index: g.memory_free for g in report.gpus}
+    by_index: dict[int, int | None] = {}
+    for g in report.gpus:
+        by_index[g.index] = g.memory_free
+        if mig_on(g) and g.mig is not None:
+            ours = [sl.memory_free for sl in g.mig.slices if sl.uuid and sl.uuid in uuids]
+            by_index[g.index] = ours[0] if ours else None
     return {i: by_index.get(i) for i in indices}
 
 

@@ -307,3 +307,17 @@ def test_serve_puts_one_replica_on_each_slice(monkeypatch, in_repo: Path) -> Non
     assert [r.cuda_visible for r in planned.replicas] == [s.uuid for s in slices]
     assert [d.memory_bytes for d in planned.plan.devices] == [s.memory_bytes for s in slices]
     assert all("MIG 3g.40gb" in r.label for r in planned.replicas)
+
+
+def test_a_queued_run_waits_for_its_slice_not_the_whole_card(monkeypatch) -> None:
+    """What is free for a run queued on a MIG slice is that slice's memory: another user holds
+    20 GiB of slice 0 in the recording, so slice 0 has that much less free than slice 1."""
+    from homelab_dp.run.queue import free_memory
+
+    monkeypatch.setenv(FAKE_ENV, str(MIG_A100))
+    card = probe().gpus[0]
+    first, second = card.mig.slices
+    assert free_memory([0], (first.uuid,)) == {0: first.memory_free}
+    assert free_memory([0], (second.uuid,)) == {0: second.memory_free}
+    assert first.memory_free < second.memory_free < card.memory_free
+    assert free_memory([0], ()) == {0: None}  # no slice of the run's on it: not known
