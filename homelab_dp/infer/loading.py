@@ -183,8 +183,10 @@ def load_for_inference(
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, ref.path)
-            if base != "nf4":  # merging into 4-bit weights would round the update away
-                model = model.merge_and_unload()
+            # Merging into 4-bit weights would round the update away: on NF4 the adapter
+            # layers stay in the model (the transformers model peft injected them into, whose
+            # forward generation calls as any other).
+            model = model.get_base_model() if base == "nf4" else model.merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - whatever the reason, this folder does not load
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise HomelabError(
