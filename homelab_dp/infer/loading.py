@@ -4,7 +4,7 @@
 - A PEFT adapter loads onto its base and is merged (``merge_and_unload``) in the compute dtype,
   so generation runs one plain model with no adapter arithmetic per token.
 - A QLoRA result (``ModelRef.quantized == "nf4"``) loads on the base it was trained against:
-  quantized to NF4 as training quantized it (`train.lora.bnb_config`), the adapter kept apart
+  quantized to NF4 as training quantized it (`nf4_config`), the adapter kept apart
   (merging into 4-bit weights would round the update away), wherever bitsandbytes' 4-bit
   kernels run on the device (`nf4_works`: CUDA, and the CPU with a bitsandbytes that has CPU
   kernels). Elsewhere it falls back to the 16-bit base with the adapter merged; ``Loaded.base``
@@ -142,6 +142,21 @@ def nf4_works(device_type: str) -> bool:
     return bool(torch.allclose(back.float(), x.float()))
 
 
+def nf4_config(compute: torch.dtype) -> Any:
+    """The quantization a QLoRA run trains on (`train.lora.bnb_config`, which the layers keep
+    out of reach here; tests/unit/test_qlora_inference.py checks they are the same): NF4 with
+    double quantization, computing in ``compute``, packed into uint8."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=torch.uint8,
+    )
+
+
 def base_kind(ref: ModelRef, device: torch.device, dtype: torch.dtype) -> str:
     """The base ``ref`` loads on: ``nf4`` for a QLoRA result where bitsandbytes works on
     ``device``, else the dtype's name."""
@@ -170,9 +185,7 @@ def load_for_inference(
     # In the dtype from the start: inv_freq and _keep_in_fp32_modules stay fp32.
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": ref.trust_remote_code}
     if base == "nf4":
-        from homelab_dp.train.lora import bnb_config
-
-        kwargs["quantization_config"] = bnb_config(dtype)
+        kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": dev}  # quantized as it is placed on the device
     try:
         tokenizer = load_tokenizer(ref)

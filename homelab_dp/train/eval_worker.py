@@ -121,11 +121,29 @@ def forward_tokens(model: Any, device_type: str, *, chunked: bool) -> int:
     return max(1, min(budget, FULL_LOGITS_BYTES // (8 * vocab)))
 
 
+def nf4_works(device_type: str) -> bool:
+    """Whether bitsandbytes quantizes to NF4 and back on ``device_type`` (cpu | cuda): a tiny
+    tensor is tried, so a bitsandbytes without kernels for this device answers False. (The
+    rule `infer.loading.nf4_works` follows for chat and serve, which the layers keep apart;
+    tests/unit/test_qlora_inference.py checks that both answer alike.)"""
+    import torch
+
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        import bitsandbytes.functional as bnbf
+
+        x = torch.ones(64, 64, device=device_type)
+        packed, state = bnbf.quantize_4bit(x, quant_type="nf4")
+        back = bnbf.dequantize_4bit(packed, state)
+    except (ImportError, RuntimeError, NotImplementedError, AttributeError, ValueError):
+        return False
+    return bool(torch.allclose(back.float(), x.float()))
+
+
 def base_of(job: dict[str, Any], device: Any, dtype: Any) -> str:
     """The base the model computes with: ``nf4`` for a QLoRA result (job ``quantized``) where
-    bitsandbytes works on ``device`` (`infer.loading.nf4_works`), else the dtype's name."""
-    from homelab_dp.infer.loading import nf4_works
-
+    bitsandbytes works on ``device`` (`nf4_works`), else the dtype's name."""
     if job.get("quantized") == "nf4" and job["base_path"] and nf4_works(device.type):
         return "nf4"
     return DTYPE_NAMES[str(dtype)]

@@ -75,3 +75,15 @@ def test_the_nf4_model_generates_through_the_engine(adapter: Path) -> None:
     prompt = loaded.tokenizer("Hello")["input_ids"]
     (result,) = engine.generate([Request(prompt, 4)])
     assert len(result.token_ids) == 4
+
+
+def test_the_rules_the_layers_keep_apart_agree() -> None:
+    """eval's worker (train) and chat/serve (infer) cannot import each other: each has its own
+    NF4 check, and infer's quantization must be the one training uses."""
+    from homelab_dp.infer.loading import nf4_config
+    from homelab_dp.train import eval_worker
+    from homelab_dp.train.lora import bnb_config
+
+    assert nf4_config(torch.bfloat16).to_dict() == bnb_config(torch.bfloat16).to_dict()
+    assert eval_worker.nf4_works("cpu") == nf4_works("cpu")
+    assert eval_worker.nf4_works("cuda") == nf4_works("cuda") == torch.cuda.is_available()
