@@ -87,7 +87,7 @@ def refuse_pickle_only(folder: Path) -> None:
     pickles = pickle_only(folder)
     if pickles:
         raise HomelabError(
-            f"{folder / pickles[0]}: pickle weights without safetensors; refused, never loaded",
+            f"{folder}: only pickle weights ({', '.join(pickles[:3])}); refused, never loaded",
             hint="pickle files can run code when loaded; convert the weights to safetensors "
             "(save_pretrained(..., safe_serialization=True)) on a machine you trust",
         )

@@ -95,7 +95,8 @@ def test_pickle_weights_are_refused(command: str, shape: str, models, tmp_path: 
     rc = main(_argv(command, str(model), tmp_path))
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.startswith(f"error: {pickle_file}: pickle weights without safetensors"), err
+    folder, name = str(Path(pickle_file).parent), Path(pickle_file).name
+    assert err.startswith(f"error: {folder}: only pickle weights ({name}); refused"), err
     assert "\nhint: " in err and "safetensors" in err.split("hint:")[1] and "Traceback" not in err
     assert _tree(tmp_path) == before  # nothing exported, no run, no cache beside them
     assert not Path("/tmp/homelab-dp-pickle-ran").exists()
