@@ -11,6 +11,7 @@ import math
 
 from homelab_dp.core.logits_memory import chunk_peak_bytes, chunked_loss, full_logits_bytes
 from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.core.pinned_memory import pinned_bytes, rounding
 from homelab_dp.core.shape import (
     TrainShape,
     attention_masked,
@@ -110,6 +111,75 @@ def loss_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
     b = chunk_peak_bytes(spec.vocab, spec.hidden, tokens, w, weight_bytes=weight_w,
                          hidden_bytes=hidden_w, weight_grad=full, targets=targets)  # fmt: skip
     return {"forward": b["saved"] + b["forward"], "backward": b["saved"] + b["backward"]}
+
+
+def loss_head_saved(spec: ModelSpec, shape: TrainShape) -> list[float]:
+    """The loss head's tensors saved from forward to backward, one entry per tensor.
+
+    Chunked (`core.logits_memory.chunk_peak_bytes`' ``saved``): the target rows of the hidden
+    states, their labels and row indices (int64), the per-token log-sum-exp (fp32) and, when
+    lm_head's weight is not in the compute dtype, its cast. Full logits: the fp32 log-softmax.
+    """
+    tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
+    if not chunked_loss(spec.model_type):
+        return [tokens * spec.vocab * 4.0]
+    full = shape.method == "full"
+    fp32_master = full and not is_fsdp(shape)
+    weight_w = 4 if fp32_master else (w if shape.device == "cuda" or full else 4)
+    n = min(tokens, math.ceil(tokens * shape.target_share))
+    acc = 8 if w == 8 else 4
+    parts = [float(n * spec.hidden * w), n * 8.0, n * 8.0, float(n * acc)]
+    if weight_w != w:
+        parts.append(float(spec.vocab * spec.hidden * w))
+    return parts
+
+
+def moved_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
+    """Bytes ``train.offload_activations`` sends to host memory each micro-step (each comes back
+    once in backward): the activations saved for backward (`activation_bytes`) and the loss
+    head's saved tensors; weights, buffers and autocast's weight casts stay on the card
+    (`homelab_dp.train.activation_offload`)."""
+    return int(activation_bytes(spec, shape) + sum(loss_head_saved(spec, shape)))
+
+
+def pinned_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
+    """Host bytes those tensors pin: each saved tensor is pinned on its own, rounded up to a power
+    of two (`core.pinned_memory`), and the blocks are reused by the next micro-step.
+
+    Every activation is tokens × d elements, so it rounds by ``rounding(tokens · d)`` whatever
+    its element size (a power of two): d is the intermediate size for the MLP's tensors, the
+    query and the key/value widths for attention's, the sequence length for SDPA's mask, one for
+    the batch's int64 tensors and the hidden size for the rest (the residual stream, the norms;
+    LoRA's narrow outputs and per-token statistics are counted there too, an approximation).
+    """
+    tokens = shape.micro_batch * shape.seq_len
+    h, inter = spec.hidden, spec.intermediate
+
+    def r(d: float) -> float:
+        return rounding(tokens * d)
+
+    head = sum(pinned_bytes(t) for t in loss_head_saved(spec, shape))
+    rope = 2 * pinned_bytes(shape.seq_len * spec.head_dim * 4)
+    outer = outer_activation_bytes(spec, shape) - 24
+    outer_pinned = outer * tokens * r(h) + 3 * pinned_bytes(8 * tokens)
+    if shape.activation_checkpointing:
+        res = 4 if shape.dtype == "fp32" or not is_fsdp(shape) else 2
+        return int(spec.layers * h * res * tokens * r(h) + outer_pinned + rope + head)
+    w = compute_width(shape)
+    attn, kvd = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    total = layer_activation_bytes(spec, shape)
+    if spec.model_type == "gpt2":
+        parts = [(inter, 5 * inter * w)]
+    else:
+        if attention_masked(shape):
+            kvd = attn
+        extra = (attn + kvd) if spec.model_type == "phi3" else 0
+        parts = [(inter, 4 * inter * w), (attn, (2 * attn + extra) * w), (kvd, 2 * kvd * w)]
+        if attention_masked(shape):
+            parts.append((shape.seq_len, shape.seq_len * w))
+    rest = total - sum(b for _, b in parts)
+    layer = sum(b * r(d) for d, b in parts) + rest * r(h)
+    return int(spec.layers * layer * tokens + outer_pinned + rope + head)
 
 
 def logits_bytes(spec: ModelSpec, shape: TrainShape) -> int:

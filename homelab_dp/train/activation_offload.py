@@ -15,18 +15,22 @@ saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, the idea of torc
 * tensors that are not plain strided tensors (a DTensor, a sparse or quantized tensor).
 
 Everything else is copied to host memory (pinned on CUDA, so the copy is asynchronous) as it is
-saved and copied back to its device when backward unpacks it. The planner models the same
+saved and copied back to its device when backward unpacks it; a tensor saved again by another
+operation of the same forward (a linear's input by the base layer and its LoRA adapter, RoPE's
+cos/sin by every layer) reuses its first copy, so each activation crosses PCIe once each way. The planner models the same
 split: `homelab_dp.core.memory.budget` counts only the activations as moved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 MIN_OFFLOAD_BYTES = 1024
 """Saved tensors smaller than this stay where they are (torchtune's default ``min_offload_size``):
@@ -36,8 +40,9 @@ per-token statistics of a tiny batch, scalars, shapes."""
 class ActivationOffload:
     """Saved-tensor hooks that move a forward's saved activations (not weights) to host memory.
 
-    Use `context` around the forward; the hooks count what they moved (`moved_bytes`) and what
-    they kept (`kept_bytes`) since construction, for tests and the memory probe.
+    Use `context` around the forward; the hooks count what they moved (`moved_bytes`), what
+    they kept (`kept_bytes`) and the saves that shared a copy (`shared_bytes`) since
+    construction.
     """
 
     def __init__(self, model: nn.Module, *, pin: bool, min_bytes: int = MIN_OFFLOAD_BYTES) -> None:
@@ -45,6 +50,9 @@ class ActivationOffload:
         self.min_bytes = min_bytes
         self.moved_bytes = 0
         self.kept_bytes = 0
+        self.shared_bytes = 0
+        """Bytes of saves that reused an earlier host copy of the same tensor (not moved)."""
+        self._copies: dict[tuple[Any, ...], tuple[StorageWeakRef, weakref.ref]] = {}
         # Storages of the module's parameters and buffers as they are now (DDP, one process,
         # FSDP2's sharded buffers); FSDP2's gathered parameters are new storages each
         # micro-step, caught as `nn.Parameter`s instead.
@@ -80,9 +88,17 @@ class ActivationOffload:
         if not self.moves(t):
             self.kept_bytes += n
             return t
+        # The same tensor saved again (a linear's input by the base layer and its LoRA adapter,
+        # RoPE's cos/sin by every layer) shares the first host copy while that storage lives.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        seen = self._copies.get(key)
+        if seen is not None and not seen[0].expired() and (host := seen[1]()) is not None:
+            self.shared_bytes += n
+            return (t.device, host)
         self.moved_bytes += n
         host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=self.pin)
         host.copy_(t, non_blocking=self.pin)
+        self._copies[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(host))
         return (t.device, host)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -94,5 +110,8 @@ class ActivationOffload:
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
         """Within it, every tensor autograd saves goes through the hooks."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._copies.clear()  # a storage address may hold another tensor next forward
