@@ -50,9 +50,12 @@ from homelab_dp.core.activation_memory import (
     activation_bytes,
     layer_activation_bytes,
     loss_head_bytes,
+    moved_activation_bytes,
     outer_activation_bytes,
+    pinned_activation_bytes,
 )
 from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.core.pinned_memory import fsdp_offload_pinned_bytes, host_adamw_pinned_bytes
 from homelab_dp.core.shape import (
     TrainShape,
     compute_width,
@@ -266,18 +269,23 @@ def _offload(spec: ModelSpec, shape: TrainShape, s: dict[str, float]) -> dict[st
     come back once per step. optimizer: AdamW's state (and a host copy of the fp32 weights)
     lives in host RAM; per step the gradient and weight shards go to the host and the updated
     weights come back (3 × 4 bytes per local trainable parameter). Activations: `budget`.
+    ``host`` counts what is pinned, rounded as torch's caching host allocator rounds it
+    (`homelab_dp.core.pinned_memory`): each FSDP2 shard and gradient shard on its own,
+    `HostAdamW`'s flat buffers once per kind; the PCIe bytes are the tensors' own.
     """
     params, optimizer, _ = offloads(shape)
     out = {**s, "host": 0.0, "pcie": 0.0}
     if params:
         gathers = (1 if shape.distribution == "fsdp-grad-op" else 2) * shape.grad_accum
-        out["host"] = s["shard"] + s["grads"] + s["opt"] + s["step_temp"]
+        shards, grads = fsdp_offload_pinned_bytes(spec, shape)
+        out["host"] = shards + grads + s["opt"] + s["step_temp"]
         out["pcie"] = gathers * s["shard"] + s["grads"]
         out.update(weights=s["weights"] - s["shard"], grads=0.0, opt=0.0, step_temp=0.0)
     elif optimizer:
         # m and v, the weights' host copy (the size of the gradient shards) and, during the
         # step, the gradients' host copies.
-        out["host"] = 2 * s["grads"] + s["opt"] + s["step_temp"]
+        kinds = 2 + (round(s["opt"] / s["grads"]) if s["grads"] else 0)
+        out["host"] = host_adamw_pinned_bytes(s["grads"], kinds) + s["step_temp"]
         out["pcie"] = 3 * s["grads"]
         out.update(opt=0.0, step_temp=0.0)
     elif is_fsdp(shape) and shape.offload == "optimizer":
@@ -336,15 +344,16 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     """The per-device memory budget of ``shape`` for the model ``spec``.
 
     Offload (`TrainShape.offload`, `offload_activations`, CUDA only) moves state to pinned host
-    memory (`_offload`); with the activations offloaded (`torch.autograd.graph.save_on_cpu`)
-    every saved tensor goes to the host as it is saved: about one decoder layer's is on the
-    card, plus the loss head, and 2 × the saved bytes cross PCIe per micro-step. The host bytes
-    and the PCIe traffic are `Budget.offload_host_bytes` and `Budget.pcie_bytes_per_step`.
+    memory (`_offload`); with the activations offloaded (`train.activation_offload`) every
+    saved activation, the loss head's included, goes to the host as it is saved (weights stay):
+    about one decoder layer's is on the card, plus the loss head, and 2 × the moved bytes
+    (`moved_activation_bytes`) cross PCIe per micro-step; the host pins them each rounded to a
+    power of two (`pinned_activation_bytes`). The host bytes and the PCIe traffic are
+    `Budget.offload_host_bytes` and `Budget.pcie_bytes_per_step`.
     """
     s = _offload(spec, shape, _model_states(spec, shape))
     tokens = shape.micro_batch * shape.seq_len
     acts = activation_bytes(spec, shape)
-    host_acts = 0
     if offloads(shape)[2]:
         res = 4 if shape.dtype == "fp32" or not is_fsdp(shape) else 2
         layer = (
@@ -352,9 +361,9 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
             if shape.activation_checkpointing
             else (layer_activation_bytes(spec, shape))
         )
-        host_acts, acts = acts, int(layer * tokens + 24 * tokens)
-        s["host"] += host_acts
-        s["pcie"] += 2 * host_acts * shape.grad_accum
+        acts = int(layer * tokens + 24 * tokens)
+        s["host"] += pinned_activation_bytes(spec, shape)
+        s["pcie"] += 2 * moved_activation_bytes(spec, shape) * shape.grad_accum
     head = loss_head_bytes(spec, shape)
     logits = head["backward"]
     bufs = s["buffers"]

@@ -15,6 +15,12 @@ tensor, as FSDP2's own CPU offload keeps its shards: the DCP checkpoint helpers 
 AdamW, so a checkpoint loads with or without offload and on another world size.
 ``load_state_dict`` keeps loaded state in host memory (torch's moves it to the parameter's
 device, which would put the whole state on the card at every resume).
+
+Each kind of host tensor (the weights' copy, the gradients' copy, ``exp_avg``, ``exp_avg_sq``) is
+one flat buffer per dtype, each parameter's tensor a view of it: torch's caching host allocator
+rounds every pinned allocation up to a power of two, so four pinned tensors per parameter could
+pin up to twice their bytes, tensor by tensor; one buffer per kind rounds once, as the planner
+counts it (`homelab_dp.core.pinned_memory.host_adamw_pinned_bytes`).
 """
 
 from __future__ import annotations
@@ -55,20 +61,39 @@ class HostAdamW(torch.optim.Optimizer):
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        self._host_weights: dict[torch.Tensor, torch.Tensor] = {}
-        self._host_grads: dict[torch.Tensor, torch.Tensor] = {}
-        """Pinned gradient buffers, kept on CUDA (pinning host memory every step is slow)."""
+        self._views: dict[str, dict[torch.Tensor, torch.Tensor]] = {}
+        """Per kind ("weights", "grads", "exp_avg", "exp_avg_sq"): each parameter's view of the
+        kind's flat host buffer. The gradients' are kept only on CUDA (pinning every step is
+        slow); on the CPU they live through the step."""
 
-    def _host(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=pin)
+    def _flat(self, kind: str, pin: bool) -> dict[torch.Tensor, torch.Tensor]:
+        """One zeroed host buffer per dtype for ``kind``, as views shaped like each trainable
+        parameter's local tensor (made on first use, for every parameter of every group)."""
+        if kind in self._views:
+            return self._views[kind]
+        params = list(dict.fromkeys(
+            p for g in self.param_groups for p in g["params"] if p.requires_grad
+        ))  # fmt: skip
+        views: dict[torch.Tensor, torch.Tensor] = {}
+        for dtype in dict.fromkeys(_local(p).dtype for p in params):
+            mine = [p for p in params if _local(p).dtype == dtype]
+            flat = torch.zeros(sum(_local(p).numel() for p in mine), dtype=dtype, device="cpu",
+                               pin_memory=pin)  # fmt: skip
+            offset = 0
+            for p in mine:
+                local = _local(p)
+                views[p] = flat[offset : offset + local.numel()].view(local.shape)
+                offset += local.numel()
+        if kind != "grads" or pin:
+            self._views[kind] = views
+        return views
 
     def _state_for(self, p: torch.Tensor, pin: bool) -> dict[str, Any]:
         state = self.state[p]
         if not state:
-            local = _local(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = _like(p, self._host(local.shape, local.dtype, pin))
-            state["exp_avg_sq"] = _like(p, self._host(local.shape, local.dtype, pin))
+            state["exp_avg"] = _like(p, self._flat("exp_avg", pin)[p])
+            state["exp_avg_sq"] = _like(p, self._flat("exp_avg_sq", pin)[p])
         return state
 
     @torch.no_grad()
@@ -78,23 +103,19 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not with_grad:
+            return loss
+        pin = _local(with_grad[0]).device.type == "cuda"
+        host_weights, host_grads = self._flat("weights", pin), self._flat("grads", pin)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            pin = _local(params[0]).device.type == "cuda"
             weights, grads, avgs, avg_sqs, steps = [], [], [], [], []
             for p in params:
-                local = _local(p)
-                if p not in self._host_weights:
-                    self._host_weights[p] = self._host(local.shape, local.dtype, pin)
-                host = self._host_weights[p]
-                host.copy_(local, non_blocking=True)
-                grad = self._host_grads.get(p) if pin else None
-                if grad is None:
-                    grad = self._host(local.shape, local.dtype, pin)
-                    if pin:
-                        self._host_grads[p] = grad
+                host, grad = host_weights[p], host_grads[p]
+                host.copy_(_local(p), non_blocking=True)
                 grad.copy_(_local(p.grad), non_blocking=True)
                 state = self._state_for(p, pin)
                 weights.append(host)

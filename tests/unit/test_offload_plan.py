@@ -54,6 +54,11 @@ def _plan(gpus: str, spec=LLAMA2_70B, **train):
     return plan(spec, _preset(**train), parse_gpus_spec(gpus, 64 * GiB))
 
 
+def _pow2(n: int) -> int:
+    """The next power of two: what torch's caching host allocator pins for ``n`` bytes."""
+    return 1 << (n - 1).bit_length()
+
+
 def _shape(**kw) -> TrainShape:
     base = dict(method="qlora", distribution="fsdp-full", world_size=2, device="cuda",
                 dtype="bf16", micro_batch=1, seq_len=2048, activation_checkpointing=True)  # fmt: skip
@@ -141,10 +146,19 @@ def test_params_offload_leaves_the_gathered_units_and_the_quant_state_on_the_car
     assert off.weights == int(state) and off.gradients == 0 and off.optimizer == 0
     assert off.buffers == on.buffers and off.activations == on.activations
     # Host: the shard, the adapters' gradient shard and their AdamW state (18.05 + 0.41 +
-    # 0.83 GB = 19.3 GB); PCIe: the shard twice per micro-step (fsdp-full gathers in forward
-    # and backward) and the gradient shard back once.
+    # 0.83 GB = 19.3 GB), each pinned shard rounded up to a power of two on its own (torch's
+    # caching host allocator): the MLP's packed 8192 × 28672 / 2 ranks (58.7 MB) pins 64 MiB,
+    # the 32000 × 8192 embeddings' half 256 MiB: 21.4 GB. PCIe: the shard twice per
+    # micro-step (fsdp-full gathers in forward and backward) and the gradient shard back once.
     shard = (Q * 0.5 + (spec.params - Q) * 2 + ADAPTERS * 4) / 2
-    assert abs(off.offload_host_bytes - (shard + ADAPTERS * 4 / 2 + ADAPTERS * 8 / 2)) <= 2
+    h, kv, inter, r = 8192, 1024, 28672, 16
+    packed = 2 * _pow2(h * h // 4) + 2 * _pow2(h * kv // 4) + 3 * _pow2(h * inter // 4)
+    adapters = (6 * _pow2(8 * h * 4) + _pow2(8 * inter * 4)  # A: r/2 rows × d_in fp32
+                + 3 * _pow2(h // 2 * r * 4) + 2 * _pow2(kv // 2 * r * 4) + 2 * _pow2(inter // 2 * r * 4))  # fmt: skip
+    pinned = 80 * (packed + adapters) + 2 * _pow2(32000 * h) + 161 * _pow2(h)
+    grads = 80 * adapters
+    assert off.offload_host_bytes == int(pinned + grads + ADAPTERS * 8 / 2)
+    assert 21.3e9 < off.offload_host_bytes < 21.4e9
     assert abs(off.pcie_bytes_per_step - (2 * shard + ADAPTERS * 4 / 2)) <= 2
     grad_op = budget(spec, replace(s, distribution="fsdp-grad-op", offload="params", grad_accum=3))
     assert abs(grad_op.pcie_bytes_per_step - (3 * shard + ADAPTERS * 4 / 2)) <= 4
@@ -156,9 +170,10 @@ def test_optimizer_offload_pins_sixteen_and_moves_twelve_bytes_per_trainable_par
     local = ADAPTERS / 2
     assert b.optimizer == 0 and b.gradients == budget(spec, s).gradients
     # Host: AdamW's m and v, a copy of the fp32 weights and, during the step, of the gradients
-    # (`HostAdamW`): 16 bytes per local trainable parameter. PCIe: the gradient and weight
+    # (`HostAdamW`): 16 bytes per local trainable parameter, in four flat pinned buffers each
+    # rounded up to a power of two (414 MB pins 512 MiB). PCIe: the gradient and weight
     # shards to the host and the updated weights back, 12.
-    assert abs(b.offload_host_bytes - 16 * local) <= 1
+    assert b.offload_host_bytes == 4 * _pow2(int(4 * local)) == 4 * 512 * 1024**2
     assert abs(b.pcie_bytes_per_step - 12 * local) <= 1
 
 
@@ -166,10 +181,18 @@ def test_activation_offload_keeps_about_one_layer_on_the_card() -> None:
     spec = LLAMA2_70B
     for ckpt in (False, True):
         s = _shape(activation_checkpointing=ckpt, grad_accum=2)
-        saved = activation_bytes(spec, s)
+        # The activations and the loss head's saved tensors (the bf16 hidden rows, int64
+        # labels and rows, fp32 log-sum-exp), not the weights.
+        saved = activation_bytes(spec, s) + 2048 * (8192 * 2 + 8 + 8 + 4)
         b = budget(spec, replace(s, offload_activations=True))
-        assert b.offload_host_bytes == saved
         assert b.pcie_bytes_per_step == 2 * saved * 2  # out and back, every micro-step
+        # Pinned, each tensor rounded to a power of two: with checkpointing every layer's input
+        # is 2048 × 8192 × 2 bytes (32 MiB, no rounding); without, the MLP's 2048 × 28672
+        # tensors pin 2048 × 32768.
+        if ckpt:
+            assert b.offload_host_bytes == saved
+        else:
+            assert saved * 1.05 < b.offload_host_bytes < saved * 1.1
         assert b.total < budget(spec, s).total
     # With checkpointing only each layer's input is saved: 80 × 8192 × 2 bytes × 2048 tokens
     # = 2.7 GB (bf16 residual under FSDP) plus the embeddings' outputs.
@@ -208,9 +231,9 @@ def test_llama2_70b_qlora_on_two_24gib_cards_fits_only_with_parameter_offload() 
     assert 8.5 * GiB < c.budget.total < 9.2 * GiB
     cost = c.offload_cost
     assert cost is not None and cost.assumed and cost.link == "PCIe 4.0 x16"
-    # Pinned per rank: 19.3 GB (test above); per step 2 × 18.05 + 0.41 = 36.5 GB over a
-    # PCIe 4.0 x16 link at 80% of 31.5 GB/s = 25.2 GB/s: 1.45 s.
-    assert 19.2e9 < cost.host_bytes_per_device < 19.4e9
+    # Pinned per rank: 21.4 GB (test above, each shard rounded); per step 2 × 18.05 + 0.41
+    # = 36.5 GB over a PCIe 4.0 x16 link at 80% of 31.5 GB/s = 25.2 GB/s: 1.45 s.
+    assert 21.3e9 < cost.host_bytes_per_device < 21.4e9
     assert 36.4e9 < cost.pcie_bytes_per_step < 36.6e9
     assert cost.pcie_seconds_per_step == pytest.approx(36.52e9 / (16 * 1.969e9 * 0.8), rel=1e-3)
     assert cost.slowdown is None  # a what-if card: its compute peak is not known
@@ -222,7 +245,7 @@ def test_llama2_70b_qlora_on_two_24gib_cards_fits_only_with_parameter_offload() 
     assert "FSDP full" in too_big[2] and "28.2 GiB" in too_big[2]
     (chosen,) = [r for r in p.reasons if r.startswith("Chosen:")]
     assert "only offload makes it fit" in chosen and "8.84 GiB per device" in chosen
-    assert "18.0 GiB of pinned host RAM per device" in chosen
+    assert "19.9 GiB of pinned host RAM per device" in chosen
     assert "34.0 GiB over PCIe per step" in chosen and "≈ +1.4 s per step" in chosen
     # Every option without offload is listed, and the offloading one the plan uses.
     assert sum(1 for x in p.candidates if x.offload != "none") == 1
