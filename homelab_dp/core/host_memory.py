@@ -108,7 +108,9 @@ def host_budget(
     * ``train`` (only with offload on CUDA): every rank's pinned host memory for what is
       offloaded (``device_budget.offload_host_bytes``: the sharded weights, gradients and
       optimizer state, or the optimizer state and a host copy of the weights, or the saved
-      activations of a micro-step), beside its runtime; every local rank together.
+      activations of a micro-step, as torch's caching host allocator pins them: rounded up to
+      a power of two, `homelab_dp.core.pinned_memory`), beside its runtime; every local rank
+      together.
 
     Besides those copies every process holds, on CUDA, `CUDA_HOST_RUNTIME_BYTES` (assumed); on
     the CPU, where the "device" is host RAM, its own tensors of that moment from

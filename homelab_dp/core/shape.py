@@ -42,7 +42,8 @@ class TrainShape:
     CPU) | params (FSDP2's CPUOffloadPolicy: sharded weights, gradients and optimizer state in
     pinned host RAM). FSDP only; on the CPU it moves nothing (the device is host RAM)."""
     offload_activations: bool = False
-    """Every tensor saved for backward in pinned host RAM (`torch.autograd.graph.save_on_cpu`)."""
+    """The activations saved for backward in pinned host RAM (`train.activation_offload`:
+    weights, buffers and tensors under 1 KiB stay on the card)."""
 
 
 def compute_width(shape: TrainShape) -> int:

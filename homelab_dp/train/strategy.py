@@ -14,10 +14,12 @@
   (QLoRA: `train.quantized_load.stream_weights` reads, quantizes and sends them tensor by tensor,
   the 4-bit weights being parameters in the compute dtype that FSDP2 shards like any other).
 - Offload, FSDP2 only (``Resolved.offload``): "params" is FSDP2's ``CPUOffloadPolicy`` (shards,
-  gradients and optimizer state in pinned host memory; AdamW steps on the CPU); "optimizer" keeps
+  gradients in pinned host memory, each shard rounded up to a power of two by torch's caching
+  host allocator, and optimizer state in host memory; AdamW steps on the CPU); "optimizer" keeps
   the shards on the card and the optimizer state and step in host memory
   (`train.host_optimizer.HostAdamW`). Activations: `train.setup` wraps the forward in
-  ``save_on_cpu`` (``Resolved.offload_activations``).
+  `train.activation_offload.ActivationOffload`'s saved-tensor hooks
+  (``Resolved.offload_activations``).
 
 Every strategy averages gradients over ranks, so the worker multiplies its globally normalised
 loss by the world size. On CUDA, FSDP2 computes in bf16/fp16 with fp32 gradient reduction
