@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
 from homelab_dp.errors import HomelabError
 from homelab_dp.probe.visible import cuda_device_env
 from homelab_dp.rundir.files import read_run_spec
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     except HomelabError as exc:
         print(json.dumps({"error": exc.message, "hint": exc.hint, "exit_code": exc.exit_code}))
         return exc.exit_code
-    print(json.dumps(result.to_json()))
+    print(json_safe.dumps(result.to_json()))
     return 0
 
 

@@ -33,6 +33,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.core import json_safe
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 TOKENS_PER_FORWARD = {"cpu": 2048, "cuda": 8192}
 """Tokens per forward pass: the micro-batch is this over the block length (at least 1)."""
@@ -236,7 +238,7 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     """Write then rename: the front end never reads half a file."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    tmp.write_text(json_safe.dumps(doc, indent=2), encoding="utf-8")
     tmp.replace(path)
 
 
