@@ -28,6 +28,11 @@ time budget:
    6 · N counts the weight-gradient matmuls that LoRA and QLoRA skip (their work is nearer
    4 · N), so their MFU overstates the card's use by about half; memory probes are on during a
    measure, so tokens/s is a little below a plain run's.
+6a. The CUDA day-one checks (`benchmarks/cuda_day_one.py`, one row each): the attention the
+   worker picks on this card and why, the packed-vs-unpacked logits check in the card's 16-bit
+   dtype, the rotary ``inv_freq`` dtype after a 16-bit inference load, one hostile row in a
+   serving batch failing alone, HostAdamW's pinned bytes against the plan's host line and
+   activation offload keeping the weights, device order by PCI bus, MIG mode against nvidia-smi.
 7. QLoRA under FSDP2 on the same model (`benchmarks/qlora_fsdp_one_card.py`, in a process
    group of one: FSDP2 across cards needs two): full sharding with nothing, the params, the
    optimizer or the activations offloaded, beside QLoRA loaded whole; per configuration the
@@ -376,6 +381,31 @@ def step_qlora_fsdp(r: Runner, report: Report, model: Path, cpu: bool) -> None:
                f"loss difference from QLoRA loaded whole {worst:.2e}")  # fmt: skip
 
 
+def step_day_one(r: Runner, report: Report, cpu: bool) -> None:
+    """The CUDA day-one checks (`cuda_day_one`): attention chosen and the packing check, the
+    inv_freq dtype after a 16-bit load, one bad row in a batch, pinned bytes against the plan's
+    host line and activation offload, device order, MIG mode; one row each."""
+    if r.left() < 30:
+        report.add("CUDA day-one checks", "skipped", "out of the time budget")
+        return
+    script = Path(__file__).resolve().parent / "cuda_day_one.py"
+    cmd = [sys.executable, str(script), "--json", "--device", "cpu" if cpu else "cuda"]
+    try:
+        out = subprocess.run(cmd, env=r.env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=max(30.0, min(240.0, r.left())), check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        report.add("CUDA day-one checks", "failed", "timed out")
+        return
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if not rows:
+        report.add("CUDA day-one checks", "failed", last_line(out.stderr))
+    for row in rows:
+        name = row.pop("check")
+        ok = row.pop("ok")
+        report.add(f"day one: {name}", "ok" if ok else "failed",
+                   ", ".join(f"{k} {v}" for k, v in row.items()))  # fmt: skip
+
+
 def gpu_name() -> str | None:
     """The first card's name as torch sees it, or None without a usable GPU."""
     try:
@@ -410,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         run_id = guarded(report, "tiny-demo (1 process)", step_tiny_demo, r, report, args.cpu)
         guarded(report, "eval (tiny-demo run)", step_eval, r, report, run_id, args.cpu)
         guarded(report, "serve (tiny-demo run)", step_serve, r, report, run_id, args.cpu)
+        guarded(report, "CUDA day-one checks", step_day_one, r, report, args.cpu)
         model = work / "qwen2-0.5b-random"
         try:
             t = time.monotonic()

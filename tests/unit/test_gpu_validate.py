@@ -139,3 +139,21 @@ def test_a_step_that_raises_becomes_a_failed_row() -> None:
     assert s.guarded(report, "eval", broken, 3) is None
     assert s.guarded(report, "ok step", lambda n: n + 1, 3) == 4
     assert report.rows == [("eval", "failed", "ValueError: bad 3")]
+
+
+def test_the_cuda_day_one_checks_run_and_pass_on_the_cpu() -> None:
+    """benchmarks/cuda_day_one.py (a row of gpu_validate) runs every check on the CPU too, so
+    the first task lent a card finds it working: each check is a JSON line, and each is ok."""
+    script = ROOT / "benchmarks" / "cuda_day_one.py"
+    out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--json"],
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["check"] for r in rows] == [
+        "attention and packing", "inference dtypes", "one bad row fails alone",
+        "pinned host memory, activation offload", "device order", "MIG mode",
+    ]  # fmt: skip
+    assert all(r["ok"] for r in rows), rows
+    by = {r["check"]: r for r in rows}
+    assert by["inference dtypes"]["inv_freq"] == ["torch.float32"]
+    assert by["one bad row fails alone"]["finish_reasons"][1:3] == ["error", "error"]

@@ -1,0 +1,221 @@
+"""The CUDA day-one checks on one card: what the CPU tests can only show with stand-in facts.
+
+    python benchmarks/cuda_day_one.py [--model assets/models/tiny-llama] [--device cuda|cpu] [--json]
+
+Each check runs the project's own code on the card and says what it found (`benchmarks/gpu_validate.py`
+runs this script as one of its rows; ``--device cpu`` tests the script itself):
+
+- **attention**: the kernel the worker would load with on this card (`train.attention`) and why:
+  FlashAttention-2 only with flash-attn 2.x and compute capability 8.0+, else SDPA.
+- **packing**: one packed block against its samples run one by one, in the card's 16-bit dtype,
+  with that attention (`train.packing_check`): the largest logit difference and the tolerance.
+- **inference dtypes**: the model loaded for eval/chat/serve in 16-bit (`infer.loading`): the
+  dtype of every rotary ``inv_freq`` buffer (fp32 expected) and of the weights.
+- **one bad row fails alone**: the serving engine on the card with a batch of four requests, two
+  hostile (a temperature whose logits overflow, a seed beyond 64 bits): the good rows' tokens
+  equal the same requests decoded alone.
+- **pinned host memory, activation offload**: HostAdamW's pinned bytes against the plan's host
+  line for them (`core.pinned_memory`: torch's caching host allocator rounds each block up to a
+  power of two); `train.activation_offload` on a small MLP: weights kept on the card,
+  activations moved, gradients bitwise those without offload.
+- **device order**: a replica named by NVML index gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and torch
+  in a child with that environment sees the card NVML calls index 0.
+- **MIG**: the probe's MIG mode per card against ``nvidia-smi``'s.
+
+Prints one JSON object per check with ``--json`` (``{"check", "ok", ...}``), else a line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def half(device: str) -> str:
+    """The 16-bit dtype a run would use here: bf16 on sm80+, fp16 below, fp32 on the CPU."""
+    import torch
+
+    if device == "cpu":
+        return "fp32"
+    return "bf16" if torch.cuda.get_device_capability(0) >= (8, 0) else "fp16"
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def check_attention_and_packing(model: Path, device: str) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from homelab_dp.train.attention import attention_choice
+    from homelab_dp.train.packing_check import check_model
+
+    dtype = half(device)
+    impl, why = attention_choice(device, dtype)
+    m = AutoModelForCausalLM.from_pretrained(
+        model, dtype=torch_dtype(dtype), attn_implementation=impl
+    ).to(device)
+    found = check_model(m, device=torch.device(device), dtype=dtype, fsdp=False)
+    return {
+        "ok": found.exact,
+        "attention": impl,
+        "why": why,
+        "dtype": dtype,
+        "packing": found.verdict,
+        "max_diff": found.max_diff,
+        "tolerance": found.tolerance,
+    }
+
+
+def check_inference_dtypes(model: Path, device: str) -> dict[str, Any]:
+    from homelab_dp.infer.loading import load_for_inference
+    from homelab_dp.rundir.results import resolve_model
+
+    dtype = torch_dtype("bf16" if device == "cpu" else half(device))
+    loaded = load_for_inference(resolve_model(str(model)), device, dtype=dtype)
+    rope = sorted({str(b.dtype) for n, b in loaded.model.named_buffers() if "inv_freq" in n})
+    weights = sorted({str(p.dtype) for p in loaded.model.parameters()})
+    return {"ok": rope == ["torch.float32"], "inv_freq": rope, "weights": weights,
+            "base": loaded.base}  # fmt: skip
+
+
+def check_one_bad_row(model: Path, device: str) -> dict[str, Any]:
+    from homelab_dp.infer.engine import Engine, Request
+    from homelab_dp.infer.loading import load_for_inference
+    from homelab_dp.infer.prompting import eos_ids, prompt_ids
+    from homelab_dp.rundir.results import resolve_model
+
+    loaded = load_for_inference(resolve_model(str(model)), device)
+    engine = Engine(loaded.model, loaded.tokenizer, context=loaded.context,
+                    eos_ids=eos_ids(loaded.tokenizer, loaded.model))  # fmt: skip
+    ids = prompt_ids(loaded.tokenizer, prompt="Hello")
+    good = [Request(ids, 8, 0.7, seed=1), Request(ids, 8, 0.0)]
+    batch = [good[0], Request(ids, 8, 1e-40), Request(ids, 8, 0.7, seed=2**64), good[1]]
+    together = engine.generate(batch)
+    alone = [engine.generate([Request(ids, 8, r.temperature, seed=r.seed)])[0] for r in good]
+    reasons = [r.finish_reason for r in together]
+    same = [together[0].token_ids, together[3].token_ids] == [a.token_ids for a in alone]
+    return {"ok": reasons[1:3] == ["error", "error"] and "error" not in (reasons[0], reasons[3])
+            and same, "finish_reasons": reasons, "good_rows_as_alone": same}  # fmt: skip
+
+
+def check_pinned_and_offload(device: str) -> dict[str, Any]:
+    """HostAdamW pins what the plan's host line says (one flat buffer per kind, rounded up to a
+    power of two by torch's caching host allocator); activation offload keeps the weights on
+    the card, moves the activations and changes no bit of the gradients."""
+    import torch
+
+    from homelab_dp.core.pinned_memory import host_adamw_pinned_bytes
+    from homelab_dp.train.activation_offload import ActivationOffload
+    from homelab_dp.train.host_optimizer import HostAdamW
+
+    cuda = device == "cuda"
+
+    def pinned() -> int:
+        if not cuda:
+            return 0
+        torch.cuda.synchronize()
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+    base = pinned()
+    params = [
+        torch.nn.Parameter(torch.randn(n, device=device)) for n in (3_000_000, 1_500_000, 700_001)
+    ]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    HostAdamW(params).step()
+    planned = host_adamw_pinned_bytes(4 * sum(p.numel() for p in params))
+    measured = pinned() - base if cuda else None
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                            torch.nn.Linear(4096, 1024)).to(device)  # fmt: skip
+    x = torch.randn(512, 1024, device=device, requires_grad=True)
+    ref = torch.autograd.grad(m(x).square().sum(), [x, *m.parameters()])
+    off = ActivationOffload(m, pin=cuda)
+    with off.context():
+        y = m(x).square().sum()
+    got = torch.autograd.grad(y, [x, *m.parameters()])
+    exact = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    return {"ok": (measured is None or measured == planned) and exact
+            and off.kept_bytes >= 2 * 4 * 1024 * 4096, "host_adamw_planned": planned,
+            "host_adamw_pinned": measured, "activations_moved": off.moved_bytes,
+            "weights_kept": off.kept_bytes, "gradients_bitwise": exact}  # fmt: skip
+
+
+def check_device_order(device: str) -> dict[str, Any]:
+    from homelab_dp.probe.nvml import probe
+    from homelab_dp.probe.visible import cuda_device_env
+
+    env = cuda_device_env(os.environ, ["0"])
+    if device == "cpu":
+        return {"ok": env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", "env": "PCI_BUS_ID"}
+    nvml_name = probe().gpus[0].name
+    code = "import torch; print(torch.cuda.get_device_name(0))"
+    seen = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    return {"ok": seen == nvml_name, "nvml_index_0": nvml_name, "torch_cuda_0": seen}
+
+
+def check_mig(device: str) -> dict[str, Any]:
+    from homelab_dp.probe.nvml import probe
+
+    smi = shutil.which("nvidia-smi")
+    if device == "cpu" or smi is None:
+        return {"ok": True, "skipped": "no nvidia-smi"}
+    query = [smi, "--query-gpu=index,mig.mode.current,mig.mode.pending", "--format=csv,noheader"]
+    lines = subprocess.run(query, capture_output=True, text=True, check=True).stdout.splitlines()
+    ours = {g.index: g for g in probe().gpus}
+    rows, ok = [], True
+    for line in lines:
+        index, current, pending = (x.strip() for x in line.split(","))
+        want = None if "N/A" in current else (current == "Enabled", pending == "Enabled")
+        g = ours.get(int(index))
+        got = None if g is None or g.mig is None else (g.mig.enabled, g.mig.pending)
+        ok = ok and got == want
+        rows.append({"index": int(index), "nvidia_smi": want, "probe": got})
+    return {"ok": ok, "cards": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "assets" / "models" / "tiny-llama")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    checks: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("attention and packing", lambda: check_attention_and_packing(args.model, args.device)),
+        ("inference dtypes", lambda: check_inference_dtypes(args.model, args.device)),
+        ("one bad row fails alone", lambda: check_one_bad_row(args.model, args.device)),
+        ("pinned host memory, activation offload", lambda: check_pinned_and_offload(args.device)),
+        ("device order", lambda: check_device_order(args.device)),
+        ("MIG mode", lambda: check_mig(args.device)),
+    ]
+    for name, check in checks:
+        try:
+            doc = {"check": name, **check()}
+        except Exception as exc:  # a check that cannot run is a row saying why, not the end
+            doc = {"check": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300],
+                   "where": traceback.format_exc().strip().splitlines()[-2:]}  # fmt: skip
+        if args.json:
+            print(json.dumps(doc, default=str), flush=True)
+        else:
+            print(f"[{name}] {'ok' if doc['ok'] else 'FAILED'}: {doc}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
