@@ -182,7 +182,9 @@ def gpu_card(g: GpuInfo) -> Text:
         out.append(f"{na(None if g.power_w is None else round(g.power_w), ' W')}\n")
     mig = mig_text(g)
     if mig:
-        out.append(f"MIG    {mig.removeprefix('MIG ')}\n", style="yellow" if mig != "MIG off" else "")
+        out.append(
+            f"MIG    {mig.removeprefix('MIG ')}\n", style="yellow" if mig != "MIG off" else ""
+        )
     out.append(f"PCIe   {pcie_link(g)}")
     maximum = (g.pcie_gen_max, g.pcie_width_max)
     if g.pcie_gen and g.pcie_width and maximum not in ((None, None), (g.pcie_gen, g.pcie_width)):
