@@ -8,7 +8,7 @@ sharding only on two or more devices; this checks the CUDA half of QLoRA-FSDP on
 one card, in one process (a process group of one): the worker's own set-up
 (`homelab_dp.train.setup.build_model`: the streamed 4-bit load, ``fully_shard`` with the
 compute-dtype quant storage and mixed precision, ``CPUOffloadPolicy`` in pinned memory, the
-host-stepping AdamW, ``save_on_cpu``) and its own micro and optimizer steps, on the same seeded
+host-stepping AdamW, the activation offload hooks) and its own micro and optimizer steps, on the same seeded
 batches. For each configuration it reports the loss of every step (the largest difference from
 the whole-model QLoRA run beside it), the peak of ``torch.cuda.max_memory_allocated`` (live
 tensor bytes are not tracked on the CPU: ``--device cpu`` only tests the script), the memory

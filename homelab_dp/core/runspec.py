@@ -42,7 +42,7 @@ class Resolved:
     offload: Offload = "none"
     """What FSDP keeps in host RAM (none | optimizer | params); none in specs written before."""
     offload_activations: bool = False
-    """Saved activations in host RAM (`torch.autograd.graph.save_on_cpu`)."""
+    """Saved activations in host RAM (`homelab_dp.train.activation_offload`)."""
 
     @property
     def effective_batch(self) -> int:
