@@ -246,6 +246,12 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
                 base = base / n + kept * base_w
         weights = base + trainable * 4
         grads = trainable * 4
+    if shape.method != "full" and shape.device == "cuda" and shape.dtype == "fp16":
+        # Under fp16 the frozen base keeps its embeddings and norms in fp32 (train.lora.
+        # residual_in_fp32: the residual stream must not overflow fp16): 2 bytes more each.
+        # FSDP is never planned in fp16, so nothing here is sharded.
+        weights += 2 * (spec.embedding_params + spec.final_norm_params
+                        + spec.norm_params_per_layer * spec.layers)  # fmt: skip
     # DDP on 2+ processes: the gradients are views of its buckets, alive from the load on.
     resident = trainable * 4 if ddp_buckets(shape) else 0.0
     # foreach AdamW (the CPU) makes one temporary per parameter (sqrt of v); fused AdamW none.

@@ -187,3 +187,36 @@ def test_fp16_residual_stream_does_not_overflow_where_fp16_would() -> None:
     _residual_outliers(raw)
     with torch.autocast("cpu", dtype=torch.float16):
         assert not torch.isfinite(raw(input_ids=ids, labels=ids, use_cache=False).loss)
+
+
+def test_the_plan_counts_the_fp32_embeddings_and_norms_of_an_fp16_run() -> None:
+    """A LoRA or QLoRA base under fp16 keeps its embeddings and norms in fp32
+    (`residual_in_fp32`): the memory model's weights grow by 2 bytes for each of them, against
+    the same run in bf16, and by nothing for a full fine-tune (fp32 master weights already)."""
+    from homelab_dp.core.memory import budget
+    from homelab_dp.core.model_spec import load_model_spec
+    from homelab_dp.core.shape import TrainShape
+    from tests.conftest import ROOT
+
+    spec = load_model_spec(ROOT / "assets" / "configs" / "qwen2-0.5b")
+    upcast = 2 * (spec.embedding_params + spec.final_norm_params
+                  + spec.norm_params_per_layer * spec.layers)  # fmt: skip
+    assert upcast > 0
+    for method, extra in (("lora", upcast), ("qlora", upcast), ("full", 0)):
+        weights = {
+            dtype: budget(
+                spec,
+                TrainShape(
+                    method=method,
+                    distribution="ddp",
+                    world_size=1,
+                    device="cuda",
+                    dtype=dtype,
+                    micro_batch=1,
+                    seq_len=512,
+                    grad_accum=1,
+                ),
+            ).weights  # fmt: skip
+            for dtype in ("bf16", "fp16")
+        }
+        assert weights["fp16"] - weights["bf16"] == extra, method
