@@ -93,9 +93,11 @@ def event_line(e: dict[str, Any], v: RunView) -> str | None:
         n, every = int(e.get("eval_blocks") or 0), int(e.get("eval_every") or 0)
         when = f"every {every} steps and at the end" if every else "at the end"
         evals = f", evaluating {n} block{'s' if n != 1 else ''} {when}" if n else ""
+        attention = f", attention {e['attention']}" if e.get("attention") else ""
+        packing = f", packing {e['packing']}" if e.get("packing") else ""
         return (
             f"started {v.run_id}: {v.method} · {v.distribution}, "
-            f"{v.world_size} process(es), {v.total_steps} steps{evals}"
+            f"{v.world_size} process(es), {v.total_steps} steps{evals}{attention}{packing}"
         )
     if kind == "eval":
         return eval_line(e)

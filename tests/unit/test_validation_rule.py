@@ -94,6 +94,9 @@ def test_the_start_line_says_what_is_evaluated_and_when() -> None:
         "60 steps, evaluating 1 block at the end"
     )
     assert event_line({**start, "eval_blocks": 0}, v).endswith("60 steps")  # no eval data
+    # Which attention ran and whether packing was checked exact (the start event says why).
+    ran = {**start, "eval_blocks": 0, "attention": "sdpa", "packing": "exact"}
+    assert event_line(ran, v).endswith("60 steps, attention sdpa, packing exact")
 
 
 def test_the_lines_of_an_eval() -> None:
