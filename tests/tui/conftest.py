@@ -20,6 +20,7 @@ from textual.pilot import Pilot
 from textual.widgets import Static
 
 from homelab_dp.run.controller import RunController, make_controller
+from homelab_dp.rundir.state import process_start
 from homelab_dp.tui.app import HomelabApp
 from tests.conftest import DATA
 
@@ -67,13 +68,15 @@ def copy_run(
     root: Path, run_id: str, *, status: str, events: bool = True, pids: dict | None = None
 ) -> Path:
     """Another run folder from the recording, with its own id and status (no process unless
-    ``pids`` names one: ``{"keeper": os.getpid()}`` makes the run look alive)."""
+    ``pids`` names one: ``{"keeper": os.getpid()}`` makes the run look alive; each pid is
+    recorded with its start time, as the keeper records it, so it counts as the run's)."""
     run_dir = root / run_id
     shutil.copytree(RECORDED, run_dir)
     state = json.loads((run_dir / "state.json").read_text())
     state.update(status=status, run_id=run_id, created=state["created"] - 3600)
     if pids is not None:
         state["pids"] = pids
+        state["starts"] = {str(p): process_start(p) for p in pids.values() if p}
     (run_dir / "state.json").write_text(json.dumps(state))
     spec = json.loads((run_dir / "spec.json").read_text())
     spec["run_id"] = run_id
