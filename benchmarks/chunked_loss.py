@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from homelab_dp.core.logits_memory import chunk_peak_bytes, chunk_tokens
+from homelab_dp.planning.memory.device_memory import chunk_peak_bytes, chunk_tokens
 from homelab_dp.train.loss import chunked_cross_entropy
 from homelab_dp.train.memtrack import LiveTensors
 

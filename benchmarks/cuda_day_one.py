@@ -9,13 +9,13 @@ runs this script as one of its rows; ``--device cpu`` tests the script itself):
   FlashAttention-2 only with flash-attn 2.x and compute capability 8.0+, else SDPA.
 - **packing**: one packed block against its samples run one by one, in the card's 16-bit dtype,
   with that attention (`train.packing_check`): the largest logit difference and the tolerance.
-- **inference dtypes**: the model loaded for eval/chat/serve in 16-bit (`infer.loading`): the
+- **inference dtypes**: the model loaded for eval/chat/serve in 16-bit (`serving.replica.result_model`): the
   dtype of every rotary ``inv_freq`` buffer (fp32 expected) and of the weights.
 - **one bad row fails alone**: the serving engine on the card with a batch of four requests, two
   hostile (a temperature whose logits overflow, a seed beyond 64 bits): the good rows' tokens
   equal the same requests decoded alone.
 - **pinned host memory, activation offload**: HostAdamW's pinned bytes against the plan's host
-  line for them (`core.pinned_memory`: torch's caching host allocator rounds each block up to a
+  line for them (`planning.memory.pinned_memory`: torch's caching host allocator rounds each block up to a
   power of two); `train.activation_offload` on a small MLP: weights kept on the card,
   activations moved, gradients bitwise those without offload.
 - **device order**: a replica named by NVML index gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and torch
@@ -83,8 +83,8 @@ def check_attention_and_packing(model: Path, device: str) -> dict[str, Any]:
 
 
 def check_inference_dtypes(model: Path, device: str) -> dict[str, Any]:
-    from homelab_dp.infer.loading import load_for_inference
-    from homelab_dp.rundir.results import resolve_model
+    from homelab_dp.runs.model_ref import resolve_model
+    from homelab_dp.serving.replica.result_model import load_for_inference
 
     dtype = torch_dtype("bf16" if device == "cpu" else half(device))
     loaded = load_for_inference(resolve_model(str(model)), device, dtype=dtype)
@@ -95,10 +95,10 @@ def check_inference_dtypes(model: Path, device: str) -> dict[str, Any]:
 
 
 def check_one_bad_row(model: Path, device: str) -> dict[str, Any]:
-    from homelab_dp.infer.engine import Engine, Request
-    from homelab_dp.infer.loading import load_for_inference
-    from homelab_dp.infer.prompting import eos_ids, prompt_ids
-    from homelab_dp.rundir.results import resolve_model
+    from homelab_dp.runs.model_ref import resolve_model
+    from homelab_dp.serving.replica.generation_engine import Engine, Request
+    from homelab_dp.serving.replica.prompt_templates import eos_ids, prompt_ids
+    from homelab_dp.serving.replica.result_model import load_for_inference
 
     loaded = load_for_inference(resolve_model(str(model)), device)
     engine = Engine(loaded.model, loaded.tokenizer, context=loaded.context,
@@ -120,7 +120,7 @@ def check_pinned_and_offload(device: str) -> dict[str, Any]:
     the card, moves the activations and changes no bit of the gradients."""
     import torch
 
-    from homelab_dp.core.pinned_memory import host_adamw_pinned_bytes
+    from homelab_dp.planning.memory.pinned_memory import host_adamw_pinned_bytes
     from homelab_dp.train.activation_offload import ActivationOffload
     from homelab_dp.train.host_optimizer import HostAdamW
 
@@ -158,7 +158,7 @@ def check_pinned_and_offload(device: str) -> dict[str, Any]:
 
 def check_device_order(device: str) -> dict[str, Any]:
     from homelab_dp.probe.nvml import probe
-    from homelab_dp.probe.visible import cuda_device_env
+    from homelab_dp.probe.visible_gpus import cuda_device_env
 
     env = cuda_device_env(os.environ, ["0"])
     if device == "cpu":

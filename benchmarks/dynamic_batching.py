@@ -3,7 +3,7 @@
     python benchmarks/dynamic_batching.py [--model assets/models/tiny-llama] [--requests 8]
         [--tokens 32] [--rounds 3] [--threads 2] [--batches 1 8]
 
-Starts one real replica process on the CPU per batch size (`python -m homelab_dp.infer.replica`),
+Starts one real replica process on the CPU per batch size (`python -m homelab_dp.serving.replica.transformers_replica`),
 sends ``--requests`` concurrent ``/generate`` requests of ``--tokens`` tokens (sampled with
 seeds 0..n-1 at temperature 0.8, so every run has the same work), ``--rounds`` times after a
 warm-up round, and prints requests/s, generated tokens/s (counted from the answers' usage)
@@ -40,7 +40,15 @@ PROMPTS = [
 def start(model: str, state: Path, max_batch: int, threads: int, token: str) -> dict:
     """A replica with this batch size; its replica-0.json once it is ready."""
     log = open(state / "replica-0.log", "w")  # noqa: SIM115 - the child owns it
-    cmd = [sys.executable, "-m", "homelab_dp.infer.replica", "--model", model, "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "homelab_dp.serving.replica.transformers_replica",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+    ]
     cmd += ["--id", "0", "--state-dir", str(state), "--max-batch", str(max_batch)]
     cmd += ["--threads", str(threads)]
     env = {**os.environ, "HOMELAB_DP_REPLICA_TOKEN": token, "PYTHONPATH": str(ROOT)}

@@ -24,7 +24,7 @@ time budget:
    (2048) and token ids, so the model has 24 Qwen2-0.5B layers and a small embedding. For each:
    the plan's estimate beside ``torch.cuda.max_memory_allocated`` per phase (load, forward,
    backward, optimizer; the largest rank), tokens/s (median of the step events after the first)
-   and MFU = 6 · N · tokens/s / the card's peak dense bf16 FLOPS (`homelab_dp.core.flops`, by name).
+   and MFU = 6 · N · tokens/s / the card's peak dense bf16 FLOPS (`homelab_dp.planning.flops`, by name).
    6 · N counts the weight-gradient matmuls that LoRA and QLoRA skip (their work is nearer
    4 · N), so their MFU overstates the card's use by about half; memory probes are on during a
    measure, so tokens/s is a little below a plain run's.
@@ -109,11 +109,11 @@ def markdown_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
-    """The card's dense bf16 peak in FLOPS (the worker's table, `homelab_dp.core.flops`), or
+    """The card's dense bf16 peak in FLOPS (the worker's table, `homelab_dp.planning.flops`), or
     None for a card not in the table."""
     if str(ROOT) not in sys.path:  # run as a script from a checkout, installed or not
         sys.path.insert(0, str(ROOT))
-    from homelab_dp.core.flops import peak_flops  # pure: no torch
+    from homelab_dp.planning.flops import peak_flops  # pure: no torch
 
     return peak_flops(device_name)
 

@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from homelab_dp.run.controller import make_controller
-from homelab_dp.run.launcher import run_foreground
-from homelab_dp.rundir.files import create_run_dir, new_run_id
-from homelab_dp.rundir.state import ACTIVE, current_state
-from homelab_dp.rundir.tail import read_all
+from homelab_dp.app.runs import make_controller
+from homelab_dp.runs.folder.jsonl_tail import read_all
+from homelab_dp.runs.folder.run_folder import create_run_dir, new_run_id
+from homelab_dp.runs.folder.run_state import ACTIVE, current_state
+from homelab_dp.supervise.launcher import run_foreground
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from homelab_dp.core.preset import DataSection
 from homelab_dp.data.blocks import load_dataset
+from homelab_dp.presets.preset import DataSection
 
 
 def main() -> None:

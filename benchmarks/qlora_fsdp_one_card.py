@@ -6,13 +6,13 @@
 FSDP2 across cards needs two of them (NCCL takes one rank per card), and `homelab-dp` plans
 sharding only on two or more devices; this checks the CUDA half of QLoRA-FSDP on a machine with
 one card, in one process (a process group of one): the worker's own set-up
-(`homelab_dp.train.setup.build_model`: the streamed 4-bit load, ``fully_shard`` with the
+(`homelab_dp.train.rank_setup.build_model`: the streamed 4-bit load, ``fully_shard`` with the
 compute-dtype quant storage and mixed precision, ``CPUOffloadPolicy`` in pinned memory, the
 host-stepping AdamW, the activation offload hooks) and its own micro and optimizer steps, on the same seeded
 batches. For each configuration it reports the loss of every step (the largest difference from
 the whole-model QLoRA run beside it), the peak of ``torch.cuda.max_memory_allocated`` (live
 tensor bytes are not tracked on the CPU: ``--device cpu`` only tests the script), the memory
-model's estimate of the same shape (`homelab_dp.core.memory.budget`, world size 1) and tokens/s
+model's estimate of the same shape (`homelab_dp.planning.memory.device_memory.budget`, world size 1) and tokens/s
 (the steps after the first). `benchmarks/gpu_validate.py` runs it as its QLoRA-FSDP row.
 """
 
@@ -48,8 +48,8 @@ def _free_port() -> int:
 
 
 def _spec(model: Path, device: str, dist: str, offload: str, acts: bool, a: Any) -> Any:
-    from homelab_dp.core.preset import preset_from_dict
-    from homelab_dp.core.runspec import Launch, Resolved, RunSpec
+    from homelab_dp.presets.preset import preset_from_dict
+    from homelab_dp.runs.run_spec import Launch, Resolved, RunSpec
 
     train = {"method": "qlora", "distribution": dist, "micro_batch": a.micro, "grad_accum": 1,
              "max_steps": a.steps, "lr": 1e-4, "seed": 7, "activation_checkpointing": True,
@@ -68,8 +68,8 @@ def _spec(model: Path, device: str, dist: str, offload: str, acts: bool, a: Any)
 
 def _estimate(model: Path, spec: Any) -> int:
     """The memory model's tensor peak for this shape on one device."""
-    from homelab_dp.core.memory import TrainShape, budget
-    from homelab_dp.core.model_spec import load_model_spec
+    from homelab_dp.planning.memory.device_memory import TrainShape, budget
+    from homelab_dp.planning.model_spec import load_model_spec
 
     r = spec.resolved
     shape = TrainShape(method="qlora", distribution=r.distribution, world_size=1, device=r.device,
@@ -82,8 +82,8 @@ def _estimate(model: Path, spec: Any) -> int:
 def _one(model: Path, device: Any, name: str, spec: Any, batches: list[Any]) -> dict[str, Any]:
     import torch
 
-    from homelab_dp.train.loop import micro_step, optimizer_step
-    from homelab_dp.train.setup import Rank, build_model
+    from homelab_dp.train.rank_setup import Rank, build_model
+    from homelab_dp.train.training_loop import micro_step, optimizer_step
 
     cuda = device.type == "cuda"
     if cuda:

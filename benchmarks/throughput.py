@@ -30,10 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from homelab_dp.core.preset import preset_from_dict  # noqa: E402
-from homelab_dp.core.runspec import Launch, Resolved, RunSpec  # noqa: E402
-from homelab_dp.run.launcher import run_foreground  # noqa: E402
-from homelab_dp.rundir.files import create_run_dir  # noqa: E402
+from homelab_dp.presets.preset import preset_from_dict  # noqa: E402
+from homelab_dp.runs.folder.run_folder import create_run_dir  # noqa: E402
+from homelab_dp.runs.run_spec import Launch, Resolved, RunSpec  # noqa: E402
+from homelab_dp.supervise.launcher import run_foreground  # noqa: E402
 
 MODEL = ROOT / "assets" / "models" / "tiny-llama"
 DATA = ROOT / "assets" / "data" / "tiny-text.jsonl"

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the shared test mechanism lives in tests/
 
-from homelab_dp.run.controller import RunController  # noqa: E402
+from homelab_dp.app.runs import RunController  # noqa: E402
 from tests.tui.conftest import copy_run, has_snapshot  # noqa: E402
 from tests.tui.flood import SWITCHES, key_latency, thousand_events, write_slowly  # noqa: E402
 
@@ -34,7 +34,7 @@ FOLLOW_INTERVAL_S = 0.01  # as in the test: the follower polls the run folder 10
 
 async def measure(root: Path, name: str, flood: bool, presses: int) -> tuple[list[float], int]:
     """Key latencies (seconds) in one app session, and the events the app had folded."""
-    from homelab_dp.tui.app import HomelabApp
+    from homelab_dp.tui.tui_app import HomelabApp
 
     run_dir = copy_run(root, name, status="running", events=False, pids={"keeper": os.getpid()})
     app = HomelabApp(

@@ -55,8 +55,8 @@ def in_flight_copy(root: Path) -> str:
 
 async def shoot(out: Path, size: tuple[int, int], runs: Path) -> dict[str, float]:
     """Visit every screen, save its SVG; return the startup timings in seconds."""
-    from homelab_dp.run.controller import make_controller
-    from homelab_dp.tui.app import HomelabApp
+    from homelab_dp.app.runs import make_controller
+    from homelab_dp.tui.tui_app import HomelabApp
 
     imported = time.perf_counter() - T0
     run_id = in_flight_copy(runs)

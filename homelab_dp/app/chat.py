@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.infer.engine import Engine, Request, Result
-from homelab_dp.infer.loading import Loaded
-from homelab_dp.infer.prompting import Template, eos_ids, prompt_ids
+from homelab_dp.serving.replica.generation_engine import Engine, Request, Result
+from homelab_dp.serving.replica.prompt_templates import Template, eos_ids, prompt_ids
+from homelab_dp.serving.replica.result_model import Loaded
 
 
 @dataclass

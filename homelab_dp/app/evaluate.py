@@ -1,23 +1,23 @@
 """`homelab-dp eval`'s front end: check everything, start the workers under torchrun, read the result.
 
-`prepare` resolves MODEL (`run.model_source.resolve_model_arg`: a Hugging Face id to its local
+`prepare` resolves MODEL (`runs.model_ref.resolve_model_arg`: a Hugging Face id to its local
 snapshot), picks the devices (``--gpus cpu:N``, GPU indices, or every visible GPU from the NVML
 probe, never initialising CUDA here), checks the model folder as the run preflight does, the
 sequence length against the model's positions, and reads and tokenizes the data exactly as the
-worker will, through the training data's path (`data.loading.load_examples`: a file of any
+worker will, through the training data's path (`data.samples.load_examples`: a file of any
 supported kind, a folder or a dataset id, and the token cache, which the workers then read):
 every mistake is a `HomelabError` before anything is spawned. (The tokenizer, loaded only when
 the cache misses, comes from transformers, which imports torch on the CPU; CUDA is never
 touched.)
 
 `run_eval` writes the job as JSON into a private temporary folder (0700), starts
-``torchrun … -m homelab_dp.train.eval_worker ARGS_FILE`` in its own session with every output
+``torchrun … -m homelab_dp.train.evaluation ARGS_FILE`` in its own session with every output
 in files there (no pipe from the workers), waits, and reads the result rank 0 wrote. The folder
 goes afterwards, unless the evaluation failed: the error then quotes the failing rank's log and
 names the folder. Ctrl-C (or SIGTERM) stops torchrun and its workers (none is left behind) and
 is re-raised as KeyboardInterrupt.
 
-The job file (read by `homelab_dp.train.eval_worker`): ``model_path``, ``base_path`` (an
+The job file (read by `homelab_dp.train.evaluation`): ``model_path``, ``base_path`` (an
 adapter's base or null), ``tokenizer_path``, ``trust_remote_code``, ``dtype`` (the run's preset
 dtype or auto), ``quantized`` (``nf4`` for a QLoRA result: its base is loaded so), ``device`` (cpu | cuda), ``data_path`` (a path or a dataset id), ``split``,
 ``format`` (as given: it keys the token cache), ``seq_len``, ``result_path`` and ``error_dir``.
@@ -38,20 +38,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.hardware import HardwareReport, PlanDevice, PlanHardware
-from homelab_dp.core.hub_ids import looks_like_hub_id
-from homelab_dp.core.preset import DataSection, ModelSection, Preset
 from homelab_dp.data.blocks import build_blocks
-from homelab_dp.data.loading import load_examples
 from homelab_dp.data.records import FORMATS
-from homelab_dp.data.tokenizer_ref import TokenizerRef
+from homelab_dp.data.samples import load_examples
+from homelab_dp.data.token_cache import TokenizerRef
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
-from homelab_dp.probe.visible import cuda_device_env
-from homelab_dp.run.launcher import torchrun_command
-from homelab_dp.run.model_source import resolve_model_arg
-from homelab_dp.rundir.results import ModelRef
+from homelab_dp.hub.hub_models import looks_like_hub_id
+from homelab_dp.presets.preset import DataSection, ModelSection, Preset
+from homelab_dp.probe.hardware import HardwareReport, PlanDevice, PlanHardware
+from homelab_dp.probe.visible_gpus import cuda_device_env
+from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg
+from homelab_dp.supervise.launcher import torchrun_command
 
-EVAL_MODULE = "homelab_dp.train.eval_worker"
+EVAL_MODULE = "homelab_dp.train.evaluation"
 DEFAULT_SEQ_LEN = 2048
 """The longest default sequence for a model that did not come from a run."""
 STOP_GRACE_S = 20.0
@@ -181,7 +180,7 @@ def select_devices(gpus: str | None, report: HardwareReport | None = None) -> De
 
 def _check_torch_sees(devices: Devices, report: HardwareReport) -> None:
     """The installed torch can use the chosen cards (asked in a child process, as the run does)."""
-    from homelab_dp.run.preflight import check_torch_sees_cards
+    from homelab_dp.app.runs import check_torch_sees_cards
 
     by_index = {g.index: g for g in report.gpus}
     cards = tuple(PlanDevice(by_index[i].name, by_index[i].memory_total,
@@ -191,7 +190,7 @@ def _check_torch_sees(devices: Devices, report: HardwareReport) -> None:
 
 def check_model(ref: ModelRef) -> None:
     """Weights in safetensors, a tokenizer, remote code only where the run allowed it."""
-    from homelab_dp.run.preflight import check_model_folder
+    from homelab_dp.app.runs import check_model_folder
 
     check_model_folder(Preset(model=ModelSection(path=str(ref.config_path),
                                                  trust_remote_code=ref.trust_remote_code)))  # fmt: skip
@@ -279,7 +278,7 @@ def prepare(model: str, data: str, fmt: str = "auto", seq_len: int | None = None
 
 
 def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
-    """What `homelab_dp.train.eval_worker` reads (see the module docstring)."""
+    """What `homelab_dp.train.evaluation` reads (see the module docstring)."""
     ref = job.ref
     return {
         "model_path": str(ref.path),
@@ -306,7 +305,7 @@ def eval_command(folder: Path, nproc: int, job_file: Path) -> list[str]:
 
 def eval_env(devices: Devices) -> dict[str, str]:
     """The workers' environment: the chosen GPUs only (or none), loopback rendezvous, offline."""
-    # The launcher's one rule (`probe.visible.cuda_device_env`): no card for a CPU evaluation
+    # The launcher's one rule (`probe.visible_gpus.cuda_device_env`): no card for a CPU evaluation
     # (it never opens a CUDA context), else the chosen cards by UUID or NVML index, counted in
     # PCI bus order as NVML counts them.
     cards = (
@@ -319,7 +318,7 @@ def eval_env(devices: Devices) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // devices.nproc))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    env["HOMELAB_DP_LOOPBACK"] = "1"  # homelab_dp.run.agent: TCP stores on 127.0.0.1
+    env["HOMELAB_DP_LOOPBACK"] = "1"  # homelab_dp.supervise.torchrun_agent: TCP stores on 127.0.0.1
     return env
 
 

@@ -10,7 +10,7 @@ Formats:
 - ``merged``: the adapter merged into its base in the run's compute dtype (bf16 for a CUDA run,
   fp32 for a CPU run: the run spec's ``resolved.dtype``), safetensors only, the tokenizer with
   its chat template, config.json naming the dtype; a full fine-tune is cast to that dtype.
-- ``ollama``: ``merged`` plus a ``Modelfile`` (`infer.modelfile`): ``ollama create NAME -f
+- ``ollama``: ``merged`` plus a ``Modelfile`` (`serving.replica.prompt_templates`): ``ollama create NAME -f
   DIR/Modelfile`` imports it.
 - ``gguf``: ``merged`` converted by llama.cpp's ``convert_hf_to_gguf.py`` (``$LLAMA_CPP_DIR``,
   else on PATH) with this Python, into ``model.gguf`` (in the compute dtype: bf16, f16 or f32)
@@ -24,9 +24,9 @@ hidden folder beside DIR and renamed to DIR at the end, so a failed export leave
 half-written. Everything is checked before anything is written (no result yet, an adapter
 export of a full fine-tune, a gguf export without the converter, a DIR that holds files).
 
-The torch part (`infer.merge`) is imported only when a format needs it: the TUI imports this
+The torch part (`serving.replica.result_model`) is imported only when a format needs it: the TUI imports this
 module for nothing but `export_in_child`, which runs the export as ``python -m
-homelab_dp.infer.export`` (one JSON line back), so the TUI's process never loads torch.
+homelab_dp.app.export`` (one JSON line back), so the TUI's process never loads torch.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core import json_safe
+from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError
-from homelab_dp.probe.visible import cuda_device_env
-from homelab_dp.rundir.files import read_run_spec
-from homelab_dp.rundir.results import ModelRef, resolve_model
+from homelab_dp.probe.visible_gpus import cuda_device_env
+from homelab_dp.runs.folder.run_folder import read_run_spec
+from homelab_dp.runs.model_ref import ModelRef, resolve_model
 
 FORMATS = ("hf", "adapter", "merged", "ollama", "gguf")
 CONVERTER = "convert_hf_to_gguf.py"
@@ -266,12 +266,14 @@ def _copy(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
 
 def cpu_child_env() -> dict[str, str]:
     """The environment of a child that merges or converts on the CPU: no card visible (the
-    launcher's one rule, `probe.visible.cuda_device_env`, with no card)."""
+    launcher's one rule, `probe.visible_gpus.cuda_device_env`, with no card)."""
     return cuda_device_env(os.environ, [])
 
 
 def _merge(source: Source, dest: Path) -> None:
-    from homelab_dp.infer.merge import merge_to  # torch: only for the formats that merge
+    from homelab_dp.serving.replica.result_model import (
+        merge_to,  # torch: only for the formats that merge
+    )
 
     trust = source.ref.trust_remote_code
     merge_to(source.weights, source.adapter, source.tokenizer, dest, source.dtype, trust)
@@ -281,9 +283,8 @@ def _modelfile(source: Source, folder: Path, dest: Path, from_: str) -> list[str
     """Write ``dest/Modelfile`` for the model in ``folder``; the notes it comes with."""
     from transformers import AutoTokenizer
 
-    from homelab_dp.infer.merge import eos_texts
-    from homelab_dp.infer.modelfile import build_modelfile
-    from homelab_dp.infer.prompting import template_for
+    from homelab_dp.serving.replica.prompt_templates import build_modelfile, template_for
+    from homelab_dp.serving.replica.result_model import eos_texts
 
     tokenizer = AutoTokenizer.from_pretrained(
         folder, trust_remote_code=source.ref.trust_remote_code
@@ -384,9 +385,9 @@ def export_run(run: str, fmt: str, out: Path) -> ExportResult:
 
 
 def export_in_child(run: str, fmt: str, out: Path) -> ExportResult:
-    """`export_run` in a child process (`python -m homelab_dp.infer.export`), so the caller
+    """`export_run` in a child process (`python -m homelab_dp.app.export`), so the caller
     (the TUI) never loads torch; its HomelabError comes back as the same error."""
-    cmd = [sys.executable, "-m", "homelab_dp.infer.export", run, "--format", fmt, "--out",
+    cmd = [sys.executable, "-m", "homelab_dp.app.export", run, "--format", fmt, "--out",
            str(out)]  # fmt: skip
     env = cpu_child_env()  # merge on the CPU: no CUDA context
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
@@ -406,7 +407,7 @@ def export_in_child(run: str, fmt: str, out: Path) -> ExportResult:
 
 def main(argv: list[str] | None = None) -> int:
     """The export child: one JSON line on stdout, the result or ``{"error", "hint"}``."""
-    parser = argparse.ArgumentParser(prog="python -m homelab_dp.infer.export")
+    parser = argparse.ArgumentParser(prog="python -m homelab_dp.app.export")
     parser.add_argument("run")
     parser.add_argument("--format", required=True)
     parser.add_argument("--out", required=True)

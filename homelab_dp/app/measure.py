@@ -7,7 +7,7 @@ from before the model load (`homelab_dp.train.memtrack`): peak live tensor bytes
 ``max_memory_allocated`` / ``max_memory_reserved`` on CUDA, per phase (load, forward, backward,
 optimizer), and writes one ``memory`` event with every rank's figures. The result is shown beside
 the plan's estimate and stored in the calibration file for this hardware, so later plans show the
-measured figure and use measured overhead terms (`homelab_dp.core.calibration`).
+measured figure and use measured overhead terms (`homelab_dp.planning.memory.memory_calibration`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.calibration import CalibrationStore, Measurement
-from homelab_dp.core.events import MemoryEvent, parse_event
-from homelab_dp.core.memory import PHASES
+from homelab_dp.app.plan import hardware_fingerprint
 from homelab_dp.errors import HomelabError
-from homelab_dp.run.calibration import hardware_fingerprint
+from homelab_dp.planning.memory.device_memory import PHASES
+from homelab_dp.planning.memory.memory_calibration import CalibrationStore, Measurement
+from homelab_dp.runs.run_events import MemoryEvent, parse_event
 
 DEFAULT_STEPS = 3
 """Enough for the steady state: the optimizer state exists after step 1, DDP rebuilds its
@@ -90,10 +90,10 @@ def measure(
     controller: Any = None,
 ) -> MeasureReport:
     """Run ``steps`` measured steps of ``preset_ref`` as planned; store the calibration."""
-    from homelab_dp.run.controller import make_controller
-    from homelab_dp.run.launcher import run_foreground
-    from homelab_dp.rundir.files import create_run_dir, new_run_id
-    from homelab_dp.rundir.state import update_state
+    from homelab_dp.app.runs import make_controller
+    from homelab_dp.runs.folder.run_folder import create_run_dir, new_run_id
+    from homelab_dp.runs.folder.run_state import update_state
+    from homelab_dp.supervise.launcher import run_foreground
 
     if steps < 1:
         raise HomelabError(f"--steps {steps}: must be at least 1", hint="e.g. --steps 3")
@@ -142,7 +142,7 @@ def _memory_event(run_dir: Path) -> dict[str, Any] | None:
 
 def _store(report: MeasureReport, prepared: Any) -> Path:
     """Add the measurement to the calibration file of this hardware."""
-    from homelab_dp.core.planner import measurement_key
+    from homelab_dp.planning.planner import measurement_key
 
     p, planned = prepared.plan, prepared.planned
     ranks = report.memory["ranks"]

@@ -1,6 +1,10 @@
 """From a preset to a plan: choose the devices (probe or what-if) and run the planner.
 
 Shared by the CLI, the TUI and the run controller; imports no torch.
+
+What `homelab-dp measure` stored for the hardware a plan is for (the calibration lookup).
+
+The fingerprint names the devices, driver and torch version; a what-if GPU size has none.
 """
 
 from __future__ import annotations
@@ -9,7 +13,20 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from homelab_dp.core.hardware import (
+from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
+from homelab_dp.hub.hub_models import looks_like_hub_id
+from homelab_dp.planning.memory.device_memory import assumed_overhead
+from homelab_dp.planning.memory.memory_calibration import (
+    CalibrationStore,
+    HardwareCalibration,
+    fingerprint,
+    torch_version,
+)
+from homelab_dp.planning.model_spec import ModelSpec, load_model_spec
+from homelab_dp.planning.planner import Plan, plan, with_host
+from homelab_dp.presets.preset import Preset, apply_overrides, preset_from_dict
+from homelab_dp.probe import nvml
+from homelab_dp.probe.hardware import (
     GpuInfo,
     GpuProcess,
     HardwareReport,
@@ -21,17 +38,10 @@ from homelab_dp.core.hardware import (
     parse_gpus_spec,
     trained_pcie_link,
 )
-from homelab_dp.core.host_plan import with_host
-from homelab_dp.core.hub_ids import looks_like_hub_id
-from homelab_dp.core.model_spec import ModelSpec, load_model_spec
-from homelab_dp.core.planner import Plan, plan
-from homelab_dp.core.preset import Preset, apply_overrides, preset_from_dict
-from homelab_dp.core.vocabulary import ACTIVE_STATUSES
-from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
-from homelab_dp.probe import nvml
-from homelab_dp.run.model_source import config_folder
-from homelab_dp.rundir.index import known_runs
-from homelab_dp.rundir.state import read_state, recorded_pids
+from homelab_dp.runs.folder.run_index import known_runs
+from homelab_dp.runs.folder.run_state import read_state, recorded_pids
+from homelab_dp.runs.model_ref import config_folder
+from homelab_dp.vocabulary import ACTIVE_STATUSES
 
 
 @dataclass(frozen=True)
@@ -65,13 +75,13 @@ def select_hardware(preset: Preset, gpus: str | None) -> tuple[PlanHardware, Har
 
     ``hardware.devices`` names GPUs by NVML index, the number `homelab-dp probe` shows (PCI bus
     order, as nvidia-smi counts), never by a CUDA ordinal; ``"auto"`` is every GPU the probe
-    reports. A user's ``CUDA_VISIBLE_DEVICES`` restricts the probe (`homelab_dp.probe.visible`):
+    reports. A user's ``CUDA_VISIBLE_DEVICES`` restricts the probe (`homelab_dp.probe.visible_gpus`):
     only the GPUs it leaves visible can be planned, still under their NVML indices, and naming
     a hidden one is a `HardwareSpecError`. The plan keeps each GPU's UUID, which the run puts in
-    ``CUDA_VISIBLE_DEVICES`` (`homelab_dp.run.launcher.worker_env`).
+    ``CUDA_VISIBLE_DEVICES`` (`homelab_dp.supervise.launcher.worker_env`).
 
     Probed cards carry their free memory and the processes holding memory on them, so the
-    planner budgets what is free (`homelab_dp.core.held_memory`); a process that belongs to a
+    planner budgets what is free (`homelab_dp.planning.plan_reasons`); a process that belongs to a
     homelab-dp run is marked with its run id. What-if cards are budgeted whole.
     """
     if gpus:
@@ -211,7 +221,7 @@ def _mig_pending_note(g: GpuInfo) -> str:
 
 def our_pids() -> dict[int, str]:
     """The pids of the homelab-dp runs active now (keeper, agent, monitor, workers), each with
-    its run id: every run the per-user index knows (`homelab_dp.rundir.index.known_runs`)."""
+    its run id: every run the per-user index knows (`homelab_dp.runs.folder.run_index.known_runs`)."""
     out: dict[int, str] = {}
     for run in known_runs():
         state = read_state(run.path) if run.exists else {}
@@ -258,15 +268,14 @@ def make_plan(
     """Plan ``preset`` (paths already resolved) on the probed or what-if hardware.
 
     A model given by Hugging Face id is planned from its config.json alone: the cached one,
-    else downloaded (only that file) when ``fetch`` and online (`run.model_source`).
+    else downloaded (only that file) when ``fetch`` and online (`runs.model_ref`).
 
     What `homelab-dp measure` stored for this hardware corrects the overhead terms and is shown
     beside the estimate. ``find_micro_batch``: the largest micro-batch that fits, accumulation
-    keeping the preset's effective batch (`homelab_dp.core.finder`). The plan's host RAM is
+    keeping the preset's effective batch (`homelab_dp.planning.planner`). The plan's host RAM is
     checked against this machine's (`host_available`).
     """
-    from homelab_dp.core.finder import plan_largest_micro_batch
-    from homelab_dp.run.calibration import hardware_calibration
+    from homelab_dp.planning.planner import plan_largest_micro_batch
 
     spec = load_model_spec(config_folder(preset.model.path, preset.model.revision, fetch=fetch))
     hardware, report = select_hardware(preset, gpus)
@@ -280,7 +289,7 @@ def make_plan(
 def with_target_share(planned: Planned, share: float) -> Plan:
     """The plan with its chosen option budgeted for data whose blocks are at most ``share``
     targets (`TrainShape.target_share`); the choice itself stays the one made for any data."""
-    from homelab_dp.core.planner import evaluate
+    from homelab_dp.planning.planner import evaluate
 
     p = planned.plan
     c = p.chosen
@@ -307,3 +316,39 @@ def host_available(
         return sum(d.memory_bytes for d in hardware.devices)
     host = report.host if report is not None else nvml.host_info()
     return host.ram_available or host.ram_total
+
+
+def hardware_fingerprint(hw: PlanHardware, report: HardwareReport | None) -> str | None:
+    """The fingerprint of the devices a plan is for, or None for a what-if GPU size."""
+    if hw.kind == "cuda":
+        if report is None or not report.gpus:
+            return None  # `--gpus 2x24GiB`: hardware that is not here
+        names = [g.name for g in report.gpus if not hw.indices or g.index in hw.indices]
+        return fingerprint("cuda", device_names=names, driver=report.driver_version,
+                           torch=torch_version())  # fmt: skip
+    if report is not None:
+        cpu = report.host.cpu_model
+    else:
+        from homelab_dp.probe import nvml
+
+        cpu = nvml.host_info().cpu_model
+    return fingerprint("cpu", cpu_model=cpu, torch=torch_version())
+
+
+def hardware_calibration(hw: PlanHardware, report: HardwareReport | None) -> HardwareCalibration:
+    """What was measured on the plan's hardware (nothing for a what-if GPU size)."""
+    fp = hardware_fingerprint(hw, report)
+    if fp is None:
+        return HardwareCalibration(None)
+    return CalibrationStore().for_hardware(fp, assumed_overhead(hw.kind, hw.world_size))
+
+
+def on_idle_cards(planned: Planned, gpus: str | None) -> Planned:
+    """A queued run's plan: on its cards with nothing else on them (it waits until the plan's
+    memory is free), when other processes now hold some of it; else the plan as made."""
+    if planned.plan.idle is None:
+        return planned
+    idle = planned.hardware.idle()
+    fresh = plan(planned.spec, planned.preset, idle, planned.plan.calibration)
+    fresh = with_host(fresh, planned.preset, host_available(gpus, idle, planned.report))
+    return replace(planned, hardware=idle, plan=fresh)

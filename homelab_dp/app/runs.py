@@ -3,10 +3,17 @@
 One object behind both front ends (the CLI and the TUI build it through `make_controller`,
 and so do the tests). A run is a folder under the runs root; the controller never keeps state
 of its own, so a run started over one SSH connection is seen and followed from any other.
+
+Checks made in the parent process before anything is spawned: loggers, model folder, data,
+plan, and for a CUDA plan that the installed torch sees the planned cards.
+
+Every problem found here is a `HomelabError` (exit 2, nothing started, nothing written).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import signal
 import socket
 import subprocess
@@ -16,19 +23,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.events import StateEvent
-from homelab_dp.core.planner import Plan
-from homelab_dp.core.preset import Preset
-from homelab_dp.core.preset_store import open_preset
-from homelab_dp.core.run_view import RunView
-from homelab_dp.core.runspec import Launch, ModelOrigin, Rendezvous, Resolved, RunSpec
-from homelab_dp.errors import HomelabError, RunStateError
-from homelab_dp.run import preflight
-from homelab_dp.run import queue as waiting_room
-from homelab_dp.run.model_source import model_doc, with_local_model
-from homelab_dp.run.planning import Planned, cpu_hardware, make_plan, with_target_share
-from homelab_dp.run.relaunch import resume_step
-from homelab_dp.rundir.files import (
+from homelab_dp.app import doctor
+from homelab_dp.app.plan import Planned, cpu_hardware, make_plan, on_idle_cards, with_target_share
+from homelab_dp.errors import (
+    HardwareSpecError,
+    HomelabError,
+    ModelSpecError,
+    PresetError,
+    RunStateError,
+)
+from homelab_dp.hub.hub_models import ModelOrigin
+from homelab_dp.planning.planner import Plan
+from homelab_dp.presets.preset import Preset
+from homelab_dp.presets.preset_store import open_preset
+from homelab_dp.probe.hardware import HardwareReport, PlanHardware
+from homelab_dp.runs import run_queue as waiting_room
+from homelab_dp.runs.folder.jsonl_tail import RunTail
+from homelab_dp.runs.folder.run_folder import (
     append_event,
     create_run_dir,
     new_run_id,
@@ -36,15 +47,128 @@ from homelab_dp.rundir.files import (
     runs_root,
     write_run_spec,
 )
-from homelab_dp.rundir.index import IndexedRun, find_run, forget_gone, known_runs
-from homelab_dp.rundir.state import (
+from homelab_dp.runs.folder.run_index import IndexedRun, find_run, forget_gone, known_runs
+from homelab_dp.runs.folder.run_state import (
     ACTIVE,
     alive_pids,
     current_state,
     signal_run_process,
     update_state,
 )
-from homelab_dp.rundir.tail import RunTail, read_all
+from homelab_dp.runs.model_ref import with_local_model
+from homelab_dp.runs.run_events import StateEvent
+from homelab_dp.runs.run_spec import Launch, Rendezvous, Resolved, RunSpec
+from homelab_dp.runs.run_view import RunView, new_view, summarize, view_of
+from homelab_dp.supervise.relaunch import resume_step
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+REPORTER_INSTALL = {
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+    "wandb": ("wandb", 'pip install "homelab-dp[wandb]"'),
+    "mlflow": ("mlflow", 'pip install "homelab-dp[mlflow]"'),
+}
+"""A ``log.report_to`` name → the module rank 0 imports and how to install it."""
+
+
+def check_reporters(preset: Preset) -> None:
+    """Every logger named in ``log.report_to`` is installed (found, not imported: wandb and
+    mlflow take seconds to import)."""
+    for name in preset.log.report_to:
+        module, install = REPORTER_INSTALL[name]
+        if importlib.util.find_spec(module) is None:
+            raise PresetError(
+                f'log.report_to: "{name}" is named, but the {module} package is not installed',
+                hint=f'{install}, or take "{name}" out of log.report_to',
+            )
+
+
+def check_model_folder(preset: Preset) -> None:
+    """The folder has safetensors weights and a tokenizer; remote code only when allowed."""
+    folder = Path(preset.model.path)
+    if not any(folder.glob("*.safetensors")):
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelSpecError(
+                f"{folder}: only pickle weights ({', '.join(pickles[:3])}); refused, never loaded",
+                hint="pickle files can run code when loaded; convert the model to safetensors "
+                "(save_pretrained(..., safe_serialization=True)) on a machine you trust",
+            )
+        raise ModelSpecError(
+            f"{folder}: no weights (*.safetensors)",
+            hint="model.path must be a full Hugging Face model folder, not just its config",
+        )
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise ModelSpecError(
+            f"{folder}: no tokenizer (tokenizer.json or tokenizer.model)",
+            hint="copy the tokenizer files of the model into its folder",
+        )
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("auto_map") and not preset.model.trust_remote_code:
+        raise ModelSpecError(
+            f"{folder / 'config.json'}: the model needs its own Python code (auto_map), "
+            "and model.trust_remote_code is false",
+            hint="read the folder's .py files first; then set model.trust_remote_code = true",
+        )
+
+
+def check_torch_sees_cards(hardware: PlanHardware, report: HardwareReport | None) -> None:
+    """A CUDA plan needs a torch that can use the probed cards: a CUDA build whose CUDA starts
+    and that lists the same cards as NVML. CPU plans never import torch here."""
+    if hardware.kind != "cuda" or report is None or not report.gpus:
+        return
+    problem = doctor.torch_mismatch(report, doctor.torch_facts())
+    if problem is None:
+        return
+    planned = ", ".join(str(i) for i in hardware.indices) or "?"
+    message, hint = problem
+    gpus = "GPUs" if len(hardware.indices) > 1 else "GPU"
+    raise HardwareSpecError(
+        f"the plan uses {gpus} {planned}: {message}",
+        f"{hint}; `homelab-dp doctor` checks the whole machine",
+    )
+
+
+def load_tokenizer(preset: Preset) -> Any:
+    """The model's tokenizer, offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        preset.model.path,
+        trust_remote_code=preset.model.trust_remote_code,
+        local_files_only=True,
+    )
+
+
+def check_data(
+    preset: Preset, max_positions: int, world_size: int, micro_batch: int
+) -> tuple[int, float]:
+    """Load and validate the dataset as the worker will; returns the number of training blocks
+    (after any held-out split, `homelab_dp.data.eval_split`) and the largest share of a block's
+    tokens that are targets (what the chunked loss keeps). The eval data (data.eval_path or
+    data.eval_fraction) is checked the same way: an error names its file and line or row.
+    The tokenized samples go into the token cache (`homelab_dp.data.token_cache`), where every
+    rank of the run reads them instead of tokenizing again."""
+    from homelab_dp.data.eval_split import load_train_eval
+    from homelab_dp.data.samples import source_of
+    from homelab_dp.data.token_cache import TokenizerRef
+
+    # Before the tokenizer loads: a typo in a path or id is named at once.
+    source_of(preset.data)
+    if preset.data.eval_path:
+        source_of(preset.data, eval_data=True)
+    # Loaded only if the token cache misses: a hit imports no transformers here (seconds).
+    tokenizer = TokenizerRef(Path(preset.model.path), lambda: load_tokenizer(preset))
+    data = load_train_eval(
+        preset.data,
+        tokenizer,
+        seed=preset.train.seed,
+        seq_len_limit=max_positions or None,
+        min_blocks=world_size * micro_batch,
+    )
+    blocks = data.train
+    seq_len = max(1, int(preset.data.seq_len))
+    return len(blocks), max(b.num_targets for b in blocks) / seq_len
+
 
 STOP_TIMEOUT_S = 120.0
 
@@ -103,7 +227,7 @@ class RunController:
     # ------------------------------------------------------------------ lookup
     def run_dir(self, run_id: str) -> Path:
         """The folder of a run by id, unique id prefix or folder path, wherever it lives: the
-        per-user run index, this root or ./runs (`rundir.index.find_run`). Raises a
+        per-user run index, this root or ./runs (`runs.folder.run_index.find_run`). Raises a
         RunNotFoundError that says whether the id is unknown, ambiguous or its folder gone."""
         return find_run(run_id, self.root)
 
@@ -127,7 +251,7 @@ class RunController:
         ``queue``: the run will wait for its cards, so it is planned on them idle; otherwise
         devices another run is using refuse it (unless ``force``)."""
         preset = open_preset(preset_ref, overrides)
-        preflight.check_reporters(preset)  # a logger not installed: before the plan
+        check_reporters(preset)  # a logger not installed: before the plan
         if gpus and not gpus.lower().startswith("cpu"):
             raise HomelabError(
                 f"--gpus {gpus}: `run` uses real devices; sizes are for `plan` what-ifs",
@@ -139,7 +263,7 @@ class RunController:
             cpu_hardware(planned.hardware.world_size, planned.hardware.min_memory, "run")
         hw = planned.hardware
         if queue:
-            planned = waiting_room.on_idle_cards(planned, gpus)
+            planned = on_idle_cards(planned, gpus)
         elif not force:  # before the fit: another run's memory would read as "does not fit"
             waiting_room.check_devices_free(
                 waiting_room.devices_on(hw.kind, hw.indices, hw.uuids), self.root
@@ -152,14 +276,14 @@ class RunController:
                 hint=("; ".join(p.advice) or "see `homelab-dp plan`")
                 + " — or pass --force to try anyway",
             )
-        preflight.check_torch_sees_cards(planned.hardware, planned.report)
+        check_torch_sees_cards(planned.hardware, planned.report)
         # A model id was planned from its config.json; the run needs the whole snapshot, and
         # its workers (and any resume) get the local folder, never the id.
         preset, origin = with_local_model(preset)
         planned = replace(planned, preset=preset)
-        preflight.check_model_folder(preset)
+        check_model_folder(preset)
         ws = p.world_size * nnodes  # multi-node: every node runs the same devices
-        blocks, share = preflight.check_data(preset, planned.spec.max_positions, ws,
+        blocks, share = check_data(preset, planned.spec.max_positions, ws,
                                              p.micro_batch)  # fmt: skip
         # The plan chose with every token taken as a target; the run records its estimate for
         # this data (the chunked loss keeps only target rows), which `measure` compares.
@@ -196,7 +320,7 @@ class RunController:
         worker's proposal (smaller micro-batch, more accumulation, same effective batch; or
         activation checkpointing) by itself, up to `MAX_OOM_RETRIES` times.
         ``queue``: the run is created "queued" and its keeper starts it when its devices are
-        free (`homelab_dp.run.queue`). Otherwise a start on devices another run is using is
+        free (`homelab_dp.runs.run_queue`). Otherwise a start on devices another run is using is
         refused, unless ``force``.
         """
         rendezvous = rendezvous or Rendezvous()
@@ -220,7 +344,7 @@ class RunController:
         (run_dir / "logs").mkdir(mode=0o700, exist_ok=True)  # a folder that lost it (damage)
         log = open(run_dir / "logs" / "keeper.log", "ab")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen(
-            [sys.executable, "-m", "homelab_dp.run.keeper", str(run_dir)],
+            [sys.executable, "-m", "homelab_dp.supervise.keeper", str(run_dir)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -317,27 +441,11 @@ class RunController:
         return self._fold(self.run_dir(run_id))
 
     def _fold(self, run_dir: Path) -> RunView:
-        view = self.new_view(run_dir)
-        for event in read_all(run_dir / "events.jsonl"):
-            view.apply(event)
-        for sample in read_all(run_dir / "devices.jsonl"):
-            view.apply(sample)
-        view.apply_state(current_state(run_dir))
-        return view
+        return view_of(run_dir)
 
     def new_view(self, run_dir: Path) -> RunView:
-        """An empty view of the run, with what its run spec says: cost per kWh, estimate, and
-        the strategy (a queued run has no start event yet; the worker's repeats it)."""
-        spec = read_run_spec(run_dir)
-        return RunView(
-            run_id=run_dir.name,
-            method=spec.resolved.method,
-            distribution=spec.resolved.distribution,
-            world_size=spec.resolved.world_size,
-            per_kwh=float(spec.preset.cost.per_kwh or 0.0),
-            currency=str(spec.preset.cost.currency or ""),
-            estimate_bytes=spec.planned_bytes.get("total"),
-        )
+        """An empty view of the run, with what its run spec says (`runs.run_view.new_view`)."""
+        return new_view(run_dir)
 
     def tail(self, run_id: str) -> RunTail:
         return RunTail(self.run_dir(run_id))
@@ -370,45 +478,6 @@ class RunController:
                 reason, status = str(exc), "damaged"
         return {"run_id": run.id, "path": str(run.path), "exists": run.exists, "status": status,
                 "reason": reason, "created": run.created}  # fmt: skip
-
-
-def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, Any]:
-    """One run as a JSON-ready dict (a queued run's ``queue``: position and what it waits for)."""
-    started = state.get("created")
-    ended = state.get("ended")
-    duration = (ended or time.time()) - started if started and state.get("status") else None
-    return {
-        "run_id": run_dir.name,
-        "path": str(run_dir),
-        "status": state.get("status"),
-        "reason": state.get("reason"),
-        "created": started,
-        "duration_s": duration,
-        "model": model_doc(read_run_spec(run_dir)),
-        "method": view.method,
-        "distribution": view.distribution,
-        "world_size": view.world_size,
-        "step": view.step,
-        "total_steps": view.total_steps,
-        "loss": view.loss,
-        "tokens": view.tokens,
-        "tokens_per_s": view.tokens_per_s,
-        "mfu": view.mfu,
-        "effective_batch": view.effective_batch,
-        "energy_wh": view.energy_wh,
-        "tokens_per_wh": view.tokens_per_wh,
-        "cost": view.cost,
-        "last_checkpoint_step": view.last_checkpoint_step,
-        "eval": view.eval_doc(),
-        "final_path": view.final_path,
-        "peak_memory_bytes": view.peak_memory_bytes,
-        "estimate_bytes": view.estimate_bytes,
-        "stragglers": [view.stragglers[k] for k in sorted(view.stragglers)],
-        "pids": state.get("pids"),
-        "exit_code": state.get("exit_code"),
-        "attempt": state.get("attempt"),
-        "queue": waiting_room.queue_doc(run_dir, state),
-    }
 
 
 def check_port(rendezvous: Rendezvous) -> None:

@@ -6,16 +6,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from homelab_dp.core.hardware import (
-    HardwareReport,
-    PlanDevice,
-    PlanHardware,
-    format_bytes,
-    mig_on,
-    parse_gpus_spec,
-)
-from homelab_dp.core.model_spec import ModelSpec, load_model_spec
-from homelab_dp.core.serve_plan import (
+from homelab_dp.app.plan import Planned
+from homelab_dp.errors import HardwareSpecError, HomelabError
+from homelab_dp.planning.model_spec import ModelSpec, load_model_spec
+from homelab_dp.planning.serve_plan import (
     CANNOT_HELP,
     DEFAULT_CONCURRENT,
     DEFAULT_CONTEXT,
@@ -23,11 +17,16 @@ from homelab_dp.core.serve_plan import (
     ServePlan,
     plan_serving,
 )
-from homelab_dp.errors import HardwareSpecError, HomelabError
 from homelab_dp.probe import nvml
-from homelab_dp.run.model_source import resolve_model_arg
-from homelab_dp.run.planning import Planned
-from homelab_dp.rundir.results import ModelRef
+from homelab_dp.probe.hardware import (
+    HardwareReport,
+    PlanDevice,
+    PlanHardware,
+    format_bytes,
+    mig_on,
+    parse_gpus_spec,
+)
+from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -51,7 +50,7 @@ class ServePlanned:
     """A serving plan with what it was made for, and the replicas to start."""
 
     ref: ModelRef
-    """The model, as `run.model_source.resolve_model_arg` found it."""
+    """The model, as `runs.model_ref.resolve_model_arg` found it."""
     spec: ModelSpec
     """Its sizes (the base's config.json for an adapter)."""
     plan: ServePlan

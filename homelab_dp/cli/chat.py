@@ -1,6 +1,6 @@
 """`homelab-dp chat`: talk to a model in the terminal, tokens streamed as they come.
 
-The model loads in this process (`infer.loading`; a MODEL that names nothing is an ``error:``
+The model loads in this process (`serving.replica.result_model`; a MODEL that names nothing is an ``error:``
 before torch is imported). Each line read from stdin (a terminal or a pipe) is a message, or
 one of the commands of `HELP`; EOF, ``/quit`` and Ctrl-C end the chat with exit 0.
 """
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.probe.visible import cuda_device_env
+from homelab_dp.probe.visible_gpus import cuda_device_env
 
 HELP = """commands:
   /reset           forget the conversation (the system message stays)
@@ -60,7 +60,7 @@ def device_env(env: Mapping[str, str], gpus: str | None) -> tuple[dict[str, str]
 
     ``gpus`` is what ``--gpus`` asked for: ``cpu`` hides every card (no CUDA context at all), a
     GPU's NVML index leaves that card alone as ``cuda:0``, counted in PCI bus order as NVML
-    and `homelab-dp probe` count (the launcher's one rule, `probe.visible.cuda_device_env`);
+    and `homelab-dp probe` count (the launcher's one rule, `probe.visible_gpus.cuda_device_env`);
     None (``--device`` or nothing) keeps ``env``'s own cards, in PCI bus order where
     ``CUDA_VISIBLE_DEVICES`` names some.
     """
@@ -141,7 +141,7 @@ def _loop(chat: Any) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Load MODEL and chat on stdin/stdout until EOF, /quit or Ctrl-C."""
-    from homelab_dp.run.model_source import resolve_model_arg
+    from homelab_dp.runs.model_ref import resolve_model_arg
 
     _check(args)
     device = _device(args)
@@ -150,9 +150,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     os.environ.update(env)  # before CUDA starts in this process: it reads them once
     device = where or device
     sys.stderr.write(f"loading {ref.name} …\n")
-    from homelab_dp.infer.conversation import Conversation
-    from homelab_dp.infer.loading import default_device, load_for_inference
-    from homelab_dp.infer.prompting import template_for
+    from homelab_dp.app.chat import Conversation
+    from homelab_dp.serving.replica.prompt_templates import template_for
+    from homelab_dp.serving.replica.result_model import default_device, load_for_inference
 
     loaded = load_for_inference(ref, device or default_device())
     template = template_for(loaded.tokenizer, ref)

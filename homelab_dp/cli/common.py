@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from homelab_dp.core import json_safe
+from homelab_dp import json_safe
 from homelab_dp.render.errors import error_lines
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -41,12 +41,12 @@ def add_runs_option(parser: argparse.ArgumentParser, *, top: bool = False) -> No
 
 def use_runs_option(args: argparse.Namespace) -> None:
     """Make ``--runs DIR`` the runs root of this process and of what it starts (it sets
-    $HOMELAB_DP_RUNS, which the controller and `rundir.results` read). The folder is created
+    $HOMELAB_DP_RUNS, which the controller and `runs.model_ref` read). The folder is created
     0700; one that cannot be raises a HomelabError naming it, before anything starts."""
     folder = getattr(args, "runs", None)
     if not folder:
         return
-    from homelab_dp.rundir.files import RUNS_ENV, open_runs_root
+    from homelab_dp.runs.folder.run_folder import RUNS_ENV, open_runs_root
 
     os.environ[RUNS_ENV] = str(open_runs_root(folder, "--runs"))
 

@@ -19,7 +19,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from homelab_dp.run import doctor
+    from homelab_dp.app import doctor
 
     checks = doctor.run_checks(doctor.gather())
     if args.json:

@@ -39,8 +39,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Check everything, evaluate under torchrun (`run.evaluate`), print the result."""
-    from homelab_dp.run.evaluate import evaluate_model
+    """Check everything, evaluate under torchrun (`app.evaluate`), print the result."""
+    from homelab_dp.app.evaluate import evaluate_model
 
     report = evaluate_model(args.model, args.data, args.format, args.seq_len, args.gpus,
                             split=args.split)  # fmt: skip

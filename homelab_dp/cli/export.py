@@ -11,7 +11,7 @@ from homelab_dp.cli.common import EXIT_OK, print_json
 
 def register(sub: Any) -> None:
     """Add `export` to the main parser's subparsers."""
-    from homelab_dp.infer.export import FORMATS
+    from homelab_dp.app.export import FORMATS
 
     p = sub.add_parser("export", help="a run's result as a folder other tools load")
     p.add_argument("run", help="a run id (or a unique prefix) or a run folder")
@@ -31,8 +31,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Check, then export in this process, on the CPU (`infer.export`)."""
-    from homelab_dp.infer.export import export_run
+    """Check, then export in this process, on the CPU (`app.export`)."""
+    from homelab_dp.app.export import export_run
 
     result = export_run(args.run, args.format, Path(args.out))
     if args.json:

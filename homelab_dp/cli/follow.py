@@ -3,7 +3,7 @@
 To follow a run is to show it as it goes until it ends or the watcher leaves, never touching
 the run: `run` and `resume` follow the run they start unless ``--detach``, and `attach` follows
 one already going (the TUI follows one run at a time the same way, `homelab_dp.tui.follower`).
-Reading what the run's files gained is tailing (`homelab_dp.rundir.tail`); how the run looks is
+Reading what the run's files gained is tailing (`homelab_dp.runs.folder.jsonl_tail`); how the run looks is
 `homelab_dp.render.run_view`; this module is the loop between them.
 
 When stdout is a terminal the panel redraws in place; under nohup, in a log file or a pipe it
@@ -17,13 +17,13 @@ import sys
 import time
 from typing import Any, TextIO
 
-from homelab_dp.core import json_safe
-from homelab_dp.core.run_view import RunView
-from homelab_dp.core.vocabulary import EXIT_CODE_BY_STATUS
+from homelab_dp import json_safe
+from homelab_dp.app.runs import RunController
 from homelab_dp.render.run_view import event_line, final_text, live_panel
-from homelab_dp.run.controller import RunController
-from homelab_dp.rundir.state import LIVE, current_state
-from homelab_dp.rundir.tail import file_size
+from homelab_dp.runs.folder.jsonl_tail import file_size
+from homelab_dp.runs.folder.run_state import LIVE, current_state
+from homelab_dp.runs.run_view import RunView
+from homelab_dp.vocabulary import EXIT_CODE_BY_STATUS
 
 POLL_S = 0.25
 

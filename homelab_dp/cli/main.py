@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HomelabError as exc:
         return report_error(exc)
     if func is None:  # no command: the Textual TUI
-        from homelab_dp.tui.app import run_tui
+        from homelab_dp.tui.tui_app import run_tui
 
         return run_tui()
     try:

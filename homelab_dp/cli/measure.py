@@ -22,7 +22,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    from homelab_dp.run.measure import measure
+    from homelab_dp.app.measure import measure
 
     report = measure(args.preset, steps=args.steps, gpus=args.gpus, overrides=args.set,
                      force=args.force, store=not args.no_store)  # fmt: skip

@@ -13,8 +13,8 @@ import json
 from typing import Any
 
 from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
-from homelab_dp.core.vocabulary import METHODS
 from homelab_dp.errors import HomelabError
+from homelab_dp.vocabulary import METHODS
 
 
 def _positive(text: str) -> int:
@@ -65,9 +65,9 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from homelab_dp.core.preset_store import open_preset
-    from homelab_dp.run.planning import make_plan, preset_for_model
-    from homelab_dp.run.preset_results import expected_runs
+    from homelab_dp.app.plan import make_plan, preset_for_model
+    from homelab_dp.presets.preset_store import open_preset
+    from homelab_dp.runs.preset_results import expected_runs
 
     if (args.preset is None) == (args.model is None):
         both = args.preset is not None
@@ -83,7 +83,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         preset = open_preset(args.preset, overrides)
     planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch)
-    # What the preset's recorded runs say (`run.preset_results`): expected duration and energy.
+    # What the preset's recorded runs say (`runs.preset_results`): expected duration and energy.
     expected = expected_runs(planned)
     if args.json:
         seen = expected.to_json() if expected else {"expected": None, "recorded_runs": None}

@@ -26,7 +26,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from homelab_dp.core import preset_store
+    from homelab_dp.presets import preset_store
 
     if args.action == "list":
         rows = preset_store.list_presets()
@@ -48,11 +48,10 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     """The preset's text, then the recorded results of its completed runs (every run of a
-    preset of this name: `homelab_dp.run.preset_results`)."""
-    from homelab_dp.core import preset_store
-    from homelab_dp.core.preset_results import preset_name
+    preset of this name: `homelab_dp.runs.preset_results`)."""
+    from homelab_dp.presets import preset_store
     from homelab_dp.render.preset_results import results_lines
-    from homelab_dp.rundir.preset_results import read_results
+    from homelab_dp.runs.preset_results import preset_name, read_results
 
     path = preset_store.find_preset(args.name)
     preset_store.load_preset(path)  # validate before showing

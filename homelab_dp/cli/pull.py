@@ -26,8 +26,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from homelab_dp.core.hub_ids import looks_like_hub_id
-    from homelab_dp.hub.models import hub_cache, resolve_model_id
+    from homelab_dp.hub.hub_models import hub_cache, looks_like_hub_id, resolve_model_id
 
     if not looks_like_hub_id(args.model_id):
         raise ModelSpecError(

@@ -10,12 +10,12 @@ import argparse
 import sys
 from typing import Any
 
+from homelab_dp import json_safe
 from homelab_dp.cli.common import print_json
-from homelab_dp.core import json_safe
 
 
 def _controller():
-    from homelab_dp.run.controller import make_controller
+    from homelab_dp.app.runs import make_controller
 
     return make_controller()
 
@@ -27,8 +27,8 @@ def _mode(args: argparse.Namespace) -> str:
 
 
 def _rendezvous(args: argparse.Namespace):
-    from homelab_dp.core.runspec import Rendezvous
-    from homelab_dp.run.controller import check_port
+    from homelab_dp.app.runs import check_port
+    from homelab_dp.runs.run_spec import Rendezvous
 
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         from homelab_dp.errors import HomelabError
@@ -85,8 +85,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _fitted(args: argparse.Namespace) -> list[str]:
     """`run --auto-fit` before launch: the micro-batch finder's choice as ``--set`` overrides."""
-    from homelab_dp.core.preset_store import open_preset
-    from homelab_dp.run.planning import make_plan
+    from homelab_dp.app.plan import make_plan
+    from homelab_dp.presets.preset_store import open_preset
 
     preset = open_preset(args.preset, args.set)
     fit = make_plan(preset, args.gpus, find_micro_batch=True).plan.fit
@@ -112,8 +112,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from homelab_dp.cli.follow import follow
-    from homelab_dp.rundir.state import read_state
-    from homelab_dp.rundir.tail import file_size
+    from homelab_dp.runs.folder.jsonl_tail import file_size
+    from homelab_dp.runs.folder.run_state import read_state
 
     controller = _controller()
     # Only what the resumed run writes is printed; earlier events are history.

@@ -220,9 +220,9 @@ def check_engine(engine: str, devices: list[str]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from homelab_dp.run.serve_planning import plan_serve
-    from homelab_dp.serve.front import serve
-    from homelab_dp.serve.supervisor import ReplicaLaunch
+    from homelab_dp.app.serve import plan_serve
+    from homelab_dp.serving.front.openai_server import serve
+    from homelab_dp.serving.front.replica_supervisor import ReplicaLaunch
 
     args.api_key = api_key(args)
     if args.json and not args.plan:

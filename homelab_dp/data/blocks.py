@@ -2,7 +2,7 @@
 
 The data pipeline: a dataset (`homelab_dp.data.sources`) → validated records
 (`homelab_dp.data.records`) → tokenized samples (`homelab_dp.data.tokenize`, loss masks; kept in
-the token cache, `homelab_dp.data.token_cache`, through `homelab_dp.data.loading`) → blocks (here).
+the token cache, `homelab_dp.data.token_cache`, through `homelab_dp.data.samples`) → blocks (here).
 Every problem is a `DataError` naming the file, row or line and field, raised by the preflight
 before anything is launched; each worker builds the same blocks from the cached samples. Blocks
 are plain lists; the worker turns them into tensors.
@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from homelab_dp.data.loading import load_examples
 from homelab_dp.data.records import FORMATS, detect_format, read_records
+from homelab_dp.data.samples import load_examples
 from homelab_dp.data.tokenize import IGNORE_INDEX, Example, format_instruction, tokenize_records
 from homelab_dp.errors import DataError
 
@@ -206,7 +206,7 @@ def load_dataset(
     """Read, check, tokenize (or read from the token cache) and block a dataset as the
     preset's [data] section says.
 
-    ``data_cfg`` is a `homelab_dp.core.preset.DataSection` (path, split, columns, format,
+    ``data_cfg`` is a `homelab_dp.presets.preset.DataSection` (path, split, columns, format,
     seq_len, pack); ``seq_len_limit`` is the model's position limit (None: unknown);
     ``min_blocks`` is world_size × micro_batch. Raises DataError (file[:line] or row, field,
     hint) for a missing or empty file, a bad record, records that do not fit the format, chat

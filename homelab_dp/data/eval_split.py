@@ -8,8 +8,8 @@ so the eval set is the same on any world size and micro-batch, and no piece of a
 sample is ever trained on. The training blocks are then built from the remaining samples and
 the eval blocks from the held-out ones, with the same ``seq_len`` and ``pack``.
 
-Used by the preflight (`homelab_dp.run.preflight.check_data`: the training blocks it counts are
-those left after the split) and by every rank of the worker (`homelab_dp.train.setup`).
+Used by the preflight (`homelab_dp.app.runs.check_data`: the training blocks it counts are
+those left after the split) and by every rank of the worker (`homelab_dp.train.rank_setup`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from homelab_dp.data.blocks import Block, blocks_of
-from homelab_dp.data.loading import load_examples
+from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import DataError
 
 
@@ -48,7 +48,7 @@ class TrainEval:
     """Samples held out of the training file (data.eval_fraction), else 0."""
     cache: tuple[str, ...] = ()
     """How this process had each data set's samples: ``hit`` (the token cache) or ``built``
-    (tokenized here), the training data first (`homelab_dp.data.loading.Loaded.cache`)."""
+    (tokenized here), the training data first (`homelab_dp.data.samples.Loaded.cache`)."""
     fmt: str = ""
     """The training data's format, ``auto`` resolved (what the model learns to answer in)."""
 
@@ -58,9 +58,9 @@ def load_train_eval(
 ) -> TrainEval:
     """The training blocks (at least ``min_blocks``) and the eval blocks of a [data] section.
 
-    ``data_cfg`` is a `homelab_dp.core.preset.DataSection`; sections of older code without
+    ``data_cfg`` is a `homelab_dp.presets.preset.DataSection`; sections of older code without
     the eval fields read as "no eval data". The samples come from the token cache when it has
-    them (`homelab_dp.data.loading`). Raises DataError naming the file (and line or row) of
+    them (`homelab_dp.data.samples`). Raises DataError naming the file (and line or row) of
     any bad record in either data set, or the field whose split leaves nothing to train or
     evaluate on.
     """

@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from homelab_dp.data import token_cache
-from homelab_dp.data.layouts import check_columns
-from homelab_dp.data.records import check_format_name
+from homelab_dp.data.records import check_columns, check_format_name
 from homelab_dp.data.sources import Source, read_source, resolve_source, split_files
+from homelab_dp.data.token_cache import loaded
 from homelab_dp.data.tokenize import Example, eos_id, tokenize_records
-from homelab_dp.data.tokenizer_ref import loaded
 from homelab_dp.errors import DataError
 
 log = logging.getLogger("homelab_dp.data")

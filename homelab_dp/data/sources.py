@@ -31,16 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.hub_ids import looks_like_hub_id
-from homelab_dp.data.layouts import check_columns, missing_columns, rename_row
 from homelab_dp.data.records import (
+    check_columns,
     check_format_name,
     check_records,
     detect_format,
     format_of,
+    missing_columns,
     read_with_lines,
+    rename_row,
 )
 from homelab_dp.errors import DataError
+from homelab_dp.hub.hub_models import looks_like_hub_id
 
 BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
 """Files read through ``datasets`` (its packaged builder for each suffix)."""

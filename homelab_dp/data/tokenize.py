@@ -1,7 +1,7 @@
 """Tokenizing validated records into samples with their loss masks (no torch).
 
 The tokenizer is any Hugging Face tokenizer (only ``__call__``, ``eos_token_id``,
-``pad_token_id`` and ``apply_chat_template`` are used). `homelab_dp.data.loading` keeps what it
+``pad_token_id`` and ``apply_chat_template`` are used). `homelab_dp.data.samples` keeps what it
 makes in the token cache, so a data set is tokenized once for the preflight and every rank.
 
 Loss masks per format (``-100`` = no loss):

@@ -10,6 +10,12 @@ nothing in sub-folders. Every failure is a `ModelSpecError` naming the id, with 
 to fetch it, how to log in for a gated model, where the cache is.
 
 Nothing here imports torch; huggingface_hub itself is imported only when an id is resolved.
+
+Is a `model.path` / `data.path` / MODEL value a Hugging Face Hub id rather than a path?
+
+Pure: the rule only. A local path wins whenever it exists; a value that exists nowhere and
+reads as ``org/name`` (Hub naming: letters, digits, ``-``, ``_``, ``.``; no leading ``.``, no
+``..``) is taken as an id.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.runspec import ModelOrigin
 from homelab_dp.errors import ModelSpecError
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
@@ -31,6 +36,18 @@ IGNORE_PATTERNS = ["*/*"]
 """Top-level files only: sub-folders hold other formats (onnx/, original/*.pth, gguf...)."""
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+@dataclass(frozen=True)
+class ModelOrigin:
+    """A model given by Hugging Face id: what the user named, shown by `status` and `runs`.
+    The run itself only ever uses the local snapshot folder in ``preset.model.path``."""
+
+    repo_id: str
+    revision: str = ""
+    """As asked ("" : main)."""
+    commit: str = ""
+    """The commit of the snapshot folder the run uses."""
 
 
 @dataclass(frozen=True)
@@ -259,4 +276,17 @@ def _hub_error(exc: Exception, repo_id: str, revision: str, cache: Path) -> Mode
     return ModelSpecError(
         f"model {name}: could not be fetched into {cache}: {exc}",
         hint="check the network and the space in the cache folder (HF_HUB_CACHE moves it)",
+    )
+
+
+_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+_HUB_ID = re.compile(rf"^{_PART}/{_PART}$")
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """True when ``value`` has the shape of a Hub repository id (``Qwen/Qwen2.5-0.5B``)."""
+    return (
+        bool(_HUB_ID.match(value))
+        and ".." not in value
+        and not value.endswith((".json", ".jsonl", ".csv", ".parquet", ".txt", ".toml"))
     )

@@ -1,6 +1,6 @@
 """Which attention kernel a run loads with, and whether packing is proven ahead (pure).
 
-One rule for the plan (`homelab_dp.core.plan_reasons`) and the worker
+One rule for the plan (`homelab_dp.planning.plan_reasons`) and the worker
 (`homelab_dp.train.attention`): FlashAttention-2 (``"flash_attention_2"``) only on CUDA, in
 bf16/fp16, when every card is compute capability 8.0 (Ampere) or newer and the installed
 ``flash-attn`` distribution is a 2.x release; SDPA otherwise. The FA2 kernels refuse older cards
@@ -18,8 +18,8 @@ import importlib.metadata
 import importlib.util
 from collections.abc import Sequence
 
-from homelab_dp.core.hardware import PlanHardware
-from homelab_dp.core.preset import Preset
+from homelab_dp.presets.preset import Preset
+from homelab_dp.probe.hardware import PlanHardware
 
 FLASH_MIN_CAPABILITY = (8, 0)
 """The oldest compute capability FlashAttention-2 runs on (Ampere)."""
@@ -110,7 +110,7 @@ packed block: the worker checks it before training (`homelab_dp.train.packing_ch
 
 def attention_reason(hw: PlanHardware, dtype: str, flash_version: str | None = None) -> str:
     """The attention kernel the worker will load with on ``hw``, and why
-    (`homelab_dp.core.attention_rule`; ``flash_version``: the installed flash-attn's version,
+    (`homelab_dp.planning.attention_rule`; ``flash_version``: the installed flash-attn's version,
     read here when not given). A card of unknown capability counts as new enough (the worker
     decides on the card itself)."""
     version = flash_attn_version() if flash_version is None else flash_version

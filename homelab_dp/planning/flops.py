@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.planning.model_spec import ModelSpec
 
 METHODS = ("full", "lora", "qlora")
 

@@ -1,7 +1,7 @@
 """The planner's explanations: what it says about a plan, in plain words.
 
 Holds the text the planner attaches to a plan, apart from the decision itself (that stays in
-`homelab_dp.core.planner`):
+`homelab_dp.planning.planner`):
 
 - ``PLAIN``, the plain-words names of methods and distributions, and ``count``, a parameter
   count for people (the renderer and the TUI use both too);
@@ -13,6 +13,18 @@ Holds the text the planner attaches to a plan, apart from the decision itself (t
 
 The planner imports this module, so this one never imports the planner: it reads candidates
 through the ``Option`` protocol and budgets what-ifs with the ``evaluate`` it is handed.
+
+Memory other processes hold on the local cards: what the plan says about it.
+
+What a plan budgets on a local card (`PlanDevice.budget`): the smaller of the planner's safety
+margin of the whole card (95%) and the card's free memory at probe time less `free_margin`
+(max(256 MiB, 2% of the card)), because other processes' memory moves between the probe and the
+run's peak. On an idle card the 95% is the smaller, so idle cards plan as before; a desktop
+session, an inference server or another fine-tune lowers it. What-if cards (``--gpus``) and the
+CPU have no free memory recorded and keep budgeting the whole device.
+
+When other processes make the plan smaller or make it not fit, the planner plans again on the
+same cards idle (`PlanHardware.idle`) and these words say what that plan would be.
 """
 
 from __future__ import annotations
@@ -22,15 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from homelab_dp.core.attention_rule import attention_reason, packing_reasons
-from homelab_dp.core.calibration import HardwareCalibration
-from homelab_dp.core.hardware import (
-    BF16_MIN_CAPABILITY,
-    PlanHardware,
-    format_bytes,
-    format_capability,
-)
-from homelab_dp.core.memory import (
+from homelab_dp.planning.attention_rule import attention_reason, packing_reasons
+from homelab_dp.planning.memory.device_memory import (
     CPU_FRAGMENTATION,
     CPU_RUNTIME_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -40,9 +45,19 @@ from homelab_dp.core.memory import (
     MiB,
     Overhead,
 )
-from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.offload import OffloadCost, cost_words, offload_words
-from homelab_dp.core.preset import Preset
+from homelab_dp.planning.memory.memory_calibration import HardwareCalibration
+from homelab_dp.planning.memory.offload_cost import OffloadCost, cost_words, offload_words
+from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.presets.preset import Preset
+from homelab_dp.probe.hardware import (
+    BF16_MIN_CAPABILITY,
+    GpuProcess,
+    PlanDevice,
+    PlanHardware,
+    format_bytes,
+    format_capability,
+    free_margin,
+)
 
 PLAIN = {
     "full": "full fine-tune",
@@ -442,3 +457,69 @@ def overhead_terms(device: str, measured: Overhead | None = None) -> list[str]:
         f"Python/torch runtime {CPU_RUNTIME_BYTES // MiB} MiB per process (assumed)",
         f"allocator slack {int(CPU_FRAGMENTATION * 100)}% of tensors (assumed)",
     ]
+
+
+def process_text(p: GpuProcess) -> str:
+    """A process in words: ``python3 (pid 48211, 6.00 GiB)``, or ``another homelab-dp run: ID
+    (pid …, …)`` for one of ours."""
+    used = format_bytes(p.used_bytes) if p.used_bytes is not None else "memory n/a"
+    who = f"another homelab-dp run: {p.run_id}" if p.run_id else p.name or "unknown process"
+    return f"{who} (pid {p.pid}, {used})"
+
+
+def holders(d: PlanDevice) -> str:
+    """Who holds memory on ``d``: its processes, or why none are named."""
+    if d.processes:
+        return ", ".join(process_text(p) for p in d.processes)
+    if d.processes is None:
+        return "processes NVML does not list (no permission, or not supported)"
+    return "no listed process (the driver, or processes in another container)"
+
+
+def held_reasons(hw: PlanHardware, margin: float) -> list[str]:
+    """One line per local card whose budget is cut by what others hold on it."""
+    out = []
+    for i in hw.limited(margin):
+        d = hw.devices[i]
+        free = d.free_bytes or 0
+        out.append(
+            f"{hw.label(i)}: {format_bytes(d.held_bytes)} of {format_bytes(d.memory_bytes)} in "
+            f"use by {holders(d)}; the plan budgets the {format_bytes(free)} free less a "
+            f"{format_bytes(free_margin(d.memory_bytes))} margin: {format_bytes(d.budget(margin))}."
+        )
+    return out
+
+
+def _held_by(hw: PlanHardware, positions: Sequence[int]) -> str:
+    """Per card: ``6.25 GiB held on GPU 1 (…) by python3 (pid 48211, 6.00 GiB)``."""
+    return "; ".join(
+        f"{format_bytes(hw.devices[i].held_bytes)} held on {hw.label(i)} by "
+        f"{holders(hw.devices[i])}"
+        for i in positions
+    )
+
+
+def _option(c: Option) -> str:
+    ck = "with" if c.activation_checkpointing else "without"
+    return f"{PLAIN[c.method]} with {PLAIN[c.distribution]}, {ck} activation checkpointing"
+
+
+def idle_advice(hw: PlanHardware, margin: float, idle: Option) -> str:
+    """Why a plan that does not fit now would fit the same cards idle (``idle`` fits there):
+    the cards whose budget is below what that plan needs, and who holds memory there."""
+    limited = hw.limited(margin)
+    need = idle.budget.total
+    blocking = [i for i in limited if hw.devices[i].budget(margin) < need] or limited
+    return (
+        f"Fits when the other processes are gone: {_held_by(hw, blocking)}. On the idle "
+        f"cards: {_option(idle)}, {format_bytes(idle.budget.total)} per device."
+    )
+
+
+def idle_choice_reason(idle: Option) -> str:
+    """Why the plan chose something else than it would on the same cards idle."""
+    return (
+        f"On idle cards the plan would be {_option(idle)} "
+        f"({format_bytes(idle.budget.total)} per device); the memory others hold (above) rules "
+        "it out."
+    )

@@ -1,22 +1,100 @@
-"""The planner's answer: `Candidate` (one option and its budget), `Plan`, and the `plan --json`
-document they write (pure). The planner (`homelab_dp.core.planner`) makes them.
+"""The planner's answer: `Fit` (the micro-batch finder's answer for one option), `Candidate`
+(one option and its budget), `Plan`, and the `plan --json` document they write (pure). The planner (`homelab_dp.planning.planner`) makes them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from homelab_dp.core.calibration import HardwareCalibration, Measurement, calibration_json
-from homelab_dp.core.hardware import PlanHardware
-from homelab_dp.core.host_memory import HostBudget
-from homelab_dp.core.memory import Budget, assumed_overhead
-from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.offload import OffloadCost
-from homelab_dp.core.plan_reasons import LrAdvice
+from homelab_dp.planning.memory.device_memory import Budget, assumed_overhead
+from homelab_dp.planning.memory.host_memory import HostBudget
+from homelab_dp.planning.memory.memory_calibration import (
+    HardwareCalibration,
+    Measurement,
+    calibration_json,
+)
+from homelab_dp.planning.memory.offload_cost import OffloadCost
+from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_reasons import LrAdvice
+from homelab_dp.probe.hardware import PlanHardware
 
-if TYPE_CHECKING:
-    from homelab_dp.core.fit import Fit
+
+def accumulation_for(effective: int, micro: int, world: int) -> int:
+    """Accumulation steps that reach at least ``effective`` sequences per optimizer step."""
+    return max(1, math.ceil(effective / (micro * world)))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The finder's answer for one (method, distribution, checkpointing) option."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    requested_effective_batch: int
+    total_bytes: int
+    """Per-device total (tensors and overhead) at the chosen micro-batch."""
+    limit_bytes: int
+    """What a device may use: its memory times the safety margin."""
+    fits: bool
+    tried: tuple[tuple[int, int, bool], ...] = ()
+    """(micro-batch, per-device total, fits) for every micro-batch budgeted."""
+    larger_inexact: int | None = None
+    """A larger micro-batch that fits but would round the effective batch up (exact mode)."""
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch * self.world_size * self.grad_accum
+
+    @property
+    def exact(self) -> bool:
+        """Whether the effective batch is exactly the one the preset asked for."""
+        return self.effective_batch == self.requested_effective_batch
+
+    def describe(self) -> str:
+        """One plain-words line for the plan's reasons."""
+        if not self.fits:
+            return (
+                "Micro-batch finder: not even a micro-batch of 1 fits "
+                f"({self.total_bytes / 2**30:.2f} GiB per device against "
+                f"{self.limit_bytes / 2**30:.2f} GiB usable)."
+            )
+        out = (
+            f"Micro-batch finder: {self.micro_batch} is the largest micro-batch that fits "
+            f"({self.total_bytes / 2**30:.2f} of {self.limit_bytes / 2**30:.2f} GiB usable per "
+            f"device); accumulation {self.grad_accum} gives an effective batch of "
+            f"{self.effective_batch}"
+        )
+        if self.exact:
+            out += ", as the preset asked."
+            if self.larger_inexact:
+                m = self.larger_inexact
+                e = m * self.world_size * accumulation_for(self.requested_effective_batch, m,
+                                                           self.world_size)  # fmt: skip
+                out += f" ({m} would fit too, but would round the effective batch up to {e}.)"
+            return out
+        return (
+            out + f" — the preset asked for {self.requested_effective_batch}, which "
+            f"{self.micro_batch} × {self.world_size} device(s) does not divide, so it is "
+            "rounded up to the next multiple."
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "effective_batch": self.effective_batch,
+            "requested_effective_batch": self.requested_effective_batch,
+            "exact": self.exact,
+            "fits": self.fits,
+            "total_bytes": self.total_bytes,
+            "limit_bytes": self.limit_bytes,
+            "largest_tried": max((m for m, _, _ in self.tried), default=self.micro_batch),
+            "larger_inexact": self.larger_inexact,
+        }
+
 
 SAFETY_MARGIN = 0.95
 """A plan fits when its total is at most this fraction of the smallest device's memory (and,

@@ -7,12 +7,12 @@ Decision tree (a pinned method, distribution or offload in the preset is respect
    full (everything sharded).
 2. Else LoRA (frozen base, small adapters): DDP, else FSDP grad-op, else FSDP full.
 3. Else QLoRA (4-bit base): DDP, else FSDP grad-op, else FSDP full (the packed 4-bit weights
-   sharded, `homelab_dp.core.memory`).
+   sharded, `homelab_dp.planning.memory.device_memory`).
 4. Only when nothing above fits, not even on the same cards idle (memory others hold is waited
    for, not offloaded around), and `train.offload` / `train.offload_activations` are
    "auto"): the same options with offload to host RAM — the optimizer state or the sharded
    parameters (FSDP only), the saved activations (any distribution) — and of those that fit
-   the one that moves the fewest bytes over PCIe per step (`homelab_dp.core.offload` prices
+   the one that moves the fewest bytes over PCIe per step (`homelab_dp.planning.memory.offload_cost` prices
    it). Never on the CPU, where the device is host RAM (a pinned offload is planned, at no
    cost).
 
@@ -21,40 +21,224 @@ Within each option activation checkpointing is tried off first, then on (when th
 limited by the smallest. When nothing fits, the plan says what would.
 
 The words (the reasons for the choice, the advice when nothing fits, the learning-rate
-scaling) are `homelab_dp.core.plan_reasons`; the checks of what a preset may ask of the cards
-`homelab_dp.core.plan_inputs`; the answer's types and JSON `homelab_dp.core.plan_result`. This
+scaling) are `homelab_dp.planning.plan_reasons`; the checks of what a preset may ask of the cards
+`homelab_dp.planning.planner`; the answer's types and JSON `homelab_dp.planning.plan_result`. This
 module decides and budgets.
+
+The micro-batch search: the largest micro-batch that fits, the effective batch kept.
+
+Pure arithmetic over a budget function; `homelab_dp.planning.planner` applies it to the planner.
+
+The preset asks for an effective batch E = micro × world × accumulation. For a micro-batch m the
+accumulation is ceil(E / (m × world)), so the effective batch stays E when m × world divides E and
+becomes the next multiple above it otherwise. By default only micro-batches that keep E exactly
+are chosen (the learning rate, the schedule, the data position of checkpoints and the OOM retry
+all assume it); a larger micro-batch that fits only by rounding E up is named in the plan, and
+``exact=False`` takes it, saying so. Memory is not monotonic in m —
+accumulation keeps every gradient alive during the backward pass, and a micro-batch large enough
+to need none drops them — so every m from 1 to ceil(E / world) is budgeted (pure arithmetic,
+microseconds each) and the largest that fits under the limit wins.
+
+What a preset may ask of the planned hardware, checked before planning (pure).
+
+The compute dtype the cards get (`resolve_dtype`), the attention kernel the worker will load
+with (`attention_path`), and the pinned choices the planned hardware cannot train: FSDP in fp16
+(`check_fp16_sharding`), and offload without FSDP (`check_offload`). Each refusal is a
+`PresetError` naming the field, with a hint (the CLI prints ``error:`` and ``hint:``, exit 2).
+
+`plan --find-micro-batch`: the plan at the largest micro-batch that fits, effective batch kept.
+
+The search itself is `homelab_dp.planning.planner.search_micro_batch`; this applies it to every option
+of the decision tree in order (`homelab_dp.planning.planner`).
+
+The plan's host-RAM step: the ``host`` block of a plan, and what to say when the machine cannot
+hold the run although its cards can (pure; the model is `homelab_dp.planning.memory.host_memory`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from homelab_dp.core.calibration import HardwareCalibration, config_key, measured_reasons
-from homelab_dp.core.hardware import PlanHardware
-from homelab_dp.core.held_memory import held_reasons, idle_advice, idle_choice_reason
-from homelab_dp.core.host_memory import host_budget
-from homelab_dp.core.memory import TrainShape, budget
-from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.offload import offload_cost
-from homelab_dp.core.plan_inputs import (
-    FP16_SHARDING_NOTE,
-    attention_path,
-    check_fp16_sharding,
-    check_offload,
-    resolve_dtype,
+from homelab_dp.errors import PresetError
+from homelab_dp.planning.attention_rule import choose_attention, flash_attn_version
+from homelab_dp.planning.memory.device_memory import TrainShape, budget
+from homelab_dp.planning.memory.host_memory import HostBudget, host_budget
+from homelab_dp.planning.memory.memory_calibration import (
+    HardwareCalibration,
+    config_key,
+    measured_reasons,
 )
-from homelab_dp.core.plan_reasons import (
+from homelab_dp.planning.memory.offload_cost import offload_cost
+from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_reasons import (
     choice_reasons,
     fit_advice,
+    held_reasons,
     host_short_reasons,
+    idle_advice,
+    idle_choice_reason,
     lr_advice,
     lr_reasons,
     overhead_terms,
 )
-from homelab_dp.core.plan_result import SAFETY_MARGIN, Candidate, Plan
-from homelab_dp.core.preset import Preset
-from homelab_dp.core.vocabulary import DISTRIBUTIONS, METHODS, SHARDED
+from homelab_dp.planning.plan_result import SAFETY_MARGIN, Candidate, Fit, Plan, accumulation_for
+from homelab_dp.presets.preset import Preset
+from homelab_dp.probe.hardware import (
+    BF16_MIN_CAPABILITY,
+    PlanHardware,
+    format_bytes,
+    format_capability,
+)
+from homelab_dp.vocabulary import DISTRIBUTIONS, METHODS, SHARDED
+
+MAX_CANDIDATES = 4096
+"""Micro-batches tried at most (an effective batch larger than this per device is unusual)."""
+
+
+def search_micro_batch(
+    total_for: Callable[[int, int], int],
+    limit: float,
+    requested_effective: int,
+    world_size: int,
+    max_micro: int | None = None,
+    exact: bool = True,
+) -> Fit:
+    """The largest micro-batch m with ``total_for(m, accumulation) <= limit``.
+
+    ``exact``: only micro-batches whose accumulation reaches E exactly (m × world divides E).
+
+    ``total_for(micro, grad_accum)`` is the per-device total of the plan with those values.
+    Micro-batches beyond ceil(E / world) are not tried: one optimizer step would then hold more
+    than the preset's effective batch. Without any that fits, the answer is micro-batch 1 with
+    ``fits`` false.
+    """
+    if requested_effective < 1 or world_size < 1:
+        raise ValueError("the effective batch and the world size must be positive")
+    top = math.ceil(requested_effective / world_size)
+    top = min(top, max_micro or top, MAX_CANDIDATES)
+    tried: list[tuple[int, int, bool]] = []
+    best: tuple[int, int, int] | None = None
+    larger: int | None = None
+    for micro in range(1, top + 1):
+        accum = accumulation_for(requested_effective, micro, world_size)
+        total = int(total_for(micro, accum))
+        ok = total <= limit
+        tried.append((micro, total, ok))
+        if ok and exact and micro * world_size * accum != requested_effective:
+            larger = micro
+        elif ok:
+            best, larger = (micro, accum, total), None
+    if best is None:
+        micro, total, _ = tried[0]
+        accum = accumulation_for(requested_effective, 1, world_size)
+        return Fit(1, accum, world_size, requested_effective, total, int(limit), False,
+                   tuple(tried))  # fmt: skip
+    micro, accum, total = best
+    return Fit(micro, accum, world_size, requested_effective, total, int(limit), True,
+               tuple(tried), larger)  # fmt: skip
+
+
+FP16_SHARDING_NOTE = (
+    "FSDP needs bf16: the worker scales the fp16 loss (GradScaler) under DDP and ZeRO-1 only"
+)
+"""Why FSDP is not a candidate when the plan computes in fp16."""
+
+
+def resolve_dtype(preset: Preset, hw: PlanHardware) -> str:
+    """The compute dtype of ``preset`` on ``hw``, decided from the planned cards.
+
+    fp32 on the CPU. On CUDA, "auto" is bf16 when every planned card has compute capability
+    8.0 (Ampere) or newer, else fp16, which the worker trains with dynamic loss scaling (a
+    GradScaler); a card whose capability is not known (a what-if ``--gpus 2x24GiB``, or NVML
+    did not say) counts as new enough. A pinned dtype is kept, except that "bf16" on a card
+    below 8.0 is a `PresetError` naming ``model.dtype`` and the card.
+    """
+    if hw.kind == "cpu":
+        return "fp32"
+    old = hw.below_capability(BF16_MIN_CAPABILITY)
+    wanted = preset.model.dtype
+    if wanted == "auto":
+        return "fp16" if old else "bf16"
+    if wanted == "bf16" and old:
+        first = old[0]
+        raise PresetError(
+            f"model.dtype = 'bf16': {hw.label(first)} is compute capability "
+            f"{format_capability(hw.devices[first].compute_capability)}, and bf16 needs "
+            f"{format_capability(BF16_MIN_CAPABILITY)} (Ampere) or newer",
+            hint='set model.dtype = "auto" (fp16 with loss scaling on this card) or "fp16", '
+            "e.g. --set model.dtype=auto",
+        )
+    return wanted
+
+
+def _fp16_why(preset: Preset, hw: PlanHardware) -> tuple[str, bool]:
+    """Why the plan computes in fp16, and whether a card is too old for bf16."""
+    old = hw.below_capability(BF16_MIN_CAPABILITY)
+    why = (
+        f"model.dtype = 'auto' gives fp16 on {hw.label(old[0])}, compute capability "
+        f"{format_capability(hw.devices[old[0]].compute_capability)}"
+        if preset.model.dtype == "auto" and old
+        else f"model.dtype = {preset.model.dtype!r}"
+    )
+    return why, bool(old)
+
+
+def check_fp16_sharding(preset: Preset, hw: PlanHardware, dtype: str) -> None:
+    """A pinned FSDP distribution cannot train in fp16: refuse it before planning."""
+    dist = preset.train.distribution
+    if hw.kind != "cuda" or dtype != "fp16" or dist not in SHARDED:
+        return
+    why, old = _fp16_why(preset, hw)
+    raise PresetError(
+        f"train.distribution = {dist!r} cannot train in fp16 ({why}): {FP16_SHARDING_NOTE}",
+        hint="set train.distribution = 'auto', 'ddp' or 'zero1' (fp16 with loss scaling)"
+        + ("" if old else ", or model.dtype = 'bf16'"),
+    )
+
+
+def check_offload(preset: Preset, hw: PlanHardware, dtype: str) -> None:
+    """A pinned ``train.offload`` of the optimizer or the parameters needs FSDP: refuse it with
+    a pinned DDP or ZeRO-1, on one device (FSDP needs two or more), and in fp16 on CUDA (FSDP
+    needs bf16). ``train.offload_activations`` works with any distribution."""
+    off = preset.train.offload
+    if off in ("auto", "none"):
+        return
+    field = f"train.offload = {off!r}"
+    dist = preset.train.distribution
+    keep = "or train.offload = 'none' (train.offload_activations = true works without FSDP)"
+    if dist in ("ddp", "zero1"):
+        raise PresetError(
+            f"{field} needs FSDP, but train.distribution = {dist!r} keeps the weights whole on "
+            "every device (FSDP2's CPU offload moves sharded state)",
+            hint=f"set train.distribution = 'fsdp-full' (or 'fsdp-grad-op', or 'auto'), {keep}",
+        )
+    if hw.world_size < 2:
+        raise PresetError(
+            f"{field} needs FSDP, and FSDP needs two or more devices: this plan has one "
+            f"({hw.label(0)})",
+            hint=f"plan on two or more devices (hardware.devices, --gpus 2x24GiB), {keep}",
+        )
+    if hw.kind == "cuda" and dtype == "fp16":
+        why, old = _fp16_why(preset, hw)
+        raise PresetError(
+            f"{field} cannot train in fp16 ({why}): offload needs FSDP, and {FP16_SHARDING_NOTE}",
+            hint="set train.offload = 'none' (or 'auto')"
+            + ("" if old else ", or model.dtype = 'bf16'"),
+        )
+
+
+def attention_path(device: str, dtype: str, capabilities: Sequence[tuple[int, int] | None]) -> str:
+    """The attention kernel the worker will load with, by the worker's own rule
+    (`homelab_dp.planning.attention_rule.choose_attention`): FlashAttention-2 on CUDA in bf16/fp16
+    when flash-attn 2.x is installed here and every planned card is compute capability 8.0 or
+    newer (a what-if card of unknown capability counts as new enough), else SDPA. The memory
+    model budgets the packed-attention mask of SDPA and none for FA2, so this must agree with
+    what runs: a 2080 Ti with flash-attn installed trains with SDPA."""
+    return choose_attention(device, dtype, capabilities, flash_attn_version(), unknown_ok=True)[0]
+
 
 ORDER: tuple[tuple[str, str], ...] = (
     ("full", "ddp"),
@@ -161,7 +345,7 @@ def offload_stages(preset: Preset, hw: PlanHardware) -> list[list[tuple[str, boo
     offload, which the tree tries only when nothing in the first stage fits. On the CPU
     offload moves nothing, so "auto" never chooses it (a pinned value is still planned). The
     optimizer state and the parameters go to the host only with AdamW (the worker steps it
-    there: `core.preset` refuses a pinned offload with another optimizer).
+    there: `presets.preset` refuses a pinned offload with another optimizer).
     """
     t = preset.train
     o, a = t.offload, t.offload_activations
@@ -248,7 +432,7 @@ def plan(
     """Run the decision tree for ``preset`` on ``hw`` (with what was measured on it, if known).
 
     ``host_available``: the machine's RAM, when known; an offloading option whose host RAM
-    does not fit it is not chosen (`homelab_dp.core.host_plan.with_host` passes it).
+    does not fit it is not chosen (`homelab_dp.planning.planner.with_host` passes it).
     Raises `PresetError` for a dtype the planned cards cannot train in (`resolve_dtype`), and
     for a pinned choice they cannot train (`check_fp16_sharding`, `check_offload`).
     """
@@ -340,3 +524,140 @@ def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candid
     if not shape.offload_activations:
         key["shape"].pop("offload_activations", None)
     return key
+
+
+def plan_largest_micro_batch(
+    spec: ModelSpec,
+    preset: Preset,
+    hw: PlanHardware,
+    calibration: HardwareCalibration | None = None,
+) -> Plan:
+    """Plan with the largest micro-batch that fits, accumulation keeping the effective batch.
+
+    The options are tried in the decision tree's order (full before LoRA before QLoRA,
+    checkpointing off before on, offload only after every option without it); the first that
+    fits at some micro-batch takes its largest.
+    """
+    t = preset.train
+    requested = t.micro_batch * hw.world_size * t.grad_accum
+    limit = hw.budget(SAFETY_MARGIN)  # on local cards others use: what is free, less a margin
+    fit: Fit | None = None
+    dtype = resolve_dtype(preset, hw)
+    options = [o for stage in option_stages(preset, hw) for o in stage]
+    for method, dist, off, acts in options:
+        if not supported(method, dist, hw, dtype, off)[0]:
+            continue
+        for ckpt in checkpointing_options(preset):
+
+            def total(
+                micro: int, accum: int, m: str = method, d: str = dist, c: bool = ckpt,
+                o: str = off, a: bool = acts,
+            ) -> int:  # fmt: skip
+                cand = evaluate(spec, preset, hw, m, d, c, calibration, micro_batch=micro,
+                                grad_accum=accum, offload=o, offload_activations=a)  # fmt: skip
+                return cand.budget.total
+
+            found = search_micro_batch(total, limit, requested, hw.world_size)
+            fit = fit or found  # the first option's answer stands when none fits
+            if found.fits:
+                fit = found
+                break
+        if fit is not None and fit.fits:
+            break
+    if fit is None:  # nothing supported: plan as asked, the plan explains
+        return plan(spec, preset, hw, calibration)
+    # The lr was set for the preset's effective batch: keep that as the scaling reference.
+    train = replace(t, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum,
+                    reference_batch=t.reference_batch or requested)  # fmt: skip
+    p = plan(spec, replace(preset, train=train), hw, calibration)
+    return replace(p, fit=fit, reasons=(*p.reasons, fit.describe()))
+
+
+def with_host(p: Plan, preset: Preset, available: int | None) -> Plan:
+    """``p`` with the host RAM its chosen option needs (`homelab_dp.planning.memory.host_memory.host_budget`).
+
+    ``available``: the machine's available RAM (None: not known, not checked). When the machine
+    cannot hold the peak, the plan does not fit; when that is all that does not fit, the
+    "Chosen:" reason says why and the advice what would help (a plan already too big for its
+    devices keeps its words: the host block still shows the figures).
+    """
+    host = _host(p, preset, p.chosen, available)
+    if not host.fits and available is not None and offloading(p.chosen):
+        # The choice offloads more than this machine can pin: plan again with its RAM known,
+        # so that an option whose host RAM fits is chosen, if there is one.
+        p = _replanned(p, preset, available)
+        host = _host(p, preset, p.chosen, available)
+    c = p.chosen
+    if host.fits or not c.fits:
+        return replace(p, host=host)
+    problem, remedy = host_words(host, c.method, c.distribution)
+    for other in p.candidates if host.peak_phase == "load" else ():
+        # a sharded option of the same method that fits both (it loads one copy)
+        if other.method != c.method or other.distribution not in SHARDED:
+            continue
+        if other.distribution == c.distribution or not other.fits:
+            continue
+        if _host(p, preset, other, available).fits:
+            remedy = (f"train.distribution = {other.distribution!r} fits the devices and loads "
+                      "one copy of the model (on rank 0); or free memory or add swap")  # fmt: skip
+            break
+    reasons = tuple(
+        f"{r[:-1] if r.endswith('.') else r}, but the host RAM does not: {problem}."
+        if r.startswith("Chosen:")
+        else r
+        for r in p.reasons
+    )
+    return replace(p, host=host, reasons=reasons, advice=(*p.advice, f"Host RAM: {remedy}."))
+
+
+def _host(p: Plan, preset: Preset, c: Candidate, available: int | None) -> HostBudget:
+    shape = train_shape(preset, p.hardware, c.method, c.distribution, c.activation_checkpointing,
+                        micro_batch=p.micro_batch, grad_accum=p.grad_accum, offload=c.offload,
+                        offload_activations=c.offload_activations)  # fmt: skip
+    return host_budget(p.spec, shape, c.budget, merge=preset.train.merge, available=available)
+
+
+def _replanned(p: Plan, preset: Preset, available: int) -> Plan:
+    """``p`` planned again knowing the machine's RAM (at its micro-batch and accumulation, as
+    the micro-batch finder chose them: `homelab_dp.planning.planner`)."""
+    t = preset.train
+    if p.fit is not None:
+        requested = t.micro_batch * p.hardware.world_size * t.grad_accum
+        t = replace(t, micro_batch=p.micro_batch, grad_accum=p.grad_accum,
+                    reference_batch=t.reference_batch or requested)  # fmt: skip
+    again = plan(p.spec, replace(preset, train=t), p.hardware, p.calibration,
+                 host_available=available)  # fmt: skip
+    if p.fit is not None:
+        again = replace(again, fit=p.fit, reasons=(*again.reasons, p.fit.describe()))
+    return again
+
+
+def host_words(host: HostBudget, method: str, distribution: str) -> tuple[str, str]:
+    """(what the host RAM is short of, what would help) for a host peak that does not fit."""
+    need, have = format_bytes(host.total_bytes), format_bytes(host.available_bytes or 0)
+    phase, n = host.peak_phase, host.processes
+    sharded = distribution in SHARDED
+    if phase == "train":
+        what = (f"training needs {need} on this machine ({n} processes × their offloaded state "
+                "in pinned host memory, which cannot be swapped)")  # fmt: skip
+        remedy = ("offload less (train.offload = 'optimizer' or 'none', "
+                  "train.offload_activations = false), use more cards (smaller shards) "
+                  "or free memory")  # fmt: skip
+    elif phase == "load" and not sharded:
+        what = f"loading needs {need} on this machine ({n} processes × a full copy)"
+        remedy = (
+            "use FSDP (train.distribution = 'fsdp-full' loads one copy, on rank 0), "
+            "free memory or add swap"
+            if method != "qlora"
+            else "free memory or add swap"
+        )
+    elif phase == "load":
+        what = f"loading needs {need} on this machine (rank 0 reads one full copy)"
+        remedy = "free memory or add swap"
+    elif phase == "checkpoint":
+        what = f"saving the result needs {need} on this machine (rank 0 holds the whole model)"
+        remedy = "free memory or add swap"
+    else:
+        what = f"merging the adapter needs {need} on this machine (rank 0 loads the base again)"
+        remedy = "set train.merge = false (merge later, on a machine with more RAM) or add swap"
+    return f"{what} but {have} is available", remedy

@@ -15,7 +15,7 @@ help a model that does not fit one card. Per replica (one process):
   + heads·head_dim [attention output] + 3·intermediate [gate, up, their product]) × bytes. The
   loss head is computed for each sequence's last position only: 2 × concurrent × vocab × 4
   (fp32 logits and the sampler's probabilities).
-* ``overhead``: what is not a tensor, as the training model assumes it (`core.memory`): the CUDA
+* ``overhead``: what is not a tensor, as the training model assumes it (`planning.memory.device_memory`): the CUDA
   context (no NCCL: replicas never talk to each other) or the CPU's Python/torch runtime, plus
   the allocator's fragmentation as a fraction of the tensors.
 
@@ -28,15 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from homelab_dp.core.hardware import format_bytes
-from homelab_dp.core.memory import (
+from homelab_dp.planning.memory.device_memory import (
     CPU_FRAGMENTATION,
     CPU_RUNTIME_BYTES,
     CUDA_CONTEXT_BYTES,
     CUDA_FRAGMENTATION,
 )
-from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.plan_reasons import count
+from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_reasons import count
+from homelab_dp.probe.hardware import format_bytes
 
 ServeKind = Literal["cuda", "cpu"]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import tomli_w  # pure-Python TOML writer; a declared dependency
 
-from homelab_dp.core.hub_ids import looks_like_hub_id
-from homelab_dp.core.preset import Preset, apply_overrides, load_preset
 from homelab_dp.errors import PresetError
+from homelab_dp.hub.hub_models import looks_like_hub_id
+from homelab_dp.presets.preset import Preset, apply_overrides, load_preset
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_PRESETS = PROJECT_ROOT / "presets"

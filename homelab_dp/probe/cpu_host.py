@@ -6,8 +6,8 @@ import os
 import platform
 from typing import Any
 
-from homelab_dp.core.hardware import HostInfo
-from homelab_dp.probe.fake import FAKE_ENV, load_recording
+from homelab_dp.probe.fake_nvml import FAKE_ENV, load_recording
+from homelab_dp.probe.hardware import HostInfo
 
 
 def _cpu_model() -> str:

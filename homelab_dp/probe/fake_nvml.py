@@ -58,8 +58,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from homelab_dp.core.hardware import HostInfo
 from homelab_dp.errors import HomelabError
+from homelab_dp.probe.hardware import HostInfo
 
 _MIG_KEYS = ("name", "uuid", "memory")
 """What a MIG handle answers from its recorded entry."""

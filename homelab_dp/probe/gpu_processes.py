@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.hardware import GpuProcess
+from homelab_dp.probe.hardware import GpuProcess
 
 _KINDS = ("compute", "graphics")
 _NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE_ulonglong, when pynvml passes it through

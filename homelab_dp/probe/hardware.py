@@ -183,7 +183,7 @@ class HardwareReport:
     visible_devices: str | None = None
     """CUDA_VISIBLE_DEVICES as the probe found it (None: unset). When set, `gpus` and `links`
     hold only the cards it leaves visible, each still numbered by its NVML index, and `notice`
-    says what it hides (rules: `homelab_dp.probe.visible`)."""
+    says what it hides (rules: `homelab_dp.probe.visible_gpus`)."""
     hidden_gpus: tuple[int, ...] = ()
     """NVML indices of the GPUs CUDA_VISIBLE_DEVICES hides: left out of `gpus` and of plans."""
     visible_mig: str | None = None

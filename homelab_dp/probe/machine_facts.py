@@ -1,7 +1,7 @@
 """What `homelab-dp doctor` looks at, gathered from this machine: torch, bitsandbytes, the disk of
 the runs folder, /dev/shm and the open-file limit (the probe gives the GPUs).
 
-torch and bitsandbytes are asked in a child process (`python -m homelab_dp.run.machine_facts`):
+torch and bitsandbytes are asked in a child process (`python -m homelab_dp.probe.machine_facts`):
 asking initialises CUDA, and a CUDA context in the TUI or the CLI — processes that stay up while
 a run trains — would hold memory on every card. The child prints one JSON document; the parent
 reads it into `TorchFacts` and `BnbFacts`. Nothing here imports torch at module level.
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core import json_safe
-from homelab_dp.core.hardware import HardwareReport
+from homelab_dp import json_safe
+from homelab_dp.probe.hardware import HardwareReport
 
 ASK_TIMEOUT_S = 120.0
 """How long the child that asks torch and bitsandbytes may take (importing them takes seconds)."""
@@ -208,7 +208,7 @@ def _ask_child() -> tuple[TorchFacts, BnbFacts]:
     global _last_answer
     if _last_answer is not None and time.monotonic() - _last_answer[0] < ANSWER_FRESH_S:
         return _last_answer[1]
-    cmd = [sys.executable, "-m", "homelab_dp.run.machine_facts"]
+    cmd = [sys.executable, "-m", "homelab_dp.probe.machine_facts"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=ASK_TIMEOUT_S, check=True)
         doc = json.loads(out.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from homelab_dp.core.hardware import MigInfo, MigSlice
+from homelab_dp.probe.hardware import MigInfo, MigSlice
 
 _MIG_ENABLE = 1  # NVML_DEVICE_MIG_ENABLE
 

@@ -2,11 +2,11 @@
 
 Every NVML query is guarded: "not supported", "no permission", a lost GPU or a function the
 driver lacks becomes None for that one field, never a crash (the approach of nvitop). The
-processes holding memory on each card are `homelab_dp.probe.processes`. No driver,
+processes holding memory on each card are `homelab_dp.probe.gpu_processes`. No driver,
 no pynvml or no GPU gives a CPU-host report with a notice that says why and what to do.
 
 pynvml is imported lazily, inside functions, so that importing this module stays cheap. When the
-environment variable ``HOMELAB_DP_FAKE_NVML`` names a recording (see `homelab_dp.probe.fake`),
+environment variable ``HOMELAB_DP_FAKE_NVML`` names a recording (see `homelab_dp.probe.fake_nvml`),
 `probe()`, `sample()` and `host_info()` answer from it: that is how CLI and TUI tests and demos run
 against recorded hardware.
 """
@@ -17,12 +17,12 @@ import os
 from types import TracebackType
 from typing import Any
 
-from homelab_dp.core.hardware import GpuInfo, GpuLink, HardwareReport
-from homelab_dp.probe.fake import FAKE_ENV, load_recording
-from homelab_dp.probe.host import host_info
-from homelab_dp.probe.mig import mig_info
-from homelab_dp.probe.processes import running_processes
-from homelab_dp.probe.visible import VISIBLE_ENV, visibility
+from homelab_dp.probe.cpu_host import host_info
+from homelab_dp.probe.fake_nvml import FAKE_ENV, load_recording
+from homelab_dp.probe.gpu_processes import running_processes
+from homelab_dp.probe.hardware import GpuInfo, GpuLink, HardwareReport
+from homelab_dp.probe.mig_slices import mig_info
+from homelab_dp.probe.visible_gpus import VISIBLE_ENV, visibility
 
 __all__ = ["FAKE_ENV", "NvmlSession", "host_info", "probe", "sample"]
 
@@ -319,7 +319,7 @@ class NvmlSession:
         """The whole probe: driver, every GPU, every pair of GPUs; the CPU host when no GPU.
 
         Only the GPUs that ``CUDA_VISIBLE_DEVICES`` leaves visible are reported, with their
-        NVML indices (`homelab_dp.probe.visible`); the rest are listed in ``hidden_gpus``.
+        NVML indices (`homelab_dp.probe.visible_gpus`); the rest are listed in ``hidden_gpus``.
         """
         found = self.open()
         host = host_info(self.nvml)

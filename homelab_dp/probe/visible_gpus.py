@@ -3,7 +3,7 @@
 A user's own ``CUDA_VISIBLE_DEVICES`` restricts the probe, and so the plan and the run, instead
 of being overwritten: the probe keeps only the cards it names (`homelab_dp.probe.nvml`), each
 still numbered by its NVML index, and the run names the planned ones among them by UUID
-(`homelab_dp.run.launcher.worker_env`).
+(`homelab_dp.supervise.launcher.worker_env`).
 
 How the value is read (the rules of ``torch.cuda._parse_visible_devices``, which follow CUDA's):
 

@@ -8,7 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.run.doctor import Check, counts, failed
+from homelab_dp.app.doctor import Check, counts, failed
 
 MARK = {"ok": "✓", "warn": "!", "fail": "✗", "skip": "–"}
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "bright_black"}

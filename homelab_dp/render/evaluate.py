@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from homelab_dp.run.evaluate import EvalReport
+from homelab_dp.app.evaluate import EvalReport
 
 
 def eval_rows(report: EvalReport) -> list[tuple[str, str]]:

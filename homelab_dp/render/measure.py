@@ -8,9 +8,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.core.hardware import format_bytes
-from homelab_dp.core.memory import PHASES
-from homelab_dp.run.measure import MeasureReport
+from homelab_dp.app.measure import MeasureReport
+from homelab_dp.planning.memory.device_memory import PHASES
+from homelab_dp.probe.hardware import format_bytes
 
 
 def render_measure(report: MeasureReport) -> Any:

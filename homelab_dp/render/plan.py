@@ -7,15 +7,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.core.hardware import PlanHardware, format_bytes
-from homelab_dp.core.held_memory import holders
-from homelab_dp.core.memory import COMPONENTS
-from homelab_dp.core.offload import ASSUMED_MFU, offload_words, seconds
-from homelab_dp.core.plan_reasons import PLAIN, count
-from homelab_dp.core.planner import SAFETY_MARGIN, Plan
-from homelab_dp.core.preset_results import PresetRuns
+from homelab_dp.app.plan import Planned
+from homelab_dp.planning.memory.device_memory import COMPONENTS
+from homelab_dp.planning.memory.offload_cost import ASSUMED_MFU, offload_words, seconds
+from homelab_dp.planning.plan_reasons import PLAIN, count, holders
+from homelab_dp.planning.planner import SAFETY_MARGIN, Plan
+from homelab_dp.probe.hardware import PlanHardware, format_bytes
 from homelab_dp.render.preset_results import expected_text
-from homelab_dp.run.planning import Planned
+from homelab_dp.runs.preset_results import PresetRuns
 
 COLOURS = {
     "weights": "blue",
@@ -59,7 +58,7 @@ def legend(per_device: dict[str, int]) -> Text:
 
 def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableType:
     """The decision, the memory of every device, every candidate, reasons and advice; with
-    ``expected`` (`run.preset_results.expected_runs`), what the preset's recorded runs say."""
+    ``expected`` (`runs.preset_results.expected_runs`), what the preset's recorded runs say."""
     j = plan.to_json()
     t = j["training"]
     ok = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
@@ -323,7 +322,7 @@ def reasons_block(planned: Planned) -> Text:
 
 def render_planned(planned: Planned) -> Group:
     """The whole plan pane (with the expected line when the preset has recorded runs)."""
-    from homelab_dp.run.preset_results import expected_runs
+    from homelab_dp.runs.preset_results import expected_runs
 
     parts: list[RenderableType] = [decision_text(planned)]
     if (line := expected_text(expected_runs(planned))) is not None:

@@ -8,9 +8,9 @@ from typing import Any
 
 from rich.text import Text
 
-from homelab_dp.core.hardware import format_bytes
-from homelab_dp.core.preset_results import PresetRuns
+from homelab_dp.probe.hardware import format_bytes
 from homelab_dp.render.text import duration, num
+from homelab_dp.runs.preset_results import PresetRuns
 
 COLUMNS = ("date", "run", "devices", "batch", "tokens/s", "MFU", "peak/GPU", "energy", "wall",
            "steps", "loss", "eval loss")  # fmt: skip

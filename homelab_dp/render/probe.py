@@ -6,7 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.core.hardware import (
+from homelab_dp.probe.hardware import (
     BF16_MIN_CAPABILITY,
     GpuInfo,
     HardwareReport,
@@ -14,8 +14,7 @@ from homelab_dp.core.hardware import (
     format_bytes,
     format_capability,
 )
-from homelab_dp.render.bars import gauge, load_style
-from homelab_dp.render.text import na
+from homelab_dp.render.text import gauge, load_style, na
 
 CARD_BAR = 12
 

@@ -15,10 +15,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.core.hardware import format_bytes
-from homelab_dp.core.run_view import DeviceView, RunView
-from homelab_dp.render.bars import gauge, memory_gauge
-from homelab_dp.render.text import duration, mfu_text, num
+from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.render.text import duration, gauge, memory_gauge, mfu_text, num
+from homelab_dp.runs.run_view import DeviceView, RunView
 
 STATUS_STYLE = {
     "running": "bold green",

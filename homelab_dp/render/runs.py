@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.text import Text
 
-from homelab_dp.core.hardware import format_bytes
+from homelab_dp.probe.hardware import format_bytes
 from homelab_dp.render.run_view import STATUS_STYLE, eval_summary
 from homelab_dp.render.text import duration, mfu_text
 

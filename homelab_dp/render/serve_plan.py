@@ -9,11 +9,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.core.hardware import format_bytes
-from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.plan_reasons import count
-from homelab_dp.core.serve_plan import ServePlan
-from homelab_dp.run.serve_planning import ServePlanned
+from homelab_dp.app.serve import ServePlanned
+from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_reasons import count
+from homelab_dp.planning.serve_plan import ServePlan
+from homelab_dp.probe.hardware import format_bytes
 
 
 def kv_formula(spec: ModelSpec, plan: ServePlan) -> str:

@@ -5,7 +5,7 @@ against its preset: one `result_record` per run, keyed by the preset's name (its
 with a `speed_fingerprint` of everything its speed depends on — the model's size, method,
 distribution, activation checkpointing, world size, the devices (GPU names, or the CPU model),
 micro-batch, accumulation, sequence length, dtype, packing, optimizer and compile. The figures
-are `status --json`'s (`homelab_dp.run.controller.summarize`), so a record says what `status`
+are `status --json`'s (`homelab_dp.runs.run_view.summarize`), so a record says what `status`
 said of the finished run. Failed and interrupted runs are not recorded: a run stopped half-way
 says nothing about how long the whole one takes.
 
@@ -22,16 +22,42 @@ A plan of the preset then looks at the records with the same fingerprint (`expec
 
 Records of other hardware or settings give no expectation; `PresetRuns.differences` says how
 the newest of them differs.
+
+Where the results of completed runs are kept: the run's ``results.json`` and the per-user
+store ``$XDG_DATA_HOME/homelab-dp/preset_results.jsonl`` (one JSON line per run).
+
+Each line is one `homelab_dp.runs.preset_results.result_record`, appended like the run index
+(`homelab_dp.runs.folder.run_index.register`): one ``O_APPEND`` write of a whole line into a file private
+to the user, so runs that end at the same moment never tear each other's lines. A run is
+recorded once: its ``results.json`` is written first, and a run folder that has one is not
+appended again.
+
+Presets that remember: a completed run's figures recorded against its preset, and what a
+plan of the preset may expect from them (`homelab_dp.runs.preset_results` does the math).
+
+`record_run` is the keeper's last act for a run that ended completed (`Keeper.finish`): the
+figures are the ones `status --json` shows (`homelab_dp.app.runs`), written to the run's
+``results.json`` and appended to the per-user store (`homelab_dp.runs.preset_results`).
+`preset_runs_for` is what `plan` reads (through `Planned.expected`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.preset import Preset
+from homelab_dp import json_safe
+from homelab_dp.presets.preset import Preset
+from homelab_dp.probe.hardware import HardwareReport
+from homelab_dp.runs.folder.jsonl_tail import read_all
+from homelab_dp.runs.folder.run_folder import read_run_spec
+from homelab_dp.runs.folder.run_index import data_home, ensure_private_dir
+from homelab_dp.runs.folder.run_state import current_state
+from homelab_dp.runs.run_view import summarize, view_of
 
 RECORD_VERSION = 1
 MODEL_KEYS = ("params", "layers", "hidden", "vocab", "trainable_params")
@@ -251,3 +277,136 @@ def preset_runs(
         newest = max(other, key=lambda r: r.get("time") or 0.0)
         diffs = fingerprint_differences(newest.get("fingerprint") or {}, fingerprint)
     return PresetRuns(name, tuple(same), tuple(other), expect(same, planned_steps), tuple(diffs))
+
+
+STORE_NAME = "preset_results.jsonl"
+RUN_RESULTS = "results.json"
+
+
+def results_path() -> Path:
+    """The per-user store of run results."""
+    return data_home() / STORE_NAME
+
+
+def run_results_path(run_dir: Path) -> Path:
+    """A run's own record of its results."""
+    return run_dir / RUN_RESULTS
+
+
+def save_results(run_dir: Path, record: dict[str, Any]) -> bool:
+    """Write ``run_dir/results.json`` and append ``record`` to the store; False (nothing
+    written) when the run was recorded before."""
+    own = run_results_path(run_dir)
+    try:
+        fd = os.open(own, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json_safe.dump(record, fh, indent=1)
+        fh.write("\n")
+    append_result(record)
+    return True
+
+
+def append_result(record: dict[str, Any]) -> None:
+    """One line in the per-user store (one O_APPEND write, file 0600)."""
+    ensure_private_dir(data_home())
+    data = (json_safe.dumps(record) + "\n").encode("utf-8")
+    fd = os.open(results_path(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        written = os.write(fd, data)
+    finally:
+        os.close(fd)
+    if written != len(data):
+        raise OSError(f"{results_path()}: short write ({written} of {len(data)} bytes)")
+
+
+def read_results(preset: str | None = None) -> list[dict[str, Any]]:
+    """The stored records, oldest first (only preset ``preset``'s when given); a torn line (a
+    crash mid-write) or an unreadable file is skipped, never an error."""
+    try:
+        text = results_path().read_text(encoding="utf-8")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and (preset is None or doc.get("preset") == preset):
+            out.append(doc)
+    return out
+
+
+def device_names(kind: str, names: list[str], report: HardwareReport | None = None) -> list[str]:
+    """The devices of a fingerprint: the GPUs' names, or the host's CPU model once per process
+    (CPU processes are all named alike: the CPU model is what tells two machines apart)."""
+    if kind == "cuda":
+        return list(names)
+    if report is not None:
+        cpu = report.host.cpu_model
+    else:
+        from homelab_dp.probe import nvml
+
+        cpu = nvml.host_info().cpu_model
+    return [str(cpu or "unknown CPU")] * len(names)
+
+
+def run_fingerprint(spec: Any) -> dict[str, Any]:
+    """The speed fingerprint of a run from its spec: the plan it was started with, with the
+    batch split and checkpointing it ran with (an out-of-memory retry changes them)."""
+    r = spec.resolved
+    training = {**(spec.plan.get("training") or {}), "micro_batch": r.micro_batch,
+                "grad_accum": r.grad_accum, "world_size": r.world_size, "dtype": r.dtype,
+                "activation_checkpointing": r.activation_checkpointing}  # fmt: skip
+    plan = {**spec.plan, "method": r.method, "distribution": r.distribution, "training": training}
+    hw = spec.plan.get("hardware") or {}
+    names = [str(d.get("name")) for d in hw.get("devices") or []]
+    return speed_fingerprint(plan, spec.preset, device_names(str(hw.get("kind") or "cpu"), names))
+
+
+def record_run(run_dir: Path, final: dict[str, Any]) -> dict[str, Any] | None:
+    """Record a completed run's results against its preset, just before ``final`` (status,
+    reason, ended) is written to its state; the record, or None when there is nothing to record
+    (no preset file, a measure run, another node of a multi-node run, not completed) or it was
+    recorded before. The figures are `summarize`'s: what `status` shows of the finished run."""
+    spec = read_run_spec(run_dir)
+    if not spec.preset.source or spec.measure_steps or spec.launch.rendezvous.node_rank != 0:
+        return None
+    if final.get("status") != "completed" or not spec.plan:
+        return None
+    state = {**current_state(run_dir), **final}
+    status = summarize(run_dir, view_of(run_dir), state)
+    started, created = state.get("started"), state.get("created")
+    queued = float(started) - float(created) if started and created else 0.0
+    launches = sum(1 for e in read_all(run_dir / "events.jsonl") if e.get("type") == "start")
+    record = result_record(
+        status,
+        preset=preset_name(spec.preset.source),
+        source=spec.preset.source,
+        fingerprint=run_fingerprint(spec),
+        launches=max(launches, 1),
+        queued_s=max(queued, 0.0),
+    )
+    return record if save_results(run_dir, record) else None
+
+
+def preset_runs_for(
+    preset: Preset, plan: dict[str, Any], kind: str, names: list[str], report: Any
+) -> PresetRuns | None:
+    """The recorded runs of ``preset`` against a plan of it (its `plan --json` document on
+    devices of ``kind`` named ``names``); None for a preset that is no file."""
+    if not preset.source:
+        return None
+    name = preset_name(preset.source)
+    fingerprint = speed_fingerprint(plan, preset, device_names(kind, names, report))
+    return preset_runs(name, read_results(name), fingerprint, preset.train.max_steps or None)
+
+
+def expected_runs(planned: Any) -> PresetRuns | None:
+    """The recorded runs of a `Planned` preset (`homelab_dp.app.plan.Planned`) against its
+    plan: what `plan` shows as expected; None for a preset that is no file."""
+    hw = planned.hardware
+    names = [d.name for d in hw.devices]
+    return preset_runs_for(planned.preset, planned.plan.to_json(), hw.kind, names, planned.report)

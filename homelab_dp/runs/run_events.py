@@ -83,7 +83,7 @@ class StartEvent(Event):
     attention: str = ""
     """The attention kernel the model loaded with: "sdpa" or "flash_attention_2"."""
     attention_reason: str = ""
-    """Why that kernel (`homelab_dp.core.attention_rule`): the card, the dtype, flash-attn."""
+    """Why that kernel (`homelab_dp.planning.attention_rule`): the card, the dtype, flash-attn."""
     packing: str = ""
     """``data.pack``'s check on the real model (`homelab_dp.train.packing_check`): "exact"
     (one packed block gave its samples' logits), "off" (data.pack = false)."""
@@ -129,7 +129,7 @@ class StepEvent(Event):
     """Real (non-pad) target tokens so far."""
     samples: int = 0
     mfu: float | None = None
-    """Model FLOPs utilisation, 0..1 (`core.flops`); None on the CPU or an unknown GPU."""
+    """Model FLOPs utilisation, 0..1 (`planning.flops`); None on the CPU or an unknown GPU."""
 
 
 @dataclass(kw_only=True)

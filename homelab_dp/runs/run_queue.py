@@ -5,7 +5,7 @@ its state is starting, running or stopping. A queued run may start when no other
 of its devices, no earlier queued run (first in, first out by creation time) wants one of them,
 and — for a GPU run — every card of its plan has the plan's per-card memory free. `waiting`
 is the pure rule; `others` and `free_memory` gather its inputs from the run folders and NVML.
-The keeper polls it (`homelab_dp.run.keeper`); `start` refuses with it (`conflicts`).
+The keeper polls it (`homelab_dp.supervise.keeper`); `start` refuses with it (`conflicts`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,21 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.hardware import mig_on
-from homelab_dp.core.runspec import RunSpec
 from homelab_dp.errors import HomelabError, RunStateError
-from homelab_dp.run.planning import Planned, host_available
-from homelab_dp.rundir.files import read_run_spec
-from homelab_dp.rundir.index import known_runs
-from homelab_dp.rundir.state import ACTIVE, current_state, is_run_process, signal_run_process
+from homelab_dp.probe.hardware import mig_on
+from homelab_dp.runs.folder.run_folder import read_run_spec
+from homelab_dp.runs.folder.run_index import known_runs
+from homelab_dp.runs.folder.run_state import (
+    ACTIVE,
+    current_state,
+    is_run_process,
+    signal_run_process,
+)
+from homelab_dp.runs.run_spec import RunSpec
 
 CPU_HOST = "cpu"
 """The device key of the CPU host (every CPU run uses all of it)."""
@@ -129,7 +133,7 @@ def conflicts(devices: Devices, others: Iterable[Other]) -> list[Other]:
 
 def run_dirs(root: Path) -> list[Path]:
     """Every run folder the queue considers: every run this user has, wherever its folder is
-    (the per-user index, `homelab_dp.rundir.index`), and those under ``root``."""
+    (the per-user index, `homelab_dp.runs.folder.run_index`), and those under ``root``."""
     return [r.path for r in known_runs(root) if r.exists]
 
 
@@ -232,17 +236,3 @@ def leave_queue(run_dir: Path, state: dict[str, Any], timeout: float) -> dict[st
         f"run {run_dir.name}: still queued {timeout:.0f} s after the stop request",
         hint=f"its keeper (pid {keeper}) did not answer; see {run_dir / 'logs' / 'keeper.log'}",
     )
-
-
-def on_idle_cards(planned: Planned, gpus: str | None) -> Planned:
-    """A queued run's plan: on its cards with nothing else on them (it waits until the plan's
-    memory is free), when other processes now hold some of it; else the plan as made."""
-    from homelab_dp.core.host_plan import with_host
-    from homelab_dp.core.planner import plan
-
-    if planned.plan.idle is None:
-        return planned
-    idle = planned.hardware.idle()
-    fresh = plan(planned.spec, planned.preset, idle, planned.plan.calibration)
-    fresh = with_host(fresh, planned.preset, host_available(gpus, idle, planned.report))
-    return replace(planned, hardware=idle, plan=fresh)

@@ -4,7 +4,7 @@ monitor read (``runs/<id>/spec.json``).
 The controller resolves everything the worker must not decide by itself — method,
 distribution, activation checkpointing, dtype, device, world size, the learning rate after
 scaling, the devices and the rendezvous — builds one `RunSpec` and writes it into the run folder;
-the worker takes no pile of flags. Pure: stdlib and `homelab_dp.core.preset` only.
+the worker takes no pile of flags. Pure: stdlib and `homelab_dp.presets.preset` only.
 
 Format: version 2 keeps every top-level key of version 1 where it was (scripts read them) and
 adds ``rendezvous``; `RunSpec.from_json` reads both, so run folders written before still resume.
@@ -16,8 +16,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from homelab_dp.core.preset import Preset, preset_from_dict
-from homelab_dp.core.vocabulary import Device, Distribution, Dtype, Method, Offload
+from homelab_dp.hub.hub_models import ModelOrigin
+from homelab_dp.presets.preset import Preset, preset_from_dict
+from homelab_dp.vocabulary import Device, Distribution, Dtype, Method, Offload
 
 RUN_SPEC_VERSION = 2
 """Written into every spec.json; 1 is the untyped document of earlier versions."""
@@ -73,18 +74,6 @@ class Launch:
     gpu_uuids: tuple[str, ...] = ()
     """The same GPUs by NVML UUID, one per index (empty: not known, or a spec written before
     this field); the launcher prefers them for CUDA_VISIBLE_DEVICES."""
-
-
-@dataclass(frozen=True)
-class ModelOrigin:
-    """A model given by Hugging Face id: what the user named, shown by `status` and `runs`.
-    The run itself only ever uses the local snapshot folder in ``preset.model.path``."""
-
-    repo_id: str
-    revision: str = ""
-    """As asked ("" : main)."""
-    commit: str = ""
-    """The commit of the snapshot folder the run uses."""
 
 
 @dataclass(frozen=True)

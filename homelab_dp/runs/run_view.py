@@ -11,12 +11,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
+import time
 from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.events import (
+from homelab_dp.runs.folder.jsonl_tail import read_all
+from homelab_dp.runs.folder.run_folder import read_run_spec
+from homelab_dp.runs.folder.run_state import current_state
+from homelab_dp.runs.model_ref import model_doc
+from homelab_dp.runs.run_events import (
     CheckpointEvent,
     DevicesEvent,
     EndEvent,
@@ -30,6 +36,7 @@ from homelab_dp.core.events import (
     StragglerEvent,
     parse_event,
 )
+from homelab_dp.runs.run_queue import queue_doc
 
 STRAGGLER_RATIO = 1.2
 """A rank is slow when its step time is more than 20% over the median of all ranks."""
@@ -336,3 +343,69 @@ class RunView:
                     setattr(view, name, d[name])
         if "energy_wh" in given:
             self.energy_wh = float(e.energy_wh)
+
+
+def new_view(run_dir: Path) -> RunView:
+    """An empty view of the run, with what its run spec says: cost per kWh, estimate, and the
+    strategy (a queued run has no start event yet; the worker's repeats it)."""
+    spec = read_run_spec(run_dir)
+    return RunView(
+        run_id=run_dir.name,
+        method=spec.resolved.method,
+        distribution=spec.resolved.distribution,
+        world_size=spec.resolved.world_size,
+        per_kwh=float(spec.preset.cost.per_kwh or 0.0),
+        currency=str(spec.preset.cost.currency or ""),
+        estimate_bytes=spec.planned_bytes.get("total"),
+    )
+
+
+def view_of(run_dir: Path) -> RunView:
+    """Every event and device sample of the run folded into a RunView, with the current status:
+    what `status`, `runs`, the followers and the recorded results all read."""
+    view = new_view(run_dir)
+    for event in read_all(run_dir / "events.jsonl"):
+        view.apply(event)
+    for sample in read_all(run_dir / "devices.jsonl"):
+        view.apply(sample)
+    view.apply_state(current_state(run_dir))
+    return view
+
+
+def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, Any]:
+    """One run as a JSON-ready dict (a queued run's ``queue``: position and what it waits for)."""
+    started = state.get("created")
+    ended = state.get("ended")
+    duration = (ended or time.time()) - started if started and state.get("status") else None
+    return {
+        "run_id": run_dir.name,
+        "path": str(run_dir),
+        "status": state.get("status"),
+        "reason": state.get("reason"),
+        "created": started,
+        "duration_s": duration,
+        "model": model_doc(read_run_spec(run_dir)),
+        "method": view.method,
+        "distribution": view.distribution,
+        "world_size": view.world_size,
+        "step": view.step,
+        "total_steps": view.total_steps,
+        "loss": view.loss,
+        "tokens": view.tokens,
+        "tokens_per_s": view.tokens_per_s,
+        "mfu": view.mfu,
+        "effective_batch": view.effective_batch,
+        "energy_wh": view.energy_wh,
+        "tokens_per_wh": view.tokens_per_wh,
+        "cost": view.cost,
+        "last_checkpoint_step": view.last_checkpoint_step,
+        "eval": view.eval_doc(),
+        "final_path": view.final_path,
+        "peak_memory_bytes": view.peak_memory_bytes,
+        "estimate_bytes": view.estimate_bytes,
+        "stragglers": [view.stragglers[k] for k in sorted(view.stragglers)],
+        "pids": state.get("pids"),
+        "exit_code": state.get("exit_code"),
+        "attempt": state.get("attempt"),
+        "queue": queue_doc(run_dir, state),
+    }

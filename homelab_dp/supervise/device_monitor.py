@@ -1,6 +1,6 @@
 """The device monitor: a small process beside each run that samples the devices every second.
 
-``python -m homelab_dp.run.monitor RUN_DIR [--interval 1.0]`` appends one line per sample to
+``python -m homelab_dp.supervise.device_monitor RUN_DIR [--interval 1.0]`` appends one line per sample to
 ``RUN_DIR/devices.jsonl``: per GPU through NVML (utilisation, memory, temperature, power,
 energy), or per rank through psutil on the CPU (CPU %, RSS). Energy per run comes from NVML's
 energy counter (the difference since the first sample), or from integrating power where the
@@ -18,9 +18,9 @@ from typing import Any
 
 import psutil
 
-from homelab_dp.core import json_safe
-from homelab_dp.rundir.files import read_run_spec
-from homelab_dp.rundir.state import pid_alive, read_state
+from homelab_dp import json_safe
+from homelab_dp.runs.folder.run_folder import read_run_spec
+from homelab_dp.runs.folder.run_state import pid_alive, read_state
 
 MJ_PER_WH = 3.6e6
 

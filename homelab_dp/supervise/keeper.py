@@ -1,14 +1,14 @@
 """The keeper: the small supervisor that owns one run and outlives the terminal.
 
-``python -m homelab_dp.run.keeper RUN_DIR`` is started by the controller in a new session with
+``python -m homelab_dp.supervise.keeper RUN_DIR`` is started by the controller in a new session with
 its output in ``logs/keeper.log`` (never a pipe to a terminal). It starts torchrun and the
 device monitor, records every pid in ``state.json``, forwards a graceful stop to the workers,
 waits for torchrun, and writes the final status with the reason. It guarantees three things:
 
 - **No orphans.** When the torchrun agent dies (even by SIGKILL) its workers — which run in
   sessions of their own — are stopped gracefully (they checkpoint), then killed after a grace
-  period. (The workers also notice by themselves: `homelab_dp.train.guard`.)
-- **No hang.** A watchdog (`homelab_dp.run.watchdog`, limit ``train.watchdog_s``) ends a run
+  period. (The workers also notice by themselves: `homelab_dp.train.rank_guard`.)
+- **No hang.** A watchdog (`homelab_dp.supervise.watchdog`, limit ``train.watchdog_s``) ends a run
   whose ranks all stopped making progress, naming the rank that stalled. A rank that dies is
   seen by torchrun at once, and its peers' collectives fail on the closed connection or after
   ``train.collective_timeout_s``.
@@ -16,7 +16,7 @@ waits for torchrun, and writes the final status with the reason. It guarantees t
   saw fail first and its signal, an out-of-memory proposal, or the stall — never the
   "connection reset" of the ranks that were left waiting. Only this launch's events and log
   lines count (a resumed run appends to the same files). The keeper gathers them; the verdict
-  itself is a pure function of them (`homelab_dp.run.verdict`).
+  itself is a pure function of them (`homelab_dp.supervise.launch_verdict`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,10 @@ from typing import Any
 
 import psutil
 
-from homelab_dp.core.events import ErrorEvent, Event, RetryEvent, StateEvent, parse_event
-from homelab_dp.run import launcher
-from homelab_dp.run.verdict import Attempt, Verdict, decide
-from homelab_dp.run.watchdog import Stall, Watchdog
-from homelab_dp.rundir.files import append_event, read_run_spec
-from homelab_dp.rundir.heartbeat import heartbeat_dir
-from homelab_dp.rundir.state import (
+from homelab_dp.runs.folder.heartbeats import heartbeat_dir
+from homelab_dp.runs.folder.jsonl_tail import JsonlTail, file_size
+from homelab_dp.runs.folder.run_folder import append_event, read_run_spec
+from homelab_dp.runs.folder.run_state import (
     is_run_process,
     pid_alive,
     read_error_files,
@@ -48,7 +45,10 @@ from homelab_dp.rundir.state import (
     signal_run_process,
     update_state,
 )
-from homelab_dp.rundir.tail import JsonlTail, file_size
+from homelab_dp.runs.run_events import ErrorEvent, Event, RetryEvent, StateEvent, parse_event
+from homelab_dp.supervise import launcher
+from homelab_dp.supervise.launch_verdict import Attempt, Verdict, decide
+from homelab_dp.supervise.watchdog import Stall, Watchdog
 
 WORKER_GRACE_S = 20.0
 """How long orphaned workers get to exit after SIGTERM before SIGKILL."""
@@ -80,7 +80,7 @@ class Keeper:
     def _start_monitor(self) -> subprocess.Popen:
         log = open(self.run_dir / "logs" / "monitor.log", "ab")  # noqa: SIM115 - child owns it
         return subprocess.Popen(
-            [sys.executable, "-m", "homelab_dp.run.monitor", str(self.run_dir)],
+            [sys.executable, "-m", "homelab_dp.supervise.device_monitor", str(self.run_dir)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -141,8 +141,8 @@ class Keeper:
         return 0 if verdict.status in ("completed", "interrupted") else 1
 
     def _record_results(self, final: dict[str, Any]) -> None:
-        """Record the run's figures against its preset (`homelab_dp.run.preset_results`)."""
-        from homelab_dp.run.preset_results import record_run
+        """Record the run's figures against its preset (`homelab_dp.runs.preset_results`)."""
+        from homelab_dp.runs.preset_results import record_run
 
         try:
             record_run(self.run_dir, final)
@@ -212,7 +212,7 @@ class Keeper:
 
     # -------------------------------------------------------------- verdict
     def final_status(self, rc: int | None) -> Verdict:
-        """The verdict on this launch (`homelab_dp.run.verdict`), from what it left behind."""
+        """The verdict on this launch (`homelab_dp.supervise.launch_verdict`), from what it left behind."""
         for doc in self.events.read():
             event = parse_event(doc)
             if event is not None:
@@ -240,10 +240,10 @@ def _cmdline(proc: psutil.Process) -> list[str]:
 
 
 def wait_in_queue(run_dir: Path) -> bool:
-    """Wait until the queue lets this run start (`homelab_dp.run.queue.waiting`); then set it
+    """Wait until the queue lets this run start (`homelab_dp.runs.run_queue.waiting`); then set it
     "starting" and return True. A stop request while waiting ends the run as interrupted with
     nothing started, and returns False."""
-    from homelab_dp.run import queue
+    from homelab_dp.runs import run_queue as queue
 
     stopped: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
@@ -296,7 +296,7 @@ def supervise(run_dir: Path) -> int:
     """Run the launch; with ``auto_fit`` in the spec, resume after out-of-memory with the
     worker's proposal (same effective batch), up to `MAX_OOM_RETRIES` times. A queued run
     first waits for its turn (`wait_in_queue`)."""
-    from homelab_dp.run.relaunch import MAX_OOM_RETRIES, apply_oom_proposal
+    from homelab_dp.supervise.relaunch import MAX_OOM_RETRIES, apply_oom_proposal
 
     if read_state(run_dir).get("status") == "queued" and not wait_in_queue(run_dir):
         return 0

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from homelab_dp.core.events import EndEvent, ErrorEvent, Event
-from homelab_dp.run.watchdog import Stall
-from homelab_dp.rundir.state import diagnose, signal_name, torchrun_root_cause
+from homelab_dp.runs.folder.run_state import diagnose, signal_name, torchrun_root_cause
+from homelab_dp.runs.run_events import EndEvent, ErrorEvent, Event
+from homelab_dp.supervise.watchdog import Stall
 
 
 @dataclass(frozen=True)

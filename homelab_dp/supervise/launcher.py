@@ -2,7 +2,7 @@
 
 Single node: everything listens on 127.0.0.1 only — the c10d rendezvous on a port the kernel
 picks at bind time (no race between two runs started at once), torchrun's TCP stores through
-`homelab_dp.run.agent` (torchrun's own main, with each store's socket bound to loopback), and
+`homelab_dp.supervise.torchrun_agent` (torchrun's own main, with each store's socket bound to loopback), and
 gloo / NCCL's socket bootstrap on the loopback interface. An explicit ``master_port`` that is
 taken fails at once (``is_host=1``: never a client of someone else's store). Multi-node: the
 same worker over c10d at ``master_addr:master_port``; checkpoints and resume then need the run
@@ -22,12 +22,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from homelab_dp.core.runspec import Rendezvous, RunSpec
-from homelab_dp.probe.visible import cuda_device_env
-from homelab_dp.rundir.files import read_run_spec
+from homelab_dp.probe.visible_gpus import cuda_device_env
+from homelab_dp.runs.folder.run_folder import read_run_spec
+from homelab_dp.runs.run_spec import Rendezvous, RunSpec
 
 WORKER_MODULE = "homelab_dp.train.worker"
-AGENT_MODULE = "homelab_dp.run.agent"  # torchrun's main, its stores on loopback (single node)
+AGENT_MODULE = (
+    "homelab_dp.supervise.torchrun_agent"  # torchrun's main, its stores on loopback (single node)
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -115,7 +117,9 @@ def worker_env(spec: RunSpec) -> dict[str, str]:
     if spec.launch.rendezvous.nnodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        env["HOMELAB_DP_LOOPBACK"] = "1"  # homelab_dp.run.agent: TCP stores on 127.0.0.1
+        env["HOMELAB_DP_LOOPBACK"] = (
+            "1"  # homelab_dp.supervise.torchrun_agent: TCP stores on 127.0.0.1
+        )
     return env
 
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.rundir.files import read_run_spec, write_run_spec
+from homelab_dp.runs.folder.run_folder import read_run_spec, write_run_spec
 
 MAX_OOM_RETRIES = 3
 """How often the keeper of an ``--auto-fit`` run retries after out-of-memory."""
@@ -17,7 +17,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 def resume_step(run_dir: Path) -> int:
     """The step a resume of this run continues from: its newest complete checkpoint's
-    (``checkpoints/step-N`` with its COMPLETE marker, the layout of `homelab_dp.train.checkpoint`;
+    (``checkpoints/step-N`` with its COMPLETE marker, the layout of `homelab_dp.train.checkpoints`;
     the worker also checks the shards and falls back to an older one if they are damaged), or 0
     when it has none and starts again from step 1 (its earlier steps are trained again)."""
     steps = []

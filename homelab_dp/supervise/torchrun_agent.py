@@ -1,6 +1,6 @@
 """torchrun, with its TCP stores listening on the loopback interface only (single-node runs).
 
-``python -m homelab_dp.run.agent TORCHRUN-ARGS…`` runs torchrun's own ``main`` unchanged. With
+``python -m homelab_dp.supervise.torchrun_agent TORCHRUN-ARGS…`` runs torchrun's own ``main`` unchanged. With
 ``HOMELAB_DP_LOOPBACK=1`` in the environment (the launcher sets it for single-node runs) every
 TCPStore server the agent starts — the c10d rendezvous store and the store it shares with its
 workers — listens on 127.0.0.1 instead of every interface: torch's TCPStore binds its server to

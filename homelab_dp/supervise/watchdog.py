@@ -2,8 +2,8 @@
 
 Every rank writes ``logs/heartbeats/rank-R.json`` — ``{rank, pid, step, micro, phase, time}`` —
 when it starts a micro-step, and every second or so while it is in a long phase (a checkpoint,
-saving the result, merging an adapter) or waits for another rank's (`homelab_dp.train.guard`;
-the phases: `homelab_dp.rundir.heartbeat`). The keeper polls them and judges each rank:
+saving the result, merging an adapter) or waits for another rank's (`homelab_dp.train.rank_guard`;
+the phases: `homelab_dp.runs.folder.heartbeats`). The keeper polls them and judges each rank:
 
 - a rank in ``train`` makes progress when it starts another micro-step;
 - a rank in a long phase makes progress with every beat: it beats on a timer while the work
@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from homelab_dp.rundir.heartbeat import LONG_PHASES, TRAIN, WAITING, read_heartbeats
+from homelab_dp.runs.folder.heartbeats import LONG_PHASES, TRAIN, WAITING, read_heartbeats
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ Everything else is copied to host memory (pinned on CUDA, so the copy is asynchr
 saved and copied back to its device when backward unpacks it; a tensor saved again by another
 operation of the same forward (a linear's input by the base layer and its LoRA adapter, RoPE's
 cos/sin by every layer) reuses its first copy, so each activation crosses PCIe once each way. The planner models the same
-split: `homelab_dp.core.memory.budget` counts only the activations as moved.
+split: `homelab_dp.planning.memory.device_memory.budget` counts only the activations as moved.
 """
 
 from __future__ import annotations

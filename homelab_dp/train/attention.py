@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 
-from homelab_dp.core.attention_rule import FLASH_DTYPES, choose_attention, flash_attn_version
+from homelab_dp.planning.attention_rule import FLASH_DTYPES, choose_attention, flash_attn_version
 
 __all__ = [
     "FLASH_DTYPES",
@@ -41,7 +41,7 @@ __all__ = [
 def flash_attn_available() -> bool:
     """Whether a ``flash_attn`` module can be found (never imported: importing it loads CUDA
     kernels). Not enough for FA2 on its own: flash-attn-4 provides the module too
-    (`homelab_dp.core.attention_rule`)."""
+    (`homelab_dp.planning.attention_rule`)."""
     try:
         return importlib.util.find_spec("flash_attn") is not None
     except (ImportError, ValueError):  # a broken or half-installed package
@@ -85,7 +85,7 @@ def attention_implementation(
 
     ``"flash_attention_2"`` on CUDA in bf16/fp16 when the installed flash-attn distribution
     is a 2.x release and the card is compute capability 8.0 or newer (packed batches then need
-    no mask; see the module docstring), else ``"sdpa"`` (`core.attention_rule`).
+    no mask; see the module docstring), else ``"sdpa"`` (`planning.attention_rule`).
     ``device_type`` is a torch device type ("cuda", "cpu"); ``dtype_name`` the run's dtype
     ("bf16", "fp16", "fp32", …), the dtype the attention computes in (under autocast the
     master weights may stay fp32; transformers casts q/k/v for the kernel). ``capability``:

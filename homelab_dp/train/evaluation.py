@@ -1,39 +1,70 @@
 """The evaluation worker: one process per rank, started by torchrun (never by hand).
 
-    torchrun … -m homelab_dp.train.eval_worker JOB_FILE
+    torchrun … -m homelab_dp.train.evaluation JOB_FILE
 
-`homelab_dp.run.evaluate` writes JOB_FILE (its module docstring lists the keys) and starts
+`homelab_dp.app.evaluate` writes JOB_FILE (its module docstring lists the keys) and starts
 torchrun. Each rank joins the group (gloo on the CPU, nccl on ``cuda:LOCAL_RANK``), tokenizes
 the data with the data pipeline (one sample per row, truncated to ``seq_len``: the front end
 checked the same), loads the model — a full folder, or a base with its PEFT adapter on top (no
 merge) — puts the chunked loss head in place of lm_head (no full logits; full cross-entropy
-where the model changes its logits after lm_head) and runs `train.evaluate.evaluate` on each
+where the model changes its logits after lm_head) and runs `train.evaluation.evaluate` on each
 group of samples of about one length (`length_groups`: less padding computed, the same sums).
 Rank 0 writes the result as JSON to ``result_path``.
 
 Weights compute in fp32 on the CPU; on CUDA in the run's preset dtype where it names one, else
 bf16 from compute capability 8.0 (Ampere) on and fp16 before it (a bf16 preset on an older card
-falls back to fp16), the rule `homelab_dp.infer.loading` follows for generation. A QLoRA
+falls back to fp16), the rule `homelab_dp.serving.replica.result_model` follows for generation. A QLoRA
 result (job ``quantized``: ``nf4``) is evaluated on the base it was trained against, quantized
 to NF4 as the run did, wherever bitsandbytes' 4-bit kernels run (CUDA, and the CPU here);
 elsewhere on the base in the compute dtype. The result names the base (``base``).
 
 A rank that fails writes ``error_dir/rank-N.json`` (message, hint, whether it was bad input)
 before exiting: exit 2 for a `HomelabError`, 1 for anything else.
+
+Data-parallel evaluation: the mean negative log-likelihood per target token over a data set.
+
+Each rank takes every world-th block (rank r: blocks r, r + W, r + 2W, …), sums its token
+losses in fp64 and counts its target tokens; one all-reduce of the two sums gives every rank
+the same loss. The loss is a sum of per-block sums divided by a count, so it does not depend on
+how the blocks were spread: 1 and N processes agree to float rounding of the forward itself.
+
+Every rank runs the same number of forward passes (a rank short of blocks runs one with no
+target tokens), because FSDP2 gathers parameters in each forward as a collective. The model is
+put in eval mode (no dropout, LoRA dropout included) and back in the mode it was in.
+
+Validation while training: when to evaluate, the best eval loss, and early stopping.
+
+The eval data (``data.eval_path`` or the held-out ``data.eval_fraction``, `homelab_dp.data.eval_split`)
+is evaluated every ``train.eval_every`` optimizer steps and at the last step, on every rank
+(`homelab_dp.train.evaluation.evaluate`: each rank a shard, the token-weighted sums all-reduced),
+so every rank holds the same loss and takes the same decisions without another collective:
+whether this is the best loss so far (``train.keep_best`` then keeps its checkpoint) and
+whether the loss has gone ``train.early_stopping_patience`` evaluations without improving (the
+run then ends as early_stopped: a completed run, result saved). The loop (`train.training_loop`) acts on
+the decisions; the state (best loss and step, evaluations since) travels in each checkpoint, so
+a resumed run decides as an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import sys
+import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core import json_safe
+import torch
+
+from homelab_dp import json_safe
+from homelab_dp.runs.folder.heartbeats import EVALUATING
+from homelab_dp.runs.run_events import EvalEvent
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 TOKENS_PER_FORWARD = {"cpu": 2048, "cuda": 8192}
@@ -85,10 +116,10 @@ def join_group(kind: str) -> tuple[Any, int, int]:
 
 def load_blocks(job: dict[str, Any], tokenizer: Any) -> list[Any]:
     """The data as blocks: one sample per row, truncated to ``seq_len`` (padded to it); the
-    samples come from the token cache the front end filled (`homelab_dp.data.loading`)."""
-    from homelab_dp.core.preset import DataSection
+    samples come from the token cache the front end filled (`homelab_dp.data.samples`)."""
     from homelab_dp.data.blocks import build_blocks
-    from homelab_dp.data.loading import load_examples
+    from homelab_dp.data.samples import load_examples
+    from homelab_dp.presets.preset import DataSection
 
     seq_len = int(job["seq_len"])
     data = DataSection(path=job["data_path"], format=job["format"], seq_len=seq_len, pack=False,
@@ -126,7 +157,7 @@ def forward_tokens(model: Any, device_type: str, *, chunked: bool) -> int:
 def nf4_works(device_type: str) -> bool:
     """Whether bitsandbytes quantizes to NF4 and back on ``device_type`` (cpu | cuda): a tiny
     tensor is tried, so a bitsandbytes without kernels for this device answers False. (The
-    rule `infer.loading.nf4_works` follows for chat and serve, which the layers keep apart;
+    rule `serving.replica.result_model.nf4_works` follows for chat and serve, which the layers keep apart;
     tests/unit/test_qlora_inference.py checks that both answer alike.)"""
     import torch
 
@@ -166,7 +197,7 @@ def load_model(job: dict[str, Any], device: Any, dtype: Any, base_kind: str) -> 
         "attn_implementation": attention_implementation(device.type, DTYPE_NAMES[str(dtype)]),
         "use_safetensors": True,
     }  # fmt: skip
-    if base_kind == "nf4":  # as `train.model.load_model` loads a QLoRA base
+    if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
         from homelab_dp.train.lora import bnb_config
 
         kwargs["quantization_config"] = bnb_config(dtype)
@@ -191,7 +222,6 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     """Run this rank's share; rank 0 returns the result document, the others None."""
     from transformers import AutoTokenizer
 
-    from homelab_dp.train.evaluate import EvalResult, eval_blocks, evaluate
     from homelab_dp.train.loss import install_loss_head, unsupported_reason
 
     device, rank, world = join_group(job["device"])
@@ -281,3 +311,207 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@dataclass(frozen=True)
+class EvalBlocks:
+    """Blocks to evaluate, as tensors on the host (every rank holds all of them)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    """IGNORE_INDEX (-100) where a token is not a target."""
+    mask: torch.Tensor
+    positions: torch.Tensor
+    packed: bool
+    """Several samples per block: no mask is passed, the positions restart at each sample."""
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def eval_blocks(blocks: list[Any], packed: bool) -> EvalBlocks:
+    """`EvalBlocks` from `data.blocks.Block` objects."""
+    return EvalBlocks(
+        input_ids=torch.tensor([b.input_ids for b in blocks], dtype=torch.long),
+        labels=torch.tensor([b.labels for b in blocks], dtype=torch.long),
+        mask=torch.tensor([b.attention_mask for b in blocks], dtype=torch.long),
+        positions=torch.tensor([b.position_ids for b in blocks], dtype=torch.long),
+        packed=packed,
+    )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """The summed loss and target-token count over the whole data set (all ranks)."""
+
+    loss_sum: float
+    tokens: int
+    """Target tokens (labels that are not ignored)."""
+    real_tokens: int
+    """Non-padding tokens that went through the model (throughput)."""
+    seconds: float
+
+    @property
+    def loss(self) -> float:
+        """Mean negative log-likelihood per target token (nats)."""
+        return self.loss_sum / self.tokens if self.tokens else float("nan")
+
+    @property
+    def perplexity(self) -> float:
+        """exp(loss); inf where the loss overflows it."""
+        loss = self.loss
+        return math.exp(loss) if loss < 700 else float("inf")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.real_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def rank_batches(n_blocks: int, rank: int, world: int, micro: int) -> list[list[int]]:
+    """This rank's micro-batches of block indices; every rank gets the same number of batches
+    (the last ones may be empty lists: a forward with no targets keeps the collectives paired)."""
+    mine = list(range(rank, n_blocks, world))
+    per_rank = math.ceil(math.ceil(n_blocks / world) / micro) if n_blocks else 0
+    return [mine[i * micro : (i + 1) * micro] for i in range(per_rank)]
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    blocks: EvalBlocks,
+    *,
+    rank: int,
+    world: int,
+    micro: int,
+    device: torch.device,
+    autocast: Any = contextlib.nullcontext,
+    loss_dtype: torch.dtype = torch.float32,
+    loss_head: Any = None,
+    flat: bool = False,
+) -> EvalResult:
+    """The loss over ``blocks`` on ``world`` ranks (call it on every rank; all get the result).
+
+    ``model`` is what the forward runs (a strategy's wrapped model, or the bare model);
+    ``loss_head`` is the `train.loss.ChunkedLossHead` installed in it, or None for full
+    cross-entropy; ``flat`` sends a packed micro-batch as one row (FlashAttention varlen).
+    """
+    from homelab_dp.data.blocks import IGNORE_INDEX
+    from homelab_dp.train.loss import token_loss_sum
+    from homelab_dp.train.speed import to_device
+
+    t0 = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = real = 0
+    try:
+        for idx in rank_batches(blocks.n_blocks, rank, world, micro):
+            if idx:
+                labels = blocks.labels[idx]
+            else:  # this rank has no block left: the first block, every label ignored
+                idx = [0]
+                labels = torch.full_like(blocks.labels[idx], IGNORE_INDEX)
+            input_ids = to_device(blocks.input_ids[idx], device)
+            positions = to_device(blocks.positions[idx], device)
+            mask = None if blocks.packed else to_device(blocks.mask[idx], device)
+            if flat:
+                input_ids, positions, labels = (t.reshape(1, -1)
+                                                for t in (input_ids, positions, labels))  # fmt: skip
+            n_targets = int((labels != IGNORE_INDEX).sum())
+            targets = (
+                loss_head.targets(labels) if loss_head is not None else contextlib.nullcontext()
+            )
+            with autocast(), targets:
+                out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                            use_cache=False).logits  # fmt: skip
+            if loss_head is None:
+                labels = labels.to(out.device)
+            if n_targets:
+                loss_sum += token_loss_sum(out, labels, loss_dtype, loss_head).double()
+                tokens += n_targets
+                real += int(blocks.mask[idx].sum())
+            del out
+    finally:
+        model.train(was_training)
+    totals = torch.tensor([float(tokens), float(real)], dtype=torch.float64, device=device)
+    if world > 1:
+        import torch.distributed as dist
+
+        both = torch.cat([loss_sum.reshape(1), totals])
+        dist.all_reduce(both)
+        loss_sum, totals = both[0], both[1:]
+    return EvalResult(
+        loss_sum=float(loss_sum),
+        tokens=int(totals[0]),
+        real_tokens=int(totals[1]),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+@dataclass
+class Verdict:
+    """What one evaluation means for the run."""
+
+    event: EvalEvent
+    best: bool
+    """The lowest eval loss so far (strictly lower than every earlier one)."""
+    stop: bool
+    """Early stopping: ``patience`` evaluations in a row without a new best."""
+
+
+class Validator:
+    """One rank's schedule of evaluations and its record of the best eval loss."""
+
+    def __init__(self, blocks: Any, every: int, patience: int) -> None:
+        self.blocks = blocks
+        """`train.evaluation.EvalBlocks`: every rank holds all of them and evaluates its share."""
+        self.every = every
+        self.patience = patience
+        self.best_loss: float | None = None
+        self.best_step: int | None = None
+        self.since_best = 0
+        """Evaluations since the best one (early stopping ends the run at ``patience``)."""
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Evaluate after optimizer step ``step``: every ``every`` steps, and at the last."""
+        return step == total_steps or (self.every > 0 and step % self.every == 0)
+
+    def evaluate(self, step: int, model: Any, rank: Any, guard: Any) -> Any:
+        """The eval loss of the model as trained for ``step`` steps (a collective: every rank
+        calls it); every rank beats in the evaluating phase while it lasts, so a long eval is
+        no stall for the watchdog."""
+
+        with guard.beating(step, EVALUATING):
+            return evaluate(
+                model.strategy.model, self.blocks, rank=rank.rank, world=rank.world,
+                micro=rank.micro, device=rank.device, autocast=model.autocast,
+                loss_dtype=model.loss_dtype, loss_head=model.loss_head, flat=model.flat_batches,
+            )  # fmt: skip
+
+    def record(self, step: int, result: Any) -> Verdict:
+        """Fold one evaluation's `EvalResult` in: the event to write and the decisions."""
+        loss = float(result.loss)
+        best = not math.isnan(loss) and (self.best_loss is None or loss < self.best_loss)
+        if best:
+            self.best_loss, self.best_step, self.since_best = loss, step, 0
+        else:
+            self.since_best += 1
+        ppl = result.perplexity
+        event = EvalEvent(step=step, loss=loss, perplexity=ppl if math.isfinite(ppl) else None,
+                          tokens=int(result.tokens), seconds=float(result.seconds),
+                          best=best)  # fmt: skip
+        stop = self.patience > 0 and self.since_best >= self.patience
+        return Verdict(event, best, stop)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (``trainer.json``'s ``eval``)."""
+        return {"best_loss": self.best_loss, "best_step": self.best_step,
+                "since_best": self.since_best}  # fmt: skip
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Take a checkpoint's `state` back (None: a checkpoint of a run without eval data)."""
+        if state:
+            self.best_loss = state.get("best_loss")
+            self.best_step = state.get("best_step")
+            self.since_best = int(state.get("since_best") or 0)

@@ -20,7 +20,7 @@ Each kind of host tensor (the weights' copy, the gradients' copy, ``exp_avg``, `
 one flat buffer per dtype, each parameter's tensor a view of it: torch's caching host allocator
 rounds every pinned allocation up to a power of two, so four pinned tensors per parameter could
 pin up to twice their bytes, tensor by tensor; one buffer per kind rounds once, as the planner
-counts it (`homelab_dp.core.pinned_memory.host_adamw_pinned_bytes`).
+counts it (`homelab_dp.planning.memory.pinned_memory.host_adamw_pinned_bytes`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ is then kept from forward, the same bytes the recompute would make, and a matmul
 dtype, gives the chunk's hidden-state rows and is added (fp32) into the weight and bias
 gradients. Under autocast the matmuls run in the autocast dtype exactly as ``nn.Linear`` would.
 
-Bytes alive, for the planner (`core.logits_memory.chunk_peak_bytes` is this arithmetic, checked against measured
+Bytes alive, for the planner (`planning.memory.device_memory.chunk_peak_bytes` is this arithmetic, checked against measured
 live bytes in tests/unit/test_chunked_loss.py), with c = chunk rows, V = vocabulary, H = hidden
 size, e = compute element size (2 for bf16/fp16, 4 fp32), n = target tokens, N = all tokens:
 
@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from homelab_dp.core.logits_memory import chunk_tokens
-from homelab_dp.train.batches import to_device
+from homelab_dp.planning.memory.device_memory import chunk_tokens
+from homelab_dp.train.speed import to_device
 
 IGNORE_INDEX = -100
 _SOFTCAP_KEYS = ("final_logit_softcapping", "logit_softcapping", "logit_softcap")

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core import json_safe
-from homelab_dp.core.memory import Budget, TrainShape, budget
-from homelab_dp.core.model_spec import spec_from_config
+from homelab_dp import json_safe
+from homelab_dp.planning.memory.device_memory import Budget, TrainShape, budget
+from homelab_dp.planning.model_spec import spec_from_config
 
 FAMILIES: dict[str, dict[str, Any]] = {
     # LLaMA-style with grouped-query attention, untied lm_head.
@@ -177,13 +177,13 @@ def measure_case(case: Case, steps: int = 3) -> Result:
     """Run ``steps`` optimizer steps of ``case`` under the probe; the peak against the estimate."""
     import torch
 
-    from homelab_dp.core.preset import preset_from_dict
-    from homelab_dp.core.runspec import Resolved
-    from homelab_dp.train.loop import micro_step, optimizer_step
+    from homelab_dp.presets.preset import preset_from_dict
+    from homelab_dp.runs.run_spec import Resolved
     from homelab_dp.train.loss import install_loss_head
     from homelab_dp.train.memtrack import MemoryProbe, model_state
-    from homelab_dp.train.model import load_model
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
+    from homelab_dp.train.trainable_model import load_model
+    from homelab_dp.train.training_loop import micro_step, optimizer_step
 
     cfg = FAMILIES[case.family]
     with tempfile.TemporaryDirectory(prefix="homelab-dp-memcheck-") as tmp:

@@ -29,8 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from homelab_dp.core.events import MemoryEvent
-from homelab_dp.core.runspec import RunSpec
+from homelab_dp.runs.run_events import MemoryEvent
+from homelab_dp.runs.run_spec import RunSpec
 
 PHASES = ("load", "forward", "backward", "optimizer")
 CATEGORIES = ("weights", "buffers", "gradients", "optimizer", "other")

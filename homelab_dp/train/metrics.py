@@ -1,6 +1,6 @@
 """The worker's event writer (``events.jsonl``) and the per-step statistics of every rank.
 
-Rank 0 appends one JSON object a line — a typed event of `homelab_dp.core.events` (start, micro,
+Rank 0 appends one JSON object a line — a typed event of `homelab_dp.runs.run_events` (start, micro,
 step, straggler, warning, checkpoint, memory, end), its names and fields listed there — and
 flushes every line because the controller tails the file. Any rank may write ``error``.
 """
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from homelab_dp.core import json_safe
-from homelab_dp.core.events import Event
+from homelab_dp import json_safe
+from homelab_dp.runs.run_events import Event
 
 if TYPE_CHECKING:
-    from homelab_dp.core.runspec import RunSpec
+    from homelab_dp.runs.run_spec import RunSpec
 
 
 class EventLog:
@@ -108,7 +108,7 @@ def device_peak_flops(device: torch.device) -> float | None:
     """One card's dense 16-bit peak (FLOP/s) from its name; None on the CPU or an unknown card."""
     if device.type != "cuda":
         return None
-    from homelab_dp.core.flops import peak_flops
+    from homelab_dp.planning.flops import peak_flops
 
     return peak_flops(torch.cuda.get_device_name(device))
 
@@ -136,9 +136,9 @@ class StepFlops:
 
         A model whose config.json the spec reader does not know gives no peak: MFU "n/a".
         """
-        from homelab_dp.core.flops import causal_span, flops_per_token
-        from homelab_dp.core.model_spec import load_model_spec
         from homelab_dp.errors import HomelabError
+        from homelab_dp.planning.flops import causal_span, flops_per_token
+        from homelab_dp.planning.model_spec import load_model_spec
 
         r, preset = spec.resolved, spec.preset
         peak = device_peak_flops(device)
@@ -156,7 +156,7 @@ class StepFlops:
     def mfu(self, tokens_per_s: float | None) -> float | None:
         """MFU (0..1) at ``tokens_per_s`` real (non-padding) tokens a second over all ranks;
         None without a peak. Padding is computed too, but is not useful work."""
-        from homelab_dp.core.flops import mfu
+        from homelab_dp.planning.flops import mfu
 
         if tokens_per_s is None or self.peak is None:
             return None

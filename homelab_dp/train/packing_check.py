@@ -116,7 +116,7 @@ def check_packing(
 
 
 def loop_autocast(device: Any, dtype: str, fsdp: bool) -> Callable[[], Any]:
-    """The forward context the loop will use (`train.setup.build_model`): autocast to bf16/fp16
+    """The forward context the loop will use (`train.rank_setup.build_model`): autocast to bf16/fp16
     on CUDA without FSDP2 (whose MixedPrecisionPolicy casts), else none."""
     if getattr(device, "type", device) != "cuda" or dtype not in ("bf16", "fp16") or fsdp:
         return contextlib.nullcontext

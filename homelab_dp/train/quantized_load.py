@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from homelab_dp.core.preset import Preset
-from homelab_dp.core.runspec import Resolved
 from homelab_dp.errors import HomelabError
+from homelab_dp.presets.preset import Preset
+from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation
 from homelab_dp.train.lora import (
     adapter_init,
@@ -50,7 +50,7 @@ _DDP_HINT = "set train.distribution = 'ddp' (QLoRA then loads the whole 4-bit mo
 def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> Any:
     """The QLoRA model without weights, ready for ``fully_shard`` (see the module docstring).
 
-    Returns a `train.model.LoadedModel` whose ``materializer`` is `stream_weights`.
+    Returns a `train.trainable_model.LoadedModel` whose ``materializer`` is `stream_weights`.
     """
     import bitsandbytes as bnb
     from accelerate import init_empty_weights
@@ -58,7 +58,7 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    from homelab_dp.train.model import LoadedModel, decoder_layers
+    from homelab_dp.train.trainable_model import LoadedModel, decoder_layers
 
     remote = preset.model.trust_remote_code
     qconfig = bnb_config(compute, storage=compute)
@@ -164,7 +164,7 @@ def stream_weights(
     """Fill the sharded meta QLoRA model from ``folder`` (a collective; after ``fully_shard``).
 
     Rank 0 makes each parameter's full value (read and cast; a 4-bit weight quantized on
-    ``device``; an adapter from `adapter_init`) and `train.model.receive` scatters it; each
+    ``device``; an adapter from `adapter_init`) and `train.trainable_model.receive` scatters it; each
     ``Linear4bit`` gets the quantization state rank 0 made, broadcast (it stays on ``device``:
     the matmul dequantizes there). ``host_shards`` (``train.offload = "params"``): each shard
     goes to pinned host memory as it arrives. Raises `HomelabError` for a tensor the folder
@@ -173,7 +173,7 @@ def stream_weights(
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 
-    from homelab_dp.train.model import check_materialized, receive
+    from homelab_dp.train.trainable_model import check_materialized, receive
 
     model = loaded.model
     rank, world = dist.get_rank(), dist.get_world_size()

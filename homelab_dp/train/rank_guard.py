@@ -1,11 +1,11 @@
 """What each rank does for the run's safety: heartbeats, an orphan check, and (tests) faults.
 
 `RankGuard.beat` is called at the start of every micro-step. It writes the rank's heartbeat for
-the keeper's watchdog (`homelab_dp.run.watchdog`) and tells the worker when its launcher is gone
+the keeper's watchdog (`homelab_dp.supervise.watchdog`) and tells the worker when its launcher is gone
 (the rank was re-parented: the torchrun agent died), so that the rank stops gracefully instead
 of running on as an orphan.
 
-Long work keeps the heartbeats flowing (the phases: `homelab_dp.rundir.heartbeat`):
+Long work keeps the heartbeats flowing (the phases: `homelab_dp.runs.folder.heartbeats`):
 
 - `RankGuard.beating` (a checkpoint, on every rank): a thread beats every `BEAT_EVERY_S` while
   the block runs, so a checkpoint write longer than ``train.watchdog_s`` is not a stall; a rank
@@ -48,14 +48,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from homelab_dp.core.runspec import Resolved
-from homelab_dp.rundir.heartbeat import (
+from homelab_dp.runs.folder.heartbeats import (
     BEAT_EVERY_S,
     TRAIN,
     WAITING,
     heartbeat_dir,
     write_heartbeat,
 )
+from homelab_dp.runs.run_spec import Resolved
 
 FAULT_ENV = "HOMELAB_DP_FAULT"
 FAULT_KINDS = ("sigkill", "sigstop", "oom", "kill-after-shard", "enospc", "slow-result")

@@ -24,9 +24,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.events import StartEvent, WarningEvent
-from homelab_dp.core.preset import Preset
-from homelab_dp.core.runspec import RunSpec
+from homelab_dp.presets.preset import Preset
+from homelab_dp.runs.run_events import StartEvent, WarningEvent
+from homelab_dp.runs.run_spec import RunSpec
 
 log = logging.getLogger("homelab_dp.worker")
 
@@ -108,7 +108,7 @@ class Data:
     """The seeded global sample order (`train.strategy.SampleOrder`)."""
     total_steps: int
     eval: Any = None
-    """`train.evaluate.EvalBlocks` of the eval data (`data.split`), or None without any."""
+    """`train.evaluation.EvalBlocks` of the eval data (`data.eval_split`), or None without any."""
 
 
 def load_data(preset: Preset, rank: Rank) -> Data:
@@ -120,10 +120,10 @@ def load_data(preset: Preset, rank: Rank) -> Data:
     from transformers import AutoConfig
 
     from homelab_dp.data.blocks import IGNORE_INDEX
-    from homelab_dp.data.split import load_train_eval
-    from homelab_dp.train.evaluate import eval_blocks
-    from homelab_dp.train.model import load_tokenizer
+    from homelab_dp.data.eval_split import load_train_eval
+    from homelab_dp.train.evaluation import eval_blocks
     from homelab_dp.train.strategy import SampleOrder
+    from homelab_dp.train.trainable_model import load_tokenizer
 
     tokenizer = load_tokenizer(preset)
     config = AutoConfig.from_pretrained(
@@ -165,7 +165,7 @@ class Model:
     """What trains: the model in its strategy, the optimizer, the schedule and the precision."""
 
     loaded: Any
-    """`train.model.LoadedModel`: the module, its parameter counts, whether it is PEFT."""
+    """`train.trainable_model.LoadedModel`: the module, its parameter counts, whether it is PEFT."""
     strategy: Any
     """`train.strategy.Strategy`: DDP, ZeRO-1 or FSDP2 around the model."""
     optimizer: Any
@@ -197,14 +197,19 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     """
     import torch
 
-    from homelab_dp.core.vocabulary import SHARDED
     from homelab_dp.errors import HomelabError
     from homelab_dp.train.attention import attention_choice
     from homelab_dp.train.loss import install_loss_head, unsupported_reason
-    from homelab_dp.train.model import card_capability, compute_dtype, load_model, master_dtype
     from homelab_dp.train.quantized_load import build_on_meta
     from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
     from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
+    from homelab_dp.train.trainable_model import (
+        card_capability,
+        compute_dtype,
+        load_model,
+        master_dtype,
+    )
+    from homelab_dp.vocabulary import SHARDED
 
     resolved, train, device = spec.resolved, spec.preset.train, rank.device
     # Same seed on every rank: identical LoRA init without relying on a broadcast.
@@ -299,14 +304,13 @@ class Position:
     resumed_from: str | None = None
     last_loss: float | None = None
     eval_state: dict[str, Any] | None = None
-    """The checkpoint's validation record (`train.validation.Validator.state`)."""
+    """The checkpoint's validation record (`train.evaluation.Validator.state`)."""
 
 
 def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Position:
     """Load the newest complete checkpoint every rank agrees on (step 0, warned, when none)."""
     from homelab_dp.errors import RunStateError
-    from homelab_dp.train.checkpoint import load_checkpoint
-    from homelab_dp.train.checkpoint_check import find_usable
+    from homelab_dp.train.checkpoints import find_usable, load_checkpoint
     from homelab_dp.train.strategy import set_lr_for_step
 
     path, skipped = find_usable(run_dir / "checkpoints")
@@ -354,7 +358,7 @@ def _agree_on_checkpoint(path: Path | None, device: Any) -> None:
 
 @dataclass
 class SetUp:
-    """Everything `set_up` made, handed to the loop (`train.loop.Trainer`)."""
+    """Everything `set_up` made, handed to the loop (`train.training_loop.Trainer`)."""
 
     rank: Rank
     data: Data

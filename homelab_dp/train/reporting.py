@@ -7,7 +7,7 @@ fed from rank 0's event stream: `train.metrics.EventLog` hands each event it wri
 - a ``step`` event: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
   ``train/samples_per_s``, ``train/step_time_s``, ``train/epoch``, ``train/mfu`` (on a known
   GPU), ``rank{r}/peak_memory_bytes`` per rank, and the device monitor's newest sample since the
-  last logged step (``devices.jsonl``, `run.monitor`): ``gpu{i}/memory_used_bytes``,
+  last logged step (``devices.jsonl``, `supervise.device_monitor`): ``gpu{i}/memory_used_bytes``,
   ``gpu{i}/utilization_pct``, ``gpu{i}/memory_utilization_pct``, ``gpu{i}/temperature_c``,
   ``gpu{i}/power_w`` (on the CPU ``rank{r}/memory_used_bytes`` and ``rank{r}/utilization_pct``,
   the rank's RSS and CPU %), at the first logged step the newest sample taken while loading;
@@ -22,7 +22,7 @@ W&B (``wandb.init(project, name=id=run id, resume="allow", config, dir=RUN)``) a
 (``set_experiment``, ``start_run(run_name=run id)``, ``log_params``, ``log_metrics(step=)``;
 ``RUN/mlruns`` unless ``MLFLOW_TRACKING_URI`` is set) are thin wrappers over their public APIs,
 untested here (neither is a dependency). The front end refuses a preset that names one that is
-not installed (`run.preflight.check_reporters`).
+not installed (`app.runs.check_reporters`).
 
 A logger never stops training: an error while opening or writing one becomes one ``warning``
 event and that logger is dropped for the rest of the run.
@@ -36,10 +36,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from homelab_dp.core import json_safe
-from homelab_dp.core.events import EndEvent, ErrorEvent, EvalEvent, Event, StepEvent, WarningEvent
-from homelab_dp.core.runspec import RunSpec
-from homelab_dp.rundir.tail import JsonlTail, file_size
+from homelab_dp import json_safe
+from homelab_dp.runs.folder.jsonl_tail import JsonlTail, file_size
+from homelab_dp.runs.run_events import (
+    EndEvent,
+    ErrorEvent,
+    EvalEvent,
+    Event,
+    StepEvent,
+    WarningEvent,
+)
+from homelab_dp.runs.run_spec import RunSpec
 
 TENSORBOARD_DIR = "tensorboard"
 """The event files' folder inside the run folder."""

@@ -10,14 +10,14 @@
   ``reshard_after_forward=False`` (gradients and optimizer state sharded, ZeRO-2-like).
 - ``fsdp-full``: the same with ``reshard_after_forward=True`` (parameters sharded too, ZeRO-3-like).
   Both take the model as ``load_model(sharded=True)`` built it, on the meta device, and shard it
-  before any weight exists; `train.model.materialize` then sends each rank its shards from rank 0
+  before any weight exists; `train.trainable_model.materialize` then sends each rank its shards from rank 0
   (QLoRA: `train.quantized_load.stream_weights` reads, quantizes and sends them tensor by tensor,
   the 4-bit weights being parameters in the compute dtype that FSDP2 shards like any other).
 - Offload, FSDP2 only (``Resolved.offload``): "params" is FSDP2's ``CPUOffloadPolicy`` (shards,
   gradients in pinned host memory, each shard rounded up to a power of two by torch's caching
   host allocator, and optimizer state in host memory; AdamW steps on the CPU); "optimizer" keeps
   the shards on the card and the optimizer state and step in host memory
-  (`train.host_optimizer.HostAdamW`). Activations: `train.setup` wraps the forward in
+  (`train.host_optimizer.HostAdamW`). Activations: `train.rank_setup` wraps the forward in
   `train.activation_offload.ActivationOffload`'s saved-tensor hooks
   (``Resolved.offload_activations``).
 
@@ -40,11 +40,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from homelab_dp.core.preset import TrainSection
-from homelab_dp.core.runspec import Resolved
-from homelab_dp.core.vocabulary import SHARDED
 from homelab_dp.errors import HomelabError
-from homelab_dp.train.model import LoadedModel, compute_dtype, materialize
+from homelab_dp.presets.preset import TrainSection
+from homelab_dp.runs.run_spec import Resolved
+from homelab_dp.train.trainable_model import LoadedModel, compute_dtype, materialize
+from homelab_dp.vocabulary import SHARDED
 
 
 @dataclass

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from homelab_dp.core.preset import Preset
-from homelab_dp.core.runspec import Resolved
 from homelab_dp.errors import HomelabError
+from homelab_dp.presets.preset import Preset
+from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation, local_capability
 from homelab_dp.train.lora import (
     add_lora,

@@ -16,13 +16,13 @@ read at the start of the next, so it never waits on the GPU: a stop lands at the
 after the signal at the latest. ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) votes to stop at
 boundary k, so the run stops once exactly k optimizer steps are done.
 
-Validation (`train.validation`): with eval data, every rank evaluates it every
+Validation (`train.evaluation`): with eval data, every rank evaluates it every
 ``train.eval_every`` steps and at the last (rank 0 writes an ``eval`` event); a new best loss
-with ``train.keep_best`` gets its checkpoint kept (`train.checkpoint.mark_best`), and
+with ``train.keep_best`` gets its checkpoint kept (`train.checkpoints.mark_best`), and
 ``train.early_stopping_patience`` evaluations without one end the run as "early_stopped": a
 completed run before its last step, checkpoint and result saved.
 
-Safety (`train.guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
+Safety (`train.rank_guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
 and checks that the torchrun agent is still its parent (if not, the rank stops gracefully). A
 checkpoint beats on a timer while it is written; the result is written (and merged) by rank 0 in
 a thread while every rank beats and meets the others in a short all-reduce each second, so a
@@ -44,16 +44,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from homelab_dp.core.events import (
+from homelab_dp.runs.folder.heartbeats import CHECKPOINT, SAVING_RESULT
+from homelab_dp.runs.run_events import (
     CheckpointEvent,
     EndEvent,
     MicroEvent,
     StepEvent,
     StragglerEvent,
 )
-from homelab_dp.core.runspec import RunSpec
-from homelab_dp.rundir.heartbeat import CHECKPOINT, SAVING_RESULT
-from homelab_dp.train.setup import SetUp
+from homelab_dp.runs.run_spec import RunSpec
+from homelab_dp.train.rank_setup import SetUp
 
 if TYPE_CHECKING:  # torch stays out of the worker's import until it is set up
     from homelab_dp.train.divergence import SkippedSteps
@@ -114,12 +114,12 @@ class Trainer:
         self, spec: RunSpec, run_dir: Path, s: SetUp, events: Any, stop: StopFlag, guard: Any,
         t_start: float,
     ) -> None:  # fmt: skip
-        from homelab_dp.core.run_view import StragglerDetector
+        from homelab_dp.runs.run_view import StragglerDetector
         from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
 
         self.spec, self.run_dir, self.events, self.stop = spec, run_dir, events, stop
         self.guard = guard
-        """`train.guard.RankGuard`: heartbeats and the orphan check."""
+        """`train.rank_guard.RankGuard`: heartbeats and the orphan check."""
         self.t_start = t_start
         self.train = spec.preset.train
         self.rank, self.data, self.model, self.memory = s.rank, s.data, s.model, s.memory
@@ -140,7 +140,7 @@ class Trainer:
         """The step of the checkpoint written last by this run (none is written twice)."""
         self.validator = None
         if self.data.eval is not None and not self.memory.measuring:
-            from homelab_dp.train.validation import Validator
+            from homelab_dp.train.evaluation import Validator
 
             self.validator = Validator(self.data.eval, self.train.eval_every,
                                        self.train.early_stopping_patience)  # fmt: skip
@@ -158,7 +158,7 @@ class Trainer:
             self._checkpoint(step)
         final = None
         if reason in ("completed", "early_stopped"):
-            from homelab_dp.train.checkpoint import save_result
+            from homelab_dp.train.checkpoints import save_result
 
             m = self.model
             # Rank 0 writes (and merges) in a thread; every rank beats and meets the others in a
@@ -177,7 +177,7 @@ class Trainer:
         early stop ("early_stopped")."""
         import torch
 
-        from homelab_dp.train.batches import to_device
+        from homelab_dp.train.speed import to_device
         from homelab_dp.train.strategy import rank_slices
 
         r, d, m = self.rank, self.data, self.model
@@ -241,7 +241,7 @@ class Trainer:
             if keep or (every and step % every == 0 and step < d.total_steps):
                 self._checkpoint(step)
             if keep and r.rank == 0:  # after the write: BEST names a complete checkpoint
-                from homelab_dp.train.checkpoint import mark_best
+                from homelab_dp.train.checkpoints import mark_best
 
                 mark_best(self.run_dir / "checkpoints", step, verdict.event.loss or 0.0,
                           self.train.keep_checkpoints)  # fmt: skip
@@ -252,7 +252,7 @@ class Trainer:
         return "completed", step
 
     def _validate(self, step: int) -> Any:
-        """Evaluate (every rank) and write the ``eval`` event; the `train.validation.Verdict`
+        """Evaluate (every rank) and write the ``eval`` event; the `train.evaluation.Verdict`
         (best so far, early stop). Every rank has the same loss, so every rank decides alike."""
         v = self.validator
         assert v is not None
@@ -305,7 +305,7 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         """Save a checkpoint of ``step`` with the position, schedule and scaler state."""
-        from homelab_dp.train.checkpoint import save_checkpoint
+        from homelab_dp.train.checkpoints import save_checkpoint
 
         t = time.time()
         r, m, n_blocks = self.rank, self.model, self.data.n_blocks

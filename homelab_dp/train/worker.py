@@ -2,31 +2,31 @@
 
     python -m torch.distributed.run --nproc-per-node N ... -m homelab_dp.train.worker RUN_DIR [--resume]
 
-It reads ``RUN_DIR/spec.json`` only (a `homelab_dp.core.runspec.RunSpec`); `homelab_dp.run.launcher` builds
+It reads ``RUN_DIR/spec.json`` only (a `homelab_dp.runs.run_spec.RunSpec`); `homelab_dp.supervise.launcher` builds
 the torchrun command. gloo on the CPU (fp32), nccl on CUDA (``cuda:LOCAL_RANK``, bf16/fp16 autocast
 over fp32 master weights, or FSDP2 mixed precision).
 
-A rank sets itself up (`train.setup`: the process group, the data, the model, the resume point),
-writes the ``start`` event and trains (`train.loop`: the steps, checkpoints, the result and the
+A rank sets itself up (`train.rank_setup`: the process group, the data, the model, the resume point),
+writes the ``start`` event and trains (`train.training_loop`: the steps, checkpoints, the result and the
 ``end`` event). This module is the entry point around them: the arguments, the refusal to run
 outside a launcher, the error event of a failed rank and the exit code.
 
 ``--resume`` (or ``"resume": true`` in spec.json) continues from the newest complete checkpoint
 (from scratch, with a warning, when there is none). SIGTERM or SIGINT stops the run gracefully at
-the next optimizer-step boundary, with a checkpoint (`train.loop.StopFlag`).
+the next optimizer-step boundary, with a checkpoint (`train.training_loop.StopFlag`).
 
 Exit codes: 0 completed or stopped on request (the ``end`` event's reason tells which; torchrun
 turns any other worker code into a failure); 1 the run failed (an ``error`` event names the rank);
 2 bad input (spec, data, model folder), or not started by a launcher.
 
 Environment: ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) acts as if a stop were requested once k
-optimizer steps are done; ``HOMELAB_DP_FAULT`` (tests only) injects faults (`train.guard`). A
+optimizer steps are done; ``HOMELAB_DP_FAULT`` (tests only) injects faults (`train.rank_guard`). A
 spec may set ``"collective_timeout_s"`` (default 60 on CPU, 600 on CUDA; the controller copies
 ``train.collective_timeout_s``). ``resolved.dtype = "fp64"`` is accepted on the CPU for
 exactness tests.
 
 Out of memory ends the rank with an ``error`` event that proposes a smaller micro-batch with more
-accumulation (same effective batch) or activation checkpointing (`train.guard.oom_advice`).
+accumulation (same effective batch) or activation checkpointing (`train.rank_guard.oom_advice`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.events import ErrorEvent
-from homelab_dp.core.runspec import RunSpec
-from homelab_dp.train.loop import StopFlag
+from homelab_dp.runs.run_events import ErrorEvent
+from homelab_dp.runs.run_spec import RunSpec
+from homelab_dp.train.training_loop import StopFlag
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only, never the network
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in rank logs
     from homelab_dp.errors import HomelabError
-    from homelab_dp.rundir.files import read_run_spec
+    from homelab_dp.runs.folder.run_folder import read_run_spec
     from homelab_dp.train.metrics import EventLog
 
     run_dir = args.run_dir.absolute()
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except Exception as exc:  # any crash: tell the controller which rank, then fail
         if _is_oom(exc):  # with what to change; `run --auto-fit` applies the proposal itself
-            from homelab_dp.train.guard import oom_advice
+            from homelab_dp.train.rank_guard import oom_advice
 
             message, hint, proposal = oom_advice(spec.resolved, exc)
             events.write(ErrorEvent(message=message, hint=hint, rank=rank,
@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rank(spec: RunSpec, run_dir: Path, events: Any, stop: StopFlag, resume: bool) -> None:
     """Set the rank up, write the start event, train to the end or to a stop."""
-    from homelab_dp.train.guard import RankGuard
-    from homelab_dp.train.loop import Trainer
-    from homelab_dp.train.setup import set_up, start_event
+    from homelab_dp.train.rank_guard import RankGuard
+    from homelab_dp.train.rank_setup import set_up, start_event
+    from homelab_dp.train.training_loop import Trainer
 
     t_start = time.time()
     guard = RankGuard(run_dir, int(os.environ["RANK"]))  # heartbeats, orphan check

@@ -25,8 +25,8 @@ from typing import Any
 
 import aiohttp
 
-from homelab_dp.probe.visible import cuda_device_env
-from homelab_dp.run.launcher import free_port  # a loopback port free now
+from homelab_dp.probe.visible_gpus import cuda_device_env
+from homelab_dp.supervise.launcher import free_port  # a loopback port free now
 
 STOP_WAIT_S = 5.0
 """How long a stopped server may take to exit before its group is killed."""
@@ -79,7 +79,7 @@ class ChatServer:
         return cmd + (["--gpus", "cpu:1"] if self.cpu else [])
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
-        """The server's environment (the launcher's one rule, `probe.visible.cuda_device_env`):
+        """The server's environment (the launcher's one rule, `probe.visible_gpus.cuda_device_env`):
         no card for a CPU server, ``cuda_visible`` where given (its NVML index counted in PCI
         bus order, as NVML counts), else ``base``'s own cards."""
         cards = [] if self.cpu else None if self.cuda_visible is None else [self.cuda_visible]

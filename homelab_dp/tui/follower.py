@@ -3,7 +3,7 @@
 To follow a run is to show it as it goes, never touching it (the CLI's `attach` does the same,
 `homelab_dp.cli.follow`); the TUI follows one run at a time, the one in `Following`. The app's
 worker thread calls `RunPoller.poll` in a loop: each poll reads what the run's files gained
-(tailing, `homelab_dp.rundir.tail`), folds it into a `RunView` and, when anything changed,
+(tailing, `homelab_dp.runs.folder.jsonl_tail`), folds it into a `RunView` and, when anything changed,
 returns a `Snapshot` — a private copy, so the UI thread can read it while polling goes on.
 
 No Textual here. A snapshot is a whole state, never a delta: any number of them may be dropped
@@ -16,9 +16,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from homelab_dp.core.run_view import RunView
-from homelab_dp.run.controller import RunController
-from homelab_dp.rundir.state import current_state
+from homelab_dp.app.runs import RunController
+from homelab_dp.runs.folder.run_state import current_state
+from homelab_dp.runs.run_view import RunView
 
 LOG_LINES = 200
 

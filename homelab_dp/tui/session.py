@@ -11,10 +11,10 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Literal
 
-from homelab_dp.core.preset import Preset, load_preset
-from homelab_dp.core.preset_store import find_preset, list_presets, open_preset
-from homelab_dp.core.vocabulary import DISTRIBUTIONS, METHODS
-from homelab_dp.run.planning import Planned, make_plan
+from homelab_dp.app.plan import Planned, make_plan
+from homelab_dp.presets.preset import Preset, load_preset
+from homelab_dp.presets.preset_store import find_preset, list_presets, open_preset
+from homelab_dp.vocabulary import DISTRIBUTIONS, METHODS
 
 DEFAULT_PRESET = "tiny-demo"
 

@@ -17,9 +17,9 @@ from textual.app import App
 from textual.binding import Binding
 from textual.worker import get_current_worker
 
+from homelab_dp.app.runs import RunController, make_controller
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.errors import error_text
-from homelab_dp.run.controller import RunController, make_controller
 from homelab_dp.tui.follower import Following, RunPoller, Snapshot
 from homelab_dp.tui.messages import FollowRun, RunUpdated, UserError
 from homelab_dp.tui.screens.chat import ChatScreen
@@ -36,7 +36,7 @@ FOLLOW_INTERVAL_S = 0.25
 class HomelabApp(App[None]):
     """homelab-dp's TUI: Hardware, Plan, Launch, Monitor, Runs and Chat."""
 
-    CSS_PATH = "app.tcss"
+    CSS_PATH = "tui_app.tcss"
     TITLE = "homelab-dp"
     ENABLE_COMMAND_PALETTE = False  # its footer entry would not fit at 80 columns
     BINDINGS = [

@@ -19,11 +19,11 @@ from typing import Any
 import psutil
 import pytest
 
-from homelab_dp.core.preset import preset_from_dict
-from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
-from homelab_dp.run.launcher import run_foreground
-from homelab_dp.rundir.files import create_run_dir, read_run_spec, write_run_spec
-from homelab_dp.rundir.state import read_state
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.runs.folder.run_folder import create_run_dir, read_run_spec, write_run_spec
+from homelab_dp.runs.folder.run_state import read_state
+from homelab_dp.runs.run_spec import Launch, Rendezvous, Resolved, RunSpec
+from homelab_dp.supervise.launcher import run_foreground
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -144,7 +144,7 @@ def run_detached(*argv: str, guard_s: float) -> Path:
     """``homelab-dp run ARGV --detach`` in this process (the preflight runs here), waited for in
     its run folder until it completes; the run folder. ``guard_s`` is a liveness guard."""
     from homelab_dp.cli import main
-    from homelab_dp.core.vocabulary import FINAL_STATUSES
+    from homelab_dp.vocabulary import FINAL_STATUSES
 
     runs = Path(os.environ["HOMELAB_DP_RUNS"])
     before = set(runs.iterdir()) if runs.exists() else set()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.rundir.files import read_run_spec, write_run_spec
+from homelab_dp.runs.folder.run_folder import read_run_spec, write_run_spec
 from tests.integration.conftest import bitwise_equal, events, final_weights, make_run, run
 
 pytestmark = pytest.mark.slow

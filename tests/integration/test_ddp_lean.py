@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def _resolved(world: int, accum: int, distribution: str = "ddp") -> Any:
-    from homelab_dp.core.runspec import Resolved
+    from homelab_dp.runs.run_spec import Resolved
 
     return Resolved(method="full", distribution=distribution, activation_checkpointing=False,  # type: ignore[arg-type]
                     device="cpu", world_size=world, dtype="fp32", micro_batch=MICRO,
@@ -33,7 +33,7 @@ def _resolved(world: int, accum: int, distribution: str = "ddp") -> Any:
 
 
 def _preset(folder: Path, accum: int, distribution: str = "ddp") -> Any:
-    from homelab_dp.core.preset import preset_from_dict
+    from homelab_dp.presets.preset import preset_from_dict
 
     return preset_from_dict({
         "model": {"path": str(DEMO_MODEL)},
@@ -71,10 +71,10 @@ def _train(root: Path, rank: int, world: int, lean: bool, accum: int) -> dict[st
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from homelab_dp.train.loop import micro_step
     from homelab_dp.train.memtrack import MemoryProbe, model_state
-    from homelab_dp.train.model import load_model
     from homelab_dp.train.strategy import Strategy, build_optimizer, wrap_model
+    from homelab_dp.train.trainable_model import load_model
+    from homelab_dp.train.training_loop import micro_step
 
     preset, resolved, device = _preset(root, accum), _resolved(world, accum), torch.device("cpu")
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def _train(root: Path, rank: int, world: int, lean: bool, accum: int) -> dict[st
                 x = ids[step, k].clone()
                 micro_step(strategy, x, None, x.clone(), scale, autocast=contextlib.nullcontext,
                            loss_dtype=torch.float32, probe=probe)  # fmt: skip
-        # As `train.loop.optimizer_step` does, with the strategy's zero_grad.
+        # As `train.training_loop.optimizer_step` does, with the strategy's zero_grad.
         strategy.clip_grad_norm(1.0)
         optimizer.step()
         strategy.zero_grad(optimizer)

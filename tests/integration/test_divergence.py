@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.run.controller import make_controller
-from homelab_dp.train.checkpoint_check import check_checkpoint, find_usable
+from homelab_dp.app.runs import make_controller
+from homelab_dp.train.checkpoints import check_checkpoint, find_usable
 from tests.conftest import write_preset
 from tests.integration.conftest import events
 from tests.integration.test_faults import start, wait_done

@@ -23,9 +23,9 @@ from typing import Any
 import psutil
 import pytest
 
+from homelab_dp.app.evaluate import EvalReport, parse_gpus, select_devices
 from homelab_dp.cli import main
-from homelab_dp.core.hardware import HardwareReport, HostInfo
-from homelab_dp.run.evaluate import EvalReport, parse_gpus, select_devices
+from homelab_dp.probe.hardware import HardwareReport, HostInfo
 
 from ..conftest import DATA, ROOT, default_sigint
 from .conftest import DEMO_DATA, make_run
@@ -202,9 +202,9 @@ def test_data_of_every_kind_training_reads(tiny_model, data_dir, tmp_path, monke
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
+    from homelab_dp.app.evaluate import job_document, prepare
     from homelab_dp.data import token_cache
-    from homelab_dp.run.evaluate import job_document, prepare
-    from homelab_dp.train.eval_worker import load_blocks
+    from homelab_dp.train.evaluation import load_blocks
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     jsonl = data_dir / "ragged-12.jsonl"
@@ -274,7 +274,11 @@ def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model, data_dir, tmp_p
         family = cli.children(recursive=True)
         # The workers, not torchrun (whose command line names the worker module too).
         lines = [" ".join(_cmdline(p)) for p in family]
-        workers = [c for c in lines if "eval_worker" in c and "homelab_dp.run.agent" not in c]
+        workers = [
+            c
+            for c in lines
+            if "eval_worker" in c and "homelab_dp.supervise.torchrun_agent" not in c
+        ]
         if len(workers) == 2:
             break
         time.sleep(0.2)
@@ -299,7 +303,7 @@ def test_length_groups_cut_only_padding() -> None:
     """Each sample keeps its tokens, mask, positions and targets; groups are 64-token multiples
     (never past the block), longest first."""
     from homelab_dp.data.blocks import Example, build_blocks
-    from homelab_dp.train.eval_worker import length_groups
+    from homelab_dp.train.evaluation import length_groups
 
     examples = [Example(list(range(n)), [-100, *range(1, n)]) for n in (5, 70, 130, 200, 300)]
     blocks = build_blocks(examples, 256, False, 0)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.app.runs import make_controller
 from homelab_dp.cli.main import main
-from homelab_dp.core.runspec import ModelOrigin
+from homelab_dp.hub.hub_models import ModelOrigin
 from homelab_dp.render.runs import status_lines
-from homelab_dp.run.controller import make_controller
-from homelab_dp.rundir.files import read_run_spec
+from homelab_dp.runs.folder.run_folder import read_run_spec
 
 from ..conftest import ROOT, write_preset
 from ..hub_cache import COMMIT, REPO_ID, make_hub_cache, use_hub_cache

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.cli import main
-from homelab_dp.core.calibration import calibration_path
-from homelab_dp.core.memory import TrainShape, budget
-from homelab_dp.core.model_spec import load_model_spec
+from homelab_dp.planning.memory.device_memory import TrainShape, budget
+from homelab_dp.planning.memory.memory_calibration import calibration_path
+from homelab_dp.planning.model_spec import load_model_spec
 from tests.conftest import write_preset
 from tests.integration.conftest import events, make_run, run
 

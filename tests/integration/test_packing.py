@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.preset import DataSection
-from homelab_dp.rundir.files import read_run_spec, write_run_spec
+from homelab_dp.presets.preset import DataSection
+from homelab_dp.runs.folder.run_folder import read_run_spec, write_run_spec
 from tests.integration.conftest import DEMO_MODEL, events, final_weights, make_run, run
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 a start without --queue refused, two queued runs that start in order after it; a queued run
 whose keeper died, resumed into the queue again and stopped there (no run started).
 
-The first run's rank holds still at step 2 (an injected SIGSTOP, `homelab_dp.train.guard`) while
+The first run's rank holds still at step 2 (an injected SIGSTOP, `homelab_dp.train.rank_guard`) while
 the others are queued and inspected, so nothing races the run; it goes on once they are.
 """
 
@@ -19,13 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.preset_store import open_preset
+from homelab_dp.app.plan import make_plan, on_idle_cards
+from homelab_dp.app.runs import make_controller
 from homelab_dp.errors import HomelabError
-from homelab_dp.run.controller import make_controller
-from homelab_dp.run.planning import make_plan
-from homelab_dp.run.queue import Devices, Other, free_memory, on_idle_cards, waiting
-from homelab_dp.rundir.state import FINAL, alive_pids, current_state, read_state, update_state
-from homelab_dp.train.guard import FAULT_ENV
+from homelab_dp.presets.preset_store import open_preset
+from homelab_dp.runs.folder.run_state import (
+    FINAL,
+    alive_pids,
+    current_state,
+    read_state,
+    update_state,
+)
+from homelab_dp.runs.run_queue import Devices, Other, free_memory, waiting
+from homelab_dp.train.rank_guard import FAULT_ENV
 from tests.conftest import write_preset
 from tests.integration.conftest import held_workers, make_run
 

@@ -1,6 +1,6 @@
 """A real replica process on the tiny model: the protocol the serve front relies on.
 
-Started as the front starts it (`python -m homelab_dp.infer.replica`, the token in the
+Started as the front starts it (`python -m homelab_dp.serving.replica.transformers_replica`, the token in the
 environment, stdout and stderr into a log file), read over real HTTP. Greedy answers are
 checked against transformers' own ``generate`` in this process; concurrent requests (one batch
 in the replica) against the same requests sent alone.
@@ -30,7 +30,13 @@ def start_replica(model: Path, state: Path, k: int = 0, **popen: Any) -> subproc
     """A replica process as the front starts it (its log is state/replica-K.log)."""
     state.mkdir(parents=True, exist_ok=True)
     log = open(state / f"replica-{k}.log", "w")  # noqa: SIM115 - the child owns it
-    cmd = [sys.executable, "-m", "homelab_dp.infer.replica", "--model", str(model)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "homelab_dp.serving.replica.transformers_replica",
+        "--model",
+        str(model),
+    ]
     cmd += ["--device", "cpu", "--id", str(k), "--state-dir", str(state), "--threads", "1"]
     env = {**os.environ, "HOMELAB_DP_REPLICA_TOKEN": TOKEN}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, **popen)
@@ -254,7 +260,13 @@ def test_it_exits_when_its_parent_dies(tiny_model: Path, tmp_path: Path) -> None
     state = tmp_path / "state"
     state.mkdir()
     log = state / "replica-0.log"
-    replica_cmd = [sys.executable, "-m", "homelab_dp.infer.replica", "--model", str(tiny_model)]
+    replica_cmd = [
+        sys.executable,
+        "-m",
+        "homelab_dp.serving.replica.transformers_replica",
+        "--model",
+        str(tiny_model),
+    ]
     replica_cmd += ["--id", "0", "--state-dir", str(state), "--threads", "1"]
     parent_code = (
         "import subprocess, sys\n"

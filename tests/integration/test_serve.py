@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from homelab_dp.cli.serve import is_loopback
-from homelab_dp.serve.front import ready_line
+from homelab_dp.serving.front.openai_server import ready_line
 
 from .conftest import DEMO_MODEL, ROOT
 

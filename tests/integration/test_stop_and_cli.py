@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.runspec import Rendezvous
-from homelab_dp.run.launcher import launch, torchrun_command
-from homelab_dp.train.checkpoint import check_checkpoint
+from homelab_dp.runs.run_spec import Rendezvous
+from homelab_dp.supervise.launcher import launch, torchrun_command
+from homelab_dp.train.checkpoints import check_checkpoint
 from tests.integration.conftest import events, make_run
 
 
@@ -71,7 +71,11 @@ def test_worker_refuses_to_run_without_a_launcher(tmp_path: Path) -> None:
 
 def test_torchrun_command_single_node_is_loopback(tmp_path: Path) -> None:
     cmd = torchrun_command(tmp_path / "run-1", 2)
-    assert cmd[:3] == [sys.executable, "-m", "homelab_dp.run.agent"]  # torchrun, stores on loopback
+    assert cmd[:3] == [
+        sys.executable,
+        "-m",
+        "homelab_dp.supervise.torchrun_agent",
+    ]  # torchrun, stores on loopback
     assert "--rdzv-backend=c10d" in cmd and "--max-restarts=0" in cmd
     endpoint = next(a for a in cmd if a.startswith("--rdzv-endpoint="))
     assert endpoint.startswith("--rdzv-endpoint=127.0.0.1:")

@@ -70,8 +70,8 @@ def test_a_second_run_tokenizes_nowhere(tiny_model: Path, tmp_path: Path, monkey
     assert start[0]["samples"] == start[1]["samples"] > 0
     # The format "auto" resolved to (the columns make it instruction) is recorded for what
     # serves the result: chat and serve prompt it the way it learned.
-    from homelab_dp.infer.prompting import trained_format
-    from homelab_dp.rundir.results import resolve_model
+    from homelab_dp.runs.model_ref import resolve_model
+    from homelab_dp.serving.replica.prompt_templates import trained_format
 
     assert start[0]["data_format"] == "instruction"
     assert trained_format(resolve_model(str(second))) == "instruction"

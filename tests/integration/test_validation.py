@@ -1,7 +1,7 @@
 """Validation while training, end to end through the real console script, torchrun and gloo.
 
 - eval events every ``train.eval_every`` steps and at the end, with the same loss on 1 and 2
-  processes, equal to `homelab_dp.train.evaluate` on the final model computed here, and shown
+  processes, equal to `homelab_dp.train.evaluation` on the final model computed here, and shown
   by the follower's lines and by ``status`` (text and ``--json``);
 - ``train.keep_best`` keeps the best checkpoint beside the newest, and early stopping ends the
   run after ``train.early_stopping_patience`` evaluations without a lower loss, as completed;
@@ -125,19 +125,19 @@ def test_eval_every_and_at_the_end_the_same_on_1_and_2_processes_and_as_computed
 
 
 def read_preset(path: Path) -> Any:
-    from homelab_dp.core.preset import load_preset
+    from homelab_dp.presets.preset import load_preset
 
     return load_preset(path)
 
 
 def _evaluate_here(final: Path, preset: Any) -> Any:
-    """`train.evaluate.evaluate` on the saved result, one process, the eval blocks as built by
+    """`train.evaluation.evaluate` on the saved result, one process, the eval blocks as built by
     the data layer for this preset."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from homelab_dp.data.split import load_train_eval
-    from homelab_dp.train.evaluate import eval_blocks, evaluate
+    from homelab_dp.data.eval_split import load_train_eval
+    from homelab_dp.train.evaluation import eval_blocks, evaluate
 
     tokenizer = AutoTokenizer.from_pretrained(final)
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.cli import main
-from homelab_dp.rundir.index import index_path, register
+from homelab_dp.runs.folder.run_index import index_path, register
 
 from ..conftest import DATA, ROOT
 
@@ -194,7 +194,7 @@ def test_a_full_disk_at_run_creation_leaves_no_half_made_folder(tmp_path: Path) 
         "import resource, signal, sys\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "from homelab_dp.cli.main import main\n"
-        "from homelab_dp.run.controller import make_controller\n"
+        "from homelab_dp.app.runs import make_controller\n"
         "c = make_controller()\n"
         "p = c.prepare('tiny-demo')\n"  # the preflight (and its token cache) before the limit
         "resource.setrlimit(resource.RLIMIT_FSIZE, (400, 400))\n"

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from homelab_dp.infer import request_body as rb
-from homelab_dp.serve import openai_api as api
-from homelab_dp.serve.guards import parse_bearer
-from homelab_dp.serve.supervisor import ReplicaLaunch, Supervisor
+from homelab_dp.serving.front import openai_api as api
+from homelab_dp.serving.front.replica_supervisor import ReplicaLaunch, Supervisor
+from homelab_dp.serving.front.request_guards import parse_bearer
+from homelab_dp.serving.replica import replica_protocol as rb
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -222,10 +222,10 @@ def test_replica_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 def engine() -> Iterator[Any]:
     import torch
 
-    from homelab_dp.infer.engine import Engine
-    from homelab_dp.infer.loading import load_for_inference
-    from homelab_dp.infer.prompting import eos_ids
-    from homelab_dp.rundir.results import resolve_model
+    from homelab_dp.runs.model_ref import resolve_model
+    from homelab_dp.serving.replica.generation_engine import Engine
+    from homelab_dp.serving.replica.prompt_templates import eos_ids
+    from homelab_dp.serving.replica.result_model import load_for_inference
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -236,8 +236,8 @@ def engine() -> Iterator[Any]:
 
 
 def _requests(engine: Any, hostile: dict[str, Any]) -> list[Any]:
-    from homelab_dp.infer.engine import Request
-    from homelab_dp.infer.prompting import prompt_ids
+    from homelab_dp.serving.replica.generation_engine import Request
+    from homelab_dp.serving.replica.prompt_templates import prompt_ids
 
     ids = prompt_ids(engine.tokenizer, prompt="The capital of")
     good = [Request(list(ids), 8, temperature=t, seed=3) for t in (0.0, 0.7, 1.0)]
@@ -273,9 +273,8 @@ def test_a_failing_row_fails_alone_in_the_engine(engine: Any, hostile: dict) -> 
 def test_a_failing_batch_is_retried_row_by_row(engine: Any) -> None:
     """A failure of the whole batched step (not one row's): each request is tried again alone,
     and only the one that fails alone too gets an error."""
-    from homelab_dp.infer.batcher import Batcher
-    from homelab_dp.infer.engine import Request
-    from homelab_dp.infer.prompting import prompt_ids
+    from homelab_dp.serving.replica.generation_engine import Batcher, Request
+    from homelab_dp.serving.replica.prompt_templates import prompt_ids
 
     ids = prompt_ids(engine.tokenizer, prompt="Hello")
     # A token id past the vocabulary: the embedding lookup of the whole batch raises.

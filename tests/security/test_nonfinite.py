@@ -3,7 +3,7 @@
 ``lr = inf`` used to complete a run whose weights were all NaN and ``lr = nan`` to start
 processes before failing; ``status --json`` printed ``NaN`` (not JSON). Now a non-finite number
 anywhere in a preset is exit 2 naming the field, before anything starts, and every JSON writer
-goes through `homelab_dp.core.json_safe` (non-finite floats become null).
+goes through `homelab_dp.json_safe` (non-finite floats become null).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from homelab_dp import json_safe
 from homelab_dp.cli import main
-from homelab_dp.core import json_safe
-from homelab_dp.core.preset import load_preset
+from homelab_dp.presets.preset import load_preset
 
 from ..conftest import DATA, ROOT
 
@@ -110,7 +110,7 @@ def test_what_a_default_turns_into_json_is_made_finite_too() -> None:
 def test_the_event_log_writes_a_nan_loss_as_null(tmp_path: Path) -> None:
     import torch
 
-    from homelab_dp.core.events import StepEvent
+    from homelab_dp.runs.run_events import StepEvent
     from homelab_dp.train.metrics import EventLog
 
     log = EventLog(tmp_path / "events.jsonl", enabled=True)

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from homelab_dp.cli import main
-from homelab_dp.rundir.state import current_state, read_state, update_state
+from homelab_dp.runs.folder.run_state import current_state, read_state, update_state
 
 from ..conftest import DATA
 

@@ -142,7 +142,9 @@ def _replica_pids(marker: str) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"homelab_dp.infer.replica" in cmdline and any(marker.encode() in a for a in cmdline):
+        if b"homelab_dp.serving.replica.transformers_replica" in cmdline and any(
+            marker.encode() in a for a in cmdline
+        ):
             pids.append(int(proc.name))
     return pids
 

@@ -2,7 +2,7 @@
 
 A stale state.json whose pid now belongs to another process (pid reuse, a copied run folder)
 used to make `stop` send SIGTERM to that process. Each pid is now recorded with its start time
-(`homelab_dp.rundir.state`); a process with another start time — or, in a state file written
+(`homelab_dp.runs.folder.run_state`); a process with another start time — or, in a state file written
 before start times were recorded, one whose command line is not homelab-dp's — is not the run's:
 it is never signalled, and the run reads as no longer running.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.cli import main
-from homelab_dp.rundir.state import (
+from homelab_dp.runs.folder.run_state import (
     alive_pids,
     is_run_process,
     process_start,

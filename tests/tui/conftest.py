@@ -19,9 +19,9 @@ from rich.console import Console
 from textual.pilot import Pilot
 from textual.widgets import Static
 
-from homelab_dp.run.controller import RunController, make_controller
-from homelab_dp.rundir.state import process_start
-from homelab_dp.tui.app import HomelabApp
+from homelab_dp.app.runs import RunController, make_controller
+from homelab_dp.runs.folder.run_state import process_start
+from homelab_dp.tui.tui_app import HomelabApp
 from tests.conftest import DATA
 
 RUN_ID = "20250301-101500-smollm2-135m-lora-7f3a"

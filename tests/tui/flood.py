@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.tui.app import HomelabApp
+from homelab_dp.tui.tui_app import HomelabApp
 
 KEY_LIVENESS_S = 10.0
 """Liveness guard on one key press: a key unanswered this long means the UI is stuck. Not a

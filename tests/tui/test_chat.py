@@ -13,9 +13,9 @@ from pathlib import Path
 from textual.pilot import Pilot
 from textual.widgets import Checkbox, Input, Select
 
-from homelab_dp.run.controller import RunController
-from homelab_dp.tui.app import HomelabApp
+from homelab_dp.app.runs import RunController
 from homelab_dp.tui.screens.chat import ChatScreen
+from homelab_dp.tui.tui_app import HomelabApp
 from homelab_dp.tui.widgets.chat_pane import ChatPane
 from tests.integration.conftest import DEMO_MODEL
 from tests.tui.conftest import RUN_ID, copy_run, open_app, wait_for

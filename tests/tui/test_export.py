@@ -1,5 +1,5 @@
 """Screen 5, Runs: `e` asks for a format and a folder and exports the selected run's result
-(in a child process: `python -m homelab_dp.infer.export`)."""
+(in a child process: `python -m homelab_dp.app.export`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from textual.widgets import Input, Select
 
-from homelab_dp.run.controller import RunController
+from homelab_dp.app.runs import RunController
 from homelab_dp.tui.screens.export_dialog import ExportDialog, default_out
 from homelab_dp.tui.screens.runs import RunsScreen
 from tests.integration.conftest import DEMO_DATA, DEMO_MODEL, make_run

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from textual.widgets import Static
 
-from homelab_dp.run import doctor
-from homelab_dp.run.controller import RunController
-from homelab_dp.run.machine_facts import BnbFacts, TorchDevice, TorchFacts
-from homelab_dp.tui.app import HomelabApp
+from homelab_dp.app import doctor
+from homelab_dp.app.runs import RunController
+from homelab_dp.probe.machine_facts import BnbFacts, TorchDevice, TorchFacts
 from homelab_dp.tui.screens.hardware import HardwareScreen
+from homelab_dp.tui.tui_app import HomelabApp
 from tests.tui.conftest import open_app, plain, use_gpus, wait_for
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from textual.widgets import Input, Select
 
-from homelab_dp.core.preset_store import user_presets_dir
-from homelab_dp.run.controller import RunController
+from homelab_dp.app.runs import RunController
+from homelab_dp.presets.preset_store import user_presets_dir
 from homelab_dp.tui.screens.launch import LaunchScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.plan import field_id

@@ -9,9 +9,9 @@ from typing import Any
 
 from textual.widgets import Log
 
-from homelab_dp.core.run_view import RunView
-from homelab_dp.run.controller import RunController
-from homelab_dp.rundir.tail import read_all
+from homelab_dp.app.runs import RunController
+from homelab_dp.runs.folder.jsonl_tail import read_all
+from homelab_dp.runs.run_view import RunView
 from homelab_dp.tui.screens.confirm import ConfirmScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.widgets.chart import Chart

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from homelab_dp.run.controller import RunController
+from homelab_dp.app.runs import RunController
 from homelab_dp.tui.widgets.chart import Chart
 from tests.tui.conftest import RUN_ID, copy_run, open_monitor, shows_snapshot
 

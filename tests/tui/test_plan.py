@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Input, Select
 
-from homelab_dp.run.controller import RunController
-from homelab_dp.tui.app import HomelabApp
+from homelab_dp.app.runs import RunController
 from homelab_dp.tui.screens.plan import PlanScreen, field_id
+from homelab_dp.tui.tui_app import HomelabApp
 from tests.tui.conftest import open_app, plain, wait_for
 
 SMOLLM = "smollm2-135m-lora-2x12gb"

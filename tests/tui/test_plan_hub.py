@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input
 
-from homelab_dp.run.controller import RunController
+from homelab_dp.app.runs import RunController
 from homelab_dp.tui.screens.plan import field_id
 from tests.hub_cache import REPO_ID, make_hub_cache, use_hub_cache
 from tests.tui.conftest import open_app, plain, wait_for

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from textual.widgets import DataTable, Input
 
-from homelab_dp.run.controller import RunController
-from homelab_dp.rundir.state import ACTIVE, current_state
+from homelab_dp.app.runs import RunController
+from homelab_dp.runs.folder.run_state import ACTIVE, current_state
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.runs import RunsScreen
 from tests.tui.conftest import open_app, wait_for

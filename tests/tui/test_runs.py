@@ -6,10 +6,10 @@ from pathlib import Path
 
 from textual.widgets import DataTable
 
-from homelab_dp.run.controller import RunController
-from homelab_dp.tui.app import HomelabApp
+from homelab_dp.app.runs import RunController
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.runs import RunsScreen
+from homelab_dp.tui.tui_app import HomelabApp
 from tests.tui.conftest import RUN_ID, copy_run, open_app, wait_for
 
 STOPPED = "20250301-091500-smollm2-135m-lora-0b1c"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from homelab_dp import cli
-from homelab_dp.tui import app as tui_app
+from homelab_dp.tui import tui_app
 from homelab_dp.tui.session import Session, override
 
 

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 from textual.pilot import Pilot
 
-from homelab_dp.run.controller import RunController
-from homelab_dp.tui.app import HomelabApp
+from homelab_dp.app.runs import RunController
+from homelab_dp.tui.tui_app import HomelabApp
 from tests.tui.conftest import RUN_ID
 
 SIZE = (80, 24)

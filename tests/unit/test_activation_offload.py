@@ -1,6 +1,6 @@
 """`train.activation_offload`: the saved-tensor hooks move activations to the host, never weights.
 
-On the tiny LLaMA as the worker loads it (`train.model.load_model`, the chunked loss head
+On the tiny LLaMA as the worker loads it (`train.trainable_model.load_model`, the chunked loss head
 installed): ``torch.autograd.graph.save_on_cpu`` copies every saved tensor, the frozen base
 weights and lm_head among them; `ActivationOffload` keeps those on their device and moves the
 rest, with bitwise the same training.
@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from homelab_dp.core.activation_memory import moved_activation_bytes
-from homelab_dp.core.memory import TrainShape, budget
-from homelab_dp.core.model_spec import load_model_spec
+from homelab_dp.planning.memory.device_memory import TrainShape, budget, moved_activation_bytes
+from homelab_dp.planning.model_spec import load_model_spec
 from homelab_dp.train.activation_offload import MIN_OFFLOAD_BYTES, ActivationOffload
 from homelab_dp.train.loss import install_loss_head
 

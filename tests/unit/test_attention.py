@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.attention_rule import choose_attention, is_flash_attn_2
 from homelab_dp.data.blocks import IGNORE_INDEX, Block, Example, build_blocks
+from homelab_dp.planning.attention_rule import choose_attention, is_flash_attn_2
 from homelab_dp.train.attention import (
     attention_choice,
     attention_implementation,
@@ -105,9 +105,9 @@ def test_the_rule_itself():
 
 
 def test_plan_names_the_attention_and_why(monkeypatch, in_repo, flash_attn_2):
-    from homelab_dp.core.preset_store import open_preset
-    from homelab_dp.probe.fake import FAKE_ENV
-    from homelab_dp.run.planning import make_plan
+    from homelab_dp.app.plan import make_plan
+    from homelab_dp.presets.preset_store import open_preset
+    from homelab_dp.probe.fake_nvml import FAKE_ENV
     from tests.conftest import DATA
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -130,9 +130,9 @@ def test_the_memory_budget_assumes_the_attention_that_runs(monkeypatch, in_repo,
     """The planner budgets SDPA's packed mask (and repeated key/value heads) wherever the
     worker will run SDPA: installing flash-attn 2 changes nothing on Turing, and removes the
     mask from the budget on Ampere."""
-    from homelab_dp.core.preset_store import open_preset
-    from homelab_dp.probe.fake import FAKE_ENV
-    from homelab_dp.run.planning import make_plan
+    from homelab_dp.app.plan import make_plan
+    from homelab_dp.presets.preset_store import open_preset
+    from homelab_dp.probe.fake_nvml import FAKE_ENV
     from tests.conftest import DATA
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from homelab_dp.serve.balancer import Balancer
+from homelab_dp.serving.front.replica_relay import Balancer
 
 
 def test_nothing_ready_picks_nothing() -> None:

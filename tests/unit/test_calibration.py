@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.calibration import (
+from homelab_dp.planning.memory.device_memory import MiB, Overhead, TrainShape, assumed_overhead
+from homelab_dp.planning.memory.memory_calibration import (
     KEEP_PER_FINGERPRINT,
     CalibrationStore,
     HardwareCalibration,
@@ -17,11 +18,10 @@ from homelab_dp.core.calibration import (
     corrected_overhead,
     fingerprint,
 )
-from homelab_dp.core.hardware import GiB, parse_gpus_spec
-from homelab_dp.core.memory import MiB, Overhead, TrainShape, assumed_overhead
-from homelab_dp.core.model_spec import spec_from_config
-from homelab_dp.core.planner import measurement_key, plan
-from homelab_dp.core.preset import preset_from_dict
+from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.planner import measurement_key, plan
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 
 from .test_planner import SMOLLM_135M
 

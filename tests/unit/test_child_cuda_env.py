@@ -1,6 +1,6 @@
 """Every child that may touch CUDA gets its cards by the launcher's one rule (issue 22 point 7).
 
-`probe.visible.cuda_device_env`: ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` whenever
+`probe.visible_gpus.cuda_device_env`: ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` whenever
 ``CUDA_VISIBLE_DEVICES`` is set, so that an NVML index (what `homelab-dp probe` shows and what
 the user types) names the same card for CUDA on a rig of mixed cards. Checked here on the
 function that builds each child's environment: eval's workers, the TUI's chat server, `chat`'s
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.app.evaluate import Devices, eval_env
+from homelab_dp.app.export import cpu_child_env
 from homelab_dp.cli.chat import device_env
-from homelab_dp.infer.export import cpu_child_env
-from homelab_dp.run.evaluate import Devices, eval_env
 from homelab_dp.tui.chat_server import ChatServer
 
 MIXED = {"PATH": "/usr/bin", "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from homelab_dp.core.logits_memory import chunk_peak_bytes, chunk_tokens  # noqa: E402
+from homelab_dp.planning.memory.device_memory import chunk_peak_bytes, chunk_tokens  # noqa: E402
 from homelab_dp.train.loss import (  # noqa: E402
     ChunkedLossHead,
     chunked_cross_entropy,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.cli import main
-from homelab_dp.core.preset_store import SHIPPED_PRESETS, load_preset
+from homelab_dp.presets.preset_store import SHIPPED_PRESETS, load_preset
 
 from ..conftest import DATA, ROOT
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.preset import DataSection
 from homelab_dp.data.blocks import (
     IGNORE_INDEX,
     Block,
@@ -26,6 +25,7 @@ from homelab_dp.data.blocks import (
     tokenize_records,
 )
 from homelab_dp.errors import DataError
+from homelab_dp.presets.preset import DataSection
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "assets" / "models" / "tiny-llama"

@@ -16,12 +16,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from homelab_dp.core.preset import DataSection
 from homelab_dp.data import token_cache
 from homelab_dp.data.blocks import load_dataset
-from homelab_dp.data.loading import load_examples
-from homelab_dp.data.split import load_train_eval
+from homelab_dp.data.eval_split import load_train_eval
+from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import DataError
+from homelab_dp.presets.preset import DataSection
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -252,8 +252,8 @@ def test_a_cache_hit_loads_no_tokenizer(tmp_path: Path, monkeypatch) -> None:
            "data": {"path": str(data), "columns": MAP, "seq_len": 64}}  # fmt: skip
     code = (
         "import json, sys\n"
-        "from homelab_dp.core.preset import preset_from_dict\n"
-        "from homelab_dp.run.preflight import check_data\n"
+        "from homelab_dp.presets.preset import preset_from_dict\n"
+        "from homelab_dp.app.runs import check_data\n"
         f"preset = preset_from_dict(json.loads({json.dumps(json.dumps(doc))}))\n"
         "blocks, share = check_data(preset, 128, 2, 2)\n"
         "print(json.dumps([blocks, share, 'transformers' in sys.modules]))\n"

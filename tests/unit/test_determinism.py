@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from homelab_dp.core.preset import SECTIONS, field_docs, preset_from_dict
-from homelab_dp.core.runspec import RunSpec
 from homelab_dp.errors import PresetError
-from homelab_dp.run.launcher import worker_env
+from homelab_dp.presets.preset import SECTIONS, field_docs, preset_from_dict
+from homelab_dp.runs.run_spec import RunSpec
+from homelab_dp.supervise.launcher import worker_env
 from tests.conftest import DATA
 
 RECORDED = DATA / "events" / "20250301-101500-smollm2-135m-lora-7f3a" / "spec.json"
@@ -62,7 +62,7 @@ def test_the_spec_carries_the_field_and_an_older_spec_reads_as_off() -> None:
 def test_set_determinism_turns_the_torch_switches_on(monkeypatch) -> None:
     import torch
 
-    from homelab_dp.train.setup import set_determinism
+    from homelab_dp.train.rank_setup import set_determinism
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so restored afterwards
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")

@@ -54,3 +54,27 @@ def test_every_guide_page_is_in_the_index() -> None:
     index = set(_links(ROOT / "docs" / "README.md"))
     pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
     assert pages <= {t.partition("#")[0] for t in index}
+
+
+def test_the_architecture_page_names_every_folder_and_module() -> None:
+    """docs/ARCHITECTURE.md matches the tree: each package folder (`planning/memory/`) and each
+    module's file name outside the front ends is named there, so a newcomer finds every part."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    package = ROOT / "homelab_dp"
+    missing = []
+    for folder in sorted(p for p in package.rglob("*") if (p / "__init__.py").is_file()):
+        rel = folder.relative_to(package).as_posix()
+        if rel.split("/")[0] in ("cli", "render", "tui"):
+            continue
+        if f"{rel}/" not in text and f"**{rel.rsplit('/', 1)[-1]}/**" not in text:
+            missing.append(f"{rel}/")
+    for module in sorted(package.rglob("*.py")):
+        rel = module.relative_to(package)
+        if module.name == "__init__.py" or rel.parts[0] in ("cli", "render", "tui"):
+            continue
+        if f"`{module.name}`" not in text and f"{rel.as_posix()}" not in text:
+            missing.append(rel.as_posix())
+    for front in ("cli/", "render/", "tui/"):
+        if front not in text:
+            missing.append(front)
+    assert missing == []

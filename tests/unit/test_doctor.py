@@ -8,15 +8,14 @@ from dataclasses import replace
 
 import pytest
 
+from homelab_dp.app import doctor
+from homelab_dp.app.doctor import Check, install_hint, wheel_tag
 from homelab_dp.cli import main
-from homelab_dp.core.hardware import GiB, HardwareReport
-from homelab_dp.probe.fake import load_recording
+from homelab_dp.probe.fake_nvml import load_recording
+from homelab_dp.probe.hardware import GiB, HardwareReport
+from homelab_dp.probe.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
 from homelab_dp.probe.nvml import probe
 from homelab_dp.render.doctor import checks_panel, render_doctor, summary
-from homelab_dp.run import doctor
-from homelab_dp.run.cuda_torch import install_hint, wheel_tag
-from homelab_dp.run.doctor import Check
-from homelab_dp.run.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
 
 from ..conftest import DATA
 
@@ -384,7 +383,7 @@ def test_torch_is_asked_in_a_child_so_the_front_end_never_holds_cuda() -> None:
 
     code = (
         "import json, sys\n"
-        "from homelab_dp.run import doctor\n"
+        "from homelab_dp.app import doctor\n"
         "f = doctor.gather()\n"
         "print(json.dumps([f.torch.version is not None, 'torch' in sys.modules]))"
     )

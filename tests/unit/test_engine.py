@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from homelab_dp.data.blocks import format_instruction
-from homelab_dp.infer.engine import Engine, Request, TextStream
-from homelab_dp.infer.loading import load_for_inference
-from homelab_dp.infer.prompting import (
+from homelab_dp.runs.model_ref import ModelRef, resolve_model
+from homelab_dp.serving.replica.generation_engine import Engine, Request, TextStream
+from homelab_dp.serving.replica.prompt_templates import (
     CHAT,
     INSTRUCTION,
     INSTRUCTION_STOP,
@@ -25,7 +25,7 @@ from homelab_dp.infer.prompting import (
     render_messages,
     template_for,
 )
-from homelab_dp.rundir.results import ModelRef, resolve_model
+from homelab_dp.serving.replica.result_model import load_for_inference
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"

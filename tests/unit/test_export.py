@@ -1,7 +1,7 @@
 """`homelab-dp export`: a merged export computes what the base with its adapter computes; the
 Modelfile's exact lines; every refusal exits 2 before anything is written.
 
-The runs are real run folders (`make_run` writes spec.json through `rundir.files`, as the
+The runs are real run folders (`make_run` writes spec.json through `runs.folder.run_folder`, as the
 controller does); the LoRA run's ``final/`` is a real PEFT adapter on the demo model with a
 nonzero ``lora_B`` (a fresh adapter's update is zero: it would not tell a merge from none).
 The merges run in this process on the CPU, as the CLI runs them.
@@ -21,9 +21,14 @@ import pytest
 import torch
 
 from homelab_dp.cli.main import main
-from homelab_dp.infer.modelfile import build_modelfile, cut_chat_template
-from homelab_dp.infer.prompting import CHAT, PLAIN, Template
-from homelab_dp.rundir.files import read_run_spec, write_run_spec
+from homelab_dp.runs.folder.run_folder import read_run_spec, write_run_spec
+from homelab_dp.serving.replica.prompt_templates import (
+    CHAT,
+    PLAIN,
+    Template,
+    build_modelfile,
+    cut_chat_template,
+)
 
 from ..integration.conftest import DEMO_DATA, DEMO_MODEL, make_run
 
@@ -297,7 +302,7 @@ def test_gguf_runs_llama_cpps_converter_on_the_merge(runs: Path, tmp_path: Path,
 
 def test_the_export_module_loads_no_torch() -> None:
     """The TUI imports it for the export child: torch stays out of the TUI's process."""
-    code = ("import sys, homelab_dp.infer.export, homelab_dp.tui.screens.export_dialog; "
+    code = ("import sys, homelab_dp.app.export, homelab_dp.tui.screens.export_dialog; "
             "print('torch' in sys.modules)")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from homelab_dp.core.finder import plan_largest_micro_batch as plan_finder
-from homelab_dp.core.fit import accumulation_for, search_micro_batch
-from homelab_dp.core.hardware import GiB, parse_gpus_spec
-from homelab_dp.core.model_spec import spec_from_config
-from homelab_dp.core.planner import SAFETY_MARGIN, evaluate, plan
-from homelab_dp.core.preset import preset_from_dict
+from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.planner import (
+    SAFETY_MARGIN,
+    accumulation_for,
+    evaluate,
+    plan,
+    search_micro_batch,
+)
+from homelab_dp.planning.planner import plan_largest_micro_batch as plan_finder
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 
 from .test_planner import LLAMA3_8B, SMOLLM_135M
 
@@ -140,8 +145,8 @@ def test_plan_command_finds_the_micro_batch(in_repo, capsys) -> None:
 def test_run_auto_fit_prepares_the_found_micro_batch(in_repo, capsys) -> None:
     import argparse
 
+    from homelab_dp.app.runs import make_controller
     from homelab_dp.cli.runs import _fitted
-    from homelab_dp.run.controller import make_controller
 
     args = argparse.Namespace(preset="tiny-demo", set=["train.grad_accum=4"], gpus=None,
                               json=False)  # fmt: skip

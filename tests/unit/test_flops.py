@@ -9,20 +9,20 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from homelab_dp.core.events import StepEvent, parse_event
-from homelab_dp.core.flops import (
+from homelab_dp.planning.flops import (
     causal_span,
     flops_per_token,
     linear_matmul_params,
     mfu,
     peak_flops,
 )
-from homelab_dp.core.model_spec import spec_from_config
-from homelab_dp.core.preset_store import open_preset
-from homelab_dp.core.run_view import RunView
-from homelab_dp.core.runspec import Launch, Resolved, RunSpec
+from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.presets.preset_store import open_preset
 from homelab_dp.render.run_view import live_panel, step_line
 from homelab_dp.render.runs import status_lines
+from homelab_dp.runs.run_events import StepEvent, parse_event
+from homelab_dp.runs.run_spec import Launch, Resolved, RunSpec
+from homelab_dp.runs.run_view import RunView
 from tests.unit.test_model_spec import PUBLISHED
 
 LLAMA3_8B = spec_from_config(PUBLISHED["Meta-Llama-3-8B"][0])
@@ -201,7 +201,7 @@ def test_status_shows_mfu_when_its_document_has_it() -> None:
 def test_the_worker_counts_real_tokens_against_the_cards_peak(in_repo: Path) -> None:
     import torch
 
-    from homelab_dp.core.model_spec import load_model_spec
+    from homelab_dp.planning.model_spec import load_model_spec
     from homelab_dp.train.metrics import StepFlops, device_peak_flops
 
     assert device_peak_flops(torch.device("cpu")) is None

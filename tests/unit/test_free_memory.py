@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.hardware import GiB, GpuProcess, MiB, free_margin
-from homelab_dp.core.planner import SAFETY_MARGIN
-from homelab_dp.core.preset_store import open_preset
-from homelab_dp.probe.fake import FAKE_ENV, FakeNvml, load_recording
+from homelab_dp.app.plan import make_plan
+from homelab_dp.planning.planner import SAFETY_MARGIN
+from homelab_dp.presets.preset_store import open_preset
+from homelab_dp.probe.fake_nvml import FAKE_ENV, FakeNvml, load_recording
+from homelab_dp.probe.hardware import GiB, GpuProcess, MiB, free_margin
 from homelab_dp.probe.nvml import probe
 from homelab_dp.render.plan import decision_text
-from homelab_dp.run.planning import make_plan
 from tests.conftest import DATA
 from tests.unit.test_cli import run_cli
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.hardware import GpuLink
-from homelab_dp.core.preset_store import open_preset
-from homelab_dp.core.runspec import Launch, Rendezvous, Resolved, RunSpec
+from homelab_dp.app.plan import make_plan
+from homelab_dp.app.runs import Prepared
 from homelab_dp.errors import HardwareSpecError, PresetError
-from homelab_dp.probe.fake import FAKE_ENV, load_recording
+from homelab_dp.presets.preset_store import open_preset
+from homelab_dp.probe.fake_nvml import FAKE_ENV, load_recording
+from homelab_dp.probe.hardware import GpuLink
 from homelab_dp.probe.nvml import probe
-from homelab_dp.probe.visible import cuda_device_env, visibility
-from homelab_dp.run.controller import Prepared
-from homelab_dp.run.launcher import worker_env
-from homelab_dp.run.planning import make_plan
+from homelab_dp.probe.visible_gpus import cuda_device_env, visibility
+from homelab_dp.runs.run_spec import Launch, Rendezvous, Resolved, RunSpec
+from homelab_dp.supervise.launcher import worker_env
 from tests.conftest import DATA
 
 NVML = DATA / "nvml"
@@ -236,7 +236,7 @@ def test_a_hidden_card_that_cannot_be_opened_is_not_warned_about(
     data = json.loads((NVML / "p40+3090.json").read_text())
     data["devices"][0]["handle"] = "ERROR:GPU_IS_LOST"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    from homelab_dp.probe.fake import FakeNvml
+    from homelab_dp.probe.fake_nvml import FakeNvml
 
     report = probe(FakeNvml(data))
     assert [g.index for g in report.gpus] == [1]
@@ -328,7 +328,7 @@ def test_a_cpu_run_leaves_the_cuda_variables_alone(
 
 
 def test_the_probe_table_names_each_cards_capability_and_precision() -> None:
-    from homelab_dp.core.hardware import GpuInfo
+    from homelab_dp.probe.hardware import GpuInfo
     from homelab_dp.render.probe import compute_text
 
     assert (

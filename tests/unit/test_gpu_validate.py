@@ -105,7 +105,7 @@ def test_the_serve_and_eval_helpers() -> None:
     _load()  # puts benchmarks/ on the path, as the script does
     import gpu_validate_steps as s
 
-    from homelab_dp.serve.front import ready_line
+    from homelab_dp.serving.front.openai_server import ready_line
 
     # the URL from the very line `homelab-dp serve` prints, after other output
     line = ready_line("20261201-tiny-demo-c75d", "127.0.0.1", 36113, ["GPU 0 (NVIDIA H200)"])

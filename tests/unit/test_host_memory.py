@@ -1,22 +1,21 @@
-"""The host RAM model (`core.host_memory.host_budget`) and the plan's ``host`` block."""
+"""The host RAM model (`planning.memory.host_memory.host_budget`) and the plan's ``host`` block."""
 
 from __future__ import annotations
 
 import pytest
 
-from homelab_dp.core.hardware import GiB, HardwareReport, HostInfo, parse_gpus_spec
-from homelab_dp.core.host_memory import (
+from homelab_dp.app.plan import host_available
+from homelab_dp.planning.memory.device_memory import TrainShape, budget
+from homelab_dp.planning.memory.host_memory import (
     CHECKPOINT_BYTES_PER_PARAM,
     CUDA_HOST_RUNTIME_BYTES,
     host_budget,
 )
-from homelab_dp.core.host_plan import with_host
-from homelab_dp.core.memory import TrainShape, budget
-from homelab_dp.core.model_spec import spec_from_config
-from homelab_dp.core.planner import plan
-from homelab_dp.core.preset import preset_from_dict
+from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.planner import plan, with_host
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.probe.hardware import GiB, HardwareReport, HostInfo, parse_gpus_spec
 from homelab_dp.render.plan import host_line
-from homelab_dp.run.planning import host_available
 
 from .test_model_spec import PUBLISHED
 

@@ -2,7 +2,7 @@
 
 torch's caching host allocator rounds each pinned allocation up to a power of two; the state is
 one buffer per kind (each parameter's tensor a view), so it rounds once per kind, as the planner
-counts (`core.pinned_memory`). On the CPU nothing is pinned, but the layout is the same.
+counts (`planning.memory.pinned_memory`). On the CPU nothing is pinned, but the layout is the same.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Models by Hugging Face id (`hub.models`, `run.model_source`, `plan --model`, `pull`), on a
+"""Models by Hugging Face id (`hub.hub_models`, `runs.model_ref`, `plan --model`, `pull`), on a
 hub cache laid out in a temporary folder (`tests/hub_cache.py`), offline.
 
 Where a download is the point, huggingface_hub's two download functions are replaced by fakes
@@ -22,8 +22,8 @@ from huggingface_hub.utils import filter_repo_objects
 
 from homelab_dp.cli.main import main
 from homelab_dp.errors import HomelabError, ModelSpecError
-from homelab_dp.hub.models import NotCachedError, missing_parts, resolve_model_id
-from homelab_dp.run.model_source import is_model_id, resolve_model_arg
+from homelab_dp.hub.hub_models import NotCachedError, missing_parts, resolve_model_id
+from homelab_dp.runs.model_ref import is_model_id, resolve_model_arg
 
 from ..conftest import ROOT
 from ..hub_cache import (

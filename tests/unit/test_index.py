@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.rundir import index
-from homelab_dp.rundir.files import open_runs_root
-from homelab_dp.rundir.index import (
+from homelab_dp.runs.folder import run_index as index
+from homelab_dp.runs.folder.run_folder import open_runs_root
+from homelab_dp.runs.folder.run_index import (
     RunAmbiguousError,
     RunGoneError,
     RunUnknownError,

@@ -1,6 +1,6 @@
 """16-bit inference keeps what must stay fp32 in fp32 (issue 22 point 3).
 
-`infer.loading.load_for_inference` (chat, serve's replicas) and `infer.merge` (export) load the
+`serving.replica.result_model.load_for_inference` (chat, serve's replicas) and `serving.replica.result_model` (export) load the
 weights in the compute dtype and move them with ``.to(device)`` only: the rotary ``inv_freq``
 buffers and the modules a model keeps in fp32 (``_keep_in_fp32_modules_strict``) stay fp32. On
 the CPU the loader picks fp32, so bf16 is what a card would get (`inference_dtype`'s answer on
@@ -16,10 +16,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from homelab_dp.infer import loading
-from homelab_dp.infer.loading import load_for_inference
-from homelab_dp.infer.merge import merge_to
-from homelab_dp.rundir.results import resolve_model
+from homelab_dp.runs.model_ref import resolve_model
+from homelab_dp.serving.replica import result_model as loading
+from homelab_dp.serving.replica.result_model import load_for_inference, merge_to
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "assets" / "models" / "tiny-llama"
 KEPT = "o_proj"

@@ -15,15 +15,18 @@ import homelab_dp
 PACKAGE = Path(homelab_dp.__file__).parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "errors"),
-    ("core",),
-    ("probe", "data", "rundir", "hub"),
-    ("train", "run", "infer", "serve"),
+    ("__init__", "errors", "vocabulary", "json_safe"),
+    ("hub", "probe"),
+    ("presets", "data"),
+    ("planning", "runs"),
+    ("train", "supervise", "serving", "serving.front", "serving.replica"),
+    ("app",),
     ("render",),
     ("tui",),
     ("cli",),
 )
-"""Parts of the package (its top-level modules and sub-packages), bottom layer first."""
+"""Parts of the package (its top-level modules and sub-packages, and the two halves of serving),
+bottom layer first: one folder per subject (docs/ARCHITECTURE.md says what each owns)."""
 
 LAYER_OF = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
@@ -68,7 +71,10 @@ def graph() -> dict[str, set[str]]:
 
 
 def part_of(module: str) -> str:
+    """The part a module belongs to: a two-level part where LAYERS names one (serving.front)."""
     parts = module.split(".")
+    if len(parts) > 2 and ".".join(parts[1:3]) in LAYER_OF:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -108,12 +114,12 @@ def test_no_import_circles() -> None:
 
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     """The checker itself: an import inside a function is an edge like any other."""
-    code = "def f():\n    from homelab_dp.core import preset\n    from .hardware import x\n"
+    code = "def f():\n    from homelab_dp.presets import preset\n    from .plan_result import x\n"
     path = tmp_path / "planner.py"
     path.write_text(code)
-    known = {"homelab_dp.core.preset", "homelab_dp.core.hardware"}
-    found = imported("homelab_dp.core.planner", path, known)
-    assert found == {"homelab_dp.core.preset", "homelab_dp.core.hardware"}
+    known = {"homelab_dp.presets.preset", "homelab_dp.planning.plan_result"}
+    found = imported("homelab_dp.planning.planner", path, known)
+    assert found == {"homelab_dp.presets.preset", "homelab_dp.planning.plan_result"}
 
 
 MAX_MODULE_LINES = 800
@@ -152,3 +158,17 @@ def test_every_import_of_the_projects_names_resolves() -> None:
                 ):
                     missing.append(f"{name}: from {node.module} import {alias.name}")
     assert missing == []
+
+
+FRONT_ENDS = ("cli", "render", "tui")
+"""Front ends may mirror the name of the part they show (cli/plan.py, render/plan.py,
+app/plan.py); nowhere else do two modules share a file name."""
+
+
+def test_a_file_name_says_what_it_holds_without_its_folder() -> None:
+    names: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        if path.name == "__init__.py" or part_of(name) in FRONT_ENDS:
+            continue
+        names.setdefault(path.name, []).append(name)
+    assert {n: m for n, m in names.items() if len(m) > 1} == {}

@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 
-from homelab_dp.core.preset import preset_from_dict
-from homelab_dp.core.runspec import Resolved
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.lora import param_bytes
-from homelab_dp.train.model import LoadedModel, load_model
+from homelab_dp.train.trainable_model import LoadedModel, load_model
 
 from ..conftest import ROOT
 
@@ -193,9 +193,9 @@ def test_the_plan_counts_the_fp32_embeddings_and_norms_of_an_fp16_run() -> None:
     """A LoRA or QLoRA base under fp16 keeps its embeddings and norms in fp32
     (`residual_in_fp32`): the memory model's weights grow by 2 bytes for each of them, against
     the same run in bf16, and by nothing for a full fine-tune (fp32 master weights already)."""
-    from homelab_dp.core.memory import budget
-    from homelab_dp.core.model_spec import load_model_spec
-    from homelab_dp.core.shape import TrainShape
+    from homelab_dp.planning.memory.device_memory import budget
+    from homelab_dp.planning.memory.train_shape import TrainShape
+    from homelab_dp.planning.model_spec import load_model_spec
     from tests.conftest import ROOT
 
     spec = load_model_spec(ROOT / "assets" / "configs" / "qwen2-0.5b")

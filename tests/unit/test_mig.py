@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.app import doctor
+from homelab_dp.app.doctor import torch_mismatch
+from homelab_dp.app.plan import make_plan
 from homelab_dp.cli import main
-from homelab_dp.core.hardware import GiB, MigInfo, MigSlice
-from homelab_dp.core.preset_store import open_preset
 from homelab_dp.errors import HardwareSpecError
-from homelab_dp.probe.fake import FAKE_ENV, FakeNvml, load_recording
+from homelab_dp.presets.preset_store import open_preset
+from homelab_dp.probe.fake_nvml import FAKE_ENV, FakeNvml, load_recording
+from homelab_dp.probe.hardware import GiB, MigInfo, MigSlice
+from homelab_dp.probe.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
 from homelab_dp.probe.nvml import probe
-from homelab_dp.probe.visible import visibility
-from homelab_dp.run import doctor
-from homelab_dp.run.cuda_torch import torch_mismatch
-from homelab_dp.run.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
-from homelab_dp.run.planning import make_plan
+from homelab_dp.probe.visible_gpus import visibility
 from tests.conftest import DATA
 
 NVML = DATA / "nvml"
@@ -282,9 +282,9 @@ def test_the_run_names_the_planned_slice_to_cuda(
 ) -> None:
     """The workers see exactly the planned MIG slice: CUDA_VISIBLE_DEVICES holds its MIG UUID
     (the card's GPU UUID would show CUDA no device while MIG is on)."""
-    from homelab_dp.core.runspec import Resolved
-    from homelab_dp.run.controller import Prepared
-    from homelab_dp.run.launcher import worker_env
+    from homelab_dp.app.runs import Prepared
+    from homelab_dp.runs.run_spec import Resolved
+    from homelab_dp.supervise.launcher import worker_env
 
     planned = _plan(monkeypatch, MIG_A100)
     p = planned.plan
@@ -299,7 +299,7 @@ def test_the_run_names_the_planned_slice_to_cuda(
 def test_serve_puts_one_replica_on_each_slice(monkeypatch, in_repo: Path) -> None:
     """Replicas never talk to each other, so a MIG card serves one replica per slice, each
     named to CUDA by its MIG UUID and planned in the slice's memory (never the whole card's)."""
-    from homelab_dp.run.serve_planning import plan_serve
+    from homelab_dp.app.serve import plan_serve
 
     monkeypatch.setenv(FAKE_ENV, str(MIG_A100))
     slices = probe().gpus[0].mig.slices
@@ -312,7 +312,7 @@ def test_serve_puts_one_replica_on_each_slice(monkeypatch, in_repo: Path) -> Non
 def test_a_queued_run_waits_for_its_slice_not_the_whole_card(monkeypatch) -> None:
     """What is free for a run queued on a MIG slice is that slice's memory: another user holds
     20 GiB of slice 0 in the recording, so slice 0 has that much less free than slice 1."""
-    from homelab_dp.run.queue import free_memory
+    from homelab_dp.runs.run_queue import free_memory
 
     monkeypatch.setenv(FAKE_ENV, str(MIG_A100))
     card = probe().gpus[0]

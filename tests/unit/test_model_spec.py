@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from homelab_dp.core.model_spec import load_model_spec, spec_from_config
 from homelab_dp.errors import ModelSpecError
+from homelab_dp.planning.model_spec import load_model_spec, spec_from_config
 
 # Small configs of every supported family, with the features that change the count:
 # GQA, explicit head_dim, tied and untied embeddings, biases, extra norms.

@@ -9,8 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.finder import plan_largest_micro_batch
-from homelab_dp.core.hardware import (
+from homelab_dp.errors import PresetError
+from homelab_dp.planning.memory.device_memory import (
+    NF4_BYTES_PER_PARAM,
+    TrainShape,
+    activation_bytes,
+    budget,
+    comm_bytes_per_step,
+)
+from homelab_dp.planning.memory.host_memory import (
+    CHECKPOINT_BYTES_PER_PARAM,
+    CUDA_HOST_RUNTIME_BYTES,
+)
+from homelab_dp.planning.memory.offload_cost import ASSUMED_MFU, PCIE_EFFICIENCY, plan_link
+from homelab_dp.planning.model_spec import load_model_spec
+from homelab_dp.planning.planner import measurement_key, plan, plan_largest_micro_batch, with_host
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.probe.hardware import (
     GiB,
     GpuInfo,
     PlanDevice,
@@ -18,20 +33,6 @@ from homelab_dp.core.hardware import (
     parse_gpus_spec,
     trained_pcie_link,
 )
-from homelab_dp.core.host_memory import CHECKPOINT_BYTES_PER_PARAM, CUDA_HOST_RUNTIME_BYTES
-from homelab_dp.core.host_plan import with_host
-from homelab_dp.core.memory import (
-    NF4_BYTES_PER_PARAM,
-    TrainShape,
-    activation_bytes,
-    budget,
-    comm_bytes_per_step,
-)
-from homelab_dp.core.model_spec import load_model_spec
-from homelab_dp.core.offload import ASSUMED_MFU, PCIE_EFFICIENCY, plan_link
-from homelab_dp.core.planner import measurement_key, plan
-from homelab_dp.core.preset import preset_from_dict
-from homelab_dp.errors import PresetError
 from homelab_dp.render.plan import render_plan
 
 from ..conftest import ROOT
@@ -335,7 +336,7 @@ def test_nothing_offloads_while_something_fits_without_it() -> None:
 @pytest.mark.parametrize("distribution", ["ddp", "zero1"])
 @pytest.mark.parametrize("offload", ["params", "optimizer"])
 def test_offload_with_a_pinned_ddp_is_refused(distribution, offload) -> None:
-    # The preset itself refuses it (`core.preset`); a preset made without that check (or
+    # The preset itself refuses it (`presets.preset`); a preset made without that check (or
     # changed after it) is refused by the planner, naming the field and what to set.
     with pytest.raises(PresetError) as err:
         _plan("2x24GiB", distribution=distribution, offload=offload)

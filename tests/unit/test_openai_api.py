@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from homelab_dp.serve import openai_api as api
+from homelab_dp.serving.front import openai_api as api
 
 
 def completion(**fields) -> api.Generation:

@@ -86,8 +86,8 @@ def test_nan_logits_never_pass():
 
 
 def test_the_plan_warns_when_packing_cannot_be_proven_ahead(in_repo):
-    from homelab_dp.core.attention_rule import packing_reasons
-    from homelab_dp.core.preset_store import open_preset
+    from homelab_dp.planning.attention_rule import packing_reasons
+    from homelab_dp.presets.preset_store import open_preset
 
     assert packing_reasons(open_preset("tiny-demo", ["data.pack=true"]), "llama") == []
     assert packing_reasons(open_preset("tiny-demo", ["data.pack=false"]), "falcon") == []

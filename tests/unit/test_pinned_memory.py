@@ -1,4 +1,4 @@
-"""`core.pinned_memory`: what pinned host memory torch hands out, and the planner's host line.
+"""`planning.memory.pinned_memory`: what pinned host memory torch hands out, and the planner's host line.
 
 torch's caching host allocator rounds each pinned allocation up to the next power of two; the
 plan's host line counts the rounding where the worker cannot avoid it (FSDP2's per-shard pins,
@@ -11,20 +11,22 @@ from dataclasses import replace
 
 import pytest
 
-from homelab_dp.core.activation_memory import (
+from homelab_dp.planning.memory.device_memory import (
+    TrainShape,
     activation_bytes,
+    budget,
     moved_activation_bytes,
     pinned_activation_bytes,
+    trainable_params,
 )
-from homelab_dp.core.memory import TrainShape, budget, trainable_params
-from homelab_dp.core.model_spec import load_model_spec
-from homelab_dp.core.pinned_memory import (
+from homelab_dp.planning.memory.pinned_memory import (
     fsdp_offload_pinned_bytes,
     fsdp_param_tensors,
     host_adamw_pinned_bytes,
     pinned_bytes,
     rounding,
 )
+from homelab_dp.planning.model_spec import load_model_spec
 
 from ..conftest import ROOT
 

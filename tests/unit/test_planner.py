@@ -6,14 +6,17 @@ from dataclasses import replace
 
 import pytest
 
-from homelab_dp.core.finder import plan_largest_micro_batch
-from homelab_dp.core.hardware import GiB, parse_gpus_spec
-from homelab_dp.core.logits_memory import chunk_peak_bytes
-from homelab_dp.core.memory import NF4_BYTES_PER_PARAM, TrainShape, budget
-from homelab_dp.core.model_spec import spec_from_config
-from homelab_dp.core.planner import plan
-from homelab_dp.core.preset import preset_from_dict
 from homelab_dp.errors import HardwareSpecError, PresetError
+from homelab_dp.planning.memory.device_memory import (
+    NF4_BYTES_PER_PARAM,
+    TrainShape,
+    budget,
+    chunk_peak_bytes,
+)
+from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.planner import plan, plan_largest_micro_batch
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 
 from .test_model_spec import FAMILY_CONFIGS as PUBLISHED_SMALL
 from .test_model_spec import PUBLISHED

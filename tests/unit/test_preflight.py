@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from homelab_dp.app import doctor
+from homelab_dp.app.runs import make_controller
 from homelab_dp.cli import main
 from homelab_dp.errors import HomelabError
-from homelab_dp.run import doctor
-from homelab_dp.run.controller import make_controller
-from homelab_dp.run.machine_facts import TorchDevice, TorchFacts
+from homelab_dp.probe.machine_facts import TorchDevice, TorchFacts
 
 from ..conftest import DATA
 

@@ -13,20 +13,24 @@ from typing import Any
 
 import pytest
 
+from homelab_dp.app.plan import make_plan
 from homelab_dp.cli.main import main
-from homelab_dp.core.preset_results import expect, preset_runs, speed_fingerprint
-from homelab_dp.core.preset_store import open_preset
-from homelab_dp.core.runspec import Launch, Resolved, RunSpec
+from homelab_dp.presets.preset_store import open_preset
 from homelab_dp.render.preset_results import about, expected_text, results_lines
-from homelab_dp.run.planning import make_plan
-from homelab_dp.run.preset_results import device_names, expected_runs, run_fingerprint
-from homelab_dp.rundir.preset_results import (
+from homelab_dp.runs.preset_results import (
     append_result,
+    device_names,
+    expect,
+    expected_runs,
+    preset_runs,
     read_results,
     results_path,
+    run_fingerprint,
     run_results_path,
     save_results,
+    speed_fingerprint,
 )
+from homelab_dp.runs.run_spec import Launch, Resolved, RunSpec
 
 FP = {"world_size": 2, "devices": ["NVIDIA A10", "NVIDIA A10"], "micro_batch": 4}
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.hardware import GpuInfo, GpuLink, HostInfo
 from homelab_dp.errors import HomelabError
-from homelab_dp.probe.fake import FAKE_ENV, FakeNvml, load_recording
+from homelab_dp.probe.fake_nvml import FAKE_ENV, FakeNvml, load_recording
+from homelab_dp.probe.hardware import GpuInfo, GpuLink, HostInfo
 from homelab_dp.probe.nvml import NvmlSession, host_info, probe, sample
 
 NVML_DATA = Path(__file__).resolve().parents[1] / "data" / "nvml"

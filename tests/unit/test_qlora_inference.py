@@ -1,7 +1,7 @@
 """A QLoRA result is served and chatted with on the NF4 base it was trained against (issue 22
 point 9), where bitsandbytes works: here on the CPU, with bitsandbytes' real 4-bit kernels.
 
-`infer.loading.load_for_inference` quantizes the base as training does (`train.lora.bnb_config`)
+`serving.replica.result_model.load_for_inference` quantizes the base as training does (`train.lora.bnb_config`)
 and keeps the adapter apart; the 16-bit merge it used to load computes another function.
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from homelab_dp.infer.loading import load_for_inference, nf4_works
-from homelab_dp.rundir.results import ModelRef
+from homelab_dp.runs.model_ref import ModelRef
+from homelab_dp.serving.replica.result_model import load_for_inference, nf4_works
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "assets" / "models" / "tiny-llama"
 pytestmark = pytest.mark.skipif(not nf4_works("cpu"), reason="no bitsandbytes CPU kernels")
@@ -67,7 +67,7 @@ def test_a_qlora_result_generates_on_its_nf4_base(adapter: Path) -> None:
 
 def test_the_nf4_model_generates_through_the_engine(adapter: Path) -> None:
     """Serve's engine and chat run the quantized model as any other (greedy, a few tokens)."""
-    from homelab_dp.infer.engine import Engine, Request
+    from homelab_dp.serving.replica.generation_engine import Engine, Request
 
     loaded = load_for_inference(ModelRef(name="r", path=adapter, base=DEMO_MODEL,
                                          quantized="nf4"), "cpu")  # fmt: skip
@@ -80,8 +80,8 @@ def test_the_nf4_model_generates_through_the_engine(adapter: Path) -> None:
 def test_the_rules_the_layers_keep_apart_agree() -> None:
     """eval's worker (train) and chat/serve (infer) cannot import each other: each has its own
     NF4 check, and infer's quantization must be the one training uses."""
-    from homelab_dp.infer.loading import nf4_config
-    from homelab_dp.train import eval_worker
+    from homelab_dp.serving.replica.result_model import nf4_config
+    from homelab_dp.train import evaluation as eval_worker
     from homelab_dp.train.lora import bnb_config
 
     assert nf4_config(torch.bfloat16).to_dict() == bnb_config(torch.bfloat16).to_dict()

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.runspec import Resolved
-from homelab_dp.run.watchdog import Watchdog, describe_stall
-from homelab_dp.rundir.heartbeat import heartbeat_dir, write_heartbeat
-from homelab_dp.rundir.state import torchrun_root_cause
-from homelab_dp.train.checkpoint_check import check_checkpoint, check_shard
-from homelab_dp.train.guard import oom_advice
+from homelab_dp.runs.folder.heartbeats import heartbeat_dir, write_heartbeat
+from homelab_dp.runs.folder.run_state import torchrun_root_cause
+from homelab_dp.runs.run_spec import Resolved
+from homelab_dp.supervise.watchdog import Watchdog, describe_stall
+from homelab_dp.train.checkpoints import check_checkpoint, check_shard
+from homelab_dp.train.rank_guard import oom_advice
 
 
 def _resolved(micro: int, accum: int, ac: bool = False, world: int = 2) -> Resolved:

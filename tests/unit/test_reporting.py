@@ -19,10 +19,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from homelab_dp.cli.main import main
-from homelab_dp.core.events import EndEvent, EvalEvent, StepEvent, WarningEvent
-from homelab_dp.core.preset import Preset
-from homelab_dp.core.preset_sections import LogSection
-from homelab_dp.core.runspec import Launch, Resolved, RunSpec
+from homelab_dp.presets.preset import LogSection, Preset
+from homelab_dp.runs.run_events import EndEvent, EvalEvent, StepEvent, WarningEvent
+from homelab_dp.runs.run_spec import Launch, Resolved, RunSpec
 from homelab_dp.train.metrics import EventLog
 from homelab_dp.train.reporting import (
     DeviceSamples,
@@ -186,7 +185,7 @@ def test_run_refuses_a_logger_that_is_not_installed(name, in_repo, capsys):
 
 
 def test_a_gpu_sample_becomes_per_card_scalars():
-    """The monitor's NVML sample (`run.monitor`): one group per card, None readings left out."""
+    """The monitor's NVML sample (`supervise.device_monitor`): one group per card, None readings left out."""
     card = {"index": 3, "key": "gpu3", "utilization_pct": 97, "memory_utilization_pct": 41,
             "memory_used": 80 * 2**30, "memory_total": 141 * 2**30, "temperature_c": 71,
             "power_w": 650.5, "energy_mj": None, "energy_wh": 0.25}  # fmt: skip

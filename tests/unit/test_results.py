@@ -1,6 +1,6 @@
-"""`rundir.results.resolve_model`: every kind of MODEL argument, and every kind of miss.
+"""`runs.model_ref.resolve_model`: every kind of MODEL argument, and every kind of miss.
 
-Run folders are real ones (`make_run` writes spec.json through `rundir.files`, as the
+Run folders are real ones (`make_run` writes spec.json through `runs.folder.run_folder`, as the
 controller does); their ``final/`` results are laid out as the worker saves them: a full model
 folder, a PEFT adapter folder, or an adapter with its merged model in ``final/merged/``.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.rundir.results import find_run, resolve_model
+from homelab_dp.runs.model_ref import find_run, resolve_model
 
 from ..integration.conftest import DEMO_DATA, DEMO_MODEL, make_run
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from homelab_dp.core.run_view import STRAGGLER_STEPS, RunView
+from homelab_dp.runs.run_view import STRAGGLER_STEPS, RunView
 
 
 def _step(step: int, loss: float, times: list[float], **kw) -> dict:
@@ -106,7 +106,7 @@ def test_unknown_and_error_events() -> None:
 
 
 def test_straggler_detector_reports_each_rank_once_per_episode() -> None:
-    from homelab_dp.core.run_view import StragglerDetector
+    from homelab_dp.runs.run_view import StragglerDetector
 
     d = StragglerDetector()
     slow = [1.0, 1.0, 1.3]

@@ -7,8 +7,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from homelab_dp.core.runspec import RUN_SPEC_VERSION, Rendezvous, RunSpec
-from homelab_dp.rundir.files import create_run_dir, read_run_spec
+from homelab_dp.runs.folder.run_folder import create_run_dir, read_run_spec
+from homelab_dp.runs.run_spec import RUN_SPEC_VERSION, Rendezvous, RunSpec
 from tests.conftest import DATA
 
 RECORDED_V1 = DATA / "events" / "20250301-101500-smollm2-135m-lora-7f3a" / "spec.json"

@@ -1,5 +1,5 @@
 """The serving plan: per-replica memory, copies per card on recorded cards, the model that does
-not fit one card, and the replica choice (`core.serve_plan`, `run.serve_planning`)."""
+not fit one card, and the replica choice (`planning.serve_plan`, `app.serve`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import os
 import pytest
 from rich.console import Console
 
-from homelab_dp.core.hardware import GiB
-from homelab_dp.core.memory import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES
-from homelab_dp.core.model_spec import load_model_spec
-from homelab_dp.core.serve_plan import CANNOT_HELP, ServeDevice, plan_serving
+from homelab_dp.app.serve import plan_serve
 from homelab_dp.errors import HomelabError
-from homelab_dp.probe.fake import FAKE_ENV
+from homelab_dp.planning.memory.device_memory import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES
+from homelab_dp.planning.model_spec import load_model_spec
+from homelab_dp.planning.serve_plan import CANNOT_HELP, ServeDevice, plan_serving
+from homelab_dp.probe.fake_nvml import FAKE_ENV
+from homelab_dp.probe.hardware import GiB
 from homelab_dp.render.serve_plan import render_serve_plan, serve_plan_text
-from homelab_dp.run.serve_planning import plan_serve
 
 from ..conftest import DATA, ROOT
 

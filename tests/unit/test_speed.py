@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from homelab_dp.core.preset import preset_from_dict
 from homelab_dp.errors import PresetError
+from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
 
 

@@ -1,4 +1,4 @@
-"""The held-out split of validation while training (`homelab_dp.data.split`): disjoint, seeded,
+"""The held-out split of validation while training (`homelab_dp.data.eval_split`): disjoint, seeded,
 independent of the world size, never trained on; and an eval file checked like the data."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.core.preset import DataSection
 from homelab_dp.data.blocks import load_dataset
-from homelab_dp.data.split import held_out_count, load_train_eval, split_indices
+from homelab_dp.data.eval_split import held_out_count, load_train_eval, split_indices
 from homelab_dp.errors import DataError
+from homelab_dp.presets.preset import DataSection
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "assets" / "models" / "tiny-llama"

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from homelab_dp.core.preset import preset_from_dict
-from homelab_dp.core.runspec import Resolved
-from homelab_dp.train.batches import to_device
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.memcheck import single_rank_group
-from homelab_dp.train.model import load_model
+from homelab_dp.train.speed import to_device
 from homelab_dp.train.strategy import _no_forward_buffer_sync, build_optimizer, wrap_model
+from homelab_dp.train.trainable_model import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"

@@ -1,4 +1,4 @@
-"""The keeper's verdict (`homelab_dp.run.verdict.decide`) on recorded launches, branch by branch.
+"""The keeper's verdict (`homelab_dp.supervise.launch_verdict.decide`) on recorded launches, branch by branch.
 
 tests/data/verdicts/CASE/ holds what one real launch left behind and the verdict the keeper gave
 it before the verdict became a pure function (see its README). Every recording gets that same
@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from homelab_dp.core.events import EndEvent, ErrorEvent, Event, parse_event
-from homelab_dp.run.verdict import Attempt, Verdict, decide
-from homelab_dp.run.watchdog import Stall
-from homelab_dp.rundir.state import diagnose_failure, read_error_files, signal_name
+from homelab_dp.runs.folder.run_state import diagnose_failure, read_error_files, signal_name
+from homelab_dp.runs.run_events import EndEvent, ErrorEvent, Event, parse_event
+from homelab_dp.supervise.launch_verdict import Attempt, Verdict, decide
+from homelab_dp.supervise.watchdog import Stall
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "verdicts"
 RECORDED = sorted(p.name for p in DATA.iterdir() if p.is_dir())

@@ -26,11 +26,17 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.infer.http_replica import prepare
-from homelab_dp.infer.loading import load_tokenizer
-from homelab_dp.infer.prompting import INSTRUCTION, INSTRUCTION_STOP, Template, prompt_ids
-from homelab_dp.infer.request_body import BadRequest
-from homelab_dp.infer.vllm_replica import (
+from homelab_dp.runs.model_ref import ModelRef, resolve_model
+from homelab_dp.serving.front.replica_supervisor import ReplicaLaunch, Supervisor
+from homelab_dp.serving.replica.prompt_templates import (
+    INSTRUCTION,
+    INSTRUCTION_STOP,
+    Template,
+    prompt_ids,
+)
+from homelab_dp.serving.replica.replica_protocol import BadRequest, prepare
+from homelab_dp.serving.replica.result_model import load_tokenizer
+from homelab_dp.serving.replica.vllm_replica import (
     VllmReplica,
     index_for_vllm,
     lora_rank,
@@ -40,8 +46,6 @@ from homelab_dp.infer.vllm_replica import (
     text_delta,
     vllm_settings,
 )
-from homelab_dp.rundir.results import ModelRef, resolve_model
-from homelab_dp.serve.supervisor import ReplicaLaunch, Supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -150,7 +154,7 @@ def test_a_stream_closed_early_aborts_its_request() -> None:
 
 
 def test_it_imports_without_vllm() -> None:
-    code = "import sys, homelab_dp.infer.vllm_replica; print('vllm' in sys.modules)"
+    code = "import sys, homelab_dp.serving.replica.vllm_replica; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -256,7 +260,7 @@ def test_the_supervisor_starts_vllm_replicas_with_their_arguments() -> None:
                      gpu_memory_utilization=0.8)  # fmt: skip
     try:
         cmd = sup.command(sup.replicas[0])
-        assert cmd[1:3] == ["-m", "homelab_dp.infer.vllm_replica"]
+        assert cmd[1:3] == ["-m", "homelab_dp.serving.replica.vllm_replica"]
         assert cmd[cmd.index("--context") + 1] == "2048"
         assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.8"
         assert "--max-batch" not in cmd  # vLLM schedules its own batches
@@ -269,7 +273,9 @@ def test_the_supervisor_starts_vllm_replicas_with_their_arguments() -> None:
     plain = Supervisor("/m", [launch], max_batch=4)
     try:
         cmd = plain.command(plain.replicas[0])
-        assert cmd[2] == "homelab_dp.infer.replica" and "--context" not in cmd
+        assert (
+            cmd[2] == "homelab_dp.serving.replica.transformers_replica" and "--context" not in cmd
+        )
     finally:
         plain.cleanup()
     with pytest.raises(ValueError, match="engine"):
@@ -291,7 +297,13 @@ def test_vllm_gets_card_indices_not_uuids() -> None:
 @pytest.mark.parametrize(("device", "says"), [("cuda:0", "vllm cannot be imported"),
                                               ("cpu", "runs on cuda:0")])  # fmt: skip
 def test_a_replica_that_cannot_start_exits_2(tmp_path: Path, device: str, says: str) -> None:
-    cmd = [sys.executable, "-m", "homelab_dp.infer.vllm_replica", "--model", str(DEMO_MODEL)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "homelab_dp.serving.replica.vllm_replica",
+        "--model",
+        str(DEMO_MODEL),
+    ]
     cmd += ["--device", device, "--id", "0", "--state-dir", str(tmp_path)]
     env = {**os.environ, "HOMELAB_DP_REPLICA_TOKEN": "secret"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.run.watchdog import Stall, Watchdog, progress_key
+from homelab_dp.supervise.watchdog import Stall, Watchdog, progress_key
 from tests.conftest import DATA
 
 RECORDING = DATA / "heartbeats" / "slow-result.jsonl"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from homelab_dp.core.memory import (
+from homelab_dp.planning.memory.device_memory import (
     NF4_PACKED_BYTES,
     Budget,
     GiB,
@@ -23,7 +23,7 @@ from homelab_dp.core.memory import (
     is_fsdp,
     trainable_params,
 )
-from homelab_dp.core.model_spec import ModelSpec
+from homelab_dp.planning.model_spec import ModelSpec
 
 CHECKPOINT_BYTES_PER_PARAM = 2
 """Assumed: the model folder's weights are 16-bit (bf16/fp16), as published checkpoints are.
@@ -109,7 +109,7 @@ def host_budget(
       offloaded (``device_budget.offload_host_bytes``: the sharded weights, gradients and
       optimizer state, or the optimizer state and a host copy of the weights, or the saved
       activations of a micro-step, as torch's caching host allocator pins them: rounded up to
-      a power of two, `homelab_dp.core.pinned_memory`), beside its runtime; every local rank
+      a power of two, `homelab_dp.planning.memory.pinned_memory`), beside its runtime; every local rank
       together.
 
     Besides those copies every process holds, on CUDA, `CUDA_HOST_RUNTIME_BYTES` (assumed); on

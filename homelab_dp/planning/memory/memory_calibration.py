@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core import json_safe
-from homelab_dp.core.hardware import format_bytes
-from homelab_dp.core.memory import COMPONENTS, Budget, Overhead, TrainShape
+from homelab_dp import json_safe
+from homelab_dp.planning.memory.device_memory import COMPONENTS, Budget, Overhead, TrainShape
+from homelab_dp.probe.hardware import format_bytes
 
 FILE_VERSION = 1
 KEEP_PER_FINGERPRINT = 50

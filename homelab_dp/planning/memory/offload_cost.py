@@ -1,13 +1,13 @@
 """What offloading costs: the PCIe link, its seconds per step and the expected slowdown (pure).
 
-The memory model (`homelab_dp.core.memory.budget`) says how many bytes a device pins in host RAM
+The memory model (`homelab_dp.planning.memory.device_memory.budget`) says how many bytes a device pins in host RAM
 and moves over PCIe per optimizer step; this turns them into time:
 
 - the link is the slowest planned card's PCIe link from the probe (`PlanDevice.pcie_gen`,
   ``pcie_width``: per lane about 0.985 GB/s gen 3, 1.969 gen 4, 3.938 gen 5), at
   `PCIE_EFFICIENCY`; a card whose link is not known (a what-if ``--gpus 2x24GiB``) is assumed
   on PCIe 4.0 x16, and the cost says it is assumed;
-- the step's compute time is its model FLOPs (`homelab_dp.core.flops`) at `ASSUMED_MFU` of the
+- the step's compute time is its model FLOPs (`homelab_dp.planning.flops`) at `ASSUMED_MFU` of the
   slowest card's dense 16-bit peak; where a card's peak is not known only the transfer time is
   given (``slowdown`` None);
 - the slowdown is (compute + transfer) / compute: no overlap of copies and compute is assumed,
@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from homelab_dp.core.flops import causal_span, flops_per_token, peak_flops
-from homelab_dp.core.hardware import PlanHardware, format_bytes, pcie_bytes_per_s
-from homelab_dp.core.memory import Budget
-from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.shape import TrainShape, lora_targets_of
+from homelab_dp.planning.flops import causal_span, flops_per_token, peak_flops
+from homelab_dp.planning.memory.device_memory import Budget
+from homelab_dp.planning.memory.train_shape import TrainShape, lora_targets_of
+from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.probe.hardware import PlanHardware, format_bytes, pcie_bytes_per_s
 
 PCIE_EFFICIENCY = 0.8
 """Assumed share of a PCIe link's line rate that pinned host copies reach."""

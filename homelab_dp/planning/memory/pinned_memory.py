@@ -14,7 +14,7 @@ reuse: a 1.05 GB shard pins 2 GiB. What each offload pins, as `homelab_dp.train`
   (`fsdp_offload_pinned_bytes`). The optimizer state (torch's AdamW on the host shards) is
   ordinary host memory, not rounded.
 * ``train.offload_activations`` (`train.activation_offload`): every saved activation is pinned on
-  its own (`homelab_dp.core.activation_memory.pinned_activation_bytes`).
+  its own (`homelab_dp.planning.memory.device_memory.pinned_activation_bytes`).
 
 PCIe traffic is not rounded: only the tensors' own bytes cross the link.
 """
@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.shape import TrainShape, compute_width, lora_targets_of
+from homelab_dp.planning.memory.train_shape import TrainShape, compute_width, lora_targets_of
+from homelab_dp.planning.model_spec import ModelSpec
 
 NF4_PACKED_BYTES = 0.5
-"""NF4's packed weights: 4 bits each (as `homelab_dp.core.memory`)."""
+"""NF4's packed weights: 4 bits each (as `homelab_dp.planning.memory.device_memory`)."""
 
 
 def pinned_bytes(n: float) -> int:

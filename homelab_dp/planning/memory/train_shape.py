@@ -2,7 +2,7 @@
 
 `TrainShape` and the few facts read straight off it: the compute width, whether FSDP shards,
 DDP's buckets, the trainable parameters, and what is offloaded to host memory. The memory
-model (`homelab_dp.core.memory`) re-exports them; `homelab_dp.core.offload` prices the offload.
+model (`homelab_dp.planning.memory.device_memory`) re-exports them; `homelab_dp.planning.memory.offload_cost` prices the offload.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from homelab_dp.core.model_spec import ModelSpec
-from homelab_dp.core.vocabulary import SHARDED, Device, Distribution, Dtype, Method, Offload
+from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.vocabulary import SHARDED, Device, Distribution, Dtype, Method, Offload
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Each holds ``{rank, pid, step, micro, phase, time}`` and is replaced whole (temporary file and a
 rename), so a reader never sees half of one. Stdlib only: both the worker and the keeper use it.
 
-Phases (the watchdog, `homelab_dp.run.watchdog`, judges progress by them):
+Phases (the watchdog, `homelab_dp.supervise.watchdog`, judges progress by them):
 
 - ``train``: written at the start of every micro-step; progress is a new step or micro-step.
 - a long phase (`LONG_PHASES`: ``checkpoint``, ``saving-result``, ``merging``,
@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core import json_safe
+from homelab_dp import json_safe
 
 HEARTBEATS = Path("logs") / "heartbeats"
 """The heartbeat folder, relative to the run folder."""

@@ -13,11 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core import json_safe
-from homelab_dp.core.events import Event
-from homelab_dp.core.runspec import RunSpec
+from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError, RunStateError
-from homelab_dp.rundir.index import RUNS_ENV, ensure_private_dir, index_path, register, runs_root
+from homelab_dp.runs.folder.run_index import (
+    RUNS_ENV,
+    ensure_private_dir,
+    index_path,
+    register,
+    runs_root,
+)
+from homelab_dp.runs.run_events import Event
+from homelab_dp.runs.run_spec import RunSpec
 
 
 def open_runs_root(folder: str | Path, source: str = "--runs") -> Path:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from homelab_dp.core import json_safe
+from homelab_dp import json_safe
 from homelab_dp.errors import RunNotFoundError
 
 RUNS_ENV = "HOMELAB_DP_RUNS"

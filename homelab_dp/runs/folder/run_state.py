@@ -11,7 +11,7 @@ The reason names the root cause: torchrun's summary lists every rank that failed
 signal that killed it); `torchrun_root_cause` reads it, so a SIGKILLed rank is not mistaken
 for the "connection reset" of the peers that were left waiting for it. The reading of
 torchrun's output (`torchrun_root_cause`, `diagnose`) lives here, below the run layer, because
-both this fallback and the keeper's verdict (`homelab_dp.run.verdict`) use it. A failed run's
+both this fallback and the keeper's verdict (`homelab_dp.supervise.launch_verdict`) use it. A failed run's
 state.json also holds ``failure``: {kind (signal | stall | oom | error | agent | exit | port |
 unknown), rank, …} for programs (``--auto-fit`` reads the out-of-memory proposal from it).
 """
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.core.vocabulary import ACTIVE_STATUSES, FINAL_STATUSES
-from homelab_dp.rundir.files import write_json_atomic
+from homelab_dp.runs.folder.run_folder import write_json_atomic
+from homelab_dp.vocabulary import ACTIVE_STATUSES, FINAL_STATUSES
 
 ACTIVE = ACTIVE_STATUSES
 FINAL = FINAL_STATUSES

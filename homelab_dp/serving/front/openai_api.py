@@ -26,7 +26,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from homelab_dp.core import json_safe
+from homelab_dp import json_safe
 
 Kind = Literal["completion", "chat"]
 ROLES = ("system", "user", "assistant")
@@ -34,7 +34,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 MIN_TEMPERATURE = 1e-5
 """The smallest temperature above 0 (0 is greedy): float32 logits / 1e-5 stay finite up to
 |logit| ~ 3e33, while 1e-38 makes them inf and the probabilities NaN (vLLM's floor is 1e-5 too).
-The replica checks the same (`homelab_dp.infer.request_body`)."""
+The replica checks the same (`homelab_dp.serving.replica.replica_protocol`)."""
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """The seeds ``torch.Generator.manual_seed`` takes (beyond them it raises)."""
 MAX_TOKENS_LIMIT = 2**31 - 1

@@ -9,7 +9,7 @@ use it as it is; a replica that stops answering its heartbeat shows as ``unrespo
 
 Every error is a JSON body, a handler's unexpected exception too (500, its traceback on stderr).
 A request has `REQUEST_TIMEOUT_S` (``--request-timeout``) to be answered, else 504. Request
-bodies are read within a shared memory budget and a time limit (`homelab_dp.serve.guards`).
+bodies are read within a shared memory budget and a time limit (`homelab_dp.serving.front.request_guards`).
 
 `serve` binds first, then starts the replicas, prints one line on stdout once every replica is
 ready (or failed for good), and on SIGTERM (exit 0) or Ctrl-C / SIGINT (exit 130) stops taking
@@ -31,9 +31,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from homelab_dp.serve import openai_api as api
-from homelab_dp.serve.balancer import Balancer
-from homelab_dp.serve.guards import (
+from homelab_dp.serving.front import openai_api as api
+from homelab_dp.serving.front.replica_relay import (
+    Balancer,
+    Dispatcher,
+    Refused,
+    ReplicaGone,
+    Unavailable,
+)
+from homelab_dp.serving.front.replica_supervisor import ReplicaLaunch, Supervisor
+from homelab_dp.serving.front.request_guards import (
     BODIES_BUDGET,
     BODY_TIMEOUT_S,
     BODY_WAIT_S,
@@ -41,8 +48,6 @@ from homelab_dp.serve.guards import (
     BodyBudget,
     parse_bearer,
 )
-from homelab_dp.serve.relay import Dispatcher, Refused, ReplicaGone, Unavailable
-from homelab_dp.serve.supervisor import ReplicaLaunch, Supervisor
 
 DRAIN_S = 2.0
 """How long requests in flight may finish after a stop signal."""

@@ -1,7 +1,7 @@
 """The replica processes: start them, watch them, restart the ones that die, stop them all.
 
-Each replica is `python -m homelab_dp.infer.replica` (``engine="vllm"``:
-`homelab_dp.infer.vllm_replica`, the same protocol) in its own session (so a Ctrl-C in the
+Each replica is `python -m homelab_dp.serving.replica.transformers_replica` (``engine="vllm"``:
+`homelab_dp.serving.replica.vllm_replica`, the same protocol) in its own session (so a Ctrl-C in the
 terminal reaches the front only, which then stops them in order), with its output in
 ``replica-K.log`` in a private state folder (0700, removed at the end) and the shared secret
 in its environment. A replica is *ready* once it wrote ``replica-K.json`` (its port) and its
@@ -14,7 +14,7 @@ Heartbeat: every `HEARTBEAT_S` each ready replica's ``GET /ready`` is asked (in 
 background, `PROBE_TIMEOUT_S` each); one that has not answered for `UNRESPONSIVE_S` (stopped,
 hung, swapping) is *unresponsive*: /health says so and no request goes to it until it
 answers again. A replica's environment holds the per-serve secret, the front's pid (the
-replica exits when its front is gone: `homelab_dp.infer.http_replica`), and never the user's
+replica exits when its front is gone: `homelab_dp.serving.replica.replica_protocol`), and never the user's
 API key.
 """
 
@@ -38,12 +38,12 @@ from typing import Any, Literal
 
 import aiohttp
 
-from homelab_dp.probe.visible import cuda_device_env
+from homelab_dp.probe.visible_gpus import cuda_device_env
 
 State = Literal["starting", "ready", "unresponsive", "restarting", "failed"]
 REPLICA_MODULES = {
-    "transformers": "homelab_dp.infer.replica",
-    "vllm": "homelab_dp.infer.vllm_replica",
+    "transformers": "homelab_dp.serving.replica.transformers_replica",
+    "vllm": "homelab_dp.serving.replica.vllm_replica",
 }
 """The replica module of each engine (both speak the replica protocol)."""
 TOKEN_ENV = "HOMELAB_DP_REPLICA_TOKEN"

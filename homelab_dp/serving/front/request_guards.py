@@ -15,7 +15,7 @@ import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from homelab_dp.serve import openai_api as api
+from homelab_dp.serving.front import openai_api as api
 
 SMALL_BODY = 64 * 1024
 """Bodies up to this size (declared) are read without taking from the budget."""

@@ -1,6 +1,6 @@
 """A replica: one copy of the model behind a small HTTP server on loopback (the serve front's unit).
 
-    python -m homelab_dp.infer.replica --model MODEL --device DEVICE --id K --state-dir DIR
+    python -m homelab_dp.serving.replica.transformers_replica --model MODEL --device DEVICE --id K --state-dir DIR
         [--max-batch B] [--threads T]            (env HOMELAB_DP_REPLICA_TOKEN=<secret>)
 
 The protocol between the serve front and its replicas: it loads MODEL on DEVICE, runs a 1-token warm-up,
@@ -34,9 +34,10 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.infer.batcher import Batcher
-from homelab_dp.infer.engine import Engine, Event, Request
-from homelab_dp.infer.http_replica import (
+from homelab_dp.runs.model_ref import resolve_model
+from homelab_dp.serving.replica.generation_engine import Batcher, Engine, Event, Request
+from homelab_dp.serving.replica.prompt_templates import Template, eos_ids, prompt_ids, template_for
+from homelab_dp.serving.replica.replica_protocol import (
     Prepared,
     ReplicaServer,
     base_parser,
@@ -47,14 +48,12 @@ from homelab_dp.infer.http_replica import (
     report,
     run_until_stopped,
 )
-from homelab_dp.infer.loading import Loaded, load_for_inference
-from homelab_dp.infer.prompting import Template, eos_ids, prompt_ids, template_for
-from homelab_dp.rundir.results import resolve_model
+from homelab_dp.serving.replica.result_model import Loaded, load_for_inference
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The replica's command line (see the module docstring)."""
-    p = base_parser("python -m homelab_dp.infer.replica")
+    p = base_parser("python -m homelab_dp.serving.replica.transformers_replica")
     p.add_argument("--max-batch", type=int, default=None, help="default: 8 on cpu, 32 on cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p.parse_args(argv)

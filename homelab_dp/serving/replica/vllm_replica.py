@@ -1,6 +1,6 @@
-"""A vLLM replica: the replica protocol of `infer.replica`, generation by vLLM's async engine.
+"""A vLLM replica: the replica protocol of `serving.replica.transformers_replica`, generation by vLLM's async engine.
 
-    python -m homelab_dp.infer.vllm_replica --model MODEL --device cuda:0 --id K --state-dir DIR
+    python -m homelab_dp.serving.replica.vllm_replica --model MODEL --device cuda:0 --id K --state-dir DIR
         [--context N] [--gpu-memory-utilization F] [--max-batch B] [--threads T]
                                                  (env HOMELAB_DP_REPLICA_TOKEN=<secret>)
 
@@ -48,9 +48,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from homelab_dp.core.model_spec import read_config
 from homelab_dp.errors import HomelabError
-from homelab_dp.infer.http_replica import (
+from homelab_dp.planning.model_spec import read_config
+from homelab_dp.runs.model_ref import ModelRef, resolve_model
+from homelab_dp.serving.replica.prompt_templates import Template, eos_ids, template_for
+from homelab_dp.serving.replica.replica_protocol import (
     Event,
     Prepared,
     ReplicaServer,
@@ -63,9 +65,7 @@ from homelab_dp.infer.http_replica import (
     run_until_stopped,
     server_error,
 )
-from homelab_dp.infer.loading import context_length, load_tokenizer
-from homelab_dp.infer.prompting import Template, eos_ids, template_for
-from homelab_dp.rundir.results import ModelRef, resolve_model
+from homelab_dp.serving.replica.result_model import context_length, load_tokenizer
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts."""
@@ -263,7 +263,7 @@ class VllmReplica(ReplicaServer):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The replica's command line (see the module docstring)."""
-    p = base_parser("python -m homelab_dp.infer.vllm_replica")
+    p = base_parser("python -m homelab_dp.serving.replica.vllm_replica")
     p.add_argument("--context", type=int, help="cap on tokens per sequence (default: the model's)")
     p.add_argument(
         "--gpu-memory-utilization",
@@ -282,7 +282,7 @@ def check_device(device: str) -> None:
         raise HomelabError(
             f"--device {device}: a vLLM replica runs on cuda:0",
             hint="set CUDA_VISIBLE_DEVICES to the card and pass cuda:0 (as `serve` does), or "
-            "use the transformers replica (homelab_dp.infer.replica) on the CPU",
+            "use the transformers replica (homelab_dp.serving.replica.transformers_replica) on the CPU",
         )
 
 

@@ -24,12 +24,11 @@ from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.widgets import Checkbox, Footer, Header, Input, Label, Select, Static
 
+from homelab_dp.app.runs import RunController
 from homelab_dp.errors import HomelabError
 from homelab_dp.probe import nvml
-from homelab_dp.run.controller import RunController
-from homelab_dp.run.model_source import resolve_model_arg
-from homelab_dp.rundir.files import read_run_spec
-from homelab_dp.rundir.results import ModelRef
+from homelab_dp.runs.folder.run_folder import read_run_spec
+from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg
 from homelab_dp.tui.chat_server import ChatServer, ServerFailed, stream_chat
 from homelab_dp.tui.follower import Following
 from homelab_dp.tui.messages import UserError

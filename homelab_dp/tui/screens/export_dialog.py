@@ -12,7 +12,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Select
 
-from homelab_dp.infer.export import FORMATS
+from homelab_dp.app.export import FORMATS
 
 FORMAT_WORDS = {
     "hf": "hf: a standalone Hugging Face model folder",

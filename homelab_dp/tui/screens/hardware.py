@@ -14,8 +14,9 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 from textual.worker import get_current_worker
 
-from homelab_dp.core.hardware import HardwareReport
+from homelab_dp.app import doctor
 from homelab_dp.probe import nvml
+from homelab_dp.probe.hardware import HardwareReport
 from homelab_dp.render.doctor import checks_panel
 from homelab_dp.render.probe import (
     gpu_card,
@@ -24,7 +25,6 @@ from homelab_dp.render.probe import (
     summary_text,
     topology_text,
 )
-from homelab_dp.run import doctor
 
 CHECKS_NOTE = "The checks of `homelab-dp doctor`; r runs them again."
 

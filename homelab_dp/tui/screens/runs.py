@@ -14,11 +14,11 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
+from homelab_dp.app.export import export_in_child
+from homelab_dp.app.runs import RunController
 from homelab_dp.errors import HomelabError
-from homelab_dp.infer.export import export_in_child
 from homelab_dp.render.export import export_lines
 from homelab_dp.render.runs import row_cells
-from homelab_dp.run.controller import RunController
 from homelab_dp.tui.messages import FollowRun, UserError
 from homelab_dp.tui.screens.export_dialog import ExportDialog
 

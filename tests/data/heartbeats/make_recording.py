@@ -28,9 +28,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from homelab_dp.run.controller import make_controller
-    from homelab_dp.rundir.heartbeat import read_heartbeats
-    from homelab_dp.rundir.state import ACTIVE, current_state
+    from homelab_dp.app.runs import make_controller
+    from homelab_dp.runs.folder.heartbeats import read_heartbeats
+    from homelab_dp.runs.folder.run_state import ACTIVE, current_state
     from tests.conftest import write_preset
 
     work = Path(tempfile.mkdtemp(prefix="heartbeats-"))

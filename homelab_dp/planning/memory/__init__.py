@@ -1,0 +1,1 @@
+"""The memory model: bytes per device and per host, offload costs, calibration."""

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI front (no torch) and the replicas behind it (torch)."""
