@@ -5,7 +5,7 @@ without clipping in fp64, so the update is lr × the gradient: packed (several s
 positions restarting at each, no attention mask) and padded (one sample a row, with a mask)
 give the same loss and the same update to fp64 rounding, on one process and on two. The data is
 ragged instruction data (outputs of 3 to 60 words) with seq_len above the longest sample, so
-nothing is truncated. The unit tests (tests/unit/test_attention.py) show, at the model level,
+nothing is truncated. The unit tests (tests/unit/train/test_attention.py) show, at the model level,
 that the old packing (one run of positions over a block) would differ measurably.
 """
 

@@ -9,7 +9,7 @@
 - each bad preset of the feature: one clear error, nothing started.
 
 The split itself (disjoint, seeded, the same on any world size, never trained on) is
-tests/unit/test_split.py.
+tests/unit/data/test_split.py.
 """
 
 from __future__ import annotations

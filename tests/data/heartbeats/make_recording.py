@@ -7,7 +7,7 @@ A 2-rank CPU run (torchrun, gloo) of 4 steps, ``train.watchdog_s = 6``,
 (rank 0 sleeps 20 s inside the result's work). The heartbeats were read every 0.2 s as the
 keeper reads them; each line of ``slow-result.jsonl`` is one reading that differed from the one
 before: ``{"t": seconds since the start, "beats": {rank: heartbeat without its pid}}``.
-tests/unit/test_watchdog.py replays it.
+tests/unit/supervise/test_watchdog.py replays it.
 """
 
 from __future__ import annotations

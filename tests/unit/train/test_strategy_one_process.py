@@ -1,0 +1,95 @@
+"""ddp and zero1 on one process: no DDP wrapper, no reducer, the plain optimizer; and
+`batches.to_device`. Training results on one process are `test_equivalence.py`'s references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.runs.run_spec import Resolved
+from homelab_dp.train.memcheck import single_rank_group
+from homelab_dp.train.speed import to_device
+from homelab_dp.train.strategy import _no_forward_buffer_sync, build_optimizer, wrap_model
+from homelab_dp.train.trainable_model import load_model
+
+ROOT = Path(__file__).resolve().parents[3]
+DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
+
+
+def _build(tmp_path: Path, distribution: str) -> tuple[Any, Any, Any]:
+    preset = preset_from_dict({
+        "model": {"path": str(DEMO_MODEL)},
+        "data": {"path": str(tmp_path / "unused.jsonl"), "seq_len": 16},
+        "train": {"method": "full", "distribution": distribution, "micro_batch": 2,
+                  "grad_accum": 2, "max_steps": 1},
+    })  # fmt: skip
+    resolved = Resolved(method="full", distribution=distribution,  # type: ignore[arg-type]
+                        activation_checkpointing=False, device="cpu", world_size=1,
+                        dtype="fp32", micro_batch=2, grad_accum=2, lr=1e-3)  # fmt: skip
+    loaded = load_model(preset, resolved, torch.device("cpu"))
+    return preset, resolved, loaded
+
+
+def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+@pytest.mark.parametrize("distribution", ["ddp", "zero1"])
+def test_one_process_has_no_wrapper_and_accumulates_plainly(
+    distribution: str, tmp_path: Path
+) -> None:
+    with single_rank_group(tmp_path):
+        preset, resolved, loaded = _build(tmp_path, distribution)
+        strategy = wrap_model(loaded, resolved, torch.device("cpu"))
+        assert strategy.model is loaded.model and strategy.inner is loaded.model
+        assert not isinstance(strategy.model, DistributedDataParallel)
+        assert strategy.ddp is None and not strategy.grads_in_buckets
+        assert strategy.unseen_bucket_bytes() == 0
+        optimizer = build_optimizer(strategy, preset.train, resolved.lr, torch.device("cpu"))
+        assert type(optimizer) is torch.optim.AdamW  # zero1: nothing to shard on one process
+
+        gen = torch.Generator().manual_seed(0)
+        a, b = (torch.randint(0, 2048, (2, 16), generator=gen) for _ in range(2))
+        with strategy.accumulate(final=False):
+            _loss(strategy.model, a).backward()
+        with strategy.accumulate(final=True):
+            _loss(strategy.model, b).backward()
+        accumulated = [p.grad.clone() for p in strategy.trainable]
+        strategy.zero_grad(optimizer)
+        assert all(p.grad is None for p in strategy.trainable)  # freed: no bucket keeps them
+        _loss(strategy.model, a).backward()
+        _loss(strategy.model, b).backward()
+        for got, p in zip(accumulated, strategy.trainable, strict=True):
+            assert torch.equal(got, p.grad)
+
+
+def test_the_per_forward_buffer_broadcast_is_switched_off_by_this_torchs_name() -> None:
+    import inspect
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    (name, value), = _no_forward_buffer_sync().items()  # fmt: skip
+    assert value is False and name in params
+    assert name == ("forward_sync_buffers" if "forward_sync_buffers" in params
+                    else "broadcast_buffers")  # fmt: skip
+
+
+def test_to_device_leaves_host_tensors_alone_on_the_cpu() -> None:
+    t = torch.arange(6).reshape(2, 3)
+    assert to_device(t, torch.device("cpu")) is t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_to_device_pins_and_copies_without_blocking_on_cuda() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.arange(1 << 20, dtype=torch.int64).reshape(1024, 1024)
+    before = t.clone()
+    out = to_device(t, dev)
+    assert out.device == dev and not t.is_pinned()  # the caller's tensor is not touched
+    torch.cuda.synchronize(dev)
+    assert torch.equal(out.cpu(), before)
+    assert to_device(out, dev) is out  # already there
