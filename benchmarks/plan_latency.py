@@ -3,7 +3,7 @@
 python benchmarks/plan_latency.py [--runs 5]
 
 Prints a markdown table (median, min, max of N runs). The last row is what
-`tests/unit/test_probe.py::test_real_pynvml_without_a_driver_is_fast_and_says_why` times: the
+`tests/unit/probe/test_probe.py::test_real_pynvml_without_a_driver_is_fast_and_says_why` times: the
 first `probe()` of a fresh process against the real pynvml (importing pynvml, looking for the
 driver, reading the host), `homelab_dp.probe.nvml` already imported; the test bounds it only by
 a liveness guard (``PROBE_LIVENESS_S``) many times this figure.

@@ -103,7 +103,7 @@ PACKING_PROVEN_FAMILIES = frozenset({
 })  # fmt: skip
 """``model_type``s whose transformers forward hands ``position_ids`` to the shared mask builder
 (`transformers.masking_utils`), which turns the restarts of a packed block into a
-block-diagonal mask; tests/unit/test_attention.py proves llama and gpt2 on the CPU. Another
+block-diagonal mask; tests/unit/train/test_attention.py proves llama and gpt2 on the CPU. Another
 family, or a model's own code (``trust_remote_code``), may attend across the samples of a
 packed block: the worker checks it before training (`homelab_dp.train.packing_check`)."""
 

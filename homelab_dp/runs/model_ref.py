@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.hub.hub_models import ModelOrigin, looks_like_hub_id
+from homelab_dp.hub.hub_models import ModelOrigin, looks_like_hub_id, named, resolve_model_id
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.folder import run_index as index
 from homelab_dp.runs.folder.run_folder import read_run_spec, runs_root
@@ -240,7 +240,6 @@ def config_folder(path: str, revision: str = "", *, fetch: bool = True) -> Path:
     its cached snapshot (config.json downloaded if missing, when ``fetch`` and online)."""
     if not is_model_id(path):
         return Path(path)
-    from homelab_dp.hub.hub_models import resolve_model_id
 
     return resolve_model_id(path, revision, config_only=True, fetch=fetch).folder
 
@@ -250,7 +249,6 @@ def with_local_model(preset: Preset) -> tuple[Preset, ModelOrigin | None]:
     missing and online), and where it came from; a folder is returned as it is, with None."""
     if not is_model_id(preset.model.path):
         return preset, None
-    from homelab_dp.hub.hub_models import resolve_model_id
 
     snap = resolve_model_id(preset.model.path, preset.model.revision)
     model = replace(preset.model, path=str(snap.folder))
@@ -268,7 +266,6 @@ def resolve_model_arg(
     repo_id, revision = split_revision(ref.strip())
     if not is_model_id(repo_id):
         return resolve_model(ref, root)
-    from homelab_dp.hub.hub_models import named, resolve_model_id
 
     snap = resolve_model_id(repo_id, revision, config_only=config_only, fetch=fetch)
     return replace(resolve_model(str(snap.folder), root), name=named(repo_id, revision))

@@ -52,6 +52,7 @@ from typing import Any
 
 from homelab_dp import json_safe
 from homelab_dp.presets.preset import Preset
+from homelab_dp.probe import nvml
 from homelab_dp.probe.hardware import HardwareReport
 from homelab_dp.runs.folder.jsonl_tail import read_all
 from homelab_dp.runs.folder.run_folder import read_run_spec
@@ -344,12 +345,7 @@ def device_names(kind: str, names: list[str], report: HardwareReport | None = No
     (CPU processes are all named alike: the CPU model is what tells two machines apart)."""
     if kind == "cuda":
         return list(names)
-    if report is not None:
-        cpu = report.host.cpu_model
-    else:
-        from homelab_dp.probe import nvml
-
-        cpu = nvml.host_info().cpu_model
+    cpu = report.host.cpu_model if report is not None else nvml.host_info().cpu_model
     return [str(cpu or "unknown CPU")] * len(names)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.probe.hardware import mig_on
+from homelab_dp.probe.nvml import probe
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.folder.run_index import known_runs
 from homelab_dp.runs.folder.run_state import (
@@ -165,7 +166,6 @@ def free_memory(indices: Sequence[int], uuids: Sequence[str] = ()) -> dict[int, 
     On a card with MIG on, a run holds one slice (named among ``uuids`` by its MIG UUID), and
     what is free is that slice's memory, not the whole card's (None when no slice of the run's
     is on it)."""
-    from homelab_dp.probe.nvml import probe
 
     try:
         report = probe()

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from homelab_dp import json_safe
+from homelab_dp.probe.nvml import NvmlSession
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.folder.run_state import pid_alive, read_state
 
@@ -57,8 +58,6 @@ class DeviceSampler:
         self._procs: dict[int, psutil.Process] = {}
         self._nvml = None
         if self.device == "cuda":
-            from homelab_dp.probe.nvml import NvmlSession
-
             self._nvml = NvmlSession()
             self._nvml.open()
 

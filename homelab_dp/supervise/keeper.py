@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from homelab_dp.runs import run_queue as queue
 from homelab_dp.runs.folder.heartbeats import heartbeat_dir
 from homelab_dp.runs.folder.jsonl_tail import JsonlTail, file_size
 from homelab_dp.runs.folder.run_folder import append_event, read_run_spec
@@ -45,9 +46,11 @@ from homelab_dp.runs.folder.run_state import (
     signal_run_process,
     update_state,
 )
+from homelab_dp.runs.preset_results import record_run
 from homelab_dp.runs.run_events import ErrorEvent, Event, RetryEvent, StateEvent, parse_event
 from homelab_dp.supervise import launcher
 from homelab_dp.supervise.launch_verdict import Attempt, Verdict, decide
+from homelab_dp.supervise.relaunch import MAX_OOM_RETRIES, apply_oom_proposal
 from homelab_dp.supervise.watchdog import Stall, Watchdog
 
 WORKER_GRACE_S = 20.0
@@ -142,7 +145,6 @@ class Keeper:
 
     def _record_results(self, final: dict[str, Any]) -> None:
         """Record the run's figures against its preset (`homelab_dp.runs.preset_results`)."""
-        from homelab_dp.runs.preset_results import record_run
 
         try:
             record_run(self.run_dir, final)
@@ -243,7 +245,6 @@ def wait_in_queue(run_dir: Path) -> bool:
     """Wait until the queue lets this run start (`homelab_dp.runs.run_queue.waiting`); then set it
     "starting" and return True. A stop request while waiting ends the run as interrupted with
     nothing started, and returns False."""
-    from homelab_dp.runs import run_queue as queue
 
     stopped: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
@@ -296,7 +297,6 @@ def supervise(run_dir: Path) -> int:
     """Run the launch; with ``auto_fit`` in the spec, resume after out-of-memory with the
     worker's proposal (same effective batch), up to `MAX_OOM_RETRIES` times. A queued run
     first waits for its turn (`wait_in_queue`)."""
-    from homelab_dp.supervise.relaunch import MAX_OOM_RETRIES, apply_oom_proposal
 
     if read_state(run_dir).get("status") == "queued" and not wait_in_queue(run_dir):
         return 0

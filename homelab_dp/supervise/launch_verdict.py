@@ -4,7 +4,7 @@ The keeper gathers an `Attempt` — torchrun's exit code, this launch's events, 
 since this launch, whether a stop was requested, the watchdog's stall, the orphaned workers it
 stopped, the node count and torchrun's error files — and `decide` turns it into a `Verdict`
 (status, reason, failure record). Nothing here reads a file or a process: the same inputs give
-the same verdict (tests/unit/test_verdict.py replays recorded ones).
+the same verdict (tests/unit/supervise/test_verdict.py replays recorded ones).
 
 The reason names the root cause, not its echo. In order, the first that applies:
 

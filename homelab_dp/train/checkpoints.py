@@ -69,6 +69,7 @@ from homelab_dp.runs.folder.heartbeats import MERGING
 from homelab_dp.runs.folder.run_folder import write_json_atomic
 from homelab_dp.train.rank_guard import inject_slow_result, inject_write_fault
 from homelab_dp.train.strategy import Strategy
+from homelab_dp.train.trainable_model import merge_adapter, save_adapter, save_full_model
 
 MARKER = "COMPLETE"
 DCP_METADATA_KEY = "DCP_SHARDING_INFO"  # torch's key for the shard offsets in each header
@@ -510,7 +511,6 @@ def save_result(
     without it rank 0 writes and the other ranks return at once. ``step`` is the run's last
     step (heartbeats, the test-only ``slow-result`` fault).
     """
-    from homelab_dp.train.trainable_model import merge_adapter, save_adapter, save_full_model
 
     out, tmp = run_dir / "final", run_dir / ".final-tmp"
     state_dict = None

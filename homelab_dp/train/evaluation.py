@@ -63,8 +63,16 @@ from typing import Any
 import torch
 
 from homelab_dp import json_safe
+from homelab_dp.data.blocks import IGNORE_INDEX, Block, build_blocks
+from homelab_dp.data.samples import load_examples
+from homelab_dp.errors import HomelabError
+from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
+from homelab_dp.train.attention import attention_implementation
+from homelab_dp.train.lora import bnb_config, disable_cpu_bf16_repack
+from homelab_dp.train.loss import install_loss_head, token_loss_sum, unsupported_reason
+from homelab_dp.train.speed import to_device
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 TOKENS_PER_FORWARD = {"cpu": 2048, "cuda": 8192}
@@ -96,8 +104,6 @@ def join_group(kind: str) -> tuple[Any, int, int]:
     import torch
     import torch.distributed as dist
 
-    from homelab_dp.errors import HomelabError
-
     local_rank = int(os.environ["LOCAL_RANK"])
     # Loading may take a while on one rank; a failed rank ends the group through torchrun.
     kwargs: dict[str, Any] = {"timeout": timedelta(minutes=30)}
@@ -117,9 +123,6 @@ def join_group(kind: str) -> tuple[Any, int, int]:
 def load_blocks(job: dict[str, Any], tokenizer: Any) -> list[Any]:
     """The data as blocks: one sample per row, truncated to ``seq_len`` (padded to it); the
     samples come from the token cache the front end filled (`homelab_dp.data.samples`)."""
-    from homelab_dp.data.blocks import build_blocks
-    from homelab_dp.data.samples import load_examples
-    from homelab_dp.presets.preset import DataSection
 
     seq_len = int(job["seq_len"])
     data = DataSection(path=job["data_path"], format=job["format"], seq_len=seq_len, pack=False,
@@ -132,7 +135,6 @@ def length_groups(blocks: list[Any], step: int = GROUP_STEP) -> list[list[Any]]:
     """The blocks grouped by their real length rounded up to ``step`` (never past the block),
     each cut to its group's width, longest group first (an out-of-memory shows at once).
     Only padding is cut: a sample's tokens, mask and targets are the same."""
-    from homelab_dp.data.blocks import Block
 
     groups: dict[int, list[Any]] = {}
     for b in blocks:
@@ -158,7 +160,7 @@ def nf4_works(device_type: str) -> bool:
     """Whether bitsandbytes quantizes to NF4 and back on ``device_type`` (cpu | cuda): a tiny
     tensor is tried, so a bitsandbytes without kernels for this device answers False. (The
     rule `serving.replica.result_model.nf4_works` follows for chat and serve, which the layers keep apart;
-    tests/unit/test_qlora_inference.py checks that both answer alike.)"""
+    tests/unit/serving/test_qlora_inference.py checks that both answer alike.)"""
     import torch
 
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -189,8 +191,6 @@ def load_model(job: dict[str, Any], device: Any, dtype: Any, base_kind: str) -> 
     stay fp32."""
     from transformers import AutoModelForCausalLM
 
-    from homelab_dp.train.attention import attention_implementation
-
     base = job["base_path"] or job["model_path"]
     kwargs: dict[str, Any] = {
         "dtype": dtype, "trust_remote_code": bool(job["trust_remote_code"]),
@@ -198,8 +198,6 @@ def load_model(job: dict[str, Any], device: Any, dtype: Any, base_kind: str) -> 
         "use_safetensors": True,
     }  # fmt: skip
     if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
-        from homelab_dp.train.lora import bnb_config
-
         kwargs["quantization_config"] = bnb_config(dtype)
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
@@ -210,8 +208,6 @@ def load_model(job: dict[str, Any], device: Any, dtype: Any, base_kind: str) -> 
     if base_kind != "nf4":  # placed by device_map otherwise
         model.to(device)
     if base_kind == "nf4" and device.type == "cpu":
-        from homelab_dp.train.lora import disable_cpu_bf16_repack
-
         disable_cpu_bf16_repack(model)  # the kernel the in-run eval computed with
     model.eval()
     model.requires_grad_(False)
@@ -221,8 +217,6 @@ def load_model(job: dict[str, Any], device: Any, dtype: Any, base_kind: str) -> 
 def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     """Run this rank's share; rank 0 returns the result document, the others None."""
     from transformers import AutoTokenizer
-
-    from homelab_dp.train.loss import install_loss_head, unsupported_reason
 
     device, rank, world = join_group(job["device"])
     tokenizer = AutoTokenizer.from_pretrained(job["tokenizer_path"], local_files_only=True,
@@ -285,8 +279,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     job = json.loads(Path(args[0]).read_text(encoding="utf-8"))
     import torch.distributed as dist
-
-    from homelab_dp.errors import HomelabError
 
     try:
         doc = evaluate_job(job)
@@ -396,9 +388,6 @@ def evaluate(
     ``loss_head`` is the `train.loss.ChunkedLossHead` installed in it, or None for full
     cross-entropy; ``flat`` sends a packed micro-batch as one row (FlashAttention varlen).
     """
-    from homelab_dp.data.blocks import IGNORE_INDEX
-    from homelab_dp.train.loss import token_loss_sum
-    from homelab_dp.train.speed import to_device
 
     t0 = time.perf_counter()
     was_training = model.training

@@ -21,7 +21,7 @@ recomputed segment has no gradient path otherwise. transformers (``gradient_chec
 and peft (``PeftModel`` of a checkpointed 16-bit model) both register it anyway; it is removed
 after each, which spares the backward pass the gradient of the first block's input (a batch ×
 sequence × hidden tensor and the first block's input-gradient matmuls, all discarded).
-tests/unit/test_lean_dtypes.py checks that the first block is recomputed and its adapters still
+tests/unit/train/test_lean_dtypes.py checks that the first block is recomputed and its adapters still
 get gradients. On the CPU the compute dtype is fp32, so no dtype of a CPU run changes.
 
 fp16 is the exception (Turing and older cards, no bf16): there the embeddings and norms are

@@ -19,7 +19,7 @@ dtype, gives the chunk's hidden-state rows and is added (fp32) into the weight a
 gradients. Under autocast the matmuls run in the autocast dtype exactly as ``nn.Linear`` would.
 
 Bytes alive, for the planner (`planning.memory.device_memory.chunk_peak_bytes` is this arithmetic, checked against measured
-live bytes in tests/unit/test_chunked_loss.py), with c = chunk rows, V = vocabulary, H = hidden
+live bytes in tests/unit/train/test_chunked_loss.py), with c = chunk rows, V = vocabulary, H = hidden
 size, e = compute element size (2 for bf16/fp16, 4 fp32), n = target tokens, N = all tokens:
 
 - saved from forward to backward: the target rows of the hidden states n·H·e, their labels and

@@ -23,8 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp import json_safe
+from homelab_dp.data.blocks import Example, build_blocks
 from homelab_dp.planning.memory.device_memory import Budget, TrainShape, budget
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.runs.run_spec import Resolved
+from homelab_dp.train.loss import install_loss_head
+from homelab_dp.train.memtrack import MemoryProbe, model_state
+from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
+from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.training_loop import micro_step, optimizer_step
 
 FAMILIES: dict[str, dict[str, Any]] = {
     # LLaMA-style with grouped-query attention, untied lm_head.
@@ -136,8 +144,6 @@ def packed_batches(case: Case, count: int, vocab: int, seed: int = 1) -> tuple[A
 
     import torch
 
-    from homelab_dp.data.blocks import Example, build_blocks
-
     rng, need = random.Random(seed), count * case.micro_batch
     examples: list[Example] = []
     blocks: list[Any] = []
@@ -176,14 +182,6 @@ def _write_model(cfg: dict[str, Any], folder: Path) -> None:
 def measure_case(case: Case, steps: int = 3) -> Result:
     """Run ``steps`` optimizer steps of ``case`` under the probe; the peak against the estimate."""
     import torch
-
-    from homelab_dp.presets.preset import preset_from_dict
-    from homelab_dp.runs.run_spec import Resolved
-    from homelab_dp.train.loss import install_loss_head
-    from homelab_dp.train.memtrack import MemoryProbe, model_state
-    from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
-    from homelab_dp.train.trainable_model import load_model
-    from homelab_dp.train.training_loop import micro_step, optimizer_step
 
     cfg = FAMILIES[case.family]
     with tempfile.TemporaryDirectory(prefix="homelab-dp-memcheck-") as tmp:

@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 from homelab_dp import json_safe
+from homelab_dp.errors import HomelabError
+from homelab_dp.planning.flops import causal_span, flops_per_token, mfu, peak_flops
+from homelab_dp.planning.model_spec import load_model_spec
 from homelab_dp.runs.run_events import Event
 
 if TYPE_CHECKING:
@@ -108,7 +111,6 @@ def device_peak_flops(device: torch.device) -> float | None:
     """One card's dense 16-bit peak (FLOP/s) from its name; None on the CPU or an unknown card."""
     if device.type != "cuda":
         return None
-    from homelab_dp.planning.flops import peak_flops
 
     return peak_flops(torch.cuda.get_device_name(device))
 
@@ -136,9 +138,6 @@ class StepFlops:
 
         A model whose config.json the spec reader does not know gives no peak: MFU "n/a".
         """
-        from homelab_dp.errors import HomelabError
-        from homelab_dp.planning.flops import causal_span, flops_per_token
-        from homelab_dp.planning.model_spec import load_model_spec
 
         r, preset = spec.resolved, spec.preset
         peak = device_peak_flops(device)
@@ -156,7 +155,6 @@ class StepFlops:
     def mfu(self, tokens_per_s: float | None) -> float | None:
         """MFU (0..1) at ``tokens_per_s`` real (non-padding) tokens a second over all ranks;
         None without a peak. Padding is computed too, but is not useful work."""
-        from homelab_dp.planning.flops import mfu
 
         if tokens_per_s is None or self.peak is None:
             return None

@@ -40,7 +40,7 @@ TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
 """Largest logit difference (relative to the largest logit magnitude, at least 1) that still
 counts as equal: reduction order differs between a block and a sample alone, so packed and one
 by one agree only to the compute dtype's rounding. Attention across samples moves the logits of
-the later samples by far more (tests/unit/test_packing_check.py)."""
+the later samples by far more (tests/unit/train/test_packing_check.py)."""
 
 
 @dataclass(frozen=True)

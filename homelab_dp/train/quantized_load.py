@@ -43,6 +43,12 @@ from homelab_dp.train.lora import (
     is_adapter,
     prepare_frozen_base,
 )
+from homelab_dp.train.trainable_model import (
+    LoadedModel,
+    check_materialized,
+    decoder_layers,
+    receive,
+)
 
 _DDP_HINT = "set train.distribution = 'ddp' (QLoRA then loads the whole 4-bit model on each rank)"
 
@@ -57,8 +63,6 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
-
-    from homelab_dp.train.trainable_model import LoadedModel, decoder_layers
 
     remote = preset.model.trust_remote_code
     qconfig = bnb_config(compute, storage=compute)
@@ -172,8 +176,6 @@ def stream_weights(
     """
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
-
-    from homelab_dp.train.trainable_model import check_materialized, receive
 
     model = loaded.model
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -24,9 +24,37 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.data.blocks import IGNORE_INDEX
+from homelab_dp.data.eval_split import load_train_eval
+from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
 from homelab_dp.runs.run_spec import RunSpec
+from homelab_dp.train.activation_offload import ActivationOffload
+from homelab_dp.train.attention import attention_choice
+from homelab_dp.train.checkpoints import find_usable, load_checkpoint
+from homelab_dp.train.evaluation import eval_blocks
+from homelab_dp.train.loss import install_loss_head, unsupported_reason
+from homelab_dp.train.memtrack import WorkerMemory
+from homelab_dp.train.metrics import all_gather_flat, peak_memory_kind
+from homelab_dp.train.packing_check import check_model
+from homelab_dp.train.quantized_load import build_on_meta
+from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
+from homelab_dp.train.strategy import (
+    SampleOrder,
+    build_optimizer,
+    build_scheduler,
+    set_lr_for_step,
+    wrap_model,
+)
+from homelab_dp.train.trainable_model import (
+    card_capability,
+    compute_dtype,
+    load_model,
+    load_tokenizer,
+    master_dtype,
+)
+from homelab_dp.vocabulary import SHARDED
 
 log = logging.getLogger("homelab_dp.worker")
 
@@ -48,8 +76,6 @@ def init_distributed(spec: RunSpec) -> Rank:
     """Join the process group: gloo on the CPU, nccl on CUDA (``cuda:LOCAL_RANK``)."""
     import torch
     import torch.distributed as dist
-
-    from homelab_dp.errors import HomelabError
 
     resolved = spec.resolved
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -118,12 +144,6 @@ def load_data(preset: Preset, rank: Rank) -> Data:
     it missing tokenizes and writes it itself. Each rank logs which it was."""
     import torch
     from transformers import AutoConfig
-
-    from homelab_dp.data.blocks import IGNORE_INDEX
-    from homelab_dp.data.eval_split import load_train_eval
-    from homelab_dp.train.evaluation import eval_blocks
-    from homelab_dp.train.strategy import SampleOrder
-    from homelab_dp.train.trainable_model import load_tokenizer
 
     tokenizer = load_tokenizer(preset)
     config = AutoConfig.from_pretrained(
@@ -197,20 +217,6 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     """
     import torch
 
-    from homelab_dp.errors import HomelabError
-    from homelab_dp.train.attention import attention_choice
-    from homelab_dp.train.loss import install_loss_head, unsupported_reason
-    from homelab_dp.train.quantized_load import build_on_meta
-    from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
-    from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
-    from homelab_dp.train.trainable_model import (
-        card_capability,
-        compute_dtype,
-        load_model,
-        master_dtype,
-    )
-    from homelab_dp.vocabulary import SHARDED
-
     resolved, train, device = spec.resolved, spec.preset.train, rank.device
     # Same seed on every rank: identical LoRA init without relying on a broadcast.
     torch.manual_seed(train.seed)
@@ -230,8 +236,6 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     strategy = wrap_model(loaded, resolved, device, grad_accum=rank.accum)
     packing = None
     if spec.preset.data.pack:  # exact on this model, or refused before the first step
-        from homelab_dp.train.packing_check import check_model
-
         packing = check_model(strategy.inner, device=device, dtype=resolved.dtype,
                               fsdp=strategy.is_fsdp)  # fmt: skip
         log.info("data.pack: packed block == samples one by one (max logit diff %.3g)",
@@ -269,7 +273,6 @@ def _offloading(autocast: Any, model: Any, *, pin: bool) -> Any:
     """``train.offload_activations``: the forward's context also sends the activations saved for
     backward to (pinned) host memory, brought back as backward needs it; weights, buffers and
     small tensors stay (`train.activation_offload.ActivationOffload`)."""
-    from homelab_dp.train.activation_offload import ActivationOffload
 
     offload = ActivationOffload(model, pin=pin)
 
@@ -309,9 +312,6 @@ class Position:
 
 def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Position:
     """Load the newest complete checkpoint every rank agrees on (step 0, warned, when none)."""
-    from homelab_dp.errors import RunStateError
-    from homelab_dp.train.checkpoints import find_usable, load_checkpoint
-    from homelab_dp.train.strategy import set_lr_for_step
 
     path, skipped = find_usable(run_dir / "checkpoints")
     for reason in skipped:  # a damaged checkpoint is named, and the one before it used
@@ -343,8 +343,6 @@ def _agree_on_checkpoint(path: Path | None, device: Any) -> None:
     """Every rank must resume from the same step (it differs when nodes share no folder)."""
     import torch
     import torch.distributed as dist
-
-    from homelab_dp.errors import RunStateError
 
     mine = int(path.name.split("-")[1]) if path else -1
     seen = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
@@ -388,7 +386,6 @@ def set_determinism(deterministic: bool) -> None:
 
 def set_up(spec: RunSpec, run_dir: Path, events: Any, resume: bool) -> SetUp:
     """The process group, the data, the model (memory probed around it), the resume point."""
-    from homelab_dp.train.memtrack import WorkerMemory
 
     set_determinism(spec.preset.train.deterministic)
     rank = init_distributed(spec)
@@ -404,8 +401,6 @@ def set_up(spec: RunSpec, run_dir: Path, events: Any, resume: bool) -> SetUp:
 def start_event(spec: RunSpec, s: SetUp) -> StartEvent:
     """The ``start`` event: the run as set up, with every rank's pid (one all-gather)."""
     import torch
-
-    from homelab_dp.train.metrics import all_gather_flat, peak_memory_kind
 
     rank, r = s.rank, spec.resolved
     pid = torch.tensor([os.getpid()], dtype=torch.int64, device=rank.device)

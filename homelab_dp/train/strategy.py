@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from homelab_dp.errors import HomelabError
 from homelab_dp.presets.preset import TrainSection
 from homelab_dp.runs.run_spec import Resolved
+from homelab_dp.train.host_optimizer import HostAdamW
 from homelab_dp.train.trainable_model import LoadedModel, compute_dtype, materialize
 from homelab_dp.vocabulary import SHARDED
 
@@ -247,8 +248,6 @@ def build_optimizer(
             hint="set train.optimizer = 'adamw', or train.offload = 'none'",
         )
     if train.optimizer == "adamw" and strategy.offload == "optimizer":
-        from homelab_dp.train.host_optimizer import HostAdamW
-
         return HostAdamW(_param_groups(strategy, train.weight_decay), lr=lr)
     if train.optimizer == "adamw":
         cls: type = torch.optim.AdamW

@@ -53,7 +53,15 @@ from homelab_dp.runs.run_events import (
     StragglerEvent,
 )
 from homelab_dp.runs.run_spec import RunSpec
+from homelab_dp.runs.run_view import StragglerDetector
+from homelab_dp.train.checkpoints import mark_best, save_checkpoint, save_result
+from homelab_dp.train.divergence import SkippedSteps, check_loss, require_finite_weights
+from homelab_dp.train.evaluation import Validator
+from homelab_dp.train.loss import token_loss_sum
+from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.rank_setup import SetUp
+from homelab_dp.train.speed import to_device
+from homelab_dp.train.strategy import rank_slices
 
 if TYPE_CHECKING:  # torch stays out of the worker's import until it is set up
     from homelab_dp.train.divergence import SkippedSteps
@@ -114,8 +122,6 @@ class Trainer:
         self, spec: RunSpec, run_dir: Path, s: SetUp, events: Any, stop: StopFlag, guard: Any,
         t_start: float,
     ) -> None:  # fmt: skip
-        from homelab_dp.runs.run_view import StragglerDetector
-        from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
 
         self.spec, self.run_dir, self.events, self.stop = spec, run_dir, events, stop
         self.guard = guard
@@ -133,15 +139,12 @@ class Trainer:
         self.flops = StepFlops.for_run(spec, self.rank.device, int(self.data.input_ids.shape[1]),
                                        self.rank.world)  # fmt: skip
         self.saved_step: int | None = None
-        from homelab_dp.train.divergence import SkippedSteps
 
         self.skips = SkippedSteps()
         """fp16: the GradScaler's consecutive skipped steps (`train.divergence`)."""
         """The step of the checkpoint written last by this run (none is written twice)."""
         self.validator = None
         if self.data.eval is not None and not self.memory.measuring:
-            from homelab_dp.train.evaluation import Validator
-
             self.validator = Validator(self.data.eval, self.train.eval_every,
                                        self.train.early_stopping_patience)  # fmt: skip
             self.validator.restore(s.position.eval_state)
@@ -158,8 +161,6 @@ class Trainer:
             self._checkpoint(step)
         final = None
         if reason in ("completed", "early_stopped"):
-            from homelab_dp.train.checkpoints import save_result
-
             m = self.model
             # Rank 0 writes (and merges) in a thread; every rank beats and meets the others in a
             # short all-reduce each second until it is done: no watchdog or collective timeout
@@ -176,9 +177,6 @@ class Trainer:
         """Optimizer steps until the last one ("completed"), an agreed stop ("stopped") or an
         early stop ("early_stopped")."""
         import torch
-
-        from homelab_dp.train.speed import to_device
-        from homelab_dp.train.strategy import rank_slices
 
         r, d, m = self.rank, self.data, self.model
         dev, step = r.device, self.start_step
@@ -241,8 +239,6 @@ class Trainer:
             if keep or (every and step % every == 0 and step < d.total_steps):
                 self._checkpoint(step)
             if keep and r.rank == 0:  # after the write: BEST names a complete checkpoint
-                from homelab_dp.train.checkpoints import mark_best
-
                 mark_best(self.run_dir / "checkpoints", step, verdict.event.loss or 0.0,
                           self.train.keep_checkpoints)  # fmt: skip
             if verdict is not None and verdict.stop:
@@ -280,7 +276,6 @@ class Trainer:
         now = time.time()
         rows = self.stats.gather(loss_sum, time.perf_counter() - t0)
         loss = sum(row[0] for row in rows) / max(targets, 1.0)
-        from homelab_dp.train.divergence import check_loss
 
         # Every rank has the same rows: all end here together, before a NaN reaches an event.
         check_loss(loss, step, lr=lr, dtype=self.spec.resolved.dtype)
@@ -305,11 +300,9 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         """Save a checkpoint of ``step`` with the position, schedule and scaler state."""
-        from homelab_dp.train.checkpoints import save_checkpoint
 
         t = time.time()
         r, m, n_blocks = self.rank, self.model, self.data.n_blocks
-        from homelab_dp.train.divergence import require_finite_weights
 
         # Never a checkpoint of inf/NaN weights: the last good one stays the newest.
         require_finite_weights(m.strategy.inner, step, r.device)
@@ -346,7 +339,6 @@ def micro_step(
     at every sample; ``flat`` sends a packed micro-batch as one row (FlashAttention's varlen
     route). ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
     """
-    from homelab_dp.train.loss import token_loss_sum
 
     if flat:  # exact: every row starts a sample at position 0
         input_ids, positions, labels = (t.reshape(1, -1) for t in (input_ids, positions, labels))

@@ -40,9 +40,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.errors import HomelabError
+from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.run_events import ErrorEvent
 from homelab_dp.runs.run_spec import RunSpec
-from homelab_dp.train.training_loop import StopFlag
+from homelab_dp.train.metrics import EventLog
+from homelab_dp.train.rank_guard import RankGuard, oom_advice
+from homelab_dp.train.rank_setup import set_up, start_event
+from homelab_dp.train.reporting import open_reporting
+from homelab_dp.train.training_loop import StopFlag, Trainer
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -70,9 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only, never the network
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in rank logs
-    from homelab_dp.errors import HomelabError
-    from homelab_dp.runs.folder.run_folder import read_run_spec
-    from homelab_dp.train.metrics import EventLog
 
     run_dir = args.run_dir.absolute()
     events = EventLog(run_dir / "events.jsonl", enabled=rank == 0)
@@ -101,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except Exception as exc:  # any crash: tell the controller which rank, then fail
         if _is_oom(exc):  # with what to change; `run --auto-fit` applies the proposal itself
-            from homelab_dp.train.rank_guard import oom_advice
-
             message, hint, proposal = oom_advice(spec.resolved, exc)
             events.write(ErrorEvent(message=message, hint=hint, rank=rank,
                                     kind="OutOfMemoryError", proposal=proposal), force=True)  # fmt: skip
@@ -120,16 +121,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rank(spec: RunSpec, run_dir: Path, events: Any, stop: StopFlag, resume: bool) -> None:
     """Set the rank up, write the start event, train to the end or to a stop."""
-    from homelab_dp.train.rank_guard import RankGuard
-    from homelab_dp.train.rank_setup import set_up, start_event
-    from homelab_dp.train.training_loop import Trainer
 
     t_start = time.time()
     guard = RankGuard(run_dir, int(os.environ["RANK"]))  # heartbeats, orphan check
     s = set_up(spec, run_dir, events, resume)
     if events.enabled and not s.memory.measuring:  # rank 0's curves ([log] report_to)
-        from homelab_dp.train.reporting import open_reporting
-
         events.sink = open_reporting(spec, run_dir, s.position.start_step, events)
     trainer = Trainer(spec, run_dir, s, events, stop, guard, t_start)
     events.write(start_event(spec, s))

@@ -47,7 +47,7 @@ The worker replaces lm_head by `homelab_dp.train.loss.ChunkedLossHead` for every
 logits are not changed after lm_head (`unsupported_reason`); Gemma-2's final logit softcapping
 keeps the full logits path. The chunk size and the bytes of `train.loss`'s chunked
 cross-entropy are defined here, in pure arithmetic, and the worker uses the same chunk size;
-tests/unit/test_chunked_loss.py checks `chunk_peak_bytes` against measured live tensor bytes.
+tests/unit/train/test_chunked_loss.py checks `chunk_peak_bytes` against measured live tensor bytes.
 
 Activations saved for backward and the loss head's tensors, per device (pure arithmetic).
 

@@ -166,7 +166,7 @@ def nf4_works(device_type: str) -> bool:
 
 def nf4_config(compute: torch.dtype) -> Any:
     """The quantization a QLoRA run trains on (`train.lora.bnb_config`, which the layers keep
-    out of reach here; tests/unit/test_qlora_inference.py checks they are the same): NF4 with
+    out of reach here; tests/unit/serving/test_qlora_inference.py checks they are the same): NF4 with
     double quantization, computing in ``compute``, packed into uint8."""
     from transformers import BitsAndBytesConfig
 

@@ -30,7 +30,7 @@ result), and vLLM gets the token ids, so both engines see the same tokens.
 
 vllm is imported only when the replica starts: this module imports without it. Not run here:
 the machines this was written on have neither vllm nor a GPU. The pure parts (settings, sampling
-arguments, stream lines) are tested (tests/unit/test_vllm_replica.py); the engine calls follow
+arguments, stream lines) are tested (tests/unit/serving/test_vllm_replica.py); the engine calls follow
 vLLM's documented ``AsyncLLMEngine`` API and have not been exercised against a real vLLM.
 """
 
