@@ -66,3 +66,17 @@ def test_plan_command_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )
     assert json.loads(out.stdout.splitlines()[-1]) == [0]
+
+
+def test_the_cli_entry_imports_no_command_until_it_runs() -> None:
+    """Why cli/ imports app/ inside its command functions: building the parser loads no app/
+    module and nothing heavy, so `homelab-dp probe` or `status` never pays for the planner, the
+    run controller or torch (on this machine cli.main imports in about 40 ms, app.runs alone
+    in about 220 ms, app.chat in 1.5 s with torch)."""
+    code = (
+        "import json, sys; import homelab_dp.cli.main; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('homelab_dp.app') "
+        f"or m in {HEAVY!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
