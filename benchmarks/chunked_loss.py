@@ -34,8 +34,9 @@ Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def full_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The old path: all logits, then cross-entropy on their fp32 copy."""
     logits = F.linear(hidden, weight)
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                           reduction="sum")  # fmt: skip
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -102,8 +103,9 @@ def main() -> None:
     for vocab in a.vocab:
         for tokens in a.tokens:
             args = inputs(vocab, tokens, a.hidden)
-            m = chunk_peak_bytes(vocab, a.hidden, tokens, 2 if a.bf16 else 4, weight_bytes=4,
-                                 hidden_bytes=4)  # fmt: skip
+            m = chunk_peak_bytes(
+                vocab, a.hidden, tokens, 2 if a.bf16 else 4, weight_bytes=4, hidden_bytes=4
+            )
             model = m["saved"] + max(m["forward"], m["backward"])
             chunked = peak_extra(chunked_loss, args, a.bf16)
             t_chunk = seconds(chunked_loss, args, a.bf16, a.repeats)

@@ -141,8 +141,9 @@ def check_pinned_and_offload(device: str) -> dict[str, Any]:
     HostAdamW(params).step()
     planned = host_adamw_pinned_bytes(4 * sum(p.numel() for p in params))
     measured = pinned() - base if cuda else None
-    m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
-                            torch.nn.Linear(4096, 1024)).to(device)  # fmt: skip
+    m = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)
+    ).to(device)
     x = torch.randn(512, 1024, device=device, requires_grad=True)
     ref = torch.autograd.grad(m(x).square().sum(), [x, *m.parameters()])
     off = ActivationOffload(m, pin=cuda)
@@ -165,8 +166,9 @@ def check_device_order(device: str) -> dict[str, Any]:
         return {"ok": env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", "env": "PCI_BUS_ID"}
     nvml_name = probe().gpus[0].name
     code = "import torch; print(torch.cuda.get_device_name(0))"
-    seen = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
+    seen = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
     return {"ok": seen == nvml_name, "nvml_index_0": nvml_name, "torch_cuda_0": seen}
 
 

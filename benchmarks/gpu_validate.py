@@ -125,8 +125,9 @@ def mfu(params: int, tokens_per_s: float, peak_flops: float | None) -> float | N
     return 6.0 * params * tokens_per_s / peak_flops
 
 
-def model_config(base: dict[str, Any], vocab: int, ids: dict[str, int | None],
-                 layers: int | None = None) -> dict[str, Any]:  # fmt: skip
+def model_config(
+    base: dict[str, Any], vocab: int, ids: dict[str, int | None], layers: int | None = None
+) -> dict[str, Any]:
     """``base`` (a config.json) with the tokenizer's vocabulary size and special token ids, so
     every id the tokenizer makes is a row of the embedding; ``layers`` shrinks the stack."""
     out = {k: v for k, v in base.items() if k != "torch_dtype"}

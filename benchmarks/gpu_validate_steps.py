@@ -228,7 +228,8 @@ def step_serve(r: Runner, report: Report, run_id: str | None, cpu: bool) -> None
         time.sleep(0.2)
     left = pids_alive(pids)
     exit_text = (f"SIGTERM: exit {code}" if clean else "SIGTERM ignored: killed") + (
-        f", replica pid(s) {left} left" if left else f", replica pid(s) {pids} gone")  # fmt: skip
+        f", replica pid(s) {left} left" if left else f", replica pid(s) {pids} gone"
+    )
     if problem:
         report.add(name, "failed", f"{problem}; {exit_text}")
         return

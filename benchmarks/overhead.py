@@ -39,8 +39,9 @@ def tokens_per_s(run_dir: Path) -> float:
 
 def run_full(root: Path, overrides: list[str]) -> float:
     controller = make_controller(root)
-    run_id = controller.start(controller.prepare(str(ROOT / "presets" / "tiny-demo.toml"),
-                                                 overrides=overrides))  # fmt: skip
+    run_id = controller.start(
+        controller.prepare(str(ROOT / "presets" / "tiny-demo.toml"), overrides=overrides)
+    )
     run_dir = controller.run_dir(run_id)
     while current_state(run_dir).get("status") in ACTIVE:
         time.sleep(0.5)

@@ -62,8 +62,9 @@ def _spec(model: Path, device: str, dist: str, offload: str, acts: bool, a: Any)
                         device=device, world_size=1, dtype=dtype, micro_batch=a.micro,
                         grad_accum=1, lr=1e-4, offload=offload,
                         offload_activations=acts)  # type: ignore[arg-type]  # fmt: skip
-    return RunSpec(run_id="one-card", preset=preset, resolved=resolved,
-                   launch=Launch(nproc_per_node=1))  # fmt: skip
+    return RunSpec(
+        run_id="one-card", preset=preset, resolved=resolved, launch=Launch(nproc_per_node=1)
+    )
 
 
 def _estimate(model: Path, spec: Any) -> int:
@@ -153,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     whole = rows[0].get("losses")
     for row in rows:
         if whole and row.get("losses"):
-            row["max_loss_diff"] = max(abs(x - y) for x, y in zip(row["losses"], whole,
-                                                                  strict=True))  # fmt: skip
+            row["max_loss_diff"] = max(
+                abs(x - y) for x, y in zip(row["losses"], whole, strict=True)
+            )
     if a.json:
         print(json.dumps({"device": a.device, "rows": rows}))
     else:

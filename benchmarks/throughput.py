@@ -71,7 +71,7 @@ def worker(nproc: int, steps: int, warmup: int, root: Path, name: str) -> float:
                 "grad_accum": ACCUM,
                 "max_steps": steps,
                 "lr": LR,
-            },  # fmt: skip
+            },
             "hardware": {"devices": "cpu", "nproc": nproc},
         }
     )

@@ -77,8 +77,9 @@ def vocabulary_words(vocab: dict[str, int]) -> tuple[list[str], list[str]]:
 
 def output_lengths(n: int, lo: int, hi: int, rng: random.Random) -> list[int]:
     """``n`` word counts in [lo, hi], log-uniform: many short answers, a long tail of long ones."""
-    return [min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
-            for _ in range(n)]  # fmt: skip
+    return [
+        min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))) for _ in range(n)
+    ]
 
 
 def _sentence_text(n: int, words: list[str], pieces: list[str], rng: random.Random) -> str:
@@ -124,8 +125,9 @@ def build_model(folder: Path, seed: int) -> int:
 
     hf_logging.disable_progress_bar()  # "Writing model shards" would land amid the table
     torch.manual_seed(seed)
-    config = LlamaConfig(**MODEL_CONFIG, rope_parameters={"rope_theta": 10000.0,
-                                                          "rope_type": "default"})  # fmt: skip
+    config = LlamaConfig(
+        **MODEL_CONFIG, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder, safe_serialization=True)
     for name in TOKENIZER_FILES:
@@ -297,8 +299,9 @@ def hf_worker(cfg_path: Path) -> None:
         use_cpu=True, ddp_backend="gloo", disable_tqdm=True,
     )  # fmt: skip
     collator = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
-    trainer = Counting(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                       callbacks=[Clock()])  # fmt: skip
+    trainer = Counting(
+        model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[Clock()]
+    )
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))
     report = {

@@ -19,9 +19,7 @@ Offload = Literal["none", "optimizer", "params"]
 weights, gradients and optimizer state (FSDP2's CPUOffloadPolicy)."""
 Dtype = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cpu", "cuda"]
-Status = Literal[
-    "starting", "queued", "running", "stopping", "completed", "failed", "interrupted"
-]  # fmt: skip
+Status = Literal["starting", "queued", "running", "stopping", "completed", "failed", "interrupted"]
 
 METHODS: tuple[str, ...] = get_args(Method)
 DISTRIBUTIONS: tuple[str, ...] = get_args(Distribution)

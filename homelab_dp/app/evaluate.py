@@ -249,11 +249,13 @@ def check_data(ref: ModelRef, data: DataSection) -> tuple[str, int]:
     def tokenizer() -> Any:  # the model's own tokenizer: the worker's tokens (on a cache miss)
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(ref.tokenizer_path, local_files_only=True,
-                                             trust_remote_code=ref.trust_remote_code)  # fmt: skip
+        return AutoTokenizer.from_pretrained(
+            ref.tokenizer_path, local_files_only=True, trust_remote_code=ref.trust_remote_code
+        )
 
-    loaded = load_examples(data, TokenizerRef(Path(ref.tokenizer_path), tokenizer),
-                           seq_len_limit=None, field="--data")  # fmt: skip
+    loaded = load_examples(
+        data, TokenizerRef(Path(ref.tokenizer_path), tokenizer), seq_len_limit=None, field="--data"
+    )
     blocks = build_blocks(loaded.examples, data.seq_len, False, loaded.pad_id)
     if not blocks:
         raise DataError(
@@ -397,8 +399,7 @@ def _failure(folder: Path, rc: int) -> HomelabError:
     else:  # killed, or torchrun itself failed: its log names the rank and the signal
         rank, first = None, f"eval failed (torchrun exit code {rc})"
     tail = log_tail(folder, rank)
-    return RunFailedError(f"{first}\n{tail}".rstrip(),
-                          hint=f"the logs are kept in {folder}")  # fmt: skip
+    return RunFailedError(f"{first}\n{tail}".rstrip(), hint=f"the logs are kept in {folder}")
 
 
 def log_tail(folder: Path, rank: int | None, lines: int = 20) -> str:

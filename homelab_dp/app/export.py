@@ -135,8 +135,7 @@ def find_source(run: str) -> Source:
     """The result RUN names (a run id or prefix, a run folder; a model or adapter folder too)."""
     ref = resolve_model(run)
     if ref.run_dir is None:  # a bare model or adapter folder: keep its stored dtype
-        return Source(ref, ref.base or ref.path, ref.path if ref.is_adapter else None, None,
-                      "auto")  # fmt: skip
+        return Source(ref, ref.base or ref.path, ref.path if ref.is_adapter else None, None, "auto")
     spec = read_run_spec(ref.run_dir)
     final = ref.run_dir / "final"
     dtype = str(spec.resolved.dtype)
@@ -289,8 +288,9 @@ def _modelfile(source: Source, folder: Path, dest: Path, from_: str) -> list[str
     tokenizer = AutoTokenizer.from_pretrained(
         folder, trust_remote_code=source.ref.trust_remote_code
     )
-    modelfile = build_modelfile(tokenizer, template_for(tokenizer, source.ref), eos_texts(folder),
-                                from_)  # fmt: skip
+    modelfile = build_modelfile(
+        tokenizer, template_for(tokenizer, source.ref), eos_texts(folder), from_
+    )
     (dest / "Modelfile").write_text(modelfile.text, encoding="utf-8")
     return [f"template: {modelfile.template_kind}", *modelfile.notes]
 
@@ -366,16 +366,18 @@ def export_run(run: str, fmt: str, out: Path) -> ExportResult:
         try:
             notes = _write(source, fmt, staging, converter)
         except OSError as exc:  # a full disk, a folder that cannot be read: no traceback
-            raise ExportFailed(f"export to {out} failed: {exc}",
-                               hint="free space beside DIR, or check the folders' permissions"
-                               ) from None  # fmt: skip
+            raise ExportFailed(
+                f"export to {out} failed: {exc}",
+                hint="free space beside DIR, or check the folders' permissions",
+            ) from None
         _modes_by_umask(staging)  # mkdtemp's 0700 would keep other users (an ollama server) out
         check_out(out)  # someone may have written there meanwhile
         try:
             staging.rename(out)  # onto an empty folder too: atomic on POSIX
         except OSError as exc:
-            raise HomelabError(f"--out {out}: cannot be written ({exc.strerror})",
-                               hint="give a new folder") from None  # fmt: skip
+            raise HomelabError(
+                f"--out {out}: cannot be written ({exc.strerror})", hint="give a new folder"
+            ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     files, size = _listing(out)
@@ -387,8 +389,7 @@ def export_run(run: str, fmt: str, out: Path) -> ExportResult:
 def export_in_child(run: str, fmt: str, out: Path) -> ExportResult:
     """`export_run` in a child process (`python -m homelab_dp.app.export`), so the caller
     (the TUI) never loads torch; its HomelabError comes back as the same error."""
-    cmd = [sys.executable, "-m", "homelab_dp.app.export", run, "--format", fmt, "--out",
-           str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "homelab_dp.app.export", run, "--format", fmt, "--out", str(out)]
     env = cpu_child_env()  # merge on the CPU: no CUDA context
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = done.stdout.strip().splitlines()

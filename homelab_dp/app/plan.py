@@ -208,8 +208,9 @@ def _mig_hardware(g: GpuInfo, report: HardwareReport) -> PlanHardware:
         None,  # NVML lists the card's processes, not which slice each one is on
         *trained_pcie_link(g),
     )
-    return PlanHardware("cuda", (device,), source="probe", indices=(g.index,),
-                        uuids=(chosen.uuid,), notes=(note,))  # fmt: skip
+    return PlanHardware(
+        "cuda", (device,), source="probe", indices=(g.index,), uuids=(chosen.uuid,), notes=(note,)
+    )
 
 
 def _mig_pending_note(g: GpuInfo) -> str:
@@ -281,8 +282,9 @@ def make_plan(
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
     make = plan_largest_micro_batch if find_micro_batch else plan
-    planned = with_host(make(spec, preset, hardware, calibration), preset,
-                        host_available(gpus, hardware, report))  # fmt: skip
+    planned = with_host(
+        make(spec, preset, hardware, calibration), preset, host_available(gpus, hardware, report)
+    )
     return Planned(preset, spec, hardware, planned, report)
 
 
@@ -324,8 +326,9 @@ def hardware_fingerprint(hw: PlanHardware, report: HardwareReport | None) -> str
         if report is None or not report.gpus:
             return None  # `--gpus 2x24GiB`: hardware that is not here
         names = [g.name for g in report.gpus if not hw.indices or g.index in hw.indices]
-        return fingerprint("cuda", device_names=names, driver=report.driver_version,
-                           torch=torch_version())  # fmt: skip
+        return fingerprint(
+            "cuda", device_names=names, driver=report.driver_version, torch=torch_version()
+        )
     if report is not None:
         cpu = report.host.cpu_model
     else:

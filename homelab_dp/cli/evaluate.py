@@ -42,8 +42,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Check everything, evaluate under torchrun (`app.evaluate`), print the result."""
     from homelab_dp.app.evaluate import evaluate_model
 
-    report = evaluate_model(args.model, args.data, args.format, args.seq_len, args.gpus,
-                            split=args.split)  # fmt: skip
+    report = evaluate_model(
+        args.model, args.data, args.format, args.seq_len, args.gpus, split=args.split
+    )
     if args.json:
         print_json(report.to_json())
     else:

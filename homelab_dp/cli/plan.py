@@ -72,11 +72,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if (args.preset is None) == (args.model is None):
         both = args.preset is not None
         raise HomelabError(
-            "plan: give a preset or --model, not both" if both
+            "plan: give a preset or --model, not both"
+            if both
             else "plan: give a preset (PRESET) or a model (--model ID_OR_FOLDER)",
             hint="`homelab-dp plan tiny-demo`, or `homelab-dp plan --model Qwen/Qwen2.5-0.5B "
             "--gpus 24GiB` (`homelab-dp presets list` shows the presets)",
-        )  # fmt: skip
+        )
     overrides = flag_overrides(args)
     if args.model is not None:
         preset = preset_for_model(args.model, overrides)

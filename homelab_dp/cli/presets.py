@@ -58,8 +58,7 @@ def _show(args: argparse.Namespace) -> int:
     text = path.read_text(encoding="utf-8")
     records = read_results(preset_name(path))
     if args.json:
-        print_json({"name": preset_name(path), "path": str(path), "text": text,
-                    "results": records})  # fmt: skip
+        print_json({"name": preset_name(path), "path": str(path), "text": text, "results": records})
         return EXIT_OK
     print(f"# {path}")
     print(text, end="" if text.endswith("\n") else "\n")

@@ -33,8 +33,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
             f"pull {args.model_id}: not a Hugging Face id (org/name)",
             hint="e.g. `homelab-dp pull Qwen/Qwen2.5-0.5B`; a local folder needs no pull",
         )
-    snap = resolve_model_id(args.model_id, args.revision, config_only=args.config_only,
-                            refresh=True)  # fmt: skip
+    snap = resolve_model_id(
+        args.model_id, args.revision, config_only=args.config_only, refresh=True
+    )
     if args.json:
         print_json({"repo_id": snap.repo_id, "revision": snap.revision or "main",
                     "commit": snap.commit, "folder": str(snap.folder),

@@ -121,8 +121,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_id = controller.resume(args.run, _rendezvous(args), queue=args.queue, force=args.force)
     step = read_state(controller.run_dir(run_id)).get("resume_from")
     if step == 0:  # said, never silent: the steps it made are trained again
-        sys.stderr.write(f"notice: run {run_id} has no usable checkpoint: it starts again from "
-                         "step 1\n")  # fmt: skip
+        sys.stderr.write(
+            f"notice: run {run_id} has no usable checkpoint: it starts again from step 1\n"
+        )
     if args.detach:
         doc = {"type": "detached", "run_id": run_id, "resume_from": step}
         print(json_safe.dumps(doc) if args.json else f"resumed {run_id}")

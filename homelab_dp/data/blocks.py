@@ -214,8 +214,9 @@ def load_dataset(
     fewer blocks than needed.
     """
     data = load_examples(data_cfg, tokenizer, seq_len_limit=seq_len_limit)
-    return blocks_of(data.examples, data_cfg, data.fmt, data.pad_id, where=data.label,
-                     min_blocks=min_blocks)  # fmt: skip
+    return blocks_of(
+        data.examples, data_cfg, data.fmt, data.pad_id, where=data.label, min_blocks=min_blocks
+    )
 
 
 def blocks_of(

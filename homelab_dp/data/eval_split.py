@@ -77,11 +77,13 @@ def load_train_eval(
                 hint="add data or lower data.eval_fraction",
             )
         where = f"{path} (after holding out {len(held)} sample(s) for data.eval_fraction)"
-        train = blocks_of([examples[i] for i in train_idx], data_cfg, fmt, pad, where=where,
-                          min_blocks=min_blocks)  # fmt: skip
+        train = blocks_of(
+            [examples[i] for i in train_idx], data_cfg, fmt, pad, where=where, min_blocks=min_blocks
+        )
         held_where = f"{path} (the {len(held)} sample(s) held out by data.eval_fraction)"
-        evals = blocks_of([examples[i] for i in held], data_cfg, fmt, pad, where=held_where,
-                          min_blocks=1)  # fmt: skip
+        evals = blocks_of(
+            [examples[i] for i in held], data_cfg, fmt, pad, where=held_where, min_blocks=1
+        )
         return TrainEval(train, evals, len(held), (data.cache,), fmt)
     train = blocks_of(examples, data_cfg, fmt, pad, where=path, min_blocks=min_blocks)
     if not eval_path:

@@ -134,11 +134,13 @@ def search_micro_batch(
     if best is None:
         micro, total, _ = tried[0]
         accum = accumulation_for(requested_effective, 1, world_size)
-        return Fit(1, accum, world_size, requested_effective, total, int(limit), False,
-                   tuple(tried))  # fmt: skip
+        return Fit(
+            1, accum, world_size, requested_effective, total, int(limit), False, tuple(tried)
+        )
     micro, accum, total = best
-    return Fit(micro, accum, world_size, requested_effective, total, int(limit), True,
-               tuple(tried), larger)  # fmt: skip
+    return Fit(
+        micro, accum, world_size, requested_effective, total, int(limit), True, tuple(tried), larger
+    )
 
 
 FP16_SHARDING_NOTE = (
@@ -321,8 +323,9 @@ def evaluate(
     ok, note = supported(method, dist, hw, shape.dtype, shape.offload)
     fits = ok and b.total <= hw.budget(SAFETY_MARGIN)
     cost = offload_cost(spec, shape, b, hw)
-    return Candidate(method, dist, ckpt, b, fits, ok, note, shape.offload,
-                     shape.offload_activations, cost)  # fmt: skip
+    return Candidate(
+        method, dist, ckpt, b, fits, ok, note, shape.offload, shape.offload_activations, cost
+    )
 
 
 def checkpointing_options(preset: Preset) -> tuple[bool, ...]:
@@ -392,8 +395,9 @@ def _decide(spec, preset, hw, dtype, calibration, host_available, *, offload: bo
             if i and not supported(m, d, hw, dtype, o)[0]:
                 continue  # a later stage lists only what could be chosen
             for ck in ckpts:
-                c = evaluate(spec, preset, hw, m, d, ck, calibration, offload=o,
-                             offload_activations=a)  # fmt: skip
+                c = evaluate(
+                    spec, preset, hw, m, d, ck, calibration, offload=o, offload_activations=a
+                )
                 tried.append(c)
                 need = _host_short(spec, preset, hw, c, host_available) if c.fits else None
                 if need is not None:
@@ -446,8 +450,9 @@ def plan(
         or _decide(spec, preset, hw.idle(), dtype, calibration, host_available, offload=False)[0]
         is None
     )
-    chosen, tried, first, short = _decide(spec, preset, hw, dtype, calibration, host_available,
-                                          offload=offload)  # fmt: skip
+    chosen, tried, first, short = _decide(
+        spec, preset, hw, dtype, calibration, host_available, offload=offload
+    )
     usable = [c for c in tried if c.supported and all(c is not x for x, _ in short)]
     best_effort = chosen or min(usable, key=lambda c: c.budget.total, default=tried[-1])
     # Every candidate, each with the checkpointing setting the plan would use for it, under the
@@ -625,8 +630,9 @@ def _replanned(p: Plan, preset: Preset, available: int) -> Plan:
         requested = t.micro_batch * p.hardware.world_size * t.grad_accum
         t = replace(t, micro_batch=p.micro_batch, grad_accum=p.grad_accum,
                     reference_batch=t.reference_batch or requested)  # fmt: skip
-    again = plan(p.spec, replace(preset, train=t), p.hardware, p.calibration,
-                 host_available=available)  # fmt: skip
+    again = plan(
+        p.spec, replace(preset, train=t), p.hardware, p.calibration, host_available=available
+    )
     if p.fit is not None:
         again = replace(again, fit=p.fit, reasons=(*again.reasons, p.fit.describe()))
     return again

@@ -164,7 +164,7 @@ class ServePlan:
                     "spare_sequences": d.spare_sequences,
                 }
                 for d in self.devices
-            ],  # fmt: skip
+            ],
             "replicas": self.replicas,
             "fits": self.fits,
             "max_concurrent": self.max_concurrent,

@@ -342,7 +342,7 @@ class NvmlSession:
                 i: tuple(s.uuid for s in g.mig.slices if s.uuid)
                 for i, g in opened.items()
                 if g is not None and g.mig
-            },  # fmt: skip
+            },
         )
         gpus: list[GpuInfo] = []
         warnings: list[str] = []

@@ -57,6 +57,7 @@ def render_measure(report: MeasureReport) -> Any:
     )
     blocks: list[Any] = [phases, parts, summary]
     if report.stored:
-        blocks.append(Text(f"stored for this hardware in {report.stored}; later plans show it",
-                           style="dim"))  # fmt: skip
+        blocks.append(
+            Text(f"stored for this hardware in {report.stored}; later plans show it", style="dim")
+        )
     return Group(*blocks)

@@ -81,8 +81,9 @@ def expected_text(runs: PresetRuns | None) -> Text | None:
     if e is None:
         what = "ran on other hardware or settings" if not runs.same else "measured no speed"
         n = len(runs.other) if not runs.same else len(runs.same)
-        out = Text(f"expected: nothing yet — {n} recorded run(s) of {runs.preset} {what}",
-                   style="dim")  # fmt: skip
+        out = Text(
+            f"expected: nothing yet — {n} recorded run(s) of {runs.preset} {what}", style="dim"
+        )
         if runs.differences and not runs.same:
             out.append(f" (the newest: {'; '.join(runs.differences)})", style="dim")
         return out

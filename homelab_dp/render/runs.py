@@ -37,8 +37,9 @@ def runs_lines(rows: list[dict[str, Any]]) -> list[str]:
     if any(r.get("exists") is False for r in rows):
         out.append("gone: the folder was moved or deleted (`homelab-dp runs --forget-gone`)")
     if any(r.get("exists") is not False and "step" not in r for r in rows):
-        out.append("damaged: the folder is there but cannot be read (`homelab-dp status RUN` "
-                   "says why)")  # fmt: skip
+        out.append(
+            "damaged: the folder is there but cannot be read (`homelab-dp status RUN` says why)"
+        )
     return out
 
 

@@ -89,8 +89,9 @@ def render_serve_plan(planned: ServePlanned) -> Group:
     parts.add_column("how")
     for term, size, how in breakdown_rows(spec, plan):
         parts.add_row(term, format_bytes(size), Text(how, style="bright_black"))
-    parts.add_row(Text("total", style="bold"), Text(format_bytes(plan.per_replica_bytes),
-                                                    style="bold"), "")  # fmt: skip
+    parts.add_row(
+        Text("total", style="bold"), Text(format_bytes(plan.per_replica_bytes), style="bold"), ""
+    )
     reasons = Text("\n".join(f"• {r}" for r in plan.reasons))
     return Group(
         Panel(head, title="serving plan", expand=False),

@@ -86,8 +86,9 @@ def pickle_only(folder: Path) -> list[str]:
     try:
         if not folder.is_dir() or any(folder.glob("*.safetensors")):
             return []
-        return sorted(p.name for p in folder.iterdir()
-                      if p.suffix in PICKLE_SUFFIXES and p.is_file())  # fmt: skip
+        return sorted(
+            p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file()
+        )
     except OSError:  # unreadable: whoever reads it next says why
         return []
 

@@ -155,7 +155,7 @@ class RunSpec:
             "measure_steps": self.measure_steps,
             "retries": [
                 {"time": r.time, "from": list(r.before), "to": list(r.after)} for r in self.retries
-            ],  # fmt: skip
+            ],
         }
         if self.collective_timeout_s:
             out["collective_timeout_s"] = self.collective_timeout_s

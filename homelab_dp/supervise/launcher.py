@@ -130,8 +130,9 @@ def launch(
     ``logs/launcher.log``."""
     run_dir = Path(run_dir).absolute()
     spec = read_run_spec(run_dir)
-    cmd = torchrun_command(run_dir, spec.launch.nproc_per_node, spec.launch.rendezvous,
-                           resume=resume)  # fmt: skip
+    cmd = torchrun_command(
+        run_dir, spec.launch.nproc_per_node, spec.launch.rendezvous, resume=resume
+    )
     env = worker_env(spec)
     env.update(extra_env or {})
     logs = run_dir / "logs"

@@ -139,8 +139,9 @@ def length_groups(blocks: list[Any], step: int = GROUP_STEP) -> list[list[Any]]:
     groups: dict[int, list[Any]] = {}
     for b in blocks:
         width = min(len(b.input_ids), -(-sum(b.attention_mask) // step) * step)
-        cut = Block(b.input_ids[:width], b.labels[:width], b.attention_mask[:width],
-                    b.position_ids[:width])  # fmt: skip
+        cut = Block(
+            b.input_ids[:width], b.labels[:width], b.attention_mask[:width], b.position_ids[:width]
+        )
         groups.setdefault(width, []).append(cut)
     return [groups[w] for w in sorted(groups, reverse=True)]
 
@@ -193,10 +194,11 @@ def load_model(job: dict[str, Any], device: Any, dtype: Any, base_kind: str) -> 
 
     base = job["base_path"] or job["model_path"]
     kwargs: dict[str, Any] = {
-        "dtype": dtype, "trust_remote_code": bool(job["trust_remote_code"]),
+        "dtype": dtype,
+        "trust_remote_code": bool(job["trust_remote_code"]),
         "attn_implementation": attention_implementation(device.type, DTYPE_NAMES[str(dtype)]),
         "use_safetensors": True,
-    }  # fmt: skip
+    }
     if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
         kwargs["quantization_config"] = bnb_config(dtype)
         kwargs["device_map"] = {"": device}
@@ -405,8 +407,9 @@ def evaluate(
             positions = to_device(blocks.positions[idx], device)
             mask = None if blocks.packed else to_device(blocks.mask[idx], device)
             if flat:
-                input_ids, positions, labels = (t.reshape(1, -1)
-                                                for t in (input_ids, positions, labels))  # fmt: skip
+                input_ids, positions, labels = (
+                    t.reshape(1, -1) for t in (input_ids, positions, labels)
+                )
             n_targets = int((labels != IGNORE_INDEX).sum())
             targets = (
                 loss_head.targets(labels) if loss_head is not None else contextlib.nullcontext()

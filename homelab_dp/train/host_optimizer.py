@@ -71,14 +71,15 @@ class HostAdamW(torch.optim.Optimizer):
         parameter's local tensor (made on first use, for every parameter of every group)."""
         if kind in self._views:
             return self._views[kind]
-        params = list(dict.fromkeys(
-            p for g in self.param_groups for p in g["params"] if p.requires_grad
-        ))  # fmt: skip
+        params = list(
+            dict.fromkeys(p for g in self.param_groups for p in g["params"] if p.requires_grad)
+        )
         views: dict[torch.Tensor, torch.Tensor] = {}
         for dtype in dict.fromkeys(_local(p).dtype for p in params):
             mine = [p for p in params if _local(p).dtype == dtype]
-            flat = torch.zeros(sum(_local(p).numel() for p in mine), dtype=dtype, device="cpu",
-                               pin_memory=pin)  # fmt: skip
+            flat = torch.zeros(
+                sum(_local(p).numel() for p in mine), dtype=dtype, device="cpu", pin_memory=pin
+            )
             offset = 0
             for p in mine:
                 local = _local(p)

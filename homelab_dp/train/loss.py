@@ -198,8 +198,9 @@ class ChunkedLossHead(nn.Module):
         """Logits, or within ``targets`` the 0-dim sum of token cross-entropies."""
         if self._labels is None:
             return F.linear(hidden_states, self.weight, self.bias)
-        return chunked_cross_entropy(hidden_states, self.weight, self.bias, self._labels,
-                                     self.chunk)  # fmt: skip
+        return chunked_cross_entropy(
+            hidden_states, self.weight, self.bias, self._labels, self.chunk
+        )
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

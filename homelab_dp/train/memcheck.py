@@ -241,8 +241,7 @@ def measure_case(case: Case, steps: int = 3) -> Result:
                                        autocast=contextlib.nullcontext, loss_dtype=torch.float32,
                                        positions=positions[step, k].clone(), probe=probe,
                                        loss_head=head)  # fmt: skip
-                    optimizer_step(strategy, optimizer, scheduler, None,
-                                   preset.train.max_grad_norm)  # fmt: skip
+                    optimizer_step(strategy, optimizer, scheduler, None, preset.train.max_grad_norm)
                     probe.mark("optimizer")
             finally:
                 probe.stop()
@@ -278,6 +277,6 @@ def to_json(results: list[Result]) -> str:
                 "estimate": r.estimate.per_device_bytes(),
                 "phases": r.phases,
             }
-        )  # fmt: skip
+        )
         for r in results
     )

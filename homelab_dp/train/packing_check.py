@@ -78,8 +78,9 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(was)
 
 
-def _logits(model: nn.Module, ids: list[int], positions: list[int], device: Any,
-            autocast: Callable[[], Any]) -> torch.Tensor:  # fmt: skip
+def _logits(
+    model: nn.Module, ids: list[int], positions: list[int], device: Any, autocast: Callable[[], Any]
+) -> torch.Tensor:
     """One row through ``model`` as the loop sends a packed row: positions, no mask."""
     x = torch.tensor([ids], dtype=torch.long, device=device)
     pos = torch.tensor([positions], dtype=torch.long, device=device)

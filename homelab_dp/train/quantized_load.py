@@ -92,10 +92,12 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     if resolved.device == "cpu":
         disable_cpu_bf16_repack(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    stream = functools.partial(stream_weights, folder=Path(preset.model.path),
-                               seed=preset.train.seed, compute=compute)  # fmt: skip
-    return LoadedModel(model, True, params, trainable, decoder_layers(model), on_meta=True,
-                       materializer=stream)  # fmt: skip
+    stream = functools.partial(
+        stream_weights, folder=Path(preset.model.path), seed=preset.train.seed, compute=compute
+    )
+    return LoadedModel(
+        model, True, params, trainable, decoder_layers(model), on_meta=True, materializer=stream
+    )
 
 
 def _pack_on_meta(module: nn.Module, storage: torch.dtype) -> None:
@@ -197,8 +199,9 @@ def stream_weights(
                             f"{folder}: no tensor for {_base_name(name)!r} in the checkpoint",
                             hint=_DDP_HINT,
                         )
-                    value = source.get(key).to(device=device, dtype=compute if four_bit
-                                                  else param.dtype)  # fmt: skip
+                    value = source.get(key).to(
+                        device=device, dtype=compute if four_bit else param.dtype
+                    )
                     if four_bit:
                         if getattr(owner, "source_cls", None) is Conv1D:
                             value = value.T  # GPT-2's Conv1D stores (in, out)

@@ -236,10 +236,12 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     strategy = wrap_model(loaded, resolved, device, grad_accum=rank.accum)
     packing = None
     if spec.preset.data.pack:  # exact on this model, or refused before the first step
-        packing = check_model(strategy.inner, device=device, dtype=resolved.dtype,
-                              fsdp=strategy.is_fsdp)  # fmt: skip
-        log.info("data.pack: packed block == samples one by one (max logit diff %.3g)",
-                 packing.max_diff)  # fmt: skip
+        packing = check_model(
+            strategy.inner, device=device, dtype=resolved.dtype, fsdp=strategy.is_fsdp
+        )
+        log.info(
+            "data.pack: packed block == samples one by one (max logit diff %.3g)", packing.max_diff
+        )
     if compile_wanted(train.compile, device.type, resolved.method):
         n = compile_layers(loaded.decoder_layers, strict=train.compile is True)
         log.info("compiling %d decoder layers (train.compile = %s)", n, train.compile)
@@ -316,8 +318,9 @@ def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Pos
     path, skipped = find_usable(run_dir / "checkpoints")
     for reason in skipped:  # a damaged checkpoint is named, and the one before it used
         log.warning("%s", reason)
-        events.write(WarningEvent(message=f"{reason}; resuming from "
-                                  f"{path.name if path else 'step 0'}"))  # fmt: skip
+        events.write(
+            WarningEvent(message=f"{reason}; resuming from {path.name if path else 'step 0'}")
+        )
     _agree_on_checkpoint(path, rank.device)
     if path is None:
         log.warning("no complete checkpoint in %s: starting from step 0", run_dir)
@@ -335,8 +338,9 @@ def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Pos
     if model.scaler is not None and state.get("scaler"):
         model.scaler.load_state_dict(state["scaler"])
     log.info("resumed from %s at step %d", path, start_step)
-    return Position(start_step, int(state["tokens"]), str(path), state.get("loss"),
-                    state.get("eval"))  # fmt: skip
+    return Position(
+        start_step, int(state["tokens"]), str(path), state.get("loss"), state.get("eval")
+    )
 
 
 def _agree_on_checkpoint(path: Path | None, device: Any) -> None:

@@ -110,8 +110,9 @@ class WandbBackend:
     def __init__(self, run_id: str, project: str, config: dict[str, Any], run_dir: Path) -> None:
         import wandb
 
-        self.run = wandb.init(project=project, name=run_id, id=run_id, resume="allow",
-                              config=config, dir=str(run_dir))  # fmt: skip
+        self.run = wandb.init(
+            project=project, name=run_id, id=run_id, resume="allow", config=config, dir=str(run_dir)
+        )
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
@@ -282,8 +283,9 @@ def open_reporting(spec: RunSpec, run_dir: Path, start_step: int, events: Any) -
         try:
             backends.append(open_backend(name, spec, run_dir, start_step))
         except Exception as exc:  # not installed after all, not logged in, …
-            warn(f"{name}: could not start ({type(exc).__name__}: {exc}); the run goes on "
-                 "without it")  # fmt: skip
+            warn(
+                f"{name}: could not start ({type(exc).__name__}: {exc}); the run goes on without it"
+            )
     if not names:
         return None
     return Reporting(backends, DeviceSamples(run_dir / "devices.jsonl"), warn)

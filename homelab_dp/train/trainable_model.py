@@ -371,8 +371,9 @@ def receive(
         # train.offload = "params": FSDP2's CPU offload wants every shard in (pinned) host
         # memory before its first forward; moved one at a time, so no card holds them all.
         local = local.to("cpu").pin_memory()
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                              shape=t.shape, stride=t.stride())  # fmt: skip
+    return DTensor.from_local(
+        local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def count_params(model: nn.Module) -> int:

@@ -136,8 +136,9 @@ class Trainer:
         self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.rank.device)
         self.votes = StopVotes()
-        self.flops = StepFlops.for_run(spec, self.rank.device, int(self.data.input_ids.shape[1]),
-                                       self.rank.world)  # fmt: skip
+        self.flops = StepFlops.for_run(
+            spec, self.rank.device, int(self.data.input_ids.shape[1]), self.rank.world
+        )
         self.saved_step: int | None = None
 
         self.skips = SkippedSteps()
@@ -145,8 +146,9 @@ class Trainer:
         """The step of the checkpoint written last by this run (none is written twice)."""
         self.validator = None
         if self.data.eval is not None and not self.memory.measuring:
-            self.validator = Validator(self.data.eval, self.train.eval_every,
-                                       self.train.early_stopping_patience)  # fmt: skip
+            self.validator = Validator(
+                self.data.eval, self.train.eval_every, self.train.early_stopping_patience
+            )
             self.validator.restore(s.position.eval_state)
 
     def run(self) -> None:
@@ -165,8 +167,9 @@ class Trainer:
             # Rank 0 writes (and merges) in a thread; every rank beats and meets the others in a
             # short all-reduce each second until it is done: no watchdog or collective timeout
             # fires however long the save takes (`RankGuard.on_rank0`).
-            on_rank0 = functools.partial(self.guard.on_rank0, step=step, phase=SAVING_RESULT,
-                                         device=self.rank.device)  # fmt: skip
+            on_rank0 = functools.partial(
+                self.guard.on_rank0, step=step, phase=SAVING_RESULT, device=self.rank.device
+            )
             final = save_result(self.run_dir, m.strategy, m.loaded.is_peft, self.data.tokenizer,
                                 self.spec.preset, step=step, on_rank0=on_rank0)  # fmt: skip
         self.events.write(EndEvent(reason=reason, final_loss=self.last_loss, steps=step,
@@ -217,8 +220,9 @@ class Trainer:
                         loss_head=m.loss_head, flat=m.flat_batches,
                     )  # fmt: skip
                 if r.accum > 1 and r.rank == 0:
-                    self.events.write(MicroEvent(step=step + 1, micro_step=k + 1,
-                                                 grad_accum=r.accum))  # fmt: skip
+                    self.events.write(
+                        MicroEvent(step=step + 1, micro_step=k + 1, grad_accum=r.accum)
+                    )
             lr = m.optimizer.param_groups[0]["lr"]
             grad_norm = optimizer_step(m.strategy, m.optimizer, m.scheduler, m.scaler,
                                        self.train.max_grad_norm, skips=self.skips,
@@ -227,8 +231,9 @@ class Trainer:
             step += 1
             self.tokens += tokens
             if step % self.train.log_every == 0 or step == d.total_steps:
-                last_log = self._log_step(step, loss_sum, targets, lr, grad_norm, t0, wall0,
-                                          last_log)  # fmt: skip
+                last_log = self._log_step(
+                    step, loss_sum, targets, lr, grad_norm, t0, wall0, last_log
+                )
             # Evaluated before the checkpoint of this step, so that it records the evaluation.
             v = self.validator
             verdict = self._validate(step) if v is not None and v.due(step, d.total_steps) else None
@@ -294,8 +299,9 @@ class Trainer:
             tokens=self.tokens, samples=step * r.effective, mfu=self.flops.mfu(tokens_per_s),
         ))  # fmt: skip
         for slow in self.stragglers.update([row[1] for row in rows]):
-            self.events.write(StragglerEvent(step=step, rank=slow,
-                                             message=self.stragglers.flagged[slow]))  # fmt: skip
+            self.events.write(
+                StragglerEvent(step=step, rank=slow, message=self.stragglers.flagged[slow])
+            )
         return now, self.tokens, step
 
     def _checkpoint(self, step: int) -> None:
@@ -344,8 +350,9 @@ def micro_step(
         input_ids, positions, labels = (t.reshape(1, -1) for t in (input_ids, positions, labels))
     targets = loss_head.targets(labels) if loss_head is not None else contextlib.nullcontext()
     with autocast(), targets:
-        out = strategy.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             use_cache=False).logits  # fmt: skip
+        out = strategy.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False
+        ).logits
     if loss_head is None:
         labels = labels.to(out.device)
     token_loss = token_loss_sum(out, labels, loss_dtype, loss_head)

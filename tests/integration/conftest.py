@@ -122,8 +122,9 @@ def make_run(
     )
     rdzv = rendezvous or Rendezvous()
     launch = Launch(nproc_per_node=world // rdzv.nnodes, rendezvous=rdzv)
-    spec = RunSpec(run_id=name, preset=preset, resolved=resolved, launch=launch,
-                   measure_steps=measure_steps)  # fmt: skip
+    spec = RunSpec(
+        run_id=name, preset=preset, resolved=resolved, launch=launch, measure_steps=measure_steps
+    )
     return create_run_dir(spec, root)
 
 

@@ -197,8 +197,9 @@ def test_two_nodes_over_loopback_match_one_node(
 ) -> None:
     data = data_dir / "ragged-64.jsonl"
     # Checkpoints every step: the node without rank 0 writes its shards too and must not fail.
-    preset = write_preset(tmp_path, "p-5-64", tiny_model, data, seq_len=64, pack=True, max_steps=5,
-                          checkpoint_every=1)  # fmt: skip
+    preset = write_preset(
+        tmp_path, "p-5-64", tiny_model, data, seq_len=64, pack=True, max_steps=5, checkpoint_every=1
+    )
     one = start_detached(env, preset, "--force")  # three runs share the CPU host on purpose
     port = _free_port()
     nodes = [
@@ -224,7 +225,7 @@ def test_two_nodes_over_loopback_match_one_node(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for rank in (0, 1)
     ]
     outs = [n.communicate(timeout=300) for n in nodes]

@@ -124,8 +124,9 @@ def _rank(rank: int, world: int, folder: str) -> None:
     import torch.distributed as dist
 
     root = Path(folder)
-    dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root / 'pg'}", rank=rank, world_size=world
+    )
     for lean, accum in CONFIGS:
         out = _train(root, rank, world, lean, accum)
         name = f"{'lean' if lean else 'default'}-a{accum}-rank{rank}.json"

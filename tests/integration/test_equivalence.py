@@ -26,8 +26,9 @@ def references(tiny_model: Path, data_dir: Path, tmp_path_factory: pytest.TempPa
     data = data_dir / "ragged-16.jsonl"
     out = {}
     for name, micro, accum in (("m4", 4, 1), ("m2a2", 2, 2)):
-        rd = make_run(root, tiny_model, data, name=name, world=1, micro=micro, accum=accum,
-                      dtype="fp64")  # fmt: skip
+        rd = make_run(
+            root, tiny_model, data, name=name, world=1, micro=micro, accum=accum, dtype="fp64"
+        )
         assert run(rd, 1) == 0
         out[name] = final_weights(rd)
     assert max_abs_diff(out["m4"], out["m2a2"]) < TOL

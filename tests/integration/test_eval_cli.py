@@ -39,8 +39,9 @@ FIELDS = {"model", "data", "world_size", "loss", "perplexity", "tokens", "real_t
 def _start(*args: str) -> subprocess.Popen[str]:
     """`homelab-dp eval … --json` in a subprocess."""
     cmd = [sys.executable, "-m", "homelab_dp.cli", "eval", *args, "--json"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT)  # fmt: skip
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
 
 
 def _document(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
@@ -76,8 +77,9 @@ def direct_loss(
             ids = torch.tensor([ex.input_ids[:seq_len]])
             targets = torch.tensor(ex.labels[1 : seq_len + 1])
             logits = model(input_ids=ids).logits[0, : len(targets)]
-            total += float(F.cross_entropy(logits.double(), targets, ignore_index=-100,
-                                           reduction="sum"))  # fmt: skip
+            total += float(
+                F.cross_entropy(logits.double(), targets, ignore_index=-100, reduction="sum")
+            )
             count += int((targets != -100).sum())
     return total / count, count
 
@@ -174,8 +176,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("kind", list(CASES))
-def test_bad_input_is_refused_before_anything_starts(kind, tiny_model, data_dir, capsys,
-                                                     tmp_path, monkeypatch) -> None:  # fmt: skip
+def test_bad_input_is_refused_before_anything_starts(
+    kind, tiny_model, data_dir, capsys, tmp_path, monkeypatch
+) -> None:
     marker = tmp_path / "code-ran"
     monkeypatch.setenv("HOMELAB_DP_TEST_MARKER", str(marker))
     argv, needle = CASES[kind]

@@ -321,8 +321,9 @@ def test_4_sigkill_the_agent_leaves_no_orphans(controller, folder, tiny_model, d
     os.kill(read_state(run_dir)["pids"]["agent"], signal.SIGKILL)
     doc = wait_done(controller, run_id)
     took = read_state(run_dir)["ended"] - t
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                   for p in workers), "orphaned workers run on"  # fmt: skip
+    assert not any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in workers
+    ), "orphaned workers run on"
     assert doc["status"] == "failed"
     assert doc["reason"].startswith("the torchrun agent was killed by SIGKILL; the keeper stopped")
     end = events(run_dir, "end")[-1]
@@ -477,8 +478,9 @@ def test_8_rendezvous_port_taken_and_two_runs_at_once(
     assert doc["status"] == "failed"
     assert doc["reason"] == f"127.0.0.1:{port} is already in use: the rendezvous could not start"
     nothing_alive(Path(doc["path"]), workers=False)  # none started
-    record("rendezvous port taken by another process at launch", f"failed: {doc['reason']}",
-           took_race)  # fmt: skip
+    record(
+        "rendezvous port taken by another process at launch", f"failed: {doc['reason']}", took_race
+    )
 
     docs, dirs, sockets = twins["docs"], twins["dirs"], twins["sockets"]
     for doc, listening in zip(docs, sockets, strict=True):
@@ -501,8 +503,7 @@ def _free_port() -> int:
 
 def test_9_out_of_memory_on_one_rank_and_auto_fit(controller, folder, tiny_model, data) -> None:
     preset = fault_preset(folder, "oom", tiny_model, data, max_steps=6)
-    env = {**os.environ, "HOMELAB_DP_RUNS": str(controller.root),
-           FAULT_ENV: "oom:rank=1:step=3"}  # fmt: skip
+    env = {**os.environ, "HOMELAB_DP_RUNS": str(controller.root), FAULT_ENV: "oom:rank=1:step=3"}
     t = time.time()
     out = subprocess.run([str(EXE), "run", str(preset), "--auto-fit", "--json"], env=env,
                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip

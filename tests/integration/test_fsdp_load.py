@@ -110,6 +110,7 @@ def test_sharded_load_trains_as_ddp_tied_weights_and_adapters(
     ddp, fsdp = out["ddp"], out["fsdp-full"]
     if method == "full":  # still tied; FSDP's gathered result writes the lm_head out as well
         assert "lm_head.weight" not in ddp
-        assert bitwise_equal({"w": fsdp.pop("lm_head.weight")},
-                             {"w": fsdp["model.embed_tokens.weight"]})  # fmt: skip
+        assert bitwise_equal(
+            {"w": fsdp.pop("lm_head.weight")}, {"w": fsdp["model.embed_tokens.weight"]}
+        )
     assert max_abs_diff(ddp, fsdp) < TOL

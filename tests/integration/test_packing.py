@@ -138,14 +138,16 @@ def test_packed_step_equals_one_sample_per_row(
         "padded": one_step(tmp_path, model, data, "padded", pack=False, world=1, micro=8, accum=3),
         "packed": one_step(
             tmp_path, model, data, "packed", pack=True, world=1, micro=counts[True], accum=1
-        ),  # fmt: skip
+        ),
     }
     if arch == "llama":  # two processes, accumulating: 2 ranks × micro 1 × accumulation n/2
         assert counts[True] % 2 == 0
-        runs["packed-2"] = one_step(tmp_path, model, data, "packed-2", pack=True, world=2,
-                                    micro=1, accum=counts[True] // 2)  # fmt: skip
-    initial = {k: v.double() for k, v in
-               AutoModelForCausalLM.from_pretrained(model).state_dict().items()}  # fmt: skip
+        runs["packed-2"] = one_step(
+            tmp_path, model, data, "packed-2", pack=True, world=2, micro=1, accum=counts[True] // 2
+        )
+    initial = {
+        k: v.double() for k, v in AutoModelForCausalLM.from_pretrained(model).state_dict().items()
+    }
     ref_step, ref_weights = runs.pop("padded")
     ref_update = {k: ref_weights[k].double() - initial[k] for k in ref_weights}
     scale = max(float(u.abs().max()) for u in ref_update.values())

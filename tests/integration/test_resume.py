@@ -54,8 +54,9 @@ def _setup(root: Path, model: Path, data: Path, distribution: str, name: str) ->
 @pytest.fixture(scope="module")
 def ddp_full(tiny_model: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted 2-rank DDP run (zero1 must match it bit for bit too)."""
-    full = _setup(tmp_path_factory.mktemp("ddp"), tiny_model, data_dir / "ragged-12.jsonl",
-                  "ddp", "full")  # fmt: skip
+    full = _setup(
+        tmp_path_factory.mktemp("ddp"), tiny_model, data_dir / "ragged-12.jsonl", "ddp", "full"
+    )
     assert run(full, 2) == 0
     return full
 

@@ -61,8 +61,9 @@ def test_started_in_one_folder_stopped_and_resumed_from_another(
 ) -> None:  # fmt: skip
     a, b = folders
     data = data_dir / "ragged-64.jsonl"
-    preset = write_preset(tmp_path, "p-4", tiny_model, data, seq_len=64, pack=True, nproc=1,
-                          max_steps=4)  # fmt: skip
+    preset = write_preset(
+        tmp_path, "p-4", tiny_model, data, seq_len=64, pack=True, nproc=1, max_steps=4
+    )
     # The rank holds still at the start of step 2 until the stop request is pending on it, so
     # `stop` finds the run going instead of racing it (as in test_controller).
     hold = {**env, FAULT_ENV: "sigstop:rank=0:step=2"}

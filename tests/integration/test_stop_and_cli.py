@@ -34,8 +34,9 @@ def _wait_for_step(rd: Path, step: int, proc: subprocess.Popen, timeout: float =
 def test_sigterm_stops_gracefully(target: str, tiny_model: Path, data_dir: Path, tmp_path: Path):
     """SIGTERM to one rank (how the controller stops a run) or to the torchrun agent (which
     forwards it to every worker): the ranks agree at a step boundary, checkpoint, end "stopped"."""
-    rd = make_run(tmp_path, tiny_model, data_dir / "ragged-64.jsonl", name="sig",
-                  train={"max_steps": 2000})  # fmt: skip
+    rd = make_run(
+        tmp_path, tiny_model, data_dir / "ragged-64.jsonl", name="sig", train={"max_steps": 2000}
+    )
     proc = launch(rd)
     try:
         _wait_for_step(rd, 2, proc)

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow
 def test_a_second_run_tokenizes_nowhere(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the workers inherit it
     rows = [json.loads(x) for x in DEMO_DATA.read_text(encoding="utf-8").splitlines()[:48]]
-    table = [{"question": r["instruction"], "context": r["input"], "answer": r["output"]}
-             for r in rows]  # fmt: skip
+    table = [
+        {"question": r["instruction"], "context": r["input"], "answer": r["output"]} for r in rows
+    ]
     data = tmp_path / "qa.parquet"
     pq.write_table(pa.Table.from_pylist(table), data)
     doc = {

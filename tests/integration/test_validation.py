@@ -48,8 +48,9 @@ def write(folder: Path, name: str, model: Path, *, nproc: int, data: dict, train
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(EXE), *args], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    return subprocess.run(
+        [str(EXE), *args], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
 
 
 def finished(env: dict[str, str], preset: Path, stop_at: int | None = None) -> tuple[Path, str]:
@@ -141,8 +142,9 @@ def _evaluate_here(final: Path, preset: Any) -> Any:
 
     tokenizer = AutoTokenizer.from_pretrained(final)
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
-    split = load_train_eval(preset.data, tokenizer, seed=preset.train.seed, seq_len_limit=None,
-                            min_blocks=1)  # fmt: skip
+    split = load_train_eval(
+        preset.data, tokenizer, seed=preset.train.seed, seq_len_limit=None, min_blocks=1
+    )
     blocks = eval_blocks(split.eval, packed=True)
     return evaluate(model, blocks, rank=0, world=1, micro=3, device=torch.device("cpu"))
 
@@ -155,8 +157,7 @@ def test_keep_best_and_early_stopping(env: dict[str, str], tiny_model: Path, tmp
     train = {"max_steps": max_steps, "lr": 0.05, "grad_accum": 1, "eval_every": 1,
              "early_stopping_patience": patience, "keep_best": True, "checkpoint_every": 1,
              "keep_checkpoints": 1}  # fmt: skip
-    preset = write(tmp_path, "stop", tiny_model, nproc=2, data={"eval_fraction": 0.01},
-                   train=train)  # fmt: skip
+    preset = write(tmp_path, "stop", tiny_model, nproc=2, data={"eval_fraction": 0.01}, train=train)
     run_dir, _ = finished(env, preset)
     doc = status(env, run_dir)
     found = events(run_dir, "eval")

@@ -201,8 +201,9 @@ def test_a_full_disk_at_run_creation_leaves_no_half_made_folder(tmp_path: Path) 
         "sys.exit(main(['run', 'tiny-demo', '--detach']))\n"
     )
     env = {**os.environ, "HOMELAB_DP_RUNS": str(runs)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

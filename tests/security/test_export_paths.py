@@ -79,8 +79,9 @@ LINKS: dict[str, Callable[[Path, Path], str]] = {
 
 
 @pytest.mark.parametrize("shape", sorted(LINKS))
-def test_a_link_into_the_run_is_refused(shape: str, full_run: Path, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_link_into_the_run_is_refused(
+    shape: str, full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = LINKS[shape](tmp_path, full_run)
     err = _refused(capsys, tmp_path, full_run, out)
     assert "link" in err or str(full_run) in err, err
@@ -91,8 +92,9 @@ def test_a_link_to_the_base_model_of_an_adapter_run_is_refused(
 ) -> None:
     base = tmp_path / "base"
     shutil.copytree(DEMO_MODEL, base)
-    run = make_run(tmp_path / "runs", base, DEMO_DATA, name="20260101-000000-lora-bbbb",
-                   method="lora")  # fmt: skip
+    run = make_run(
+        tmp_path / "runs", base, DEMO_DATA, name="20260101-000000-lora-bbbb", method="lora"
+    )
     (run / "final").mkdir()
     config = {"peft_type": "LORA", "base_model_name_or_path": str(base), "r": 4}
     (run / "final" / "adapter_config.json").write_text(json.dumps(config))
@@ -110,15 +112,17 @@ def test_a_link_to_the_base_model_of_an_adapter_run_is_refused(
     ["/proc/self/export", "/proc/new-folder", "/sys/kernel/export", "/sys", "/dev/export",
      "/proc/self/cwd/../../proc/x"],
 )  # fmt: skip
-def test_special_places_are_refused(out: str, full_run: Path, tmp_path: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_special_places_are_refused(
+    out: str, full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     err = _refused(capsys, tmp_path, full_run, out)
     assert "kernel file system" in err, err
     assert not Path(out).exists() or out == "/sys"
 
 
-def test_a_path_under_a_file_is_refused(full_run: Path, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_path_under_a_file_is_refused(
+    full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "a-file").write_text("x")
     for out in (tmp_path / "a-file" / "x", tmp_path / "a-file" / "x" / "y"):
         err = _refused(capsys, tmp_path, full_run, str(out))
@@ -126,8 +130,9 @@ def test_a_path_under_a_file_is_refused(full_run: Path, tmp_path: Path,
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
-def test_an_unwritable_folder_is_refused(full_run: Path, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_an_unwritable_folder_is_refused(
+    full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     try:
@@ -137,8 +142,9 @@ def test_an_unwritable_folder_is_refused(full_run: Path, tmp_path: Path,
     assert "not writable" in err, err
 
 
-def test_a_plain_folder_beside_the_run_still_exports(full_run: Path, tmp_path: Path,
-                                                     capsys) -> None:  # fmt: skip
+def test_a_plain_folder_beside_the_run_still_exports(
+    full_run: Path, tmp_path: Path, capsys
+) -> None:
     """The checks refuse only the class: a real folder reached through a link outside the
     run is written (the link resolved), with the model's files."""
     (tmp_path / "exports").mkdir()

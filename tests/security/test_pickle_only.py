@@ -54,8 +54,7 @@ def models(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     _pickle_model(full / "final")
     lora = make_run(runs, pk, DEMO_DATA, name="20260101-000000-lora-bbbb", method="lora")
     _adapter(lora / "final", pk, "adapter_model.safetensors")
-    qlora = make_run(runs, DEMO_MODEL, DEMO_DATA, name="20260101-000000-qlora-cccc",
-                     method="qlora")  # fmt: skip
+    qlora = make_run(runs, DEMO_MODEL, DEMO_DATA, name="20260101-000000-qlora-cccc", method="qlora")
     _adapter(qlora / "final", DEMO_MODEL, "adapter_model.bin")
     return {
         "model": (pk, str(pk / "pytorch_model.bin")),
@@ -88,8 +87,9 @@ def _argv(command: str, model: str, tmp: Path) -> list[str]:
 @pytest.mark.parametrize(
     "shape", ["model", "adapter", "adapter-base", "run-full", "run-lora-base", "run-qlora"]
 )
-def test_pickle_weights_are_refused(command: str, shape: str, models, tmp_path: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_pickle_weights_are_refused(
+    command: str, shape: str, models, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model, pickle_file = models[shape]
     before = _tree(tmp_path)
     rc = main(_argv(command, str(model), tmp_path))

@@ -62,8 +62,9 @@ def test_the_cli_refuses_it_in_bounded_memory_before_anything_starts(tmp_path: P
         "sys.exit(rc)\n"
     )
     env = {**os.environ, "HOMELAB_DP_RUNS": str(runs)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith(f"error: {data}:2: the record is over"), lines

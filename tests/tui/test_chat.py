@@ -128,8 +128,9 @@ async def test_a_server_that_exits_says_why(controller: RunController, tmp_path:
         prompt.focus()
         await pilot.press(*"hello", "enter")
         state = lambda: screen.states.get("pane-model", "")  # noqa: E731
-        await wait_for(pilot, lambda: state().startswith("error"), timeout=60,
-                       what="the server's error")  # fmt: skip
+        await wait_for(
+            pilot, lambda: state().startswith("error"), timeout=60, what="the server's error"
+        )
         assert "the server exited: error:" in state()
         assert "unknown architecture model_type='bert'" in state()
         assert "hint: supported families" in state()

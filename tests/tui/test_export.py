@@ -57,7 +57,8 @@ async def test_export_dialog_exports_the_selected_run(runs_root: Path, tmp_path:
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json",
                                                       "adapter_model.safetensors"]  # fmt: skip
     assert (out / "adapter_model.safetensors").read_bytes() == (
-        run_dir / "final" / "adapter_model.safetensors").read_bytes()  # fmt: skip
+        run_dir / "final" / "adapter_model.safetensors"
+    ).read_bytes()
 
 
 async def test_an_export_error_is_shown_in_cli_words(runs_root: Path, tmp_path: Path) -> None:

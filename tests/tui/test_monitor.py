@@ -62,8 +62,9 @@ async def test_a_finished_run_shows_every_panel(controller: RunController) -> No
 async def test_follows_a_run_as_it_goes(runs_root: Path) -> None:
     """Events appended after the TUI opened appear, and the end is seen."""
     alive = {"keeper": os.getpid()}
-    run_dir = copy_run(runs_root, "20250301-121500-live-0001", status="running", events=False,
-                       pids=alive)  # fmt: skip
+    run_dir = copy_run(
+        runs_root, "20250301-121500-live-0001", status="running", events=False, pids=alive
+    )
     recorded = list(read_all(RECORDED / "events.jsonl"))
     controller = RunController(runs_root)
     async with open_monitor(controller, run_dir.name, follow_interval=0.02) as (app, pilot, _):
@@ -84,9 +85,10 @@ async def test_the_throughput_chart_shows_the_latest_mfu(runs_root: Path) -> Non
     """A CUDA run's step events carry MFU; the tokens/s chart shows the latest one."""
     run_dir = copy_run(runs_root, "20250301-141500-mfu-0003", status="completed", events=False)
     recorded = list(read_all(RECORDED / "events.jsonl"))
-    _append(run_dir / "events.jsonl", [
-        {**e, "mfu": 0.3 + e["step"] / 400} if e["type"] == "step" else e for e in recorded
-    ])  # fmt: skip
+    _append(
+        run_dir / "events.jsonl",
+        [{**e, "mfu": 0.3 + e["step"] / 400} if e["type"] == "step" else e for e in recorded],
+    )
     async with open_monitor(RunController(runs_root), run_dir.name, shows_snapshot) as (app, _, _):
         assert app.snapshot.view.mfu == 0.4  # step 40
         tps = app.screen.query_one("#chart-tps", Chart)
@@ -111,8 +113,9 @@ class StopRecorder(RunController):
 
 
 async def test_stop_asks_then_stops_a_running_run(runs_root: Path) -> None:
-    run_dir = copy_run(runs_root, "20250301-131500-busy-0002", status="running",
-                       pids={"keeper": os.getpid()})  # fmt: skip
+    run_dir = copy_run(
+        runs_root, "20250301-131500-busy-0002", status="running", pids={"keeper": os.getpid()}
+    )
     controller = StopRecorder(runs_root)
     async with open_monitor(controller, run_dir.name, shows_snapshot) as (app, pilot, notes):
         await pilot.press("x")

@@ -46,8 +46,9 @@ def test_it_needs_no_textual_bitsandbytes_or_datasets_to_load() -> None:
         "spec.loader.exec_module(m)\n"
         "print(m.peak_bf16_flops('NVIDIA H200'))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=False)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) == pytest.approx(989e12, rel=1e-3)
 

@@ -83,8 +83,9 @@ def fsdp_param_tensors(spec: ModelSpec, shape: TrainShape) -> list[ParamTensor]:
         out.append(ParamTensor(spec.other_params_per_layer, w, L, full))
     for lin in spec.linears:
         if shape.method == "qlora":
-            out.append(ParamTensor(math.ceil(lin.d_in * lin.d_out * NF4_PACKED_BYTES / w), w,
-                                   L, False))  # fmt: skip
+            out.append(
+                ParamTensor(math.ceil(lin.d_in * lin.d_out * NF4_PACKED_BYTES / w), w, L, False)
+            )
         else:
             out.append(ParamTensor(lin.d_out, lin.d_in * w, L, full))
         if lin.bias:

@@ -270,7 +270,7 @@ class ChatScreen(Screen[None]):
             Text.assemble(
                 (f"{LABELS[p]}: ", "bold"),
                 (self.states[p], "bold red" if self.states[p].startswith("error") else ""),
-            )  # fmt: skip
+            )
             for p in PANES
             if p in self.states
         )

@@ -88,9 +88,9 @@ def _leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if p.name.startswith(".")]
 
 
-def test_merged_export_computes_the_base_plus_its_adapter(runs: Path, tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]
-                                                          ) -> None:  # fmt: skip
+def test_merged_export_computes_the_base_plus_its_adapter(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -203,9 +203,9 @@ def test_chat_and_plain_modelfiles() -> None:
     assert "ollama create` detects the template" in uncut.notes[0]
 
 
-def test_refusals_exit_2_and_write_nothing(runs: Path, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_refusals_exit_2_and_write_nothing(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     rc, _, err = _export(capsys, str(runs / FULL), "--format", "adapter", "--out", str(out))
     assert rc == 2 and f"error: {FULL}: a full fine-tune has no adapter to export" in err
@@ -250,7 +250,8 @@ def test_adapter_and_hf_exports_copy_the_result(
     assert doc is not None and "adapter_model.safetensors" in doc["files"]
     final = runs / LORA / "final"
     assert (out / "adapter_model.safetensors").read_bytes() == (
-        final / "adapter_model.safetensors").read_bytes()  # fmt: skip
+        final / "adapter_model.safetensors"
+    ).read_bytes()
     rc, doc, err = _export(capsys, FULL, "--format", "hf", "--out", str(tmp_path / "hf"))
     assert rc == 0, err
     assert doc is not None and doc["files"] == sorted(p.name for p in DEMO_MODEL.iterdir())
@@ -258,8 +259,9 @@ def test_adapter_and_hf_exports_copy_the_result(
     # What is exported gets the modes any tool would give it under this umask (the staging
     # folder was mkdtemp's 0700, a copied or saved file may come 0600).
     os.chmod(final / "adapter_model.safetensors", 0o600)  # as a run's private folder holds it
-    rc, doc, err = _export(capsys, str(runs / LORA), "--format", "adapter", "--out",
-                           str(tmp_path / "modes"))  # fmt: skip
+    rc, doc, err = _export(
+        capsys, str(runs / LORA), "--format", "adapter", "--out", str(tmp_path / "modes")
+    )
     assert rc == 0, err
     umask = os.umask(0)
     os.umask(umask)
@@ -268,9 +270,9 @@ def test_adapter_and_hf_exports_copy_the_result(
     assert (tmp_path / "modes").stat().st_mode & 0o777 == 0o777 & ~umask
 
 
-def test_gguf_runs_llama_cpps_converter_on_the_merge(runs: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_gguf_runs_llama_cpps_converter_on_the_merge(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """llama.cpp is an outside tool: a stand-in converter records what it was given; a
     converter that fails leaves no output folder (exit 1: not bad input)."""
     llama = tmp_path / "llama.cpp"
@@ -304,6 +306,7 @@ def test_the_export_module_loads_no_torch() -> None:
     code = ("import sys, homelab_dp.app.export, homelab_dp.tui.screens.export_dialog; "
             "print('torch' in sys.modules)")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
     assert done.stdout.strip() == "False"

@@ -282,8 +282,9 @@ def test_best_fit_decreasing_never_splits_a_fitting_sample():
     blocks = build_blocks(examples, seq_len=64, pack=True, pad_id=PAD)
     runs = [run for block in blocks for run in segments(block) if run[0][0] != PAD]
     # every sample is one run: its inputs ids[:-1] and its targets labels[1:], exactly once
-    expected = sorted((ex.input_ids[:-1], ex.labels[1:]) for ex in examples if any(
-        t != X for t in ex.labels[1:]))  # fmt: skip
+    expected = sorted(
+        (ex.input_ids[:-1], ex.labels[1:]) for ex in examples if any(t != X for t in ex.labels[1:])
+    )
     assert sorted(runs) == expected
     total = sum(len(ex.input_ids) - 1 for ex in examples)
     assert len(blocks) <= -(-total // 64) * 1.02  # measured: 235 for a bound of 234

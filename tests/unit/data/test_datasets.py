@@ -88,8 +88,9 @@ def test_parquet_csv_and_json_with_columns_equal_the_same_records_as_json_lines(
     assert any(r["input"] == "" for r in INSTRUCT)
     assert blocks(tok, cfg(write_csv(tmp_path / "qa.csv", QA), columns=MAP)) == reference
     numbers = [{**r, "answer": "42"} for r in QA[:4]]
-    got = load_examples(cfg(write_csv(tmp_path / "n.csv", numbers), columns=MAP), tok,
-                        seq_len_limit=None)  # fmt: skip
+    got = load_examples(
+        cfg(write_csv(tmp_path / "n.csv", numbers), columns=MAP), tok, seq_len_limit=None
+    )
     assert got.fmt == "instruction" and len(got.examples) == 4
     (tmp_path / "qa.json").write_text(json.dumps(QA), encoding="utf-8")  # a JSON list
     assert blocks(tok, cfg(tmp_path / "qa.json", columns=MAP)) == reference
@@ -163,8 +164,9 @@ def test_folders_by_split_and_eval_from_the_validation_split(tok, tmp_path):
     flat = tmp_path / "flat"
     parquet(flat / "a.parquet", QA[:16])
     jsonl(flat / "b.jsonl", QA[16:])
-    assert blocks(tok, cfg(flat, columns=MAP)) == blocks(tok, cfg(jsonl(tmp_path / "a.jsonl",
-                                                                      INSTRUCT)))  # fmt: skip
+    assert blocks(tok, cfg(flat, columns=MAP)) == blocks(
+        tok, cfg(jsonl(tmp_path / "a.jsonl", INSTRUCT))
+    )
     jsonl(flat / "c.jsonl", [{"question": "q", "context": "", "answer": ""}])
     msg = error(blocks, tok, cfg(flat, columns=MAP))
     assert msg.startswith(f"{flat / 'c.jsonl'}:1: field 'output' is empty")
@@ -286,7 +288,8 @@ def test_reading_the_cache_starts_no_thread(tmp_path: Path) -> None:
         "print(before, threads(), got.examples[0].input_ids, got.pad_id)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout.split()
     assert out[0] == out[1], out  # as many threads after the read as before
     assert out[2:] == ["[1,", "2,", "3]", "0"]

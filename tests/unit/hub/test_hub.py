@@ -146,8 +146,9 @@ def test_plan_by_id_imports_no_torch(hub: Path) -> None:
         "print(json.dumps([rc] + [m for m in ('torch', 'transformers', 'textual')"
         " if m in sys.modules]))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     assert json.loads(out.stdout.splitlines()[-1]) == [0]
 
 
@@ -169,8 +170,9 @@ class FakeHub:
         if self.fail is not None:
             raise self.fail
         self.downloads.append(files)
-        sources = [DEMO_MODEL / f if (DEMO_MODEL / f).exists() else DEMO_MODEL / "README.md"
-                   for f in files]  # fmt: skip
+        sources = [
+            DEMO_MODEL / f if (DEMO_MODEL / f).exists() else DEMO_MODEL / "README.md" for f in files
+        ]
         folder = add_snapshot(self.cache, REPO_ID, COMMIT, [])
         for name, src in zip(files, sources, strict=True):
             target = folder / name

@@ -43,8 +43,9 @@ def _m(tensors: int, process: int, *, fp: str = CPU_FP, t: float = 1.0, **kw) ->
 
 
 def test_fingerprints_name_the_hardware_and_torch() -> None:
-    cuda = fingerprint("cuda", device_names=["RTX 4090", "RTX 3090", "RTX 4090"],
-                       driver="550.54", torch="2.13.0")  # fmt: skip
+    cuda = fingerprint(
+        "cuda", device_names=["RTX 4090", "RTX 3090", "RTX 4090"], driver="550.54", torch="2.13.0"
+    )
     assert cuda == "cuda | RTX 3090 + RTX 4090 | driver 550.54 | torch 2.13.0"
     assert fingerprint("cpu", cpu_model="Test CPU", torch="2.13.0+cpu") == CPU_FP
 

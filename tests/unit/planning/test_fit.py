@@ -147,8 +147,7 @@ def test_run_auto_fit_prepares_the_found_micro_batch(in_repo, capsys) -> None:
     from homelab_dp.app.runs import make_controller
     from homelab_dp.cli.runs import _fitted
 
-    args = argparse.Namespace(preset="tiny-demo", set=["train.grad_accum=4"], gpus=None,
-                              json=False)  # fmt: skip
+    args = argparse.Namespace(preset="tiny-demo", set=["train.grad_accum=4"], gpus=None, json=False)
     overrides = _fitted(args)
     assert overrides == ["train.micro_batch=16", "train.grad_accum=1"]  # 4 × 2 × 4 = 32
     assert "16 is the largest micro-batch that fits" in capsys.readouterr().out

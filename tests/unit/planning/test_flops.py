@@ -36,8 +36,9 @@ def test_llama3_8b_full_is_6n_plus_the_causal_attention_term() -> None:
     assert n == pytest.approx(7.50e9, rel=1e-3)  # 8.03e9 params less the 0.53e9 embedding
     span = causal_span(2048)
     assert span == 1024.5
-    full = flops_per_token(LLAMA3_8B, method="full", activation_checkpointing=False,
-                           attention_span=span)  # fmt: skip
+    full = flops_per_token(
+        LLAMA3_8B, method="full", activation_checkpointing=False, attention_span=span
+    )
     attention = 3 * 2 * 2 * 32 * 4096 * 1024.5  # forward and a 2x backward, 32 query heads
     assert full == 6 * n + attention
     # The well-known ~6 x 8e9: 45.0 GFLOP of linears and 1.6 GFLOP of attention at 2k tokens.
@@ -56,8 +57,9 @@ def test_lora_skips_the_base_weight_gradient_and_adds_its_adapters() -> None:
     assert lora < full and lora / full == pytest.approx(0.675, abs=0.01)
     # QLoRA multiplies dequantized 16-bit weights: the same FLOPs; fewer targets, fewer FLOPs.
     assert flops_per_token(LLAMA3_8B, method="qlora", lora_r=16, **kw) == lora
-    q_v = flops_per_token(LLAMA3_8B, method="lora", lora_r=16, lora_targets=["q_proj", "v_proj"],
-                          **kw)  # fmt: skip
+    q_v = flops_per_token(
+        LLAMA3_8B, method="lora", lora_r=16, lora_targets=["q_proj", "v_proj"], **kw
+    )
     assert q_v == 4 * n + 6 * LLAMA3_8B.lora_params(16, ["q_proj", "v_proj"]) + attention
 
 
@@ -67,10 +69,11 @@ def test_checkpointing_recomputes_one_forward_of_the_decoder_layers() -> None:
     attn_fwd = 4 * 32 * 4096 * span
     for method, adapters_fwd in (("full", 0), ("lora", 2 * LLAMA3_8B.lora_params(8))):
         off, on = (
-            flops_per_token(LLAMA3_8B, method=method, activation_checkpointing=ac,
-                            attention_span=span, lora_r=8)
+            flops_per_token(
+                LLAMA3_8B, method=method, activation_checkpointing=ac, attention_span=span, lora_r=8
+            )
             for ac in (False, True)
-        )  # fmt: skip
+        )
         assert on - off == layers_fwd + attn_fwd + adapters_fwd
 
 
@@ -82,8 +85,9 @@ def test_tied_embeddings_still_multiply_by_the_vocabulary() -> None:
 
 def test_an_unresolved_method_is_refused() -> None:
     with pytest.raises(ValueError, match="auto"):
-        flops_per_token(LLAMA3_8B, method="auto", activation_checkpointing=False,
-                        attention_span=1.0)  # fmt: skip
+        flops_per_token(
+            LLAMA3_8B, method="auto", activation_checkpointing=False, attention_span=1.0
+        )
 
 
 @pytest.mark.parametrize(

@@ -342,8 +342,9 @@ def test_offload_with_a_pinned_ddp_is_refused(distribution, offload) -> None:
     assert err.value.exit_code == 2
     assert f"train.offload = {offload!r} needs FSDP" in err.value.message
     preset = _preset()
-    preset = replace(preset, train=replace(preset.train, distribution=distribution,
-                                           offload=offload))  # fmt: skip
+    preset = replace(
+        preset, train=replace(preset.train, distribution=distribution, offload=offload)
+    )
     with pytest.raises(PresetError) as err:
         plan(LLAMA2_70B, preset, parse_gpus_spec("2x24GiB", 0))
     assert err.value.exit_code == 2
@@ -391,11 +392,11 @@ def test_the_cli_says_error_and_hint(in_repo, capsys) -> None:
 
 def test_a_pinned_offload_on_the_cpu_budgets_the_same_and_costs_nothing() -> None:
     tiny = load_model_spec(ROOT / "assets/configs/smollm2-135m")
-    plain = _plan("cpu:2:32GiB", spec=tiny, method="lora", distribution="fsdp-full",
-                  seq_len=256)  # fmt: skip
+    plain = _plan("cpu:2:32GiB", spec=tiny, method="lora", distribution="fsdp-full", seq_len=256)
     for kw in ({"offload": "params"}, {"offload": "optimizer"}, {"offload_activations": True}):
-        p = _plan("cpu:2:32GiB", spec=tiny, method="lora", distribution="fsdp-full",
-                  seq_len=256, **kw)  # fmt: skip
+        p = _plan(
+            "cpu:2:32GiB", spec=tiny, method="lora", distribution="fsdp-full", seq_len=256, **kw
+        )
         if "optimizer" not in kw.values():  # (HostAdamW's copies: the test above)
             assert p.chosen.budget == plain.chosen.budget
         cost = p.chosen.offload_cost
@@ -511,8 +512,9 @@ def test_plan_json_has_the_offload_fields() -> None:
     assert cost["link"] == "PCIe 4.0 x16" and cost["assumed"] is True and cost["slowdown"] is None
     for c in j["candidates"]:
         assert {"offload", "offload_activations", "offload_cost"} <= set(c)
-        assert (c["offload_cost"] is None) == (c["offload"] == "none" and
-                                               not c["offload_activations"])  # fmt: skip
+        assert (c["offload_cost"] is None) == (
+            c["offload"] == "none" and not c["offload_activations"]
+        )
     roomy = _plan("2x80GiB", method="qlora").to_json()
     assert roomy["offload"] == "none" and roomy["offload_cost"] is None
 

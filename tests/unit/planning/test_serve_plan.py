@@ -110,8 +110,9 @@ def test_8b_bf16_does_not_fit_a_12gib_card() -> None:
     assert plan.max_concurrent == 0  # the 15 GiB of weights alone are too big
     assert any(r.startswith("The model does not fit one card") for r in plan.reasons)
     assert "Replicas" + CANNOT_HELP[len("replicas") :] + "." in plan.reasons
-    assert any("quantize it (a 4-bit or 8-bit copy) or shard it across cards" in r
-               for r in plan.reasons)  # fmt: skip
+    assert any(
+        "quantize it (a 4-bit or 8-bit copy) or shard it across cards" in r for r in plan.reasons
+    )
     assert "DOES NOT FIT ONE CARD" in text_of(serve_plan_text(spec, plan))
 
 

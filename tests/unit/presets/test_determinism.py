@@ -22,8 +22,7 @@ RECORDED = DATA / "events" / "20250301-101500-smollm2-135m-lora-7f3a" / "spec.js
 
 def test_every_preset_field_has_a_docstring() -> None:
     docs = field_docs()
-    fields = {f"{name}.{f.name}" for name, cls in SECTIONS.items()
-              for f in dataclasses.fields(cls)}  # fmt: skip
+    fields = {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     assert fields - docs.keys() == set()
     assert all(docs[f].strip() for f in fields)
 

@@ -134,8 +134,9 @@ def test_a_run_that_fits_only_idle_cards_says_so_and_names_the_holders(
     assert "fits when the other processes on the cards are gone" in text
     assert "GPU 1: 6.25 GiB held by python3 (pid 48211, 6.00 GiB) · budget 17.3 GiB" in text
     assert "GPU 0: 830.0 MiB held by Xorg (pid 2101, 512.0 MiB), gnome-shell (pid 2388" in text
-    pane = decision_text(make_plan(open_preset("qwen2-0.5b-full-ddp", [
-        "hardware.devices=auto", *FITS_ONLY_IDLE]))).plain  # the TUI's Plan screen  # fmt: skip
+    pane = decision_text(
+        make_plan(open_preset("qwen2-0.5b-full-ddp", ["hardware.devices=auto", *FITS_ONLY_IDLE]))
+    ).plain  # the TUI's Plan screen
     assert "GPU 1: 6.25 GiB held by python3 (pid 48211, 6.00 GiB) · budget 17.3 GiB" in pane
     assert "fits when the other processes on the cards are gone" in pane
 

@@ -281,8 +281,9 @@ def test_the_run_names_the_planned_cards_by_uuid_in_pci_bus_order(
 ) -> None:
     planned = _plan(monkeypatch, "p40+3090.json")
     p = planned.plan
-    resolved = Resolved(p.chosen.method, p.chosen.distribution, False, "cuda", 2, p.dtype, 1, 1,
-                        1e-4)  # fmt: skip
+    resolved = Resolved(
+        p.chosen.method, p.chosen.distribution, False, "cuda", 2, p.dtype, 1, 1, 1e-4
+    )
     spec = Prepared(planned.preset, planned, resolved, 1).run_spec("r")
     assert spec.launch.gpu_indices == (0, 1)
     assert spec.launch.gpu_uuids == (UUID_P40, UUID_3090)
@@ -310,8 +311,9 @@ def test_a_user_restriction_survives_into_the_run(
 def test_without_uuids_or_on_several_nodes_the_run_names_nvml_indices(in_repo: Path) -> None:
     old = worker_env(_spec(Launch(2, gpu_indices=(0, 1))))
     assert old["CUDA_VISIBLE_DEVICES"] == "0,1" and old["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    nodes = Launch(2, gpu_indices=(0, 1), rendezvous=Rendezvous(2, 1, "10.0.0.1", 29500),
-                   gpu_uuids=UUID_2080TI)  # fmt: skip
+    nodes = Launch(
+        2, gpu_indices=(0, 1), rendezvous=Rendezvous(2, 1, "10.0.0.1", 29500), gpu_uuids=UUID_2080TI
+    )
     assert worker_env(_spec(nodes))["CUDA_VISIBLE_DEVICES"] == "0,1"
     partial = Launch(2, gpu_indices=(0, 1), gpu_uuids=UUID_2080TI[:1])
     assert worker_env(_spec(partial))["CUDA_VISIBLE_DEVICES"] == "0,1"

@@ -158,8 +158,9 @@ def test_visibility_of_a_mig_value() -> None:
     assert seen.indices == (0,) and seen.mig_uuid == FREE_SLICE
     assert "hides GPU 1" in seen.notice and FREE_SLICE in seen.notice
     # CUDA gives a process one MIG instance: the first listed
-    both = visibility({"CUDA_VISIBLE_DEVICES": f"{BUSY_SLICE},{FREE_SLICE}"}, 2, uuids, names,
-                      slices)  # fmt: skip
+    both = visibility(
+        {"CUDA_VISIBLE_DEVICES": f"{BUSY_SLICE},{FREE_SLICE}"}, 2, uuids, names, slices
+    )
     assert both.mig_uuid == BUSY_SLICE and "one MIG" in both.notice
     # A MIG instance NVML does not list here: not applied, every card stays
     other = visibility({"CUDA_VISIBLE_DEVICES": "MIG-0000"}, 2, uuids, names, slices)
@@ -288,8 +289,9 @@ def test_the_run_names_the_planned_slice_to_cuda(
 
     planned = _plan(monkeypatch, MIG_A100)
     p = planned.plan
-    resolved = Resolved(p.chosen.method, p.chosen.distribution, False, "cuda", 1, p.dtype, 1, 1,
-                        1e-4)  # fmt: skip
+    resolved = Resolved(
+        p.chosen.method, p.chosen.distribution, False, "cuda", 1, p.dtype, 1, 1, 1e-4
+    )
     spec = Prepared(planned.preset, planned, resolved, 1).run_spec("r")
     assert spec.launch.gpu_indices == (0,) and spec.launch.gpu_uuids == (FREE_SLICE,)
     env = worker_env(spec)

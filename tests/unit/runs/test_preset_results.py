@@ -120,8 +120,9 @@ def test_the_store_records_a_run_once_and_skips_torn_lines(tmp_path: Path) -> No
 def test_plan_and_presets_show_of_a_preset_with_recorded_runs(in_repo: Path, capsys) -> None:
     planned = make_plan(open_preset("tiny-demo"))
     names = [d.name for d in planned.hardware.devices]
-    fp = speed_fingerprint(planned.plan.to_json(), planned.preset,
-                           device_names("cpu", names, planned.report))  # fmt: skip
+    fp = speed_fingerprint(
+        planned.plan.to_json(), planned.preset, device_names("cpu", names, planned.report)
+    )
     # 10 steps of 2,000 tokens at 1,000 tokens/s in 30 s: 10 s fixed; 60 steps: 120 s + 10 s.
     append_result(rec(1000, 30, preset="tiny-demo", fingerprint=fp, tokens=20_000, steps=10,
                       total_steps=60, energy_wh=5.0, final_loss=1.25, eval_loss=1.5,

@@ -43,8 +43,9 @@ def runs(tmp_path: Path) -> Path:
     _full(full / "final")
     lora = make_run(root, DEMO_MODEL, DEMO_DATA, name="20260101-000000-lora-bbbb", method="lora")
     _adapter(lora / "final", str(DEMO_MODEL))
-    merged = make_run(root, DEMO_MODEL, DEMO_DATA, name="20260102-000000-merged-cccc",
-                      method="lora")  # fmt: skip
+    merged = make_run(
+        root, DEMO_MODEL, DEMO_DATA, name="20260102-000000-merged-cccc", method="lora"
+    )
     _adapter(merged / "final", str(DEMO_MODEL))
     _full(merged / "final" / "merged")
     make_run(root, DEMO_MODEL, DEMO_DATA, name="20260103-000000-unfinished-dddd")

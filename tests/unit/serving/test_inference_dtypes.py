@@ -50,8 +50,9 @@ def _adapter(tmp_path: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(5)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
-                        init_lora_weights=False)  # fmt: skip
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False
+    )
     adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(DEMO_MODEL), config)
     adapted.save_pretrained(tmp_path / "adapter")
     return tmp_path / "adapter"
@@ -68,8 +69,9 @@ def test_bf16_generation_keeps_rotary_buffers_fp32(bf16_card: None) -> None:
     assert torch.equal(_rotary(loaded.model)[0], want)
 
 
-def test_bf16_generation_keeps_fp32_modules_fp32(bf16_card: None, keeps_fp32: None,
-                                                 tmp_path: Path) -> None:  # fmt: skip
+def test_bf16_generation_keeps_fp32_modules_fp32(
+    bf16_card: None, keeps_fp32: None, tmp_path: Path
+) -> None:
     for ref in (resolve_model(str(DEMO_MODEL)), resolve_model(str(_adapter(tmp_path)))):
         model = load_for_inference(ref, "cpu").model
         kept = [p.dtype for n, p in model.named_parameters() if KEPT in n]

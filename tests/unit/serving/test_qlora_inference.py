@@ -25,8 +25,9 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(11)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                        init_lora_weights=False)  # fmt: skip
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
     folder = tmp_path_factory.mktemp("qlora") / "final"
     get_peft_model(AutoModelForCausalLM.from_pretrained(DEMO_MODEL), config).save_pretrained(folder)
     return folder
@@ -69,8 +70,9 @@ def test_the_nf4_model_generates_through_the_engine(adapter: Path) -> None:
     """Serve's engine and chat run the quantized model as any other (greedy, a few tokens)."""
     from homelab_dp.serving.replica.generation_engine import Engine, Request
 
-    loaded = load_for_inference(ModelRef(name="r", path=adapter, base=DEMO_MODEL,
-                                         quantized="nf4"), "cpu")  # fmt: skip
+    loaded = load_for_inference(
+        ModelRef(name="r", path=adapter, base=DEMO_MODEL, quantized="nf4"), "cpu"
+    )
     engine = Engine(loaded.model, loaded.tokenizer, context=loaded.context, eos_ids=set())
     prompt = loaded.tokenizer("Hello")["input_ids"]
     (result,) = engine.generate([Request(prompt, 4)])

@@ -215,8 +215,9 @@ def test_sampling_arguments_from_a_body() -> None:
         "stop_token_ids": [1, 2],
         "seed": 3,
     }
-    greedy = sampling_kwargs(prepare({"prompt": "Hi", "top_p": 0, "max_tokens": 5}, tokenizer,
-                                     template, 100))  # fmt: skip
+    greedy = sampling_kwargs(
+        prepare({"prompt": "Hi", "top_p": 0, "max_tokens": 5}, tokenizer, template, 100)
+    )
     assert greedy["top_k"] == 1 and greedy["top_p"] == 1.0  # vLLM wants top_p > 0
     assert (greedy["max_tokens"], greedy["temperature"], greedy["seed"]) == (5, 1.0, None)
     with pytest.raises(BadRequest) as bad:
@@ -256,8 +257,9 @@ def test_cumulative_outputs_become_protocol_lines() -> None:
 
 def test_the_supervisor_starts_vllm_replicas_with_their_arguments() -> None:
     launch = ReplicaLaunch("cuda:0", "GPU 0 (H100)", "GPU-123")
-    sup = Supervisor("/m", [launch], max_batch=4, engine="vllm", context=2048,
-                     gpu_memory_utilization=0.8)  # fmt: skip
+    sup = Supervisor(
+        "/m", [launch], max_batch=4, engine="vllm", context=2048, gpu_memory_utilization=0.8
+    )
     try:
         cmd = sup.command(sup.replicas[0])
         assert cmd[1:3] == ["-m", "homelab_dp.serving.replica.vllm_replica"]
@@ -294,8 +296,9 @@ def test_vllm_gets_card_indices_not_uuids() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
-@pytest.mark.parametrize(("device", "says"), [("cuda:0", "vllm cannot be imported"),
-                                              ("cpu", "runs on cuda:0")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("device", "says"), [("cuda:0", "vllm cannot be imported"), ("cpu", "runs on cuda:0")]
+)
 def test_a_replica_that_cannot_start_exits_2(tmp_path: Path, device: str, says: str) -> None:
     cmd = [
         sys.executable,

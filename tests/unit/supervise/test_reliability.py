@@ -78,7 +78,8 @@ def test_the_stalled_rank_is_the_stopped_one_else_the_one_behind(tmp_path: Path)
         behind = describe_stall(beats, 12.0, 10)
         assert behind.rank == 1
         assert "stalled at step 5 micro-step 0 while others reached step 5 micro-step 1" in (
-            behind.message)  # fmt: skip
+            behind.message
+        )
         beats[1]["micro"] = 1
         waiting = describe_stall(beats, 12.0, 10)
         assert waiting.rank is None and "every rank on this node waits" in waiting.message

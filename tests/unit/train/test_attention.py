@@ -82,9 +82,10 @@ def test_no_flash_attention_2_on_turing_even_when_installed(flash_attn_2):
     assert attention_implementation("cuda", "bf16") == "sdpa"
 
 
-@pytest.mark.parametrize(("distribution", "version"), [("flash-attn-4", "4.0.0b4"),
-                                                        ("flash-attn", "3.0.0b1"),
-                                                        ("flash-attn", "1.0.9")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("distribution", "version"),
+    [("flash-attn-4", "4.0.0b4"), ("flash-attn", "3.0.0b1"), ("flash-attn", "1.0.9")],
+)
 def test_only_a_2x_flash_attn_distribution_counts(tmp_path, monkeypatch, distribution, version):
     install_flash(tmp_path, monkeypatch, distribution, version)
     assert flash_attn_available()  # the module is there...

@@ -231,8 +231,9 @@ def test_tiny_llama_loss_and_every_gradient_equal_the_standard_path() -> None:
     # Outside the context: ordinary logits, as before.
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits
-        assert torch.equal(logits, F.linear(model.model(input_ids=ids).last_hidden_state,
-                                            old.weight))  # fmt: skip
+        assert torch.equal(
+            logits, F.linear(model.model(input_ids=ids).last_hidden_state, old.weight)
+        )
     assert logits.shape == (*ids.shape, model.config.vocab_size)
 
 

@@ -198,8 +198,9 @@ def test_the_plan_counts_the_fp32_embeddings_and_norms_of_an_fp16_run() -> None:
     from tests.conftest import ROOT
 
     spec = load_model_spec(ROOT / "assets" / "configs" / "qwen2-0.5b")
-    upcast = 2 * (spec.embedding_params + spec.final_norm_params
-                  + spec.norm_params_per_layer * spec.layers)  # fmt: skip
+    upcast = 2 * (
+        spec.embedding_params + spec.final_norm_params + spec.norm_params_per_layer * spec.layers
+    )
     assert upcast > 0
     for method, extra in (("lora", upcast), ("qlora", upcast), ("full", 0)):
         weights = {
@@ -215,7 +216,7 @@ def test_the_plan_counts_the_fp32_embeddings_and_norms_of_an_fp16_run() -> None:
                     seq_len=512,
                     grad_accum=1,
                 ),
-            ).weights  # fmt: skip
+            ).weights
             for dtype in ("bf16", "fp16")
         }
         assert weights["fp16"] - weights["bf16"] == extra, method

@@ -50,8 +50,9 @@ def test_the_demo_model_packs_exactly(attn, dtype):
 
 
 def test_a_model_that_drops_position_ids_is_refused():
-    model = PositionsDroppedLlama.from_pretrained(MODEL, dtype=torch.float32,
-                                                  attn_implementation="eager")  # fmt: skip
+    model = PositionsDroppedLlama.from_pretrained(
+        MODEL, dtype=torch.float32, attn_implementation="eager"
+    )
     check = check_packing(model, device="cpu", dtype="fp32", model_type="llama", vocab_size=256)
     assert check.verdict == "differs"
     # Far beyond rounding: the later samples see the earlier ones.
@@ -72,8 +73,9 @@ def test_only_the_later_samples_differ_when_attention_crosses():
     ids = [t for s in samples for t in s]
     with torch.no_grad():
         packed = _logits(model, ids, list(range(len(ids))), "cpu", contextlib.nullcontext)
-        first = _logits(model, samples[0], list(range(len(samples[0]))), "cpu",
-                        contextlib.nullcontext)  # fmt: skip
+        first = _logits(
+            model, samples[0], list(range(len(samples[0]))), "cpu", contextlib.nullcontext
+        )
     n = SAMPLE_LENGTHS[0]
     assert torch.allclose(packed[:n], first, atol=1e-5)
 

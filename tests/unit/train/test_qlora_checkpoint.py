@@ -68,8 +68,9 @@ def test_ddp_qlora_checkpoint_holds_no_quant_state_and_resumes(tmp_path: Path) -
         again = {n: p.detach().clone() for n, p in strategy.inner.named_parameters()}
         # A fresh start (the base quantized again) resumes to the same step.
         torch.manual_seed(0)
-        fresh = wrap_model(load_model(preset, resolved, torch.device("cpu")), resolved,
-                           torch.device("cpu"))  # fmt: skip
+        fresh = wrap_model(
+            load_model(preset, resolved, torch.device("cpu")), resolved, torch.device("cpu")
+        )
         opt = build_optimizer(fresh, preset.train, resolved.lr, torch.device("cpu"))
         load_checkpoint(path, fresh, opt)
         _step(fresh, opt, 1)

@@ -72,10 +72,11 @@ def test_the_per_forward_buffer_broadcast_is_switched_off_by_this_torchs_name() 
     import inspect
 
     params = inspect.signature(DistributedDataParallel.__init__).parameters
-    (name, value), = _no_forward_buffer_sync().items()  # fmt: skip
+    ((name, value),) = _no_forward_buffer_sync().items()
     assert value is False and name in params
-    assert name == ("forward_sync_buffers" if "forward_sync_buffers" in params
-                    else "broadcast_buffers")  # fmt: skip
+    assert name == (
+        "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    )
 
 
 def test_to_device_leaves_host_tensors_alone_on_the_cpu() -> None:

@@ -41,11 +41,13 @@ def test_early_stopping_after_patience_evaluations_without_a_lower_loss() -> Non
 def test_a_restored_validator_decides_as_an_uninterrupted_one() -> None:
     losses = [3.0, 2.5, 2.6, 2.4, 2.45, 2.5, 2.41]
     whole = Validator(None, 1, patience=3)
-    expected = [(d.best, d.stop) for d in (whole.record(i, result(x)) for i, x in
-                                           enumerate(losses, 1))]  # fmt: skip
+    expected = [
+        (d.best, d.stop) for d in (whole.record(i, result(x)) for i, x in enumerate(losses, 1))
+    ]
     first = Validator(None, 1, patience=3)
-    got = [(d.best, d.stop) for d in (first.record(i, result(x)) for i, x in
-                                      enumerate(losses[:5], 1))]  # fmt: skip
+    got = [
+        (d.best, d.stop) for d in (first.record(i, result(x)) for i, x in enumerate(losses[:5], 1))
+    ]
     resumed = Validator(None, 1, patience=3)
     resumed.restore(first.state())  # what the checkpoint of step 5 holds
     got += [(d.best, d.stop) for d in (resumed.record(i, result(x)) for i, x in
