@@ -38,12 +38,15 @@ import heapq
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp.data.records import FORMATS, detect_format, read_records
 from homelab_dp.data.samples import load_examples
 from homelab_dp.data.tokenize import IGNORE_INDEX, Example, format_instruction, tokenize_records
 from homelab_dp.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "FORMATS",
@@ -198,7 +201,7 @@ def summarize(blocks: Sequence[Block]) -> dict[str, float]:
 
 def load_dataset(
     data_cfg: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     seq_len_limit: int | None,
     min_blocks: int,

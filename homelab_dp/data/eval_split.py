@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp.data.blocks import Block, blocks_of
 from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def held_out_count(n: int, fraction: float) -> int:
@@ -54,7 +57,12 @@ class TrainEval:
 
 
 def load_train_eval(
-    data_cfg: Any, tokenizer: Any, *, seed: int, seq_len_limit: int | None, min_blocks: int
+    data_cfg: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    seq_len_limit: int | None,
+    min_blocks: int,
 ) -> TrainEval:
     """The training blocks (at least ``min_blocks``) and the eval blocks of a [data] section.
 

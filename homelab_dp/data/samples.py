@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp.data import token_cache
 from homelab_dp.data.records import check_columns, check_format_name
@@ -20,6 +20,9 @@ from homelab_dp.data.sources import Source, read_source, resolve_source, split_f
 from homelab_dp.data.token_cache import loaded
 from homelab_dp.data.tokenize import Example, eos_id, tokenize_records
 from homelab_dp.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("homelab_dp.data")
 
@@ -77,7 +80,7 @@ def source_of(data_cfg: Any, *, eval_data: bool = False, field: str = "data.path
 
 def load_examples(
     data_cfg: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     seq_len_limit: int | None,
     eval_data: bool = False,

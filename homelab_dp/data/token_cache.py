@@ -44,11 +44,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp import json_safe
 from homelab_dp.data import tokenize
 from homelab_dp.data.tokenize import Example
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -66,7 +69,7 @@ class TokenizerRef:
         return self._loaded
 
 
-def tokenizer_folder(tokenizer: Any) -> Path | None:
+def tokenizer_folder(tokenizer: PreTrainedTokenizerBase) -> Path | None:
     """The folder a tokenizer (or a `TokenizerRef`) was loaded from, when it is one."""
     if isinstance(tokenizer, TokenizerRef):
         return tokenizer.folder if tokenizer.folder.is_dir() else None
@@ -74,7 +77,7 @@ def tokenizer_folder(tokenizer: Any) -> Path | None:
     return folder if str(folder) and folder.is_dir() else None
 
 
-def loaded(tokenizer: Any) -> Any:
+def loaded(tokenizer: PreTrainedTokenizerBase) -> Any:
     """A tokenizer object: a `TokenizerRef` loads its own, anything else is one already."""
     return tokenizer.get() if isinstance(tokenizer, TokenizerRef) else tokenizer
 
@@ -92,7 +95,7 @@ def cache_root() -> Path:
     return Path(base) / "homelab-dp" / "tokens"
 
 
-def tokenizer_digest(tokenizer: Any) -> str:
+def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     """sha256 of what makes a tokenizer tokenize as it does: the content of its folder's files
     (all but weights; a `TokenizerRef` is never loaded for it), or, for a tokenizer with no
     folder, its class, special tokens, chat template and serialized state."""
@@ -123,7 +126,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def cache_key(tokenizer: Any, identity: Any, **data: Any) -> str:
+def cache_key(tokenizer: PreTrainedTokenizerBase, identity: Any, **data: Any) -> str:
     """The entry's key: sha256 of the tokenizer, the data's ``identity`` and the ``data``
     settings that change the samples (format, columns, split), the libraries and this code."""
     parts = {

@@ -34,10 +34,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from homelab_dp.data.records import FORMATS
 from homelab_dp.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
 
@@ -58,14 +61,14 @@ def format_instruction(instruction: str, input: str = "") -> str:
     return f"### Instruction:\n{instruction}\n\n### Response:\n"
 
 
-def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, without special tokens (one batched call: fast tokenizers)."""
     if not texts:
         return []
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def _leading_ids(tokenizer: Any) -> list[int]:
+def _leading_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The special tokens the tokenizer puts before a text (``<s>`` for LLaMA, none for GPT-2)."""
     plain = _encode(tokenizer, ["a"])[0]
     full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
@@ -75,7 +78,7 @@ def _leading_ids(tokenizer: Any) -> list[int]:
     return []
 
 
-def eos_id(tokenizer: Any) -> int:
+def eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The tokenizer's end-of-sequence id, or a DataError when it has none."""
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
@@ -101,7 +104,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _chat_example(tokenizer: Any, messages: list[dict], where: str) -> Example:
+def _chat_example(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where: str) -> Example:
     """Render a conversation; loss on the tokens that each assistant turn adds."""
     import jinja2  # a transformers dependency; only chat data needs it
 
@@ -136,7 +139,7 @@ def _chat_example(tokenizer: Any, messages: list[dict], where: str) -> Example:
 def tokenize_records(
     records: Sequence[dict],
     fmt: str,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     where: Sequence[str] | None = None,
 ) -> list[Example]:

@@ -49,7 +49,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,9 @@ from homelab_dp.runs.folder.run_folder import write_json_atomic
 from homelab_dp.train.rank_guard import inject_slow_result, inject_write_fault
 from homelab_dp.train.strategy import Strategy
 from homelab_dp.train.trainable_model import merge_adapter, save_adapter, save_full_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MARKER = "COMPLETE"
 DCP_METADATA_KEY = "DCP_SHARDING_INFO"  # torch's key for the shard offsets in each header
@@ -216,7 +219,7 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = None
 
 
-def _zero_state(strategy: Strategy, optimizer: Any) -> dict[str, dict[str, Any]]:
+def _zero_state(strategy: Strategy, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
     """This rank's ZeRO-1 shard of optimizer state, keyed by parameter name (world-size free)."""
     names = {id(p): n for n, p in strategy.inner.named_parameters()}
     local = optimizer.optim
@@ -270,7 +273,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-def _collect(strategy: Strategy, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _collect(
+    strategy: Strategy, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the DCP state: tensors only, the optimizer state dict in the shape ``set_*`` expects).
 
     The tensors are the live ones (no copies), so ``dcp.load`` fills model and optimizer in place.
@@ -341,7 +346,7 @@ def save_checkpoint(
     root: Path,
     step: int,
     strategy: Strategy,
-    optimizer: Any,
+    optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     keep: int,
 ) -> Path:
@@ -372,7 +377,7 @@ def save_checkpoint(
 
 
 def _write(
-    root: Path, tmp: Path, final: Path, step: int, strategy: Strategy, optimizer: Any,
+    root: Path, tmp: Path, final: Path, step: int, strategy: Strategy, optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any], keep: int,
 ) -> None:  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -465,7 +470,9 @@ def mark_best(root: Path, step: int, loss: float, keep: int) -> Path:
     return path
 
 
-def load_checkpoint(path: Path, strategy: Strategy, optimizer: Any) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, strategy: Strategy, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """Load weights, optimizer state and this rank's RNG from ``path``; returns trainer.json.
 
     A collective: every rank calls it. The scheduler is restored by the caller from the step.
@@ -496,7 +503,7 @@ def save_result(
     run_dir: Path,
     strategy: Strategy,
     is_peft: bool,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     preset: Any,
     *,
     step: int = 0,

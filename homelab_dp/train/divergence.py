@@ -23,7 +23,6 @@ figure and the fix; the run's state becomes failed); its last good checkpoint is
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +65,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def weights_finite(model: nn.Module, device: Any = None) -> bool:
+def weights_finite(model: nn.Module, device: torch.device | None = None) -> bool:
     """Whether every trainable parameter of ``model`` is finite on every rank (one all-reduce
     when a process group is up; ``device``: where the flag travels, the ranks' device)."""
     import torch.distributed as dist
@@ -83,7 +82,7 @@ def weights_finite(model: nn.Module, device: Any = None) -> bool:
     return bool(flag.item())
 
 
-def require_finite_weights(model: nn.Module, step: int, device: Any = None) -> None:
+def require_finite_weights(model: nn.Module, step: int, device: torch.device | None = None) -> None:
     """Raise `NonFiniteError` instead of checkpointing non-finite weights after ``step``."""
     if weights_finite(model, device):
         return
@@ -118,7 +117,9 @@ class SkippedSteps:
             )
         return skipped
 
-    def step(self, scaler: Any, optimizer: Any, step: int) -> bool:
+    def step(
+        self, scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer, step: int
+    ) -> bool:
         """``scaler.step(optimizer)`` and ``scaler.update()``, observed; whether it skipped."""
         scaler.step(optimizer)
         before = float(scaler.get_scale())

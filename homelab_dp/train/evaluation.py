@@ -58,7 +58,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,6 +74,9 @@ from homelab_dp.train.lora import bnb_config, disable_cpu_bf16_repack
 from homelab_dp.train.loss import install_loss_head, token_loss_sum, unsupported_reason
 from homelab_dp.train.speed import to_device
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 TOKENS_PER_FORWARD = {"cpu": 2048, "cuda": 8192}
 """Tokens per forward pass: the micro-batch is this over the block length (at least 1)."""
@@ -86,7 +89,7 @@ DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16
 log = logging.getLogger("homelab_dp.eval_worker")
 
 
-def eval_dtype(device: Any, wanted: str) -> Any:
+def eval_dtype(device: torch.device, wanted: str) -> Any:
     """The dtype the weights compute in on ``device`` (see the module docstring)."""
     import torch
 
@@ -120,7 +123,7 @@ def join_group(kind: str) -> tuple[Any, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
-def load_blocks(job: dict[str, Any], tokenizer: Any) -> list[Any]:
+def load_blocks(job: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> list[Any]:
     """The data as blocks: one sample per row, truncated to ``seq_len`` (padded to it); the
     samples come from the token cache the front end filled (`homelab_dp.data.samples`)."""
 
@@ -146,7 +149,7 @@ def length_groups(blocks: list[Any], step: int = GROUP_STEP) -> list[list[Any]]:
     return [groups[w] for w in sorted(groups, reverse=True)]
 
 
-def forward_tokens(model: Any, device_type: str, *, chunked: bool) -> int:
+def forward_tokens(model: torch.nn.Module, device_type: str, *, chunked: bool) -> int:
     """Tokens per forward pass: `TOKENS_PER_FORWARD`, fewer where the full logits are made
     (about 8 bytes a logit: the compute dtype and the fp32 copy the cross-entropy takes)."""
     budget = TOKENS_PER_FORWARD[device_type]
@@ -177,7 +180,7 @@ def nf4_works(device_type: str) -> bool:
     return bool(torch.allclose(back.float(), x.float()))
 
 
-def base_of(job: dict[str, Any], device: Any, dtype: Any) -> str:
+def base_of(job: dict[str, Any], device: torch.device, dtype: torch.dtype) -> str:
     """The base the model computes with: ``nf4`` for a QLoRA result (job ``quantized``) where
     bitsandbytes works on ``device`` (`nf4_works`), else the dtype's name."""
     if job.get("quantized") == "nf4" and job["base_path"] and nf4_works(device.type):
@@ -185,7 +188,9 @@ def base_of(job: dict[str, Any], device: Any, dtype: Any) -> str:
     return DTYPE_NAMES[str(dtype)]
 
 
-def load_model(job: dict[str, Any], device: Any, dtype: Any, base_kind: str) -> Any:
+def load_model(
+    job: dict[str, Any], device: torch.device, dtype: torch.dtype, base_kind: str
+) -> Any:
     """The model in eval mode on ``device``: a full folder, or the base with its adapter; the
     base quantized to NF4 as training did when ``base_kind`` is ``nf4``. Loaded in ``dtype``
     and moved with ``.to(device)`` only: rotary ``inv_freq`` and ``_keep_in_fp32_modules``
@@ -469,7 +474,7 @@ class Validator:
         """Evaluate after optimizer step ``step``: every ``every`` steps, and at the last."""
         return step == total_steps or (self.every > 0 and step % self.every == 0)
 
-    def evaluate(self, step: int, model: Any, rank: Any, guard: Any) -> Any:
+    def evaluate(self, step: int, model: torch.nn.Module, rank: Any, guard: Any) -> Any:
         """The eval loss of the model as trained for ``step`` steps (a collective: every rank
         calls it); every rank beats in the evaluating phase while it lasts, so a long eval is
         no stall for the watchdog."""

@@ -169,7 +169,9 @@ class LiveTensors(TorchDispatchMode):
         return out
 
 
-def model_state(model: torch.nn.Module, optimizer: Any = None) -> dict[str, list[torch.Tensor]]:
+def model_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, list[torch.Tensor]]:
     """Weights, buffers, gradients and optimizer state, by category."""
     params = list(model.parameters())
     out = {
@@ -321,13 +323,15 @@ class WorkerMemory:
             self.probe = MemoryProbe(self.device)
             self.probe.start()
 
-    def after_build(self, model: torch.nn.Module, optimizer: Any) -> None:
+    def after_build(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.state = lambda: model_state(model, optimizer)
         if self.measuring and self.probe is not None:
             self.probe.state = self.state
             self.probe.mark("load")
 
-    def begin_step(self, step: int, strategy: Any, optimizer: Any) -> MemoryProbe | None:
+    def begin_step(
+        self, step: int, strategy: Any, optimizer: torch.optim.Optimizer
+    ) -> MemoryProbe | None:
         """The probe to pass through this step, or None (the normal, untracked case)."""
         if self.measuring:
             return self.probe

@@ -79,7 +79,11 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _logits(
-    model: nn.Module, ids: list[int], positions: list[int], device: Any, autocast: Callable[[], Any]
+    model: nn.Module,
+    ids: list[int],
+    positions: list[int],
+    device: torch.device,
+    autocast: Callable[[], Any],
 ) -> torch.Tensor:
     """One row through ``model`` as the loop sends a packed row: positions, no mask."""
     x = torch.tensor([ids], dtype=torch.long, device=device)
@@ -92,7 +96,7 @@ def _logits(
 def check_packing(
     model: nn.Module,
     *,
-    device: Any,
+    device: torch.device,
     dtype: str,
     model_type: str,
     vocab_size: int,
@@ -116,7 +120,7 @@ def check_packing(
     return PackingCheck("exact" if ok else "differs", diff, tol, model_type)
 
 
-def loop_autocast(device: Any, dtype: str, fsdp: bool) -> Callable[[], Any]:
+def loop_autocast(device: torch.device, dtype: str, fsdp: bool) -> Callable[[], Any]:
     """The forward context the loop will use (`train.rank_setup.build_model`): autocast to bf16/fp16
     on CUDA without FSDP2 (whose MixedPrecisionPolicy casts), else none."""
     if getattr(device, "type", device) != "cuda" or dtype not in ("bf16", "fp16") or fsdp:
@@ -125,7 +129,7 @@ def loop_autocast(device: Any, dtype: str, fsdp: bool) -> Callable[[], Any]:
     return lambda: torch.autocast("cuda", dtype=half)
 
 
-def check_model(model: nn.Module, *, device: Any, dtype: str, fsdp: bool) -> PackingCheck:
+def check_model(model: nn.Module, *, device: torch.device, dtype: str, fsdp: bool) -> PackingCheck:
     """`check_packing` of a loaded (possibly wrapped) model with the loop's autocast, its
     model_type and vocabulary read from its config; raises `HomelabError` when it differs."""
     config = model.config

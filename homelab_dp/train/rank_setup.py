@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp.data.blocks import IGNORE_INDEX
 from homelab_dp.data.eval_split import load_train_eval
@@ -55,6 +55,9 @@ from homelab_dp.train.trainable_model import (
     master_dtype,
 )
 from homelab_dp.vocabulary import SHARDED
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("homelab_dp.worker")
 
@@ -114,7 +117,7 @@ def init_distributed(spec: RunSpec) -> Rank:
 class Data:
     """The whole data set as tensors (every rank holds it; each takes its own slices)."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     input_ids: Any
     labels: Any
     mask: Any

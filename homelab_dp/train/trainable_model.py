@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from homelab_dp.train.lora import (
     prepare_frozen_base,
     seed_adapters,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +403,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def save_full_model(
-    model: nn.Module, state_dict: dict[str, torch.Tensor] | None, tokenizer: Any, out_dir: Path
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor] | None,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
 ) -> None:
     """Write a Hugging Face model folder (config + safetensors) and the tokenizer.
 
@@ -412,7 +418,10 @@ def save_full_model(
 
 
 def save_adapter(
-    model: nn.Module, state_dict: dict[str, torch.Tensor] | None, tokenizer: Any, out_dir: Path
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor] | None,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
 ) -> None:
     """Write a peft adapter folder (adapter_config.json + adapter_model.safetensors)."""
     kwargs = {} if state_dict is None else {"state_dict": state_dict}
@@ -420,7 +429,9 @@ def save_adapter(
     tokenizer.save_pretrained(str(out_dir))
 
 
-def merge_adapter(preset: Preset, adapter_dir: Path, tokenizer: Any, out_dir: Path) -> None:
+def merge_adapter(
+    preset: Preset, adapter_dir: Path, tokenizer: PreTrainedTokenizerBase, out_dir: Path
+) -> None:
     """Merge a saved adapter into a fresh, unquantized copy of the base model and save it.
 
     QLoRA adapters are merged into the 16/32-bit base, not the 4-bit one: merging into quantized

@@ -52,11 +52,14 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from homelab_dp.serving.replica.replica_protocol import MIN_TEMPERATURE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Event = dict[str, Any]
 ROW_ERRORS = (ValueError, RuntimeError, OverflowError, TypeError, IndexError)
@@ -123,7 +126,7 @@ class TextStream:
     character still to come) and any tail that could be the start of a stop string.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
@@ -254,7 +257,13 @@ class Engine:
     """Generates batches of requests with one model (used from one thread at a time)."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, *, context: int, eos_ids: set[int], device: Any = None
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        context: int,
+        eos_ids: set[int],
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer

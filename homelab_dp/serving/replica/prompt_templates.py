@@ -61,12 +61,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp.data.blocks import format_instruction
 from homelab_dp.data.records import detect_format
 from homelab_dp.errors import DataError
 from homelab_dp.runs.model_ref import ModelRef
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CHAT = "chat"
 INSTRUCTION = "instruction"
@@ -98,7 +101,7 @@ def trained_format(ref: ModelRef | None) -> str | None:
         return None
 
 
-def template_for(tokenizer: Any, ref: ModelRef | None = None) -> Template:
+def template_for(tokenizer: PreTrainedTokenizerBase, ref: ModelRef | None = None) -> Template:
     """The template ``ref``'s model answers in (see the module docstring)."""
     fmt = trained_format(ref)
     if fmt == INSTRUCTION:
@@ -132,7 +135,9 @@ def _instruction(text: str, system: str, first: bool) -> str:
     return format_instruction(text)
 
 
-def render_messages(tokenizer: Any, messages: list[dict[str, str]], template: Template) -> str:
+def render_messages(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template: Template
+) -> str:
     """The prompt text for a conversation, ending where the model's answer starts."""
     if template.kind == CHAT:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -142,7 +147,7 @@ def render_messages(tokenizer: Any, messages: list[dict[str, str]], template: Te
 
 
 def prompt_ids(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     prompt: str | None = None,
     messages: list[dict[str, str]] | None = None,
@@ -162,7 +167,7 @@ def prompt_ids(
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def eos_ids(tokenizer: Any, model: Any = None) -> set[int]:
+def eos_ids(tokenizer: PreTrainedTokenizerBase, model: Any = None) -> set[int]:
     """Every token id that ends an answer: the tokenizer's eos and the generation config's."""
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
@@ -247,7 +252,9 @@ class Modelfile:
     notes: list[str] = field(default_factory=list)
 
 
-def _chat(tokenizer: Any, messages: list[dict[str, str]], generation: bool = True) -> str:
+def _chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation: bool = True
+) -> str:
     return str(
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
     )
@@ -263,14 +270,14 @@ def _between(text: str, start: str, end: str) -> str:
     return text[i : text.index(end, i)]
 
 
-def adds_bos(tokenizer: Any) -> bool:
+def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer puts its bos token in front of a text by itself."""
     bos = getattr(tokenizer, "bos_token_id", None)
     ids = list(tokenizer("a", add_special_tokens=True)["input_ids"])
     return bos is not None and bool(ids) and ids[0] == bos
 
 
-def cut_chat_template(tokenizer: Any) -> ChatParts | None:
+def cut_chat_template(tokenizer: PreTrainedTokenizerBase) -> ChatParts | None:
     """Probe the tokenizer's chat template into a `ChatParts`, or None where it does not cut."""
     user, asst, user2, system = (
         _msg("user"), _msg("assistant"), _msg("user", "user2"), _msg("system"),
@@ -343,7 +350,7 @@ def _quoted(value: str) -> str:
 
 
 def build_modelfile(
-    tokenizer: Any, template: Template, eos_texts: list[str], source: str = "."
+    tokenizer: PreTrainedTokenizerBase, template: Template, eos_texts: list[str], source: str = "."
 ) -> Modelfile:
     """The Modelfile for a model in ``source`` (``.``: the folder it sits in) that answers in
     ``template`` (`serving.replica.prompt_templates.template_for`)."""

@@ -63,7 +63,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -71,6 +71,9 @@ from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError
 from homelab_dp.runs.folder.run_folder import write_json_atomic
 from homelab_dp.serving.replica.prompt_templates import Template, prompt_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant")
 MIN_TEMPERATURE = 1e-5
@@ -430,7 +433,9 @@ class Prepared:
     """The body's stop strings, then the template's."""
 
 
-def prepare(body: Any, tokenizer: Any, template: Template, context: int) -> Prepared:
+def prepare(
+    body: Any, tokenizer: PreTrainedTokenizerBase, template: Template, context: int
+) -> Prepared:
     """Check a decoded body, render and tokenize its prompt; a `BadRequest` names what is wrong
     (a prompt too large for ``context`` by its size is refused before the tokenizer sees it)."""
     parsed = parse_body(body)
@@ -447,7 +452,9 @@ def prepare(body: Any, tokenizer: Any, template: Template, context: int) -> Prep
 class ReplicaServer:
     """The HTTP side: checks requests and streams the events a subclass's `events` yields."""
 
-    def __init__(self, token: str, tokenizer: Any, template: Template, context: int) -> None:
+    def __init__(
+        self, token: str, tokenizer: PreTrainedTokenizerBase, template: Template, context: int
+    ) -> None:
         self.token = f"Bearer {token}".encode()
         self.tokenizer = tokenizer
         self.template = template

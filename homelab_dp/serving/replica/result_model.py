@@ -47,12 +47,15 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.runs.model_ref import ModelRef, refuse_pickle_only
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,9 +64,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Loaded:
     """A model ready to generate with."""
 
-    model: Any
+    model: torch.nn.Module
     """The causal LM (eval mode, on ``device``, adapters merged)."""
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     """Its tokenizer (a pad token always set: eos where the folder has none)."""
     device: torch.device
     """Where the model lives."""
@@ -281,7 +284,9 @@ def load_merged(
     return model
 
 
-def restore_dtypes(model: Any, loaded: dict[str, torch.dtype], wanted: torch.dtype) -> int:
+def restore_dtypes(
+    model: torch.nn.Module, loaded: dict[str, torch.dtype], wanted: torch.dtype
+) -> int:
     """Give each floating parameter of the merged ``model`` the dtype the base loaded it in
     (``loaded``, by name; ``wanted`` for one the base did not have), so a module the model keeps
     in fp32 stays fp32; buffers are left alone. How many parameters were cast."""
@@ -297,7 +302,7 @@ def restore_dtypes(model: Any, loaded: dict[str, torch.dtype], wanted: torch.dty
 
 
 def save_model_folder(
-    model: Any, tokenizer_path: Path, out: Path, trust_remote_code: bool = False
+    model: torch.nn.Module, tokenizer_path: Path, out: Path, trust_remote_code: bool = False
 ) -> None:
     """Write ``model`` (safetensors, config, generation config) and the tokenizer into ``out``."""
     from transformers import AutoTokenizer

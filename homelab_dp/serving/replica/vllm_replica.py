@@ -46,7 +46,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, MutableMapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.model_spec import read_config
@@ -66,6 +66,9 @@ from homelab_dp.serving.replica.replica_protocol import (
     server_error,
 )
 from homelab_dp.serving.replica.result_model import context_length, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts."""
@@ -219,7 +222,7 @@ class VllmReplica(ReplicaServer):
         self,
         engine: Any,
         vllm: Any,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         template: Template,
         settings: VllmSettings,
         token: str,
@@ -365,7 +368,7 @@ async def _run(
     args: argparse.Namespace,
     ref: ModelRef,
     settings: VllmSettings,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     template: Template,
     *,
     token: str,
