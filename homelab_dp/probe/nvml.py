@@ -20,8 +20,7 @@ from typing import Any
 from homelab_dp.probe.cpu_host import host_info
 from homelab_dp.probe.fake_nvml import FAKE_ENV, load_recording
 from homelab_dp.probe.gpu_processes import running_processes
-from homelab_dp.probe.hardware import GpuInfo, GpuLink, HardwareReport
-from homelab_dp.probe.mig_slices import mig_info
+from homelab_dp.probe.hardware import GpuInfo, GpuLink, HardwareReport, MigInfo, MigSlice
 from homelab_dp.probe.visible_gpus import VISIBLE_ENV, visibility
 
 __all__ = ["FAKE_ENV", "NvmlSession", "host_info", "probe", "sample"]
@@ -34,6 +33,7 @@ _P2P_STATUS_OK = 0
 _TEMPERATURE_GPU = 0
 _ERROR_DRIVER_NOT_LOADED = 9
 _ERROR_LIBRARY_NOT_FOUND = 12
+_MIG_ENABLE = 1  # NVML_DEVICE_MIG_ENABLE: CUDA sees the card as its MIG instances
 _NVLINK_MAX_LINKS = 18  # fallback when the module does not say (NVML 13 allows up to 36)
 
 _TOPOLOGY_WORDS = {
@@ -70,6 +70,38 @@ def _text(value: Any) -> str | None:
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace").rstrip("\x00")
     return str(value)
+
+
+def mig_info(nvml: Any, handle: Any) -> MigInfo | None:
+    """A card's MIG (Multi-Instance GPU) mode (``nvmlDeviceGetMigMode``: current, pending) and,
+    when it is on, its MIG instances (``nvmlDeviceGetMigDeviceHandleByIndex`` up to
+    ``nvmlDeviceGetMaxMigDeviceCount``); None for a card without MIG. With MIG on (A100, A30,
+    H100, H200) CUDA sees the card only as its instances, each a device with its own memory and
+    a ``MIG-...`` UUID. An index that holds no
+    instance is skipped; a slice whose memory NVML does not give is listed with 0 bytes."""
+    try:
+        current, pending = _query(nvml, "nvmlDeviceGetMigMode", handle)
+    except (TypeError, ValueError):  # None (not supported) or an answer of another shape
+        return None
+    enabled = current == _MIG_ENABLE
+    count = _query(nvml, "nvmlDeviceGetMaxMigDeviceCount", handle) if enabled else 0
+    slices = []
+    for index in range(count if isinstance(count, int) else 0):
+        mig = _query(nvml, "nvmlDeviceGetMigDeviceHandleByIndex", handle, index)
+        if mig is None:
+            continue
+        memory = _query(nvml, "nvmlDeviceGetMemoryInfo", mig)
+        slices.append(
+            MigSlice(
+                index=index,
+                uuid=_text(_query(nvml, "nvmlDeviceGetUUID", mig)),
+                name=_text(_query(nvml, "nvmlDeviceGetName", mig)),
+                memory_bytes=getattr(memory, "total", None) or 0,
+                memory_free=getattr(memory, "free", None),
+                memory_used=getattr(memory, "used", None),
+            )
+        )
+    return MigInfo(enabled, pending == _MIG_ENABLE, tuple(slices))
 
 
 def _attr(obj: Any, name: str) -> Any:
