@@ -66,11 +66,12 @@ from homelab_dp import json_safe
 from homelab_dp.data.blocks import IGNORE_INDEX, Block, build_blocks
 from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import HomelabError
+from homelab_dp.nf4_quantization import nf4_config, nf4_works
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
 from homelab_dp.train.attention import attention_implementation
-from homelab_dp.train.lora import bnb_config, disable_cpu_bf16_repack
+from homelab_dp.train.lora import disable_cpu_bf16_repack
 from homelab_dp.train.loss import install_loss_head, token_loss_sum, unsupported_reason
 from homelab_dp.train.speed import to_device
 
@@ -160,26 +161,6 @@ def forward_tokens(model: torch.nn.Module, device_type: str, *, chunked: bool) -
     return max(1, min(budget, FULL_LOGITS_BYTES // (8 * vocab)))
 
 
-def nf4_works(device_type: str) -> bool:
-    """Whether bitsandbytes quantizes to NF4 and back on ``device_type`` (cpu | cuda): a tiny
-    tensor is tried, so a bitsandbytes without kernels for this device answers False. (The
-    rule `serving.replica.result_model.nf4_works` follows for chat and serve, which the layers keep apart;
-    tests/unit/serving/test_qlora_inference.py checks that both answer alike.)"""
-    import torch
-
-    if device_type == "cuda" and not torch.cuda.is_available():
-        return False
-    try:
-        import bitsandbytes.functional as bnbf
-
-        x = torch.ones(64, 64, device=device_type)
-        packed, state = bnbf.quantize_4bit(x, quant_type="nf4")
-        back = bnbf.dequantize_4bit(packed, state)
-    except (ImportError, RuntimeError, NotImplementedError, AttributeError, ValueError):
-        return False
-    return bool(torch.allclose(back.float(), x.float()))
-
-
 def base_of(job: dict[str, Any], device: torch.device, dtype: torch.dtype) -> str:
     """The base the model computes with: ``nf4`` for a QLoRA result (job ``quantized``) where
     bitsandbytes works on ``device`` (`nf4_works`), else the dtype's name."""
@@ -205,7 +186,7 @@ def load_model(
         "use_safetensors": True,
     }
     if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
-        kwargs["quantization_config"] = bnb_config(dtype)
+        kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     if job["base_path"]:

@@ -117,21 +117,6 @@ def add_lora(model: nn.Module, lora: Any) -> nn.Module:
     return peft_model
 
 
-def bnb_config(compute: torch.dtype, storage: torch.dtype | None = None) -> Any:
-    """QLoRA's quantization: NF4 with double quantization, computing in ``compute``; packed
-    weights stored as ``storage`` (uint8 by default; the compute dtype under FSDP2, so that it
-    shards them as parameters of that dtype)."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute,
-        bnb_4bit_quant_storage=storage or torch.uint8,
-    )
-
-
 def is_adapter(name: str) -> bool:
     """Whether the parameter called ``name`` is a LoRA A or B matrix."""
     return ".lora_A." in name or ".lora_B." in name

@@ -32,13 +32,13 @@ import torch.distributed as dist
 from torch import nn
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.nf4_quantization import nf4_config
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation
 from homelab_dp.train.lora import (
     adapter_init,
     add_lora,
-    bnb_config,
     disable_cpu_bf16_repack,
     is_adapter,
     prepare_frozen_base,
@@ -65,7 +65,7 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
     remote = preset.model.trust_remote_code
-    qconfig = bnb_config(compute, storage=compute)
+    qconfig = nf4_config(compute, storage=compute)
     config = AutoConfig.from_pretrained(preset.model.path, trust_remote_code=remote)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed
         model = AutoModelForCausalLM.from_config(

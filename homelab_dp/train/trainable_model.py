@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.nf4_quantization import nf4_config
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation, local_capability
 from homelab_dp.train.lora import (
     add_lora,
-    bnb_config,
     disable_cpu_bf16_repack,
     prepare_frozen_base,
     seed_adapters,
@@ -145,7 +145,7 @@ def load_model(
         ),
     }
     if method == "qlora":
-        kwargs["quantization_config"] = bnb_config(compute)
+        kwargs["quantization_config"] = nf4_config(compute)
         kwargs["dtype"] = compute  # what is not 4-bit (embeddings, lm_head, norms)
         kwargs["device_map"] = {"": device}
     elif method == "lora":

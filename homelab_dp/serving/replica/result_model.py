@@ -44,7 +44,6 @@ not hold a CUDA context on any card.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.nf4_quantization import nf4_config, nf4_works
 from homelab_dp.runs.model_ref import ModelRef, refuse_pickle_only
 
 if TYPE_CHECKING:
@@ -148,38 +148,6 @@ def load_tokenizer(ref: ModelRef) -> Any:
 
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@functools.cache
-def nf4_works(device_type: str) -> bool:
-    """Whether bitsandbytes quantizes to NF4 and back on ``device_type`` (cpu | cuda): a tiny
-    tensor is tried, so a bitsandbytes without kernels for this device answers False."""
-    if device_type == "cuda" and not torch.cuda.is_available():
-        return False
-    try:
-        import bitsandbytes.functional as bnbf
-
-        x = torch.ones(64, 64, device=device_type)
-        packed, state = bnbf.quantize_4bit(x, quant_type="nf4")
-        back = bnbf.dequantize_4bit(packed, state)
-    except (ImportError, RuntimeError, NotImplementedError, AttributeError, ValueError):
-        return False
-    return bool(torch.allclose(back.float(), x.float()))
-
-
-def nf4_config(compute: torch.dtype) -> Any:
-    """The quantization a QLoRA run trains on (`train.lora.bnb_config`, which the layers keep
-    out of reach here; tests/unit/serving/test_qlora_inference.py checks they are the same): NF4 with
-    double quantization, computing in ``compute``, packed into uint8."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute,
-        bnb_4bit_quant_storage=torch.uint8,
-    )
 
 
 def base_kind(ref: ModelRef, device: torch.device, dtype: torch.dtype) -> str:

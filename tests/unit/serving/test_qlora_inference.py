@@ -1,7 +1,7 @@
 """A QLoRA result is served and chatted with on the NF4 base it was trained against (issue 22
 point 9), where bitsandbytes works: here on the CPU, with bitsandbytes' real 4-bit kernels.
 
-`serving.replica.result_model.load_for_inference` quantizes the base as training does (`train.lora.bnb_config`)
+`serving.replica.result_model.load_for_inference` quantizes the base as training does (`nf4_quantization.nf4_config`, one definition for both)
 and keeps the adapter apart; the 16-bit merge it used to load computes another function.
 """
 
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from homelab_dp.nf4_quantization import nf4_config, nf4_works
 from homelab_dp.runs.model_ref import ModelRef
-from homelab_dp.serving.replica.result_model import load_for_inference, nf4_works
+from homelab_dp.serving.replica.result_model import load_for_inference
 
 DEMO_MODEL = Path(__file__).resolve().parents[3] / "assets" / "models" / "tiny-llama"
 pytestmark = pytest.mark.skipif(not nf4_works("cpu"), reason="no bitsandbytes CPU kernels")
@@ -43,8 +44,6 @@ def test_a_qlora_result_generates_on_its_nf4_base(adapter: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from homelab_dp.train.lora import bnb_config
-
     ref = ModelRef(name="run", path=adapter, base=DEMO_MODEL, quantized="nf4")
     loaded = load_for_inference(ref, "cpu")
     assert loaded.base == "nf4" and loaded.dtype == torch.float32
@@ -55,7 +54,7 @@ def test_a_qlora_result_generates_on_its_nf4_base(adapter: Path) -> None:
     got = _logits(loaded.model, ids)
     # What the run trained: the base quantized by the same config, the adapter on top.
     base = AutoModelForCausalLM.from_pretrained(
-        DEMO_MODEL, dtype=torch.float32, quantization_config=bnb_config(torch.float32),
+        DEMO_MODEL, dtype=torch.float32, quantization_config=nf4_config(torch.float32),
         device_map={"": "cpu"},
     )  # fmt: skip
     want = _logits(PeftModel.from_pretrained(base, adapter), ids)
@@ -79,13 +78,15 @@ def test_the_nf4_model_generates_through_the_engine(adapter: Path) -> None:
     assert len(result.token_ids) == 4
 
 
-def test_the_rules_the_layers_keep_apart_agree() -> None:
-    """eval's worker (train) and chat/serve (infer) cannot import each other: each has its own
-    NF4 check, and infer's quantization must be the one training uses."""
-    from homelab_dp.serving.replica.result_model import nf4_config
-    from homelab_dp.train import evaluation as eval_worker
-    from homelab_dp.train.lora import bnb_config
-
-    assert nf4_config(torch.bfloat16).to_dict() == bnb_config(torch.bfloat16).to_dict()
-    assert eval_worker.nf4_works("cpu") == nf4_works("cpu")
-    assert eval_worker.nf4_works("cuda") == nf4_works("cuda") == torch.cuda.is_available()
+def test_nf4_is_what_bitsandbytes_can_do_on_the_device() -> None:
+    """The one NF4 rule eval's worker, chat and serve share: a 4-bit round trip on the device;
+    no CUDA, no NF4 on CUDA. The config is QLoRA's: NF4, double quantization, uint8 storage
+    unless FSDP2 asks for the compute dtype."""
+    assert nf4_works("cpu")  # (the module is skipped where it does not)
+    assert nf4_works("cuda") == torch.cuda.is_available()
+    config = nf4_config(torch.bfloat16)
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
+    assert config.bnb_4bit_use_double_quant and config.bnb_4bit_quant_storage == torch.uint8
+    assert (
+        nf4_config(torch.bfloat16, storage=torch.bfloat16).bnb_4bit_quant_storage == torch.bfloat16
+    )
