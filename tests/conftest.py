@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import tomli_w
 
+from homelab_dp.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 
@@ -109,3 +111,14 @@ def write_preset(
     path = folder / f"{name}.toml"
     path.write_text(f"# homelab-dp run {path}\n" + tomli_w.dumps(doc), encoding="utf-8")
     return path
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``homelab-dp ARGV`` in this process: (exit code, stdout, stderr); argparse's own errors
+    (SystemExit) give their exit code too."""
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:
+        rc = int(exc.code)
+    out = capsys.readouterr()
+    return rc, out.out, out.err

@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -216,3 +218,25 @@ def held_workers(run_dir: Path, count: int, timeout: float = 60) -> list[int]:
     raise AssertionError(
         f"the workers did not hold still within {timeout} s: {read_state(run_dir)}"
     )
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a `serve` process (it stops its replicas), SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_ready(proc: subprocess.Popen[bytes], out: Path, err: Path, guard_s: float) -> str:
+    """The line a `serve` process prints once its replicas are ready (a liveness guard of
+    ``guard_s``; a process that exits first fails the test with its stderr)."""
+    deadline = time.monotonic() + guard_s
+    while not out.read_text().strip():
+        assert proc.poll() is None, err.read_text()
+        assert time.monotonic() < deadline, err.read_text()
+        time.sleep(0.1)
+    return out.read_text()

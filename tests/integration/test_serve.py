@@ -28,7 +28,7 @@ import pytest
 from homelab_dp.cli.serve import is_loopback
 from homelab_dp.serving.front.openai_server import ready_line
 
-from .conftest import DEMO_MODEL, ROOT
+from .conftest import DEMO_MODEL, ROOT, stop_server, wait_ready
 
 KEY = "test-key-123"
 READY_S = 120.0  # liveness guard: the ready line comes in about 10 s on 2 cores
@@ -47,16 +47,6 @@ def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "homelab_dp.cli", "serve", *args]
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("serve")
@@ -72,16 +62,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
             env=dict(os.environ, TMPDIR=str(tmp / "tmpdir")),
         )
     try:
-        deadline = time.monotonic() + READY_S
-        while not out.read_text().strip():
-            assert proc.poll() is None, err.read_text()
-            assert time.monotonic() < deadline, err.read_text()
-            time.sleep(0.1)
-        line = out.read_text()
+        line = wait_ready(proc, out, err, READY_S)
         port = int(re.search(r":(\d+)/v1 ", line).group(1))
         yield Server(proc, port, line, tmp / "tmpdir", err)
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 def call(
@@ -382,7 +367,7 @@ def test_ctrl_c_stops_everything_with_130(tmp_path: Path) -> None:
         assert not replica.exists()
         assert list(tmp_path.glob("homelab-dp-serve-*")) == []
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 def _child_of(proc_dir: Path, parent: int) -> bool:

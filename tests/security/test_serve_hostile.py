@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from tests.integration.conftest import stop_server, wait_ready
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
 KEY = "hostile-test-key"
@@ -60,30 +62,15 @@ def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path, Path]
     return proc, out, err
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("hostile")
     proc, out, err = _serve(tmp, "--request-timeout", str(TIMEOUT_S))
     try:
-        deadline = time.monotonic() + READY_S
-        while not out.read_text().strip():
-            assert proc.poll() is None, err.read_text()
-            assert time.monotonic() < deadline, err.read_text()
-            time.sleep(0.1)
-        port = int(re.search(r":(\d+)/v1 ", out.read_text()).group(1))
+        port = int(re.search(r":(\d+)/v1 ", wait_ready(proc, out, err, READY_S)).group(1))
         yield Server(proc, port, tmp / "tmpdir", err)
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def call(
@@ -168,7 +155,7 @@ def test_a_replica_outlives_no_front(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the state folder stayed"
             time.sleep(0.1)
     finally:
-        _stop(proc)
+        stop_server(proc)
         for pid in _replica_pids(tmpdir):
             os.kill(pid, signal.SIGKILL)
 

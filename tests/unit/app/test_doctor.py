@@ -10,13 +10,12 @@ import pytest
 
 from homelab_dp.app import doctor
 from homelab_dp.app.doctor import Check, install_hint, wheel_tag
-from homelab_dp.cli import main
 from homelab_dp.probe.fake_nvml import load_recording
 from homelab_dp.probe.hardware import GiB, HardwareReport
 from homelab_dp.probe.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
 from homelab_dp.probe.nvml import probe
 from homelab_dp.render.doctor import checks_panel, render_doctor, summary
-from tests.conftest import DATA
+from tests.conftest import DATA, run_cli
 
 NVML = DATA / "nvml"
 GPU_CHECKS = (
@@ -324,15 +323,6 @@ def gpu_box(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 3090 pair, as NVML and bitsandbytes would answer; torch as each test says."""
     monkeypatch.setenv("HOMELAB_DP_FAKE_NVML", str(NVML / "2x3090-nvlink.json"))
     monkeypatch.setattr(doctor, "bnb_facts", lambda want_cuda: BNB_OK)
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:
-        rc = int(exc.code)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 @pytest.mark.usefixtures("gpu_box")

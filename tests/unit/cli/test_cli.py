@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.cli import main
 from homelab_dp.presets.preset_store import SHIPPED_PRESETS, load_preset
-from tests.conftest import DATA, ROOT
+from tests.conftest import DATA, ROOT, run_cli
 
 PLAN_FIELDS = {
     "model",
@@ -42,15 +41,6 @@ TARGETS = {  # the hardware each shipped preset's header names
     "smollm2-135m-lora-2x12gb": "2x12GiB",
     "tiny-demo": None,
 }
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:  # argparse's own errors
-        rc = int(exc.code)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_plan_json_has_the_contract_fields(in_repo, capsys) -> None:

@@ -20,11 +20,10 @@ import pytest
 from huggingface_hub import errors
 from huggingface_hub.utils import filter_repo_objects
 
-from homelab_dp.cli.main import main
 from homelab_dp.errors import HomelabError, ModelSpecError
 from homelab_dp.hub.hub_models import NotCachedError, missing_parts, resolve_model_id
 from homelab_dp.runs.model_ref import is_model_id, resolve_model_arg
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.hub_cache import (
     COMMIT,
     DEMO_MODEL,
@@ -47,12 +46,6 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def snapshot(cache: Path, commit: str = COMMIT) -> Path:
     return cache / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / commit
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_a_cached_id_resolves_to_its_snapshot_by_branch_tag_or_commit(hub: Path) -> None:

@@ -12,7 +12,6 @@ import pytest
 from homelab_dp.app import doctor
 from homelab_dp.app.doctor import torch_mismatch
 from homelab_dp.app.plan import make_plan
-from homelab_dp.cli import main
 from homelab_dp.errors import HardwareSpecError
 from homelab_dp.presets.preset_store import open_preset
 from homelab_dp.probe.fake_nvml import FAKE_ENV, FakeNvml, load_recording
@@ -20,7 +19,7 @@ from homelab_dp.probe.hardware import GiB, MigInfo, MigSlice
 from homelab_dp.probe.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
 from homelab_dp.probe.nvml import probe
 from homelab_dp.probe.visible_gpus import visibility
-from tests.conftest import DATA
+from tests.conftest import DATA, run_cli
 
 NVML = DATA / "nvml"
 MIG_A100 = NVML / "a100-80gb-mig.json"
@@ -29,15 +28,6 @@ SLICE_BYTES = 40192 * 2**20  # one 3g.40gb MIG instance
 BUSY_SLICE = "MIG-8f2d6c1a-3e57-5b90-a4c8-1d6e9f3b7a25"
 FREE_SLICE = "MIG-c41e7a09-6b3d-5f28-9e1a-52d8b7c0f6e4"
 SLICE_NAME = "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:
-        rc = int(exc.code)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _recording() -> dict:
