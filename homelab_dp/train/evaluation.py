@@ -289,10 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 @dataclass(frozen=True)
 class EvalBlocks:
     """Blocks to evaluate, as tensors on the host (every rank holds all of them)."""
@@ -493,3 +489,7 @@ class Validator:
             self.best_loss = state.get("best_loss")
             self.best_step = state.get("best_step")
             self.since_best = int(state.get("since_best") or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

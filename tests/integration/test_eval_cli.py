@@ -280,7 +280,7 @@ def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model, data_dir, tmp_p
         workers = [
             c
             for c in lines
-            if "eval_worker" in c and "homelab_dp.supervise.torchrun_agent" not in c
+            if "homelab_dp.train.evaluation" in c and "homelab_dp.supervise.torchrun_agent" not in c
         ]
         if len(workers) == 2:
             break
