@@ -44,6 +44,41 @@ DEFAULT_CONTEXT = 4096
 """Context length planned when none is given (capped by the model's positions)."""
 DEFAULT_CONCURRENT = 8
 """Concurrent sequences per replica planned when none is given."""
+MIN_TEMPERATURE = 1e-5
+"""The smallest temperature above 0 (0 is greedy): float32 logits / 1e-5 stay finite up to
+|logit| ~ 3e33, while 1e-38 makes them inf and the probabilities NaN (vLLM's floor is 1e-5
+too). What one request may ask of a replica is checked twice from these: at the front (no
+torch) and in the replica, which may not import each other."""
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds ``torch.Generator.manual_seed`` takes (beyond them it raises)."""
+MAX_STOP_CHARS = 256
+"""The longest stop string (the decoder looks for each one's prefixes at every token)."""
+PROMPT_CHARS_PER_TOKEN = 32
+"""A prompt of more characters than this times the context cannot fit it (no tokenizer we know
+has longer tokens): refused before tokenizing."""
+PROMPT_BYTES_PER_TOKEN = 64
+"""Likewise in UTF-8 bytes."""
+
+
+def prompt_size_problem(texts: list[str], what: str, context: int) -> str | None:
+    """Why ``texts`` (a prompt, or the contents of messages: ``what``) cannot fit ``context``
+    tokens by their size alone, characters or UTF-8 bytes, before any tokenizer spends seconds
+    on them; None when they may."""
+    chars = sum(len(t) for t in texts)
+    if chars > PROMPT_CHARS_PER_TOKEN * context:
+        return (
+            f"the {what} has {chars} characters: more than fit the model's context of "
+            f"{context} tokens ({PROMPT_CHARS_PER_TOKEN * context} characters at most)"
+        )
+    size = sum(len(t.encode("utf-8")) for t in texts)
+    if size > PROMPT_BYTES_PER_TOKEN * context:
+        return (
+            f"the {what} has {size} bytes: more than fit the model's context of {context} "
+            f"tokens ({PROMPT_BYTES_PER_TOKEN * context} UTF-8 bytes at most)"
+        )
+    return None
+
+
 LOGITS_BYTES = 4
 """Logits are fp32 whatever the weights' dtype (transformers upcasts them for sampling)."""
 

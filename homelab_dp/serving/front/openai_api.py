@@ -12,7 +12,7 @@ we do not honour set to anything but its default (``presence_penalty``, ``freque
 naming the field). The body must be strict JSON: no ``NaN``/``Infinity``, no nesting deep
 enough to exhaust the parser's recursion. A prompt longer than `PROMPT_CHARS_PER_TOKEN` characters
 or `PROMPT_BYTES_PER_TOKEN` UTF-8 bytes per token of the context is refused before any tokenizer
-sees it (`check_prompt_size`). Other fields we do not know are ignored: OpenAI clients send many
+sees it (`check_prompt_size`). The limits are `planning.serve_plan`'s, which the replica checks too. Other fields we do not know are ignored: OpenAI clients send many
 (``user``, ``stream_options``, ...).
 
 Responses: ``text_completion`` / ``chat.completion`` objects, their streamed chunks, and
@@ -27,25 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from homelab_dp import json_safe
+from homelab_dp.planning.serve_plan import (
+    MAX_STOP_CHARS,
+    MIN_TEMPERATURE,
+    SEED_RANGE,
+    prompt_size_problem,
+)
 
 Kind = Literal["completion", "chat"]
 ROLES = ("system", "user", "assistant")
 SSE_DONE = b"data: [DONE]\n\n"
-MIN_TEMPERATURE = 1e-5
-"""The smallest temperature above 0 (0 is greedy): float32 logits / 1e-5 stay finite up to
-|logit| ~ 3e33, while 1e-38 makes them inf and the probabilities NaN (vLLM's floor is 1e-5 too).
-The replica checks the same (`homelab_dp.serving.replica.replica_protocol`)."""
-SEED_RANGE = (-(2**63), 2**64 - 1)
-"""The seeds ``torch.Generator.manual_seed`` takes (beyond them it raises)."""
 MAX_TOKENS_LIMIT = 2**31 - 1
 """The largest max_tokens taken at all (the context bounds it further once a replica told it)."""
-MAX_STOP_CHARS = 256
-"""The longest stop string (the decoder looks for each one's prefixes at every token)."""
-PROMPT_CHARS_PER_TOKEN = 32
-"""A prompt of more characters than this times the context cannot fit it (no tokenizer we know
-has longer tokens): refused before tokenizing."""
-PROMPT_BYTES_PER_TOKEN = 64
-"""Likewise in UTF-8 bytes."""
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "presence_penalty": 0,
     "frequency_penalty": 0,
@@ -324,28 +317,17 @@ def parse_chat(doc: dict[str, Any]) -> Generation:
 
 def check_prompt_size(generation: Generation, context: int | None) -> None:
     """A prompt that cannot fit ``context`` tokens by its size alone: 400, before any tokenizer
-    spends time on it (`PROMPT_CHARS_PER_TOKEN`, `PROMPT_BYTES_PER_TOKEN`). None: not known yet
-    (the replica checks the same)."""
+    spends time on it (`planning.serve_plan.prompt_size_problem`). None: not known yet (the
+    replica checks the same)."""
     if not context:
         return
     if generation.prompt is not None:
         texts, where = [generation.prompt], "prompt"
     else:
         texts, where = [m["content"] for m in generation.messages or []], "messages"
-    chars = sum(len(t) for t in texts)
-    if chars > PROMPT_CHARS_PER_TOKEN * context:
-        raise ApiError(
-            f"the {where} has {chars} characters: more than fit the model's context of "
-            f"{context} tokens ({PROMPT_CHARS_PER_TOKEN * context} characters at most)",
-            param=where,
-        )
-    size = sum(len(t.encode("utf-8")) for t in texts)
-    if size > PROMPT_BYTES_PER_TOKEN * context:
-        raise ApiError(
-            f"the {where} has {size} bytes: more than fit the model's context of {context} "
-            f"tokens ({PROMPT_BYTES_PER_TOKEN * context} UTF-8 bytes at most)",
-            param=where,
-        )
+    problem = prompt_size_problem(texts, where, context)
+    if problem:
+        raise ApiError(problem, param=where)
 
 
 def check_model(generation: Generation, served: str) -> None:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from homelab_dp.serving.replica.replica_protocol import MIN_TEMPERATURE
+from homelab_dp.planning.serve_plan import MIN_TEMPERATURE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -69,6 +69,12 @@ from aiohttp import web
 
 from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError
+from homelab_dp.planning.serve_plan import (
+    MAX_STOP_CHARS,
+    MIN_TEMPERATURE,
+    SEED_RANGE,
+    prompt_size_problem,
+)
 from homelab_dp.runs.folder.run_folder import write_json_atomic
 from homelab_dp.serving.replica.prompt_templates import Template, prompt_ids
 
@@ -76,16 +82,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant")
-MIN_TEMPERATURE = 1e-5
-"""The smallest temperature above 0 (float32 logits / T stay finite)."""
-SEED_RANGE = (-(2**63), 2**64 - 1)
-"""The seeds ``torch.Generator.manual_seed`` takes."""
-MAX_STOP_CHARS = 256
-"""The longest stop string."""
-PROMPT_CHARS_PER_TOKEN = 32
-"""More characters than this per token of the context cannot fit it: refused untokenized."""
-PROMPT_BYTES_PER_TOKEN = 64
-"""Likewise in UTF-8 bytes."""
 
 
 class BadRequest(Exception):
@@ -238,25 +234,15 @@ def parse_body(body: Any) -> GenerateBody:
 
 
 def check_size(body: GenerateBody, context: int) -> None:
-    """`BadRequest` for a prompt too large for ``context`` tokens by its size alone (characters
-    or UTF-8 bytes), so that no tokenizer spends seconds on it."""
-    texts = (
-        [body.prompt] if body.prompt is not None else [m["content"] for m in body.messages or []]
-    )
-    source = "prompt" if body.prompt is not None else "messages"
-    chars = sum(len(t) for t in texts)
-    if chars > PROMPT_CHARS_PER_TOKEN * context:
-        raise BadRequest(
-            f"the {source} has {chars} characters: more than fit the model's context of "
-            f"{context} tokens",
-            source,
-        )
-    size = sum(len(t.encode("utf-8")) for t in texts)
-    if size > PROMPT_BYTES_PER_TOKEN * context:
-        raise BadRequest(
-            f"the {source} has {size} bytes: more than fit the model's context of {context} tokens",
-            source,
-        )
+    """`BadRequest` for a prompt too large for ``context`` tokens by its size alone
+    (`planning.serve_plan.prompt_size_problem`), so that no tokenizer spends seconds on it."""
+    if body.prompt is not None:
+        texts, source = [body.prompt], "prompt"
+    else:
+        texts, source = [m["content"] for m in body.messages or []], "messages"
+    problem = prompt_size_problem(texts, source, context)
+    if problem:
+        raise BadRequest(problem, source)
 
 
 def check_length(prompt_tokens: int, max_tokens: int | None, context: int, source: str) -> int:
