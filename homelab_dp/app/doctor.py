@@ -29,6 +29,7 @@ from homelab_dp.probe.hardware import (
     GpuInfo,
     HardwareReport,
     format_bytes,
+    mig_off,
     mig_on,
     mig_slice,
 )
@@ -391,7 +392,7 @@ def check_mig(f: Facts) -> list[Check]:
 def _mig_check(g: GpuInfo, wanted: str | None) -> Check:
     assert g.mig is not None
     name, card, i = f"GPU {g.index} MIG", short_name(g.name), g.index
-    off = f"sudo nvidia-smi -i {i} -mig 0, then reset the card (sudo nvidia-smi -i {i} -r)"
+    off = mig_off(i)
     if not g.mig.enabled:
         if g.mig.pending:
             return Check(

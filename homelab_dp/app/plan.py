@@ -33,6 +33,7 @@ from homelab_dp.probe.hardware import (
     PlanDevice,
     PlanHardware,
     format_bytes,
+    mig_off,
     mig_on,
     mig_slice,
     parse_gpus_spec,
@@ -147,10 +148,6 @@ def _card(g: GpuInfo) -> str:
     return f"GPU {g.index} ({g.name})"
 
 
-def _mig_off(g: GpuInfo) -> str:
-    return f"sudo nvidia-smi -i {g.index} -mig 0, then reset the card (sudo nvidia-smi -i {g.index} -r)"
-
-
 def check_no_mig(gpus: list[GpuInfo]) -> None:
     """Several cards, one with MIG on: refused. CUDA gives a process one MIG slice, and NCCL
     does not run between MIG instances, so no run can span a MIG slice and another device."""
@@ -167,7 +164,7 @@ def check_no_mig(gpus: list[GpuInfo]) -> None:
         f"hardware.devices: {cards} {has} MIG on, and a run on {len(gpus)} devices cannot use a "
         "MIG slice: CUDA gives a process one MIG slice, and NCCL does not run between MIG "
         "instances",
-        hint=f"turn MIG off to train on the whole card: {_mig_off(mig[0])}; or plan on one "
+        hint=f"turn MIG off to train on the whole card: {mig_off(mig[0].index)}; or plan on one "
         f"MIG slice: hardware.devices=[{mig[0].index}]{others} (e.g. --set "
         f"hardware.devices=[{whole[0] if whole else mig[0].index}])",
     )
@@ -182,7 +179,7 @@ def _mig_hardware(g: GpuInfo, report: HardwareReport) -> PlanHardware:
         raise HardwareSpecError(
             f"hardware.devices: {_card(g)} has MIG on but {none}: CUDA cannot run on it",
             hint=f"create one: sudo nvidia-smi mig -i {g.index} -cgi <profile> -C (`nvidia-smi "
-            f"mig -i {g.index} -lgip` lists the profiles), or turn MIG off: {_mig_off(g)}",
+            f"mig -i {g.index} -lgip` lists the profiles), or turn MIG off: {mig_off(g.index)}",
         )
     assert chosen.uuid is not None  # mig_slice picks only slices CUDA can be told
     slices = g.mig.slices if g.mig else ()
@@ -197,7 +194,7 @@ def _mig_hardware(g: GpuInfo, report: HardwareReport) -> PlanHardware:
         f"the plan uses slice {chosen.index} ({chosen.profile}, {chosen.uuid}, "
         f"{format_bytes(chosen.memory_bytes)}{free}: {why}) in one process, never the whole "
         "card: CUDA gives a process one MIG slice, and NCCL does not run between them. For the "
-        f"whole card turn MIG off: {_mig_off(g)}; for another slice, set CUDA_VISIBLE_DEVICES "
+        f"whole card turn MIG off: {mig_off(g.index)}; for another slice, set CUDA_VISIBLE_DEVICES "
         "to its MIG UUID (`homelab-dp probe` lists them)."
     )
     device = PlanDevice(

@@ -23,6 +23,7 @@ from homelab_dp.probe.hardware import (
     PlanDevice,
     PlanHardware,
     format_bytes,
+    mig_off,
     mig_on,
     parse_gpus_spec,
 )
@@ -131,11 +132,12 @@ def serve_hardware(
         indices=tuple(indices),
         uuids=named if len(named) == len(devices) else (),
     )
-    if any(mig_on(g) for g in report.gpus) and not hw.uuids:
+    mig = [g for g in report.gpus if mig_on(g)]
+    if mig and not hw.uuids:
         raise HardwareSpecError(
             "a MIG card is served by its slices' MIG UUIDs, and NVML gave no UUID for a card here",
             hint="`nvidia-smi -L` lists the UUIDs; serve on the other cards with "
-            "CUDA_VISIBLE_DEVICES, or turn MIG off (sudo nvidia-smi -i N -mig 0, then reset)",
+            f"CUDA_VISIBLE_DEVICES, or turn MIG off: {mig_off(mig[0].index)}",
         )
     return hw, report
 

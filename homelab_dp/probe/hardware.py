@@ -124,6 +124,12 @@ def mig_on(gpu: GpuInfo) -> bool:
     return gpu.mig is not None and gpu.mig.enabled
 
 
+def mig_off(index: int) -> str:
+    """The commands that turn MIG off on the card with NVML index ``index`` (the whole card is
+    then one CUDA device again), for hints."""
+    return f"sudo nvidia-smi -i {index} -mig 0, then reset the card (sudo nvidia-smi -i {index} -r)"
+
+
 def mig_slice(gpu: GpuInfo, wanted: str | None = None) -> MigSlice | None:
     """The slice a one-process run on ``gpu`` uses: the one whose MIG UUID is ``wanted`` (from
         ``CUDA_VISIBLE_DEVICES``), else the one with the most free memory (the lowest index among
