@@ -72,15 +72,25 @@ def update_state(run_dir: Path, **changes: Any) -> dict[str, Any]:
     return state
 
 
+def _stat_after_name(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (field 3, the state, comes first),
+    or None when there is no such process (or no /proc). The name (field 2) may hold spaces and
+    parentheses, so the line is split after its last ")"."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_start(pid: int) -> int | None:
     """When the process ``pid`` started (clock ticks since boot: field 22 of /proc/PID/stat),
     or None when there is no such process (or no /proc). With the pid, it names one process:
     a pid is reused, a (pid, start) pair is not."""
+    fields = _stat_after_name(pid)
     try:
-        with open(f"/proc/{int(pid)}/stat", encoding="ascii", errors="replace") as fh:
-            # The command name (field 2) may hold spaces and parentheses: split after its ")".
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
         return None
 
 
@@ -135,11 +145,8 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie has exited; only its parent has not reaped it yet
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    fields = _stat_after_name(pid)  # a zombie has exited; only its parent has not reaped it yet
+    return not fields or fields[0] != "Z"
 
 
 def _pids_of(pids: dict[str, Any]) -> list[int]:
