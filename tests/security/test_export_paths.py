@@ -110,11 +110,13 @@ def test_a_link_to_the_base_model_of_an_adapter_run_is_refused(
 @pytest.mark.parametrize(
     "out",
     ["/proc/self/export", "/proc/new-folder", "/sys/kernel/export", "/sys", "/dev/export",
-     "/proc/self/cwd/../../proc/x"],
+     "CWD-DOTDOT"],
 )  # fmt: skip
 def test_special_places_are_refused(
     out: str, full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    if out == "CWD-DOTDOT":  # a link, then enough .. to climb from the working folder to /
+        out = "/proc/self/cwd/" + "../" * (len(Path.cwd().resolve().parts) - 1) + "proc/x"
     err = _refused(capsys, tmp_path, full_run, out)
     assert "kernel file system" in err, err
     assert not Path(out).exists() or out == "/sys"
