@@ -33,6 +33,51 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """The Mixture-of-Experts block of a model's MoE layers (one instance describes them all)."""
+
+    count: int
+    """Routed experts per MoE layer (``num_experts``, ``num_local_experts``, ``n_routed_experts``)."""
+    top_k: int
+    """Routed experts each token goes through (``num_experts_per_tok``)."""
+    linears: tuple[Linear, ...]
+    """One routed expert's projections as 2-D shapes (gate/up, possibly fused, and down)."""
+    layers: int
+    """How many decoder layers are MoE; the others run `ModelSpec.dense_mlp`."""
+    fused: bool = True
+    """The experts are stored as 3-D tensors ``[count, ...]`` (transformers 5), not as
+    ``nn.Linear``: peft reaches them through ``target_parameters`` and bitsandbytes cannot."""
+    router_params: int = 0
+    """The router's weight (and bias) per MoE layer: kept 16-bit, frozen under LoRA."""
+    shared: tuple[Linear, ...] = ()
+    """Shared experts' linears (``nn.Linear``), run for every token in every MoE layer."""
+    shared_gate_params: int = 0
+    """A shared expert's own gate per MoE layer (Qwen2-MoE's ``shared_expert_gate``)."""
+    aux_loss_coef: float = 0.0
+    """The router's load-balancing loss weight (``router_aux_loss_coef``; 0: none is added)."""
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        return sum(lin.params for lin in self.linears)
+
+    @property
+    def shared_params(self) -> int:
+        """Shared experts, their gate and the router: what every token uses in a MoE layer."""
+        return sum(lin.params for lin in self.shared) + self.shared_gate_params + self.router_params
+
+    @property
+    def layer_params(self) -> int:
+        """Every parameter of one MoE layer's MLP block."""
+        return self.count * self.expert_params + self.shared_params
+
+    @property
+    def active_layer_params(self) -> int:
+        """The parameters one token uses in a MoE layer's MLP block (top-k experts)."""
+        return self.top_k * self.expert_params + self.shared_params
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What the planner needs to know about a model."""
 
@@ -47,7 +92,8 @@ class ModelSpec:
     max_positions: int
     tied_embeddings: bool
     linears: tuple[Linear, ...]
-    """The linear layers of one decoder block (what LoRA adapts and QLoRA quantizes)."""
+    """The linear layers of EVERY decoder block (what LoRA adapts and QLoRA quantizes): for a
+    dense model attention and MLP, for a MoE model attention only (see `dense_mlp`, `experts`)."""
     embedding_params: int
     """Token (and position) embeddings."""
     lm_head_params: int
@@ -65,6 +111,22 @@ class ModelSpec:
     """Dropout on each residual branch (GPT-2's resid_pdrop, Phi-3's resid_pdrop)."""
     embedding_dropout: float = 0.0
     """Dropout on the embeddings (GPT-2's embd_pdrop)."""
+    experts: Experts | None = None
+    """The MoE block of a Mixture-of-Experts model; None for a dense model."""
+    dense_mlp: tuple[Linear, ...] = ()
+    """The MLP linears of a MoE model's dense layers (``mlp_only_layers``,
+    ``first_k_dense_replace``); empty for a dense model, whose MLP is in `linears`."""
+    sliding_window: int = 0
+    """The attention window of the sliding-window layers (0: every layer attends to all)."""
+    sliding_layers: int = 0
+    """How many decoder layers use `sliding_window`."""
+    vision_params: int = 0
+    """A multimodal wrapper's vision tower and projector: loaded and frozen (0: text only)."""
+    quantization: str | None = None
+    """A pre-quantized checkpoint's ``quantization_config.quant_method`` (e.g. "mxfp4")."""
+    full_logits: bool = False
+    """The logits are transformed after lm_head (soft-capping, scaling): the loss keeps the
+    full-logits path instead of the chunked head."""
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -77,19 +139,47 @@ class ModelSpec:
         )
 
     @property
+    def moe_layers(self) -> int:
+        """Decoder layers with experts (0 for a dense model)."""
+        return self.experts.layers if self.experts else 0
+
+    def _mlp_params(self, per_moe_layer: int) -> int:
+        """A MoE model's MLP blocks: ``per_moe_layer`` in each MoE layer, `dense_mlp` elsewhere."""
+        dense = sum(lin.params for lin in self.dense_mlp)
+        return self.moe_layers * per_moe_layer + (self.layers - self.moe_layers) * dense
+
+    @property
     def params(self) -> int:
-        """Exact total parameter count (tied weights counted once)."""
+        """Exact total parameter count (tied weights counted once, every expert counted)."""
+        moe = self._mlp_params(self.experts.layer_params) if self.experts else 0
         return (
             self.embedding_params
             + self.lm_head_params
             + self.layers * self.layer_params
             + self.final_norm_params
+            + moe
+            + self.vision_params
         )
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token uses (top-k routed experts; `params` for a dense model).
+
+        The vision tower is left out: text training never runs it."""
+        if self.experts is None:
+            return self.params - self.vision_params
+        inactive = self.moe_layers * (self.experts.count - self.experts.top_k)
+        return self.params - self.vision_params - inactive * self.experts.expert_params
+
+    @property
     def quantizable_params(self) -> int:
-        """Parameters in decoder linear layers: what 4-bit QLoRA quantizes."""
-        return self.layers * self.linear_params_per_layer
+        """Parameters that 4-bit QLoRA quantizes: the decoder's linear layers and, in a MoE
+        model, the dense MLPs, shared experts and routed experts (the router stays 16-bit)."""
+        if self.experts is None:
+            return self.layers * self.linear_params_per_layer
+        shared = sum(lin.params for lin in self.experts.shared)
+        per_moe_layer = self.experts.count * self.experts.expert_params + shared
+        return self.layers * self.linear_params_per_layer + self._mlp_params(per_moe_layer)
 
     def lora_params(self, r: int, targets: str | list[str] = "all-linear") -> int:
         """Trainable LoRA parameters: r·(d_in + d_out) per adapted linear, in every layer."""
@@ -109,6 +199,7 @@ class ModelSpec:
         """The `model` block of `plan --json` (without trainable_params)."""
         return {
             "params": self.params,
+            "active_params": self.active_params,
             "layers": self.layers,
             "hidden": self.hidden,
             "vocab": self.vocab,
