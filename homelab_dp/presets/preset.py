@@ -48,6 +48,10 @@ class ModelSection:
     """Compute dtype: auto (bf16 on CUDA where supported, fp32 on CPU) | bf16 | fp16 | fp32."""
     trust_remote_code: bool = False
     """Allow the model folder's own Python code to run. Off unless you trust the folder."""
+    text_only: bool = False
+    """For a multimodal model whose language model is a decoder (Gemma 3, Mistral 3, Qwen2.5-VL
+    style configs with a ``text_config``): load the language model alone, without the vision
+    tower. Off: the whole model loads and the vision tower stays frozen."""
 
 
 @dataclass
@@ -81,6 +85,10 @@ class DataSection:
     eval_fraction: float = 0.0
     """Hold out this share (0 to 0.5) of the training samples, chosen by train.seed before
     packing, to evaluate on; they are never trained on. 0 for none. Not with eval_path."""
+    sample_prompts: str | list[str] = field(default_factory=list)
+    """Prompts the model answers while it trains (`train.sample_every`): a list of strings, or
+    a file (.txt: one prompt per line; .jsonl: a "prompt" per line). [] : a few prompts from
+    the eval split, else from the training data."""
 
 
 @dataclass
@@ -164,6 +172,26 @@ class TrainSection:
     not benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8), for bitwise resume on the same cards;
     some kernels get slower and an op without a deterministic kernel fails the run. The CPU is
     exact without it."""
+    sample_every: Literal["eval", "off"] | int = "eval"
+    """Generate an answer to each of `data.sample_prompts` every N optimizer steps and at the
+    end (rank 0, the model being trained, no change to what it learns): "eval" with each
+    evaluation (none without eval data), "off" never."""
+    sample_max_tokens: int = 48
+    """The most new tokens of one sample."""
+    sample_temperature: float = 0.0
+    """0: greedy; above 0: sampled with a generator seeded by train.seed and the step."""
+    bench_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks (names, or paths of task .yaml files) to run on the result
+    when the run completes (`homelab-dp bench`); [] for none."""
+
+
+@dataclass
+class SweepSection:
+    """A grid of preset values for `homelab-dp sweep` (every point is planned, then queued)."""
+
+    grid: dict[str, list[str | int | float | bool]] = field(default_factory=dict)
+    """Dotted preset keys and the values each takes, e.g. {"train.lr" = [1e-4, 2e-4],
+    "lora.r" = [8, 16]}; the sweep runs every combination ({} : no sweep)."""
 
 
 @dataclass
@@ -177,7 +205,10 @@ class LoraSection:
     dropout: float = 0.0
     """Dropout on the adapter input."""
     target_modules: str | list[str] = "all-linear"
-    """Which linear layers get adapters: "all-linear" or a list of module names."""
+    """Which layers get adapters: "all-linear" (attention and dense MLP linears; a MoE model's
+    experts and router are left alone) or a list of module names. In a MoE model, naming
+    "experts" (or "experts.gate_up_proj", "experts.down_proj") adapts the routed experts too,
+    fused 3-D expert weights through peft's ``target_parameters``; the router stays frozen."""
 
 
 @dataclass
@@ -222,6 +253,7 @@ class Preset:
     hardware: HardwareSection = field(default_factory=HardwareSection)
     cost: CostSection = field(default_factory=CostSection)
     log: LogSection = field(default_factory=LogSection)
+    sweep: SweepSection = field(default_factory=SweepSection)
     source: str = ""
     """The file the preset was read from (not a TOML key)."""
 
@@ -250,16 +282,18 @@ SECTIONS: dict[str, type] = {
     "hardware": HardwareSection,
     "cost": CostSection,
     "log": LogSection,
+    "sweep": SweepSection,
 }
 
 # Sizes that must be at least 1 (0 and negatives are rejected); values that must not be negative.
 _POSITIVE = {"data.seq_len", "train.micro_batch", "train.grad_accum", "train.log_every",
-             "train.keep_checkpoints", "lora.r", "lora.alpha", "hardware.nproc"}  # fmt: skip
+             "train.keep_checkpoints", "lora.r", "lora.alpha", "hardware.nproc",
+             "train.sample_max_tokens"}  # fmt: skip
 _NON_NEGATIVE = {
     "train.max_steps", "train.epochs", "train.warmup_steps", "train.checkpoint_every",
     "train.weight_decay", "train.max_grad_norm", "train.reference_batch", "train.watchdog_s",
     "train.collective_timeout_s", "cost.per_kwh", "lora.dropout", "train.min_lr_ratio",
-    "train.eval_every", "train.early_stopping_patience",
+    "train.sample_temperature", "train.eval_every", "train.early_stopping_patience",
 }  # fmt: skip
 _POSITIVE_FLOAT = {"train.lr"}
 _RANGES = {"data.eval_fraction": (0.0, 0.5)}
@@ -305,11 +339,17 @@ def _check_value(value: Any, tp: Any) -> tuple[bool, Any]:
                 return False, value
             out.append(conv)
         return True, out
-    if origin is dict:  # dict[str, str] only: [data] columns
-        ok = isinstance(value, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        )
-        return ok, dict(value) if ok else value
+    if origin is dict:  # str keys: [data] columns, [sweep] grid
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            return False, value
+        _, inner = get_args(tp)
+        out_dict = {}
+        for key, item in value.items():
+            ok, conv = _check_value(item, inner)
+            if not ok:
+                return False, value
+            out_dict[key] = conv
+        return True, out_dict
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:
