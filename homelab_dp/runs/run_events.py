@@ -1,8 +1,8 @@
 """The events of a run: their names and one typed shape each (pure: stdlib only).
 
 A run's ``events.jsonl`` holds one JSON object a line, each with ``"type"`` and ``"time"`` (unix
-seconds). Rank 0 of the worker writes start, micro, step, eval, straggler, warning, checkpoint,
-memory and end; any rank may write error; the keeper and the controller write state, retry and
+seconds). Rank 0 of the worker writes start, micro, step, eval, sample, straggler, warning,
+checkpoint, memory and end; any rank may write error; the keeper and the controller write state, retry and
 error; the device monitor writes devices samples to ``devices.jsonl``. Writers build the typed
 event and write ``to_json()``; readers turn a line back into one with `parse_event`, which
 accepts lines written before a field existed (missing fields take their defaults, unknown ones
@@ -21,6 +21,7 @@ START = "start"
 MICRO = "micro"
 STEP = "step"
 EVAL = "eval"
+SAMPLE = "sample"
 STRAGGLER = "straggler"
 WARNING = "warning"
 CHECKPOINT = "checkpoint"
@@ -151,6 +152,24 @@ class EvalEvent(Event):
 
 
 @dataclass(kw_only=True)
+class SampleEvent(Event):
+    """Rank 0: the model's answer to one sample prompt while it trains (``train.sample_every``)."""
+
+    TYPE: ClassVar[str] = SAMPLE
+    step: int = 0
+    """The optimizer steps done when the answer was generated."""
+    prompt: str = ""
+    """The prompt as the user wrote it (``data.sample_prompts``), or the prompt part of a data
+    sample as the model saw it (template included, special tokens left out)."""
+    text: str = ""
+    """The generated answer (special tokens left out)."""
+    tokens: int = 0
+    """New tokens generated (the eos that ended the answer included)."""
+    seconds: float = 0.0
+    """Time this answer took to generate."""
+
+
+@dataclass(kw_only=True)
 class StragglerEvent(Event):
     """Rank 0, when a rank is first found slower than the others for several steps."""
 
@@ -256,7 +275,7 @@ class DevicesEvent(Event):
 EVENT_CLASSES: dict[str, type[Event]] = {
     cls.TYPE: cls
     for cls in (
-        StartEvent, MicroEvent, StepEvent, EvalEvent, StragglerEvent, WarningEvent,
+        StartEvent, MicroEvent, StepEvent, EvalEvent, SampleEvent, StragglerEvent, WarningEvent,
         CheckpointEvent, MemoryEvent, EndEvent, ErrorEvent, StateEvent, RetryEvent, DevicesEvent,
     )
 }  # fmt: skip
