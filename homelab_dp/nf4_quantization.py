@@ -8,6 +8,7 @@ give the run's own eval loss (the adapter was trained against exactly this base)
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from transformers import BitsAndBytesConfig
@@ -24,6 +25,26 @@ def nf4_config(compute: torch.dtype, storage: torch.dtype | None = None) -> Bits
         bnb_4bit_compute_dtype=compute,
         bnb_4bit_quant_storage=storage or torch.uint8,
     )
+
+
+NF4_BLOCKSIZE = 64
+"""Values per absmax block: bitsandbytes' default, which ``Linear4bit`` (as ``from_pretrained``
+with `nf4_config` makes it) quantizes with; `BitsAndBytesConfig` has no field for it."""
+
+NESTED_BLOCKSIZE = 256
+"""absmax values per block of the double quantization (bitsandbytes' ``quantize_4bit`` fixes it)."""
+
+
+def nf4_settings() -> dict[str, Any]:
+    """The quantization `nf4_config` asks of bitsandbytes, as ``quantize_4bit`` arguments
+    (``nested_blocksize`` only described: bitsandbytes applies it itself)."""
+    config = nf4_config(torch.float32)
+    return {
+        "quant_type": config.bnb_4bit_quant_type,
+        "compress_statistics": config.bnb_4bit_use_double_quant,
+        "blocksize": NF4_BLOCKSIZE,
+        "nested_blocksize": NESTED_BLOCKSIZE,
+    }
 
 
 @functools.cache
