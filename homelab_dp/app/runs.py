@@ -174,6 +174,25 @@ STOP_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
+class SweepTag:
+    """A run's place in a sweep: the sweep's id and the grid values of its point."""
+
+    sweep_id: str
+    point: dict[str, Any]
+    """Dotted preset key → the value this point takes."""
+
+
+def check_run_gpus(gpus: str | None) -> None:
+    """``--gpus`` of a command that starts runs: only ``cpu:N``; sizes are `plan` what-ifs."""
+    if gpus and not gpus.lower().startswith("cpu"):
+        raise HomelabError(
+            f"--gpus {gpus}: `run` uses real devices; sizes are for `plan` what-ifs",
+            hint="choose GPUs with hardware.devices (e.g. --set hardware.devices=[0,1]) "
+            "or run on the CPU with --gpus cpu:2",
+        )
+
+
+@dataclass(frozen=True)
 class Prepared:
     """A run that passed every check and is ready to start."""
 
@@ -195,8 +214,11 @@ class Prepared:
         *,
         auto_fit: bool = False,
         measure_steps: int = 0,
+        sweep: SweepTag | None = None,
+        notify: str | None = None,
     ) -> RunSpec:
-        """The run contract for this prepared run: the one builder of `RunSpec`."""
+        """The run contract for this prepared run: the one builder of `RunSpec`. ``sweep``:
+        the sweep it is a point of; ``notify``: the user's command for when it ends."""
         rdzv = rendezvous or Rendezvous()
         launch = Launch(
             nproc_per_node=self.resolved.world_size // rdzv.nnodes,
@@ -215,6 +237,9 @@ class Prepared:
             collective_timeout_s=self.preset.train.collective_timeout_s or None,
             measure_steps=measure_steps,
             model_origin=self.origin,
+            sweep_id=sweep.sweep_id if sweep else None,
+            sweep_point=dict(sweep.point) if sweep else {},
+            notify=notify or None,
         )
 
 
@@ -252,12 +277,7 @@ class RunController:
         devices another run is using refuse it (unless ``force``)."""
         preset = open_preset(preset_ref, overrides)
         check_reporters(preset)  # a logger not installed: before the plan
-        if gpus and not gpus.lower().startswith("cpu"):
-            raise HomelabError(
-                f"--gpus {gpus}: `run` uses real devices; sizes are for `plan` what-ifs",
-                hint="choose GPUs with hardware.devices (e.g. --set hardware.devices=[0,1]) "
-                "or run on the CPU with --gpus cpu:2",
-            )
+        check_run_gpus(gpus)
         planned = make_plan(preset, gpus)
         if gpus:  # cpu:N — check the count against this machine's cores
             cpu_hardware(planned.hardware.world_size, planned.hardware.min_memory, "run")
@@ -312,6 +332,8 @@ class RunController:
         auto_fit: bool = False,
         queue: bool = False,
         force: bool = False,
+        sweep: SweepTag | None = None,
+        notify: str | None = None,
     ) -> str:
         """Create the run folder and start its keeper in the background; return the run id.
 
@@ -320,13 +342,14 @@ class RunController:
         activation checkpointing) by itself, up to `MAX_OOM_RETRIES` times.
         ``queue``: the run is created "queued" and its keeper starts it when its devices are
         free (`homelab_dp.runs.run_queue`). Otherwise a start on devices another run is using is
-        refused, unless ``force``.
+        refused, unless ``force``. ``sweep``: the sweep this run is a point of (`app.sweep`);
+        ``notify``: the command its keeper runs once when it ends (`supervise.notifier`).
         """
         rendezvous = rendezvous or Rendezvous()
         check_port(rendezvous)
         name = Path(prepared.preset.source).stem if prepared.preset.source else "run"
         run_id = new_run_id(name)
-        spec = prepared.run_spec(run_id, rendezvous, auto_fit=auto_fit)
+        spec = prepared.run_spec(run_id, rendezvous, auto_fit=auto_fit, sweep=sweep, notify=notify)
         if not queue and not force:
             waiting_room.check_devices_free(waiting_room.devices_of(spec), self.root)
         status = "queued" if queue else "starting"
@@ -361,11 +384,13 @@ class RunController:
         *,
         queue: bool = False,
         force: bool = False,
+        notify: str | None = None,
     ) -> str:
         """Continue a stopped or failed run from its newest complete checkpoint.
 
         ``queue`` (and always for a run interrupted while queued: it never started) puts it in
-        the queue; otherwise devices another run is using refuse it, unless ``force``."""
+        the queue; otherwise devices another run is using refuse it, unless ``force``.
+        ``notify``: a new notification command (None keeps the one the run was started with)."""
         run_dir = self.run_dir(run_id)
         spec = read_run_spec(run_dir)  # a damaged run says so before anything else
         state = current_state(run_dir)
@@ -384,6 +409,8 @@ class RunController:
         queued = queue or bool(state.get("queued_only"))
         if not queued and not force:
             waiting_room.check_devices_free(waiting_room.devices_of(spec), self.root)
+        if notify:
+            spec = replace(spec, notify=notify)
         write_run_spec(run_dir, spec.relaunched(rendezvous or Rendezvous()))
         status = "queued" if queued else "starting"
         step = None if state.get("queued_only") else resume_step(run_dir)
@@ -454,12 +481,20 @@ class RunController:
         run_dir = self.run_dir(run_id)
         return summarize(run_dir, self._fold(run_dir), current_state(run_dir))
 
-    def list_runs(self) -> list[dict[str, Any]]:
+    def list_runs(self, sweep: str | None = None) -> list[dict[str, Any]]:
         """Every known run (index, root, ./runs), newest first (`runs --json`). Each row has
-        ``path`` and ``exists``; a folder that has gone, or cannot be read, is a row that says so
-        (``status`` null, ``reason``), never an error."""
+        ``path``, ``exists`` and ``sweep_id``; a folder that has gone, or cannot be read, is a
+        row that says so (``status`` null, ``reason``), never an error. ``sweep``: only the
+        runs of that sweep (`runs --sweep ID`)."""
         rows = [self._row(run) for run in known_runs(self.root)]
+        if sweep is not None:
+            rows = [r for r in rows if r.get("sweep_id") == sweep]
         return sorted(rows, key=lambda r: r.get("created") or 0, reverse=True)
+
+    def sweep_runs(self, sweep_id: str) -> list[Path]:
+        """The folders of a sweep's runs, in the order they were queued (oldest first)."""
+        rows = self.list_runs(sweep_id)
+        return [Path(r["path"]) for r in sorted(rows, key=lambda r: r.get("created") or 0)]
 
     def forget_gone(self) -> list[str]:
         """Drop the runs whose folder has gone from the per-user index; their ids."""
@@ -472,11 +507,13 @@ class RunController:
         if run.exists:
             try:
                 state = current_state(run.path)
-                return {**summarize(run.path, self._fold(run.path), state), "exists": True}
+                sweep_id = read_run_spec(run.path).sweep_id
+                doc = summarize(run.path, self._fold(run.path), state)
+                return {**doc, "exists": True, "sweep_id": sweep_id}
             except (OSError, ValueError, KeyError, TypeError, HomelabError) as exc:
                 reason, status = str(exc), "damaged"
         return {"run_id": run.id, "path": str(run.path), "exists": run.exists, "status": status,
-                "reason": reason, "created": run.created}  # fmt: skip
+                "reason": reason, "created": run.created, "sweep_id": None}  # fmt: skip
 
 
 def check_port(rendezvous: Rendezvous) -> None:

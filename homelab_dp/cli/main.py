@@ -25,6 +25,7 @@ from homelab_dp.cli import (
     pull,
     runs,
     serve,
+    sweep,
 )
 from homelab_dp.cli.common import (
     EXIT_INTERRUPTED,
@@ -40,7 +41,7 @@ from homelab_dp.render.errors import error_text
 DESCRIPTION = (
     "`homelab-dp`: the headless command line (argparse + rich). Thin: no logic of its own."
 )
-COMMANDS = (probe, doctor, plan, pull, measure, presets, runs, evaluate, chat, serve, export)
+COMMANDS = (probe, doctor, plan, pull, measure, presets, runs, sweep, evaluate, chat, serve, export)
 """The command modules, in the order `homelab-dp --help` lists them."""
 
 

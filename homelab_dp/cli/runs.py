@@ -12,6 +12,7 @@ from typing import Any
 
 from homelab_dp import json_safe
 from homelab_dp.cli.common import print_json
+from homelab_dp.cli.sweep import add_notify_option
 
 
 def _controller():
@@ -65,7 +66,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         queue=args.queue,
     )
     run_id = controller.start(
-        prepared, rendezvous, auto_fit=args.auto_fit, queue=args.queue, force=args.force
+        prepared,
+        rendezvous,
+        auto_fit=args.auto_fit,
+        queue=args.queue,
+        force=args.force,
+        notify=args.notify,
     )
     head = f"started {run_id}"
     if args.queue and not args.json:
@@ -118,7 +124,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     controller = _controller()
     # Only what the resumed run writes is printed; earlier events are history.
     history = file_size(controller.run_dir(args.run) / "events.jsonl")
-    run_id = controller.resume(args.run, _rendezvous(args), queue=args.queue, force=args.force)
+    run_id = controller.resume(
+        args.run, _rendezvous(args), queue=args.queue, force=args.force, notify=args.notify
+    )
     step = read_state(controller.run_dir(run_id)).get("resume_from")
     if step == 0:  # said, never silent: the steps it made are trained again
         sys.stderr.write(
@@ -151,7 +159,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from homelab_dp.app.compare import compare
+    from homelab_dp.render.compare import compare_lines
+
+    doc = compare(_controller(), args.runs_to_compare, sweep=args.sweep)
+    if args.json:
+        print_json(doc)
+        return 0
+    print("\n".join(compare_lines(doc)))
+    return 0
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
+    if getattr(args, "runs_command", None) == "compare":
+        return cmd_compare(args)
     if args.forget_gone:
         forgotten = _controller().forget_gone()
         if args.json:
@@ -160,7 +182,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
             print(f"forgot {len(forgotten)} run(s) whose folder has gone"
                   + "".join(f"\n  {run_id}" for run_id in forgotten))  # fmt: skip
         return 0
-    rows = _controller().list_runs()
+    rows = _controller().list_runs(sweep=args.sweep)
     if args.json:
         print_json(rows)
         return 0
@@ -204,6 +226,7 @@ def register(sub: Any) -> None:
         help="fit the micro-batch to memory; after an out-of-memory error, resume with a smaller "
         "micro-batch and more accumulation (same effective batch) by itself",
     )
+    add_notify_option(p)
     _add_rendezvous(p)
     p.set_defaults(func=cmd_run)
 
@@ -214,7 +237,18 @@ def register(sub: Any) -> None:
         action="store_true",
         help="drop the runs whose folder has gone (moved or deleted) from the run index",
     )
+    p.add_argument("--sweep", metavar="ID", default=None, help="only the runs of this sweep")
     p.set_defaults(func=cmd_runs)
+    runs_sub = p.add_subparsers(dest="runs_command", parser_class=type(p))
+    c = runs_sub.add_parser(
+        "compare",
+        help="runs side by side, best eval loss first: the settings that differ, eval loss, "
+        "benchmark scores, speed, memory, energy, the last sample",
+    )
+    c.add_argument("runs_to_compare", nargs="*", metavar="RUN", help="run ids (or prefixes)")
+    c.add_argument("--sweep", metavar="ID", default=None, help="every run of this sweep")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("status", help="one run's state and figures")
     p.add_argument("run")
@@ -239,5 +273,6 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--detach", action="store_true")
     p.add_argument("--json", action="store_true")
+    add_notify_option(p)
     _add_rendezvous(p)
     p.set_defaults(func=cmd_resume)

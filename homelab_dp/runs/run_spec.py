@@ -110,6 +110,13 @@ class RunSpec:
     retries: tuple[Retry, ...] = ()
     model_origin: ModelOrigin | None = None
     """The Hugging Face id the model came from (None: a local folder was given)."""
+    sweep_id: str | None = None
+    """The `homelab-dp sweep` this run is a point of (None: a run of its own)."""
+    sweep_point: dict[str, Any] = field(default_factory=dict)
+    """The grid values of this point, by dotted preset key ({} outside a sweep)."""
+    notify: str | None = None
+    """`--notify CMD`: the user's command the keeper runs once when the run ends ("desktop":
+    notify-send); None: ``notify.command`` of the user's config file, if any. Kept on resume."""
 
     @property
     def planned_bytes(self) -> dict[str, int]:
@@ -161,6 +168,10 @@ class RunSpec:
             out["collective_timeout_s"] = self.collective_timeout_s
         if self.model_origin is not None:
             out["model_origin"] = asdict(self.model_origin)
+        if self.sweep_id:
+            out["sweep"] = {"id": self.sweep_id, "point": dict(self.sweep_point)}
+        if self.notify:
+            out["notify"] = self.notify
         return out
 
     @classmethod
@@ -179,6 +190,7 @@ class RunSpec:
             Retry(float(r.get("time", 0.0)), tuple(r["from"]), tuple(r["to"]))  # type: ignore[arg-type]
             for r in data.get("retries") or ()
         )
+        sweep = data.get("sweep") or {}
         return cls(
             run_id=str(data["run_id"]),
             preset=preset_from_dict(data["preset"], source=data.get("preset_source", "")),
@@ -192,4 +204,7 @@ class RunSpec:
             measure_steps=int(data.get("measure_steps") or 0),
             retries=retries,
             model_origin=ModelOrigin(**data["model_origin"]) if data.get("model_origin") else None,
+            sweep_id=str(sweep["id"]) if sweep.get("id") else None,
+            sweep_point=dict(sweep.get("point") or {}),
+            notify=str(data["notify"]) if data.get("notify") else None,
         )

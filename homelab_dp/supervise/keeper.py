@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from homelab_dp.errors import HomelabError
 from homelab_dp.runs import run_queue as queue
 from homelab_dp.runs.folder.heartbeats import heartbeat_dir
 from homelab_dp.runs.folder.jsonl_tail import JsonlTail, file_size
@@ -48,7 +49,8 @@ from homelab_dp.runs.folder.run_state import (
 )
 from homelab_dp.runs.preset_results import record_run
 from homelab_dp.runs.run_events import ErrorEvent, Event, RetryEvent, StateEvent, parse_event
-from homelab_dp.supervise import launcher
+from homelab_dp.runs.run_view import summarize, view_of
+from homelab_dp.supervise import launcher, notifier
 from homelab_dp.supervise.launch_verdict import Attempt, Verdict, decide
 from homelab_dp.supervise.relaunch import MAX_OOM_RETRIES, apply_oom_proposal
 from homelab_dp.supervise.watchdog import Stall, Watchdog
@@ -284,6 +286,30 @@ def wait_in_queue(run_dir: Path) -> bool:
     return True
 
 
+def after_end(run_dir: Path) -> None:
+    """Once the run's final state is written: a completed run's benchmarks
+    (``train.bench_tasks``), then the user's notification, once (`homelab_dp.supervise.notifier`).
+    Neither changes the run's state; their failures are logged."""
+    try:
+        spec = read_run_spec(run_dir)
+    except (OSError, ValueError, KeyError, HomelabError) as exc:
+        notifier.log(f"no benchmarks or notification: the run spec is not readable ({exc})")
+        return
+    state = read_state(run_dir)
+    status = str(state.get("status"))
+    if status == "completed" and spec.preset.train.bench_tasks:
+        notifier.run_bench(run_dir, list(spec.preset.train.bench_tasks))
+    command = spec.notify or notifier.configured_command()
+    if not command:
+        return
+    try:
+        figures = summarize(run_dir, view_of(run_dir), state)
+    except (OSError, ValueError, KeyError, TypeError, HomelabError) as exc:
+        notifier.log(f"the run's figures are not readable ({exc}); the summary has none")
+        figures = {}
+    notifier.notify(command, run_dir, status, notifier.summary_line(run_dir.name, state, figures))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="homelab-dp run keeper (started by the controller)"
@@ -299,6 +325,7 @@ def supervise(run_dir: Path) -> int:
     first waits for its turn (`wait_in_queue`)."""
 
     if read_state(run_dir).get("status") == "queued" and not wait_in_queue(run_dir):
+        after_end(run_dir)
         return 0
     retries = 0
     while True:
@@ -309,7 +336,9 @@ def supervise(run_dir: Path) -> int:
         if verdict.failure and wanted and retries < MAX_OOM_RETRIES:
             change = apply_oom_proposal(run_dir, verdict.failure)
         if change is None:
-            return keeper.finish(verdict)
+            code = keeper.finish(verdict)
+            after_end(run_dir)
+            return code
         retries += 1
         attempt = int(read_state(run_dir).get("attempt") or 1) + 1
         update_state(run_dir, status="starting", reason=change, attempt=attempt,
