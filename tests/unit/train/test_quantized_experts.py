@@ -1,0 +1,206 @@
+"""NF4 fused experts (train.quantized_experts) on tiny random qwen3_moe, mixtral and gpt_oss
+models built from their config classes: the 4-bit model computes what the model with
+bitsandbytes' dequantized experts computes, forward and backward, dequantizes only the routed
+experts (again in backward), stores 0.5 byte a value plus bitsandbytes' statistics, and a LoRA
+step on top changes only the adapters."""
+
+from __future__ import annotations
+
+import copy
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import (
+    AutoModelForCausalLM,
+    GptOssConfig,
+    MixtralConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+from homelab_dp.train.quantized_experts import (
+    EXPERTS_IMPLEMENTATION,
+    dequantize_expert,
+    dequantize_experts,
+    is_fused_experts,
+    quantize_experts,
+    quantized_bytes_per_expert,
+)
+
+COMMON = {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+CONFIGS = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),  # fmt: skip
+    "mixtral": lambda: MixtralConfig(
+        **COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2
+    ),  # fmt: skip
+    "gpt_oss": lambda: GptOssConfig(
+        **COMMON,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),  # fmt: skip
+}
+
+
+def _model(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32)
+    with torch.no_grad():  # visible biases (gpt-oss) and routers (zero-initialised in some)
+        for name, p in model.named_parameters():
+            if "bias" in name or "router" in name or "mlp.gate." in name:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if is_fused_experts(m)]
+
+
+def _reference(model: torch.nn.Module, quantized: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with each expert weight replaced by bitsandbytes' dequantization of it."""
+    ref = copy.deepcopy(model)
+    for mine, theirs in zip(_experts(quantized), _experts(ref), strict=True):
+        for name, value in dequantize_experts(mine).items():
+            getattr(theirs, name).data.copy_(value)
+    return ref
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_forward_and_input_grads_equal_the_model_with_dequantized_experts(family: str) -> None:
+    model = _model(family)
+    quantized = copy.deepcopy(model)
+    n = quantize_experts(quantized, torch.float32)
+    experts = _experts(quantized)
+    assert len(experts) == 2 and n == sum(
+        p.numel() for m in _experts(model) for k, p in m.named_parameters() if k.endswith("proj")
+    )
+    assert quantized.config._experts_implementation == EXPERTS_IMPLEMENTATION
+    ref = _reference(model, quantized)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    x_q = quantized.get_input_embeddings()(ids).detach().requires_grad_()
+    x_r = x_q.detach().clone().requires_grad_()
+    out_q, out_r = quantized(inputs_embeds=x_q).logits, ref(inputs_embeds=x_r).logits
+    torch.testing.assert_close(out_q, out_r, rtol=1e-5, atol=1e-5)
+    # Not vacuous: the 4-bit experts are not the original ones.
+    assert (out_q - model(inputs_embeds=x_r.detach()).logits).abs().max() > 1e-3
+    out_q.square().mean().backward()
+    out_r.square().mean().backward()
+    assert x_q.grad is not None and x_q.grad.abs().max() > 0
+    torch.testing.assert_close(x_q.grad, x_r.grad, rtol=1e-4, atol=1e-6)
+    for m in experts:
+        for name, p in m.named_parameters():
+            if name.endswith("_nf4"):
+                assert not p.requires_grad and p.grad is None, name
+
+
+def test_an_expert_is_dequantized_as_bitsandbytes_linear4bit_dequantizes_it() -> None:
+    model = _model("qwen3_moe")
+    original = _experts(model)[0].down_proj.detach().clone()
+    quantized = copy.deepcopy(model)
+    quantize_experts(quantized, torch.float32)
+    experts = _experts(quantized)[0]
+    for e in (0, 5):
+        p4 = bnb.nn.Params4bit(original[e].clone(), requires_grad=False, quant_type="nf4",
+                               compress_statistics=True)._quantize("cpu")  # fmt: skip
+        assert p4.blocksize == 64
+        expected = bnbf.dequantize_4bit(p4.data, p4.quant_state)
+        assert torch.equal(dequantize_expert(experts, "down_proj", e), expected)
+        assert torch.equal(experts.down_proj_nf4[e], p4.data.reshape(-1))
+
+
+def test_only_routed_experts_are_dequantized_and_again_in_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _model("qwen3_moe")  # 8 experts, top-2, 2 layers
+    quantize_experts(model, torch.float32)
+    calls: list[tuple[int, ...]] = []
+    real = bnbf.dequantize_4bit
+
+    def counting(a: torch.Tensor, state: object) -> torch.Tensor:
+        calls.append(tuple(state.shape))
+        return real(a, state)
+
+    monkeypatch.setattr(bnbf, "dequantize_4bit", counting)
+    x = model.get_input_embeddings()(torch.tensor([[3]])).detach().requires_grad_()
+    out = model(inputs_embeds=x).logits
+    # One token: 2 experts a layer, gate_up and down each, 2 layers.
+    assert calls.count((96, 64)) == 4 and calls.count((64, 48)) == 4 and len(calls) == 8
+    out.sum().backward()
+    assert len(calls) == 16  # dequantized again, nothing kept from the forward
+
+
+def test_packed_storage_is_half_a_byte_a_value_plus_the_statistics() -> None:
+    model = _model("qwen3_moe")
+    n = quantize_experts(model, torch.float32)
+    experts = _experts(model)[0]
+    sizes = {k: v.numel() * v.element_size() for k, v in
+             [*experts.named_parameters(), *experts.named_buffers()]}  # fmt: skip
+    # gate_up [8, 96, 64]: 6144 values an expert -> 3072 packed bytes, 96 absmax (a 64-block),
+    # one float32 statistic (a 256-absmax block) and one float32 offset; code books shared.
+    assert sizes["gate_up_proj_nf4"] == 8 * 3072
+    assert sizes["gate_up_proj_absmax"] == 8 * 96
+    assert sizes["gate_up_proj_absmax2"] == 8 * 4 and sizes["gate_up_proj_offset"] == 8 * 4
+    assert sizes["gate_up_proj_code"] == 16 * 4 and sizes["gate_up_proj_code2"] == 256 * 4
+    assert quantized_bytes_per_expert(96, 64) == 3072 + 96 + 4 + 4
+    assert quantized_bytes_per_expert(4096, 2048) == 4194304 + 131072 + 512 * 4 + 4
+    total = sum(v for k, v in sizes.items() if not k.endswith("code") and not k.endswith("code2"))
+    assert total == 8 * (quantized_bytes_per_expert(96, 64) + quantized_bytes_per_expert(64, 48))
+    assert n == 2 * 8 * (96 * 64 + 64 * 48)
+    assert "gate_up_proj" not in dict(experts.named_parameters())  # the 32-bit weight is gone
+
+
+def test_storage_in_the_compute_dtype_holds_the_same_bits() -> None:
+    model = _model("mixtral")
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_experts(a, torch.bfloat16)
+    quantize_experts(b, torch.bfloat16, storage=torch.bfloat16)
+    ea, eb = _experts(a)[1], _experts(b)[1]
+    assert eb.down_proj_nf4.dtype == torch.bfloat16
+    assert torch.equal(eb.down_proj_nf4.view(torch.uint8), ea.down_proj_nf4)
+    w = dequantize_expert(eb, "down_proj", 2)
+    assert w.dtype == torch.bfloat16 and torch.equal(w, dequantize_expert(ea, "down_proj", 2))
+
+
+def test_a_dense_model_is_left_alone() -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**COMMON, intermediate_size=96))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert quantize_experts(model, torch.float32) == 0
+    assert model.config._experts_implementation != EXPERTS_IMPLEMENTATION
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_lora_step_on_attention_changes_only_the_adapters(family: str) -> None:
+    model = _model(family)
+    quantize_experts(model, torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights=False))  # fmt: skip
+    model.train()
+    before = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in k for k, p in model.named_parameters() if p.requires_grad)
+    opt = torch.optim.SGD(trainable, lr=0.1)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    changed = {k for k, v in before.items() if not torch.equal(v, after[k])}
+    assert changed and all(".lora_" in k for k in changed)
+    # Every adapter learnt, the first layer's too (its gradient crossed both MoE layers).
+    assert changed == {k for k, p in model.named_parameters() if p.requires_grad}
