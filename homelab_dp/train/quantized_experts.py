@@ -96,15 +96,15 @@ def quantize_experts(
                 continue
             total += weight.numel()
             _quantize_weight(module, name, weight.detach(), compute_dtype, storage or torch.uint8)
-        module.nf4_compute_dtype = compute_dtype
-        module.config._experts_implementation = EXPERTS_IMPLEMENTATION
     return total
 
 
-def _quantize_weight(
-    module: nn.Module, name: str, weight: torch.Tensor, compute: torch.dtype, storage: torch.dtype
-) -> None:
-    """Quantize ``weight [E, A, B]`` expert by expert onto ``module`` (and drop it)."""
+def quantize_expert_tensor(
+    weight: torch.Tensor, compute: torch.dtype, storage: torch.dtype = torch.uint8
+) -> dict[str, torch.Tensor]:
+    """NF4 storage of a 3-D weight ``[E, A, B]``, expert by expert, on its device: ``nf4``
+    (``[E, packed]`` of ``storage``) and the quantization state (``absmax``, ``absmax2``,
+    ``offset``, ``code``, ``code2``: the module docstring), from its values cast to ``compute``."""
     import bitsandbytes.functional as bnbf
 
     s = nf4_settings()
@@ -122,18 +122,78 @@ def _quantize_weight(
         absmax.append(state.absmax)
         absmax2.append(state.state2.absmax)
         offset.append(state.offset.reshape(()).float())
-    assert state is not None  # a weight of no experts has no shape[0]
-    del module._parameters[name]
-    module.register_parameter(f"{name}_nf4", nn.Parameter(torch.stack(packed), requires_grad=False))
-    module.get_parameter(f"{name}_nf4").nf4_logical_shape = tuple(weight.shape)
-    module.register_buffer(f"{name}_absmax", torch.stack(absmax), persistent=False)
-    module.register_buffer(f"{name}_absmax2", torch.stack(absmax2), persistent=False)
-    module.register_buffer(f"{name}_offset", torch.stack(offset), persistent=False)
-    module.register_buffer(f"{name}_code", state.code, persistent=False)
-    module.register_buffer(f"{name}_code2", state.state2.code, persistent=False)
+    if state is None:
+        raise ValueError("a fused expert weight with no experts")
+    return {"nf4": torch.stack(packed), "absmax": torch.stack(absmax),
+            "absmax2": torch.stack(absmax2), "offset": torch.stack(offset),
+            "code": state.code, "code2": state.state2.code}  # fmt: skip
+
+
+def expert_state_shapes(
+    logical: tuple[int, ...], storage: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each tensor `quantize_expert_tensor` makes of a ``logical`` weight
+    ``(E, A, B)`` (what a model built on the meta device registers before the weights come)."""
+    s = nf4_settings()
+    experts, n = logical[0], logical[1] * logical[2]
+    blocks = -(-n // s["blocksize"])
+    return {
+        "nf4": ((experts, (n + 1) // (2 * storage.itemsize)), storage),
+        "absmax": ((experts, blocks), torch.uint8),
+        "absmax2": ((experts, -(-blocks // s["nested_blocksize"])), torch.float32),
+        "offset": ((experts,), torch.float32),
+        "code": ((16,), torch.float32),
+        "code2": ((256,), torch.float32),
+    }
+
+
+def install_expert_tensors(
+    module: nn.Module,
+    name: str,
+    tensors: dict[str, torch.Tensor],
+    logical: tuple[int, ...],
+    compute: torch.dtype,
+) -> None:
+    """Put `quantize_expert_tensor`'s ``tensors`` on ``module`` in place of its 3-D ``name``:
+    a frozen parameter ``<name>_nf4`` and non-persistent buffers for the state."""
+    module._parameters.pop(name, None)
+    module.register_parameter(f"{name}_nf4", nn.Parameter(tensors["nf4"], requires_grad=False))
+    module.get_parameter(f"{name}_nf4").nf4_logical_shape = tuple(logical)
+    for key in _STATE_SUFFIXES:
+        module.register_buffer(f"{name}_{key}", tensors[key], persistent=False)
     shapes = getattr(module, "nf4_shapes", {})
-    shapes[name] = (tuple(weight.shape[1:]), compute)
+    shapes[name] = (tuple(logical[1:]), compute)
     module.nf4_shapes = shapes
+    module.nf4_compute_dtype = compute
+    module.config._experts_implementation = EXPERTS_IMPLEMENTATION
+
+
+def _quantize_weight(
+    module: nn.Module, name: str, weight: torch.Tensor, compute: torch.dtype, storage: torch.dtype
+) -> None:
+    """Quantize ``weight [E, A, B]`` expert by expert onto ``module`` (and drop it)."""
+    tensors = quantize_expert_tensor(weight, compute, storage)
+    install_expert_tensors(module, name, tensors, tuple(weight.shape), compute)
+
+
+def pack_experts_on_meta(model: nn.Module, compute: torch.dtype, storage: torch.dtype) -> int:
+    """`quantize_experts` for a model on the meta device: every fused 3-D weight replaced by
+    empty (meta) NF4 storage of the shapes quantization will give, for FSDP2 to shard before
+    the values come (`train.quantized_load.stream_weights`). Returns the values to come."""
+    register_experts_implementation()
+    total = 0
+    for module in model.modules():
+        if not is_fused_experts(module):
+            continue
+        for name in FUSED_WEIGHTS:
+            weight = module._parameters.get(name)
+            if weight is None or weight.ndim != 3:
+                continue
+            total += weight.numel()
+            meta = {key: torch.empty(shape, dtype=dtype, device="meta")
+                    for key, (shape, dtype) in expert_state_shapes(weight.shape, storage).items()}  # fmt: skip
+            install_expert_tensors(module, name, meta, tuple(weight.shape), compute)
+    return total
 
 
 def dequantize_expert(module: nn.Module, name: str, expert: int) -> torch.Tensor:
