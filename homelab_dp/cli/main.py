@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from homelab_dp.cli import (
+    bench,
     chat,
     doctor,
     evaluate,
@@ -41,7 +42,9 @@ from homelab_dp.render.errors import error_text
 DESCRIPTION = (
     "`homelab-dp`: the headless command line (argparse + rich). Thin: no logic of its own."
 )
-COMMANDS = (probe, doctor, plan, pull, measure, presets, runs, sweep, evaluate, chat, serve, export)
+COMMANDS = (
+    probe, doctor, plan, pull, measure, presets, runs, sweep, evaluate, bench, chat, serve, export,
+)  # fmt: skip
 """The command modules, in the order `homelab-dp --help` lists them."""
 
 
