@@ -1,21 +1,26 @@
 """Model shape and exact parameter count from a Hugging Face `config.json` alone (no torch).
 
-Supported families: LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Phi-3 and GPT-2. The counts
-match instantiating the model through transformers on the meta device, parameter for
-parameter (the tests check it).
+Hand-written families (`SUPPORTED`): dense LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma2,
+Gemma3 (text and the vision wrapper), OLMo2, Granite, SmolLM3, GLM-4, Phi-3 and GPT-2, and the
+Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss and DeepSeek-V2. The counts
+match instantiating the model through transformers 5 on the meta device, parameter for
+parameter (the tests check it). Other decoders are derived from transformers' module tree
+(`train/model_census.py`, read back by `spec_from_dict`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.errors import ModelSpecError
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
-SUPPORTED = (*LLAMA_LIKE, "phi3", "gpt2")
+DENSE_FAMILIES = ("gemma3_text", "gemma3", "olmo2", "granite", "smollm3", "glm4")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v2")
+SUPPORTED = (*LLAMA_LIKE, "phi3", "gpt2", *DENSE_FAMILIES, *MOE_FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -237,7 +242,15 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
         return _gpt2(cfg, source)
     if model_type == "phi3":
         return _phi3(cfg, source)
-    return _llama_like(cfg, model_type, source)
+    if model_type in LLAMA_LIKE:
+        return _llama_like(cfg, model_type, source)
+    if model_type == "gemma3":
+        return _gemma3_wrapper(cfg, source)
+    if model_type == "deepseek_v2":
+        return _deepseek_v2(cfg, source)
+    if model_type in MOE_FAMILIES:
+        return _moe(cfg, model_type, source)
+    return _dense(cfg, model_type, source)
 
 
 def _decoder_sizes(cfg: dict[str, Any], source: str) -> tuple[int, int, int, int, int, int, int]:
@@ -317,7 +330,17 @@ def _llama_like(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
     )
     norms = 4 * h if model_type == "gemma2" else 2 * h
     other = 2 * head_dim if model_type == "qwen3" else 0  # q_norm and k_norm
-    return _decoder_spec(cfg, source, model_type, linears, tied, norms=norms, other=other)
+    spec = _decoder_spec(cfg, source, model_type, linears, tied, norms=norms, other=other)
+    if model_type == "gemma2":  # soft-capped logits, sliding window on every other layer
+        return replace(
+            spec,
+            full_logits=cfg.get("final_logit_softcapping") is not None,
+            sliding_window=int(cfg.get("sliding_window") or 0),
+            sliding_layers=_sliding_layers(cfg, spec.layers, pattern=2)
+            if cfg.get("sliding_window")
+            else 0,
+        )
+    return spec
 
 
 def _phi3(cfg: dict[str, Any], source: str) -> ModelSpec:
@@ -371,6 +394,270 @@ def _gpt2(cfg: dict[str, Any], source: str) -> ModelSpec:
         hidden_dropout=float(_get(cfg, "resid_pdrop", default=0.1)),
         embedding_dropout=float(_get(cfg, "embd_pdrop", default=0.1)),
     )
+
+
+# --- Families added for issue 23: defaults are transformers 5's config-class defaults, so a
+# config.json that leaves a field out is counted as transformers would build it.
+
+# Per family: head_dim default (None: hidden // heads), tied default, q/k/v bias field and
+# default, o bias follows it, MLP bias field, norms per layer (multiples of hidden).
+_DENSE_RULES: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"head_dim": 256, "tied": True, "bias": ("attention_bias", False),
+                    "o_bias": True, "mlp_bias": None, "norms": 4, "qk_norm": "head"},
+    "olmo2": {"head_dim": None, "tied": False, "bias": ("attention_bias", False),
+              "o_bias": True, "mlp_bias": None, "norms": 2, "qk_norm": "full"},
+    "granite": {"head_dim": None, "tied": False, "bias": ("attention_bias", False),
+                "o_bias": True, "mlp_bias": "mlp_bias", "norms": 2, "qk_norm": None},
+    "smollm3": {"head_dim": None, "tied": True, "bias": ("attention_bias", False),
+                "o_bias": True, "mlp_bias": "mlp_bias", "norms": 2, "qk_norm": None},
+    "glm4": {"head_dim": 128, "tied": False, "bias": ("attention_bias", True),
+             "o_bias": False, "mlp_bias": None, "norms": 4, "qk_norm": None, "fused_mlp": True},
+    "qwen3_moe": {"head_dim": None, "tied": False, "bias": ("attention_bias", False),
+                  "o_bias": True, "norms": 2, "qk_norm": "head"},
+    "qwen2_moe": {"head_dim": None, "tied": False, "bias": ("qkv_bias", True),
+                  "o_bias": False, "norms": 2, "qk_norm": None},
+    "olmoe": {"head_dim": None, "tied": False, "bias": ("attention_bias", False),
+              "o_bias": True, "norms": 2, "qk_norm": "full"},
+    "mixtral": {"head_dim": None, "tied": False, "bias": (None, False),
+                "o_bias": True, "norms": 2, "qk_norm": None},
+    "gpt_oss": {"head_dim": 64, "tied": False, "bias": ("attention_bias", True),
+                "o_bias": True, "norms": 2, "qk_norm": None},
+}  # fmt: skip
+
+
+def _attention(
+    h: int, heads: int, kv: int, head_dim: int, bias: bool, o_bias: bool
+) -> tuple[Linear, ...]:
+    return (
+        Linear("self_attn.q_proj", h, heads * head_dim, bias),
+        Linear("self_attn.k_proj", h, kv * head_dim, bias),
+        Linear("self_attn.v_proj", h, kv * head_dim, bias),
+        Linear("self_attn.o_proj", heads * head_dim, h, o_bias),
+    )
+
+
+def _swiglu(
+    prefix: str, h: int, inter: int, bias: bool = False, fused: bool = False
+) -> tuple[Linear, ...]:
+    if fused:
+        return (
+            Linear(f"{prefix}.gate_up_proj", h, 2 * inter, bias),
+            Linear(f"{prefix}.down_proj", inter, h, bias),
+        )
+    return (
+        Linear(f"{prefix}.gate_proj", h, inter, bias),
+        Linear(f"{prefix}.up_proj", h, inter, bias),
+        Linear(f"{prefix}.down_proj", inter, h, bias),
+    )  # fmt: skip
+
+
+def _sliding_layers(cfg: dict[str, Any], layers: int, pattern: int) -> int:
+    """Layers with sliding-window attention: ``layer_types`` if given, else every layer but each
+    ``pattern``-th (transformers' default layer types for Gemma 2/3 and gpt-oss)."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return sum(1 for t in types if t == "sliding_attention")
+    pattern = int(cfg.get("sliding_window_pattern") or pattern)
+    return sum(1 for i in range(layers) if (i + 1) % pattern)
+
+
+def _family_base(
+    cfg: dict[str, Any], model_type: str, source: str, mlp: tuple[Linear, ...] | None
+) -> ModelSpec:
+    """Attention, norms and embeddings of a `_DENSE_RULES` family; ``mlp`` None: the dense MLP."""
+    rule = _DENSE_RULES[model_type]
+    h = _require(cfg, source, "hidden_size")
+    heads = _require(cfg, source, "num_attention_heads")
+    kv = _get(cfg, "num_key_value_heads", default=heads)
+    head_dim = _get(cfg, "head_dim", default=rule["head_dim"] or h // heads)
+    field, default = rule["bias"]
+    bias = bool(_get(cfg, field, default=default)) if field else default
+    linears = _attention(h, heads, kv, head_dim, bias, bias and rule["o_bias"])
+    if mlp is None:
+        inter = _require(cfg, source, "intermediate_size")
+        mlp_bias = bool(cfg.get(rule["mlp_bias"], False)) if rule.get("mlp_bias") else False
+        mlp = _swiglu("mlp", h, inter, mlp_bias, rule.get("fused_mlp", False))
+    qk_norm = {"head": 2 * head_dim, "full": (heads + kv) * head_dim, None: 0}[rule["qk_norm"]]
+    tied = bool(_get(cfg, "tie_word_embeddings", default=rule["tied"]))
+    if "intermediate_size" not in cfg:  # MoE families: the planner's `intermediate` is the expert's
+        cfg = {**cfg, "intermediate_size": _get(cfg, "moe_intermediate_size", default=1)}
+    return _decoder_spec(
+        cfg, source, model_type, linears + mlp, tied, norms=rule["norms"] * h, other=qk_norm
+    )
+
+
+def _dense(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
+    """Gemma 3 text, OLMo 2, Granite, SmolLM3, GLM-4: LLaMA-like decoders with their own norms."""
+    spec = _family_base(cfg, model_type, source, None)
+    window = int(cfg.get("sliding_window") or 0)
+    sliding = 0
+    if model_type == "gemma3_text" and window:
+        sliding = _sliding_layers(cfg, spec.layers, pattern=6)
+    elif model_type == "smollm3" and window and cfg.get("use_sliding_window"):
+        sliding = sum(1 for t in cfg.get("layer_types") or [] if t == "sliding_attention")
+    full_logits = (
+        (model_type == "gemma3_text" and cfg.get("final_logit_softcapping") is not None)
+        or (model_type == "granite" and float(cfg.get("logits_scaling", 1.0) or 1.0) != 1.0)
+    )  # fmt: skip
+    return replace(
+        spec,
+        sliding_window=window if sliding else 0,
+        sliding_layers=sliding,
+        full_logits=full_logits,
+    )
+
+
+def _moe_layer_count(cfg: dict[str, Any], layers: int) -> int:
+    """Qwen-MoE's rule: MoE unless in ``mlp_only_layers`` or off the ``decoder_sparse_step``."""
+    only = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
+
+
+def _moe(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
+    """Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss: attention as their dense kin, fused experts."""
+    h = _require(cfg, source, "hidden_size")
+    count_default = {"qwen3_moe": 128, "qwen2_moe": 60, "olmoe": 64, "mixtral": 8, "gpt_oss": 128}
+    count = int(_get(cfg, "num_experts", "num_local_experts", default=count_default[model_type]))
+    top_k = int(
+        _get(
+            cfg,
+            "num_experts_per_tok",
+            default={"qwen3_moe": 8, "qwen2_moe": 4, "olmoe": 8}.get(
+                model_type, 2 if model_type == "mixtral" else 4
+            ),
+        )
+    )
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        inter = int(
+            _get(cfg, "moe_intermediate_size", default=768 if model_type == "qwen3_moe" else 1408)
+        )
+    else:
+        inter = _require(cfg, source, "intermediate_size")
+    bias = model_type == "gpt_oss"  # gpt-oss's experts and router carry biases
+    expert = _swiglu("mlp.experts", h, inter, bias, fused=True)
+    spec = _family_base(cfg, model_type, source, mlp=())
+    moe_layers, dense_mlp, shared, shared_gate = spec.layers, (), (), 0
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        moe_layers = _moe_layer_count(cfg, spec.layers) if count > 0 else 0
+        dense_mlp = _swiglu("mlp", h, _require(cfg, source, "intermediate_size"))
+    if model_type == "qwen2_moe":
+        shared = _swiglu(
+            "mlp.shared_expert", h, int(_get(cfg, "shared_expert_intermediate_size", default=5632))
+        )
+        shared_gate = h
+    coef = float(
+        _get(cfg, "router_aux_loss_coef", default=0.01 if model_type == "olmoe" else 0.001)
+    )
+    experts = Experts(
+        count=count, top_k=top_k, linears=expert, layers=moe_layers, fused=True,
+        router_params=count * h + (count if bias else 0), shared=shared,
+        shared_gate_params=shared_gate, aux_loss_coef=coef,
+    )  # fmt: skip
+    sinks = spec.heads if model_type == "gpt_oss" else 0  # gpt-oss's attention sinks, per head
+    window = int(cfg.get("sliding_window") or 0) if model_type in ("gpt_oss", "mixtral") else 0
+    if model_type == "gpt_oss":
+        window = int(_get(cfg, "sliding_window", default=128))
+        sliding = _sliding_layers(cfg, spec.layers, pattern=2) if window else 0
+    else:
+        sliding = spec.layers if window else 0
+    return replace(
+        spec, experts=experts, dense_mlp=dense_mlp, intermediate=inter,
+        other_params_per_layer=spec.other_params_per_layer + sinks,
+        sliding_window=window if sliding else 0, sliding_layers=sliding,
+        quantization=_quant_method(cfg),
+    )  # fmt: skip
+
+
+def _quant_method(cfg: dict[str, Any]) -> str | None:
+    quant = cfg.get("quantization_config")
+    return str(quant.get("quant_method") or "unknown") if isinstance(quant, dict) else None
+
+
+def _deepseek_v2(cfg: dict[str, Any], source: str) -> ModelSpec:
+    """DeepSeek-V2: multi-head latent attention, shared experts, ``first_k_dense_replace``."""
+    h = _require(cfg, source, "hidden_size")
+    layers = _require(cfg, source, "num_hidden_layers")
+    heads = _require(cfg, source, "num_attention_heads")
+    inter = _require(cfg, source, "intermediate_size")
+    top_k = _require(cfg, source, "num_experts_per_tok")
+    q_rank = cfg.get("q_lora_rank", 1536)
+    kv_rank = int(_get(cfg, "kv_lora_rank", default=512))
+    nope, rope = (
+        int(_get(cfg, "qk_nope_head_dim", default=128)),
+        int(_get(cfg, "qk_rope_head_dim", default=64)),
+    )
+    v_dim = int(_get(cfg, "v_head_dim", default=128))
+    bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+    qk = nope + rope
+    if q_rank:
+        q: tuple[Linear, ...] = (
+            Linear("self_attn.q_a_proj", h, q_rank, bias),
+            Linear("self_attn.q_b_proj", q_rank, heads * qk),
+        )
+    else:
+        q = (Linear("self_attn.q_proj", h, heads * qk),)
+    linears = (
+        *q,
+        Linear("self_attn.kv_a_proj_with_mqa", h, kv_rank + rope, bias),
+        Linear("self_attn.kv_b_proj", kv_rank, heads * (nope + v_dim)),
+        Linear("self_attn.o_proj", heads * v_dim, h, bias),
+    )  # fmt: skip
+    count = int(_get(cfg, "n_routed_experts", default=64))
+    moe_inter = int(_get(cfg, "moe_intermediate_size", default=1407))
+    n_shared = int(_get(cfg, "n_shared_experts", default=2) or 0)
+    dense_layers = min(layers, int(cfg.get("first_k_dense_replace") or 0))
+    experts = Experts(
+        count=count, top_k=top_k, linears=_swiglu("mlp.experts", h, moe_inter, fused=True),
+        layers=layers - dense_layers, router_params=count * h,
+        shared=_swiglu("mlp.shared_experts", h, moe_inter * n_shared, mlp_bias) if n_shared else (),
+        aux_loss_coef=float(_get(cfg, "router_aux_loss_coef", "aux_loss_alpha", default=0.0)),
+    )  # fmt: skip
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    # The KV cache holds keys and values expanded per head (transformers' eager MLA).
+    spec = _decoder_spec({**cfg, "head_dim": qk}, source, "deepseek_v2", linears, tied, norms=2 * h,
+                         other=kv_rank + (q_rank or 0))  # fmt: skip
+    return replace(
+        spec, experts=experts, dense_mlp=_swiglu("mlp", h, inter, mlp_bias), intermediate=moe_inter,
+        quantization=_quant_method(cfg),
+    )  # fmt: skip
+
+
+# SigLIP's vision config defaults (transformers 5), for a wrapper's vision_config.
+_SIGLIP = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+           "image_size": 224, "patch_size": 16, "num_channels": 3, "vision_use_head": True}  # fmt: skip
+
+
+def _siglip_params(vision: dict[str, Any]) -> int:
+    """A SigLIP vision tower: patch and position embeddings, encoder layers, post-norm, head."""
+    v = {**_SIGLIP, **{k: val for k, val in vision.items() if val is not None}}
+    d, i, p = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"])
+    embed = v["num_channels"] * p * p * d + d + (int(v["image_size"]) // p) ** 2 * d
+    mlp = d * i + i + i * d + d
+    layer = 2 * 2 * d + 4 * (d * d + d) + mlp
+    head = (d + 3 * d * d + 3 * d + d * d + d + 2 * d + mlp) if v["vision_use_head"] else 0
+    return embed + int(v["num_hidden_layers"]) * layer + 2 * d + head
+
+
+def _gemma3_wrapper(cfg: dict[str, Any], source: str) -> ModelSpec:
+    """Gemma 3 with its SigLIP tower (Gemma3ForConditionalGeneration): the text model's spec
+    plus the vision tower and the projector in `vision_params`."""
+    text = {"model_type": "gemma3_text", **(cfg.get("text_config") or {})}
+    text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
+    for name, value in (
+        ("hidden_size", 2304),
+        ("num_hidden_layers", 26),
+        ("intermediate_size", 9216),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 4),
+        ("vocab_size", 262_208),
+    ):
+        text.setdefault(name, value)  # Gemma3TextConfig's defaults
+    spec = _dense(text, "gemma3_text", source)
+    vision = cfg.get("vision_config") or {}
+    vision_h = int(vision.get("hidden_size") or _SIGLIP["hidden_size"])
+    projector = vision_h * spec.hidden + vision_h  # projection weight and its soft-embedding norm
+    return replace(spec, model_type="gemma3", vision_params=_siglip_params(vision) + projector)  # fmt: skip
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
