@@ -60,6 +60,7 @@ from homelab_dp.train.evaluation import Validator
 from homelab_dp.train.loss import token_loss_sum
 from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.rank_setup import SetUp
+from homelab_dp.train.samples import Sampler
 from homelab_dp.train.speed import to_device
 from homelab_dp.train.strategy import rank_slices
 
@@ -150,6 +151,10 @@ class Trainer:
                 self.data.eval, self.train.eval_every, self.train.early_stopping_patience
             )
             self.validator.restore(s.position.eval_state)
+        self.sampler = None
+        """`train.samples.Sampler`: answers to the sample prompts (``train.sample_every``)."""
+        if self.train.sample_every != "off" and not self.memory.measuring:
+            self.sampler = Sampler(spec.preset, self.data, self.model, self.rank)
 
     def run(self) -> None:
         """Train, then checkpoint, save the result (when completed) and write the end event."""
@@ -239,6 +244,13 @@ class Trainer:
             verdict = self._validate(step) if v is not None and v.due(step, d.total_steps) else None
             if verdict is not None:  # the training throughput leaves the evaluation out
                 last_log = (last_log[0] + verdict.event.seconds, last_log[1], last_log[2])
+            # Before the checkpoint too; the samples leave the random states and weights as
+            # they were, so the checkpoint (its RNG states included) is that of a run without.
+            ending = verdict is not None and verdict.stop
+            if self.sampler is not None and self.sampler.due(
+                step, d.total_steps, evaluated=verdict is not None, ending=ending
+            ):
+                last_log = (last_log[0] + self._sample(step), last_log[1], last_log[2])
             keep = verdict is not None and verdict.best and self.train.keep_best
             every = self.train.checkpoint_every
             if keep or (every and step % every == 0 and step < d.total_steps):
@@ -267,6 +279,18 @@ class Trainer:
                         "(best %.4f at step %s)", step, v.since_best, v.best_loss,
                         v.best_step)  # fmt: skip
         return verdict
+
+    def _sample(self, step: int) -> float:
+        """Answer the sample prompts (every rank) and write the ``sample`` events (rank 0);
+        the seconds it took."""
+        assert self.sampler is not None
+        t0 = time.perf_counter()
+        samples = self.sampler.generate(step, self.guard)
+        for event in samples:  # written by rank 0 (`EventLog`)
+            self.events.write(event)
+        log.info("samples after step %d: %d answer(s), %d tokens (%.1f s)", step, len(samples),
+                 sum(e.tokens for e in samples), time.perf_counter() - t0)  # fmt: skip
+        return time.perf_counter() - t0
 
     def _log_step(
         self, step: int, loss_sum: Any, targets: float, lr: float, grad_norm: Any, t0: float,

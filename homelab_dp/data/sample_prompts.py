@@ -1,0 +1,76 @@
+"""The prompts a run answers while it trains (``data.sample_prompts``), read and checked (no torch).
+
+``data.sample_prompts`` is a list of strings, or a file: ``.txt`` (one prompt per line, blank
+lines skipped) or ``.jsonl`` (a ``"prompt"`` string per line). The preflight calls
+`read_sample_prompts` so a bad file is an error naming the file and line before anything
+starts; every rank of the worker reads the same list again (`homelab_dp.train.samples`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from homelab_dp.errors import DataError
+
+FIELD = "data.sample_prompts"
+SUFFIXES = (".txt", ".jsonl")
+
+
+def read_sample_prompts(value: str | list[str]) -> list[str]:
+    """The prompts of ``data.sample_prompts`` ([] : none given, the data's own are used).
+
+    Raises DataError naming the field, the file and the line of anything unusable: a file that
+    is missing or of another kind, a line that is not a JSON object with a non-empty "prompt"
+    string, an empty prompt in the list, or a file without a prompt."""
+    if isinstance(value, list):
+        for i, prompt in enumerate(value):
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise DataError(
+                    f"{FIELD}[{i}]: an empty prompt",
+                    hint="give each prompt some text, or leave the list empty ([] : prompts "
+                    "from the data)",
+                )
+        return list(value)
+    path = Path(value).expanduser()
+    if path.suffix not in SUFFIXES:
+        raise DataError(
+            f"{FIELD}: {value} is neither a .txt nor a .jsonl file",
+            hint='a .txt file (one prompt a line), a .jsonl file ({"prompt": ...} a line), '
+            "or a list of strings",
+        )
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise DataError(
+            f"{FIELD}: cannot read {value}: {reason}",
+            hint="name an existing UTF-8 file of prompts",
+        ) from None
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if path.suffix == ".txt":
+            prompts.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"{FIELD}: {path}:{n}: not JSON ({exc.msg})",
+                hint='write one object a line: {"prompt": "..."}',
+            ) from None
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(
+                f'{FIELD}: {path}:{n}: no "prompt" string',
+                hint='write one object a line: {"prompt": "..."}',
+            )
+        prompts.append(prompt)
+    if not prompts:
+        raise DataError(
+            f"{FIELD}: {path} holds no prompt",
+            hint="write at least one prompt, or leave data.sample_prompts out",
+        )
+    return prompts
