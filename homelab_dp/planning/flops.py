@@ -6,8 +6,11 @@ model's maths needs, not what a kernel happens to run: embeddings are a lookup (
 norms, activations and the softmax are left out (a few percent at most), and the attention
 term counts only the keys a causal query attends to.
 
-Per trained token (N = weights of the matmuls: every decoder linear and the lm_head, which
-multiplies by the vocabulary even when it is tied to the embeddings; S = the attention span):
+Per trained token (N = weights of the matmuls a token goes through: every decoder linear and the
+lm_head, which multiplies by the vocabulary even when it is tied to the embeddings; in a
+Mixture-of-Experts model the router, the shared experts and only the top-k routed experts of
+each MoE layer, the dense layers' MLP in the others — the *active* parameters; S = the
+attention span):
 
 - forward: 2·N for the linears, plus 2·2·layers·(heads·head_dim)·S for scores and values
   (Q·Kᵀ and P·V; grouped KV heads share K and V but every query head still multiplies);
@@ -19,13 +22,17 @@ multiplies by the vocabulary even when it is tied to the embeddings; S = the att
   (not the lm_head, which sits outside the checkpointed blocks); counted, as it is work done.
 
 QLoRA dequantizes its 4-bit weights to 16 bits before each matmul: the same FLOPs as LoRA.
+Adapters on routed experts (peft's ``target_parameters``) count like the experts: top-k of E
+per token.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
-from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.memory.moe_memory import adapted, adapted_experts, lora_param_count
+from homelab_dp.planning.model_spec import Linear, ModelSpec
 
 METHODS = ("full", "lora", "qlora")
 
@@ -40,10 +47,36 @@ def causal_span(seq_len: int) -> float:
     return (max(int(seq_len), 0) + 1) / 2
 
 
+def _weights(linears: Iterable[Linear]) -> int:
+    """Weights of some linears (biases left out)."""
+    return sum(lin.d_in * lin.d_out for lin in linears)
+
+
 def linear_matmul_params(spec: ModelSpec) -> int:
-    """N: weights multiplied per token by the decoder linears and the lm_head (biases left out)."""
-    per_layer = sum(lin.d_in * lin.d_out for lin in spec.linears)
-    return spec.layers * per_layer + spec.vocab * spec.hidden
+    """N: weights multiplied per token by the decoder linears and the lm_head (biases left out).
+
+    A MoE layer multiplies by the router, the shared experts and top-k routed experts (the
+    active parameters, `ModelSpec.active_params`), a MoE model's dense layer by `dense_mlp`."""
+    out = spec.layers * _weights(spec.linears) + spec.vocab * spec.hidden
+    e = spec.experts
+    if e is not None:
+        router = e.count * spec.hidden  # the router: hidden → one logit per expert
+        out += e.layers * (e.top_k * _weights(e.linears) + _weights(e.shared) + router)
+        out += (spec.layers - e.layers) * _weights(spec.dense_mlp)
+    return out
+
+
+def adapter_params_per_token(spec: ModelSpec, lora_r: int, lora_targets: str | list[str]) -> float:
+    """LoRA weights a token multiplies by: every adapter, but of those on routed experts only
+    the top-k experts' share."""
+    total = float(lora_param_count(spec, lora_r, lora_targets))
+    experts = adapted_experts(spec, lora_targets)
+    if spec.experts is None or not experts:
+        return total
+    chosen = {id(lin) for lin in experts}
+    routed = sum(n * lora_r * (lin.d_in + lin.d_out)
+                 for lin, n in adapted(spec, lora_targets) if id(lin) in chosen)  # fmt: skip
+    return total - routed * (1 - spec.experts.top_k / spec.experts.count)
 
 
 def attention_forward_flops(spec: ModelSpec, attention_span: float) -> float:
@@ -77,7 +110,7 @@ def flops_per_token(
         backward_factor = 2.0  # input and weight gradients of every linear
     else:
         backward_factor = 1.0  # frozen base: the input gradient only
-        adapters_fwd = 2.0 * spec.lora_params(lora_r, lora_targets)
+        adapters_fwd = 2.0 * adapter_params_per_token(spec, lora_r, lora_targets)
     total = (
         (1 + backward_factor) * (layers_fwd + head)
         + 3 * attn_fwd  # no weights: backward is 2× forward for every method

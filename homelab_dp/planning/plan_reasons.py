@@ -168,6 +168,51 @@ def count(n: int) -> str:
     return str(n)
 
 
+def model_reasons(spec: ModelSpec, method: str) -> list[str]:
+    """What the plan counts for this model beyond a dense decoder, in words: a MoE model's
+    experts (total against active parameters, and what QLoRA keeps in 16 bits), a
+    pre-quantized checkpoint (what loads instead) and a frozen vision tower."""
+    out: list[str] = []
+    e = spec.experts
+    if e is not None:
+        dense = spec.layers - e.layers
+        where = f" in {e.layers} of {spec.layers} layers" if dense else ""
+        shared = " and shared experts" if e.shared else ""
+        out.append(
+            f"MoE: {e.count} experts, top-k {e.top_k}{where}{shared}; {count(spec.params)} total, "
+            f"{count(spec.active_params)} active parameters. Memory counts every expert's "
+            "weights (and, trained, their gradients and optimizer state); FLOPs and MFU count "
+            "the active ones."
+        )
+    if method == "qlora" and spec.quantizable_params < spec.params:
+        kept = ["embeddings", "lm_head", "norms"]
+        if e is not None:
+            kept.insert(0, "the router")
+        if spec.vision_params:
+            kept.append("the vision tower")
+        rest = spec.params - spec.quantizable_params
+        out.append(
+            f"QLoRA: {count(spec.quantizable_params)} parameters in 4-bit NF4"
+            + (" (the routed experts included)" if e is not None else "")
+            + f"; {count(rest)} stay 16-bit ({', '.join(kept)})."
+        )
+    if spec.quantization:
+        q = spec.quantization
+        if method == "qlora":
+            how = f"its {q} weights are dequantized at load and re-quantized to NF4"
+        else:
+            how = f"its {q} weights are dequantized to the compute dtype at load"
+        out.append(
+            f"Pre-quantized checkpoint ({q}): {how}; the plan counts what loads, not the file."
+        )
+    if spec.vision_params:
+        out.append(
+            f"Vision tower: {count(spec.vision_params)} parameters loaded frozen (weights only: "
+            "no gradients, no optimizer state); text training never runs it."
+        )
+    return out
+
+
 def _describe(c: Option) -> str:
     ck = " with activation checkpointing" if c.activation_checkpointing else ""
     off = offload_words(c.offload, c.offload_activations)
@@ -274,6 +319,7 @@ def choice_reasons(
         f"{format_bytes(cap)} on the smallest device ({format_bytes(usable)} {why}), "
         f"compute in {dtype}."
     ]
+    out += model_reasons(spec, chosen.method)
     out += dtype_reasons(preset, hw, dtype)
     if hw.kind == "cuda":
         out.append(attention_reason(hw, dtype))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
@@ -66,7 +68,7 @@ def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableTyp
     ck += f", offload {off}" if (off := offload_label(j)) else ""
     head = (
         f"{ok}  {PLAIN[j['method']]} · {PLAIN[j['distribution']]}{ck}\n"
-        f"model {count(j['model']['params'])} params "
+        f"model {count(j['model']['params'])} params{active_words(j['model'])} "
         f"({count(j['model']['trainable_params'])} trainable) · "
         f"micro-batch {t['micro_batch']} × {t['world_size']} device(s) × accumulation "
         f"{t['grad_accum']} = effective batch {t['effective_batch']} · seq_len {t['seq_len']} · "
@@ -235,6 +237,14 @@ def _capacities(planned: Planned) -> list[tuple[str, int]]:
     ]
 
 
+def active_words(model: dict[str, Any]) -> str:
+    """ ", 3.3B active" for a MoE model (active parameters below the total); "" otherwise."""
+    active = model.get("active_params")
+    if active is None or active >= model["params"]:
+        return ""
+    return f", {count(active)} active"
+
+
 def decision_text(planned: Planned) -> Text:
     """Fits or not, the method and distribution, model size, batch and learning rate."""
     j = planned.plan.to_json()
@@ -249,8 +259,9 @@ def decision_text(planned: Planned) -> Text:
     out.append(f"{PLAIN[j['distribution']]}\n", style="bright_black")
     devices = ", ".join(label for label, _ in _capacities(planned))
     out.append(
-        f"{count(j['model']['params'])} params ({count(j['model']['trainable_params'])} "
-        f"trainable) · {t['dtype']} · seq_len {t['seq_len']}\n"
+        f"{count(j['model']['params'])} params{active_words(j['model'])} "
+        f"({count(j['model']['trainable_params'])} trainable) · {t['dtype']} · "
+        f"seq_len {t['seq_len']}\n"
         f"{planned.hardware.kind}: {devices} ({planned.hardware.source})\n"
     )
     held = held_text(planned.hardware)

@@ -61,6 +61,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from homelab_dp.planning.memory.moe_memory import (
+    adapted_experts,
+    decoder_params,
+    expert_width,
+    largest_layer_params,
+    largest_quantized,
+    lora_outputs_per_layer,
+    merged_expert_bytes,
+    mlp_bytes_per_layer,
+    mlp_temporaries,
+)
 from homelab_dp.planning.memory.pinned_memory import (
     fsdp_offload_pinned_bytes,
     host_adamw_pinned_bytes,
@@ -84,12 +95,14 @@ CHUNK_ELEMENTS = 1 << 24
 the demo's 2048 (a whole micro-batch)."""
 
 FULL_LOGITS_TYPES = ("gemma2",)
-"""Model types whose logits are transformed after lm_head (final_logit_softcapping)."""
+"""Model types whose logits are transformed after lm_head (final_logit_softcapping), for a
+spec that does not say so itself (`ModelSpec.full_logits`)."""
 
 
-def chunked_loss(model_type: str) -> bool:
-    """Whether the worker computes the loss of ``model_type`` chunk by chunk."""
-    return model_type not in FULL_LOGITS_TYPES
+def chunked_loss(spec: ModelSpec) -> bool:
+    """Whether the worker computes the loss of ``spec``'s model chunk by chunk: not when its
+    logits are transformed after lm_head (`ModelSpec.full_logits`; Gemma-2 always)."""
+    return not (spec.full_logits or spec.model_type in FULL_LOGITS_TYPES)
 
 
 def chunk_tokens(vocab: int) -> int:
@@ -138,12 +151,15 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
 
     LLaMA-style, fp32 (elements): the two residual sums, per RMSNorm its normalised input and
     its output (4h), q and k after RoPE, v, the attention output, and four intermediate-sized MLP
-    tensors (gate, up, SiLU(gate), their product). 16-bit on CUDA: the residual stream and the
+    tensors (gate, up, SiLU(gate), their product; a MoE layer's routed and shared experts as
+    `homelab_dp.planning.memory.moe_memory.moe_mlp_bytes` says, averaged over the layers with
+    the dense ones). 16-bit on CUDA: the residual stream and the
     norms stay fp32 under autocast, and the norm output is cast to 16-bit once more. GPT-2: the
     two LayerNorm outputs and residual sums, c_attn's q/k/v, the merged heads, c_fc's output and
     gelu_new's four tanh-formula tensors; dropout keeps one mask per site.
     """
     h, inter, a = spec.hidden, spec.intermediate, spec.heads
+    experts_trained = shape.method == "full" or bool(adapted_experts(spec, lora_targets_of(shape)))
     attn, kvd = a * spec.head_dim, spec.kv_heads * spec.head_dim
     w = compute_width(shape)
     cpu = shape.device == "cpu"
@@ -157,10 +173,11 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
             # With a mask (padding, or packing's block-diagonal one) SDPA converts it to an
             # additive (b, 1, s, s) one per layer, and transformers repeats the key/value heads.
             kvd = attn
-        rest = 2 * attn + 2 * kvd + 4 * inter
+        rest = 2 * attn + 2 * kvd
         if spec.model_type == "phi3":
             rest += attn + kvd  # the fused qkv output stays alive beside the rotated q and k
-        out = (24 * h if w == 4 else 28 * h) + w * rest + small
+        mlp = mlp_bytes_per_layer(spec, w, experts_trained)
+        out = (24 * h if w == 4 else 28 * h) + w * rest + mlp + small
         if shape.method != "full":
             out -= 2 * 4 * h  # frozen norm weights: the normalised input is not saved
         if attention_masked(shape):
@@ -173,7 +190,7 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         # sequence it scales q and k as views of c_attn's output, which then stays alive.
         out += 3 * a * shape.seq_len * w + (2 * h * w if shape.micro_batch == 1 else 0)
     if shape.method != "full":
-        out += len(spec.lora_targets(lora_targets_of(shape))) * shape.lora_r * w  # lora_A outputs
+        out += lora_outputs_per_layer(spec, lora_targets_of(shape)) * shape.lora_r * w  # lora_A
     return out
 
 
@@ -201,7 +218,17 @@ def activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
         # Each layer keeps only its output (the next layer's input), in the residual dtype.
         res = 4 if shape.dtype == "fp32" or not is_fsdp(shape) else 2
         return int(spec.layers * spec.hidden * res * tokens + outer)
-    return int(spec.layers * layer_activation_bytes(spec, shape) * tokens + outer)
+    merged = spec.layers * merged_layer_bytes(spec, shape)
+    return int(spec.layers * layer_activation_bytes(spec, shape) * tokens + outer + merged)
+
+
+def merged_layer_bytes(spec: ModelSpec, shape: TrainShape) -> float:
+    """LoRA on routed experts: the folded ``W + B·A`` expert weights a layer saves for backward
+    (`homelab_dp.planning.memory.moe_memory.merged_expert_bytes`), averaged over the layers."""
+    if shape.method == "full" or spec.experts is None:
+        return 0.0
+    per_moe = merged_expert_bytes(spec, lora_targets_of(shape), compute_width(shape))
+    return per_moe * spec.experts.layers / spec.layers
 
 
 def loss_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
@@ -213,7 +240,7 @@ def loss_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
     hidden states arrive in fp32 when the residual stream is fp32 (full, unsharded).
     """
     tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
-    if not chunked_loss(spec.model_type):
+    if not chunked_loss(spec):
         return full_logits_bytes(tokens, spec.vocab, w)
     full = shape.method == "full"
     fp32_master = full and not is_fsdp(shape)
@@ -233,7 +260,7 @@ def loss_head_saved(spec: ModelSpec, shape: TrainShape) -> list[float]:
     lm_head's weight is not in the compute dtype, its cast. Full logits: the fp32 log-softmax.
     """
     tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
-    if not chunked_loss(spec.model_type):
+    if not chunked_loss(spec):
         return [tokens * spec.vocab * 4.0]
     full = shape.method == "full"
     fp32_master = full and not is_fsdp(shape)
@@ -286,7 +313,10 @@ def pinned_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
         if attention_masked(shape):
             kvd = attn
         extra = (attn + kvd) if spec.model_type == "phi3" else 0
-        parts = [(inter, 4 * inter * w), (attn, (2 * attn + extra) * w), (kvd, 2 * kvd * w)]
+        routed = spec.experts.top_k * expert_width(spec) if spec.experts else inter
+        trained = shape.method == "full" or bool(adapted_experts(spec, lora_targets_of(shape)))
+        mlp = mlp_bytes_per_layer(spec, w, trained)
+        parts = [(routed, mlp), (attn, (2 * attn + extra) * w), (kvd, 2 * kvd * w)]
         if attention_masked(shape):
             parts.append((shape.seq_len, shape.seq_len * w))
     rest = total - sum(b for _, b in parts)
@@ -440,7 +470,9 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
     base_w = w if shape.device == "cuda" else 4  # frozen weights (train.lora); fp32 on the CPU
     root = spec.embedding_params + spec.lm_head_params + spec.final_norm_params
     if shape.method == "full":
-        weights = spec.params * 4 / (n if fsdp else 1)  # fp32 master weights
+        # fp32 master weights; a vision tower is frozen in the compute dtype (no master copy).
+        frozen = spec.vision_params
+        weights = ((spec.params - frozen) * 4 + frozen * base_w) / (n if fsdp else 1)
         shard = weights if fsdp else 0.0
         grads = trainable * 4 / (n if fsdp else 1)
         opt = opt / (1 if shape.distribution == "ddp" else n)
@@ -449,9 +481,10 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
         elif shape.distribution == "fsdp-full":
             # The root unit (embeddings, final norm, lm_head) stays gathered after forward,
             # plus the current and the prefetched decoder layer.
-            buffers += (root + 2 * spec.layer_params) * w
+            buffers += (root + 2 * largest_layer_params(spec)) * w
         elif shape.device == "cuda" and w == 2:
-            buffers += spec.params * w  # autocast's 16-bit weight copies, saved for backward
+            # autocast's 16-bit copies of the trained weights, saved for backward
+            buffers += (spec.params - frozen) * w
     elif shape.method == "qlora" and fsdp:
         # FSDP2 shards the packed weights, the 16-bit rest and the fp32 adapters (weights,
         # gradients, AdamW state: /N); the quantization state stays whole on every rank.
@@ -461,22 +494,31 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
         if shape.distribution == "fsdp-grad-op":
             buffers += packed + rest + trainable * 4  # every unit gathered forward to backward
         else:  # the root unit after forward, the current and the prefetched decoder layer
-            layer = spec.linear_params_per_layer * NF4_PACKED_BYTES + trainable * 4 / spec.layers
-            other = spec.norm_params_per_layer + spec.other_params_per_layer
+            q_layer = (
+                largest_layer_params(spec)
+                - spec.norm_params_per_layer
+                - spec.other_params_per_layer
+            )
+            router = (
+                spec.experts.router_params + spec.experts.shared_gate_params if spec.experts else 0
+            )
+            layer = (q_layer - router) * NF4_PACKED_BYTES + trainable * 4 / spec.layers
+            other = spec.norm_params_per_layer + spec.other_params_per_layer + router
             buffers += root * base_w + 2 * (layer + other * base_w)
-        buffers += 2 * max(lin.d_in * lin.d_out for lin in spec.linears) * base_w  # dequantized
+        buffers += 2 * largest_quantized(spec) * base_w  # dequantized for the matmul
     else:
         if shape.method == "qlora":
             other = spec.params - spec.quantizable_params  # embeddings, lm_head, norms
             base = spec.quantizable_params * NF4_BYTES_PER_PARAM + other * base_w
-            largest = max(lin.d_in * lin.d_out for lin in spec.linears)
-            buffers += 2 * largest * base_w  # one linear dequantized at a time for the matmul
+            buffers += (
+                2 * largest_quantized(spec) * base_w
+            )  # one linear dequantized at a time for the matmul
         else:
             base = spec.params * base_w
             if fsdp:  # gathered as for a full fine-tune: grad-op everything, full the root
                 shard = base / n + trainable * 4  # unit and two layers (counted as weights)
                 kept = spec.params if shape.distribution == "fsdp-grad-op" else (
-                    root + 2 * spec.layer_params)  # fmt: skip
+                    root + 2 * largest_layer_params(spec))  # fmt: skip
                 base = base / n + kept * base_w
         weights = base + trainable * 4
         grads = trainable * 4
@@ -550,16 +592,17 @@ def _inside_backward(
     tokens, w, n = shape.micro_batch * shape.seq_len, compute_width(shape), shape.world_size
     fsdp = is_fsdp(shape)
     off_params, _, off_acts = offloads(shape)
-    layer = layer_activation_bytes(spec, shape) * tokens
+    layer = layer_activation_bytes(spec, shape) * tokens + merged_layer_bytes(spec, shape)
     res = 4 if shape.dtype == "fp32" or not fsdp else 2
     saved = spec.hidden * res * tokens if shape.activation_checkpointing else layer
     outer = activation_bytes(spec, shape) - spec.layers * saved
-    temps = (spec.hidden + 2 * spec.intermediate) * tokens * w
+    temps = (spec.hidden + mlp_temporaries(spec)) * tokens * w
     if shape.method == "full":
         head = (spec.lm_head_params or spec.embedding_params) * 4 / (n if fsdp else 1)
-        per_layer = spec.layer_params * 4 / (n if fsdp else 1)
+        per_layer = decoder_params(spec) / spec.layers * 4 / (n if fsdp else 1)
         if fsdp:
-            temps += spec.layer_params * 4  # the layer's unsharded gradient before reduce-scatter
+            # the layer's unsharded gradient before reduce-scatter
+            temps += largest_layer_params(spec) * 4
     else:
         head, per_layer = 0.0, s["grads"] / spec.layers
         if fsdp and shape.method == "qlora":
@@ -626,8 +669,7 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     if shape.method == "qlora" and is_fsdp(shape):
         # Rank 0 streams the checkpoint (`train.quantized_load`): beside its shards, the tensor
         # in hand in the compute dtype (the largest: an embedding, lm_head or a linear).
-        largest = max(spec.embedding_params, spec.lm_head_params,
-                      max(lin.d_in * lin.d_out for lin in spec.linears))  # fmt: skip
+        largest = max(spec.embedding_params, spec.lm_head_params, largest_quantized(spec))
         load += largest * (compute_width(shape) if shape.device == "cuda" else 4)
     phases = {
         "load": load,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from homelab_dp.planning.memory.moe_memory import adapted
 from homelab_dp.planning.memory.train_shape import TrainShape, compute_width, lora_targets_of
 from homelab_dp.planning.model_spec import ModelSpec
 
@@ -81,19 +82,34 @@ def fsdp_param_tensors(spec: ModelSpec, shape: TrainShape) -> list[ParamTensor]:
         out.append(ParamTensor(h, w, max(1, norms // h), full))
     if spec.other_params_per_layer:
         out.append(ParamTensor(spec.other_params_per_layer, w, L, full))
-    for lin in spec.linears:
+    weights = [(lin, L, 1) for lin in spec.linears]
+    e = spec.experts
+    if e is not None:  # a MoE model's dense layers, shared experts and fused expert stacks
+        weights += [(lin, L - e.layers, 1) for lin in spec.dense_mlp if e.layers < L]
+        weights += [(lin, e.layers, 1) for lin in e.shared]
+        stack = e.count if e.fused else 1
+        weights += [(lin, e.layers * e.count // stack, stack) for lin in e.linears]
+        router = e.router_params + e.shared_gate_params
+        if router:  # kept in the compute dtype under QLoRA, frozen under LoRA
+            out.append(ParamTensor(max(1, router // h), h * w, e.layers, full))
+    if spec.vision_params:  # frozen, in the compute dtype
+        base_w = compute_width(shape) if shape.device == "cuda" else 4
+        out.append(ParamTensor(max(1, spec.vision_params // h), h * base_w, 1, False))
+    for lin, count, stack in weights:
+        if not count:
+            continue
         if shape.method == "qlora":
-            out.append(
-                ParamTensor(math.ceil(lin.d_in * lin.d_out * NF4_PACKED_BYTES / w), w, L, False)
-            )
-        else:
-            out.append(ParamTensor(lin.d_out, lin.d_in * w, L, full))
+            packed = stack * lin.d_in * lin.d_out * NF4_PACKED_BYTES
+            out.append(ParamTensor(math.ceil(packed / w), w, count, False))
+        else:  # a fused stack [E, d_out, d_in] is split by experts
+            out.append(ParamTensor(stack * lin.d_out, lin.d_in * w, count, full))
         if lin.bias:
-            out.append(ParamTensor(lin.d_out, w, L, full))
+            out.append(ParamTensor(stack * lin.d_out, w, count, full))
     if not full:
-        for lin in spec.lora_targets(lora_targets_of(shape)):
-            r = shape.lora_r
-            out += [ParamTensor(r, lin.d_in * 4, L, True), ParamTensor(lin.d_out, r * 4, L, True)]
+        r = shape.lora_r
+        for lin, count in adapted(spec, lora_targets_of(shape)):
+            out += [ParamTensor(r, lin.d_in * 4, count, True),
+                    ParamTensor(lin.d_out, r * 4, count, True)]  # fmt: skip
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from homelab_dp.planning.memory.moe_memory import lora_param_count
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.vocabulary import SHARDED, Device, Distribution, Dtype, Method, Offload
 
@@ -72,10 +73,12 @@ def lora_targets_of(shape: TrainShape) -> str | list[str]:
 
 
 def trainable_params(spec: ModelSpec, shape: TrainShape) -> int:
-    """Parameters that receive gradients."""
+    """Parameters that receive gradients: a full fine-tune trains everything but a multimodal
+    wrapper's vision tower (frozen); LoRA its adapters, on a MoE model as
+    `homelab_dp.planning.memory.moe_memory.adapted` picks them."""
     if shape.method == "full":
-        return spec.params
-    return spec.lora_params(shape.lora_r, lora_targets_of(shape))
+        return spec.params - spec.vision_params
+    return lora_param_count(spec, shape.lora_r, lora_targets_of(shape))
 
 
 def offloads(shape: TrainShape) -> tuple[bool, bool, bool]:
