@@ -131,6 +131,10 @@ class StepEvent(Event):
     samples: int = 0
     mfu: float | None = None
     """Model FLOPs utilisation, 0..1 (`planning.flops`); None on the CPU or an unknown GPU."""
+    aux_loss: float | None = None
+    """A MoE model's router auxiliary (load-balancing) loss, unweighted: the mean over the
+    micro-batches since the last step event (``router_aux_loss_coef`` × it is trained on, beside
+    ``loss``); None for a model without one."""
 
 
 @dataclass(kw_only=True)

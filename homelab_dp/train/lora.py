@@ -32,11 +32,14 @@ fp16's range; the matmuls still run in fp16 under autocast.
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from typing import Any
 
 import torch
 from torch import nn
+
+from homelab_dp.errors import HomelabError
 
 
 def prepare_frozen_base(
@@ -105,16 +108,109 @@ def add_lora(model: nn.Module, lora: Any) -> nn.Module:
     """
     from peft import LoraConfig, get_peft_model
 
+    modules, parameters = lora_targets(model, lora.target_modules)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=modules,
+        target_parameters=parameters or None,
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     _drop_input_grad_hook(model)  # peft adds it to a checkpointed model that is not quantized
     return peft_model
+
+
+EXPERT_TARGETS = ("experts", "experts.gate_up_proj", "experts.down_proj")
+"""Names in ``lora.target_modules`` that ask for adapters on a MoE model's routed experts."""
+_ROUTER_NAME = re.compile(r"(^|[._])(gate|router)$")
+"""A linear named ``gate``, ``router``, ``shared_expert_gate``, ...: a router, never adapted
+(``gate_proj``, a dense MLP's input, does not match)."""
+_NOT_TEXT = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "audio_tower")
+"""Submodules of a multimodal wrapper that are not its language model: frozen, never adapted."""
+
+
+def is_router(name: str, module: nn.Module) -> bool:
+    """Whether the module called ``name`` routes tokens to experts (or gates a shared expert).
+
+    transformers 5 routers are their own classes (``Qwen3MoeTopKRouter``, ``GptOssTopKRouter``,
+    ...) with a ``weight`` parameter; older and remote families use an ``nn.Linear`` called
+    ``gate``/``router``."""
+    cls = type(module).__name__
+    return "Router" in cls or cls.endswith("Gate") or bool(_ROUTER_NAME.search(name))
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A MoE block's routed experts: fused 3-D weights (``Qwen3MoeExperts``, ``GptOssExperts``)
+    or a list of expert MLPs (by class name, as transformers names them ``*Experts``)."""
+    return type(module).__name__.endswith("Experts")
+
+
+def is_moe(model: nn.Module) -> bool:
+    """Whether ``model`` routes tokens to experts (it has a router or routed experts)."""
+    return any(is_experts(m) or is_router(n, m) for n, m in model.named_modules())
+
+
+def is_outside_text(name: str) -> bool:
+    """Whether the module or parameter called ``name`` lies outside a multimodal wrapper's
+    language model (its vision tower or projector)."""
+    return any(part in _NOT_TEXT for part in name.split("."))
+
+
+def _linear(module: nn.Module) -> bool:
+    """A plain or 4-bit linear layer (what peft's "all-linear" adapts)."""
+    if isinstance(module, nn.Linear):
+        return True
+    return type(module).__name__ in ("Linear4bit", "Linear8bitLt")
+
+
+def lora_targets(
+    model: nn.Module, target_modules: str | list[str]
+) -> tuple[str | list[str], list[str]]:
+    """peft's ``(target_modules, target_parameters)`` for the preset's ``lora.target_modules``.
+
+    A dense text model keeps what the preset says. On a MoE model or a multimodal wrapper
+    "all-linear" becomes the explicit list of linears peft would adapt minus the routers
+    (`is_router`), the routed experts (`is_experts`), the output layer and anything outside the
+    language model (`_NOT_TEXT`): peft's own "all-linear" adapts the routers and, for some
+    families, adds the fused experts by itself. Naming "experts" (or "experts.gate_up_proj" /
+    "experts.down_proj") in a list adds the fused 3-D expert weights as ``target_parameters``
+    (every ``nn.Parameter`` of 3 dimensions directly on an experts module, or the one named);
+    a ModuleList of expert MLPs gets its linears as modules instead.
+    """
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    wanted = [n for n in names if n in EXPERT_TARGETS]
+    rest = [n for n in names if n not in EXPERT_TARGETS]
+    multimodal = any(is_outside_text(n) for n, _ in model.named_modules())
+    if not wanted and not (rest == ["all-linear"] and (multimodal or is_moe(model))):
+        return target_modules, []
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    modules: list[str] = []
+    parameters: list[str] = []
+    inside_experts: set[str] = set()
+    for name, module in model.named_modules():
+        if is_experts(module):
+            for pname, param in module.named_parameters(recurse=False):
+                if param.ndim == 3 and any(w in ("experts", f"experts.{pname}") for w in wanted):
+                    parameters.append(f"{name}.{pname}")
+            inside_experts.add(name + ".")
+    for name, module in model.named_modules():
+        if not _linear(module) or module is output or is_router(name, module):
+            continue
+        if is_outside_text(name):
+            continue
+        expert = any(name.startswith(prefix) for prefix in inside_experts)
+        # A ModuleList of expert MLPs gets its linears when the experts are named.
+        if ("experts" in wanted) if expert else ("all-linear" in rest):
+            modules.append(name)
+    if wanted and not parameters and not inside_experts:
+        raise HomelabError(
+            f"lora.target_modules names {wanted[0]!r}, but the model has no routed experts",
+            hint="leave the experts out of lora.target_modules (e.g. 'all-linear')",
+        )
+    modules += [n for n in rest if n != "all-linear"]
+    return modules, parameters
 
 
 def is_adapter(name: str) -> bool:

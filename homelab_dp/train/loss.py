@@ -276,6 +276,29 @@ def _find_head(base: nn.Module) -> tuple[nn.Module | None, str | None, str | Non
     return head, name, None
 
 
+def router_aux_coef(model: nn.Module) -> float:
+    """The weight of a MoE model's router auxiliary (load-balancing) loss, as the model adds it.
+
+    transformers' MoE CausalLMs (Qwen3-MoE, Mixtral, gpt-oss, ...) add
+    ``router_aux_loss_coef × aux_loss`` to their loss only when the config sets
+    ``output_router_logits`` and labels are passed; the worker computes its own loss (the
+    chunked head), so it adds the term itself (`train.training_loop.micro_step`). 0 where the
+    config does not ask for it, the weight is not positive, or the forward takes no
+    ``output_router_logits``."""
+    base = _base(model)
+    config = getattr(base, "config", None)
+    if config is None or not getattr(config, "output_router_logits", False):
+        return 0.0
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if coef <= 0:
+        return 0.0
+    try:
+        accepts = "output_router_logits" in inspect.signature(type(base).forward).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    return coef if accepts else 0.0
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why `install_loss_head` would keep the full logits path for ``model``; None if it would not."""
     base = _base(model)

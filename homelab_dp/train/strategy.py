@@ -44,6 +44,8 @@ from homelab_dp.errors import HomelabError
 from homelab_dp.presets.preset import TrainSection
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.host_optimizer import HostAdamW
+from homelab_dp.train.lora import is_experts
+from homelab_dp.train.loss import router_aux_coef
 from homelab_dp.train.trainable_model import LoadedModel, compute_dtype, materialize
 from homelab_dp.vocabulary import SHARDED
 
@@ -64,6 +66,13 @@ class Strategy:
     """Micro-steps per optimizer step (see `zero_grad`)."""
     offload: str = "none"
     """What lives in host memory (`Resolved.offload`): none | optimizer | params."""
+    aux_coef: float = 0.0
+    """The MoE router's auxiliary-loss weight (`train.loss.router_aux_coef`): 0 for a dense
+    model or one whose config does not ask for the aux loss; else every forward returns the
+    router logits and `train.training_loop.micro_step` adds ``aux_coef`` × the aux loss."""
+    aux_sum: torch.Tensor | None = None
+    """The unweighted aux losses of this rank's micro-steps since `take_aux_loss` (detached)."""
+    aux_count: int = 0
 
     @property
     def is_fsdp(self) -> bool:
@@ -125,6 +134,29 @@ class Strategy:
             return 0
         return sum(p.numel() * p.element_size() for p in self.trainable)
 
+    def add_aux(self, aux: torch.Tensor) -> None:
+        """Count one micro-step's (detached, unweighted) router aux loss for the log."""
+        aux = aux.detach().to(torch.float64)
+        self.aux_sum = aux if self.aux_sum is None else self.aux_sum + aux
+        self.aux_count += 1
+
+    def take_aux_loss(self) -> float | None:
+        """The mean aux loss of every rank's micro-steps since the last call, then reset; None
+        without an aux loss. A collective (one all-reduce) when the model has one: every rank
+        calls it at the same point (the step log)."""
+        if not self.aux_coef:
+            return None
+        device = self.aux_sum.device if self.aux_sum is not None else torch.device("cpu")
+        both = torch.stack([
+            self.aux_sum if self.aux_sum is not None else torch.zeros((), dtype=torch.float64),
+            torch.tensor(float(self.aux_count), dtype=torch.float64),
+        ]).to(device)  # fmt: skip
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(both)
+        self.aux_sum, self.aux_count = None, 0
+        total, count = both.tolist()
+        return total / count if count else None
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm (before clipping); clips to ``max_norm`` when it is > 0."""
         grads = [p.grad for p in self.trainable if p.grad is not None]
@@ -150,10 +182,12 @@ def wrap_model(
     model = loaded.model
     kind = resolved.distribution
     accum = resolved.grad_accum if grad_accum is None else grad_accum
+    aux = router_aux_coef(model)
     if kind in ("ddp", "zero1"):
         if world_size() == 1:  # nothing to all-reduce: no reducer, no buckets, no hooks
-            return Strategy(kind, model, model, _trainable(model))
+            return Strategy(kind, model, model, _trainable(model), accum, aux_coef=aux)
         ids = [device.index] if device.type == "cuda" else None
+        unfused = is_unfused_moe(model)
         wrapped = DistributedDataParallel(
             model,
             device_ids=ids,
@@ -165,10 +199,14 @@ def wrap_model(
             **_no_forward_buffer_sync(),
             # Same parameters every iteration. Not with accumulation: torch's static graph
             # queues its first-iteration all-reduce even under no_sync, and the reducer then
-            # fails ("expect_autograd_hooks_ INTERNAL ASSERT FAILED", torch 2.13).
-            static_graph=accum == 1,
+            # fails ("expect_autograd_hooks_ INTERNAL ASSERT FAILED", torch 2.13). MoE
+            # models too: fused 3-D experts take part in every forward (each layer routes
+            # every token somewhere), but a list of expert MLPs (`is_unfused_moe`) leaves
+            # the experts no token chose without a gradient, so DDP must look for them.
+            static_graph=accum == 1 and not unfused,
+            find_unused_parameters=unfused,
         )
-        return Strategy(kind, wrapped, model, _trainable(model), accum)
+        return Strategy(kind, wrapped, model, _trainable(model), accum, aux_coef=aux)
     if kind not in SHARDED:
         raise HomelabError(f"resolved.distribution: unknown {kind!r}", "use ddp|zero1|fsdp-*")
     from torch.distributed.device_mesh import init_device_mesh
@@ -198,7 +236,19 @@ def wrap_model(
     if loaded.on_meta:  # built on meta (`load_model(sharded=True)`): rank 0 sends the shards
         fill = loaded.materializer or materialize
         fill(loaded, device, host_shards=resolved.offload == "params")
-    return Strategy(kind, model, model, _trainable(model), offload=resolved.offload)
+    return Strategy(kind, model, model, _trainable(model), accum, offload=resolved.offload,
+                    aux_coef=aux)  # fmt: skip
+
+
+def is_unfused_moe(model: nn.Module) -> bool:
+    """Whether ``model`` holds routed experts as separate modules with trainable weights (a
+    ModuleList of expert MLPs): an expert no token chose has no gradient in that step."""
+    return any(
+        is_experts(m)
+        and isinstance(m, nn.ModuleList)
+        and any(p.requires_grad for p in m.parameters())
+        for m in model.modules()
+    )
 
 
 def _no_forward_buffer_sync() -> dict[str, bool]:

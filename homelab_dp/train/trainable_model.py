@@ -24,6 +24,7 @@ first is filled (rank 0 would hold its shards beside the whole source copy).
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import shutil
 from collections.abc import Iterator
@@ -42,9 +43,11 @@ from homelab_dp.train.attention import attention_implementation, local_capabilit
 from homelab_dp.train.lora import (
     add_lora,
     disable_cpu_bf16_repack,
+    is_outside_text,
     prepare_frozen_base,
     seed_adapters,
 )
+from homelab_dp.train.quantized_experts import quantize_experts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -143,6 +146,7 @@ def load_model(
         "attn_implementation": attention_implementation(
             device.type, resolved.dtype, capability=card_capability(device)
         ),
+        **experts_implementation(resolved),
     }
     if method == "qlora":
         kwargs["quantization_config"] = nf4_config(compute)
@@ -153,7 +157,18 @@ def load_model(
         kwargs["dtype"] = compute
     else:
         kwargs["dtype"] = master_dtype(resolved)
+    if method != "qlora" and prequantized(preset) == "mxfp4":
+        # gpt-oss ships MXFP4 experts: trained (full or LoRA) on their values dequantized to
+        # the dtype above; MXFP4 kernels have no backward.
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(preset.model.path, **kwargs)
+    if method == "qlora":  # fused 3-D experts: NF4 too (bitsandbytes quantized the linears)
+        quantize_experts(model, compute)
+    frozen = freeze_non_text(model)
+    if frozen:
+        log.info("multimodal model: %d parameters outside the language model frozen", frozen)
     if method != "qlora":
         model.to(device)
     model.config.use_cache = False  # no KV cache while training
@@ -206,6 +221,7 @@ def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
             config, dtype=dtype, trust_remote_code=preset.model.trust_remote_code,
             attn_implementation=attention_implementation(resolved.device, resolved.dtype,
                                                          capability=local_capability()),
+            **experts_implementation(resolved),
         )  # fmt: skip
         model.config.use_cache = False
         model.train()
@@ -377,6 +393,36 @@ def receive(
     return DTensor.from_local(
         local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
     )
+
+
+def experts_implementation(resolved: Resolved) -> dict[str, str]:
+    """transformers' MoE experts kernel for this run: its default (``grouped_mm``) except in
+    fp64 (the CPU exactness runs), which ``torch._grouped_mm`` does not take: the eager loop
+    over the routed experts then (the same math, expert by expert)."""
+    return {"experts_implementation": "eager"} if resolved.dtype == "fp64" else {}
+
+
+def prequantized(preset: Preset) -> str | None:
+    """The ``quant_method`` of the folder's ``config.json`` (``"mxfp4"`` for gpt-oss), or None."""
+    path = Path(preset.model.path) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # from_pretrained reports a missing or broken config itself
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return str(quant.get("quant_method")) if isinstance(quant, dict) else None
+
+
+def freeze_non_text(model: nn.Module) -> int:
+    """Freeze the parts of a multimodal wrapper outside its language model (vision tower,
+    projector: `train.lora.is_outside_text`), which text data never trains; how many parameters.
+    0 for a text-only model."""
+    n = 0
+    for name, param in model.named_parameters():
+        if is_outside_text(name) and param.requires_grad:
+            param.requires_grad_(False)
+            n += param.numel()
+    return n
 
 
 def count_params(model: nn.Module) -> int:

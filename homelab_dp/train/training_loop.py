@@ -368,15 +368,27 @@ def micro_step(
     through the backward pass. ``mask`` is None for packed blocks, whose ``positions`` restart
     at every sample; ``flat`` sends a packed micro-batch as one row (FlashAttention's varlen
     route). ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
+
+    A MoE model with a router aux loss (``strategy.aux_coef`` > 0) returns its router logits
+    and its aux loss (over this micro-batch's real tokens: the mask excludes padding; a packed
+    block has no mask, so the padding at its end, at most one sample's worth, counts too). The
+    effective batch's aux loss is the mean over its micro-batches (world × accumulation of
+    them); as every strategy averages gradients over ranks, each rank adds ``aux_coef × aux /
+    accumulation``: exact across world sizes and accumulation, as the token loss is.
     """
 
     if flat:  # exact: every row starts a sample at position 0
         input_ids, positions, labels = (t.reshape(1, -1) for t in (input_ids, positions, labels))
     targets = loss_head.targets(labels) if loss_head is not None else contextlib.nullcontext()
+    aux_coef = getattr(strategy, "aux_coef", 0.0)
+    router = {"output_router_logits": True} if aux_coef else {}
     with autocast(), targets:
-        out = strategy.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False
-        ).logits
+        output = strategy.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False,
+            **router,
+        )  # fmt: skip
+    out, aux = output.logits, output.aux_loss if aux_coef else None
+    del output  # the router logits go with it
     if loss_head is None:
         labels = labels.to(out.device)
     token_loss = token_loss_sum(out, labels, loss_dtype, loss_head)
@@ -384,6 +396,9 @@ def micro_step(
     if probe is not None:
         probe.mark("forward")
     scaled = token_loss * scale
+    if aux is not None:
+        scaled = scaled + aux_coef * aux.to(scaled.dtype) / strategy.grad_accum
+        strategy.add_aux(aux)
     (scaler.scale(scaled) if scaler else scaled).backward()
     if probe is not None:
         probe.mark("backward")
