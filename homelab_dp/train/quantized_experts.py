@@ -164,6 +164,8 @@ def install_expert_tensors(
     shapes = getattr(module, "nf4_shapes", {})
     shapes[name] = (tuple(logical[1:]), compute)
     module.nf4_shapes = shapes
+    # Kept on the module too: FSDP2 replaces the parameter (and its attributes) by a DTensor.
+    module.nf4_logical = {**getattr(module, "nf4_logical", {}), name: tuple(logical)}
     module.nf4_compute_dtype = compute
     module.config._experts_implementation = EXPERTS_IMPLEMENTATION
 

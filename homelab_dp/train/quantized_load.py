@@ -16,6 +16,13 @@ only its shards. The quantized values are bit for bit those ``from_pretrained`` 
 bitsandbytes call on the same values), and the adapters are `train.lora.adapter_init`'s, as on
 the whole-model path, so QLoRA under FSDP2 learns what QLoRA under DDP learns.
 
+Mixture-of-Experts: the fused 3-D expert weights (``experts.gate_up_proj``/``down_proj``),
+which ``Linear4bit`` cannot hold, are packed the same way by `train.quantized_experts` (NF4 per
+expert, stored in the compute dtype, sharded by expert along dim 0) and their quantization state
+broadcast whole; a checkpoint storing them per expert (the published Qwen-MoE and Mixtral ones:
+``experts.N.gate_proj/up_proj/down_proj``, ``block_sparse_moe.experts.N.w1/w3/w2``) is stacked
+as transformers' own conversion stacks it, one 3-D tensor at a time on rank 0.
+
 A pre-quantized checkpoint (a folder saved in 4-bit) is not read here: it needs
 ``train.distribution = "ddp"``.
 """
@@ -42,6 +49,13 @@ from homelab_dp.train.lora import (
     disable_cpu_bf16_repack,
     is_adapter,
     prepare_frozen_base,
+)
+from homelab_dp.train.quantized_experts import (
+    FUSED_WEIGHTS,
+    expert_state_shapes,
+    is_fused_experts,
+    pack_experts_on_meta,
+    quantize_expert_tensor,
 )
 from homelab_dp.train.trainable_model import (
     LoadedModel,
@@ -85,6 +99,9 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             _pack_on_meta(module, compute)
+    # MoE: the fused 3-D expert weights, which Linear4bit cannot hold, packed per expert the same
+    # way (train.quantized_experts), stored in the compute dtype so FSDP2 shards them by expert.
+    pack_experts_on_meta(model, compute, storage=compute)
     model.config.use_cache = False
     model.train()
     model = prepare_frozen_base(model, gradient_checkpointing=resolved.activation_checkpointing)
@@ -127,6 +144,7 @@ class _Checkpoint:
     """The model folder's safetensors, read one tensor at a time (rank 0 only)."""
 
     def __init__(self, folder: Path) -> None:
+        self.folder = folder
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -144,9 +162,30 @@ class _Checkpoint:
     def key_for(self, name: str, prefix: str) -> str | None:
         """The checkpoint key of the model's tensor ``name`` (with or without the base model's
         prefix, as checkpoints of some families are saved)."""
-        for key in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
-            if key in self.files:
-                return key
+        for base in (name, name.replace(".mlp.", ".block_sparse_moe.")):  # Mixtral's name
+            for key in (base, f"{prefix}.{base}", base.removeprefix(f"{prefix}.")):
+                if key in self.files:
+                    return key
+        return None
+
+    def experts(self, name: str, prefix: str, count: int) -> torch.Tensor | None:
+        """The fused 3-D expert weight ``name`` (``...experts.gate_up_proj`` or ``down_proj``)
+        from a checkpoint that stores it fused, or stacked from one stored per expert as the
+        published Qwen-MoE (``experts.N.gate_proj/up_proj/down_proj``) and Mixtral
+        (``experts.N.w1/w3/w2``) checkpoints are: gate and up concatenated, gate first, as
+        transformers' own conversion (``conversion_mapping``) makes it. None if absent."""
+        key = self.key_for(name, prefix)
+        if key is not None:
+            return self.get(key)
+        owner, _, attr = name.rpartition(".")
+        parts = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+                 "up_proj": (("up_proj",), ("w3",)),
+                 "down_proj": (("down_proj",), ("w2",))}.get(attr, ())  # fmt: skip
+        for names in parts:
+            keys = [[self.key_for(f"{owner}.{e}.{n}.weight", prefix) for n in names]
+                    for e in range(count)]  # fmt: skip
+            if all(k is not None for row in keys for k in row):
+                return torch.stack([torch.cat([self.get(k) for k in row]) for row in keys])
         return None
 
     def get(self, key: str) -> torch.Tensor:
@@ -188,9 +227,13 @@ def stream_weights(
             owner_name, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_name)
             four_bit = isinstance(owner, bnb.nn.Linear4bit) and attr == "weight"
+            fused = _fused_name(owner, attr)
             full, state = None, None
             if source is not None:
-                if is_adapter(name):
+                if fused:
+                    state = _quantize_experts(source, owner, name, fused, prefix, device, compute)
+                    full = state.pop("nf4")
+                elif is_adapter(name):
                     full = adapter_init(name, param.shape, seed).to(device)
                 else:
                     key = source.key_for(_base_name(name), prefix)
@@ -214,8 +257,55 @@ def stream_weights(
             torch.utils.swap_tensors(param, nn.Parameter(real, requires_grad=param.requires_grad))
             if four_bit:
                 owner.quant_state = _broadcast_state(state, device)
-                del state
+            if fused:
+                _broadcast_expert_state(owner, fused, state, device, compute)
+            del state
     check_materialized(model, {})
+
+
+def _fused_name(owner: nn.Module, attr: str) -> str:
+    """The fused expert weight a ``<name>_nf4`` parameter holds (``""`` for any other)."""
+    name = attr.removesuffix("_nf4")
+    return (
+        name if attr.endswith("_nf4") and name in FUSED_WEIGHTS and is_fused_experts(owner) else ""
+    )
+
+
+def _quantize_experts(
+    source: _Checkpoint, owner: nn.Module, name: str, fused: str, prefix: str,
+    device: torch.device, compute: torch.dtype,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Rank 0: read the fused expert weight ``fused`` and NF4-quantize it expert by expert on
+    ``device`` (train.quantized_experts), stored in the compute dtype."""
+    base = _base_name(name).removesuffix("_nf4")
+    logical = tuple(getattr(owner, "nf4_logical", {}).get(fused, ()))
+    value = source.experts(base, prefix, logical[0])
+    if value is None:
+        raise HomelabError(
+            f"{source.folder}: no tensor for {base!r} in the checkpoint", hint=_DDP_HINT
+        )
+    if tuple(value.shape) != logical:
+        raise HomelabError(
+            f"checkpoint tensor {base!r} of shape {tuple(value.shape)} for {logical} experts",
+            hint=_DDP_HINT,
+        )
+    return quantize_expert_tensor(value.to(device=device, dtype=compute), compute, storage=compute)
+
+
+def _broadcast_expert_state(
+    owner: nn.Module, fused: str, state: dict[str, torch.Tensor] | None, device: torch.device,
+    compute: torch.dtype,
+) -> None:  # fmt: skip
+    """Rank 0's quantization state of ``fused`` on every rank, whole (the shapes are known:
+    no object broadcast), as the experts module's buffers on ``device``."""
+    shapes = expert_state_shapes(owner.nf4_logical[fused], compute)
+    for key, (shape, dtype) in shapes.items():
+        if key == "nf4":
+            continue
+        t = state[key].to(device) if state is not None else torch.empty(shape, dtype=dtype,
+                                                                         device=device)  # fmt: skip
+        dist.broadcast(t, src=0)
+        owner.register_buffer(f"{fused}_{key}", t, persistent=False)
 
 
 def _quantize(module: nn.Module, value: torch.Tensor, device: torch.device) -> tuple[Any, Any]:

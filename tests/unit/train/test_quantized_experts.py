@@ -7,11 +7,13 @@ step on top changes only the adapters."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import pytest
 import torch
+import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
@@ -29,6 +31,7 @@ from homelab_dp.train.quantized_experts import (
     quantize_experts,
     quantized_bytes_per_expert,
 )
+from tests.conftest import ROOT, write_preset
 
 COMMON = {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
@@ -204,3 +207,51 @@ def test_a_lora_step_on_attention_changes_only_the_adapters(family: str) -> None
     assert changed and all(".lora_" in k for k in changed)
     # Every adapter learnt, the first layer's too (its gradient crossed both MoE layers).
     assert changed == {k for k, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_fsdp_streamed_load_quantizes_the_experts_as_quantize_experts_does(
+    family: str, tmp_path: Path
+) -> None:
+    """FSDP-QLoRA (train.quantized_load) on one gloo rank, in this process: built on meta,
+    sharded, streamed from a checkpoint stored per expert (as the published ones are): every
+    expert's packed values and state bit for bit those `quantize_experts` makes of the same
+    weights, and a forward and backward run with the experts frozen."""
+    from torch.distributed.fsdp import fully_shard
+
+    from homelab_dp.presets.preset import load_preset
+    from homelab_dp.runs.run_spec import Resolved
+    from homelab_dp.train.quantized_load import build_on_meta
+
+    model = _model(family)
+    model.save_pretrained(tmp_path / "model")
+    preset = load_preset(write_preset(tmp_path, "q", tmp_path / "model", ROOT / "assets" / "data" / "tiny-text.jsonl",
+                                      method="qlora", distribution="fsdp-full", nproc=1))  # fmt: skip
+    resolved = Resolved(method="qlora", distribution="fsdp-full", activation_checkpointing=False,
+                        device="cpu", world_size=1, dtype="fp32", micro_batch=1, grad_accum=1,
+                        lr=1e-3)  # fmt: skip
+    expected = copy.deepcopy(model)
+    quantize_experts(expected, torch.float32)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        loaded = build_on_meta(preset, resolved, torch.float32)
+        for layer in loaded.decoder_layers:
+            fully_shard(layer)
+        fully_shard(loaded.model)
+        loaded.materializer(loaded, torch.device("cpu"))
+        got = _experts(loaded.model)
+        assert len(got) == 2
+        for mine, theirs in zip(got, _experts(expected), strict=True):
+            for name, p in theirs.named_parameters():
+                if name.endswith("_nf4"):  # stored in the compute dtype: the same bytes
+                    full = mine.get_parameter(name).full_tensor()
+                    assert full.dtype == torch.float32 and not full.requires_grad
+                    assert torch.equal(full.view(torch.uint8), p)
+            for name, b in theirs.named_buffers():
+                assert torch.equal(getattr(mine, name), b), name
+        ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+        loaded.model(input_ids=ids, labels=ids).loss.backward()
+        grads = {k for k, p in loaded.model.named_parameters() if p.grad is not None}
+        assert grads and all(".lora_" in k for k in grads)
+    finally:
+        dist.destroy_process_group()
