@@ -11,7 +11,7 @@ parameter (the tests check it). Other decoders are derived from transformers' mo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +209,27 @@ class ModelSpec:
             "hidden": self.hidden,
             "vocab": self.vocab,
         }
+
+
+def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
+    """The spec as JSON-ready values (the census's output and the spec cache's file)."""
+    return asdict(spec)
+
+
+def spec_from_dict(data: dict[str, Any]) -> ModelSpec:
+    """The spec `spec_to_dict` wrote; ModelSpecError for a document that is not one."""
+    try:
+        linears = lambda rows: tuple(Linear(**row) for row in rows)  # noqa: E731
+        experts = data.get("experts")
+        if experts is not None:
+            experts = Experts(**{**experts, "linears": linears(experts["linears"]),
+                                 "shared": linears(experts.get("shared") or ())})  # fmt: skip
+        return ModelSpec(**{**data, "linears": linears(data["linears"]), "experts": experts,
+                            "dense_mlp": linears(data.get("dense_mlp") or ())})  # fmt: skip
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise ModelSpecError(
+            f"not a model spec ({exc})", hint="delete the cached spec; it is derived again"
+        ) from None
 
 
 def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:

@@ -1,0 +1,323 @@
+"""A ModelSpec for any decoder transformers can build, from its module tree on the meta device.
+
+``python -m homelab_dp.train.model_census DIR [--trust-remote-code] [--text-only]`` prints one
+JSON line: the spec (`planning.model_spec.spec_to_dict`), or ``{"error": ..., "hint": ...}``
+with exit code 2 for a model that cannot be planned. The front ends run it as a child process
+(`app/model_specs.py`) so they never import torch; the worker may call `census` in-process.
+
+How the tree is read: the decoder layers are the longest ``nn.ModuleList`` of one class; a
+linear is a layer's ``nn.Linear`` present, with one shape, in every layer; 3-D parameters under
+an ``experts`` module are fused routed experts (``[count, ...]``), a router is a 2-D
+``[count, hidden]`` weight beside them; what else a layer holds counts as its norms (names with
+"norm") or other parameters, and must be the same in every layer. Anything outside the layers,
+the embeddings, the final norm and the head is a multimodal wrapper's vision part.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from homelab_dp.errors import ModelSpecError
+from homelab_dp.planning.model_spec import Experts, Linear, ModelSpec, spec_to_dict
+
+TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k")
+AUX_NAMES = ("router_aux_loss_coef", "aux_loss_alpha", "router_aux_loss_factor")
+
+
+def _numel(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The longest ModuleList whose items are all one class: the decoder layers."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > 0
+            and (
+                len({type(m) for m in module}) == 1
+                and "vision" not in name
+                and "visual" not in name
+            )
+            and (best is None or len(module) > len(best[1]))
+        ):
+            best = (name, module)
+    if best is None:
+        raise ModelSpecError("the model has no list of decoder layers", hint="")
+    return best
+
+
+def _attr(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _expert_linear(name: str, shape: torch.Size, hidden: int) -> Linear:
+    """A fused expert tensor ``[count, a, b]`` as one expert's 2-D linear (down: out = hidden)."""
+    a, b = int(shape[1]), int(shape[2])
+    other = b if a == hidden else a
+    if "down" in name.split(".")[-1]:
+        return Linear(name, other, hidden)
+    return Linear(name, hidden, other)
+
+
+def _layer_parts(layer: nn.Module, hidden: int) -> dict[str, Any]:
+    """One decoder layer split into linears, routed experts, router, shared experts and rest."""
+    linears: dict[str, Linear] = {}
+    experts: list[Linear] = []
+    expert_biases: dict[str, int] = {}
+    count, fused = 0, True
+    for mod_name, lin in _all_linears(layer).items():
+        if ".experts." not in f".{mod_name}.":
+            linears[mod_name] = lin
+    for name, p in layer.named_parameters():
+        if ".experts." in f".{name}" and "shared" not in name:
+            if p.dim() == 3:
+                count = int(p.shape[0])
+                experts.append(_expert_linear(name, p.shape, hidden))
+            elif p.dim() == 2:
+                expert_biases[name] = int(p.shape[1])
+    # Per-expert nn.Linear (unfused): experts.N.<linear>, counted by their distinct N.
+    unfused = {n: lin for n, lin in _all_linears(layer).items() if ".experts." in f".{n}."}
+    if unfused and not experts:
+        ids = Counter(n.split("experts.")[1].split(".")[0] for n in unfused)
+        count, fused = len(ids), False
+        first = next(iter(ids))
+        experts = [
+            lin for n, lin in unfused.items() if n.split("experts.")[1].split(".")[0] == first
+        ]
+    for bias_name, width in expert_biases.items():  # fused biases join their linear
+        for i, lin in enumerate(experts):
+            if bias_name.startswith(lin.name) and lin.d_out == width and not lin.bias:
+                experts[i] = Linear(lin.name, lin.d_in, lin.d_out, True)
+                break
+        else:
+            raise ModelSpecError(f"expert bias {bias_name} matches no expert tensor", hint="")
+    router = 0
+    if count:
+        for name, p in layer.named_parameters():
+            if ".experts." in f".{name}" or "shared" in name:
+                continue
+            if (
+                p.dim() == 2
+                and tuple(p.shape) == (count, hidden)
+                or (p.dim() == 1 and p.shape[0] == count and ("router" in name or "gate" in name))
+            ):
+                router += p.numel()
+                linears.pop(name.rsplit(".", 1)[0], None)
+    shared = {n: lin for n, lin in linears.items() if "shared" in n}
+    shared_gate = sum(lin.params for n, lin in shared.items() if lin.d_out == 1)
+    shared = {n: lin for n, lin in shared.items() if lin.d_out != 1}
+    for n in [*shared, *(n for n, lin in linears.items() if "shared" in n)]:
+        linears.pop(n, None)
+    # The layer's own norms (direct children); a q/k norm inside attention counts as "other".
+    norms = sum(p.numel() for n, p in layer.named_parameters() if _is_norm(n.split(".")[0]))
+    total = _numel(list(layer.parameters()))
+    return {
+        "linears": linears, "experts": tuple(experts), "count": count, "router": router, "fused": fused,
+        "shared": tuple(shared.values()), "shared_gate": shared_gate, "norms": norms, "total": total,
+    }  # fmt: skip
+
+
+def _all_linears(layer: nn.Module) -> dict[str, Linear]:
+    """The layer's nn.Linear and transformers' Conv1D (GPT-2's linears, weight [in, out])."""
+    found = {}
+    for n, m in layer.named_modules():
+        if isinstance(m, nn.Linear):
+            found[n] = Linear(n, m.in_features, m.out_features, m.bias is not None)
+        elif isinstance(m, Conv1D):
+            found[n] = Linear(n, int(m.weight.shape[0]), int(m.weight.shape[1]), m.bias is not None)
+    return found
+
+
+def _is_norm(child: str) -> bool:
+    return "norm" in child.lower() or child.startswith("ln")
+
+
+def _is_norm(child: str) -> bool:
+    return "norm" in child.lower() or child.startswith("ln")
+
+
+def _same(values: list[int], what: str) -> int:
+    if len(set(values)) != 1:
+        raise ModelSpecError(
+            f"the decoder layers differ in their {what} ({sorted(set(values))})",
+            hint="this architecture's layers are not uniform enough to plan exactly",
+        )
+    return values[0]
+
+
+def census(
+    folder: str | Path, *, trust_remote_code: bool = False, text_only: bool = False
+) -> ModelSpec:
+    """Build the model of ``folder``'s config.json on the meta device and describe it."""
+    config = transformers.AutoConfig.from_pretrained(
+        str(folder), trust_remote_code=trust_remote_code, local_files_only=True
+    )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelSpecError(
+            f"{folder}/config.json: model_type={config.model_type!r} is an encoder-decoder model",
+            hint="homelab-dp fine-tunes decoder-only causal language models",
+        )
+    if text_only:
+        config = config.get_text_config()
+    text = config.get_text_config()
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=trust_remote_code
+            )
+        except ValueError:
+            if config is text:
+                raise
+            # Mistral 3, Qwen2.5-VL: the wrapper is an image-text-to-text model, not a CausalLM.
+            model = transformers.AutoModelForImageTextToText.from_config(
+                config, trust_remote_code=trust_remote_code
+            )
+    return describe(
+        model, text, wrapper=config is not text, source=str(Path(folder) / "config.json")
+    )
+
+
+def describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> ModelSpec:
+    """The ModelSpec of a built model (any device) whose text config is ``text``."""
+    hidden = int(text.hidden_size)
+    layers_name, layers = _decoder_layers(model)
+    parts = [_layer_parts(layer, hidden) for layer in layers]
+    common = {
+        n: lin
+        for n, lin in parts[0]["linears"].items()
+        if all(p["linears"].get(n) == lin for p in parts)
+    }
+    moe_parts = [p for p in parts if p["count"]]
+    dense_parts = [p for p in parts if not p["count"]]
+    experts, dense_mlp = None, ()
+    if moe_parts:
+        first = moe_parts[0]
+        top_k = int(_attr(text, *TOP_K_NAMES, default=0))
+        if not top_k:
+            raise ModelSpecError(
+                f"{source}: a Mixture-of-Experts model without num_experts_per_tok",
+                hint="config.json must say how many experts each token uses",
+            )
+        experts = Experts(
+            count=first["count"], top_k=top_k, linears=first["experts"], layers=len(moe_parts),
+            fused=first["fused"],
+            router_params=first["router"], shared=first["shared"], shared_gate_params=first["shared_gate"],
+            aux_loss_coef=float(_attr(text, *AUX_NAMES, default=0.0)),
+        )  # fmt: skip
+        if dense_parts:
+            dense_mlp = tuple(
+                lin for n, lin in dense_parts[0]["linears"].items() if n not in common
+            )
+    linear_params = sum(lin.params for lin in common.values())
+    norms = _same([p["norms"] for p in parts], "norms")
+    dense_params = sum(lin.params for lin in dense_mlp)
+    moe_params = experts.layer_params if experts else 0
+    other = _same(
+        [
+            p["total"] - linear_params - norms - (moe_params if p["count"] else dense_params)
+            for p in parts
+        ],
+        "parameters outside linears and norms",
+    )
+    layer_ids = {id(p) for p in layers.parameters()}
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = outputs is not None and outputs.weight is inputs.weight
+    head = 0 if tied or outputs is None else _numel(list(outputs.parameters()))
+    head_ids = set() if outputs is None else {id(p) for p in outputs.parameters()}
+    # Embeddings: every nn.Embedding beside the layers (tokens, and positions for GPT-2 likes).
+    parent = model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
+    embed = {
+        id(p): p for m in parent.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    embed = {k: p for k, p in embed.items() if k not in layer_ids}
+    rest = [
+        p
+        for p in parent.parameters()
+        if id(p) not in layer_ids and id(p) not in embed and id(p) not in head_ids
+    ]
+    final_norm = _numel(rest)
+    total = _numel(list(model.parameters()))
+    embedding = _numel(list(embed.values()))
+    vision = total - embedding - head - final_norm - sum(p["total"] for p in parts)
+    if vision and not wrapper:
+        final_norm += vision  # parameters at the top of a plain decoder (none in common families)
+        vision = 0
+    heads = int(_attr(text, "num_attention_heads", default=1))
+    head_dim = int(_attr(text, "head_dim", default=hidden // heads))
+    window = int(_attr(text, "sliding_window", default=0) or 0)
+    types = list(getattr(text, "layer_types", None) or [])
+    sliding = (
+        sum(1 for t in types if t == "sliding_attention")
+        if types
+        else (len(parts) if window else 0)
+    )
+    quant = getattr(text, "quantization_config", None) or getattr(
+        model.config, "quantization_config", None
+    )
+    if isinstance(quant, dict):
+        quant = quant.get("quant_method")
+    softcap = _attr(text, "final_logit_softcapping", "logit_softcapping")
+    scale = _attr(text, "logits_scaling", "logit_scale", default=1.0)
+    return ModelSpec(
+        model_type=str(text.model_type if not wrapper else model.config.model_type),
+        layers=len(parts), hidden=hidden, heads=heads,
+        kv_heads=int(_attr(text, "num_key_value_heads", default=heads)), head_dim=head_dim,
+        intermediate=int(_attr(text, "moe_intermediate_size", "intermediate_size", default=4 * hidden)
+                         if experts else _attr(text, "intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden),
+        vocab=int(text.vocab_size), max_positions=int(_attr(text, "max_position_embeddings", default=0)),
+        tied_embeddings=tied, linears=tuple(common.values()), embedding_params=embedding,
+        lm_head_params=head, norm_params_per_layer=norms, final_norm_params=final_norm,
+        other_params_per_layer=other, source="meta-device",
+        attention_dropout=float(_attr(text, "attention_dropout", default=0.0) or 0.0),
+        experts=experts, dense_mlp=dense_mlp, sliding_window=window if sliding else 0,
+        sliding_layers=sliding if window else 0, vision_params=vision,
+        quantization=None if quant is None else str(quant),
+        full_logits=softcap is not None or float(scale or 1.0) != 1.0,
+    )  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    """Print the census of ``argv[0]`` as one JSON line (exit 0), or the refusal (exit 2)."""
+    folder = argv[0]
+    try:
+        spec = census(
+            folder, trust_remote_code="--trust-remote-code" in argv, text_only="--text-only" in argv
+        )
+    except ModelSpecError as exc:
+        print(json.dumps({"error": exc.message, "hint": exc.hint}))
+        return 2
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        # transformers' own refusal of the config: an unknown model_type, a missing field.
+        print(
+            json.dumps(
+                {
+                    "error": f"{folder}/config.json: transformers cannot build it ({exc})".replace(
+                        "\n", " "
+                    )
+                }
+            )
+        )
+        return 2
+    out = spec_to_dict(spec)
+    out["transformers"] = transformers.__version__
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
