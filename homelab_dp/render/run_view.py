@@ -66,6 +66,44 @@ def eval_summary(last: dict[str, Any] | None) -> str | None:
     return text
 
 
+def clip(text: str, width: int) -> str:
+    """One line of at most ``width`` characters (newlines shown as ⏎, an ellipsis if cut)."""
+    flat = text.strip().replace("\n", " ⏎ ")
+    return flat if len(flat) <= width else flat[: max(width - 1, 0)] + "…"
+
+
+def sample_line(e: dict[str, Any], width: int = 60) -> str:
+    """The log line of one ``sample`` event: 'sample at step 20 (12 tokens, 0.4 s): "Name a
+    colour." → "Red."' (each side clipped to ``width``)."""
+    return (
+        f"sample at step {e.get('step')} ({e.get('tokens')} tokens, "
+        f'{num(e.get("seconds"), ".1f")} s): "{clip(str(e.get("prompt") or ""), width)}" → '
+        f'"{clip(str(e.get("text") or ""), width)}"'
+    )
+
+
+def sample_steps(view: RunView) -> list[int]:
+    """The steps that have samples, oldest first."""
+    return sorted({e.step for e in view.samples})
+
+
+def samples_text(view: RunView, back: int = 0) -> Text:
+    """The Monitor's samples panel: the answers of the latest sampled step (``back`` steps
+    with samples earlier: an older one), each beside its prompt; where it is in the list."""
+    steps = sample_steps(view)
+    out = Text()
+    if not steps:
+        return out
+    step = steps[max(len(steps) - 1 - back, 0)]
+    where = "latest" if step == steps[-1] else f"{steps.index(step) + 1} of {len(steps)}"
+    out.append(f"samples at step {step} ({where}; s: earlier)\n", style="bold")
+    for e in view.samples_at(step):
+        out.append("prompt ", style="dim").append(clip(e.prompt, 200) + "\n")
+        out.append("answer ", style="dim").append(clip(e.text, 400) or "(empty)", style="cyan")
+        out.append(f"  {e.tokens} tokens, {e.seconds:.1f} s\n", style="dim")
+    return out
+
+
 def device_line(v: RunView) -> str:
     """One line with every device."""
     parts = []
@@ -100,6 +138,8 @@ def event_line(e: dict[str, Any], v: RunView) -> str | None:
         )
     if kind == "eval":
         return eval_line(e)
+    if kind == "sample":
+        return sample_line(e)
     if kind == "checkpoint":
         return f"checkpoint at step {e.get('step')}: {e.get('path')}"
     if kind in ("straggler", "warning", "retry"):
@@ -169,6 +209,9 @@ def live_panel(v: RunView) -> Panel:
     evals = eval_summary(v.eval_doc())
     if evals:
         lines.insert(2, f"eval {evals}")
+    latest = v.sample_doc()
+    if latest:  # Text, not markup: prompts and answers may hold "[…]"
+        lines.insert(3 if evals else 2, Text(sample_line(latest, 50)))
     if v.energy_wh:
         cost = f" · {v.cost:.3f} {v.currency}" if v.cost is not None else ""
         per = f" · {v.tokens_per_wh:,.0f} tokens/Wh" if v.tokens_per_wh else ""

@@ -30,6 +30,7 @@ from homelab_dp.runs.run_events import (
     EvalEvent,
     Event,
     MicroEvent,
+    SampleEvent,
     StartEvent,
     StateEvent,
     StepEvent,
@@ -115,6 +116,10 @@ class RunView:
     )
     evals: deque[EvalEvent] = field(default_factory=lambda: deque(maxlen=2000))
     """The ``eval`` events (validation while training), oldest first; the last is the latest."""
+    samples: deque[SampleEvent] = field(default_factory=lambda: deque(maxlen=500))
+    """The ``sample`` events (answers while training), oldest first; the last is the latest."""
+    sample_seconds: float = 0.0
+    """Seconds spent generating samples so far (the ETA counts them for the steps left)."""
     best_eval: EvalEvent | None = None
     """The eval with the lowest loss so far (the first of equals)."""
     lr: float | None = None
@@ -161,6 +166,7 @@ class RunView:
             self.tokens_per_s_history, maxlen=self.tokens_per_s_history.maxlen
         )
         out.evals = deque(self.evals, maxlen=self.evals.maxlen)  # the events are never changed
+        out.samples = deque(self.samples, maxlen=self.samples.maxlen)
         out.rank_step_times_s = list(self.rank_step_times_s)
         out.peak_memory_bytes = list(self.peak_memory_bytes)
         out.devices = {k: dataclasses.replace(d) for k, d in self.devices.items()}
@@ -171,10 +177,12 @@ class RunView:
     # ------------------------------------------------------------------ derived figures
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the current step time."""
+        """Seconds left at the current step time, plus the samples' share: their seconds so far
+        per step done, for each step left (the samples leave the step time out)."""
         if not self.step_time_s or not self.total_steps:
             return None
-        return max(self.total_steps - self.step, 0) * self.step_time_s
+        per_step = self.step_time_s + (self.sample_seconds / self.step if self.step else 0.0)
+        return max(self.total_steps - self.step, 0) * per_step
 
     @property
     def elapsed_s(self) -> float | None:
@@ -195,6 +203,22 @@ class RunView:
     def last_eval(self) -> EvalEvent | None:
         """The latest evaluation, or None before the first (or without eval data)."""
         return self.evals[-1] if self.evals else None
+
+    def sample_doc(self) -> dict[str, Any] | None:
+        """The latest sample as ``status --json``'s ``sample`` (None: none yet): step, prompt,
+        text, tokens, seconds."""
+        if not self.samples:
+            return None
+        e = self.samples[-1]
+        return {"step": e.step, "prompt": e.prompt, "text": e.text, "tokens": e.tokens,
+                "seconds": e.seconds}  # fmt: skip
+
+    def samples_at(self, step: int | None = None) -> list[SampleEvent]:
+        """The samples of ``step`` (None: the latest step that has samples), in prompt order."""
+        if not self.samples:
+            return []
+        step = self.samples[-1].step if step is None else step
+        return [e for e in self.samples if e.step == step]
 
     def eval_doc(self) -> dict[str, Any] | None:
         """The latest eval with the best so far, as ``status --json``'s ``eval`` (None: none yet):
@@ -270,6 +294,9 @@ class RunView:
             if len(kept) < len(self.evals):
                 self.evals = deque(kept, maxlen=self.evals.maxlen)
                 self._find_best()
+            answers = [a for a in self.samples if a.step <= e.start_step]  # generated again
+            if len(answers) < len(self.samples):
+                self.samples = deque(answers, maxlen=self.samples.maxlen)
 
     def _on_micro(self, e: MicroEvent, given: Set[str]) -> None:
         self.micro_step = int(e.micro_step)
@@ -296,6 +323,10 @@ class RunView:
         if e.loss is not None:
             self.evals.append(e)
             self._find_best()
+
+    def _on_sample(self, e: SampleEvent, given: Set[str]) -> None:
+        self.samples.append(e)
+        self.sample_seconds += float(e.seconds)
 
     def _find_best(self) -> None:
         self.best_eval = min(self.evals, key=lambda e: float(e.loss or 0.0), default=None)
@@ -400,6 +431,7 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
         "cost": view.cost,
         "last_checkpoint_step": view.last_checkpoint_step,
         "eval": view.eval_doc(),
+        "sample": view.sample_doc(),
         "final_path": view.final_path,
         "peak_memory_bytes": view.peak_memory_bytes,
         "estimate_bytes": view.estimate_bytes,

@@ -1,5 +1,6 @@
 """Screen 4, Monitor: the followed run live — charts (tokens/s, loss, eval loss when the run
-evaluates), accumulation, devices, stragglers, log."""
+evaluates), accumulation, devices, stragglers, samples (the latest answers beside their prompts;
+s steps back through earlier ones), log."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from homelab_dp.render.run_view import (
     accum_text,
     devices_text,
     head_text,
+    sample_steps,
+    samples_text,
     stragglers_text,
 )
 from homelab_dp.render.text import mfu_text
@@ -36,7 +39,7 @@ NOTHING = (
 class MonitorScreen(Screen[None]):
     """Shows the latest snapshot of the followed run; repaints only while visible."""
 
-    BINDINGS = [Binding("x", "stop", "Stop run")]
+    BINDINGS = [Binding("x", "stop", "Stop run"), Binding("s", "earlier_samples", "Samples")]
 
     def __init__(self, controller: RunController, following: Following) -> None:
         super().__init__()
@@ -45,6 +48,8 @@ class MonitorScreen(Screen[None]):
         self.shown: Snapshot | None = None
         self._log_seq = 0
         self._log_run: str | None = None
+        self.samples_back = 0
+        """How many sampled steps before the latest the samples panel shows (key s)."""
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -58,6 +63,7 @@ class MonitorScreen(Screen[None]):
             yield Static(id="accum")
             yield Static(id="devices", classes="panel")
             yield Static(id="stragglers")
+            yield Static(id="samples", classes="panel")
             yield Log(id="log", max_lines=500, auto_scroll=True)
         yield Footer()
 
@@ -65,6 +71,7 @@ class MonitorScreen(Screen[None]):
         self.sub_title = "4 Monitor"
         self.query_one("#devices").border_title = "devices"
         self.query_one("#log").border_title = "log"
+        self.query_one("#samples").border_title = "samples"
         self.show(self.following.snapshot)
 
     def on_screen_resume(self) -> None:
@@ -75,7 +82,7 @@ class MonitorScreen(Screen[None]):
     def show(self, snapshot: Snapshot | None) -> None:
         """Repaint every panel from one snapshot (None: nothing followed yet)."""
         self.shown = snapshot
-        parts = ("#charts", "#accum", "#devices", "#stragglers", "#log")
+        parts = ("#charts", "#accum", "#devices", "#stragglers", "#samples", "#log")
         for selector in parts:
             self.query_one(selector).display = snapshot is not None
         head = self.query_one("#mon-head", Static)
@@ -98,7 +105,23 @@ class MonitorScreen(Screen[None]):
         stragglers = self.query_one("#stragglers", Static)
         stragglers.update(stragglers_text(view))
         stragglers.display = bool(view.stragglers)
+        self._show_samples()
         self._show_log(snapshot)
+
+    def _show_samples(self) -> None:
+        panel = self.query_one("#samples", Static)
+        view = self.shown.view if self.shown is not None else None
+        panel.display = view is not None and bool(view.samples)
+        if view is not None:
+            panel.update(samples_text(view, self.samples_back))
+
+    def action_earlier_samples(self) -> None:
+        """Show the samples of the sampled step before the one shown (after the oldest: the
+        latest again)."""
+        view = self.shown.view if self.shown is not None else None
+        steps = len(sample_steps(view)) if view is not None else 0
+        self.samples_back = (self.samples_back + 1) % steps if steps else 0
+        self._show_samples()
 
     def _show_log(self, snapshot: Snapshot) -> None:
         log = self.query_one("#log", Log)
