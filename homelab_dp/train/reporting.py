@@ -12,6 +12,10 @@ fed from rank 0's event stream: `train.metrics.EventLog` hands each event it wri
   ``gpu{i}/power_w`` (on the CPU ``rank{r}/memory_used_bytes`` and ``rank{r}/utilization_pct``,
   the rank's RSS and CPU %), at the first logged step the newest sample taken while loading;
 - an ``eval`` event: ``eval/loss``, ``eval/perplexity`` (then a flush);
+- ``sample`` events (answers while training, `train.samples`): gathered until the step's last,
+  then one table at that step: TensorBoard text ``samples`` (a Markdown table: prompt, answer,
+  tokens, seconds), a W&B table ``samples`` (every row so far: W&B tables are immutable),
+  an MLflow text artifact ``samples/step-NNNNNN.md``;
 - ``end``: flush and close; ``error``: flush.
 
 TensorBoard writes ``RUN/tensorboard/`` (`torch.utils.tensorboard.SummaryWriter`, flushed every
@@ -43,6 +47,7 @@ from homelab_dp.runs.run_events import (
     ErrorEvent,
     EvalEvent,
     Event,
+    SampleEvent,
     StepEvent,
     WarningEvent,
 )
@@ -73,6 +78,7 @@ class Backend(Protocol):
     name: str
 
     def scalars(self, step: int, values: dict[str, float]) -> None: ...
+    def samples(self, step: int, rows: list[SampleEvent]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
@@ -95,6 +101,9 @@ class TensorBoardBackend:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
 
+    def samples(self, step: int, rows: list[SampleEvent]) -> None:
+        self.writer.add_text("samples", samples_markdown(rows), step)
+
     def flush(self) -> None:
         self.writer.flush()
 
@@ -113,9 +122,19 @@ class WandbBackend:
         self.run = wandb.init(
             project=project, name=run_id, id=run_id, resume="allow", config=config, dir=str(run_dir)
         )
+        self.rows: list[list[Any]] = []
+        """Every sample so far: a W&B table cannot grow once logged, so each log has them all."""
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
+
+    def samples(self, step: int, rows: list[SampleEvent]) -> None:
+        import wandb
+
+        self.rows += [[e.step, e.prompt, e.text, e.tokens, e.seconds] for e in rows]
+        table = wandb.Table(columns=["step", "prompt", "text", "tokens", "seconds"],
+                            data=[list(r) for r in self.rows])  # fmt: skip
+        self.run.log({"samples": table}, step=step)
 
     def flush(self) -> None:
         pass  # wandb sends in the background
@@ -141,6 +160,9 @@ class MlflowBackend:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self.mlflow.log_metrics(values, step=step)
+
+    def samples(self, step: int, rows: list[SampleEvent]) -> None:
+        self.mlflow.log_text(samples_markdown(rows), f"samples/step-{step:06d}.md")
 
     def flush(self) -> None:
         pass  # every call is sent at once
@@ -179,6 +201,17 @@ def eval_scalars(event: EvalEvent) -> dict[str, float]:
     """The figures of an eval event, by tag."""
     named = {"eval/loss": event.loss, "eval/perplexity": event.perplexity}
     return {tag: float(v) for tag, v in named.items() if v is not None}
+
+
+def samples_markdown(rows: list[SampleEvent]) -> str:
+    """One step's samples as a Markdown table (TensorBoard's text tab renders it)."""
+
+    def cell(text: str) -> str:  # one table cell: no row or column breaks
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>") or " "
+
+    lines = ["| prompt | answer | tokens | seconds |", "|---|---|---|---|"]
+    lines += [f"| {cell(e.prompt)} | {cell(e.text)} | {e.tokens} | {e.seconds:.2f} |" for e in rows]
+    return "\n".join(lines)
 
 
 def device_scalars(sample: dict[str, Any]) -> dict[str, float]:
@@ -221,12 +254,20 @@ class Reporting:
         self.devices = devices
         self.warn = warn
         self.closed = False
+        self.pending: list[SampleEvent] = []
+        """Sample events of one step not yet logged (logged at the next event of another kind
+        or step: a step's samples are written one after the other)."""
 
     def event(self, event: Event) -> None:
         """Log what ``event`` carries (step, eval), flush (eval, error) or close (end)."""
         if self.closed:
             return
-        if isinstance(event, StepEvent):
+        if self.pending and not (isinstance(event, SampleEvent)
+                                 and event.step == self.pending[0].step):  # fmt: skip
+            self._samples()
+        if isinstance(event, SampleEvent):
+            self.pending.append(event)
+        elif isinstance(event, StepEvent):
             values = step_scalars(event)
             if self.devices is not None:
                 values.update(self.devices.newest())
@@ -243,8 +284,15 @@ class Reporting:
     def close(self) -> None:
         """Flush and close every logger (once; later events are ignored)."""
         if not self.closed:
+            if self.pending:
+                self._samples()
             self.closed = True
             self._each("close", lambda b: b.close())
+
+    def _samples(self) -> None:
+        rows, self.pending = self.pending, []
+        self._each("write", lambda b: b.samples(rows[0].step, rows))
+        self._each("flush", lambda b: b.flush())
 
     def _each(self, what: str, action: Callable[[Backend], Any]) -> None:
         for backend in list(self.backends):

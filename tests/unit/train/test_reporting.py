@@ -14,13 +14,14 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from homelab_dp.cli.main import main
 from homelab_dp.presets.preset import LogSection, Preset
-from homelab_dp.runs.run_events import EndEvent, EvalEvent, StepEvent, WarningEvent
+from homelab_dp.runs.run_events import EndEvent, EvalEvent, SampleEvent, StepEvent, WarningEvent
 from homelab_dp.runs.run_spec import Launch, Resolved, RunSpec
 from homelab_dp.train.metrics import EventLog
 from homelab_dp.train.reporting import (
@@ -29,6 +30,7 @@ from homelab_dp.train.reporting import (
     TensorBoardBackend,
     device_scalars,
     open_reporting,
+    step_scalars,
 )
 
 LOSSES = [2.5, 2.25, 2.0, 1.875]
@@ -196,3 +198,55 @@ def test_a_gpu_sample_becomes_per_card_scalars():
         "gpu4/memory_used_bytes": 80.0 * 2**30, "gpu4/utilization_pct": 97.0,
         "gpu4/memory_utilization_pct": 41.0, "gpu4/temperature_c": 71.0,
     }  # fmt: skip
+
+
+class Recorder:
+    """A logger that keeps what it is given (the loggers' side of `Reporting`)."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, Any]] = []
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.calls.append(("scalars", step, sorted(values)))
+
+    def samples(self, step: int, rows: list[SampleEvent]) -> None:
+        self.calls.append(("samples", step, [(e.prompt, e.text) for e in rows]))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.calls.append(("close", 0, None))
+
+
+def answer(n: int, prompt: str, text: str) -> SampleEvent:
+    return SampleEvent(step=n, prompt=prompt, text=text, tokens=3, seconds=0.5)
+
+
+def test_a_steps_samples_are_one_table_at_that_step_in_tensorboard_and_every_logger(tmp_path):
+    recorder = Recorder()
+    tb = TensorBoardBackend(tmp_path / "tensorboard", 0, {})
+    reporting = Reporting([recorder, tb], None, lambda m: None)
+    reporting.event(step(2, 2.0))
+    reporting.event(answer(2, "Name a colour.", "Red | blue\nand green"))
+    reporting.event(answer(2, "Two plus two?", "4"))
+    reporting.event(answer(4, "Name a colour.", "Red."))  # another step: step 2's table goes
+    reporting.event(EndEvent(reason="completed", steps=4))  # the last table before closing
+    assert recorder.calls == [
+        ("scalars", 2, sorted(step_scalars(step(2, 2.0)))),
+        ("samples", 2, [("Name a colour.", "Red | blue\nand green"), ("Two plus two?", "4")]),
+        ("samples", 4, [("Name a colour.", "Red.")]),
+        ("close", 0, None),
+    ]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = [
+        (e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors("samples/text_summary")
+    ]
+    assert [n for n, _ in texts] == [2, 4]
+    assert texts[0][1].splitlines() == [
+        "| prompt | answer | tokens | seconds |", "|---|---|---|---|",
+        "| Name a colour. | Red \\| blue<br>and green | 3 | 0.50 |", "| Two plus two? | 4 | 3 | 0.50 |",
+    ]  # fmt: skip
