@@ -1,0 +1,72 @@
+"""What samples while training add to a run's time (``train.sample_every``; pure: stdlib only).
+
+The worker answers every sample prompt at each sampling round (`homelab_dp.train.samples`): the
+prompt once through the model, then one forward per new token with a KV cache. Its cost:
+
+    seconds = rounds × prompts × (prompt tokens + max new tokens) × forward FLOPs per token
+              ÷ (the run's training FLOP/s = training tokens/s × training FLOPs per token)
+
+The forward FLOPs per token are a third of a full fine-tune's training FLOPs per token
+(`planning.flops.flops_per_token`: forward + 2× forward backward, no recomputation), with the
+attention span of the sample's own length. Adapters' forward is left out (well under 1%).
+
+A floor: decoding one token at a time is bound by reading the weights from memory, not by the
+matmuls, so a card decodes slower than its training FLOP/s say (a few times on large models);
+what a run measures is in its ``sample`` events (``seconds``), and the run's ETA counts those
+(`homelab_dp.runs.run_view.RunView.eta_s`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from homelab_dp.planning.flops import causal_span, flops_per_token
+from homelab_dp.planning.model_spec import ModelSpec
+
+
+def sampling_rounds(
+    sample_every: str | int, total_steps: int, *, eval_every: int = 0, has_eval: bool = False
+) -> int:
+    """How many times a run of ``total_steps`` optimizer steps samples: "eval" with each
+    evaluation (every ``eval_every`` steps and at the last; none without eval data), N every N
+    steps and at the last, "off" (or N of 0 or less) never."""
+    if total_steps <= 0:
+        return 0
+    if sample_every == "eval":
+        if not has_eval:
+            return 0
+        every = eval_every if eval_every > 0 else total_steps
+    elif isinstance(sample_every, bool) or not isinstance(sample_every, int):
+        return 0
+    else:
+        every = sample_every
+    if every <= 0:
+        return 0
+    return math.ceil(total_steps / every)  # every multiple of N, plus the last when it is none
+
+
+def forward_flops_per_token(spec: ModelSpec, context: int) -> float:
+    """Matmul FLOPs of one token's forward pass at ``context`` tokens of (causal) context."""
+    full = flops_per_token(
+        spec, method="full", activation_checkpointing=False, attention_span=causal_span(context)
+    )
+    return full / 3.0  # full fine-tune: forward + backward (2× forward), nothing recomputed
+
+
+def sample_seconds(
+    spec: ModelSpec,
+    *,
+    rounds: int,
+    prompts: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    train_tokens_per_s: float,
+    train_flops_per_token: float,
+) -> float:
+    """Seconds a run spends on samples (see the module docstring); 0 when it samples nothing
+    or nothing is known of its throughput."""
+    rate = train_tokens_per_s * train_flops_per_token  # the run's FLOP/s
+    if rounds <= 0 or prompts <= 0 or max_tokens <= 0 or rate <= 0:
+        return 0.0
+    tokens = prompt_tokens + max_tokens
+    return rounds * prompts * tokens * forward_flops_per_token(spec, tokens) / rate

@@ -1,0 +1,51 @@
+"""The time samples while training add to a run (`planning.sample_cost`): how many rounds each
+``train.sample_every`` gives, and the seconds from the model's forward FLOPs and the run's
+training FLOP/s."""
+
+from __future__ import annotations
+
+import pytest
+
+from homelab_dp.planning.flops import causal_span, flops_per_token, linear_matmul_params
+from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.sample_cost import (
+    forward_flops_per_token,
+    sample_seconds,
+    sampling_rounds,
+)
+from homelab_dp.train.samples import sample_due
+from tests.unit.planning.test_model_spec import PUBLISHED
+
+LLAMA3_8B = spec_from_config(PUBLISHED["Meta-Llama-3-8B"][0])
+
+
+@pytest.mark.parametrize(
+    ("every", "total", "eval_every", "has_eval"),
+    [(2, 7, 0, False), (3, 9, 0, False), (5, 3, 0, False), ("eval", 10, 3, True),
+     ("eval", 10, 0, True), ("eval", 10, 3, False), ("off", 10, 3, True), (0, 10, 0, False)],
+)  # fmt: skip
+def test_rounds_are_the_steps_the_worker_samples_at(every, total, eval_every, has_eval) -> None:
+    evaluated = [
+        has_eval and (s == total or (eval_every > 0 and s % eval_every == 0))
+        for s in range(1, total + 1)
+    ]  # fmt: skip (the Validator's rule)
+    worker = sum(
+        sample_due(every, s, total, evaluated=evaluated[s - 1]) for s in range(1, total + 1)
+    )
+    assert sampling_rounds(every, total, eval_every=eval_every, has_eval=has_eval) == worker
+
+
+def test_seconds_are_the_generated_tokens_forward_flops_at_the_training_flop_rate() -> None:
+    fwd = forward_flops_per_token(LLAMA3_8B, 64)
+    attention = 2 * 2 * 32 * 4096 * causal_span(64)
+    assert fwd == 2 * linear_matmul_params(LLAMA3_8B) + attention  # ~2N: 15 GFLOP a token
+    train = flops_per_token(LLAMA3_8B, method="lora", activation_checkpointing=True,
+                            attention_span=causal_span(2048))  # fmt: skip
+    # 3 prompts of 16 tokens and 48 new ones, 5 times, at 2,000 training tokens/s
+    seconds = sample_seconds(LLAMA3_8B, rounds=5, prompts=3, prompt_tokens=16, max_tokens=48,
+                             train_tokens_per_s=2000.0, train_flops_per_token=train)  # fmt: skip
+    assert seconds == pytest.approx(5 * 3 * 64 * fwd / (2000.0 * train))
+    assert 0.1 < seconds < 0.2  # a forward costs about a fifth of a trained LoRA token here
+    zero = dict(rounds=5, prompts=3, prompt_tokens=16, max_tokens=48, train_flops_per_token=train)
+    assert sample_seconds(LLAMA3_8B, train_tokens_per_s=0.0, **zero) == 0.0  # throughput unknown
+    assert sample_seconds(LLAMA3_8B, train_tokens_per_s=1.0, **{**zero, "rounds": 0}) == 0.0
