@@ -60,7 +60,7 @@ from homelab_dp.train.evaluation import Validator
 from homelab_dp.train.loss import token_loss_sum
 from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.rank_setup import SetUp
-from homelab_dp.train.samples import Sampler
+from homelab_dp.train.sample_answers import Sampler
 from homelab_dp.train.speed import to_device
 from homelab_dp.train.strategy import rank_slices
 
@@ -152,7 +152,7 @@ class Trainer:
             )
             self.validator.restore(s.position.eval_state)
         self.sampler = None
-        """`train.samples.Sampler`: answers to the sample prompts (``train.sample_every``)."""
+        """`train.sample_answers.Sampler`: answers to the sample prompts (``train.sample_every``)."""
         if self.train.sample_every != "off" and not self.memory.measuring:
             self.sampler = Sampler(spec.preset, self.data, self.model, self.rank)
 

@@ -1,4 +1,4 @@
-"""Samples while training without processes (`train.samples`, `data.sample_prompts`): when,
+"""Samples while training without processes (`train.sample_answers`, `data.sample_prompts`): when,
 which prompts, that generation leaves the random states and module modes as they were, and that
 the KV-cache decoding is what transformers' generate does. The run: tests/integration/test_samples.py."""
 
@@ -18,7 +18,7 @@ from homelab_dp.data.tokenize import format_instruction, tokenize_records
 from homelab_dp.errors import DataError
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.train.evaluation import eval_blocks
-from homelab_dp.train.samples import (
+from homelab_dp.train.sample_answers import (
     Sampler,
     choose_prompts,
     data_prompt_ids,
