@@ -325,8 +325,11 @@ class RunView:
             self._find_best()
 
     def _on_sample(self, e: SampleEvent, given: Set[str]) -> None:
-        self.samples.append(e)
-        self.sample_seconds += float(e.seconds)
+        # Converted before anything changes: a damaged line leaves the view as it was.
+        clean = SampleEvent(time=float(e.time), step=int(e.step), prompt=str(e.prompt),
+                            text=str(e.text), tokens=int(e.tokens), seconds=float(e.seconds))  # fmt: skip
+        self.samples.append(clean)
+        self.sample_seconds += clean.seconds
 
     def _find_best(self) -> None:
         self.best_eval = min(self.evals, key=lambda e: float(e.loss or 0.0), default=None)
