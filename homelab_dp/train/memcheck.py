@@ -12,6 +12,8 @@ its block-diagonal mask); padded cases are one sample per row with their attenti
 before the model load, like a `homelab-dp measure` run, and the peak over a few steps (so that the
 optimizer state exists and DDP has rebuilt its buckets) is compared with the planner's predicted
 peak of tensor memory, ``Budget.tensors``. `benchmarks/memory_accuracy.py` prints the grid.
+The Mixture-of-Experts families (tiny Qwen3-MoE and Mixtral) run transformers' default experts
+implementation (grouped_mm), so the routed tokens' activations are what the worker's are.
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
         "tie_word_embeddings": True,
+    },
+    # Qwen3-MoE: 8 fused experts per layer, top-2 (transformers' grouped_mm experts), q/k norms.
+    "qwen3-moe": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 4096,
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 96,
+        "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 512, "tie_word_embeddings": False,
+    },
+    # Mixtral: 4 experts, top-2, untied (its 4096-token sliding window is longer than any block).
+    "mixtral": {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 3000,
+        "hidden_size": 96, "intermediate_size": 160, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": False,
     },
     # GPT-2 (learned positions, LayerNorm, GELU, dropout 0.1 everywhere, tied lm_head).
     "gpt2": {
@@ -86,7 +103,7 @@ GRID: tuple[Case, ...] = tuple(
 ) + tuple(Case(fam, 4, 128, ck, 1, padded=True) for fam in ("llama-gqa", "qwen2-tied")
           for ck in (False, True))  # fmt: skip
 """Every family × five shapes × activation checkpointing off/on, and padded batches of the
-LLaMA-style families (34 cases)."""
+LLaMA-style families (54 cases)."""
 
 
 @dataclass

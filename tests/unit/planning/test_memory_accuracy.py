@@ -3,7 +3,9 @@
 A few cases of `benchmarks/memory_accuracy.py`'s grid, one per kind of peak: the start of
 backward (logits), inside backward (a recomputed layer, small vocabulary), the end of backward
 (a tied embedding's second gradient), the optimizer step, accumulation and padding. Each runs
-the worker's own step in this process (`homelab_dp.train.memcheck`).
+the worker's own step in this process (`homelab_dp.train.memcheck`). Mixture-of-Experts
+(tiny Qwen3-MoE and Mixtral, transformers' grouped_mm experts): every expert's weights,
+gradients and AdamW state and the routed tokens' activations within 5%.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from homelab_dp.train.memcheck import GRID, Case, estimate, measure_case  # noqa
 from homelab_dp.train.memtrack import LiveTensors, MemoryProbe  # noqa: E402
 
 BOUND = 0.10
+MOE_BOUND = 0.05
 CASES = {
     "llama-gqa b4 s128": "backward",  # start of backward: 3 × b·s·V fp32
     "gpt2 b4 s128 ckpt": "backward",  # inside backward: one recomputed layer
@@ -37,8 +40,27 @@ def test_estimate_within_ten_percent_of_the_measured_peak(name: str) -> None:
     assert abs(load - r.estimate.phases["load"]) / load < 0.01
 
 
-def test_the_grid_covers_three_families_checkpointing_and_shapes() -> None:
-    assert {c.family for c in GRID} == {"llama-gqa", "qwen2-tied", "gpt2"}
+MOE_CASES = {
+    "qwen3-moe b4 s128": "backward",  # routed activations and the logits at backward's start
+    "qwen3-moe b1 s64": "optimizer",  # every expert's weights, gradients, m and v
+    "mixtral b4 s128": "backward",
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_moe_estimate_within_five_percent_of_the_measured_peak(name: str) -> None:
+    case = next(c for c in GRID if c.name == name)
+    r = measure_case(case, steps=2)
+    assert abs(r.error) <= MOE_BOUND, (
+        f"{name}: estimate {r.estimate.tensors}, measured {r.measured}"
+    )
+    assert r.estimate.peak_phase == r.measured_phase == MOE_CASES[name]
+    load = r.phases["load"]["end_bytes"]  # every expert loaded, exactly
+    assert abs(load - r.estimate.phases["load"]) / load < 0.01
+
+
+def test_the_grid_covers_five_families_checkpointing_and_shapes() -> None:
+    assert {c.family for c in GRID} == {"llama-gqa", "qwen2-tied", "qwen3-moe", "mixtral", "gpt2"}
     assert {c.activation_checkpointing for c in GRID} == {False, True}
     assert len({(c.micro_batch, c.seq_len) for c in GRID}) >= 4
     est = estimate(Case("gpt2", 4, 128))
