@@ -1,0 +1,200 @@
+"""Issue 23's planning acceptance, through the CLI, and the MoE memory model's parts.
+
+The published-size configs are the ones `test_model_families.py` checks against transformers'
+meta-device count (built with transformers' config classes and written as config.json); here
+`homelab-dp plan --model DIR --json` on the recorded 2 × 24 GiB machine (2 × RTX 3090) must
+give `model.active_params` and, for every model of at most 47B parameters, a plan that fits
+(QLoRA or FSDP-QLoRA, or better). The unit tests below check what a MoE model, a frozen vision
+tower and a pre-quantized checkpoint change in the budget, on hand-built specs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from homelab_dp.planning.flops import flops_per_token, linear_matmul_params
+from homelab_dp.planning.memory.device_memory import (
+    NF4_BYTES_PER_PARAM,
+    TrainShape,
+    budget,
+    chunked_loss,
+)
+from homelab_dp.planning.memory.moe_memory import lora_param_count, moe_mlp_bytes
+from homelab_dp.planning.memory.pinned_memory import fsdp_param_tensors
+from homelab_dp.planning.model_spec import Experts, Linear, ModelSpec, spec_from_config
+from homelab_dp.planning.plan_reasons import model_reasons
+from tests.conftest import DATA, run_cli
+
+transformers = pytest.importorskip("transformers")
+
+from tests.unit.planning.test_model_families import PUBLISHED, _config_dict  # noqa: E402
+
+FITTING = ("qlora", "lora", "full")
+"""Methods from the smallest; a plan of any of them on 2 × 24 GiB counts."""
+
+
+@pytest.fixture
+def recorded_2x24(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorded answers of a machine with two 24 GiB RTX 3090s (NVLink)."""
+    monkeypatch.setenv("HOMELAB_DP_FAKE_NVML", str(DATA / "nvml" / "2x3090-nvlink.json"))
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_model_plans_on_2x24gib(
+    name: str, tmp_path: Path, recorded_2x24: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / name
+    folder.mkdir()
+    cfg = _config_dict(PUBLISHED[name])
+    (folder / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    rc, out, err = run_cli(capsys, "plan", "--model", str(folder), "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    model = doc["model"]
+    assert doc["hardware"]["kind"] == "cuda" and len(doc["hardware"]["devices"]) == 2
+    assert [d["memory_bytes"] for d in doc["hardware"]["devices"]] == [24576 * 2**20] * 2
+    spec = spec_from_config(cfg)
+    assert model["params"] == spec.params and model["active_params"] == spec.active_params
+    if spec.experts is not None:
+        assert model["active_params"] < model["params"]
+        assert any(r.startswith(f"MoE: {spec.experts.count} experts") for r in doc["reasons"])
+    if model["params"] <= 47e9:
+        assert doc["fits"] is True, doc["reasons"]
+        assert doc["method"] in FITTING
+        # What fits is within the card, overhead included.
+        assert doc["per_device_bytes"]["total"] <= 24576 * 2**20
+    if doc["method"] == "qlora":
+        # Every quantizable weight (every routed expert) in NF4 beside the 16-bit rest, on
+        # every card (DDP) or a share of it (FSDP).
+        q = spec.quantizable_params
+        whole = q * NF4_BYTES_PER_PARAM + (spec.params - q) * 2
+        share = whole / (2 if doc["distribution"].startswith("fsdp") else 1)
+        assert doc["per_device_bytes"]["weights"] >= 0.9 * share
+
+
+# A tiny MoE model by hand: 4 layers, the first dense; 8 experts, top-2; one shared expert.
+H, I_EXPERT, I_DENSE = 64, 32, 96
+ATTN = (
+    Linear("self_attn.q_proj", H, H),
+    Linear("self_attn.k_proj", H, H // 2),
+    Linear("self_attn.v_proj", H, H // 2),
+    Linear("self_attn.o_proj", H, H),
+)
+MLP = (Linear("mlp.gate_proj", H, I_DENSE), Linear("mlp.up_proj", H, I_DENSE),
+       Linear("mlp.down_proj", I_DENSE, H))  # fmt: skip
+EXPERTS = Experts(
+    count=8,
+    top_k=2,
+    linears=(
+        Linear("mlp.experts.gate_up_proj", H, 2 * I_EXPERT),
+        Linear("mlp.experts.down_proj", I_EXPERT, H),
+    ),  # fmt: skip
+    layers=3,
+    router_params=8 * H,
+    shared=(
+        Linear("mlp.shared_expert.gate_proj", H, 48),
+        Linear("mlp.shared_expert.up_proj", H, 48),
+        Linear("mlp.shared_expert.down_proj", 48, H),
+    ),  # fmt: skip
+)
+DENSE = ModelSpec(
+    model_type="llama", layers=4, hidden=H, heads=4, kv_heads=2, head_dim=16,
+    intermediate=I_DENSE, vocab=1000, max_positions=512, tied_embeddings=False,
+    linears=ATTN + MLP, embedding_params=1000 * H, lm_head_params=1000 * H,
+    norm_params_per_layer=2 * H, final_norm_params=H,
+)  # fmt: skip
+MOE = replace(DENSE, model_type="qwen2_moe", linears=ATTN, dense_mlp=MLP, experts=EXPERTS)
+
+
+def _shape(method: str, dist: str = "ddp", **kw: object) -> TrainShape:
+    base = dict(method=method, distribution=dist, world_size=2, device="cuda", dtype="bf16",
+                micro_batch=2, seq_len=256)  # fmt: skip
+    return TrainShape(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_lora_on_moe_adapts_attention_dense_mlp_and_shared_experts_by_default() -> None:
+    r = 8
+    attn = sum(r * (lin.d_in + lin.d_out) for lin in ATTN)
+    dense = sum(r * (lin.d_in + lin.d_out) for lin in MLP)
+    shared = sum(r * (lin.d_in + lin.d_out) for lin in EXPERTS.shared)
+    assert lora_param_count(MOE, r, "all-linear") == 4 * attn + 1 * dense + 3 * shared
+    # Naming "experts": lora_A in × r·E and lora_B r·E × out per fused weight, per MoE layer.
+    routed = sum(r * 8 * (lin.d_in + lin.d_out) for lin in EXPERTS.linears)
+    names = ["q_proj", "experts"]
+    assert lora_param_count(MOE, r, names) == 4 * r * (H + H) + 3 * routed
+    assert budget(MOE, _shape("lora", lora_r=r)).trainable_params == 4 * attn + dense + 3 * shared
+
+
+def test_moe_budget_holds_every_expert_and_its_optimizer_state() -> None:
+    b = budget(MOE, _shape("full", "fsdp-full", activation_checkpointing=True))
+    trained = MOE.params  # every expert trained: fp32 master, gradient and AdamW m, v
+    assert b.trainable_params == trained
+    assert b.optimizer == pytest.approx(trained * 8 / 2, rel=1e-9)
+    assert b.phases["optimizer"] >= trained * (4 + 4 + 8) / 2
+
+
+def test_routed_tokens_activations_follow_top_k_and_expert_training() -> None:
+    per_slot_trained = 2 * (4 * I_EXPERT + 2 * H) + 40  # bf16: 2 bytes per element
+    per_slot_frozen = 2 * (3 * I_EXPERT + H) + 40
+    shared = 2 * 2 * (48 + 48)  # gate, up, the activation and the product
+    router = 4 * 8 + 4
+    assert moe_mlp_bytes(MOE, 2, True) == 2 * per_slot_trained + router + shared
+    assert moe_mlp_bytes(MOE, 2, False) == 2 * per_slot_frozen + router + shared
+    top4 = replace(MOE, experts=replace(EXPERTS, top_k=4))
+    full, full4 = budget(MOE, _shape("full")), budget(top4, _shape("full"))
+    assert full4.activations - full.activations == 3 * 2 * per_slot_trained * 2 * 256
+
+
+def test_lora_on_routed_experts_saves_their_folded_weights() -> None:
+    plain = budget(MOE, _shape("lora"))
+    named = budget(MOE, _shape("lora", lora_targets=("q_proj", "experts")))
+    folded = 3 * 8 * (H * 2 * I_EXPERT + I_EXPERT * H) * 2  # W + B·A per MoE layer, bf16
+    assert named.activations - plain.activations >= folded
+
+
+def test_flops_use_the_active_parameters() -> None:
+    active_matmul = (4 * sum(lin.d_in * lin.d_out for lin in ATTN)
+                     + sum(lin.d_in * lin.d_out for lin in MLP)
+                     + 3 * (2 * (H * 2 * I_EXPERT + I_EXPERT * H)
+                            + sum(lin.d_in * lin.d_out for lin in EXPERTS.shared) + 8 * H)
+                     + 1000 * H)  # fmt: skip
+    assert linear_matmul_params(MOE) == active_matmul
+    f = flops_per_token(MOE, method="full", activation_checkpointing=False, attention_span=1)
+    assert f == pytest.approx(6 * active_matmul + 3 * 2 * 2 * 4 * 4 * 16)
+
+
+def test_full_logits_follow_the_spec() -> None:
+    assert chunked_loss(DENSE) and not chunked_loss(replace(DENSE, full_logits=True))
+    chunked = budget(DENSE, _shape("lora"))
+    full = budget(replace(DENSE, full_logits=True), _shape("lora"))
+    assert full.logits >= 2 * 256 * 1000 * 12 > chunked.logits
+
+
+def test_vision_tower_is_loaded_frozen() -> None:
+    vision = 50_000
+    wrapped = replace(DENSE, vision_params=vision)
+    plain, b = budget(DENSE, _shape("full")), budget(wrapped, _shape("full"))
+    assert b.trainable_params == plain.trainable_params
+    assert b.weights - plain.weights == vision * 2  # bf16 weights only: no master copy
+    assert b.optimizer == plain.optimizer
+    assert any("Vision tower" in r for r in model_reasons(wrapped, "full"))
+
+
+def test_fsdp_offload_pins_every_expert_shard() -> None:
+    shape = _shape("full", "fsdp-full", offload="params")
+    tensors = fsdp_param_tensors(MOE, shape)
+    assert sum(t.rows * t.row_bytes * t.count for t in tensors) == MOE.params * 4
+
+
+def test_reasons_say_experts_qlora_16_bit_and_pre_quantized() -> None:
+    gptoss = replace(MOE, quantization="mxfp4")
+    words = " ".join(model_reasons(gptoss, "qlora"))
+    assert "MoE: 8 experts, top-k 2 in 3 of 4 layers" in words
+    assert "stay 16-bit (the router" in words
+    assert "mxfp4" in words and "re-quantized to NF4" in words
+    assert "dequantized to the compute dtype" in " ".join(model_reasons(gptoss, "lora"))
+    assert model_reasons(DENSE, "lora") == []
