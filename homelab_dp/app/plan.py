@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from homelab_dp.app.model_specs import model_spec
 from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
 from homelab_dp.hub.hub_models import looks_like_hub_id
 from homelab_dp.planning.memory.device_memory import assumed_overhead
@@ -22,7 +23,7 @@ from homelab_dp.planning.memory.memory_calibration import (
     fingerprint,
     torch_version,
 )
-from homelab_dp.planning.model_spec import ModelSpec, load_model_spec
+from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.planner import Plan, plan, with_host
 from homelab_dp.presets.preset import Preset, apply_overrides, preset_from_dict
 from homelab_dp.probe import nvml
@@ -275,7 +276,11 @@ def make_plan(
     """
     from homelab_dp.planning.planner import plan_largest_micro_batch
 
-    spec = load_model_spec(config_folder(preset.model.path, preset.model.revision, fetch=fetch))
+    spec = model_spec(
+        config_folder(preset.model.path, preset.model.revision, fetch=fetch),
+        trust_remote_code=preset.model.trust_remote_code,
+        text_only=preset.model.text_only,
+    )
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
     make = plan_largest_micro_batch if find_micro_batch else plan

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from homelab_dp.app.model_specs import model_spec
 from homelab_dp.app.plan import Planned
 from homelab_dp.errors import HardwareSpecError, HomelabError
-from homelab_dp.planning.model_spec import ModelSpec, load_model_spec
+from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.serve_plan import (
     CANNOT_HELP,
     DEFAULT_CONCURRENT,
@@ -193,7 +194,7 @@ def plan_serve(
         raise HomelabError(f"concurrent: {concurrent} sequences", hint="plan at least 1")
     # A Hugging Face id: its local snapshot, which the replicas load (a plan needs its config)
     ref = resolve_model_arg(model, config_only=what_if_ok)
-    spec = load_model_spec(ref.config_path)
+    spec = model_spec(ref.config_path)
     positions = spec.max_positions or DEFAULT_CONTEXT
     ctx = min(DEFAULT_CONTEXT, positions) if context is None else context
     if ctx < 1 or ctx > positions:

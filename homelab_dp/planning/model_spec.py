@@ -21,6 +21,22 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 DENSE_FAMILIES = ("gemma3_text", "gemma3", "olmo2", "granite", "smollm3", "glm4")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v2")
 SUPPORTED = (*LLAMA_LIKE, "phi3", "gpt2", *DENSE_FAMILIES, *MOE_FAMILIES)
+# Encoders transformers would build as a causal LM (``is_decoder``) from weights trained
+# bidirectionally, and encoder-decoders: refused before anything is built.
+ENCODER_ONLY = frozenset({
+    "bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie",
+    "data2vec-text", "bert-generation", "roformer", "megatron-bert", "rembert", "xmod",
+    "big_bird", "roc_bert", "roberta-prelayernorm", "modernbert", "deberta", "deberta-v2",
+    "distilbert", "albert", "mpnet", "nomic_bert", "jina_bert",
+})  # fmt: skip
+SEQ2SEQ = frozenset({
+    "t5", "mt5", "umt5", "longt5", "bart", "mbart", "pegasus", "pegasus_x", "marian",
+    "blenderbot", "blenderbot-small", "led", "plbart", "bigbird_pegasus", "prophetnet",
+    "switch_transformers", "fsmt", "m2m_100", "nllb-moe", "mvp", "whisper", "t5gemma",
+})  # fmt: skip
+DECODER_HINT = (
+    "homelab-dp fine-tunes decoder-only causal language models (llama, qwen3, mistral, gemma3, ...)"
+)
 
 
 @dataclass(frozen=True)
@@ -209,6 +225,34 @@ class ModelSpec:
             "hidden": self.hidden,
             "vocab": self.vocab,
         }
+
+
+def check_decoder(cfg: dict[str, Any], source: str, *, trust_remote_code: bool = False) -> str:
+    """The config's ``model_type`` if it may be planned as a decoder; ModelSpecError naming it
+    for an encoder-only or encoder-decoder model, a config without a model_type, and a model
+    that needs its own code (``auto_map``) when the preset does not trust it."""
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelSpecError(
+            f"{source}: no 'model_type'",
+            hint='a Hugging Face config.json names its architecture, e.g. "model_type": "llama"',
+        )
+    if model_type in ENCODER_ONLY:
+        raise ModelSpecError(
+            f"{source}: model_type={model_type!r} is an encoder-only model", hint=DECODER_HINT
+        )
+    if cfg.get("is_encoder_decoder") or model_type in SEQ2SEQ:
+        raise ModelSpecError(
+            f"{source}: model_type={model_type!r} is an encoder-decoder (seq2seq) model",
+            hint=DECODER_HINT,
+        )
+    if cfg.get("auto_map") and not trust_remote_code and model_type not in SUPPORTED:
+        raise ModelSpecError(
+            f"{source}: model_type={model_type!r} runs the model folder's own Python code "
+            "(auto_map)",
+            hint="set model.trust_remote_code = true in the preset if you trust that code",
+        )
+    return model_type
 
 
 def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -707,6 +751,26 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     if "text_config" in cfg and isinstance(cfg["text_config"], dict) and "model_type" not in cfg:
         cfg = cfg["text_config"]
     return cfg
+
+
+def hand_written_spec(
+    model_dir: str | Path, *, trust_remote_code: bool = False, text_only: bool = False
+) -> ModelSpec | None:
+    """The spec of a hand-written family from config.json (None: another decoder, to derive
+    from transformers' module tree); ModelSpecError for a model that cannot be planned.
+
+    ``text_only``: a multimodal wrapper's language model alone (its ``text_config``)."""
+    source = str(Path(model_dir) / "config.json")
+    cfg = read_config(model_dir)
+    check_decoder(cfg, source, trust_remote_code=trust_remote_code)
+    text = cfg.get("text_config")
+    if text_only and isinstance(text, dict):
+        # Gemma 3's text_config names no model_type; the tie is the wrapper's.
+        default_type = "gemma3_text" if cfg.get("model_type") == "gemma3" else None
+        text = {"model_type": default_type, **text}
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+        return spec_from_config(text, source) if text["model_type"] in SUPPORTED else None
+    return spec_from_config(cfg, source) if str(cfg["model_type"]).lower() in SUPPORTED else None
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.flops import causal_span, flops_per_token, mfu, peak_flops
-from homelab_dp.planning.model_spec import load_model_spec
 from homelab_dp.runs.run_events import Event
+from homelab_dp.train.model_census import any_model_spec
 
 if TYPE_CHECKING:
     from homelab_dp.runs.run_spec import RunSpec
@@ -142,7 +142,11 @@ class StepFlops:
         r, preset = spec.resolved, spec.preset
         peak = device_peak_flops(device)
         try:
-            model = load_model_spec(preset.model.path)
+            model = any_model_spec(
+                preset.model.path,
+                trust_remote_code=preset.model.trust_remote_code,
+                text_only=preset.model.text_only,
+            )
         except HomelabError:
             return cls(0.0, None, world_size)
         per_token = flops_per_token(

@@ -24,10 +24,18 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.pytorch_utils import Conv1D
 
 from homelab_dp.errors import ModelSpecError
-from homelab_dp.planning.model_spec import Experts, Linear, ModelSpec, spec_to_dict
+from homelab_dp.planning.model_spec import (
+    DECODER_HINT,
+    Experts,
+    Linear,
+    ModelSpec,
+    hand_written_spec,
+    spec_to_dict,
+)
 
 TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k")
 AUX_NAMES = ("router_aux_loss_coef", "aux_loss_alpha", "router_aux_loss_factor")
@@ -143,8 +151,18 @@ def _all_linears(layer: nn.Module) -> dict[str, Linear]:
     return found
 
 
+def _is_attention(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1].lower()
+    return "attn" in last or "attention" in last
+
+
 def _is_norm(child: str) -> bool:
     return "norm" in child.lower() or child.startswith("ln")
+
+
+def _is_attention(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1].lower()
+    return "attn" in last or "attention" in last
 
 
 def _is_norm(child: str) -> bool:
@@ -164,38 +182,68 @@ def census(
     folder: str | Path, *, trust_remote_code: bool = False, text_only: bool = False
 ) -> ModelSpec:
     """Build the model of ``folder``'s config.json on the meta device and describe it."""
+    source = str(Path(folder) / "config.json")
+    raw = json.loads(Path(source).read_text(encoding="utf-8"))
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING and not (trust_remote_code and raw.get("auto_map")):
+        raise ModelSpecError(
+            f"{source}: model_type={model_type!r} is unknown to transformers "
+            f"{transformers.__version__}",
+            hint="upgrade transformers, or set model.trust_remote_code = true if the folder "
+            "ships the model's code (auto_map) and you trust it",
+        )
     config = transformers.AutoConfig.from_pretrained(
         str(folder), trust_remote_code=trust_remote_code, local_files_only=True
     )
     if getattr(config, "is_encoder_decoder", False):
         raise ModelSpecError(
-            f"{folder}/config.json: model_type={config.model_type!r} is an encoder-decoder model",
-            hint="homelab-dp fine-tunes decoder-only causal language models",
+            f"{source}: model_type={model_type!r} is an encoder-decoder (seq2seq) model",
+            hint=DECODER_HINT,
         )
     if text_only:
         config = config.get_text_config()
     text = config.get_text_config()
-    with torch.device("meta"):
+    autos = [transformers.AutoModelForCausalLM]
+    if config is not text:  # Mistral 3, Qwen2.5-VL: the wrapper is image-text-to-text
+        autos.append(transformers.AutoModelForImageTextToText)
+    for auto in autos:
         try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, trust_remote_code=trust_remote_code
-            )
-        except ValueError:
-            if config is text:
+            with torch.device("meta"):
+                model = auto.from_config(config, trust_remote_code=trust_remote_code)
+            break
+        except ValueError as exc:
+            if "Unrecognized configuration class" not in str(exc):
                 raise
-            # Mistral 3, Qwen2.5-VL: the wrapper is an image-text-to-text model, not a CausalLM.
-            model = transformers.AutoModelForImageTextToText.from_config(
-                config, trust_remote_code=trust_remote_code
-            )
-    return describe(
-        model, text, wrapper=config is not text, source=str(Path(folder) / "config.json")
-    )
+    else:
+        raise ModelSpecError(
+            f"{source}: model_type={model_type!r} is not a causal language model transformers "
+            "can build (AutoModelForCausalLM)",
+            hint=DECODER_HINT,
+        )
+    return describe(model, text, wrapper=config is not text, source=source)
+
+
+def any_model_spec(
+    folder: str | Path, *, trust_remote_code: bool = False, text_only: bool = False
+) -> ModelSpec:
+    """In-process: the hand-written spec where there is one, else the census."""
+    spec = hand_written_spec(folder, trust_remote_code=trust_remote_code, text_only=text_only)
+    if spec is not None:
+        return spec
+    return census(folder, trust_remote_code=trust_remote_code, text_only=text_only)
 
 
 def describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> ModelSpec:
     """The ModelSpec of a built model (any device) whose text config is ``text``."""
     hidden = int(text.hidden_size)
     layers_name, layers = _decoder_layers(model)
+    if not any(_is_attention(name) for name, _ in layers[0].named_modules()):
+        raise ModelSpecError(
+            f"{source}: model_type={text.model_type!r} is not a transformer decoder (its layers "
+            "have no attention: a state-space or recurrent model)",
+            hint="homelab-dp plans attention decoders (llama, qwen3, mistral, gemma3, ...); "
+            "state-space and recurrent layers are not in its memory model",
+        )
     parts = [_layer_parts(layer, hidden) for layer in layers]
     common = {
         n: lin

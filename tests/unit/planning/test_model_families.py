@@ -9,6 +9,7 @@ models `active_params` must equal that count minus the routed experts a token do
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from homelab_dp.planning.model_spec import spec_from_config  # noqa: E402
+from homelab_dp.train.model_census import census  # noqa: E402
 
 # Published sizes (config.json of the released checkpoints, fields that change the count).
 PUBLISHED: dict[str, dict[str, Any]] = {
@@ -239,3 +241,28 @@ def test_family_features_are_reported() -> None:
     assert qwen.moe_layers == 2  # layers 1 and 3: step 2, layer 0 listed as dense
     wrapper = spec_from_config(_config_dict(PUBLISHED["gemma-3-4b"]))
     assert wrapper.vision_params > 400_000_000  # SigLIP-So400m and the projector
+
+
+TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["starcoder2", "cohere", "stablelm"])
+def test_census_counts_a_family_not_written_by_hand(model_type, tmp_path) -> None:
+    cfg = {"model_type": model_type, **TINY}
+    _config(cfg).save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    assert spec.params == _meta_count(cfg)[0] and spec.source == "meta-device"
+    assert spec.layers == 2 and spec.linears and spec.norm_params_per_layer > 0
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3_moe-dense-layers", "qwen2_moe", "olmoe", "gpt_oss-layer-types",
+             "olmo2-gqa", "glm4-no-bias", "gemma3-head-default"],
+)  # fmt: skip
+def test_census_reads_the_tree_as_the_hand_written_spec(name, tmp_path) -> None:
+    """The module-tree reading gives the hand-written spec field for field (linears, experts
+    and router, shared experts, dense layers, norms, q/k norms, sinks, vision tower)."""
+    _config(VARIANTS[name]).save_pretrained(tmp_path)
+    hand = spec_from_config(json.loads((tmp_path / "config.json").read_text()))
+    assert census(tmp_path) == replace(hand, source="meta-device")
