@@ -198,3 +198,23 @@ def test_reasons_say_experts_qlora_16_bit_and_pre_quantized() -> None:
     assert "mxfp4" in words and "re-quantized to NF4" in words
     assert "dequantized to the compute dtype" in " ".join(model_reasons(gptoss, "lora"))
     assert model_reasons(DENSE, "lora") == []
+
+
+@pytest.mark.parametrize(
+    ("preset", "method", "distribution", "offload"),
+    [("qwen3-30b-a3b-qlora-2x24gb", "qlora", "ddp", "none"),
+     ("gpt-oss-20b-lora-2x24gb", "lora", "fsdp-full", "params")],
+)  # fmt: skip
+def test_moe_presets_fit_the_cards_they_name(
+    preset: str, method: str, distribution: str, offload: str, in_repo: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    rc, out, err = run_cli(capsys, "plan", preset, "--gpus", "2x24GiB", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["fits"] is True and doc["host"]["fits"] is True
+    assert (doc["method"], doc["distribution"]) == (method, distribution)
+    assert doc["offload"] == offload
+    assert doc["model"]["active_params"] < doc["model"]["params"] / 4
+    if preset.startswith("gpt-oss"):  # MXFP4 on disk, bf16 in memory: the plan says so
+        assert any(r.startswith("Pre-quantized checkpoint (mxfp4)") for r in doc["reasons"])
