@@ -163,6 +163,8 @@ def load_model(
         from transformers import Mxfp4Config
 
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    if kwargs["attn_implementation"] == "sdpa" and not supports_sdpa(preset):
+        kwargs["attn_implementation"] = "eager"  # gpt-oss (attention sinks): no SDPA path
     model = AutoModelForCausalLM.from_pretrained(preset.model.path, **kwargs)
     if method == "qlora":  # fused 3-D experts: NF4 too (bitsandbytes quantized the linears)
         quantize_experts(model, compute)
@@ -220,7 +222,8 @@ def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=preset.model.trust_remote_code,
             attn_implementation=attention_implementation(resolved.device, resolved.dtype,
-                                                         capability=local_capability()),
+                                                         capability=local_capability())
+            if supports_sdpa(preset) else "eager",
             **experts_implementation(resolved),
         )  # fmt: skip
         model.config.use_cache = False
@@ -400,6 +403,18 @@ def experts_implementation(resolved: Resolved) -> dict[str, str]:
     fp64 (the CPU exactness runs), which ``torch._grouped_mm`` does not take: the eager loop
     over the routed experts then (the same math, expert by expert)."""
     return {"experts_implementation": "eager"} if resolved.dtype == "fp64" else {}
+
+
+def supports_sdpa(preset: Preset) -> bool:
+    """Whether the folder's CausalLM class has an SDPA attention path (``_supports_sdpa``)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(
+        preset.model.path, trust_remote_code=preset.model.trust_remote_code
+    )
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return cls is None or bool(getattr(cls, "_supports_sdpa", True))
 
 
 def prequantized(preset: Preset) -> str | None:
