@@ -2,7 +2,11 @@
 
 python benchmarks/plan_latency.py [--runs 5]
 
-Prints a markdown table (median, min, max of N runs). The last row is what
+Prints a markdown table (median, min, max of N runs). The `--model` rows plan config-only
+folders written to a temporary folder, each run cold (a fresh process and an empty data home,
+so no cached model spec): Qwen3-30B-A3B (a hand-written MoE family, config.json alone) and a
+StarCoder2 config (no hand-written spec: the census child builds it on the meta device). The
+last row is what
 `tests/unit/probe/test_probe.py::test_real_pynvml_without_a_driver_is_fast_and_says_why` times: the
 first `probe()` of a fresh process against the real pynvml (importing pynvml, looking for the
 driver, reading the host), `homelab_dp.probe.nvml` already imported; the test bounds it only by
@@ -12,10 +16,12 @@ a liveness guard (``PROBE_LIVENESS_S``) many times this figure.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +36,23 @@ COMMANDS = {
     ],
     "probe --json": ["probe", "--json"],
 }
+# Qwen3-30B-A3B's config.json (the fields that matter) and a StarCoder2-3B-sized config.
+MODEL_FOLDERS = {
+    "qwen3_moe (Qwen3-30B-A3B)": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "mlp_only_layers": [], "decoder_sparse_step": 1,
+    },
+    "starcoder2 (census child)": {
+        "architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2",
+        "vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288,
+        "num_hidden_layers": 30, "num_attention_heads": 24, "num_key_value_heads": 2,
+        "max_position_embeddings": 16384,
+    },
+}  # fmt: skip
 PROBE_CALL = (
     "import time\n"
     "from homelab_dp.probe.nvml import probe\n"
@@ -53,6 +76,23 @@ def main() -> None:
             subprocess.run([str(exe), *argv], cwd=ROOT, env=env, check=True, capture_output=True)
             times.append(time.perf_counter() - start)
         rows.append((f"`homelab-dp {label}` (fresh process)", times))
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, cfg in MODEL_FOLDERS.items():
+            folder = Path(tmp) / label.split()[0]
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(cfg))
+            argv = ["plan", "--model", str(folder), "--gpus", "2x24GiB", "--json"]
+            times = []
+            for run in range(args.runs):
+                cold = {**env, "XDG_DATA_HOME": str(Path(tmp) / f"home-{label[:4]}-{run}")}
+                start = time.perf_counter()
+                subprocess.run(
+                    [str(exe), *argv], cwd=ROOT, env=cold, check=True, capture_output=True
+                )
+                times.append(time.perf_counter() - start)
+            rows.append(
+                (f"`homelab-dp plan --model` {label}, cold (fresh process, no spec cache)", times)
+            )
     calls = []
     for _ in range(args.runs):
         out = subprocess.run([sys.executable, "-c", PROBE_CALL], cwd=ROOT, env=env, check=True,
