@@ -21,7 +21,8 @@ the parts that depend on the model's MoE block (`ModelSpec.experts`), its dense 
   bytes) and, with the experts trained (full fine-tune or adapted), the gathered hidden state,
   gate_up's output, the activation, its product and the down projection's output
   (``w·(4·i + 2·h)``); with the experts frozen the gathered input is not saved and the product
-  neither (``w·(3·i + h)``).
+  neither (``w·(3·i + h)``). gpt-oss's clamped gate (``(up + 1)·gate·σ(α·gate)``) keeps three
+  intermediate-wide tensors more per slot (`GATE_TENSORS`, measured the same way).
 * The sizes of one decoder layer (`largest_layer_params`) and of the largest tensor a QLoRA
   matmul dequantizes (`largest_quantized`): a MoE layer holds every expert.
 """
@@ -34,6 +35,9 @@ ROUTED_INDEX_BYTES = 40
 """int64 sort, permutation and index tensors saved per routed slot (measured)."""
 ROUTER_TOKEN_BYTES = 4
 """Saved per token beside the router's fp32 softmax (measured)."""
+GATE_TENSORS: dict[str, tuple[int, int]] = {"gpt_oss": (7, 6)}
+"""Intermediate-wide tensors a routed slot saves (experts trained, experts frozen), for the
+families whose expert activation is not SwiGLU's (4, 3) (measured)."""
 
 
 def _names(targets: str | list[str] | tuple[str, ...]) -> set[str] | None:
@@ -115,7 +119,9 @@ def moe_mlp_bytes(spec: ModelSpec, width: int, experts_trained: bool) -> float:
     gradients (full fine-tune, or LoRA naming them)."""
     assert spec.experts is not None
     e, h, i = spec.experts, spec.hidden, expert_width(spec)
-    per_slot = width * ((4 * i + 2 * h) if experts_trained else (3 * i + h)) + ROUTED_INDEX_BYTES
+    trained, frozen = GATE_TENSORS.get(spec.model_type, (4, 3))
+    wide = trained * i + 2 * h if experts_trained else frozen * i + h
+    per_slot = width * wide + ROUTED_INDEX_BYTES
     # A shared expert saves what a dense MLP does: gate, up, the activation and the product.
     shared = 2 * sum(lin.d_out for lin in e.shared if lin.d_in == h)
     return e.top_k * per_slot + 4 * e.count + ROUTER_TOKEN_BYTES + width * shared

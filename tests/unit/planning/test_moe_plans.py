@@ -218,3 +218,12 @@ def test_moe_presets_fit_the_cards_they_name(
     assert doc["model"]["active_params"] < doc["model"]["params"] / 4
     if preset.startswith("gpt-oss"):  # MXFP4 on disk, bf16 in memory: the plan says so
         assert any(r.startswith("Pre-quantized checkpoint (mxfp4)") for r in doc["reasons"])
+
+
+def test_gpt_oss_clamped_gate_saves_more_per_routed_slot() -> None:
+    gptoss = replace(MOE, model_type="gpt_oss")
+    slots = 2  # top-k
+    assert moe_mlp_bytes(gptoss, 2, True) - moe_mlp_bytes(MOE, 2, True) == slots * 3 * I_EXPERT * 2
+    assert (
+        moe_mlp_bytes(gptoss, 2, False) - moe_mlp_bytes(MOE, 2, False) == slots * 3 * I_EXPERT * 2
+    )
