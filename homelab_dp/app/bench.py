@@ -408,16 +408,25 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     }
     if job["peft"]:
         model_args["peft"] = job["peft"]
-    out = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=model_args,
-        tasks=specs,
-        task_manager=manager,
-        device="cuda" if job["device"] == "cuda" else "cpu",
-        batch_size=job["batch_size"],
-        limit=job["limit"],
-        log_samples=False,
-    )
+    try:
+        out = lm_eval.simple_evaluate(
+            model="hf",
+            model_args=model_args,
+            tasks=specs,
+            task_manager=manager,
+            device="cuda" if job["device"] == "cuda" else "cpu",
+            batch_size=job["batch_size"],
+            limit=job["limit"],
+            log_samples=False,
+        )
+    except ConnectionError as exc:  # datasets, offline: a task's data is not in the cache
+        raise HomelabError(
+            f"a task's data set is not in the Hugging Face cache, and bench never goes online "
+            f"({exc})",
+            hint='load it once where there is network (python -c "import datasets; '
+            "datasets.load_dataset('ORG/NAME', 'CONFIG')\") so that it is cached, or give a "
+            "task .yaml over a local file (dataset_path: json, dataset_kwargs: data_files: ...)",
+        ) from None
     if out is None:  # a rank other than 0
         return None
     return {

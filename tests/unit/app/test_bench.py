@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,7 +19,9 @@ import pytest
 from homelab_dp.app.bench import (
     BASE_BENCH_FILE,
     BENCH_FILE,
+    BENCH_MODULE,
     _local_data_files,
+    bench_env,
     job_document,
     metric_doc,
     prepare,
@@ -182,3 +186,37 @@ def test_table_rows_pair_each_metric_with_its_stderr() -> None:
         ("", "acc_norm", "0.5000", "-"),
         ("", "em,flex", "1.0000", "0.0000"),
     ]
+
+
+def test_task_data_not_in_the_cache_is_bad_input(tmp_path: Path) -> None:
+    """The worker (one rank, offline as bench starts it) turns datasets'
+    offline ConnectionError into bad input: exit 2, an error file with a hint, no result."""
+    task = tmp_path / "t.yaml"
+    task.write_text("task: not_cached\ndataset_path: homelab-dp-tests/not-cached\n"
+                    "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{q}}'\n"
+                    "doc_to_target: '{{a}}'\n", encoding="utf-8")  # fmt: skip
+    job = prepare(str(DEMO_MODEL), str(task), gpus="cpu:1")
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job_document(job, tmp_path)), encoding="utf-8")
+    # No torchrun world (no RANK, WORLD_SIZE): HFLM runs as one process, the worker as rank 0.
+    env = {k: v for k, v in bench_env(job.devices).items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", BENCH_MODULE, str(job_file)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    error = json.loads((tmp_path / "errors" / "rank-0.json").read_text(encoding="utf-8"))
+    assert error["bad_input"] is True and "homelab-dp-tests/not-cached" in error["message"]
+    assert "not in the Hugging Face cache" in error["message"] and "dataset_path" in error["hint"]
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_front_end_checks_without_torch() -> None:
+    """Everything bench checks before it starts (MODEL, the task file, the devices) loads no
+    torch nor transformers in the CLI's process: lm_eval's task loading does not need them."""
+    code = (
+        "import sys\nfrom homelab_dp.app.bench import prepare\n"
+        f"prepare({str(DEMO_MODEL)!r}, {str(TASK)!r}, limit=2, gpus='cpu:1')\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'lm_eval') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert done.stdout.strip() == "['lm_eval']"  # it did read the task file through lm_eval
