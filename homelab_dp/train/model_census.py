@@ -38,6 +38,10 @@ from homelab_dp.planning.model_spec import (
 )
 
 TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k")
+UNEVEN_HINT = (
+    "the planner describes a model by one decoder layer (and its MoE or dense variant); "
+    "hybrid attention/state-space or per-layer-sized models are not planned yet"
+)
 AUX_NAMES = ("router_aux_loss_coef", "aux_loss_alpha", "router_aux_loss_factor")
 
 
@@ -61,7 +65,9 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         ):
             best = (name, module)
     if best is None:
-        raise ModelSpecError("the model has no list of decoder layers", hint="")
+        raise ModelSpecError(
+            "its decoder layers are not one kind of module (a hybrid model)", hint=UNEVEN_HINT
+        )
     return best
 
 
@@ -173,7 +179,7 @@ def _same(values: list[int], what: str) -> int:
     if len(set(values)) != 1:
         raise ModelSpecError(
             f"the decoder layers differ in their {what} ({sorted(set(values))})",
-            hint="this architecture's layers are not uniform enough to plan exactly",
+            hint=UNEVEN_HINT,
         )
     return values[0]
 
@@ -234,7 +240,19 @@ def any_model_spec(
 
 
 def describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> ModelSpec:
-    """The ModelSpec of a built model (any device) whose text config is ``text``."""
+    """The ModelSpec of a built model (any device) whose text config is ``text``; a
+    ModelSpecError naming the file and model_type when the tree cannot be described."""
+    try:
+        return _describe(model, text, wrapper=wrapper, source=source)
+    except ModelSpecError as exc:
+        if exc.message.startswith(source):
+            raise
+        raise ModelSpecError(
+            f"{source}: model_type={text.model_type!r}: {exc.message}", hint=exc.hint
+        ) from None
+
+
+def _describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> ModelSpec:
     hidden = int(text.hidden_size)
     layers_name, layers = _decoder_layers(model)
     if not any(_is_attention(name) for name, _ in layers[0].named_modules()):
@@ -350,16 +368,15 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"error": exc.message, "hint": exc.hint}))
         return 2
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
-        # transformers' own refusal of the config: an unknown model_type, a missing field.
-        print(
-            json.dumps(
-                {
-                    "error": f"{folder}/config.json: transformers cannot build it ({exc})".replace(
-                        "\n", " "
-                    )
-                }
-            )
-        )
+        # transformers' own refusal of the config: a missing or inconsistent field.
+        source = Path(folder) / "config.json"
+        try:
+            model_type = json.loads(source.read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
+        message = f"{source}: transformers cannot build model_type={model_type!r} from it: {exc}"
+        hint = "check config.json against the model's published one"
+        print(json.dumps({"error": " ".join(message.split()), "hint": hint}))
         return 2
     out = spec_to_dict(spec)
     out["transformers"] = transformers.__version__

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from homelab_dp.errors import ModelSpecError  # noqa: E402
 from homelab_dp.planning.model_spec import spec_from_config  # noqa: E402
 from homelab_dp.train.model_census import census  # noqa: E402
 
@@ -266,3 +267,12 @@ def test_census_reads_the_tree_as_the_hand_written_spec(name, tmp_path) -> None:
     _config(VARIANTS[name]).save_pretrained(tmp_path)
     hand = spec_from_config(json.loads((tmp_path / "config.json").read_text()))
     assert census(tmp_path) == replace(hand, source="meta-device")
+
+
+def test_census_refuses_a_hybrid_model_naming_it(tmp_path) -> None:
+    """Jamba mixes attention and Mamba layers: one layer cannot describe it, so it is refused
+    with the file and the model_type, not planned wrongly."""
+    cfg = {**TINY, "model_type": "jamba", "num_hidden_layers": 8, "num_experts": 2}
+    _config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ModelSpecError, match=r"config.json: model_type='jamba': .*not one kind"):
+        census(tmp_path)
