@@ -74,6 +74,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+LORA_R = 8
+"""The adapters' rank in the LoRA cases."""
+
+
 @dataclass(frozen=True)
 class Case:
     """One grid point: a family and a batch geometry (full fine-tune, fp32, DDP, AdamW)."""
@@ -86,13 +90,16 @@ class Case:
     padded: bool = False
     """pack = false: one sample per row with its attention mask, a quarter of the first row of
     every micro-batch padding. Else packed blocks of several samples (no mask)."""
+    method: str = "full"
+    """full, or lora (r 8 on the default targets: a MoE model's experts and router frozen)."""
 
     @property
     def name(self) -> str:
         ck = " ckpt" if self.activation_checkpointing else ""
         acc = f" acc{self.grad_accum}" if self.grad_accum > 1 else ""
         pad = " pad" if self.padded else ""
-        return f"{self.family} b{self.micro_batch} s{self.seq_len}{acc}{pad}{ck}"
+        lora = " lora" if self.method == "lora" else ""
+        return f"{self.family} b{self.micro_batch} s{self.seq_len}{acc}{pad}{ck}{lora}"
 
 
 GRID: tuple[Case, ...] = tuple(
@@ -101,9 +108,11 @@ GRID: tuple[Case, ...] = tuple(
     for (b, s, acc) in ((1, 64, 1), (1, 256, 1), (4, 64, 1), (4, 128, 1), (2, 128, 2))
     for ck in (False, True)
 ) + tuple(Case(fam, 4, 128, ck, 1, padded=True) for fam in ("llama-gqa", "qwen2-tied")
-          for ck in (False, True))  # fmt: skip
-"""Every family × five shapes × activation checkpointing off/on, and padded batches of the
-LLaMA-style families (54 cases)."""
+          for ck in (False, True)) + tuple(
+    Case(fam, b, s, ck, method="lora") for fam in ("qwen3-moe", "mixtral")
+    for (b, s) in ((1, 64), (4, 128)) for ck in (False, True))  # fmt: skip
+"""Every family × five shapes × activation checkpointing off/on, padded batches of the
+LLaMA-style families and LoRA on the MoE families (62 cases)."""
 
 
 @dataclass
@@ -125,7 +134,8 @@ class Result:
 def shape_of(case: Case) -> TrainShape:
     """The planner's shape for a case (what `plan` would budget)."""
     return TrainShape(
-        method="full", distribution="ddp", world_size=1, device="cpu", dtype="fp32",
+        method=case.method,  # type: ignore[arg-type]
+        lora_r=LORA_R, distribution="ddp", world_size=1, device="cpu", dtype="fp32",
         micro_batch=case.micro_batch, seq_len=case.seq_len, grad_accum=case.grad_accum,
         activation_checkpointing=case.activation_checkpointing, optimizer="adamw",
         packed=not case.padded, attention="sdpa",
@@ -208,11 +218,13 @@ def measure_case(case: Case, steps: int = 3) -> Result:
             "model": {"path": str(folder / "model")},
             "data": {"path": str(folder / "data.jsonl"), "seq_len": case.seq_len,
                      "pack": not case.padded},
-            "train": {"method": "full", "distribution": "ddp", "micro_batch": case.micro_batch,
+            "lora": {"r": LORA_R, "alpha": 2 * LORA_R, "dropout": 0.0},
+            "train": {"method": case.method, "distribution": "ddp",
+                      "micro_batch": case.micro_batch,
                       "grad_accum": case.grad_accum, "max_steps": steps,
                       "activation_checkpointing": case.activation_checkpointing},
         })  # fmt: skip
-        resolved = Resolved(method="full", distribution="ddp",
+        resolved = Resolved(method=case.method, distribution="ddp",  # type: ignore[arg-type]
                             activation_checkpointing=case.activation_checkpointing,
                             device="cpu", world_size=1, dtype="fp32",
                             micro_batch=case.micro_batch, grad_accum=case.grad_accum,

@@ -40,10 +40,14 @@ def test_estimate_within_ten_percent_of_the_measured_peak(name: str) -> None:
     assert abs(load - r.estimate.phases["load"]) / load < 0.01
 
 
-MOE_CASES = {
-    "qwen3-moe b4 s128": "backward",  # routed activations and the logits at backward's start
-    "qwen3-moe b1 s64": "optimizer",  # every expert's weights, gradients, m and v
-    "mixtral b4 s128": "backward",
+MOE_CASES: dict[str, tuple[str, ...]] = {
+    "qwen3-moe b4 s128": ("backward",),  # routed activations and the logits at backward's start
+    "qwen3-moe b1 s64": ("optimizer",),  # every expert's weights, gradients, m and v
+    "mixtral b4 s128": ("backward",),
+    # LoRA on attention, experts and router frozen: the routed slots save less. The forward's
+    # and the backward's measured peaks are within bytes of each other here.
+    "qwen3-moe b4 s128 lora": ("forward", "backward"),
+    "mixtral b4 s128 ckpt lora": ("forward", "backward"),
 }
 
 
@@ -54,13 +58,14 @@ def test_moe_estimate_within_five_percent_of_the_measured_peak(name: str) -> Non
     assert abs(r.error) <= MOE_BOUND, (
         f"{name}: estimate {r.estimate.tensors}, measured {r.measured}"
     )
-    assert r.estimate.peak_phase == r.measured_phase == MOE_CASES[name]
+    assert r.estimate.peak_phase in MOE_CASES[name] and r.measured_phase in MOE_CASES[name]
     load = r.phases["load"]["end_bytes"]  # every expert loaded, exactly
     assert abs(load - r.estimate.phases["load"]) / load < 0.01
 
 
 def test_the_grid_covers_five_families_checkpointing_and_shapes() -> None:
     assert {c.family for c in GRID} == {"llama-gqa", "qwen2-tied", "qwen3-moe", "mixtral", "gpt2"}
+    assert {c.family for c in GRID if c.method == "lora"} == {"qwen3-moe", "mixtral"}
     assert {c.activation_checkpointing for c in GRID} == {False, True}
     assert len({(c.micro_batch, c.seq_len) for c in GRID}) >= 4
     est = estimate(Case("gpt2", 4, 128))
