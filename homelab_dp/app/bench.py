@@ -57,13 +57,14 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.app.evaluate import Devices, eval_env, log_tail, select_devices, stop_workers
-from homelab_dp.errors import HomelabError, RunFailedError
+from homelab_dp.errors import HardwareSpecError, HomelabError, RunFailedError
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model, resolve_model_arg
 from homelab_dp.supervise.launcher import torchrun_command
@@ -198,7 +199,8 @@ def prepare(model: str, tasks: str | list[str], limit: int | None = None,
     if limit is not None and limit < 1:
         raise HomelabError(f"--limit: must be at least 1, got {limit}",
                            hint="documents per task, e.g. --limit 100; leave it out for all")  # fmt: skip
-    parse_gpus(gpus)
+    with _as_bench():
+        parse_gpus(gpus)
     ref = resolve_model_arg(model, fetch=False)  # no network: the local cache only
     if base:
         ref = base_ref(ref)
@@ -210,7 +212,19 @@ def prepare(model: str, tasks: str | list[str], limit: int | None = None,
     notes = ()
     if ref.quantized == "nf4":
         notes = ("QLoRA result: evaluated on its 16-bit base with the adapter, not the NF4 base",)
-    return BenchJob(ref, specs, limit, select_devices(gpus), base, store, notes)
+    with _as_bench():
+        devices = select_devices(gpus)
+    return BenchJob(ref, specs, limit, devices, base, store, notes)
+
+
+@contextlib.contextmanager
+def _as_bench() -> Iterator[None]:
+    """eval's device selection, its errors worded for bench (they name `eval`)."""
+    try:
+        yield
+    except HardwareSpecError as exc:
+        raise HardwareSpecError(exc.message.replace("for eval", "for bench"),
+                                exc.hint.replace("eval runs", "bench runs")) from None  # fmt: skip
 
 
 def job_document(job: BenchJob, folder: Path) -> dict[str, Any]:
