@@ -132,8 +132,8 @@ async def test_a_server_that_exits_says_why(controller: RunController, tmp_path:
             pilot, lambda: state().startswith("error"), timeout=60, what="the server's error"
         )
         assert "the server exited: error:" in state()
-        assert "unknown architecture model_type='bert'" in state()
-        assert "hint: supported families" in state()
+        assert "model_type='bert' is an encoder-only model" in state()
+        assert "hint: homelab-dp fine-tunes decoder-only" in state()
         assert screen.servers == {} and not screen.busy
 
 

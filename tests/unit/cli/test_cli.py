@@ -155,7 +155,7 @@ BAD_PRESETS = {
     "zero-size": "data.seq_len: must be at least 1",
     "negative-size": "train.grad_accum: must be at least 1",
     "missing-model": "model.path",
-    "unknown-arch": "unknown architecture model_type='mamba'",
+    "unknown-arch": "model_type='mamba' is not a transformer decoder",
     "too-many-cpu-procs": "hardware.nproc: 4096 processes",
 }
 
