@@ -23,6 +23,7 @@ from homelab_dp.planning.memory.device_memory import (
     is_fsdp,
     trainable_params,
 )
+from homelab_dp.planning.memory.moe_memory import largest_quantized
 from homelab_dp.planning.model_spec import ModelSpec
 
 CHECKPOINT_BYTES_PER_PARAM = 2
@@ -131,18 +132,15 @@ def host_budget(
         saved = trainable * 4
     adapters = trainable * 4 if shape.method != "full" else 0
     copy = spec.params * load_width + adapters
-    largest = max(
-        spec.embedding_params,
-        spec.lm_head_params,
-        max((lin.d_in * lin.d_out for lin in spec.linears), default=0),
-    )
+    # A linear, or a MoE model's fused expert stack [E, out, in] (one tensor in the checkpoint).
+    biggest_linear = largest_quantized(spec)
+    largest = max(spec.embedding_params, spec.lm_head_params, biggest_linear)
     b = device_budget
     runtime = b.overhead if cpu else CUDA_HOST_RUNTIME_BYTES
     at_load = b.phases.get("load", b.weights) if cpu else 0
     at_end = b.weights + b.optimizer if cpu else 0
 
     if shape.method == "qlora" and fsdp:  # rank 0 reads, one tensor and its packed copy
-        biggest_linear = max((lin.d_in * lin.d_out for lin in spec.linears), default=0)
         tensor = largest * CHECKPOINT_BYTES_PER_PARAM + biggest_linear * NF4_PACKED_BYTES
         first, other = runtime + at_load + tensor, runtime + at_load
     elif shape.method == "qlora":

@@ -23,6 +23,7 @@ from homelab_dp.planning.memory.device_memory import (
     budget,
     chunked_loss,
 )
+from homelab_dp.planning.memory.host_memory import CUDA_HOST_RUNTIME_BYTES, host_budget
 from homelab_dp.planning.memory.moe_memory import lora_param_count, moe_mlp_bytes
 from homelab_dp.planning.memory.pinned_memory import fsdp_param_tensors
 from homelab_dp.planning.model_spec import Experts, Linear, ModelSpec, spec_from_config
@@ -227,3 +228,15 @@ def test_gpt_oss_clamped_gate_saves_more_per_routed_slot() -> None:
     assert (
         moe_mlp_bytes(gptoss, 2, False) - moe_mlp_bytes(MOE, 2, False) == slots * 3 * I_EXPERT * 2
     )
+
+
+def test_qlora_load_holds_a_whole_expert_stack_on_the_host() -> None:
+    wide = replace(EXPERTS, count=512)  # the stack [512, 2·32, 64] outgrows the embeddings
+    spec = replace(MOE, experts=wide)
+    stack = 512 * H * 2 * I_EXPERT
+    assert stack > spec.embedding_params
+    shape = _shape("qlora", "ddp")
+    h = host_budget(spec, shape, budget(spec, shape))
+    assert h.phases["load"][0] == CUDA_HOST_RUNTIME_BYTES + stack * 2  # read in 16 bits
+    b = budget(spec, shape)
+    assert b.buffers >= 2 * stack * 2  # dequantized whole for the grouped matmul
