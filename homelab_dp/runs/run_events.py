@@ -2,8 +2,8 @@
 
 A run's ``events.jsonl`` holds one JSON object a line, each with ``"type"`` and ``"time"`` (unix
 seconds). Rank 0 of the worker writes start, micro, step, eval, sample, straggler, warning,
-checkpoint, memory and end; any rank may write error; the keeper and the controller write state, retry and
-error; the device monitor writes devices samples to ``devices.jsonl``. Writers build the typed
+checkpoint, memory and end; any rank may write error; the keeper and the controller write state,
+retry and error; the device monitor writes devices samples to ``devices.jsonl``. Writers build the typed
 event and write ``to_json()``; readers turn a line back into one with `parse_event`, which
 accepts lines written before a field existed (missing fields take their defaults, unknown ones
 are ignored).

@@ -326,8 +326,14 @@ class RunView:
 
     def _on_sample(self, e: SampleEvent, given: Set[str]) -> None:
         # Converted before anything changes: a damaged line leaves the view as it was.
-        clean = SampleEvent(time=float(e.time), step=int(e.step), prompt=str(e.prompt),
-                            text=str(e.text), tokens=int(e.tokens), seconds=float(e.seconds))  # fmt: skip
+        clean = SampleEvent(
+            time=float(e.time),
+            step=int(e.step),
+            prompt=str(e.prompt),
+            text=str(e.text),
+            tokens=int(e.tokens),
+            seconds=float(e.seconds),
+        )
         self.samples.append(clean)
         self.sample_seconds += clean.seconds
 

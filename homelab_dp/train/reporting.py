@@ -12,8 +12,8 @@ fed from rank 0's event stream: `train.metrics.EventLog` hands each event it wri
   ``gpu{i}/power_w`` (on the CPU ``rank{r}/memory_used_bytes`` and ``rank{r}/utilization_pct``,
   the rank's RSS and CPU %), at the first logged step the newest sample taken while loading;
 - an ``eval`` event: ``eval/loss``, ``eval/perplexity`` (then a flush);
-- ``sample`` events (answers while training, `train.sample_answers`): gathered until the step's last,
-  then one table at that step: TensorBoard text ``samples`` (a Markdown table: prompt, answer,
+- ``sample`` events (answers while training, `train.sample_answers`): gathered until the
+  step's last, then one table at that step: TensorBoard text ``samples`` (a Markdown table: prompt, answer,
   tokens, seconds), a W&B table ``samples`` (every row so far: W&B tables are immutable),
   an MLflow text artifact ``samples/step-NNNNNN.md``;
 - ``end``: flush and close; ``error``: flush.

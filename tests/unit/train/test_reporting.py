@@ -248,5 +248,6 @@ def test_a_steps_samples_are_one_table_at_that_step_in_tensorboard_and_every_log
     assert [n for n, _ in texts] == [2, 4]
     assert texts[0][1].splitlines() == [
         "| prompt | answer | tokens | seconds |", "|---|---|---|---|",
-        "| Name a colour. | Red \\| blue<br>and green | 3 | 0.50 |", "| Two plus two? | 4 | 3 | 0.50 |",
+        "| Name a colour. | Red \\| blue<br>and green | 3 | 0.50 |",
+        "| Two plus two? | 4 | 3 | 0.50 |",
     ]  # fmt: skip

@@ -1,6 +1,7 @@
 """Samples while training without processes (`train.sample_answers`, `data.sample_prompts`): when,
 which prompts, that generation leaves the random states and module modes as they were, and that
-the KV-cache decoding is what transformers' generate does. The run: tests/integration/test_samples.py."""
+the KV-cache decoding is what transformers' generate does. The run:
+tests/integration/test_samples.py."""
 
 from __future__ import annotations
 
@@ -99,8 +100,10 @@ def test_given_prompts_win_and_render_as_the_run_trains(tok, tmp_path: Path) -> 
 def test_eval_data_prompts_before_the_training_data(tok) -> None:
     _, train = _blocks(tok, [{"instruction": "train me", "output": "x"}], "instruction", True)
     _, ev = _blocks(tok, [{"instruction": "eval me", "output": "y"}], "instruction", True)
-    data = SimpleNamespace(tokenizer=tok, fmt="instruction", eval=ev, input_ids=train.input_ids,
-                           labels=train.labels, positions=train.positions, mask=train.mask)  # fmt: skip
+    data = SimpleNamespace(
+        tokenizer=tok, fmt="instruction", eval=ev, input_ids=train.input_ids,
+        labels=train.labels, positions=train.positions, mask=train.mask,
+    )  # fmt: skip
     assert [p.text for p in choose_prompts([], data)] == [format_instruction("eval me")]
     data.eval = None
     assert [p.text for p in choose_prompts([], data)] == [format_instruction("train me")]
@@ -131,8 +134,10 @@ def test_decode_is_what_generate_does_greedily(tok, small_model) -> None:
     small_model.eval()
     eos = {tok.eos_token_id}
     new = decode(small_model, prompt, max_tokens=10, eos=eos, device=torch.device("cpu"))
-    out = small_model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    out = small_model.generate(
+        torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
     assert new == out[0, len(prompt) :].tolist() and len(new) >= 1
 
 
