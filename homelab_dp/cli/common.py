@@ -14,7 +14,7 @@ from homelab_dp.render.errors import error_lines
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 RUNS_COMMANDS = ("run", "runs", "status", "attach", "stop", "resume", "measure", "eval", "chat",
-                 "serve", "export")  # fmt: skip
+                 "serve", "export", "bench", "sweep")  # fmt: skip
 """The commands that read or make runs: each takes ``--runs DIR``."""
 RUNS_HELP = (
     "the runs folder to use (created if missing); overrides $HOMELAB_DP_RUNS. Default: "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from homelab_dp.cli.common import add_runs_option, print_json
+from homelab_dp.cli.common import print_json
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -58,5 +58,4 @@ def register(sub: Any) -> None:
     p.add_argument("--gpus", help="cpu:N runs every point on N CPU processes")
     p.add_argument("--json", action="store_true", help="the sweep id and every point as JSON")
     add_notify_option(p)
-    add_runs_option(p)
     p.set_defaults(func=cmd_sweep)

@@ -40,6 +40,8 @@ TARGETS = {  # the hardware each shipped preset's header names
     "mistral-7b-full-fsdp-4x80gb": "4x80GiB",
     "smollm2-135m-lora-2x12gb": "2x12GiB",
     "tiny-demo": None,
+    "qwen3-30b-a3b-qlora-2x24gb": "2x24GiB",
+    "gpt-oss-20b-lora-2x24gb": "2x24GiB",
 }
 
 
