@@ -214,6 +214,10 @@ def activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
     """Activations saved for backward at the end of the forward pass (logits excluded)."""
     tokens = shape.micro_batch * shape.seq_len
     outer = outer_activation_bytes(spec, shape) * tokens + 2 * shape.seq_len * spec.head_dim * 4
+    if spec.experts is not None and spec.experts.aux_loss_coef > 0:
+        # The router's load-balancing loss keeps the fp32 softmax of every MoE layer's router
+        # logits for backward (measured: tokens × experts × 4 bytes per layer).
+        outer += spec.experts.layers * tokens * spec.experts.count * 4
     if shape.activation_checkpointing:
         # Each layer keeps only its output (the next layer's input), in the residual dtype.
         res = 4 if shape.dtype == "fp32" or not is_fsdp(shape) else 2

@@ -240,3 +240,11 @@ def test_qlora_load_holds_a_whole_expert_stack_on_the_host() -> None:
     assert h.phases["load"][0] == CUDA_HOST_RUNTIME_BYTES + stack * 2  # read in 16 bits
     b = budget(spec, shape)
     assert b.buffers >= 2 * stack * 2  # dequantized whole for the grouped matmul
+
+
+def test_router_aux_loss_keeps_each_moe_layers_router_softmax() -> None:
+    aux = replace(MOE, experts=replace(EXPERTS, aux_loss_coef=0.01))
+    for ckpt in (False, True):
+        shape = _shape("lora", activation_checkpointing=ckpt)
+        extra = budget(aux, shape).activations - budget(MOE, shape).activations
+        assert extra == 3 * 2 * 256 * 8 * 4  # MoE layers × tokens × experts × fp32
