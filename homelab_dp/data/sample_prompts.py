@@ -14,6 +14,8 @@ from pathlib import Path
 from homelab_dp.errors import DataError
 
 FIELD = "data.sample_prompts"
+DATA_PROMPTS = 3
+"""Prompts taken from the data when ``data.sample_prompts`` is empty."""
 SUFFIXES = (".txt", ".jsonl")
 
 
@@ -74,3 +76,12 @@ def read_sample_prompts(value: str | list[str]) -> list[str]:
             hint="write at least one prompt, or leave data.sample_prompts out",
         )
     return prompts
+
+
+def prompt_count(value: str | list[str]) -> int:
+    """How many prompts a run answers at each sampling (`DATA_PROMPTS` when none are given,
+    or when the file cannot be read here: the preflight names that error)."""
+    try:
+        return len(read_sample_prompts(value)) or DATA_PROMPTS
+    except DataError:
+        return DATA_PROMPTS

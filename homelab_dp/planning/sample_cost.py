@@ -19,9 +19,14 @@ what a run measures is in its ``sample`` events (``seconds``), and the run's ETA
 from __future__ import annotations
 
 import math
+from typing import Any
 
+from homelab_dp.data.sample_prompts import prompt_count
 from homelab_dp.planning.flops import causal_span, flops_per_token
 from homelab_dp.planning.model_spec import ModelSpec
+
+PROMPT_TOKENS = 64
+"""The prompt length a plan assumes (at most data.seq_len): the prompts are not tokenized yet."""
 
 
 def sampling_rounds(
@@ -70,3 +75,24 @@ def sample_seconds(
         return 0.0
     tokens = prompt_tokens + max_tokens
     return rounds * prompts * tokens * forward_flops_per_token(spec, tokens) / rate
+
+
+def planned_sample_seconds(
+    spec: ModelSpec,
+    preset: Any,
+    total_steps: int,
+    *,
+    train_tokens_per_s: float,
+    train_flops_per_token: float,
+) -> float:
+    """`sample_seconds` of a preset's run of ``total_steps`` steps (``preset``: a
+    `presets.preset.Preset`), at the training throughput the plan expects."""
+    data, train = preset.data, preset.train
+    rounds = sampling_rounds(train.sample_every, total_steps, eval_every=int(train.eval_every),
+                             has_eval=bool(data.eval_path or data.eval_fraction > 0))  # fmt: skip
+    return sample_seconds(
+        spec, rounds=rounds, prompts=prompt_count(data.sample_prompts),
+        prompt_tokens=min(PROMPT_TOKENS, int(data.seq_len)),
+        max_tokens=int(train.sample_max_tokens), train_tokens_per_s=train_tokens_per_s,
+        train_flops_per_token=train_flops_per_token,
+    )  # fmt: skip

@@ -38,13 +38,11 @@ from typing import Any
 
 import torch
 
-from homelab_dp.data.sample_prompts import read_sample_prompts
+from homelab_dp.data.sample_prompts import DATA_PROMPTS, read_sample_prompts
 from homelab_dp.data.tokenize import IGNORE_INDEX, format_instruction
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import SampleEvent
 
-DATA_PROMPTS = 3
-"""Prompts taken from the data when ``data.sample_prompts`` is empty."""
 TEXT_PROMPT_TOKENS = 16
 """The prompt of a text sample (which has no prompt part): its first tokens, at most half."""
 SEED_STRIDE = 1_000_003

@@ -10,6 +10,7 @@ from homelab_dp.planning.flops import causal_span, flops_per_token, linear_matmu
 from homelab_dp.planning.model_spec import spec_from_config
 from homelab_dp.planning.sample_cost import (
     forward_flops_per_token,
+    planned_sample_seconds,
     sample_seconds,
     sampling_rounds,
 )
@@ -49,3 +50,22 @@ def test_seconds_are_the_generated_tokens_forward_flops_at_the_training_flop_rat
     zero = dict(rounds=5, prompts=3, prompt_tokens=16, max_tokens=48, train_flops_per_token=train)
     assert sample_seconds(LLAMA3_8B, train_tokens_per_s=0.0, **zero) == 0.0  # throughput unknown
     assert sample_seconds(LLAMA3_8B, train_tokens_per_s=1.0, **{**zero, "rounds": 0}) == 0.0
+
+
+def test_a_presets_sample_time_counts_its_rounds_and_prompts(tmp_path) -> None:
+    from homelab_dp.presets.preset import preset_from_dict
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n\nthree\nfour\n", encoding="utf-8")
+    kw = {"train_tokens_per_s": 1000.0, "train_flops_per_token": 6e9}
+
+    def preset(data: dict, train: dict):
+        return preset_from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl", **data},
+                                 "train": train})  # fmt: skip
+
+    one = sample_seconds(LLAMA3_8B, rounds=1, prompts=1, prompt_tokens=64, max_tokens=48, **kw)
+    p = preset({"sample_prompts": str(prompts)}, {"sample_every": 25})
+    assert planned_sample_seconds(LLAMA3_8B, p, 100, **kw) == pytest.approx(4 * 4 * one)
+    p = preset({"eval_fraction": 0.1}, {"eval_every": 50})  # default: with each eval, 3 prompts
+    assert planned_sample_seconds(LLAMA3_8B, p, 100, **kw) == pytest.approx(2 * 3 * one)
+    assert planned_sample_seconds(LLAMA3_8B, preset({}, {}), 100, **kw) == 0.0  # no eval data
