@@ -3,7 +3,8 @@
     python benchmarks/memory_accuracy.py [--steps 3] [--only SUBSTRING ...] [--json]
 
 Families: LLaMA-style with grouped-query attention, Qwen2-style with tied embeddings and q/k/v
-biases, Mixture-of-Experts Qwen3-MoE (8 experts, top-2) and Mixtral (4 experts, top-2), GPT-2
+biases, Mixture-of-Experts Qwen3-MoE (8 experts, top-2), Mixtral and gpt-oss (4 experts, top-2; also
+with LoRA, the experts frozen), GPT-2
 (dropout 0.1, hence SDPA's math kernel on the CPU); activation checkpointing off and
 on; five micro-batch × seq_len shapes, one with accumulation; padded batches. Full fine-tune in
 fp32 with DDP on a one-process gloo group and foreach AdamW — the worker's own functions

@@ -12,7 +12,7 @@ its block-diagonal mask); padded cases are one sample per row with their attenti
 before the model load, like a `homelab-dp measure` run, and the peak over a few steps (so that the
 optimizer state exists and DDP has rebuilt its buckets) is compared with the planner's predicted
 peak of tensor memory, ``Budget.tensors``. `benchmarks/memory_accuracy.py` prints the grid.
-The Mixture-of-Experts families (tiny Qwen3-MoE and Mixtral) run transformers' default experts
+The Mixture-of-Experts families (tiny Qwen3-MoE, Mixtral and gpt-oss) run transformers' default experts
 implementation (grouped_mm), so the routed tokens' activations are what the worker's are.
 """
 
@@ -66,6 +66,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": False,
     },
+    # gpt-oss: 4 experts with biases and the clamped gate, top-2, attention sinks, a sliding layer.
+    "gpt-oss": {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 3000,
+        "hidden_size": 96, "intermediate_size": 64, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 24, "max_position_embeddings": 512,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64,
+        "tie_word_embeddings": False,
+    },
     # GPT-2 (learned positions, LayerNorm, GELU, dropout 0.1 everywhere, tied lm_head).
     "gpt2": {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 2000,
@@ -109,10 +118,10 @@ GRID: tuple[Case, ...] = tuple(
     for ck in (False, True)
 ) + tuple(Case(fam, 4, 128, ck, 1, padded=True) for fam in ("llama-gqa", "qwen2-tied")
           for ck in (False, True)) + tuple(
-    Case(fam, b, s, ck, method="lora") for fam in ("qwen3-moe", "mixtral")
+    Case(fam, b, s, ck, method="lora") for fam in ("qwen3-moe", "mixtral", "gpt-oss")
     for (b, s) in ((1, 64), (4, 128)) for ck in (False, True))  # fmt: skip
 """Every family × five shapes × activation checkpointing off/on, padded batches of the
-LLaMA-style families and LoRA on the MoE families (62 cases)."""
+LLaMA-style families and LoRA on the MoE families (76 cases)."""
 
 
 @dataclass
