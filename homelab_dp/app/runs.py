@@ -149,11 +149,13 @@ def check_data(
     The tokenized samples go into the token cache (`homelab_dp.data.token_cache`), where every
     rank of the run reads them instead of tokenizing again."""
     from homelab_dp.data.eval_split import load_train_eval
+    from homelab_dp.data.sample_prompts import read_sample_prompts
     from homelab_dp.data.samples import source_of
     from homelab_dp.data.token_cache import TokenizerRef
 
     # Before the tokenizer loads: a typo in a path or id is named at once.
     source_of(preset.data)
+    read_sample_prompts(preset.data.sample_prompts)  # a bad prompts file, before any spawn
     if preset.data.eval_path:
         source_of(preset.data, eval_data=True)
     # Loaded only if the token cache misses: a hit imports no transformers here (seconds).

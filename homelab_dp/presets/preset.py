@@ -455,6 +455,9 @@ def _cross_checks(preset: Preset, data: dict[str, Any]) -> list[str]:
         elif any(i < 0 for i in devices) or len(set(devices)) != len(devices):
             problems.append(f"hardware.devices: indices must be distinct and >= 0, got {devices}")
     train = preset.train
+    every = train.sample_every
+    if isinstance(every, int) and not isinstance(every, bool) and every < 1:
+        problems.append(f'train.sample_every: must be at least 1, "eval" or "off", got {every}')
     if train.method == "qlora" and train.distribution == "zero1":
         problems.append("train.distribution: qlora runs under ddp, fsdp-grad-op or fsdp-full "
                         "(ZeRO-1 shards only the adapters' tiny optimizer state), got 'zero1'")  # fmt: skip

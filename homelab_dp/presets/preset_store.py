@@ -104,6 +104,8 @@ def with_resolved_paths(preset: Preset) -> Preset:
     data = replace(preset.data, path=_resolve_path(preset.data.path, source))
     if data.eval_path:  # "" stays "": no eval file
         data = replace(data, eval_path=_resolve_path(data.eval_path, source))
+    if isinstance(data.sample_prompts, str) and data.sample_prompts:  # a file of prompts
+        data = replace(data, sample_prompts=_resolve_path(data.sample_prompts, source))
     return replace(preset, model=model, data=data)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from rich.text import Text
 
 from homelab_dp.probe.hardware import format_bytes
-from homelab_dp.render.run_view import STATUS_STYLE, eval_summary
+from homelab_dp.render.run_view import STATUS_STYLE, eval_summary, sample_line
 from homelab_dp.render.text import duration, mfu_text
 
 NO_RUNS = "no runs yet; start one with: homelab-dp run tiny-demo"
@@ -110,6 +110,8 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"energy    {doc['energy_wh']:.2f} Wh{extra}{cost}")
     if doc.get("eval"):  # validation while training: the latest eval and the best
         lines.append(f"eval      {eval_summary(doc['eval'])}")
+    if doc.get("sample"):
+        lines.append(f"sample    {sample_line(doc['sample']).removeprefix('sample ')}")
     if doc.get("last_checkpoint_step") is not None:
         lines.append(f"checkpoint step {doc['last_checkpoint_step']}")
     if doc.get("final_path"):

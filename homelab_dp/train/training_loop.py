@@ -312,6 +312,7 @@ class Trainer:
         last_t, last_tokens, last_step = last_log
         span = max(now - last_t, 1e-9)
         tokens_per_s = (self.tokens - last_tokens) / span
+        aux_loss = self.model.strategy.take_aux_loss()  # every rank: a collective with an aux
         self.events.write(StepEvent(
             step=step, total_steps=self.data.total_steps,
             epoch=step * r.effective / self.data.n_blocks, loss=self.last_loss, lr=lr,
@@ -321,6 +322,7 @@ class Trainer:
             step_time_s=now - wall0, rank_step_times_s=[row[1] for row in rows],
             peak_memory_bytes=[int(row[2]) for row in rows], peak_memory_kind=self.memory_kind,
             tokens=self.tokens, samples=step * r.effective, mfu=self.flops.mfu(tokens_per_s),
+            aux_loss=aux_loss,
         ))  # fmt: skip
         for slow in self.stragglers.update([row[1] for row in rows]):
             self.events.write(

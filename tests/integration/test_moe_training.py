@@ -129,6 +129,15 @@ def test_trains_and_two_ranks_match_one(family: str, runs: Runs) -> None:
     assert [e["step"] for e in steps] == [1, 2, 3]
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.05, [e["loss"] for e in steps]
     assert events(two, "end")[-1]["reason"] == "completed"
+    # The router's aux loss is trained on and logged where the config asks for it, the same
+    # mean on 2 ranks as on 1 (the same micro-batches); none is logged where it does not.
+    aux_two = [e.get("aux_loss") for e in steps]
+    aux_one = [e.get("aux_loss") for e in events(one, "step")]
+    if family in AUX:
+        assert all(a is not None and a > 0 for a in aux_two), aux_two
+        assert max(abs(a - b) for a, b in zip(aux_two, aux_one, strict=True)) < 1e-6 * aux_two[0]
+    else:
+        assert aux_two == [None] * len(steps), aux_two
     assert max_abs_diff(final_weights(two), final_weights(one)) < TOL
     start = events(two, "start")[-1]
     assert start["world_size"] == 2 if "world_size" in start else True
