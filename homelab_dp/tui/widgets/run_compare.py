@@ -1,0 +1,133 @@
+"""The Runs screen's comparison: `runs compare`'s document (`app.compare.compare`) as a table,
+one row a run, best eval loss first (the settings that differ, eval losses, scores, speed,
+memory, energy, duration), and each run's last sample for the same prompt side by side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import DataTable, Static
+
+from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.render.text import duration
+
+FIXED = ("#", "run", "status")
+FIGURES = ("eval loss", "best (step)", "tok/s", "MFU", "peak mem", "energy", "time")
+
+
+def setting_text(value: Any) -> str:
+    """A preset value as the preset file writes it (``true``, ``0.0003``, ``[1, 2]``)."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def score_keys(doc: dict[str, Any]) -> list[str]:
+    """``task.metric`` of every numeric benchmark score of any run (stderr left out), in the
+    order they first appear."""
+    keys: dict[str, None] = {}
+    for run in doc["runs"]:
+        for task, metrics in run["scores"].items():
+            for metric, value in metrics.items():
+                if "stderr" not in metric and isinstance(value, (int, float)):
+                    keys[f"{task}.{metric}"] = None
+    return list(keys)
+
+
+def compare_columns(doc: dict[str, Any]) -> list[str]:
+    """The table's headers: rank, run, status, each differing setting, the figures, then
+    each benchmark score."""
+    return [*FIXED, *doc["differ"], *FIGURES, *score_keys(doc)]
+
+
+def _loss(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"
+
+
+def compare_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """One row of cells a run, in the document's order (ranked by final eval loss)."""
+    scores = score_keys(doc)
+    rows = []
+    for r in doc["runs"]:
+        best = _loss(r["best_eval_loss"])
+        if r["best_step"] is not None:
+            best += f" ({r['best_step']})"
+        tasks = r["scores"]
+        rows.append(
+            [
+                str(r["rank"]),
+                r["run_id"],
+                str(r["status"]),
+                *(setting_text(r["settings"].get(k)) for k in doc["differ"]),
+                _loss(r["eval_loss"]),
+                best,
+                "–" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
+                "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+                "–" if r["peak_memory_bytes"] is None else format_bytes(r["peak_memory_bytes"]),
+                "–" if r["energy_wh"] is None else f"{r['energy_wh']:.2f} Wh",
+                duration(r["duration_s"]),
+                *(
+                    setting_text(tasks.get(k.split(".", 1)[0], {}).get(k.split(".", 1)[1]))
+                    for k in scores
+                ),
+            ]
+        )
+    return rows
+
+
+def head_text(doc: dict[str, Any]) -> str:
+    """The line above the table: how many runs, the order, the settings that differ."""
+    differ = ", ".join(doc["differ"]) or "none"
+    return f"{len(doc['runs'])} runs, best eval loss first; settings that differ: {differ}"
+
+
+def sample_title(run: dict[str, Any], prompt: str) -> str:
+    """A sample pane's title: the run's rank, id and the step of its last sample."""
+    return f"#{run['rank']} {run['run_id']} · step {run['samples'][prompt].get('step')}"
+
+
+class CompareView(Vertical):
+    """The comparison of a `runs compare` document: head line, table, samples side by side."""
+
+    def __init__(self, doc: dict[str, Any], *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.doc = doc
+
+    def compose(self) -> ComposeResult:
+        doc = self.doc
+        yield Static(Text(head_text(doc)), id="compare-head")
+        yield DataTable(id="compare-table", cursor_type="row", zebra_stripes=True)
+        prompt = doc.get("sample_prompt")
+        if prompt is None:
+            yield Static(
+                Text("no prompt has a sample in every run (train.sample_every)"),
+                id="compare-prompt",
+            )
+            return
+        yield Static(Text(f"last sample for: {' '.join(prompt.split())}"), id="compare-prompt")
+        with VerticalScroll(id="compare-samples"), Horizontal(id="compare-sample-row"):
+            for run in doc["runs"]:
+                pane = Static(
+                    Text(run["samples"][prompt].get("text") or ""),
+                    classes="compare-sample",
+                    id=f"compare-sample-{run['rank']}",
+                )
+                pane.border_title = sample_title(run, prompt)
+                yield pane
+
+    def on_mount(self) -> None:
+        table = self.query_one("#compare-table", DataTable)
+        rows = compare_rows(self.doc)
+        # Widths set here, as on the Runs table: a frame drawn before DataTable measures its
+        # cells would stay cached with every column as narrow as its header.
+        for index, name in enumerate(compare_columns(self.doc)):
+            table.add_column(name, width=max([len(name), *(len(row[index]) for row in rows)]))
+        for cells in rows:
+            table.add_row(*cells)
