@@ -40,6 +40,7 @@ from torch import nn
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.nf4_quantization import nf4_config
+from homelab_dp.planning.model_spec import read_config
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation
@@ -65,6 +66,17 @@ from homelab_dp.train.trainable_model import (
 )
 
 _DDP_HINT = "set train.distribution = 'ddp' (QLoRA then loads the whole 4-bit model on each rank)"
+
+
+ROUTED_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""The config.json keys that count a MoE model's routed experts."""
+
+
+def has_routed_experts(model_dir: str | Path) -> bool:
+    """Whether the model folder's config.json describes routed experts (a MoE model), whose
+    fused expert stacks QLoRA quantizes as it streams them (`build_on_meta`)."""
+    cfg = read_config(model_dir)
+    return any(isinstance(cfg.get(k), int) and cfg[k] > 1 for k in ROUTED_EXPERT_KEYS)
 
 
 def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> Any:

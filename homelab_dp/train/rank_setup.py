@@ -38,7 +38,7 @@ from homelab_dp.train.loss import install_loss_head, unsupported_reason
 from homelab_dp.train.memtrack import WorkerMemory
 from homelab_dp.train.metrics import all_gather_flat, peak_memory_kind
 from homelab_dp.train.packing_check import check_model
-from homelab_dp.train.quantized_load import build_on_meta
+from homelab_dp.train.quantized_load import build_on_meta, has_routed_experts
 from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
 from homelab_dp.train.strategy import (
     SampleOrder,
@@ -227,8 +227,15 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     # FSDP2 loads sharded: the model on meta, rank 0 alone reading the weights (train.model);
     # QLoRA's 4-bit weights are quantized as rank 0 reads them (train.quantized_load).
     sharded = resolved.distribution in SHARDED
-    if sharded and resolved.method == "qlora":
+    if resolved.method == "qlora" and (sharded or has_routed_experts(spec.preset.model.path)):
         loaded = build_on_meta(spec.preset, resolved, compute_dtype(resolved))
+        if not sharded:
+            # DDP QLoRA of a MoE model streams too: from_pretrained would hold every fused
+            # expert stack in 16-bit on the card before they are quantized (bitsandbytes only
+            # converts nn.Linear as it loads). Each rank gets the whole 4-bit model, broadcast
+            # tensor by tensor as rank 0 reads and quantizes it.
+            loaded.materializer(loaded, device)
+            loaded.on_meta, loaded.materializer = False, None
     else:
         loaded = load_model(spec.preset, resolved, device, sharded=sharded)
     _count_loaded(memory, loaded)
