@@ -79,10 +79,10 @@ async def test_choosing_a_preset_with_the_keyboard_loads_its_fields(
         await pilot.press("enter")  # open the list
         await pilot.press("home", "enter")  # the first preset, alphabetically
         await wait_for(pilot, lambda: app.session.preset_name != "tiny-demo", what="the preset")
-        assert app.session.preset_name == "llama3-8b-qlora-2x24gb"
+        assert app.session.preset_name == "gpt-oss-20b-lora-2x24gb"
         seq_len = app.screen.query_one(f"#{field_id('data.seq_len')}", Input)
         assert seq_len.value == "2048"
-        assert "QLoRA" in plain(app, "#plan-view")
+        assert "LoRA" in plain(app, "#plan-view") and "active" in plain(app, "#plan-view")
 
 
 @pytest.mark.usefixtures("gpus_2x3090")
