@@ -90,6 +90,12 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
+    if preset.model.text_only:  # the streamed reader knows no multimodal checkpoint names
+        raise HomelabError(
+            "model.text_only: not with QLoRA's streamed load (FSDP2, or any MoE model)",
+            hint="set model.text_only = false (the vision tower then loads frozen), or use "
+            "train.method = 'lora'",
+        )
     remote = preset.model.trust_remote_code
     qconfig = nf4_config(compute, storage=compute)
     config = AutoConfig.from_pretrained(preset.model.path, trust_remote_code=remote)

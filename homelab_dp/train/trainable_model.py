@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ def load_model(
             device.type, resolved.dtype, capability=card_capability(device)
         ),
         **experts_implementation(resolved),
+        **text_only_load(preset),
     }
     if method == "qlora":
         kwargs["quantization_config"] = nf4_config(compute)
@@ -214,7 +216,7 @@ def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
     source = None
     if dist.get_rank() == 0:  # the model every DDP rank would load, adapters and all
         source = load_model(preset, resolved, torch.device("cpu")).model
-    config = AutoConfig.from_pretrained(
+    config = text_only_load(preset).get("config") or AutoConfig.from_pretrained(
         preset.model.path, trust_remote_code=preset.model.trust_remote_code
     )
     dtype = compute_dtype(resolved) if resolved.method == "lora" else master_dtype(resolved)
@@ -428,6 +430,31 @@ def prequantized(preset: Preset) -> str | None:
     return str(quant.get("quant_method")) if isinstance(quant, dict) else None
 
 
+TEXT_KEYS = {
+    r"^language_model\.model\.": "model.",  # the layout Gemma 3 and Mistral 3 were saved in
+    r"^language_model\.lm_head\.": "lm_head.",
+    r"^model\.language_model\.": "model.",  # transformers 5's own layout
+}
+"""How a multimodal checkpoint's language-model tensors are named in the text-only model."""
+
+
+def text_only_load(preset: Preset) -> dict[str, Any]:
+    """``from_pretrained`` arguments that load a multimodal wrapper's language model alone
+    (``model.text_only``): its ``text_config`` and the checkpoint's names mapped to it, the
+    vision tower left unread. {} when the preset keeps the whole model or has no text_config."""
+    if not preset.model.text_only:
+        return {}
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        preset.model.path, trust_remote_code=preset.model.trust_remote_code
+    )
+    text = getattr(config, "text_config", None)
+    if text is None:
+        return {}
+    return {"config": text, "key_mapping": dict(TEXT_KEYS)}
+
+
 def freeze_non_text(model: nn.Module) -> int:
     """Freeze the parts of a multimodal wrapper outside its language model (vision tower,
     projector: `train.lora.is_outside_text`), which text data never trains; how many parameters.
@@ -445,7 +472,9 @@ def count_params(model: nn.Module) -> int:
     total = 0
     for p in model.parameters():
         n = p.numel()
-        if p.dtype == torch.uint8 and hasattr(p, "quant_state"):
+        if hasattr(p, "nf4_logical_shape"):  # a fused expert stack in NF4 (quantized_experts)
+            n = math.prod(p.nf4_logical_shape)
+        elif p.dtype == torch.uint8 and hasattr(p, "quant_state"):
             n *= 2
         total += n
     return total
