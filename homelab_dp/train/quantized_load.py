@@ -191,10 +191,19 @@ class _Checkpoint:
         from a checkpoint that stores it fused, or stacked from one stored per expert as the
         published Qwen-MoE (``experts.N.gate_proj/up_proj/down_proj``) and Mixtral
         (``experts.N.w1/w3/w2``) checkpoints are: gate and up concatenated, gate first, as
-        transformers' own conversion (``conversion_mapping``) makes it. None if absent."""
+        transformers' own conversion (``conversion_mapping``) makes it, or dequantized from the
+        MXFP4 blocks and scales gpt-oss ships (transformers' own dequantization, which
+        ``Mxfp4Config(dequantize=True)`` uses), then re-quantized to NF4. None if absent."""
         key = self.key_for(name, prefix)
         if key is not None:
             return self.get(key)
+        blocks, scales = (self.key_for(f"{name}_{part}", prefix) for part in ("blocks", "scales"))
+        if blocks is not None and scales is not None:  # gpt-oss's MXFP4: dequantized first
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            return convert_moe_packed_tensors(
+                self.get(blocks), self.get(scales), dtype=torch.float32
+            )
         owner, _, attr = name.rpartition(".")
         parts = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
                  "up_proj": (("up_proj",), ("w3",)),
