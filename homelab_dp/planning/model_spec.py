@@ -203,7 +203,9 @@ class ModelSpec:
         return self.layers * self.linear_params_per_layer + self._mlp_params(per_moe_layer)
 
     def lora_params(self, r: int, targets: str | list[str] = "all-linear") -> int:
-        """Trainable LoRA parameters: r·(d_in + d_out) per adapted linear, in every layer."""
+        """Trainable LoRA parameters of a dense model: r·(d_in + d_out) per adapted linear, in
+        every layer (what the planner counts for any model, MoE included, is
+        `planning.memory.moe_memory.lora_param_count`)."""
         chosen = self.lora_targets(targets)
         return self.layers * sum(r * (lin.d_in + lin.d_out) for lin in chosen)
 
