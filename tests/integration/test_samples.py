@@ -69,7 +69,7 @@ def _checkpoint_model(run_dir: Path, step: int, base: Path) -> Any:
     return model.eval()
 
 
-def test_sample_events_at_each_period_and_the_end(pair: tuple[Path, Path]) -> None:
+def _sample_events_at_each_period_and_the_end(pair: tuple[Path, Path]) -> None:
     with_samples, without = pair
     samples = events(with_samples, "sample")
     assert [(e["step"], e["prompt"]) for e in samples] == [
@@ -80,7 +80,7 @@ def test_sample_events_at_each_period_and_the_end(pair: tuple[Path, Path]) -> No
     assert events(without, "sample") == []
 
 
-def test_step_2_sample_is_what_its_checkpoint_generates_greedily(
+def _step_2_sample_is_what_its_checkpoint_generates_greedily(
     pair: tuple[Path, Path], tiny_model: Path
 ) -> None:
     import torch
@@ -104,7 +104,7 @@ def test_step_2_sample_is_what_its_checkpoint_generates_greedily(
     assert got == wanted
 
 
-def test_samples_change_nothing_of_the_training(pair: tuple[Path, Path]) -> None:
+def _samples_change_nothing_of_the_training(pair: tuple[Path, Path]) -> None:
     from safetensors.torch import load_file
 
     with_samples, without = pair
@@ -117,3 +117,12 @@ def test_samples_change_nothing_of_the_training(pair: tuple[Path, Path]) -> None
         assert json.loads((a / name).read_text()) == json.loads((b / name).read_text())
     for shard in sorted(a.glob("*.safetensors")):
         assert bitwise_equal(load_file(shard), load_file(b / shard.name))
+
+
+def test_samples_while_training(pair: tuple[Path, Path], tiny_model: Path) -> None:
+    """One test over the pair of runs, so that pytest's two workers never launch it twice:
+    sample events at each period and the end; the step-2 answer is what that step's
+    checkpoint generates greedily; the training is bitwise the run without samples."""
+    _sample_events_at_each_period_and_the_end(pair)
+    _step_2_sample_is_what_its_checkpoint_generates_greedily(pair, tiny_model)
+    _samples_change_nothing_of_the_training(pair)
