@@ -10,7 +10,6 @@ The keeper polls it (`homelab_dp.supervise.keeper`); `start` refuses with it (`c
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -20,14 +19,15 @@ from typing import Any
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.probe.hardware import mig_on
 from homelab_dp.probe.nvml import probe
-from homelab_dp.runs.folder.run_folder import read_run_spec
+from homelab_dp.runs.folder.run_folder import append_event, read_run_spec
 from homelab_dp.runs.folder.run_index import known_runs
 from homelab_dp.runs.folder.run_state import (
     ACTIVE,
     current_state,
     is_run_process,
-    signal_run_process,
+    update_state,
 )
+from homelab_dp.runs.run_events import StateEvent
 from homelab_dp.runs.run_spec import RunSpec
 
 CPU_HOST = "cpu"
@@ -216,21 +216,35 @@ def check_devices_free(devices: Devices, root: Path) -> None:
     )
 
 
+STOPPED_QUEUED = "stopped while queued; nothing was started"
+"""The reason of a run stopped before its turn came."""
+
+
 def leave_queue(run_dir: Path, state: dict[str, Any], timeout: float) -> dict[str, Any] | None:
     """Stop a queued run: its keeper leaves the queue (interrupted, nothing started); the final
-    state, or None when its turn came first (the run is active: stop it as a run)."""
+    state, or None when its turn came first (the run is active: stop it as a run).
+
+    The request is a mark in state.json (``stop_requested``) that the keeper reads at each look
+    at the queue, not a signal: a keeper that has just been spawned (``run --queue --detach``
+    returns at once) may not have its handler yet, and a signal would kill it with the run left
+    queued for ever. A keeper that is gone all the same (killed) leaves the run to this side:
+    it is ended here as the keeper would have ended it."""
     keeper = (state.get("pids") or {}).get("keeper")
-    if keeper:  # only while it is still this run's keeper (a reused pid is left alone)
-        signal_run_process(state, int(keeper), signal.SIGTERM, run_dir)
+    update_state(run_dir, stop_requested=time.time())
     deadline = time.time() + timeout
     while time.time() < deadline:
         state = current_state(run_dir)
         if state.get("status") in ACTIVE:
             return None
-        if state.get("status") != "queued" and not (
-            keeper and is_run_process(state, int(keeper), run_dir)
-        ):
+        alive = bool(keeper) and is_run_process(state, int(keeper), run_dir)
+        if state.get("status") != "queued" and not alive:
             return state
+        if state.get("status") == "queued" and not alive:
+            append_event(run_dir, StateEvent(status="interrupted", reason=STOPPED_QUEUED))
+            return update_state(run_dir, status="interrupted", reason=STOPPED_QUEUED,
+                                ended=time.time(), queue=None, queued_only=True)  # fmt: skip
+        if state.get("status") == "queued" and not state.get("stop_requested"):
+            update_state(run_dir, stop_requested=time.time())  # lost to the keeper's own write
         time.sleep(0.2)
     raise RunStateError(
         f"run {run_dir.name}: still queued {timeout:.0f} s after the stop request",

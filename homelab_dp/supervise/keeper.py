@@ -258,6 +258,9 @@ def wait_in_queue(run_dir: Path) -> bool:
     need = spec.planned_bytes.get("total")
     shown: dict[str, Any] | None = None
     while not stopped:
+        if read_state(run_dir).get("stop_requested"):  # `stop` marks it (run_queue.leave_queue)
+            stopped.append(signal.SIGTERM)
+            break
         others = queue.others(run_dir.parent, run_dir.name)
         now = queue.waiting(run_dir.name, created, devices, others)
         if not now.waiting_for and not devices.cpu and need:  # probe only when it is our turn
@@ -270,7 +273,7 @@ def wait_in_queue(run_dir: Path) -> bool:
             update_state(run_dir, queue=shown)
         time.sleep(QUEUE_POLL_S)
     if stopped:
-        reason = "stopped while queued; nothing was started"
+        reason = queue.STOPPED_QUEUED
         update_state(
             run_dir,
             status="interrupted",
@@ -281,7 +284,8 @@ def wait_in_queue(run_dir: Path) -> bool:
         )
         append_event(run_dir, StateEvent(status="interrupted", reason=reason))
         return False
-    update_state(run_dir, status="starting", reason=None, queue=None, started=time.time())
+    update_state(run_dir, status="starting", reason=None, queue=None, started=time.time(),
+                 stop_requested=None)  # fmt: skip
     append_event(run_dir, StateEvent(status="starting", reason="its turn in the queue"))
     return True
 

@@ -28,6 +28,7 @@ def wait_final(run_dir: Path, deadline: float) -> dict:
     return state
 
 
+@pytest.mark.timeout(GUARD_S + 60)  # five runs one after another: past pytest's default 300 s
 def test_a_2x2_sweep_runs_in_order_ranks_by_eval_loss_and_notifies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
