@@ -50,7 +50,8 @@ async def _to(pilot, screen: RunsScreen, run_id: str) -> None:
 
 def _labels(screen: RunsScreen) -> dict[str, str]:
     table = screen.query_one("#runs", DataTable)
-    return {run["run_id"]: str(table.rows[run["path"]].label).strip() for run in screen.runs}
+    labels = {run["run_id"]: table.rows[run["path"]].label for run in screen.runs}
+    return {run_id: str(label or "").strip() for run_id, label in labels.items()}
 
 
 def _cells(app: HomelabApp) -> tuple[list[str], list[list[str]]]:

@@ -29,7 +29,7 @@ from homelab_dp.tui.widgets.run_compare import CompareView
 REFRESH_S = 3.0
 COLUMNS = ("status", "steps", "loss", "energy", "time", "run")
 MARK = "●"
-"""The row label of a run marked for comparison (unmarked rows: a blank, so nothing shifts)."""
+"""The row label of a run marked for comparison (the other rows: a blank while any is marked)."""
 HELP = (
     "enter: follow in 4 Monitor · R: resume a stopped or failed run · e: export\n"
     "space: mark · c: compare the marked runs · s: compare the selected run's sweep"
@@ -151,8 +151,11 @@ class RunsScreen(Screen[None]):
         for index, name in enumerate(COLUMNS):
             width = max([len(name), *(cell_width(row[index]) for row in rows)])
             table.add_column(name, key=name, width=width)
+        # The label column only while a run is marked: DataTable measures labels when idle,
+        # and a frame drawn before that (under load) lacked a column the next one had.
         for key, cells in zip(keys, rows, strict=True):
-            table.add_row(*cells, key=key, label=MARK if key in self.marked else " ")
+            label = (MARK if key in self.marked else " ") if self.marked else None
+            table.add_row(*cells, key=key, label=label)
         if selected in keys:
             table.move_cursor(row=keys.index(selected))
 
