@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from homelab_dp.app.model_specs import model_spec
 from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
@@ -25,6 +26,7 @@ from homelab_dp.planning.memory.memory_calibration import (
 )
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.planner import Plan, plan, with_host
+from homelab_dp.planning.sample_cost import sample_plan
 from homelab_dp.presets.preset import Preset, apply_overrides, preset_from_dict
 from homelab_dp.probe import nvml
 from homelab_dp.probe.hardware import (
@@ -357,3 +359,17 @@ def on_idle_cards(planned: Planned, gpus: str | None) -> Planned:
     fresh = plan(planned.spec, planned.preset, idle, planned.plan.calibration)
     fresh = with_host(fresh, planned.preset, host_available(gpus, idle, planned.report))
     return replace(planned, hardware=idle, plan=fresh)
+
+
+def planned_samples(planned: Planned, expected: Any = None) -> dict[str, Any] | None:
+    """What samples while training add to the planned run (`planning.sample_cost.sample_plan`):
+    the ``samples`` block of `plan --json`; ``expected`` (`runs.preset_results.PresetRuns`)
+    gives the steps of a run that counts epochs and the tokens/s to price them at."""
+    expectation = getattr(expected, "expectation", None)
+    preset, chosen = planned.preset, planned.plan.chosen
+    steps = preset.train.max_steps or (expectation.steps if expectation else 0)
+    return sample_plan(
+        planned.spec, preset, method=chosen.method,
+        activation_checkpointing=chosen.activation_checkpointing, steps=int(steps),
+        train_tokens_per_s=expectation.tokens_per_s if expectation else None,
+    )  # fmt: skip

@@ -65,7 +65,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from homelab_dp.app.plan import make_plan, preset_for_model
+    from homelab_dp.app.plan import make_plan, planned_samples, preset_for_model
     from homelab_dp.presets.preset_store import open_preset
     from homelab_dp.runs.preset_results import expected_runs
 
@@ -86,11 +86,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch)
     # What the preset's recorded runs say (`runs.preset_results`): expected duration and energy.
     expected = expected_runs(planned)
+    samples = planned_samples(planned, expected)  # train.sample_every: what they add
     if args.json:
         seen = expected.to_json() if expected else {"expected": None, "recorded_runs": None}
-        print_json({**planned.plan.to_json(), **seen})
+        print_json({**planned.plan.to_json(), **seen, "samples": samples})
     else:
         from homelab_dp.render.plan import render_plan
 
-        print_rich(render_plan(planned.plan, expected))
+        print_rich(render_plan(planned.plan, expected, samples))
     return EXIT_OK  # whether or not it fits: the answer is in `fits`

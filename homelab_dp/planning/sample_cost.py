@@ -96,3 +96,41 @@ def planned_sample_seconds(
         max_tokens=int(train.sample_max_tokens), train_tokens_per_s=train_tokens_per_s,
         train_flops_per_token=train_flops_per_token,
     )  # fmt: skip
+
+
+def sample_plan(
+    spec: ModelSpec,
+    preset: Any,
+    *,
+    method: str,
+    activation_checkpointing: bool,
+    steps: int,
+    train_tokens_per_s: float | None,
+) -> dict[str, Any] | None:
+    """The ``samples`` block of `plan --json` (None when the run samples nothing): ``rounds``,
+    ``prompts``, ``max_tokens`` and ``seconds``, the time they add at ``train_tokens_per_s``
+    (what the preset's recorded runs measured; ``seconds`` is None without them, or without
+    ``steps``: a run that counts epochs has its steps only once its data is read)."""
+    data, train = preset.data, preset.train
+    has_eval = bool(data.eval_path or data.eval_fraction > 0)
+    every = train.sample_every
+    if every == "off" or (every == "eval" and not has_eval):
+        return None
+    rounds = sampling_rounds(every, steps, eval_every=int(train.eval_every), has_eval=has_eval)
+    if steps > 0 and rounds == 0:
+        return None
+    seconds = None
+    if train_tokens_per_s and steps > 0:
+        per_token = flops_per_token(
+            spec, method=method, activation_checkpointing=activation_checkpointing,
+            attention_span=causal_span(int(data.seq_len)), lora_r=int(preset.lora.r),
+            lora_targets=preset.lora.target_modules,
+        )  # fmt: skip
+        seconds = planned_sample_seconds(spec, preset, steps, train_tokens_per_s=train_tokens_per_s,
+                                         train_flops_per_token=per_token)  # fmt: skip
+    return {
+        "rounds": rounds if steps > 0 else None,
+        "prompts": prompt_count(data.sample_prompts),
+        "max_tokens": int(train.sample_max_tokens),
+        "seconds": seconds,
+    }

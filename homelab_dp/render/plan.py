@@ -9,13 +9,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.app.plan import Planned
+from homelab_dp.app.plan import Planned, planned_samples
 from homelab_dp.planning.memory.device_memory import COMPONENTS
 from homelab_dp.planning.memory.offload_cost import ASSUMED_MFU, offload_words, seconds
 from homelab_dp.planning.plan_reasons import PLAIN, count, holders
 from homelab_dp.planning.planner import SAFETY_MARGIN, Plan
 from homelab_dp.probe.hardware import PlanHardware, format_bytes
 from homelab_dp.render.preset_results import expected_text
+from homelab_dp.render.text import duration
 from homelab_dp.runs.preset_results import PresetRuns
 
 COLOURS = {
@@ -58,9 +59,12 @@ def legend(per_device: dict[str, int]) -> Text:
     return out
 
 
-def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableType:
+def render_plan(
+    plan: Plan, expected: PresetRuns | None = None, samples: dict[str, Any] | None = None
+) -> RenderableType:
     """The decision, the memory of every device, every candidate, reasons and advice; with
-    ``expected`` (`runs.preset_results.expected_runs`), what the preset's recorded runs say."""
+    ``expected`` (`runs.preset_results.expected_runs`), what the preset's recorded runs say;
+    with ``samples`` (`app.plan.planned_samples`), what samples while training add."""
     j = plan.to_json()
     t = j["training"]
     ok = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
@@ -144,6 +148,8 @@ def render_plan(plan: Plan, expected: PresetRuns | None = None) -> RenderableTyp
                            + ("" if f["exact"] else f" (asked {f['requested_effective_batch']})")))  # fmt: skip
     if (line := expected_text(expected)) is not None:
         blocks.append(line)
+    if samples:
+        blocks.append(Text(samples_text(samples)))
     blocks.append(Text(_provenance(j), style="dim"))
     return Group(*blocks)
 
@@ -331,11 +337,23 @@ def reasons_block(planned: Planned) -> Text:
     return out
 
 
+def samples_text(samples: dict[str, Any]) -> str:
+    """One line on the samples a run answers while it trains (`plan`'s ``samples`` block)."""
+    rounds = f"{samples['rounds']} × " if samples.get("rounds") is not None else ""
+    secs = samples.get("seconds")
+    cost = f", about {duration(secs)} at the recorded tokens/s" if secs is not None else ""
+    return (f"samples: {rounds}{samples['prompts']} prompt(s), up to {samples['max_tokens']} "
+            f"tokens each{cost}")  # fmt: skip
+
+
 def render_planned(planned: Planned) -> Group:
     """The whole plan pane (with the expected line when the preset has recorded runs)."""
     from homelab_dp.runs.preset_results import expected_runs
 
     parts: list[RenderableType] = [decision_text(planned)]
-    if (line := expected_text(expected_runs(planned))) is not None:
+    expected = expected_runs(planned)
+    if (line := expected_text(expected)) is not None:
         parts.append(line)
+    if samples := planned_samples(planned, expected):
+        parts.append(Text(samples_text(samples)))
     return Group(*parts, candidates_block(planned), Text(), reasons_block(planned))

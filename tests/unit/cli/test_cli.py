@@ -70,6 +70,18 @@ def test_plan_json_has_the_contract_fields(in_repo, capsys) -> None:
             cand
         )
     assert doc["training"]["effective_batch"] == 4 * 2 * 2
+    assert doc["samples"] is None  # the demo evaluates nothing, so it samples nothing
+
+
+def test_plan_json_says_what_samples_add(in_repo, capsys) -> None:
+    rc, out, _ = run_cli(capsys, "plan", "tiny-demo", "--json", "--set", "train.max_steps=20",
+                         "--set", "train.sample_every=5")  # fmt: skip
+    samples = json.loads(out)["samples"]
+    assert rc == 0 and {k: samples[k] for k in ("rounds", "prompts", "max_tokens")} == {
+        "rounds": 4,
+        "prompts": 3,
+        "max_tokens": 48,
+    }
 
 
 def test_plan_exits_0_when_it_does_not_fit(in_repo, capsys) -> None:

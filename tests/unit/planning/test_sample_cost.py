@@ -11,6 +11,7 @@ from homelab_dp.planning.model_spec import spec_from_config
 from homelab_dp.planning.sample_cost import (
     forward_flops_per_token,
     planned_sample_seconds,
+    sample_plan,
     sample_seconds,
     sampling_rounds,
 )
@@ -69,3 +70,30 @@ def test_a_presets_sample_time_counts_its_rounds_and_prompts(tmp_path) -> None:
     p = preset({"eval_fraction": 0.1}, {"eval_every": 50})  # default: with each eval, 3 prompts
     assert planned_sample_seconds(LLAMA3_8B, p, 100, **kw) == pytest.approx(2 * 3 * one)
     assert planned_sample_seconds(LLAMA3_8B, preset({}, {}), 100, **kw) == 0.0  # no eval data
+
+
+def test_the_plans_samples_block_counts_rounds_and_prices_them_at_the_recorded_speed() -> None:
+    """`plan --json`'s ``samples``: none when the run samples nothing; rounds and prompts from
+    the preset; seconds only with the recorded tokens/s and a step count."""
+    from homelab_dp.presets.preset import preset_from_dict
+
+    def preset(data: dict, train: dict):  # type: ignore[no-untyped-def]
+        return preset_from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl", **data},
+                                 "train": train})  # fmt: skip
+
+    kw = dict(method="lora", activation_checkpointing=True)
+    off = preset({}, {"sample_every": "off"})
+    assert sample_plan(LLAMA3_8B, off, steps=100, train_tokens_per_s=900.0, **kw) is None
+    no_eval = preset({}, {})  # "eval" without eval data: nothing to sample with
+    assert sample_plan(LLAMA3_8B, no_eval, steps=100, train_tokens_per_s=900.0, **kw) is None
+    every = preset({"sample_prompts": ["a", "b"]}, {"sample_every": 30, "sample_max_tokens": 20})
+    block = sample_plan(LLAMA3_8B, every, steps=100, train_tokens_per_s=None, **kw)
+    assert block == {"rounds": 4, "prompts": 2, "max_tokens": 20, "seconds": None}  # 30,60,90,100
+    priced = sample_plan(LLAMA3_8B, every, steps=100, train_tokens_per_s=900.0, **kw)
+    per_token = flops_per_token(LLAMA3_8B, method="lora", activation_checkpointing=True,
+                                attention_span=causal_span(256), lora_r=16)  # fmt: skip
+    want = planned_sample_seconds(LLAMA3_8B, every, 100, train_tokens_per_s=900.0,
+                                  train_flops_per_token=per_token)  # fmt: skip
+    assert priced is not None and priced["seconds"] == pytest.approx(want) and want > 0
+    epochs = sample_plan(LLAMA3_8B, every, steps=0, train_tokens_per_s=900.0, **kw)
+    assert epochs == {"rounds": None, "prompts": 2, "max_tokens": 20, "seconds": None}
