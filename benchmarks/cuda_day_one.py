@@ -21,6 +21,9 @@ runs this script as one of its rows; ``--device cpu`` tests the script itself):
 - **device order**: a replica named by NVML index gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and torch
   in a child with that environment sees the card NVML calls index 0.
 - **MIG**: the probe's MIG mode per card against ``nvidia-smi``'s.
+- **MoE NF4 experts**: a small random Qwen3-MoE with its fused expert stacks in NF4
+  (`train.quantized_experts`, the `homelab_nf4` experts implementation) against the same model
+  with the experts bitsandbytes-dequantized: the loss, its backward, and the peak memory.
 
 Prints one JSON object per check with ``--json`` (``{"check", "ok", ...}``), else a line each.
 """
@@ -192,6 +195,50 @@ def check_mig(device: str) -> dict[str, Any]:
     return {"ok": ok, "cards": rows}
 
 
+def check_moe_nf4(device: str) -> dict[str, Any]:
+    """QLoRA's NF4 expert stacks on the card: the loss equals the model whose experts hold the
+    dequantized values (the same bitsandbytes dequantization), backward runs, and the peak."""
+    import copy
+
+    import torch
+    import transformers as tf
+
+    from homelab_dp.train.quantized_experts import (
+        dequantize_experts,
+        is_fused_experts,
+        quantize_experts,
+    )
+
+    cuda = device == "cuda"
+    size = (512, 32, 4, 256) if cuda else (64, 8, 2, 32)  # hidden, experts, top-k, seq
+    hidden, experts, top_k, seq = size
+    cfg = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=hidden, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+                            intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+                            num_experts=experts, num_experts_per_tok=top_k)  # fmt: skip
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    quantized, reference = copy.deepcopy(model), copy.deepcopy(model)
+    packed = quantize_experts(quantized, dtype)
+    pairs = zip([m for m in quantized.modules() if is_fused_experts(m)],
+                [m for m in reference.modules() if is_fused_experts(m)], strict=True)  # fmt: skip
+    for q, r in pairs:
+        for name, value in dequantize_experts(q).items():
+            getattr(r, name).data.copy_(value)
+    ids = torch.randint(0, 512, (2, seq), device=device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    loss_q = quantized(input_ids=ids, labels=ids).loss
+    loss_q.backward()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    loss_r = reference(input_ids=ids, labels=ids).loss
+    diff = abs(loss_q.item() - loss_r.item())
+    return {"ok": diff < (2e-2 if cuda else 1e-5), "quantized_values": packed,
+            "loss_nf4": loss_q.item(), "loss_dequantized": loss_r.item(), "diff": diff,
+            "peak_bytes": peak}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "assets" / "models" / "tiny-llama")
@@ -205,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         ("pinned host memory, activation offload", lambda: check_pinned_and_offload(args.device)),
         ("device order", lambda: check_device_order(args.device)),
         ("MIG mode", lambda: check_mig(args.device)),
+        ("MoE NF4 experts", lambda: check_moe_nf4(args.device)),
     ]
     for name, check in checks:
         try:
