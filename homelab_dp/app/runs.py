@@ -426,6 +426,7 @@ class RunController:
             attempt=int(state.get("attempt", 1)) + (0 if queued else 1),
             queued_only=None,
             ended=None,
+            stop_requested=None,  # a stop of its queued turn before is no stop of this one
             pids={"keeper": None, "workers": [], "agent": None, "monitor": None},
         )
         append_event(run_dir, StateEvent(status=status, resume=True, reason=how or None))

@@ -144,6 +144,12 @@ def test_a_queued_run_whose_keeper_died_reads_interrupted_and_resume_queues_it_a
     state = read_state(lost)
     assert state["status"] == "interrupted" and not alive_pids(state)
     assert not (lost / "logs" / "launcher.log").exists()  # no worker was ever launched
+    # Queued again: the stop of its earlier turn (a mark in state.json) does not stop this one.
+    controller.resume("lost")
+    while read_state(lost).get("queue") is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert read_state(lost)["status"] == "queued", read_state(lost)
+    assert controller.stop("lost", timeout=60)["status"] == "interrupted"
 
     # A run stopped after it had started resumes only when its devices are free, or queued.
     paused = make_run(root, tiny_model, data, name="paused", world=1)
