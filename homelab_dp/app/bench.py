@@ -50,11 +50,8 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -63,8 +60,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.app.evaluate import Devices, eval_env, log_tail, select_devices, stop_workers
-from homelab_dp.errors import HardwareSpecError, HomelabError, RunFailedError
+from homelab_dp.app.evaluate import (
+    Devices,
+    eval_env,
+    job_failure,
+    launch_and_wait,
+    select_devices,
+)
+from homelab_dp.errors import HardwareSpecError, HomelabError
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model, resolve_model_arg
 from homelab_dp.supervise.launcher import torchrun_command
@@ -262,24 +265,10 @@ def run_bench(job: BenchJob) -> dict[str, Any]:
     job_doc = job_document(job, folder)
     job_file.write_text(json.dumps(job_doc, indent=2), encoding="utf-8")
     cmd = torchrun_command(folder, job.devices.nproc, worker=(BENCH_MODULE, job_file))
-    with open(folder / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=bench_env(job.devices),
-                                start_new_session=True)  # fmt: skip
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
-    try:
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        stop_workers(proc)
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    rc = launch_and_wait(folder, cmd, bench_env(job.devices))
     result = folder / "result.json"
     if rc != 0 or not result.is_file():
-        raise _failure(folder, rc)
+        raise job_failure(folder, rc, "bench")
     raw = json.loads(result.read_text(encoding="utf-8"))
     shutil.rmtree(folder, ignore_errors=True)
     doc = {
@@ -331,27 +320,6 @@ def bench_model(model: str, tasks: str | list[str], limit: int | None = None,
                 gpus: str | None = None, base: bool = False) -> dict[str, Any]:  # fmt: skip
     """`prepare` then `run_bench`: what `homelab-dp bench` does."""
     return run_bench(prepare(model, tasks, limit, gpus, base))
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM stops the bench as Ctrl-C does (torchrun, in its own session, would run on)."""
-    raise KeyboardInterrupt
-
-
-def _failure(folder: Path, rc: int) -> HomelabError:
-    """A worker's own error (bad input: exit 2), else the failing rank's log tail (exit 1)."""
-    errors = sorted((folder / "errors").glob("rank-*.json"))
-    if errors:
-        err = json.loads(errors[0].read_text(encoding="utf-8"))
-        if err.get("bad_input"):
-            shutil.rmtree(folder, ignore_errors=True)
-            return HomelabError(err["message"], hint=err.get("hint") or "")
-        rank = err.get("rank", 0)
-        first = f"bench failed on rank {rank}: {err['message']}"
-    else:
-        rank, first = None, f"bench failed (torchrun exit code {rc})"
-    tail = log_tail(folder, rank)
-    return RunFailedError(f"{first}\n{tail}".rstrip(), hint=f"the logs are kept in {folder}")
 
 
 def _lm_eval_version() -> str:

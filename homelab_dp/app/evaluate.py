@@ -329,15 +329,29 @@ def run_eval(job: EvalJob) -> EvalReport:
     folder = Path(tempfile.mkdtemp(prefix="homelab-dp-eval-"))  # 0700
     job_file = folder / "job.json"
     job_file.write_text(json.dumps(job_document(job, folder), indent=2), encoding="utf-8")
-    cmd = eval_command(folder, job.devices.nproc, job_file)
+    rc = launch_and_wait(folder, eval_command(folder, job.devices.nproc, job_file),
+                         eval_env(job.devices))  # fmt: skip
+    result = folder / "result.json"
+    if rc == 0 and result.is_file():
+        doc = json.loads(result.read_text(encoding="utf-8"))
+        shutil.rmtree(folder, ignore_errors=True)
+        return _report(job, doc)
+    raise job_failure(folder, rc)
+
+
+def launch_and_wait(folder: Path, cmd: list[str], env: dict[str, str]) -> int:
+    """Run the torchrun ``cmd`` in a session of its own (its output in ``folder/launcher.log``)
+    and return its exit code. Ctrl-C, or SIGTERM to the front end, stops every worker, removes
+    ``folder`` (the job's private temporary folder) and raises KeyboardInterrupt. Used by
+    `homelab-dp eval` and `homelab-dp bench`."""
     with open(folder / "launcher.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=eval_env(job.devices),
+                                stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
-        rc = proc.wait()
+        return proc.wait()
     except KeyboardInterrupt:
         stop_workers(proc)
         shutil.rmtree(folder, ignore_errors=True)
@@ -345,12 +359,6 @@ def run_eval(job: EvalJob) -> EvalReport:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    result = folder / "result.json"
-    if rc == 0 and result.is_file():
-        doc = json.loads(result.read_text(encoding="utf-8"))
-        shutil.rmtree(folder, ignore_errors=True)
-        return _report(job, doc)
-    raise _failure(folder, rc)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -385,9 +393,10 @@ def _report(job: EvalJob, doc: dict[str, Any]) -> EvalReport:
     return EvalReport(model=job.ref.name, data=job.data.path, seq_len=job.seq_len, **figures)
 
 
-def _failure(folder: Path, rc: int) -> HomelabError:
-    """The error of a failed evaluation: a worker's own error (bad input: exit 2), else the
-    failing rank's log tail (exit 1). The folder stays for the full logs."""
+def job_failure(folder: Path, rc: int, what: str = "eval") -> HomelabError:
+    """The error of a failed torchrun job (``what``: "eval", "bench"): a worker's own error
+    (bad input: exit 2), else the failing rank's log tail (exit 1). The folder stays for the
+    full logs."""
     errors = sorted((folder / "errors").glob("rank-*.json"))
     if errors:
         err = json.loads(errors[0].read_text(encoding="utf-8"))
@@ -395,9 +404,9 @@ def _failure(folder: Path, rc: int) -> HomelabError:
             shutil.rmtree(folder, ignore_errors=True)
             return HomelabError(err["message"], hint=err.get("hint") or "")
         rank = err.get("rank", 0)
-        first = f"eval failed on rank {rank}: {err['message']}"
+        first = f"{what} failed on rank {rank}: {err['message']}"
     else:  # killed, or torchrun itself failed: its log names the rank and the signal
-        rank, first = None, f"eval failed (torchrun exit code {rc})"
+        rank, first = None, f"{what} failed (torchrun exit code {rc})"
     tail = log_tail(folder, rank)
     return RunFailedError(f"{first}\n{tail}".rstrip(), hint=f"the logs are kept in {folder}")
 
