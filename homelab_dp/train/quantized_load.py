@@ -40,7 +40,6 @@ from torch import nn
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.nf4_quantization import nf4_config
-from homelab_dp.planning.model_spec import read_config
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation
@@ -51,6 +50,7 @@ from homelab_dp.train.lora import (
     is_adapter,
     prepare_frozen_base,
 )
+from homelab_dp.train.model_census import any_model_spec
 from homelab_dp.train.quantized_experts import (
     FUSED_WEIGHTS,
     expert_state_shapes,
@@ -68,15 +68,15 @@ from homelab_dp.train.trainable_model import (
 _DDP_HINT = "set train.distribution = 'ddp' (QLoRA then loads the whole 4-bit model on each rank)"
 
 
-ROUTED_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-"""The config.json keys that count a MoE model's routed experts."""
-
-
-def has_routed_experts(model_dir: str | Path) -> bool:
-    """Whether the model folder's config.json describes routed experts (a MoE model), whose
-    fused expert stacks QLoRA quantizes as it streams them (`build_on_meta`)."""
-    cfg = read_config(model_dir)
-    return any(isinstance(cfg.get(k), int) and cfg[k] > 1 for k in ROUTED_EXPERT_KEYS)
+def has_routed_experts(preset: Preset) -> bool:
+    """Whether the preset's model has routed experts (its `ModelSpec` has an MoE block: the
+    same reading of config.json the plan makes, family defaults included), whose fused expert
+    stacks QLoRA quantizes as it streams them (`build_on_meta`)."""
+    model = preset.model
+    spec = any_model_spec(
+        model.path, trust_remote_code=model.trust_remote_code, text_only=model.text_only
+    )
+    return spec.experts is not None
 
 
 def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> Any:

@@ -227,7 +227,7 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     # FSDP2 loads sharded: the model on meta, rank 0 alone reading the weights (train.model);
     # QLoRA's 4-bit weights are quantized as rank 0 reads them (train.quantized_load).
     sharded = resolved.distribution in SHARDED
-    if resolved.method == "qlora" and (sharded or has_routed_experts(spec.preset.model.path)):
+    if resolved.method == "qlora" and (sharded or has_routed_experts(spec.preset)):
         loaded = build_on_meta(spec.preset, resolved, compute_dtype(resolved))
         if not sharded:
             # DDP QLoRA of a MoE model streams too: from_pretrained would hold every fused
