@@ -17,6 +17,14 @@ FSDP2 sharding everything."""
 Offload = Literal["none", "optimizer", "params"]
 """What FSDP keeps in host RAM: nothing; the optimizer state (the step on the CPU); the sharded
 weights, gradients and optimizer state (FSDP2's CPUOffloadPolicy)."""
+Objective = Literal["sft", "dpo", "orpo", "kto"]
+"""What a run trains for: supervised fine-tuning on target tokens; Direct Preference
+Optimization on chosen/rejected pairs; ORPO (SFT plus an odds-ratio term on pairs, no
+reference); KTO on completions labelled desirable or not."""
+Reference = Literal["adapters", "precompute", "copy"]
+"""Where DPO/KTO's reference log-probabilities come from: the same base with the LoRA adapters
+disabled; one data-parallel pass before training, cached beside the token cache; a frozen copy
+of the starting model held during training."""
 Dtype = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cpu", "cuda"]
 Status = Literal["starting", "queued", "running", "stopping", "completed", "failed", "interrupted"]
@@ -26,6 +34,10 @@ DISTRIBUTIONS: tuple[str, ...] = get_args(Distribution)
 SHARDED: tuple[str, ...] = ("fsdp-grad-op", "fsdp-full")
 """The FSDP2 distributions."""
 DTYPES: tuple[str, ...] = get_args(Dtype)
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+PREFERENCE_OBJECTIVES: tuple[str, ...] = ("dpo", "orpo", "kto")
+"""The objectives trained on preference data (pairs, or labelled completions for KTO)."""
+REFERENCES: tuple[str, ...] = get_args(Reference)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 ACTIVE_STATUSES: tuple[str, ...] = ("starting", "running", "stopping")
 """A run in one of these has processes that may still be alive."""

@@ -23,7 +23,9 @@ from homelab_dp import vocabulary
 from homelab_dp.errors import PresetError
 
 Dtype = Literal["auto", vocabulary.Dtype]
-DataFormat = Literal["auto", "text", "completion", "instruction", "chat", "sharegpt"]
+DataFormat = Literal[
+    "auto", "text", "completion", "instruction", "chat", "sharegpt", "preference", "kto"
+]
 Reporter = Literal["tensorboard", "wandb", "mlflow"]
 Method = Literal["auto", vocabulary.Method]
 Distribution = Literal["auto", vocabulary.Distribution]
@@ -70,7 +72,10 @@ class DataSection:
     """text ({"text"}) | completion ({"prompt","completion"}, loss on the completion only) |
     instruction ({"instruction","input","output"}) | chat (OpenAI messages: {"messages":
     [{"role","content"}]}, loss on assistant turns only) | sharegpt ({"conversations":
-    [{"from","value"}]}, read as chat) | auto (detected from the first record's keys)."""
+    [{"from","value"}]}, read as chat) | preference ({"prompt","chosen","rejected"} strings, or
+    {"chosen": [messages], "rejected": [messages]} sharing every turn but the last, for
+    train.objective dpo/orpo) | kto ({"prompt","completion","label": true|false}, for
+    train.objective kto) | auto (detected from the first record's keys)."""
     seq_len: int = 256
     """Tokens per training sequence."""
     pack: bool = True
@@ -97,6 +102,28 @@ class TrainSection:
 
     method: Method = "auto"
     """auto (the planner picks) | full | lora | qlora."""
+    objective: vocabulary.Objective = "sft"
+    """sft (supervised fine-tuning on the target tokens) | dpo (Direct Preference Optimization
+    on chosen/rejected pairs) | orpo (SFT on the chosen answer plus an odds-ratio term; no
+    reference model) | kto (completions labelled desirable or not). dpo, orpo and kto need
+    preference data (data.format preference or kto)."""
+    beta: float = 0.1
+    """DPO/KTO: the temperature of the implicit reward, beta × (log π − log π_ref); higher keeps
+    the policy closer to the reference."""
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """DPO's loss on the reward margin: sigmoid (the DPO paper's −log σ(β·margin)) | ipo
+    ((margin − 1/(2β))², IPO, on length-averaged log-probabilities)."""
+    orpo_lambda: float = 0.1
+    """ORPO: the weight of the odds-ratio term beside the chosen answer's NLL."""
+    label_smoothing: float = 0.0
+    """DPO (sigmoid): the assumed share of pairs whose labels are flipped (conservative DPO),
+    0 to below 0.5."""
+    reference: Literal["auto", vocabulary.Reference] = "auto"
+    """DPO/KTO's reference model: adapters (LoRA/QLoRA: the same base with the adapters
+    disabled, no second copy) | precompute (the reference log-probabilities in one
+    data-parallel pass before training, cached beside the token cache; no copy held while
+    training) | copy (a frozen copy of the starting model on every device) | auto (adapters
+    for LoRA and QLoRA, precompute for a full fine-tune)."""
     distribution: Distribution = "auto"
     """auto (the planner picks) | ddp | zero1 | fsdp-grad-op | fsdp-full."""
     micro_batch: int = 4

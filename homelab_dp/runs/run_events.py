@@ -75,6 +75,10 @@ class StartEvent(Event):
     """``train.eval_every`` (0: only at the end) when there is eval data."""
     data_format: str = ""
     """The training data's format, ``auto`` resolved: the prompt format the model learns."""
+    objective: str = "sft"
+    """``train.objective``: sft, dpo, orpo or kto."""
+    reference: str | None = None
+    """DPO/KTO: where the reference log-probabilities come from (adapters, precompute, copy)."""
     pids: list[int] = field(default_factory=list)
     """Every rank's worker pid, by global rank."""
     peak_memory_kind: str = ""
@@ -135,6 +139,25 @@ class StepEvent(Event):
     """A MoE model's router auxiliary (load-balancing) loss, unweighted: the mean over the
     micro-batches since the last step event (``router_aux_loss_coef`` × it is trained on, beside
     ``loss``); None for a model without one."""
+    rewards_chosen: float | None = None
+    """DPO/KTO: the mean implicit reward β·(log π − log π_ref) of the chosen (KTO: desirable)
+    answers of the effective batch; None for other objectives."""
+    rewards_rejected: float | None = None
+    """DPO/KTO: the same for the rejected (KTO: undesirable) answers."""
+    reward_margin: float | None = None
+    """DPO: the mean of chosen − rejected reward over the pairs."""
+    reward_accuracy: float | None = None
+    """DPO: the share of pairs whose chosen reward is above the rejected one (0..1)."""
+    nll: float | None = None
+    """ORPO: the chosen answers' negative log-likelihood per target token."""
+    log_odds_ratio: float | None = None
+    """ORPO: the mean log odds ratio of chosen over rejected."""
+    comm_seconds: float | None = None
+    """Seconds this step's ranks spent in gradient communication (the mean over ranks of the
+    collectives' time), measured on logged steps only; None with one process."""
+    compute_seconds: float | None = None
+    """Seconds of this step not spent waiting on communication (step time − exposed
+    communication, mean over ranks)."""
 
 
 @dataclass(kw_only=True)
@@ -153,6 +176,16 @@ class EvalEvent(Event):
     seconds: float = 0.0
     best: bool = False
     """The lowest eval loss of the run so far (``train.keep_best`` keeps this step)."""
+    pairs: int = 0
+    """DPO/ORPO/KTO: the pairs (KTO: completions) evaluated; ``loss`` is then the objective's
+    mean loss over them and ``tokens`` their target tokens."""
+    rewards_chosen: float | None = None
+    """As in the step event, over the eval data (DPO/KTO)."""
+    rewards_rejected: float | None = None
+    reward_margin: float | None = None
+    reward_accuracy: float | None = None
+    nll: float | None = None
+    log_odds_ratio: float | None = None
 
 
 @dataclass(kw_only=True)
