@@ -6,12 +6,16 @@ fed from rank 0's event stream: `train.metrics.EventLog` hands each event it wri
 
 - a ``step`` event: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
   ``train/samples_per_s``, ``train/step_time_s``, ``train/epoch``, ``train/mfu`` (on a known
-  GPU), ``rank{r}/peak_memory_bytes`` per rank, and the device monitor's newest sample since the
+  GPU), ``train/comm_seconds`` and ``train/compute_seconds`` (more than one process),
+  ``train/rewards_chosen``, ``train/rewards_rejected``, ``train/reward_margin``,
+  ``train/reward_accuracy`` (DPO/KTO), ``train/nll``, ``train/log_odds_ratio`` (ORPO),
+  ``rank{r}/peak_memory_bytes`` per rank, and the device monitor's newest sample since the
   last logged step (``devices.jsonl``, `supervise.device_monitor`): ``gpu{i}/memory_used_bytes``,
   ``gpu{i}/utilization_pct``, ``gpu{i}/memory_utilization_pct``, ``gpu{i}/temperature_c``,
   ``gpu{i}/power_w`` (on the CPU ``rank{r}/memory_used_bytes`` and ``rank{r}/utilization_pct``,
   the rank's RSS and CPU %), at the first logged step the newest sample taken while loading;
-- an ``eval`` event: ``eval/loss``, ``eval/perplexity`` (then a flush);
+- an ``eval`` event: ``eval/loss``, ``eval/perplexity``, and the objective's figures as in a
+  step (``eval/reward_accuracy``…; then a flush);
 - ``sample`` events (answers while training, `train.sample_answers`): gathered until the
   step's last, then one table at that step: TensorBoard text ``samples`` (a Markdown table: prompt, answer,
   tokens, seconds), a W&B table ``samples`` (every row so far: W&B tables are immutable),
@@ -183,13 +187,23 @@ def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+OBJECTIVE_FIGURES = (
+    "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll",
+    "log_odds_ratio",
+)  # fmt: skip
+"""A preference objective's figures, in step and eval events alike (None for another one):
+listed, not found by reflection, so a new event field is logged only when it is named here."""
+
+
 def step_scalars(event: StepEvent) -> dict[str, float]:
     """The figures of a step event, by tag (None fields left out)."""
     named = {
         "train/loss": event.loss, "train/lr": event.lr, "train/grad_norm": event.grad_norm,
         "train/tokens_per_s": event.tokens_per_s, "train/samples_per_s": event.samples_per_s,
         "train/step_time_s": event.step_time_s, "train/epoch": event.epoch,
-        "train/mfu": event.mfu,
+        "train/mfu": event.mfu, "train/comm_seconds": event.comm_seconds,
+        "train/compute_seconds": event.compute_seconds,
+        **{f"train/{name}": getattr(event, name) for name in OBJECTIVE_FIGURES},
     }  # fmt: skip
     out = {tag: float(v) for tag, v in named.items() if v is not None}
     for rank, peak in enumerate(event.peak_memory_bytes):
@@ -199,7 +213,8 @@ def step_scalars(event: StepEvent) -> dict[str, float]:
 
 def eval_scalars(event: EvalEvent) -> dict[str, float]:
     """The figures of an eval event, by tag."""
-    named = {"eval/loss": event.loss, "eval/perplexity": event.perplexity}
+    named = {"eval/loss": event.loss, "eval/perplexity": event.perplexity,
+             **{f"eval/{name}": getattr(event, name) for name in OBJECTIVE_FIGURES}}  # fmt: skip
     return {tag: float(v) for tag, v in named.items() if v is not None}
 
 
