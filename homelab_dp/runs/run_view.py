@@ -43,6 +43,15 @@ STRAGGLER_RATIO = 1.2
 """A rank is slow when its step time is more than 20% over the median of all ranks."""
 STRAGGLER_STEPS = 3
 """…for this many logged steps in a row."""
+OBJECTIVE_FIGURES = (
+    "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll",
+    "log_odds_ratio",
+)  # fmt: skip
+"""A preference objective's figures (`runs.run_events.StepEvent`): DPO/KTO rewards, ORPO's nll
+and log odds; step and eval events carry the same names, None for objectives without them."""
+SCALING_STEPS = 5
+"""Live scaling is the median over this many logged steps that measured their communication:
+one step alone swings with a warm-up, a checkpoint or a busy neighbour."""
 
 
 class StragglerDetector:
@@ -96,6 +105,35 @@ class DeviceView:
     power_w: float | None = None
     energy_wh: float = 0.0
     """Energy used by this device since the run started."""
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How well the processes of a run share its work, measured over its recent logged steps.
+
+    speedup = world × compute_seconds / step_time_s (the step's compute done by every process
+    at once, against one process doing it all); efficiency = speedup / world.
+    """
+
+    world: int
+    """Processes of the run."""
+    speedup: float
+    """Median over the steps of world × compute / step time: ≈ how many times one process."""
+    efficiency: float
+    """speedup / world (0..1)."""
+    comm_share: float | None
+    """Median share of the step the ranks spent in gradient communication (overlapped or not);
+    None when the steps measured compute alone."""
+    exposed_share: float
+    """Median share of the step not spent computing: the communication nothing hid."""
+    step_time_s: float
+    """Median step time of the same steps."""
+    steps: int
+    """How many logged steps the medians are over (at most SCALING_STEPS)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """``status --json``'s ``scaling``."""
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -157,6 +195,19 @@ class RunView:
     events_seen: int = 0
     skipped_events: int = 0
     """Event lines of a known type that could not be read (a field of the wrong type): skipped."""
+    objective: str = "sft"
+    """``train.objective`` as the start event says it (sft, dpo, orpo, kto)."""
+    figures: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)
+    """Each preference figure a step gave (OBJECTIVE_FIGURES), as (step, value), oldest first;
+    a figure no step gave has no entry (an SFT run: none)."""
+    timings: deque[tuple[int, float, float, float | None]] = field(
+        default_factory=lambda: deque(maxlen=SCALING_STEPS)
+    )
+    """The latest logged steps that measured their compute: (step, step_time_s,
+    compute_seconds, comm_seconds)."""
+    predicted: dict[str, Any] | None = None
+    """The plan's time model for this run (spec.json's ``plan.predicted``: step_seconds,
+    tokens_per_s, speedup_vs_one_device…); None for a run planned before it existed."""
 
     def copy(self) -> RunView:
         """A copy that shares nothing mutable with this view (cheaper than deepcopy)."""
@@ -172,6 +223,9 @@ class RunView:
         out.devices = {k: dataclasses.replace(d) for k, d in self.devices.items()}
         out.stragglers = dict(self.stragglers)
         out._detector = self._detector.copy()
+        out.figures = {k: deque(v, maxlen=v.maxlen) for k, v in self.figures.items()}
+        out.timings = deque(self.timings, maxlen=self.timings.maxlen)
+        out.predicted = dict(self.predicted) if self.predicted is not None else None
         return out
 
     # ------------------------------------------------------------------ derived figures
@@ -226,9 +280,68 @@ class RunView:
         last, best = self.last_eval, self.best_eval
         if last is None:
             return None
-        return {"step": last.step, "loss": last.loss, "perplexity": last.perplexity,
-                "tokens": last.tokens, "best_step": best.step if best else None,
-                "best_loss": best.loss if best else None}  # fmt: skip
+        doc = {"step": last.step, "loss": last.loss, "perplexity": last.perplexity,
+               "tokens": last.tokens, "best_step": best.step if best else None,
+               "best_loss": best.loss if best else None}  # fmt: skip
+        if last.pairs:  # a preference objective's eval: its pairs and figures
+            doc["pairs"] = last.pairs
+        doc.update({n: getattr(last, n) for n in OBJECTIVE_FIGURES if getattr(last, n) is not None})
+        return doc
+
+    def series(self, name: str) -> list[float]:
+        """The values of one preference figure over the logged steps, oldest first."""
+        return [v for _, v in self.figures.get(name, ())]
+
+    def objective_doc(self) -> dict[str, float] | None:
+        """The latest value of each preference figure a step gave, as ``status --json``'s
+        ``objective_figures`` (None: the run logs none, as SFT)."""
+        if not self.figures:
+            return None
+        return {name: self.figures[name][-1][1] for name in OBJECTIVE_FIGURES
+                if self.figures.get(name)}  # fmt: skip
+
+    @property
+    def scaling(self) -> Scaling | None:
+        """The measured scaling over the latest logged steps (None with one process, or before
+        a step measured its compute)."""
+        rows = [(t, c, m) for _, t, c, m in self.timings if t > 0]
+        if self.world_size < 2 or not rows:
+            return None
+        world = self.world_size
+        speedup = statistics.median(world * c / t for t, c, _ in rows)
+        comm = [m / t for t, _, m in rows if m is not None]
+        return Scaling(
+            world=world,
+            speedup=speedup,
+            efficiency=speedup / world,
+            comm_share=statistics.median(comm) if comm else None,
+            exposed_share=statistics.median(max(t - c, 0.0) / t for t, c, _ in rows),
+            step_time_s=statistics.median(t for t, _, _ in rows),
+            steps=len(rows),
+        )
+
+    @property
+    def measured_step_s(self) -> float | None:
+        """The median step time of the latest logged steps that measured their compute, else
+        the latest step time (one process, older runs)."""
+        times = [t for _, t, _, _ in self.timings if t > 0]
+        return statistics.median(times) if times else self.step_time_s
+
+    def speed_doc(self) -> dict[str, Any] | None:
+        """Predicted against measured, as ``status --json``'s ``speed`` (None: the plan predicted
+        nothing): the plan's step seconds, tokens/s and speedup beside the run's."""
+        predicted = self.predicted
+        if not predicted:
+            return None
+        scaling = self.scaling
+        return {
+            "predicted_step_seconds": _number(predicted.get("step_seconds")),
+            "measured_step_seconds": self.measured_step_s,
+            "predicted_tokens_per_s": _number(predicted.get("tokens_per_s")),
+            "measured_tokens_per_s": self.tokens_per_s,
+            "predicted_speedup": _number(predicted.get("speedup_vs_one_device")),
+            "measured_speedup": scaling.speedup if scaling else None,
+        }
 
     @property
     def tokens_per_wh(self) -> float | None:
@@ -284,7 +397,8 @@ class RunView:
     def _on_start(self, e: StartEvent, given: Set[str]) -> None:
         self.status = "running"
         self._take(e, ("run_id", "method", "distribution", "total_steps", "world_size",
-                       "micro_batch", "grad_accum", "effective_batch"), given)  # fmt: skip
+                       "micro_batch", "grad_accum", "effective_batch", "objective"),
+                   given)  # fmt: skip
         if isinstance(e.estimate, dict) and e.estimate.get("total") is not None:  # per device
             self.estimate_bytes = int(e.estimate["total"])
         if "start_step" in given:
@@ -312,6 +426,16 @@ class RunView:
                        "effective_batch", "tokens", "rank_step_times_s", "peak_memory_bytes",
                        "peak_memory_kind"), given)  # fmt: skip
         self.mfu = None if e.mfu is None else float(e.mfu)  # each step says whether it is known
+        # Converted before anything is appended: a damaged line leaves the view as it was.
+        figures = {n: float(getattr(e, n)) for n in OBJECTIVE_FIGURES if getattr(e, n) is not None}
+        timing = None
+        if e.step_time_s is not None and e.compute_seconds is not None:
+            comm = None if e.comm_seconds is None else float(e.comm_seconds)
+            timing = (self.step, float(e.step_time_s), float(e.compute_seconds), comm)
+        for name, value in figures.items():
+            self.figures.setdefault(name, deque(maxlen=2000)).append((self.step, value))
+        if timing is not None:
+            self.timings.append(timing)
         if e.loss is not None:
             self.loss = float(e.loss)
             self.losses.append((self.step, self.loss))
@@ -385,6 +509,18 @@ class RunView:
             self.energy_wh = float(e.energy_wh)
 
 
+def _number(value: Any) -> float | None:
+    """A figure of the plan as a float (None: absent, or not a number)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else None
+
+
+def _predicted(plan: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan's ``predicted`` block, if it has one (older plans have none)."""
+    predicted = plan.get("predicted")
+    return dict(predicted) if isinstance(predicted, dict) and predicted else None
+
+
 def new_view(run_dir: Path) -> RunView:
     """An empty view of the run, with what its run spec says: cost per kWh, estimate, and the
     strategy (a queued run has no start event yet; the worker's repeats it)."""
@@ -397,6 +533,8 @@ def new_view(run_dir: Path) -> RunView:
         per_kwh=float(spec.preset.cost.per_kwh or 0.0),
         currency=str(spec.preset.cost.currency or ""),
         estimate_bytes=spec.planned_bytes.get("total"),
+        objective=spec.preset.train.objective,
+        predicted=_predicted(spec.plan),
     )
 
 
@@ -416,6 +554,7 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
     """One run as a JSON-ready dict (a queued run's ``queue``: position and what it waits for)."""
     started = state.get("created")
     ended = state.get("ended")
+    scaling = view.scaling
     duration = (ended or time.time()) - started if started and state.get("status") else None
     return {
         "run_id": run_dir.name,
@@ -440,6 +579,10 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
         "cost": view.cost,
         "last_checkpoint_step": view.last_checkpoint_step,
         "eval": view.eval_doc(),
+        "objective": view.objective,
+        "objective_figures": view.objective_doc(),
+        "scaling": scaling.to_json() if scaling else None,
+        "speed": view.speed_doc(),
         "sample": view.sample_doc(),
         "final_path": view.final_path,
         "peak_memory_bytes": view.peak_memory_bytes,
