@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.flops import causal_span, flops_per_token, mfu, peak_flops
 from homelab_dp.runs.run_events import Event
+from homelab_dp.train.comm_timing import NO_COMM, CommSplit
 from homelab_dp.train.model_census import any_model_spec
 
 if TYPE_CHECKING:
@@ -88,23 +90,35 @@ def all_gather_flat(out: torch.Tensor, mine: torch.Tensor) -> None:
 
 
 class RankStats:
-    """The one all-gather per logged step: loss sum, step time and peak memory of every rank."""
+    """The one all-gather per logged step: every rank's loss sum, step time, peak memory and
+    gradient communication (`train.comm_timing.CommSplit`), plus any ``extra`` columns."""
 
-    FIELDS = 3
+    FIELDS = 5
+    """loss_sum, step_time_s, peak_memory_bytes, comm_s, exposed_comm_s."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.world = dist.get_world_size()
 
-    def gather(self, loss_sum: torch.Tensor, step_time_s: float) -> list[list[float]]:
-        """Rows ``[loss_sum, step_time_s, peak_memory_bytes]``, one per rank (every rank gets all)."""
-        mine = torch.zeros(self.FIELDS, dtype=torch.float64, device=self.device)
+    def gather(
+        self, loss_sum: torch.Tensor, step_time_s: float, comm: CommSplit = NO_COMM,
+        extra: Sequence[float | torch.Tensor] = (),
+    ) -> list[list[float]]:  # fmt: skip
+        """Rows ``[loss_sum, step_time_s, peak_memory_bytes, comm_s, exposed_comm_s, *extra]``,
+        one per rank (every rank gets all); ``extra`` must be as long on every rank."""
+        width = self.FIELDS + len(extra)
+        mine = torch.zeros(width, dtype=torch.float64, device=self.device)
         mine[0] = loss_sum.detach().to(torch.float64)
         mine[1] = step_time_s
         mine[2] = float(peak_memory_bytes(self.device))
-        out = torch.empty(self.world * self.FIELDS, dtype=torch.float64, device=self.device)
+        mine[3] = comm.comm_seconds
+        mine[4] = comm.exposed_seconds
+        for i, value in enumerate(extra):
+            mine[self.FIELDS + i] = value.detach().to(torch.float64) if isinstance(
+                value, torch.Tensor) else float(value)  # fmt: skip
+        out = torch.empty(self.world * width, dtype=torch.float64, device=self.device)
         all_gather_flat(out, mine)
-        return out.view(self.world, self.FIELDS).tolist()
+        return out.view(self.world, width).tolist()
 
 
 def device_peak_flops(device: torch.device) -> float | None:

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from homelab_dp.errors import HomelabError
 from homelab_dp.presets.preset import TrainSection
 from homelab_dp.runs.run_spec import Resolved
+from homelab_dp.train.comm_timing import CommTimer, attach_ddp, attach_fsdp
 from homelab_dp.train.host_optimizer import HostAdamW
 from homelab_dp.train.lora import is_experts
 from homelab_dp.train.loss import router_aux_coef
@@ -73,6 +74,10 @@ class Strategy:
     aux_sum: torch.Tensor | None = None
     """The unweighted aux losses of this rank's micro-steps since `take_aux_loss` (detached)."""
     aux_count: int = 0
+    comm: CommTimer = field(default_factory=lambda: CommTimer("none", torch.device("cpu")))
+    """Times the gradient communication of each optimizer step (`train.comm_timing`): DDP's
+    bucket all-reduces or FSDP2's gathers and reduce-scatters; reads nothing on one process.
+    Its step ends in `zero_grad`; the step log reads it (``comm.read()``)."""
 
     @property
     def is_fsdp(self) -> bool:
@@ -119,6 +124,7 @@ class Strategy:
         rebuilding = ddp is not None and not getattr(ddp, "_has_rebuilt_buckets", True)
         in_place = self.grads_in_buckets and not (rebuilding and self.grad_accum == 1)
         optimizer.zero_grad(set_to_none=not in_place)
+        self.comm.end_step()  # the step's collectives are all done: its records close here
 
     def unseen_bucket_bytes(self) -> int:
         """Bytes of DDP buckets that no parameter's ``.grad`` shows (for the memory probe).
@@ -206,7 +212,10 @@ def wrap_model(
             static_graph=accum == 1 and not unfused,
             find_unused_parameters=unfused,
         )
-        return Strategy(kind, wrapped, model, _trainable(model), accum, aux_coef=aux)
+        # Before the first backward: DDP's own all-reduce, each bucket's launch and completion
+        # marked (`train.comm_timing`), read only on logged steps.
+        timer = attach_ddp(wrapped, device)
+        return Strategy(kind, wrapped, model, _trainable(model), accum, aux_coef=aux, comm=timer)
     if kind not in SHARDED:
         raise HomelabError(f"resolved.distribution: unknown {kind!r}", "use ddp|zero1|fsdp-*")
     from torch.distributed.device_mesh import init_device_mesh
@@ -236,8 +245,10 @@ def wrap_model(
     if loaded.on_meta:  # built on meta (`load_model(sharded=True)`): rank 0 sends the shards
         fill = loaded.materializer or materialize
         fill(loaded, device, host_shards=resolved.offload == "params")
+    # torch's default gathers and reduce-scatters, marked around each call (`train.comm_timing`).
+    timer = attach_fsdp([*loaded.decoder_layers, model], device)
     return Strategy(kind, model, model, _trainable(model), accum, offload=resolved.offload,
-                    aux_coef=aux)  # fmt: skip
+                    aux_coef=aux, comm=timer)  # fmt: skip
 
 
 def is_unfused_moe(model: nn.Module) -> bool:
