@@ -31,23 +31,117 @@ STATUS_STYLE = {
 }
 
 
+# ---------------------------------------------------------------------- objective and speed
+def objective_text(figures: dict[str, Any] | None) -> str | None:
+    """A preference objective's figures in words (None: none, as SFT): "reward accuracy 0.875,
+    margin 0.500 (chosen 0.250, rejected -0.250)" for DPO/KTO, "nll 1.2500, log odds 0.250"
+    for ORPO — the keys of `RunView.objective_doc` and of step and eval events alike."""
+    if not figures:
+        return None
+    parts = []
+    if figures.get("reward_accuracy") is not None:
+        parts.append(f"reward accuracy {figures['reward_accuracy']:.3f}")
+    if figures.get("reward_margin") is not None:
+        parts.append(f"margin {figures['reward_margin']:.3f}")
+    chosen, rejected = figures.get("rewards_chosen"), figures.get("rewards_rejected")
+    if chosen is not None and rejected is not None:
+        rewards = f"(chosen {chosen:.3f}, rejected {rejected:.3f})"
+        if parts:
+            parts[-1] += f" {rewards}"
+        else:  # KTO may give rewards without a pair's margin
+            parts.append(f"rewards {rewards[1:-1]}")
+    if figures.get("nll") is not None:
+        parts.append(f"nll {figures['nll']:.4f}")
+    if figures.get("log_odds_ratio") is not None:
+        parts.append(f"log odds {figures['log_odds_ratio']:.3f}")
+    return ", ".join(parts) or None
+
+
+def scaling_text(scaling: dict[str, Any] | None, predicted: float | None = None) -> str | None:
+    """ "scaling 1.82× of 2 (91%)" from ``status --json``'s ``scaling`` (None: one process or
+    nothing measured yet); with the plan's speedup: "…, predicted 1.85×"."""
+    if not scaling:
+        return None
+    text = f"scaling {scaling['speedup']:.2f}× of {scaling['world']} ({scaling['efficiency']:.0%})"
+    return text + (f", predicted {predicted:.2f}×" if predicted is not None else "")
+
+
+def comm_text(scaling: dict[str, Any] | None) -> str | None:
+    """The measured communication share: "communication 20% of the step, 10% exposed" (the
+    share nothing hid, when overlap hid some), over the median's steps."""
+    if not scaling:
+        return None
+    exposed = scaling["exposed_share"]
+    share = scaling.get("comm_share")
+    if share is None:
+        return f"{exposed:.0%} of the step not computing"
+    hidden = f", {exposed:.0%} exposed" if exposed < share - 0.005 else ""
+    return f"communication {share:.0%} of the step{hidden}"
+
+
+def _against(measured: float | None, predicted: float | None, fmt: str, unit: str) -> str | None:
+    if predicted is None:
+        return None
+    text = f"{format(predicted, fmt)}{unit} predicted"
+    if measured is None:
+        return f"{text}, not measured yet"
+    off = f" ({measured / predicted - 1:+.0%})" if predicted > 0 else ""
+    return f"{format(measured, fmt)}{unit} measured, {text}{off}"
+
+
+def prediction_text(speed: dict[str, Any] | None) -> str | None:
+    """Predicted against measured from ``status --json``'s ``speed`` (None: the plan predicted
+    nothing): "step 2.00 s measured, 1.90 s predicted (+5%); tokens/s 1,000 measured, 1,200
+    predicted (-17%)"."""
+    if not speed:
+        return None
+    step = _against(
+        speed.get("measured_step_seconds"), speed.get("predicted_step_seconds"), ".2f", " s"
+    )
+    tps = _against(speed.get("measured_tokens_per_s"), speed.get("predicted_tokens_per_s"),
+                   ",.0f", "")  # fmt: skip
+    parts = [f"step {step}" if step else None, f"tokens/s {tps}" if tps else None]
+    return "; ".join(p for p in parts if p) or None
+
+
+def _scaling_doc(v: RunView) -> dict[str, Any] | None:
+    scaling = v.scaling
+    return scaling.to_json() if scaling else None
+
+
+def _predicted_speedup(v: RunView) -> float | None:
+    speed = v.speed_doc()
+    return speed.get("predicted_speedup") if speed else None
+
+
 # ---------------------------------------------------------------------- the CLI's plain log
 def step_line(v: RunView) -> str:
-    """One line for a logged step."""
+    """One line for a logged step (then, where the run has them, its objective's figures and
+    the measured scaling)."""
     trend = v.loss_trend
     arrow = "" if trend is None else (f" (↓{-trend:.3f})" if trend < 0 else f" (↑{trend:.3f})")
-    return (
+    line = (
         f"step {v.step}/{v.total_steps} loss {num(v.loss, '.4f')}{arrow} lr {num(v.lr, '.2e')} "
         f"tok/s {num(v.tokens_per_s)} samples/s {num(v.samples_per_s, ',.1f')} "
         f"{mfu_text(v.mfu)} eta {duration(v.eta_s, clock=True)} | batch {v.micro_batch}×{v.world_size}×"
         f"{v.grad_accum}={v.effective_batch}"
     )
+    extra = [objective_text(v.objective_doc()), scaling_text(_scaling_doc(v))]
+    return " | ".join([line, *(e for e in extra if e)])
 
 
 def eval_line(e: dict[str, Any]) -> str:
-    """One line for an ``eval`` event: "eval step 20: loss 2.3100, ppl 10.1, 5,120 tokens"."""
+    """One line for an ``eval`` event: "eval step 20: loss 2.3100, ppl 10.1, 5,120 tokens"; a
+    preference objective's: "eval step 20: loss 0.5500, 16 pairs, reward accuracy 0.750, …"."""
     ppl = e.get("perplexity")
     best = " (best so far)" if e.get("best") else ""
+    figures = objective_text(e)
+    if e.get("pairs") or figures:  # a perplexity of a preference loss means nothing
+        pairs = f", {int(e.get('pairs') or 0):,} pairs" if e.get("pairs") else ""
+        return (
+            f"eval step {e.get('step')}: loss {num(e.get('loss'), '.4f')}{pairs}"
+            f"{', ' + figures if figures else ''}{best}"
+        )
     return (
         f"eval step {e.get('step')}: loss {num(e.get('loss'), '.4f')}, "
         f"ppl {'inf' if ppl is None else format(ppl, ',.1f')}, {int(e.get('tokens') or 0):,} "
@@ -206,6 +300,13 @@ def live_panel(v: RunView) -> Panel:
             f"{d.energy_wh:.2f} Wh" if d.energy_wh else "–",
         )
     lines: list[RenderableType] = [head, stats, progress, accum, devices]
+    figures = objective_text(v.objective_doc())
+    if figures:
+        lines.insert(2, figures)
+    speed = [scaling_text(_scaling_doc(v), _predicted_speedup(v)), comm_text(_scaling_doc(v)),
+             prediction_text(v.speed_doc())]  # fmt: skip
+    if any(speed):
+        lines.insert(len(lines) - 1, " · ".join(t for t in speed if t))
     evals = eval_summary(v.eval_doc())
     if evals:
         lines.insert(2, f"eval {evals}")
@@ -314,6 +415,26 @@ def devices_text(view: RunView) -> Text:
     keys = list(view.devices)
     parts = [device_text(view.devices[k], view, _rank(k, keys)) for k in keys]
     return Text("\n").join(parts)
+
+
+def speed_text(view: RunView) -> Text:
+    """The Monitor's speed line: measured scaling ("scaling 1.82× of 2 (91%)"), the
+    communication share, and the plan's prediction beside the measurement (empty when the run
+    has one process and a plan without a prediction)."""
+    scaling = _scaling_doc(view)
+    out = Text()
+    head = scaling_text(scaling, _predicted_speedup(view))
+    if head:
+        efficiency = scaling["efficiency"] if scaling else 1.0
+        out.append(head, style="bold green" if efficiency >= 0.8 else "bold yellow")
+        comm = comm_text(scaling)
+        if comm:
+            out.append(f" · {comm}")
+        out.append(f" (median of {scaling['steps'] if scaling else 0} steps)", style="dim")
+    predicted = prediction_text(view.speed_doc())
+    if predicted:
+        out.append("\n" if out else "").append(predicted)
+    return out
 
 
 def stragglers_text(view: RunView) -> Text:

@@ -12,7 +12,15 @@ from typing import Any
 from rich.text import Text
 
 from homelab_dp.probe.hardware import format_bytes
-from homelab_dp.render.run_view import STATUS_STYLE, eval_summary, sample_line
+from homelab_dp.render.run_view import (
+    STATUS_STYLE,
+    comm_text,
+    eval_summary,
+    objective_text,
+    prediction_text,
+    sample_line,
+    scaling_text,
+)
 from homelab_dp.render.text import duration, mfu_text
 
 NO_RUNS = "no runs yet; start one with: homelab-dp run tiny-demo"
@@ -96,6 +104,19 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
     if doc.get("tokens_per_s"):
         mfu = f", {mfu_text(doc.get('mfu'))}" if "mfu" in doc else ""  # a document that has it
         lines.append(f"speed     {doc['tokens_per_s']:,.0f} tokens/s{mfu}")
+    speed = doc.get("speed") or {}
+    scaling = scaling_text(doc.get("scaling"), speed.get("predicted_speedup"))
+    if scaling:  # more than one process: how well they share the work, measured
+        comm = comm_text(doc.get("scaling"))
+        lines.append(
+            f"scaling   {scaling.removeprefix('scaling ')}" + (f"; {comm}" if comm else "")
+        )
+    predicted = prediction_text(doc.get("speed"))
+    if predicted:
+        lines.append(f"predicted {predicted}")
+    figures = objective_text(doc.get("objective_figures"))
+    if figures:  # a preference objective's latest figures
+        lines.append(f"{doc.get('objective') or 'rewards':<9} {figures}")
     if doc.get("peak_memory_bytes"):
         peaks = ", ".join(format_bytes(b) for b in doc["peak_memory_bytes"])
         est = (
