@@ -30,13 +30,27 @@ out and counted (`PreferenceTrainEval.identical`; `identical_warning` says it on
 
 from __future__ import annotations
 
+import logging
+import random
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from homelab_dp.data.tokenize import IGNORE_INDEX
+from homelab_dp.data import token_cache
+from homelab_dp.data.blocks import best_fit_decreasing
+from homelab_dp.data.eval_split import split_indices
+from homelab_dp.data.records import check_columns, check_format_name
+from homelab_dp.data.samples import check_seq_len, source_of
+from homelab_dp.data.sources import read_source
+from homelab_dp.data.token_cache import loaded
+from homelab_dp.data.tokenize import IGNORE_INDEX, PairExample, eos_id, tokenize_pairs
+from homelab_dp.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("homelab_dp.data")
 
 PAIR_OBJECTIVES = ("dpo", "orpo")
 """The objectives that train on chosen/rejected pairs (data format ``preference``)."""
@@ -95,6 +109,263 @@ class PreferenceTrainEval:
     """What messages call the training data (its file, or ``FOLDER (split NAME)``)."""
 
 
+Seq = tuple[list[int], list[int]]
+"""One sequence of a block: its inputs and their (shifted) targets, of the same length."""
+
+
+def objective_format(objective: str) -> str:
+    """The data format a preference objective trains on: ``preference`` or ``kto``."""
+    return "kto" if objective in KTO_OBJECTIVES else "preference"
+
+
+def check_objective_format(objective: str, fmt: str, where: str) -> None:
+    """A DataError when the data's format ``fmt`` is not what ``objective`` trains on, naming
+    the objective to set for this data."""
+    need = objective_format(objective)
+    if fmt == need:
+        return
+    what = {
+        "preference": "preference pairs (chosen, rejected)",
+        "kto": "KTO records (prompt, completion, label)",
+    }
+    if fmt == "preference":
+        hint = 'set train.objective = "dpo" (or "orpo") for pairs'
+    elif fmt == "kto":
+        hint = 'set train.objective = "kto" for labelled completions'
+    else:
+        hint = 'set train.objective = "sft" (the default) to fine-tune on this data'
+    accepted = (
+        '{"prompt","chosen","rejected"} or {"chosen": [messages], "rejected": [messages]}'
+        if need == "preference"
+        else '{"prompt","completion","label": true|false}'
+    )
+    raise DataError(
+        f"{where}: train.objective {objective} needs {what[need]}, but the data is "
+        f"{what.get(fmt, fmt + ' format')}",
+        hint=f"{hint}, or give records {accepted} (data.columns maps other names)",
+    )
+
+
+@dataclass
+class LoadedPairs:
+    """A data set's tokenized pairs (one per record, in data order) and how they were had."""
+
+    pairs: list[PairExample]
+    fmt: str
+    """``preference`` or ``kto``."""
+    pad_id: int
+    label: str
+    """What errors call the data (the file, or ``FOLDER (split NAME)``)."""
+    cache: str
+    """``hit`` (read from the token cache) or ``built`` (tokenized here, then cached)."""
+    key: str
+
+
+def load_pairs(
+    data_cfg: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    objective: str,
+    seq_len_limit: int | None,
+    eval_data: bool = False,
+    field: str = "data.path",
+) -> LoadedPairs:
+    """The tokenized pairs of data.path (or data.eval_path) for ``objective``, from the token
+    cache when it has them (``tokenizer`` may be a `TokenizerRef`: loaded only on a miss), as
+    `homelab_dp.data.samples.load_examples` does for SFT. The data's format must be the one
+    the objective trains on (`check_objective_format`), checked before anything is tokenized.
+    Raises DataError naming the file and line or row of any bad record."""
+    check_seq_len(data_cfg, seq_len_limit)
+    fmt = str(getattr(data_cfg, "format", "auto"))
+    check_format_name(fmt)
+    columns = check_columns(getattr(data_cfg, "columns", None) or {})
+    source = source_of(data_cfg, eval_data=eval_data, field=field)
+    if fmt != "auto":  # a named format is checked before any file is read
+        check_objective_format(objective, fmt, f"data.format {fmt}")
+    key = token_cache.cache_key(
+        tokenizer, source.identity(), format=fmt, columns=columns, split=source.split, kind="pairs"
+    )
+    cached = token_cache.read_pairs(key)
+    if cached is not None:
+        check_objective_format(objective, cached.fmt, source.label)
+        token_cache.note_use(cached.folder, "hit")
+        log.info("data: %d pairs of %s from the token cache %s", len(cached.pairs), source.label,
+                 cached.folder)  # fmt: skip
+        return LoadedPairs(cached.pairs, cached.fmt, cached.pad_id, source.label, "hit", key)
+    started = time.perf_counter()
+    records, wheres, resolved = read_source(source, fmt, columns)
+    check_objective_format(objective, resolved, source.label)
+    tokenizer = loaded(tokenizer)  # a miss: only now is a `TokenizerRef` loaded
+    pad = tokenizer.pad_token_id
+    pad_id = int(pad) if pad is not None else eos_id(tokenizer)
+    pairs = tokenize_pairs(records, resolved, tokenizer, where=wheres)
+    folder = token_cache.write_pairs(key, pairs, resolved, about=source.label, pad_id=pad_id)
+    token_cache.note_use(folder, "built")
+    log.info("data: tokenized %d pairs of %s in %.2f s into the token cache %s", len(pairs),
+             source.label, time.perf_counter() - started, folder)  # fmt: skip
+    return LoadedPairs(pairs, resolved, pad_id, source.label, "built", key)
+
+
+def sequence_of(prompt: list[int], response: list[int], seq_len: int, where: str) -> Seq:
+    """A prompt and response as block inputs and shifted targets: at most ``seq_len`` inputs
+    (a response that does not fit is truncated), targets -100 on the prompt. A DataError
+    naming ``where`` when the prompt leaves no room for a response token."""
+    ids = (prompt + response)[: seq_len + 1]
+    labels = [IGNORE_INDEX] * len(prompt) + response
+    targets = labels[1 : len(ids)]
+    if not any(t != IGNORE_INDEX for t in targets):
+        raise DataError(
+            f"{where}: the prompt takes {len(prompt)} tokens, leaving no room for a response "
+            f"token within data.seq_len {seq_len}",
+            hint="raise data.seq_len (each of a pair's sequences must fit it), or shorten "
+            "the prompt",
+        )
+    return ids[:-1], targets
+
+
+@dataclass
+class _Unit:
+    """One pair's two sequences (KTO: the completion and its KL completion) and its label."""
+
+    a: Seq
+    b: Seq
+    desirable: int = -1
+
+
+def kto_partners(n: int, seed: int) -> list[int]:
+    """For each of ``n`` KTO records, the record whose completion makes its mismatched KL
+    completion: the next one in the order ``seed`` shuffles them into (a cycle; itself when
+    ``n`` is 1). Fixed by the data and the seed alone, never by the batch split."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    partner = [0] * n
+    for k, i in enumerate(order):
+        partner[i] = order[(k + 1) % n]
+    return partner
+
+
+def units_of(
+    pairs: Sequence[PairExample], fmt: str, seq_len: int, seed: int
+) -> tuple[list[_Unit], int]:
+    """The pairs' sequences for blocks, and how many pairs were left out for identical chosen
+    and rejected responses (pairs only)."""
+    if fmt == "kto":
+        partner = kto_partners(len(pairs), seed)
+        return [
+            _Unit(
+                sequence_of(p.prompt, p.chosen, seq_len, p.where),
+                sequence_of(p.prompt, pairs[partner[i]].chosen, seq_len, p.where),
+                p.desirable,
+            )
+            for i, p in enumerate(pairs)
+        ], 0
+    units = []
+    identical = 0
+    for p in pairs:
+        a = sequence_of(p.prompt, p.chosen, seq_len, p.where)
+        b = sequence_of(p.prompt, p.rejected, seq_len, p.where)
+        if p.chosen == p.rejected:
+            identical += 1
+            continue
+        units.append(_Unit(a, b))
+    return units, identical
+
+
+def _padded_row(
+    seqs: Sequence[Seq], ids: list[int], row_len: int, pad_id: int, pack: bool
+) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """One row of sequences side by side (ids 2k, 2k+1 … given in ``ids``), padded."""
+    inputs: list[int] = []
+    targets: list[int] = []
+    positions: list[int] = []
+    sequence: list[int] = []
+    for (x, y), s in zip(seqs, ids, strict=True):
+        inputs += x
+        targets += y
+        positions += range(len(x))
+        sequence += [s] * len(x)
+    pad = row_len - len(inputs)
+    # Packed: the padding is a run of its own; unpacked: positions simply count on.
+    pad_positions = list(range(pad)) if pack else list(range(len(inputs), row_len))
+    return (
+        inputs + [pad_id] * pad,
+        targets + [IGNORE_INDEX] * pad,
+        [1] * len(inputs) + [0] * pad,
+        positions + pad_positions,
+        sequence + [-1] * pad,
+    )
+
+
+def build_pair_blocks(
+    units: Sequence[_Unit], seq_len: int, pack: bool, pad_id: int, *, kto: bool = False
+) -> list[PairBlock]:
+    """PairBlocks (module docstring): pack, best-fit pairs into rows of 2·seq_len (bins in the
+    order they were opened, pairs in data order inside); else one pair per block, two rows."""
+    out = []
+    if pack:
+        sizes = [len(u.a[0]) + len(u.b[0]) for u in units]
+        groups = best_fit_decreasing(sizes, 2 * seq_len)
+    else:
+        groups = [[i] for i in range(len(units))]
+    for group in groups:
+        chosen = [units[i] for i in group]
+        if pack:
+            seqs = [s for u in chosen for s in (u.a, u.b)]
+            rows = [_padded_row(seqs, list(range(len(seqs))), 2 * seq_len, pad_id, True)]
+        else:
+            u = chosen[0]
+            rows = [_padded_row([u.a], [0], seq_len, pad_id, False),
+                    _padded_row([u.b], [1], seq_len, pad_id, False)]  # fmt: skip
+        ids, labels, mask, positions, sequence = (list(col) for col in zip(*rows, strict=True))
+        out.append(
+            PairBlock(
+                ids,
+                labels,
+                mask,
+                positions,
+                sequence,
+                desirable=[u.desirable for u in chosen] if kto else [],
+                n_pairs=len(chosen),
+            )  # fmt: skip
+        )
+    return out
+
+
+def pair_blocks_of(
+    pairs: Sequence[PairExample], data_cfg: Any, fmt: str, pad_id: int, *, seed: int,
+    where: str, min_blocks: int,
+) -> tuple[list[PairBlock], int]:  # fmt: skip
+    """`build_pair_blocks` as data.seq_len and data.pack say, checked (at least ``min_blocks``
+    blocks; ``where`` names the data); also the count of identical pairs left out."""
+    seq_len, pack = int(data_cfg.seq_len), bool(data_cfg.pack)
+    if seq_len < 1:
+        raise DataError(f"data.seq_len: must be at least 1, got {seq_len}", hint="e.g. 256")
+    units, identical = units_of(pairs, fmt, seq_len, seed)
+    blocks = build_pair_blocks(units, seq_len, pack, pad_id, kto=fmt == "kto")
+    if len(blocks) < min_blocks:
+        what = "pairs" if fmt == "preference" else "records"
+        left = f" ({identical} identical pair(s) left out)" if identical else ""
+        raise DataError(
+            f"{where}: {len(blocks)} preference block(s) ({len(units)} {what}{left}), fewer "
+            f"than world size × micro-batch = {min_blocks}",
+            hint="add data, lower train.micro_batch, use fewer processes, or set data.pack = "
+            "false (one pair per block)",
+        )
+    return blocks, identical
+
+
+def identical_warning(count: int, label: str) -> str:
+    """The one warning for pairs whose chosen and rejected responses are the same ("" if
+    none): the preflight prints it and the run's start log repeats it."""
+    if not count:
+        return ""
+    s = "s" if count != 1 else ""
+    return (
+        f"warning: {label}: {count} pair{s} with identical chosen and rejected responses "
+        f"left out of training (no preference signal)"
+    )
+
+
 def load_preference_train_eval(
     data_cfg: Any,
     tokenizer: PreTrainedTokenizerBase,
@@ -106,5 +377,39 @@ def load_preference_train_eval(
 ) -> PreferenceTrainEval:
     """The training blocks (at least ``min_blocks``) and eval blocks of a [data] section for
     a preference ``objective`` (dpo, orpo: pairs; kto: labelled completions), mirroring
-    `homelab_dp.data.eval_split.load_train_eval`. Raises DataError (file:line or row, hint)."""
-    raise NotImplementedError  # the body lands next; the signature is the contract
+    `homelab_dp.data.eval_split.load_train_eval`: data.eval_fraction holds out pairs (records)
+    by ``seed`` before blocks are cut; data.eval_path is read as the training data. KTO's
+    mismatched completions are drawn by ``seed`` within each split. Raises DataError (file:line
+    or row, hint) for bad records, a format the objective does not train on, a prompt that
+    leaves no room for a response, or too few blocks."""
+    data = load_pairs(data_cfg, tokenizer, objective=objective, seq_len_limit=seq_len_limit)
+    pairs, fmt, pad, path = data.pairs, data.fmt, data.pad_id, data.label
+    fraction = float(getattr(data_cfg, "eval_fraction", 0.0) or 0.0)
+    eval_path = str(getattr(data_cfg, "eval_path", "") or "")
+    common = dict(fmt=fmt, label=path)
+    if fraction > 0:
+        train_idx, held = split_indices(len(pairs), fraction, seed)
+        if not train_idx:
+            raise DataError(
+                f"data.eval_fraction: {fraction} of the {len(pairs)} pair(s) of {path} "
+                "leaves none to train on",
+                hint="add data or lower data.eval_fraction",
+            )
+        where = f"{path} (after holding out {len(held)} pair(s) for data.eval_fraction)"
+        train, same = pair_blocks_of([pairs[i] for i in train_idx], data_cfg, fmt, pad,
+                                     seed=seed, where=where, min_blocks=min_blocks)  # fmt: skip
+        held_where = f"{path} (the {len(held)} pair(s) held out by data.eval_fraction)"
+        evals, same_eval = pair_blocks_of([pairs[i] for i in held], data_cfg, fmt, pad,
+                                          seed=seed, where=held_where, min_blocks=1)  # fmt: skip
+        return PreferenceTrainEval(train, evals, cache=(data.cache,), identical=same + same_eval,
+                                   held_out=len(held), **common)  # fmt: skip
+    train, same = pair_blocks_of(pairs, data_cfg, fmt, pad, seed=seed, where=path,
+                                 min_blocks=min_blocks)  # fmt: skip
+    if not eval_path:
+        return PreferenceTrainEval(train, [], cache=(data.cache,), identical=same, **common)
+    ev = load_pairs(data_cfg, tokenizer, objective=objective, seq_len_limit=seq_len_limit,
+                    eval_data=True)  # fmt: skip
+    evals, same_eval = pair_blocks_of(ev.pairs, data_cfg, ev.fmt, pad, seed=seed,
+                                      where=ev.label, min_blocks=1)  # fmt: skip
+    return PreferenceTrainEval(train, evals, cache=(data.cache, ev.cache),
+                               identical=same + same_eval, **common)  # fmt: skip

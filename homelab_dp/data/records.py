@@ -19,6 +19,12 @@ chat            ``messages``: non-empty list of ``{"role", "content"}``, role on
 sharegpt        ``conversations``: non-empty list of ``{"from", "value"}``, from one of
                 human / gpt / system; at least one gpt turn (read as chat,
                 `homelab_dp.data.records`)
+preference      ``chosen`` and ``rejected``: non-empty strings with a ``prompt`` string, or
+                lists of chat messages that share every turn but the last, an assistant turn
+                (the TRL, HH-RLHF and UltraFeedback-binarized layouts; an optional
+                ``prompt``, a string or messages, is put before turns that lack it)
+kto             ``prompt``: string; ``completion``: non-empty string; ``label``: true/false
+                (also "true"/"false"/1/0, as a CSV file holds it)
 ==============  ===========================================================================
 
 ``data.columns`` renames columns to these fields first (`homelab_dp.data.records`). Every
@@ -49,7 +55,7 @@ from homelab_dp.errors import DataError
 
 FIELDS = (
     "text", "prompt", "completion", "instruction", "input", "output", "messages",
-    "conversations",
+    "conversations", "chosen", "rejected", "label",
 )  # fmt: skip
 """The fields ``data.columns`` may map (every format's keys)."""
 
@@ -172,7 +178,10 @@ def sharegpt_to_chat(record: dict) -> dict:
 
 FORMATS = ("text", "completion", "instruction", "chat")
 """The formats samples are tokenized in (`homelab_dp.data.tokenize`)."""
-LAYOUTS = (*FORMATS, "sharegpt")
+PREFERENCE_FORMATS = ("preference", "kto")
+"""The formats of preference data (`homelab_dp.data.preference_blocks`): pairs, labelled
+completions."""
+LAYOUTS = (*FORMATS, "sharegpt", *PREFERENCE_FORMATS)
 """What data.format may name besides auto: ShareGPT records are read as chat."""
 ROLES = ("system", "user", "assistant")
 MAX_RECORD_BYTES = 8 * 2**20
@@ -181,11 +190,11 @@ million tokens, far beyond any seq_len. A larger one is refused naming its file:
 file is read whole (its tokens would take gigabytes in the preflight)."""
 _ACCEPTED = (
     '{"text"} | {"prompt","completion"} | {"instruction","input","output"} | {"messages"} '
-    '| {"conversations"}'
+    '| {"conversations"} | {"prompt","chosen","rejected"} | {"prompt","completion","label"}'
 )
 _FORMAT_HINT = (
     f"accepted records: {_ACCEPTED}; set data.format to say which (text | completion | "
-    "instruction | chat | sharegpt), or map your columns with data.columns"
+    "instruction | chat | sharegpt | preference | kto), or map your columns with data.columns"
 )
 
 
@@ -278,7 +287,14 @@ def _kind(value: Any) -> str:
 
 
 def format_from_keys(keys: list[str]) -> str | None:
-    """The format a record's keys point to, or None (a distinguishing key is enough)."""
+    """The format a record's keys point to, or None (a distinguishing key is enough).
+
+    ``chosen``/``rejected`` mean pairs before anything else (UltraFeedback-binarized rows also
+    hold ``messages``); ``label`` beside ``completion`` means KTO."""
+    if "chosen" in keys or "rejected" in keys:
+        return "preference"
+    if "label" in keys and "completion" in keys:
+        return "kto"
     if "messages" in keys:
         return "chat"
     if "conversations" in keys:
@@ -340,12 +356,24 @@ def _check_chat(record: dict, where: str) -> list[str]:
     messages = record.get("messages")
     if "messages" not in record:
         return [f"{where}: field 'messages' missing"]
+    problems = _message_problems(messages, "messages", where)
+    if not problems and not any(m["role"] == "assistant" for m in messages):
+        roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+        problems.append(
+            f"{where}: field 'messages' has no assistant turn (roles: {roles}), "
+            "so nothing to learn from"
+        )
+    return problems
+
+
+def _message_problems(messages: Any, name: str, where: str) -> list[str]:
+    """Every problem of a list of chat messages in field ``name`` (each ``{role, content}``)."""
     if not isinstance(messages, list) or not messages:
         what = "empty" if isinstance(messages, list) else _kind(messages)
-        return [f"{where}: field 'messages' must be a non-empty list, got {what}"]
+        return [f"{where}: field '{name}' must be a non-empty list, got {what}"]
     problems = []
     for i, message in enumerate(messages):
-        field = f"messages[{i}]"
+        field = f"{name}[{i}]"
         if not isinstance(message, dict):
             problems.append(f"{where}: field '{field}' must be an object, got {_kind(message)}")
             continue
@@ -358,13 +386,123 @@ def _check_chat(record: dict, where: str) -> list[str]:
         if not isinstance(message.get("content"), str):
             got = "missing" if "content" not in message else _kind(message["content"])
             problems.append(f"{where}: field '{field}.content' must be a string, got {got}")
-    if not problems and not any(m["role"] == "assistant" for m in messages):
-        roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+    return problems
+
+
+def _conversation(record: dict, side: str) -> list[dict]:
+    """The whole conversation of a chat pair's ``side`` (chosen or rejected): an optional
+    ``prompt`` put before it when the side lacks it (a messages prompt the side does not start
+    with; a string prompt, as a user turn, before a side that is only its answer)."""
+    turns = [{"role": m["role"], "content": m["content"]} for m in record[side]]
+    prompt = record.get("prompt")
+    if isinstance(prompt, list):
+        head = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        return turns if turns[: len(head)] == head else head + turns
+    if isinstance(prompt, str) and len(turns) == 1:
+        return [{"role": "user", "content": prompt}, *turns]
+    return turns
+
+
+def preference_problems(record: dict, where: str) -> list[str]:
+    """Every problem of a preference record (empty: `preference_record` converts it): both
+    responses present and non-empty; strings with a string prompt, or chat messages sharing
+    every turn but the last, an assistant turn."""
+    sides = ("chosen", "rejected")
+    missing = [s for s in sides if record.get(s) is None]
+    if missing:
+        return [
+            f"{where}: field '{s}' missing (a preference pair needs chosen and rejected)"
+            for s in missing
+        ]
+    kinds = {s: type(record[s]) for s in sides}
+    if kinds["chosen"] is str and kinds["rejected"] is str:
+        problems = [f"{where}: field '{s}' is empty (an empty response)" for s in sides
+                    if not record[s].strip()]  # fmt: skip
+        if "prompt" not in record or not isinstance(record["prompt"], str):
+            got = "missing" if record.get("prompt") is None else _kind(record["prompt"])
+            problems.insert(0, f"{where}: field 'prompt' must be a string, got {got} "
+                            "(string pairs need their prompt; chat pairs carry it as turns)")  # fmt: skip
+        return problems
+    if kinds["chosen"] is not list or kinds["rejected"] is not list:
+        return [
+            f"{where}: fields 'chosen' and 'rejected' must both be strings or both lists of "
+            f"chat messages, got {_kind(record['chosen'])} and {_kind(record['rejected'])}"
+        ]
+    problems = _message_problems(record["chosen"], "chosen", where)
+    problems += _message_problems(record["rejected"], "rejected", where)
+    prompt = record.get("prompt")
+    if isinstance(prompt, list):
+        problems += _message_problems(prompt, "prompt", where)
+    elif prompt is not None and not isinstance(prompt, str):
+        problems.append(f"{where}: field 'prompt' must be a string or chat messages, "
+                        f"got {_kind(prompt)}")  # fmt: skip
+    if problems:
+        return problems
+    chosen, rejected = _conversation(record, "chosen"), _conversation(record, "rejected")
+    for side, turns in (("chosen", chosen), ("rejected", rejected)):
+        last = turns[-1]
+        if last["role"] != "assistant":
+            problems.append(f"{where}: field '{side}' must end with an assistant turn "
+                            f"(the response), its last turn is {last['role']!r}")  # fmt: skip
+        elif not last["content"].strip():
+            problems.append(f"{where}: field '{side}': the last assistant turn is empty "
+                            "(an empty response)")  # fmt: skip
+        elif len(turns) == 1:
+            problems.append(f"{where}: field '{side}' has no turn before its answer "
+                            "(no prompt): give the user's turn or a 'prompt'")  # fmt: skip
+    if problems:
+        return problems
+    if chosen[:-1] != rejected[:-1]:
+        turn = next(
+            (i for i, (a, b) in enumerate(zip(chosen[:-1], rejected[:-1], strict=False)) if a != b),
+            min(len(chosen), len(rejected)) - 1,
+        )
         problems.append(
-            f"{where}: field 'messages' has no assistant turn (roles: {roles}), "
-            "so nothing to learn from"
+            f"{where}: 'chosen' and 'rejected' do not share the turns before their last "
+            f"(they differ at turn {turn}, counted from 0): a pair answers one conversation"
         )
     return problems
+
+
+def preference_record(record: dict) -> dict:
+    """A checked preference record in the form tokenizing takes: ``{"prompt", "chosen",
+    "rejected"}`` strings, or chat pairs as ``{"messages": shared turns, "chosen": answer,
+    "rejected": answer}`` (the two last assistant turns' content)."""
+    if isinstance(record["chosen"], str):
+        return {k: record[k] for k in ("prompt", "chosen", "rejected")}
+    chosen, rejected = _conversation(record, "chosen"), _conversation(record, "rejected")
+    return {
+        "messages": chosen[:-1],
+        "chosen": chosen[-1]["content"],
+        "rejected": rejected[-1]["content"],
+    }
+
+
+_TRUE = ("true", "1", "yes", "desirable")
+_FALSE = ("false", "0", "no", "undesirable")
+
+
+def kto_label(value: Any) -> bool:
+    """A KTO record's ``label`` as a bool (true/false, 1/0, or those as text: CSV cells)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(value)
+
+
+def _label_problems(record: dict, where: str) -> list[str]:
+    """A problem for a KTO record's ``label`` that is missing or not true/false."""
+    if record.get("label") is None:
+        return [f"{where}: field 'label' missing (true: a desirable completion, false: not)"]
+    try:
+        kto_label(record["label"])
+    except ValueError:
+        return [f"{where}: field 'label' must be true or false, got {record['label']!r}"]
+    return []
 
 
 def check_record(record: dict, fmt: str, where: str) -> list[str]:
@@ -373,6 +511,8 @@ def check_record(record: dict, fmt: str, where: str) -> list[str]:
         return _check_chat(record, where)
     if fmt == "sharegpt":
         return sharegpt_problems(record, where)
+    if fmt == "preference":
+        return preference_problems(record, where)
     checks = {
         "text": [("text", True, True)],
         "completion": [("prompt", True, False), ("completion", True, True)],
@@ -381,12 +521,15 @@ def check_record(record: dict, fmt: str, where: str) -> list[str]:
             ("input", False, False),
             ("output", True, True),
         ],
+        "kto": [("prompt", True, False), ("completion", True, True)],
     }[fmt]
     problems = [
         _check_str(record, key, where, required=req, non_empty=non_empty)
         for key, req, non_empty in checks
     ]
     problems = [p for p in problems if p]
+    if fmt == "kto":
+        problems += _label_problems(record, where)
     if problems and format_from_keys(list(record)) not in (None, fmt):
         problems[0] += f" (this record looks like {format_from_keys(list(record))} format)"
     return problems
@@ -397,7 +540,7 @@ def check_format_name(fmt: str) -> None:
     if fmt not in (*LAYOUTS, "auto"):
         raise DataError(
             f"data.format: unknown format {fmt!r}",
-            hint="one of auto, text, completion, instruction, chat, sharegpt",
+            hint="one of auto, text, completion, instruction, chat, sharegpt, preference, kto",
         )
 
 
@@ -458,6 +601,10 @@ def check_records(
         raise DataError(first, hint=hint)
     if fmt == "sharegpt":
         return [sharegpt_to_chat(v) for v in values], "chat"
+    if fmt == "preference":
+        return [preference_record(v) for v in values], fmt
+    if fmt == "kto":
+        return [{**v, "label": kto_label(v["label"])} for v in values], fmt
     return values, fmt
 
 
@@ -468,6 +615,9 @@ def _needs(fmt: str) -> str:
         "instruction": "non-empty 'instruction' and 'output' (and an optional 'input')",
         "chat": "'messages': a list of {role, content} with at least one assistant turn",
         "sharegpt": "'conversations': a list of {from, value} with at least one gpt turn",
+        "preference": "non-empty 'chosen' and 'rejected' answers with a 'prompt', or 'chosen' "
+        "and 'rejected' chat messages that share every turn but the last assistant turn",
+        "kto": "'prompt', a non-empty 'completion' and 'label' (true or false)",
     }[fmt]
 
 

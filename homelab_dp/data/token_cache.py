@@ -10,6 +10,9 @@ Layout: ``$XDG_CACHE_HOME/homelab-dp/tokens/<key>/`` (``~/.cache`` by default):
   ``labels`` (one row per sample, in data order), memory-mapped when read; its schema metadata
   holds the format the samples were tokenized in, their count and what the data was.
   Written to a temporary name and renamed, so no reader ever sees half a file.
+- ``pairs.arrow`` (preference data instead of samples): one row per pair or KTO record, its
+  prompt's and responses' tokens and the record's file:line (`write_pairs`); keyed apart from
+  SFT samples of the same file (``kind="pairs"`` in the key).
 - ``uses.jsonl``: one line per process that used the entry, ``{"pid", "time", "use"}`` with
   use ``built`` (it tokenized) or ``hit`` (it read the file): the record of who tokenized.
 
@@ -48,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from homelab_dp import json_safe
 from homelab_dp.data import tokenize
-from homelab_dp.data.tokenize import Example
+from homelab_dp.data.tokenize import Example, PairExample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -229,6 +232,85 @@ def write(key: str, examples: Sequence[Example], fmt: str, about: str, pad_id: i
     except OSError:
         tmp.unlink(missing_ok=True)
     return folder
+
+
+PAIRS_FILE = "pairs.arrow"
+"""A preference entry's file: one row per pair (or KTO record)."""
+
+
+@dataclass
+class CachedPairs:
+    """A preference entry read back: the pairs, their format and padding id, and its folder."""
+
+    pairs: list[PairExample]
+    fmt: str
+    pad_id: int
+    folder: Path
+
+
+def write_pairs(key: str, pairs: Sequence[PairExample], fmt: str, about: str, pad_id: int) -> Path:
+    """Store tokenized preference pairs (or KTO records) under ``key`` as `write` stores
+    samples: an Arrow IPC file of ``prompt``, ``chosen``, ``rejected`` (``list<int32>``),
+    ``where`` (the record's file:line, for errors found when blocks are cut) and
+    ``desirable`` (int8), renamed into place. Returns the folder."""
+    import pyarrow as pa
+
+    folder = cache_root() / key
+    ints = pa.list_(pa.int32())
+    schema = pa.schema(
+        [("prompt", ints), ("chosen", ints), ("rejected", ints), ("where", pa.string()),
+         ("desirable", pa.int8())],
+        metadata={"format": fmt, "count": str(len(pairs)), "data": about,
+                  "version": str(CACHE_VERSION), "pad_id": str(pad_id)},
+    )  # fmt: skip
+    table = pa.table(
+        [
+            pa.array([p.prompt for p in pairs], type=ints),
+            pa.array([p.chosen for p in pairs], type=ints),
+            pa.array([p.rejected for p in pairs], type=ints),
+            pa.array([p.where for p in pairs], type=pa.string()),
+            pa.array([p.desirable for p in pairs], type=pa.int8()),
+        ],
+        schema=schema,
+    )
+    tmp = folder / f".{PAIRS_FILE}.{os.getpid()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            writer.write_table(table, max_chunksize=4096)
+        os.replace(tmp, folder / PAIRS_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    return folder
+
+
+def read_pairs(key: str) -> CachedPairs | None:
+    """The preference entry of ``key``, or None when there is none (or it cannot be read)."""
+    import pyarrow as pa
+
+    folder = cache_root() / key
+    path = folder / PAIRS_FILE
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as fh:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        options = pa.ipc.IpcReadOptions(use_threads=False)  # see `read`
+        table = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped)), options=options).read_all()
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        prompt, chosen, rejected = (
+            _lists(table.column(c)) for c in ("prompt", "chosen", "rejected")
+        )
+        where = [str(w) for w in table.column("where").to_pylist()]
+        desirable = [int(d) for d in table.column("desirable").to_pylist()]
+    except (OSError, ValueError, pa.ArrowInvalid, KeyError):
+        return None
+    if meta.get("count") != str(len(prompt)) or "format" not in meta or "pad_id" not in meta:
+        return None
+    pairs = [
+        PairExample(*row) for row in zip(prompt, chosen, rejected, where, desirable, strict=True)
+    ]
+    return CachedPairs(pairs, meta["format"], int(meta["pad_id"]), folder)
 
 
 def note_use(folder: Path, use: str) -> None:

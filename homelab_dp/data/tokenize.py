@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from homelab_dp.data.records import FORMATS
+from homelab_dp.data.records import FORMATS, PREFERENCE_FORMATS
 from homelab_dp.errors import DataError
 
 if TYPE_CHECKING:
@@ -136,6 +136,112 @@ def _chat_example(tokenizer: PreTrainedTokenizerBase, messages: list[dict], wher
     return Example(ids, labels)
 
 
+@dataclass
+class PairExample:
+    """One tokenized preference pair (or KTO record): the prompt's tokens and each response's
+    tokens, which follow the prompt directly (joined, they are the whole sequence)."""
+
+    prompt: list[int]
+    """The prompt's tokens, the tokenizer's leading special tokens first (no loss on them)."""
+    chosen: list[int]
+    """The chosen response's tokens, eos (or the chat template's end of turn) at the end; KTO:
+    the completion's."""
+    rejected: list[int]
+    """The rejected response's tokens; [] for KTO."""
+    where: str
+    """The record's ``file:line`` (or ``file row N``), for errors found when blocks are cut."""
+    desirable: int = -1
+    """KTO: 1 desirable, 0 undesirable; -1 for a pair."""
+
+
+def _chat_pair(
+    tokenizer: PreTrainedTokenizerBase, record: dict, where: str
+) -> tuple[list[int], list[int], list[int]]:
+    """A chat pair's prompt and responses: the shared turns rendered with the generation
+    prompt, and the tokens each last assistant turn adds (as `_chat_example` finds a turn)."""
+    import jinja2  # a transformers dependency; only chat data needs it
+
+    def ids_of(msgs: list[dict], generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        return _encode(tokenizer, [text])[0]
+
+    shared = record["messages"]
+    try:
+        prompt = ids_of(shared, True)
+        chosen = ids_of([*shared, {"role": "assistant", "content": record["chosen"]}], False)
+        rejected = ids_of([*shared, {"role": "assistant", "content": record["rejected"]}], False)
+    except jinja2.TemplateError as exc:
+        raise DataError(
+            f"{where}: the model's chat template refused this conversation: {exc}",
+            hint="fix the order of roles the template expects (often: system?, user, assistant, …)",
+        ) from None
+    # The prompt both sequences start with (a template may render the header differently once
+    # an answer follows: the common part then stays the prompt, the rest is the response).
+    cut = min(_common_prefix(chosen, prompt), _common_prefix(rejected, prompt))
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def _sft_objective_refused(fmt: str, where: Sequence[str] | None) -> DataError:
+    """The error for preference data given to supervised fine-tuning (train.objective sft)."""
+    place = f"{where[0]}: " if where else ""
+    if fmt == "kto":
+        what, hint = "KTO records (prompt, completion, label)", 'set train.objective = "kto"'
+    else:
+        what = "preference pairs (chosen, rejected)"
+        hint = 'set train.objective = "dpo" (or "orpo") to learn from pairs'
+    return DataError(
+        f"{place}the data holds {what}, and train.objective sft learns from single answers",
+        hint=hint + ", or give SFT data (text, completion, instruction, chat)",
+    )
+
+
+def tokenize_pairs(
+    records: Sequence[dict],
+    fmt: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    where: Sequence[str],
+) -> list[PairExample]:
+    """Tokenize checked preference (or KTO) records (`homelab_dp.data.records.preference_record`
+    forms). String pairs and KTO records as the completion format does: the leading special
+    tokens and the prompt, then each response with eos; chat pairs with the chat template SFT
+    uses (`_chat_pair`). ``where`` names each record."""
+    if fmt not in PREFERENCE_FORMATS:
+        raise DataError(f"data.format: {fmt!r} is not preference data", hint="preference | kto")
+    eos = eos_id(tokenizer)
+    if fmt == "kto":
+        lead = _leading_ids(tokenizer)
+        prompts = _encode(tokenizer, [r["prompt"] for r in records])
+        answers = _encode(tokenizer, [r["completion"] for r in records])
+        return [
+            PairExample(lead + p, a + [eos], [], w, int(bool(r["label"])))
+            for r, p, a, w in zip(records, prompts, answers, where, strict=True)
+        ]
+    chat = [i for i, r in enumerate(records) if "messages" in r]
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{where[chat[0]]}: chat pairs need a chat template, and the model's tokenizer "
+            "has none",
+            hint="use a model whose tokenizer has a chat_template, or write the pairs as "
+            '{"prompt","chosen","rejected"} strings',
+        )
+    plain = [i for i, r in enumerate(records) if "messages" not in r]
+    out: list[PairExample | None] = [None] * len(records)
+    if plain:
+        lead = _leading_ids(tokenizer)
+        texts = [records[i][k] for i in plain for k in ("prompt", "chosen", "rejected")]
+        ids = _encode(tokenizer, texts)
+        for n, i in enumerate(plain):
+            p, c, r = ids[3 * n : 3 * n + 3]
+            out[i] = PairExample(lead + p, c + [eos], r + [eos], where[i])
+    for i in chat:
+        prompt, chosen, rejected = _chat_pair(tokenizer, records[i], where[i])
+        out[i] = PairExample(prompt, chosen, rejected, where[i])
+    return [x for x in out if x is not None]
+
+
 def tokenize_records(
     records: Sequence[dict],
     fmt: str,
@@ -147,6 +253,8 @@ def tokenize_records(
 
     ``where`` (optional, one per record, e.g. ``"data.jsonl:7"``) names records in errors.
     """
+    if fmt in PREFERENCE_FORMATS:
+        raise _sft_objective_refused(fmt, where)
     if fmt not in FORMATS:
         raise DataError(f"data.format: unknown format {fmt!r}", hint=f"one of {FORMATS}")
     if fmt == "chat":
