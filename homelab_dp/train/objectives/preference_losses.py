@@ -10,10 +10,13 @@ the same log-probabilities.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+_LN2 = math.log(2.0)
 
 
 def sequence_log_probs(
@@ -83,6 +86,11 @@ def dpo_loss(
     return losses, chosen_rewards, rejected_rewards
 
 
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - eˣ)`` for x < 0 without cancellation: expm1 near 0, log1p below -ln 2."""
+    return torch.where(x < -_LN2, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
 def orpo_loss(
     chosen_avg: torch.Tensor, rejected_avg: torch.Tensor, *, orpo_lambda: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,13 +98,12 @@ def orpo_loss(
 
     From the length-averaged log-probabilities a = ``chosen_avg``, b = ``rejected_avg``:
     ``log_odds = (a - b) - (log(1 - eᵃ) - log(1 - eᵇ))`` and the term is
-    ``-λ·log σ(log_odds)``. TRL's ``odds_ratio_loss`` returns ``λ·log σ(log_odds)`` and
-    subtracts its mean from the NLL; the sign is folded in here so the objective adds.
+    ``-λ·log σ(log_odds)``, log(1 - eˣ) computed stably as TRL's ``log1mexp`` does. TRL's
+    ``odds_ratio_loss`` returns ``λ·log σ(log_odds)`` and subtracts its mean from the NLL; the
+    sign is folded in here so the objective adds.
     The log odds ratio is returned detached, for the step events.
     """
-    log_odds = (chosen_avg - rejected_avg) - (
-        torch.log1p(-torch.exp(chosen_avg)) - torch.log1p(-torch.exp(rejected_avg))
-    )
+    log_odds = (chosen_avg - rejected_avg) - (_log1mexp(chosen_avg) - _log1mexp(rejected_avg))
     term = -orpo_lambda * F.logsigmoid(log_odds)
     return term, log_odds.detach()
 
