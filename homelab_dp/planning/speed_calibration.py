@@ -1,0 +1,259 @@
+"""Measured training speed, kept per hardware fingerprint: the time model's achieved compute rate.
+
+The time model (`homelab_dp.planning.time_model`) prices a step's compute as its model FLOPs ÷
+(the card's dense 16-bit peak × an achieved-MFU factor). The factor starts from a stated
+default (`DEFAULT_GPU_FACTOR`); a CPU has no known peak, so there the figure is the model FLOP/s
+one thread achieves (`DEFAULT_CPU_FLOPS_PER_THREAD`). Both are replaced by what this machine
+measured once it has measured runs: `homelab-dp measure` and every completed run call
+`record_speed` with the run's plan document and the tokens/s it measured; later plans on the
+same fingerprint read the closest record (`SpeedStore.rate_for`).
+
+What is stored is the compute rate alone: with several processes the exposed communication is
+taken out of the step first (the run's ``compute_seconds`` when it measured them), so that the
+time model adds communication once, its own way.
+
+The file is ``$XDG_DATA_HOME/homelab-dp/speed.json`` (private to the user); nothing here imports
+torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from homelab_dp import json_safe
+from homelab_dp.planning.flops import peak_flops
+from homelab_dp.planning.memory.memory_calibration import data_dir
+
+FILE_VERSION = 1
+KEEP_PER_FINGERPRINT = 50
+"""Older records of a fingerprint are dropped beyond this many."""
+
+DEFAULT_GPU_FACTOR = 0.35
+"""Achieved share of a card's dense 16-bit peak before anything is measured: what fine-tunes of
+0.5–8B models reach on one card with fused attention and a chunked loss (30–45% is typical;
+the lower end, so a first plan promises no more than a card usually gives)."""
+
+DEFAULT_CPU_FLOPS_PER_THREAD = 4e9
+"""Model FLOP/s one CPU thread achieves in fp32 training before anything is measured: a
+conservative guess (a recent AVX2 core peaks at 50–100 GFLOP/s, but training a small model
+spends most of its time outside large matmuls); one `homelab-dp measure` replaces it."""
+
+
+def speed_path() -> Path:
+    """``$XDG_DATA_HOME/homelab-dp/speed.json``."""
+    return data_dir() / "speed.json"
+
+
+MODEL_KEYS = ("model_type", "params", "layers", "hidden", "vocab")
+"""What of the plan's ``model`` block makes two records the same model."""
+
+
+@dataclass(frozen=True)
+class SpeedRecord:
+    """One measured run's compute rate on one machine."""
+
+    fingerprint: str
+    """The hardware fingerprint (`homelab_dp.planning.memory.memory_calibration.fingerprint`)."""
+    kind: str
+    """"cuda" or "cpu"."""
+    model: dict[str, Any]
+    """The plan's model block, `MODEL_KEYS` only."""
+    method: str
+    distribution: str
+    activation_checkpointing: bool
+    world_size: int
+    device: str
+    """The slowest planned device's name (what set the pace)."""
+    tokens_per_s: float
+    """Measured tokens a second, every rank together."""
+    flops_per_token: float
+    """Model FLOPs per trained token of the run (`homelab_dp.planning.flops`)."""
+    flops_per_s: float
+    """Achieved model FLOP/s of one device's compute (the exposed communication taken out)."""
+    threads: int | None = None
+    """CPU: threads per process the run had; None on CUDA."""
+    peak_flops: float | None = None
+    """CUDA: the card's dense 16-bit peak, when the table knows it."""
+    source: str = "run"
+    """"measure" (`homelab-dp measure`) or "run" (a completed run)."""
+    run_id: str = ""
+    time: float = 0.0
+
+    @property
+    def factor(self) -> float | None:
+        """Achieved share of the peak (CUDA with a known peak), else None."""
+        return self.flops_per_s / self.peak_flops if self.peak_flops else None
+
+    @property
+    def flops_per_thread(self) -> float | None:
+        """CPU: achieved model FLOP/s per thread, else None."""
+        return self.flops_per_s / self.threads if self.threads else None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> SpeedRecord:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in doc.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ComputeRate:
+    """What the time model prices compute at, and where it came from."""
+
+    factor: float | None
+    """CUDA: the achieved-MFU factor; None on the CPU."""
+    flops_per_thread: float | None
+    """CPU: achieved model FLOP/s per thread; None on CUDA."""
+    source: str
+    """"table" (the stated default) or "calibrated" (measured runs on this machine)."""
+    words: str
+    """Where it came from, for people."""
+
+
+def default_rate(kind: str) -> ComputeRate:
+    """The stated default of ``kind`` (nothing measured)."""
+    if kind == "cpu":
+        return ComputeRate(None, DEFAULT_CPU_FLOPS_PER_THREAD, "table",
+                           f"assumed {DEFAULT_CPU_FLOPS_PER_THREAD / 1e9:.0f} GFLOP/s per CPU "
+                           "thread (`homelab-dp measure` calibrates it)")  # fmt: skip
+    return ComputeRate(DEFAULT_GPU_FACTOR, None, "table",
+                       f"assumed {DEFAULT_GPU_FACTOR:.0%} of the card's peak (`homelab-dp "
+                       "measure` calibrates it)")  # fmt: skip
+
+
+class SpeedStore:
+    """The speed file: records of every fingerprint seen on this account."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or speed_path()
+        self.records: list[SpeedRecord] = []
+        self.problem: str | None = None
+        """Why the file could not be read (it is then treated as empty and rewritten)."""
+        if self.path.is_file():
+            try:
+                doc = json.loads(self.path.read_text(encoding="utf-8"))
+                self.records = [SpeedRecord.from_json(r) for r in doc["records"]]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self.problem = f"{self.path}: unreadable ({exc}); starting afresh"
+
+    def add(self, r: SpeedRecord) -> None:
+        """Keep ``r``; beyond `KEEP_PER_FINGERPRINT` records of its fingerprint the oldest go."""
+        keep = [*self.records, r]
+        same = sorted((x for x in keep if x.fingerprint == r.fingerprint), key=lambda x: x.time)
+        drop = {id(x) for x in same[:-KEEP_PER_FINGERPRINT]}
+        self.records = [x for x in keep if id(x) not in drop]
+
+    def save(self) -> Path:
+        """Write the file atomically, private to the user."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        doc = {"version": FILE_VERSION, "records": [r.to_json() for r in self.records]}
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json_safe.dump(doc, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, self.path)
+        return self.path
+
+    def rate_for(
+        self, fingerprint: str | None, kind: str, model: dict[str, Any], method: str,
+        activation_checkpointing: bool,
+    ) -> ComputeRate:  # fmt: skip
+        """The compute rate of a plan: the closest record of this fingerprint, else the default.
+
+        Closest: the same model, method and checkpointing; else the same model; else the same
+        method; else any record of the machine. Among equals the newest three are averaged
+        (one slow step of a busy machine does not decide alone).
+        """
+        mine = [r for r in self.records if fingerprint and r.fingerprint == fingerprint]
+        mine = [r for r in mine if (r.factor if kind == "cuda" else r.flops_per_thread)]
+        if not mine:
+            return default_rate(kind)
+        key = {k: model.get(k) for k in MODEL_KEYS}
+
+        def tier(r: SpeedRecord) -> int:
+            same_model = r.model == key
+            same_method = r.method == method
+            if (
+                same_model
+                and same_method
+                and r.activation_checkpointing == activation_checkpointing
+            ):
+                return 0
+            return 1 if same_model else 2 if same_method else 3
+
+        best = min(tier(r) for r in mine)
+        chosen = sorted((r for r in mine if tier(r) == best), key=lambda r: r.time)[-3:]
+        what = ("this model and method", "this model", "this method", "other models")[best]
+        words = f"calibrated from {len(chosen)} measured run(s) of {what} on this machine"
+        if kind == "cuda":
+            factor = sum(r.factor or 0.0 for r in chosen) / len(chosen)
+            return ComputeRate(factor, None, "calibrated", f"{factor:.0%} of the peak, {words}")
+        per = sum(r.flops_per_thread or 0.0 for r in chosen) / len(chosen)
+        return ComputeRate(None, per, "calibrated", f"{per / 1e9:.1f} GFLOP/s per thread, {words}")
+
+
+def record_speed(
+    plan_doc: dict[str, Any],
+    *,
+    tokens_per_s: float,
+    source: str = "run",
+    run_id: str = "",
+    step_seconds: float | None = None,
+    compute_seconds: float | None = None,
+    path: Path | None = None,
+) -> Path | None:
+    """Record what a run of ``plan_doc`` (its `plan --json` document, as the run's spec.json
+    carries it) measured; the file written, or None when nothing can be recorded.
+
+    ``tokens_per_s``: measured, every rank together (after the first steps: the steady state).
+    ``step_seconds`` and ``compute_seconds`` (the step's time and its part not waiting on
+    communication, as step events give them): with both, the exposed communication is taken
+    out, so the record is the compute rate alone; without them (one process, or not measured)
+    the whole step counts as compute. Nothing is recorded for a plan of hardware that is not
+    here (no fingerprint), a plan made before the time model (no ``predicted`` block), or a
+    non-positive speed.
+    """
+    fp = (plan_doc.get("calibration") or {}).get("fingerprint")
+    predicted = plan_doc.get("predicted") or {}
+    assumed = predicted.get("assumptions") or {}
+    per_token = predicted.get("flops_per_token")
+    if not fp or not per_token or not tokens_per_s or tokens_per_s <= 0:
+        return None
+    hw = plan_doc.get("hardware") or {}
+    kind = str(hw.get("kind", "cuda"))
+    training = plan_doc.get("training") or {}
+    world = int(training.get("world_size") or 1)
+    per_device = tokens_per_s / world * float(per_token)
+    if step_seconds and compute_seconds and 0 < compute_seconds <= step_seconds:
+        per_device *= step_seconds / compute_seconds  # the step less its exposed communication
+    device = str(predicted.get("pace_device") or "")
+    threads = assumed.get("threads_per_process") if kind == "cpu" else None
+    record = SpeedRecord(
+        fingerprint=str(fp),
+        kind=kind,
+        model={k: (plan_doc.get("model") or {}).get(k) for k in MODEL_KEYS},
+        method=str(plan_doc.get("method")),
+        distribution=str(plan_doc.get("distribution")),
+        activation_checkpointing=bool(training.get("activation_checkpointing")),
+        world_size=world,
+        device=device,
+        tokens_per_s=float(tokens_per_s),
+        flops_per_token=float(per_token),
+        flops_per_s=per_device,
+        threads=int(threads) if threads else None,
+        peak_flops=peak_flops(device) if kind == "cuda" and device else None,
+        source=source,
+        run_id=run_id,
+        time=time.time(),
+    )
+    store = SpeedStore(path)
+    store.add(record)
+    return store.save()
