@@ -143,7 +143,7 @@ def load_model(
     kwargs: dict[str, Any] = {
         "trust_remote_code": preset.model.trust_remote_code,
         # FlashAttention-2's varlen kernel on an sm80+ card with flash-attn 2.x installed, else
-        # SDPA (train.attention).
+        # homelab_packed: each sample of a packed block alone, SDPA for other masks.
         "attn_implementation": attention_implementation(
             device.type, resolved.dtype, capability=card_capability(device)
         ),
@@ -165,7 +165,7 @@ def load_model(
         from transformers import Mxfp4Config
 
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-    if kwargs["attn_implementation"] == "sdpa" and not supports_sdpa(preset):
+    if kwargs["attn_implementation"] != "flash_attention_2" and not supports_sdpa(preset):
         kwargs["attn_implementation"] = "eager"  # gpt-oss (attention sinks): no SDPA path
     model = AutoModelForCausalLM.from_pretrained(preset.model.path, **kwargs)
     if method == "qlora":  # fused 3-D experts: NF4 too (bitsandbytes quantized the linears)
