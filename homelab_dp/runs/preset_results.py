@@ -23,6 +23,12 @@ A plan of the preset then looks at the records with the same fingerprint (`expec
 Records of other hardware or settings give no expectation; `PresetRuns.differences` says how
 the newest of them differs.
 
+A record also keeps the run's speed in the steady state beside what its plan predicted
+(`steady_speed`: the medians of the step events after the first `STEADY_AFTER` steps — tokens/s,
+step time, and with several processes the communication it waited on, `train.comm_timing`),
+so a plan can be checked against what the run then did; the keeper hands the same figures to
+the time model's calibration (`homelab_dp.planning.speed_calibration.record_speed`).
+
 Where the results of completed runs are kept: the run's ``results.json`` and the per-user
 store ``$XDG_DATA_HOME/homelab-dp/preset_results.jsonl`` (one JSON line per run).
 
@@ -61,6 +67,13 @@ from homelab_dp.runs.folder.run_state import current_state
 from homelab_dp.runs.run_view import summarize, view_of
 
 RECORD_VERSION = 1
+STEADY_AFTER = 3
+"""Step events up to this step are left out of a run's steady speed: the first steps pay for
+allocation, DDP's bucket rebuild and the optimizer state's creation."""
+PREDICTED_KEYS = ("step_seconds", "compute_seconds", "comm_seconds", "exposed_comm_seconds",
+                  "offload_seconds", "tokens_per_s", "speedup_vs_one_device",
+                  "scaling_efficiency", "bottleneck")  # fmt: skip
+"""What a record keeps of its plan's ``predicted`` block (the time model's figures)."""
 MODEL_KEYS = ("params", "layers", "hidden", "vocab", "trainable_params")
 """The plan's model block: the size of what is trained (LoRA rank and targets change the last)."""
 
@@ -119,6 +132,57 @@ def _devices_text(names: list[str]) -> str:
     return " + ".join(names)
 
 
+def _median(values: list[Any]) -> float | None:
+    nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return statistics.median(nums) if nums else None
+
+
+def steady_speed(events: list[dict[str, Any]], after: int = STEADY_AFTER) -> dict[str, Any] | None:
+    """A run's speed once settled, from its events: the medians over the step events after
+    step ``after`` (all of them if the run logged none later) of ``tokens_per_s``,
+    ``step_time_s`` (as ``step_seconds``), ``comm_seconds`` and ``compute_seconds``, with
+    ``comm_share`` (exposed communication ÷ step time, 0 with one process) and ``steps`` (how
+    many step events); None without a step event that measured tokens/s."""
+    steps = [e for e in events if e.get("type") == "step" and e.get("tokens_per_s")]
+    if not steps:
+        return None
+    steady = [e for e in steps if int(e.get("step") or 0) > after] or steps
+    step_s = _median([e.get("step_time_s") for e in steady])
+    compute = _median([e.get("compute_seconds") for e in steady])
+    share = None
+    if step_s and compute is not None:
+        share = max(0.0, 1.0 - compute / step_s)
+    elif int(steady[-1].get("world_size") or 1) == 1:
+        share = 0.0
+    return {
+        "tokens_per_s": _median([e.get("tokens_per_s") for e in steady]),
+        "step_seconds": step_s,
+        "comm_seconds": _median([e.get("comm_seconds") for e in steady]),
+        "compute_seconds": compute,
+        "comm_share": share,
+        "steps": len(steady),
+    }
+
+
+def predicted_of(plan: dict[str, Any]) -> dict[str, Any] | None:
+    """The time model's figures of a plan document (its ``predicted`` block, `PREDICTED_KEYS`
+    only); None for a plan made before the time model."""
+    predicted = plan.get("predicted")
+    if not isinstance(predicted, dict):
+        return None
+    return {k: predicted.get(k) for k in PREDICTED_KEYS}
+
+
+def prediction_error(record: dict[str, Any]) -> float | None:
+    """Measured ÷ predicted tokens/s − 1 of a record (0.1: the run was 10% faster than its
+    plan said); None when either is missing."""
+    measured = (record.get("measured") or {}).get("tokens_per_s")
+    predicted = (record.get("predicted") or {}).get("tokens_per_s")
+    if not measured or not predicted:
+        return None
+    return float(measured) / float(predicted) - 1.0
+
+
 def result_record(
     status: dict[str, Any],
     *,
@@ -127,8 +191,11 @@ def result_record(
     fingerprint: dict[str, Any],
     launches: int = 1,
     queued_s: float = 0.0,
+    measured: dict[str, Any] | None = None,
+    predicted: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One run's record from its `status --json` document (a completed run)."""
+    """One run's record from its `status --json` document (a completed run); ``measured`` its
+    `steady_speed`, ``predicted`` its plan's `predicted_of` (each None when not known)."""
     ev = status.get("eval") or {}
     return {
         "version": RECORD_VERSION,
@@ -152,6 +219,8 @@ def result_record(
         "tokens": status.get("tokens"),
         "final_loss": status.get("loss"),
         "eval_loss": ev.get("loss"),
+        "measured": measured,
+        "predicted": predicted,
     }
 
 
@@ -376,7 +445,8 @@ def record_run(run_dir: Path, final: dict[str, Any]) -> dict[str, Any] | None:
     status = summarize(run_dir, view_of(run_dir), state)
     started, created = state.get("started"), state.get("created")
     queued = float(started) - float(created) if started and created else 0.0
-    launches = sum(1 for e in read_all(run_dir / "events.jsonl") if e.get("type") == "start")
+    events = list(read_all(run_dir / "events.jsonl"))
+    launches = sum(1 for e in events if e.get("type") == "start")
     record = result_record(
         status,
         preset=preset_name(spec.preset.source),
@@ -384,6 +454,8 @@ def record_run(run_dir: Path, final: dict[str, Any]) -> dict[str, Any] | None:
         fingerprint=run_fingerprint(spec),
         launches=max(launches, 1),
         queued_s=max(queued, 0.0),
+        measured=steady_speed(events),
+        predicted=predicted_of(spec.plan),
     )
     return record if save_results(run_dir, record) else None
 
