@@ -1,6 +1,8 @@
 """Screen 4, Monitor: the followed run live — charts (tokens/s, loss, eval loss when the run
-evaluates), accumulation, devices, stragglers, samples (the latest answers beside their prompts;
-s steps back through earlier ones), log."""
+evaluates; under them, for a preference run, reward accuracy and margin, or ORPO's nll and log
+odds), accumulation, speed (measured scaling, the communication share, predicted against
+measured), devices, stragglers, samples (the latest answers beside their prompts; s steps back
+through earlier ones), log."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from homelab_dp.render.run_view import (
     head_text,
     sample_steps,
     samples_text,
+    speed_text,
     stragglers_text,
 )
 from homelab_dp.render.text import mfu_text
 from homelab_dp.runs.folder.run_state import LIVE
+from homelab_dp.runs.run_view import RunView
 from homelab_dp.tui.follower import Following, Snapshot
 from homelab_dp.tui.messages import UserError
 from homelab_dp.tui.screens.confirm import ConfirmScreen
@@ -36,8 +40,28 @@ NOTHING = (
 )
 
 
+OBJECTIVE_CHARTS = (
+    ("reward_accuracy", "reward accuracy", "{:.3f}"),
+    ("reward_margin", "reward margin", "{:.3f}"),
+    ("nll", "nll", "{:.4f}"),
+    ("log_odds_ratio", "log odds", "{:.3f}"),
+)
+"""A preference run's charts: (figure, title, format); each shown once a step gave it."""
+
+
+def chart_id(figure: str) -> str:
+    """The id of a preference figure's chart: ``chart-reward_accuracy``…"""
+    return f"chart-{figure}"
+
+
 class MonitorScreen(Screen[None]):
     """Shows the latest snapshot of the followed run; repaints only while visible."""
+
+    DEFAULT_CSS = """
+    #objective-charts { height: 5; }
+    #objective-charts > Chart { width: 1fr; height: 5; }
+    #speed { padding: 0 1; height: auto; }
+    """
 
     BINDINGS = [Binding("x", "stop", "Stop run"), Binding("s", "earlier_samples", "Samples")]
 
@@ -60,7 +84,12 @@ class MonitorScreen(Screen[None]):
                 yield Chart("loss", "{:.3f}", statistics.fmean, id="chart-loss")
                 # Validation while training: shown once the run has written an eval event.
                 yield Chart("eval loss", "{:.3f}", statistics.fmean, id="chart-eval")
+            # Beside the loss of a preference run: what the objective is learning.
+            with Horizontal(id="objective-charts"):
+                for figure, title, fmt in OBJECTIVE_CHARTS:
+                    yield Chart(title, fmt, statistics.fmean, id=chart_id(figure))
             yield Static(id="accum")
+            yield Static(id="speed")
             yield Static(id="devices", classes="panel")
             yield Static(id="stragglers")
             yield Static(id="samples", classes="panel")
@@ -82,7 +111,8 @@ class MonitorScreen(Screen[None]):
     def show(self, snapshot: Snapshot | None) -> None:
         """Repaint every panel from one snapshot (None: nothing followed yet)."""
         self.shown = snapshot
-        parts = ("#charts", "#accum", "#devices", "#stragglers", "#samples", "#log")
+        parts = ("#charts", "#objective-charts", "#accum", "#speed", "#devices", "#stragglers",
+                 "#samples", "#log")  # fmt: skip
         for selector in parts:
             self.query_one(selector).display = snapshot is not None
         head = self.query_one("#mon-head", Static)
@@ -100,13 +130,31 @@ class MonitorScreen(Screen[None]):
         best = view.best_eval
         note = f"best {best.loss:.3f} @ {best.step}" if best and best.loss is not None else ""
         evals.set_values([float(e.loss) for e in view.evals if e.loss is not None], note=note)
+        self._show_objective(view)
         self.query_one("#accum", Static).update(accum_text(view))
+        speed, text = self.query_one("#speed", Static), speed_text(view)
+        speed.update(text)
+        speed.display = bool(text.plain)  # one process and no prediction: nothing to say
         self.query_one("#devices", Static).update(devices_text(view))
         stragglers = self.query_one("#stragglers", Static)
         stragglers.update(stragglers_text(view))
         stragglers.display = bool(view.stragglers)
         self._show_samples()
         self._show_log(snapshot)
+
+    def _show_objective(self, view: RunView) -> None:
+        """The preference figures' charts, each with the latest eval's value: only those the
+        run's steps gave (none for SFT)."""
+        last_eval = view.last_eval
+        for figure, _, fmt in OBJECTIVE_CHARTS:
+            chart = self.query_one(f"#{chart_id(figure)}", Chart)
+            values = view.series(figure)
+            chart.display = bool(values)
+            at_eval = getattr(last_eval, figure, None) if last_eval is not None else None
+            chart.set_values(
+                values, note=f"eval {fmt.format(at_eval)}" if at_eval is not None else ""
+            )
+        self.query_one("#objective-charts").display = bool(view.figures)
 
     def _show_samples(self) -> None:
         panel = self.query_one("#samples", Static)
