@@ -229,3 +229,44 @@ def mfu(
     if not peak or peak <= 0 or world_size < 1 or tokens_per_s < 0:
         return None
     return tokens_per_s * flops_per_token / (peak * world_size)
+
+
+def no_grad_forward_flops_per_token(spec: ModelSpec, *, attention_span: float) -> float:
+    """Matmul FLOPs of one token through a no-grad forward of the base model (the reference
+    model's forward, adapters disabled or a frozen copy; the precompute pass): 2·N + attention.
+    A policy's no-grad forward with adapters (KTO's KL forward) adds their 2·r·(d_in + d_out),
+    well under 1% of this, left out."""
+    return 2.0 * linear_matmul_params(spec) + attention_forward_flops(spec, attention_span)
+
+
+def objective_flops_factor(
+    spec: ModelSpec,
+    *,
+    objective: str,
+    reference: str,
+    method: str,
+    activation_checkpointing: bool,
+    attention_span: float,
+    lora_r: int = 16,
+    lora_targets: str | list[str] = "all-linear",
+) -> float:
+    """A step's model FLOPs ÷ what `flops_per_token` counts for its trained tokens (≥ 1).
+
+    `flops_per_token` stays "per trained token": a preference objective trains both sequences of
+    each pair, so its tokens are already 2 × micro × seq_len per micro-batch. What it does not
+    count are the no-grad forwards beside the policy's: DPO/KTO's reference forward (reference
+    adapters or copy: one forward of the base per token) and KTO's KL forward (one more, of the
+    policy without grad). ``reference`` is the resolved one ("none", "adapters", "precompute",
+    "copy"); precompute's pass runs once before training and is priced apart
+    (`homelab_dp.planning.objective_cost`). SFT and ORPO: 1.0. ``attention_span``: the mean keys
+    a query attends to (`causal_span` of one sequence: a pair's sequences never attend to each
+    other).
+    """
+    forwards = (1 if reference in ("adapters", "copy") else 0) + (1 if objective == "kto" else 0)
+    if objective not in ("dpo", "orpo", "kto") or forwards == 0:
+        return 1.0
+    train = flops_per_token(spec, method=method, activation_checkpointing=activation_checkpointing,
+                            attention_span=attention_span, lora_r=lora_r,
+                            lora_targets=lora_targets)  # fmt: skip
+    extra = forwards * no_grad_forward_flops_per_token(spec, attention_span=attention_span)
+    return (train + extra) / train

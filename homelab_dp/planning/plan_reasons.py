@@ -48,6 +48,7 @@ from homelab_dp.planning.memory.device_memory import (
 from homelab_dp.planning.memory.memory_calibration import HardwareCalibration
 from homelab_dp.planning.memory.offload_cost import OffloadCost, cost_words, offload_words
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.objective_cost import ObjectiveCost
 from homelab_dp.presets.preset import Preset
 from homelab_dp.probe.hardware import (
     BF16_MIN_CAPABILITY,
@@ -211,6 +212,54 @@ def model_reasons(spec: ModelSpec, method: str) -> list[str]:
             "no gradients, no optimizer state); text training never runs it."
         )
     return out
+
+
+OBJECTIVE_NAMES = {"dpo": "DPO", "orpo": "ORPO", "kto": "KTO"}
+"""How the reasons name the preference objectives."""
+
+REFERENCE_WORDS = {
+    "adapters": "the base with the adapters disabled",
+    "copy": "a frozen copy of the starting model on every device",
+}
+"""The reference models that cost a no-grad forward per micro-batch, in words."""
+
+
+def objective_reasons(cost: ObjectiveCost, logits_bytes: int) -> list[str]:
+    """What a preference objective costs, in words (nothing for SFT): the sequences per
+    sample and the forward's rows, the full logits of both sequences (``logits_bytes``: the
+    loss head at the backward's start), and the reference: its no-grad forward's share of the
+    step (+x% compute), a copy's weights, or the precompute pass."""
+    if cost.name not in OBJECTIVE_NAMES:
+        return []
+    name = OBJECTIVE_NAMES[cost.name]
+    unit = "completion (itself and a mismatched KL completion)" if cost.name == "kto" else "pair"
+    rows = f"{cost.rows_per_micro_batch} row{'s' if cost.rows_per_micro_batch > 1 else ''}"
+    head = (
+        f"{name}: {cost.sequences_per_sample} sequences per {unit}, so a micro-batch is {rows} "
+        f"of {cost.row_len} tokens; the loss reads the full logits of both sequences "
+        f"({format_bytes(logits_bytes)} per device at the backward's start, no chunked loss head)"
+    )
+    plus = f"+{100 * cost.extra_step_fraction:.0f}% step compute"
+    kl = cost.name == "kto"
+    if cost.reference == "none":
+        return [f"{head}; no reference model."]
+    if cost.reference == "precompute":
+        share = f"{100 * (cost.precompute_share or 0):.0f}%"
+        when = (f", about {cost.precompute_seconds:.0f} s"
+                if cost.precompute_seconds is not None else "")  # fmt: skip
+        ref = (f"reference = precomputed: one no-grad pass over the data before step 1 (forward "
+               f"only: {share} of an epoch's training compute{when}), cached beside the token "
+               "cache; nothing held while training")  # fmt: skip
+        if kl:
+            ref += f"; the KL forward, one no-grad forward per micro-batch ({plus})"
+        return [f"{head}; {ref}."]
+    what = REFERENCE_WORDS[cost.reference]
+    extra = "two extra no-grad forwards (the reference's and the KL's)" if kl else (
+        "one extra no-grad forward")  # fmt: skip
+    ref = f"reference = {what}: {extra} per micro-batch ({plus})"
+    if cost.reference_weight_bytes:
+        ref += f", and its weights: {format_bytes(cost.reference_weight_bytes)} per device"
+    return [f"{head}; {ref}."]
 
 
 def _describe(c: Option) -> str:

@@ -64,15 +64,22 @@ from typing import Any
 
 from homelab_dp.errors import PresetError
 from homelab_dp.planning.attention_rule import choose_attention, flash_attn_version
-from homelab_dp.planning.memory.device_memory import TrainShape, budget
+from homelab_dp.planning.memory.device_memory import TrainShape, budget, logits_bytes
 from homelab_dp.planning.memory.host_memory import HostBudget, host_budget
 from homelab_dp.planning.memory.memory_calibration import (
     HardwareCalibration,
     config_key,
     measured_reasons,
 )
+from homelab_dp.planning.memory.objective_memory import forward_rows
 from homelab_dp.planning.memory.offload_cost import offload_cost
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.objective_cost import (
+    REFERENCE_OBJECTIVES,
+    ObjectiveCost,
+    objective_cost,
+    resolve_reference,
+)
 from homelab_dp.planning.plan_reasons import (
     choice_reasons,
     fit_advice,
@@ -82,6 +89,7 @@ from homelab_dp.planning.plan_reasons import (
     idle_choice_reason,
     lr_advice,
     lr_reasons,
+    objective_reasons,
     overhead_terms,
 )
 from homelab_dp.planning.plan_result import SAFETY_MARGIN, Candidate, Fit, Plan, accumulation_for
@@ -259,17 +267,22 @@ ORDER: tuple[tuple[str, str], ...] = (
 
 def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: bool, **kw: Any):
     """The memory model's shape of one option of ``preset`` on ``hw`` (``offload`` and
-    ``offload_activations`` among ``kw``: none and False unless given)."""
+    ``offload_activations`` among ``kw``: none and False unless given). A preference objective's
+    micro-batch of pairs becomes the forward's rows (`objective_memory.forward_rows`)."""
     targets = preset.lora.target_modules
     dtype = resolve_dtype(preset, hw)
+    t = preset.train
+    rows, row_len = forward_rows(kw.get("micro_batch", t.micro_batch),
+                                 kw.get("seq_len", preset.data.seq_len),
+                                 packed=preset.data.pack, objective=t.objective)  # fmt: skip
     return TrainShape(
         method=method,  # type: ignore[arg-type]
         distribution=dist,  # type: ignore[arg-type]
         world_size=hw.world_size,
         device=hw.kind,
         dtype=dtype,  # type: ignore[arg-type]
-        micro_batch=kw.get("micro_batch", preset.train.micro_batch),
-        seq_len=kw.get("seq_len", preset.data.seq_len),
+        micro_batch=rows,
+        seq_len=row_len,
         grad_accum=kw.get("grad_accum", preset.train.grad_accum),
         activation_checkpointing=ckpt,
         optimizer=preset.train.optimizer,
@@ -280,6 +293,8 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         target_share=kw.get("target_share", 1.0),
         offload=kw.get("offload", "none"),
         offload_activations=kw.get("offload_activations", False),
+        objective=t.objective,
+        reference=resolve_reference(t.objective, t.reference, method),  # type: ignore[arg-type]
     )
 
 
@@ -336,6 +351,10 @@ def checkpointing_options(preset: Preset) -> tuple[bool, ...]:
 def allowed_options(preset: Preset) -> list[tuple[str, str]]:
     m, d = preset.train.method, preset.train.distribution
     pairs = [(mm, dd) for mm, dd in ORDER if (m == "auto" or mm == m) and (d == "auto" or dd == d)]
+    t = preset.train
+    if t.objective in REFERENCE_OBJECTIVES and t.reference == "adapters":
+        # The reference is the base with the adapters disabled: a full fine-tune has none.
+        pairs = [(mm, dd) for mm, dd in pairs if mm != "full"] or pairs
     if not pairs:  # e.g. method=lora with distribution=zero1: plan it anyway, flagged unsupported
         pairs = [(m if m != "auto" else "full", d if d != "auto" else "ddp")]
     return pairs
@@ -473,6 +492,10 @@ def plan(
     reasons = choice_reasons(spec, preset, hw, best_effort, first if later else tried, dtype,
                              SAFETY_MARGIN, only_offload=later)  # fmt: skip
     reasons += host_short_reasons(short, host_available)
+    if preset.train.objective != "sft":  # what the objective costs (`planning.objective_cost`)
+        shape = _shape_of(preset, hw, best_effort)
+        reasons += objective_reasons(plan_objective(spec, preset, hw, best_effort),
+                                     logits_bytes(spec, shape))  # fmt: skip
     reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:
@@ -510,6 +533,25 @@ def plan(
     )
 
 
+def _shape_of(preset: Preset, hw: PlanHardware, c: Candidate) -> TrainShape:
+    return train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing,
+                       offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
+
+
+def plan_objective(
+    spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candidate
+) -> ObjectiveCost:
+    """What ``preset``'s objective costs in option ``c`` (the ``objective`` block of
+    `plan --json`; `homelab_dp.planning.objective_cost`): the resolved reference, the rows of a
+    micro-batch, the extra no-grad forwards' share of a step, the precompute pass."""
+    lora = preset.lora
+    targets = (
+        lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    )
+    return objective_cost(spec, _shape_of(preset, hw, c), micro_batch=preset.train.micro_batch,
+                          seq_len=preset.data.seq_len, lora_r=lora.r, lora_targets=targets)  # fmt: skip
+
+
 def _option_key(c: Candidate) -> tuple[str, str, bool, str, bool]:
     return (c.method, c.distribution, c.activation_checkpointing, c.offload, c.offload_activations)
 
@@ -524,6 +566,9 @@ def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candid
     shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing,
                         offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
     key = config_key(_model_key(spec), shape)
+    if shape.objective == "sft":  # what was measured before the objectives existed still matches
+        key["shape"].pop("objective", None)
+        key["shape"].pop("reference", None)
     if shape.offload == "none":
         key["shape"].pop("offload", None)
     if not shape.offload_activations:

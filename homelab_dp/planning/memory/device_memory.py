@@ -72,6 +72,11 @@ from homelab_dp.planning.memory.moe_memory import (
     mlp_bytes_per_layer,
     mlp_temporaries,
 )
+from homelab_dp.planning.memory.objective_memory import (
+    preference_head_bytes,
+    reference_forward_bytes,
+    reference_weight_bytes,
+)
 from homelab_dp.planning.memory.pinned_memory import (
     fsdp_offload_pinned_bytes,
     host_adamw_pinned_bytes,
@@ -86,6 +91,7 @@ from homelab_dp.planning.memory.train_shape import (
     is_fsdp,
     lora_targets_of,
     offloads,
+    preference,
     trainable_params,
 )
 from homelab_dp.planning.model_spec import ModelSpec
@@ -244,6 +250,9 @@ def loss_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
     hidden states arrive in fp32 when the residual stream is fp32 (full, unsharded).
     """
     tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
+    if preference(shape):  # the plain logits path (`planning.memory.objective_memory`)
+        head = preference_head_bytes(spec, shape)
+        return {"forward": head["forward"], "backward": head["backward"]}
     if not chunked_loss(spec):
         return full_logits_bytes(tokens, spec.vocab, w)
     full = shape.method == "full"
@@ -264,6 +273,8 @@ def loss_head_saved(spec: ModelSpec, shape: TrainShape) -> list[float]:
     lm_head's weight is not in the compute dtype, its cast. Full logits: the fp32 log-softmax.
     """
     tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
+    if preference(shape):
+        return [float(preference_head_bytes(spec, shape)["saved"])]
     if not chunked_loss(spec):
         return [tokens * spec.vocab * 4.0]
     full = shape.method == "full"
@@ -532,6 +543,8 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
         # FSDP is never planned in fp16, so nothing here is sharded.
         weights += 2 * (spec.embedding_params + spec.final_norm_params
                         + spec.norm_params_per_layer * spec.layers)  # fmt: skip
+    # train.reference = "copy": the frozen reference model beside the trained one.
+    weights += reference_weight_bytes(spec, shape)
     # DDP on 2+ processes: the gradients are views of its buckets, alive from the load on.
     resident = trainable * 4 if ddp_buckets(shape) else 0.0
     # foreach AdamW (the CPU) makes one temporary per parameter (sqrt of v); fused AdamW none.
@@ -665,6 +678,11 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     end_grads = s["grads"] + (2 * spec.vocab * spec.hidden * 4 if tied else 0)
     end = base + end_grads + outer_activation_bytes(spec, shape) * tokens
     forward = base + held + acts + head["forward"]
+    # The reference's no-grad forward (and KTO's KL forward) runs before the policy's: nothing
+    # of the policy is saved yet (`planning.memory.objective_memory`).
+    reference = (
+        base + held + reference_forward_bytes(spec, shape, layer_activation_bytes(spec, shape))
+    )
     # With accumulation DDP rebuilds its buckets at a forward after the first step, before any
     # activation: the old buckets (the gradients' views) beside the new ones, and the batch.
     rebuilds = s["resident"] and shape.grad_accum > 1
@@ -677,7 +695,7 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
         load += largest * (compute_width(shape) if shape.device == "cuda" else 4)
     phases = {
         "load": load,
-        "forward": max(forward, rebuild),
+        "forward": max(forward, rebuild, reference),
         "backward": max(start, inside, end),
         "optimizer": s["weights"] + s["grads"] + s["opt"] + s["step_temp"],
     }

@@ -12,7 +12,20 @@ from typing import Literal
 
 from homelab_dp.planning.memory.moe_memory import lora_param_count
 from homelab_dp.planning.model_spec import ModelSpec
-from homelab_dp.vocabulary import SHARDED, Device, Distribution, Dtype, Method, Offload
+from homelab_dp.vocabulary import (
+    PREFERENCE_OBJECTIVES,
+    SHARDED,
+    Device,
+    Distribution,
+    Dtype,
+    Method,
+    Objective,
+    Offload,
+    Reference,
+)
+
+ReferenceMode = Literal["none"] | Reference
+"""A resolved `train.reference`, "none" for the objectives without a reference model."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,19 @@ class TrainShape:
     offload_activations: bool = False
     """The activations saved for backward in pinned host RAM (`train.activation_offload`:
     weights, buffers and tensors under 1 KiB stay on the card)."""
+    objective: Objective = "sft"
+    """`train.objective`. For dpo/orpo/kto ``micro_batch`` and ``seq_len`` are the forward's rows
+    and their length (`homelab_dp.planning.memory.objective_memory.forward_rows`: two sequences
+    per pair), and the loss head is the plain logits path, not the chunked one."""
+    reference: ReferenceMode = "none"
+    """The resolved `train.reference` (none: sft and orpo have no reference): adapters (a no-grad
+    forward of the base, adapters disabled), precompute (nothing on the device but cached
+    log-probabilities), copy (a frozen copy of the weights on every device)."""
+
+
+def preference(shape: TrainShape) -> bool:
+    """Whether ``shape`` trains a preference objective (two sequences per sample, full logits)."""
+    return shape.objective in PREFERENCE_OBJECTIVES
 
 
 def compute_width(shape: TrainShape) -> int:
