@@ -34,6 +34,7 @@ from typing import Any
 import psutil
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.planning.speed_calibration import record_speed
 from homelab_dp.runs import run_queue as queue
 from homelab_dp.runs.folder.heartbeats import heartbeat_dir
 from homelab_dp.runs.folder.jsonl_tail import JsonlTail, file_size
@@ -146,10 +147,19 @@ class Keeper:
         return 0 if verdict.status in ("completed", "interrupted") else 1
 
     def _record_results(self, final: dict[str, Any]) -> None:
-        """Record the run's figures against its preset (`homelab_dp.runs.preset_results`)."""
+        """Record the run's figures against its preset (`homelab_dp.runs.preset_results`), and
+        its steady speed for the time model's calibration (`record_speed`: the next plan on
+        this machine prices compute at what this run achieved)."""
 
         try:
-            record_run(self.run_dir, final)
+            record = record_run(self.run_dir, final) or {}
+            measured = record.get("measured") or {}
+            if measured.get("tokens_per_s"):
+                plan = read_run_spec(self.run_dir).plan
+                record_speed(plan, tokens_per_s=measured["tokens_per_s"], source="run",
+                             run_id=str(record.get("run_id") or ""),
+                             step_seconds=measured.get("step_seconds"),
+                             compute_seconds=measured.get("compute_seconds"))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the run is over: recording never changes that
             print(f"keeper: the run's results were not recorded: {exc!r}", file=sys.stderr)
 
