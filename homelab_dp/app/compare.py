@@ -1,7 +1,8 @@
 """`homelab-dp runs compare`: runs side by side, ranked by eval loss.
 
 For each run: the preset settings that differ between the runs (flattened ``section.key``),
-final and best eval loss, benchmark scores (``<run>/bench.json``, written by `homelab-dp
+final and best eval loss, a preference run's final reward accuracy and margin (of its last
+logged step and of its last eval), benchmark scores (``<run>/bench.json``, written by `homelab-dp
 bench`), tokens/s, MFU, peak memory, energy, duration, and its last ``sample`` event for each
 prompt. Everything is read from the run folders (any run, any state); nothing is started.
 The TUI's Runs view calls the same function.
@@ -59,6 +60,7 @@ def run_entry(run_dir: Path) -> dict[str, Any]:
     doc = summarize(run_dir, view, current_state(run_dir))
     last, best = view.last_eval, view.best_eval
     peaks = [b for b in view.peak_memory_bytes if b]
+    figures = view.objective_doc() or {}
     return {
         "run_id": run_dir.name,
         "path": str(run_dir),
@@ -70,6 +72,11 @@ def run_entry(run_dir: Path) -> dict[str, Any]:
         "best_step": best.step if best else None,
         "loss": view.loss,
         "steps": view.step,
+        "objective": view.objective,
+        "reward_accuracy": figures.get("reward_accuracy"),
+        "reward_margin": figures.get("reward_margin"),
+        "eval_reward_accuracy": last.reward_accuracy if last else None,
+        "eval_reward_margin": last.reward_margin if last else None,
         "scores": read_bench(run_dir),
         "tokens_per_s": view.tokens_per_s,
         "mfu": view.mfu,

@@ -52,6 +52,17 @@ def _clip(text: str) -> str:
     return one if len(one) <= SAMPLE_WIDTH else one[: SAMPLE_WIDTH - 1] + "…"
 
 
+def rewards_text(run: dict[str, Any]) -> str | None:
+    """A preference run's final reward accuracy and margin, and its last eval's: "accuracy
+    0.875, margin 0.500; eval accuracy 0.750, margin 0.375" (None: the run has neither)."""
+    parts = []
+    for prefix, word in (("", ""), ("eval_", "eval ")):
+        acc, margin = run.get(f"{prefix}reward_accuracy"), run.get(f"{prefix}reward_margin")
+        if acc is not None or margin is not None:
+            parts.append(f"{word}accuracy {_num(acc, '.3f')}, margin {_num(margin, '.3f')}")
+    return "; ".join(parts) or None
+
+
 def compare_lines(doc: dict[str, Any]) -> list[str]:
     """`runs compare`: one block a run, best eval loss first."""
     runs = doc["runs"]
@@ -71,6 +82,9 @@ def compare_lines(doc: dict[str, Any]) -> list[str]:
             f" {duration(r['duration_s']):>7}  {r['run_id']} ({r['status']})"
         )
         out.append(f"   settings: {_settings(r['settings'])}")
+        rewards = rewards_text(r)
+        if rewards:
+            out.append(f"   rewards: {rewards}")
         if r["scores"]:
             out.append(f"   scores: {_scores(r['scores'])}")
     prompt = doc.get("sample_prompt")

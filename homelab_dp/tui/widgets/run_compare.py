@@ -1,5 +1,6 @@
 """The Runs screen's comparison: `runs compare`'s document (`app.compare.compare`) as a table,
-one row a run, best eval loss first (the settings that differ, eval losses, scores, speed,
+one row a run, best eval loss first (the settings that differ, eval losses, rewards of
+preference runs, scores, speed,
 memory, energy, duration), and each run's last sample for the same prompt side by side."""
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ from homelab_dp.render.text import duration
 
 FIXED = ("#", "run", "status")
 FIGURES = ("eval loss", "best (step)", "tok/s", "MFU", "peak mem", "energy", "time")
+REWARDS = ("reward acc", "margin")
+"""Columns of the final reward accuracy and margin, only when a run of the comparison has them
+(a preference run); the last eval's in brackets."""
+
+
+def has_rewards(doc: dict[str, Any]) -> bool:
+    """Whether any run of the comparison has a reward accuracy or margin."""
+    keys = ("reward_accuracy", "reward_margin", "eval_reward_accuracy", "eval_reward_margin")
+    return any(run.get(k) is not None for run in doc["runs"] for k in keys)
+
+
+def _reward(run: dict[str, Any], name: str) -> str:
+    """A final reward figure, with the last eval's in brackets: "0.875 (0.750)"."""
+    final, at_eval = run.get(name), run.get(f"eval_{name}")
+    text = "–" if final is None else f"{final:.3f}"
+    return text + (f" ({at_eval:.3f})" if at_eval is not None else "")
 
 
 def setting_text(value: Any) -> str:
@@ -42,9 +59,10 @@ def score_keys(doc: dict[str, Any]) -> list[str]:
 
 
 def compare_columns(doc: dict[str, Any]) -> list[str]:
-    """The table's headers: rank, run, status, each differing setting, the figures, then
-    each benchmark score."""
-    return [*FIXED, *doc["differ"], *FIGURES, *score_keys(doc)]
+    """The table's headers: rank, run, status, each differing setting, the figures (with the
+    rewards of preference runs), then each benchmark score."""
+    rewards = REWARDS if has_rewards(doc) else ()
+    return [*FIXED, *doc["differ"], *FIGURES[:2], *rewards, *FIGURES[2:], *score_keys(doc)]
 
 
 def _loss(value: float | None) -> str:
@@ -54,6 +72,7 @@ def _loss(value: float | None) -> str:
 def compare_rows(doc: dict[str, Any]) -> list[list[str]]:
     """One row of cells a run, in the document's order (ranked by final eval loss)."""
     scores = score_keys(doc)
+    rewards = has_rewards(doc)
     rows = []
     for r in doc["runs"]:
         best = _loss(r["best_eval_loss"])
@@ -68,6 +87,7 @@ def compare_rows(doc: dict[str, Any]) -> list[list[str]]:
                 *(setting_text(r["settings"].get(k)) for k in doc["differ"]),
                 _loss(r["eval_loss"]),
                 best,
+                *((_reward(r, "reward_accuracy"), _reward(r, "reward_margin")) if rewards else ()),
                 "–" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
                 "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
                 "–" if r["peak_memory_bytes"] is None else format_bytes(r["peak_memory_bytes"]),
