@@ -226,8 +226,12 @@ def event_line(e: dict[str, Any], v: RunView) -> str | None:
         evals = f", evaluating {n} block{'s' if n != 1 else ''} {when}" if n else ""
         attention = f", attention {e['attention']}" if e.get("attention") else ""
         packing = f", packing {e['packing']}" if e.get("packing") else ""
+        objective = ""
+        if e.get("objective") and e.get("objective") != "sft":
+            ref = f" (reference: {e['reference']})" if e.get("reference") else ""
+            objective = f" · {e['objective']}{ref}"
         return (
-            f"started {v.run_id}: {v.method} · {v.distribution}, "
+            f"started {v.run_id}: {v.method}{objective} · {v.distribution}, "
             f"{v.world_size} process(es), {v.total_steps} steps{evals}{attention}{packing}"
         )
     if kind == "eval":

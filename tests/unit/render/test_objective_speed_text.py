@@ -11,6 +11,7 @@ from rich.console import Console
 from homelab_dp.render.run_view import (
     comm_text,
     eval_line,
+    event_line,
     live_panel,
     objective_text,
     prediction_text,
@@ -129,3 +130,14 @@ def test_the_live_panel_and_the_monitor_line() -> None:
     one = view(world=1, predicted=PREDICTED, step_time_s=1.5)
     assert speed_text(one).plain.startswith("step 1.50 s measured, 1.90 s predicted (-21%)")
     assert speed_text(view(world=1)).plain == ""
+
+
+def test_the_start_line_names_a_preference_objective_and_its_reference() -> None:
+    v = RunView(run_id="r1", method="lora", distribution="ddp", world_size=2, total_steps=10)
+    start = {"type": "start", "objective": "dpo", "reference": "adapters"}
+    assert event_line(start, v) == (
+        "started r1: lora · dpo (reference: adapters) · ddp, 2 process(es), 10 steps"
+    )
+    assert event_line({"type": "start", "objective": "sft"}, v) == (
+        "started r1: lora · ddp, 2 process(es), 10 steps"
+    )
