@@ -495,7 +495,32 @@ def _cross_checks(preset: Preset, data: dict[str, Any]) -> list[str]:
         if train.optimizer != "adamw":
             problems.append(f"train.offload = {train.offload!r} steps AdamW in host memory: set "
                             f"train.optimizer = 'adamw', got {train.optimizer!r}")  # fmt: skip
-    return problems + _eval_checks(preset)
+    return problems + _objective_checks(preset) + _eval_checks(preset)
+
+
+def _objective_checks(preset: Preset) -> list[str]:
+    """The preference objective's fields against each other and the method (each problem one
+    line naming the key and what would do)."""
+    t = preset.train
+    out = []
+    if t.objective in ("dpo", "kto") and t.reference == "adapters" and t.method == "full":
+        out.append("train.reference = 'adapters' needs LoRA or QLoRA (the base with the adapters "
+                   "disabled), but train.method = 'full' has no adapters: set train.reference = "
+                   "'precompute', 'copy' or 'auto', or train.method = 'lora'")  # fmt: skip
+    if t.beta <= 0:
+        out.append(f"train.beta: must be greater than 0 (the reward's temperature; 0.1 is "
+                   f"usual), got {t.beta}")  # fmt: skip
+    if not 0 <= t.label_smoothing < 0.5:
+        out.append(f"train.label_smoothing: must be at least 0 and below 0.5 (the share of "
+                   f"pairs assumed flipped), got {t.label_smoothing}")  # fmt: skip
+    if t.orpo_lambda < 0:
+        out.append(f"train.orpo_lambda: must not be negative (the odds-ratio term's weight; "
+                   f"0.1 is usual), got {t.orpo_lambda}")  # fmt: skip
+    if t.dpo_loss == "ipo" and t.label_smoothing > 0:
+        out.append(f"train.label_smoothing: the ipo loss has no label smoothing (conservative "
+                   f"DPO is the sigmoid loss's), got {t.label_smoothing} with train.dpo_loss = "
+                   "'ipo': set it to 0 or train.dpo_loss = 'sigmoid'")  # fmt: skip
+    return out
 
 
 def _eval_checks(preset: Preset) -> list[str]:
