@@ -355,6 +355,9 @@ def allowed_options(preset: Preset) -> list[tuple[str, str]]:
     if t.objective in REFERENCE_OBJECTIVES and t.reference == "adapters":
         # The reference is the base with the adapters disabled: a full fine-tune has none.
         pairs = [(mm, dd) for mm, dd in pairs if mm != "full"] or pairs
+    if t.objective in REFERENCE_OBJECTIVES and t.reference == "copy":
+        # The worker deep-copies the unsharded model of a full fine-tune.
+        pairs = [(mm, dd) for mm, dd in pairs if mm == "full" and dd not in SHARDED] or pairs
     if not pairs:  # e.g. method=lora with distribution=zero1: plan it anyway, flagged unsupported
         pairs = [(m if m != "auto" else "full", d if d != "auto" else "ddp")]
     return pairs

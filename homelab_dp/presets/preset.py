@@ -507,6 +507,15 @@ def _objective_checks(preset: Preset) -> list[str]:
         out.append("train.reference = 'adapters' needs LoRA or QLoRA (the base with the adapters "
                    "disabled), but train.method = 'full' has no adapters: set train.reference = "
                    "'precompute', 'copy' or 'auto', or train.method = 'lora'")  # fmt: skip
+    if t.objective in ("dpo", "kto") and t.reference == "copy":
+        if t.method in ("lora", "qlora"):
+            out.append(f"train.reference = 'copy' is for a full fine-tune: with train.method = "
+                       f"{t.method!r} the reference is the base with the adapters disabled (set "
+                       "train.reference = 'adapters' or 'auto')")  # fmt: skip
+        if t.distribution in ("fsdp-grad-op", "fsdp-full"):
+            out.append(f"train.reference = 'copy' needs an unsharded model, but "
+                       f"train.distribution = {t.distribution!r} shards it: set "
+                       "train.reference = 'precompute', or train.distribution = 'ddp' or 'auto'")  # fmt: skip
     if t.beta <= 0:
         out.append(f"train.beta: must be greater than 0 (the reward's temperature; 0.1 is "
                    f"usual), got {t.beta}")  # fmt: skip

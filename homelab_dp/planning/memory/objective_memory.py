@@ -18,7 +18,7 @@ worker runs it (`homelab_dp.train.objectives`):
 * **The reference forward** (DPO/KTO, ``train.reference`` adapters or copy): one no-grad forward
   per micro-batch, before the policy's, so nothing of it is saved; its peak is its own logits
   head and one layer's transient tensors (`reference_forward_bytes`). ``copy`` also holds a
-  frozen copy of the weights on every device (`reference_weight_bytes`); ``precompute`` holds
+  frozen fp32 copy of the weights on every device (`reference_weight_bytes`); ``precompute`` holds
   nothing but the cached log-probabilities (two numbers per pair). KTO's KL forward (policy,
   no grad, at the step's start) peaks the same way.
 * ORPO has no reference.
@@ -80,11 +80,12 @@ def preference_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
 
 
 def reference_weight_bytes(spec: ModelSpec, shape: TrainShape) -> int:
-    """``train.reference = "copy"``: a frozen copy of the starting model on every device, in the
-    compute dtype on CUDA (fp32 on the CPU); nothing for the other modes."""
+    """``train.reference = "copy"``: a frozen copy of the starting model on every device (the
+    worker deep-copies the unwrapped model of a full fine-tune under DDP or ZeRO-1: its fp32
+    weights, 4 bytes each); nothing for the other modes."""
     if shape.reference != "copy":
         return 0
-    return spec.params * (compute_width(shape) if shape.device == "cuda" else 4)
+    return spec.params * 4
 
 
 def no_grad_forwards(shape: TrainShape) -> int:

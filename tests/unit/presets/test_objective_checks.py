@@ -18,6 +18,10 @@ BAD = [
      "train.reference = 'adapters' needs LoRA or QLoRA"),
     (["train.objective=kto", "train.method=full", "train.reference=adapters"],
      "train.reference = 'adapters' needs LoRA or QLoRA"),
+    (["train.objective=dpo", "train.method=lora", "train.reference=copy"],
+     "train.reference = 'copy' is for a full fine-tune"),
+    (["train.objective=dpo", "train.distribution=fsdp-full", "train.reference=copy"],
+     "train.reference = 'copy' needs an unsharded model"),
     (["train.objective=dpo", "train.beta=0"], "train.beta: must be greater than 0"),
     (["train.objective=kto", "train.beta=-0.5"], "train.beta: must be greater than 0"),
     (["train.objective=dpo", "train.label_smoothing=0.5"],
@@ -65,6 +69,8 @@ def test_the_choices_the_checks_leave_alone_are_valid() -> None:
     preset(objective="dpo", method="lora", reference="adapters")
     preset(objective="dpo", method="auto", reference="adapters")  # the planner keeps to LoRA
     preset(objective="dpo", method="full", reference="precompute")
+    preset(objective="dpo", method="full", distribution="zero1", reference="copy")
+    preset(objective="orpo", method="lora", reference="copy")
     preset(objective="orpo", method="full", reference="adapters")  # ORPO reads no reference
     with pytest.raises(PresetError) as exc:  # every problem is listed
         preset(objective="dpo", beta=0.0, orpo_lambda=-1.0)
