@@ -116,7 +116,8 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"predicted {predicted}")
     figures = objective_text(doc.get("objective_figures"))
     if figures:  # a preference objective's latest figures
-        lines.append(f"{doc.get('objective') or 'rewards':<9} {figures}")
+        named = doc.get("objective") not in (None, "sft")
+        lines.append(f"objective {doc['objective'] + ' · ' if named else ''}{figures}")
     if doc.get("peak_memory_bytes"):
         peaks = ", ".join(format_bytes(b) for b in doc["peak_memory_bytes"])
         est = (

@@ -110,9 +110,10 @@ def test_status_lines_show_scaling_prediction_and_rewards() -> None:
     assert "scaling   1.80× of 2 (90%), predicted 1.85×; communication 20% of the step, " \
            "10% exposed" in lines  # fmt: skip
     assert "predicted step 2.00 s measured, 1.90 s predicted (+5%)" in lines
-    assert "dpo       reward accuracy 0.750, margin 0.250" in lines
+    assert "objective dpo · reward accuracy 0.750, margin 0.250" in lines
     old = {k: v for k, v in doc.items() if k not in ("objective_figures", "scaling", "speed")}
-    assert not any(line.split()[0] in ("scaling", "predicted", "dpo") for line in status_lines(old))
+    assert not any(line.split()[0] in ("scaling", "predicted", "objective")
+                   for line in status_lines(old))  # fmt: skip
 
 
 def test_the_live_panel_and_the_monitor_line() -> None:

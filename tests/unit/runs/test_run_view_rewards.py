@@ -12,7 +12,7 @@ import pytest
 
 from homelab_dp.runs.folder.run_state import current_state
 from homelab_dp.runs.run_view import SCALING_STEPS, RunView, summarize, view_of
-from tests.conftest import DATA
+from tests.conftest import DATA, run_cli
 
 RECORDED = DATA / "events" / "20250301-101500-smollm2-135m-lora-7f3a"
 
@@ -145,3 +145,21 @@ def test_a_run_planned_before_the_time_model_has_no_speed(tmp_path: Path) -> Non
     doc = summarize(run_dir, view_of(run_dir), current_state(run_dir))
     assert doc["speed"] is None and doc["objective"] == "sft"  # the recorded spec's objective
     assert doc["scaling"] is not None  # measured all the same
+
+
+def test_the_status_command_prints_them_and_its_json_holds_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = copy_recorded(tmp_path, {"step_seconds": 1.9, "tokens_per_s": 21000.0,
+                                       "speedup_vs_one_device": 1.85})  # fmt: skip
+    rc, out, err = run_cli(capsys, "--runs", str(tmp_path), "status", run_dir.name)
+    assert rc == 0, err
+    assert "scaling   1.80× of 2 (90%), predicted 1.85×; communication 20% of the step, " \
+           "10% exposed" in out  # fmt: skip
+    assert "predicted step 2.00 s measured, 1.90 s predicted (+5%)" in out
+    assert "reward accuracy 0.750, margin 0.500 (chosen 0.250, rejected -0.250)" in out
+    rc, out, err = run_cli(capsys, "--runs", str(tmp_path), "status", run_dir.name, "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["scaling"]["world"] == 2 and doc["speed"]["predicted_speedup"] == 1.85
+    assert doc["objective_figures"]["reward_margin"] == 0.5
