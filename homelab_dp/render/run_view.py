@@ -66,17 +66,19 @@ def scaling_text(scaling: dict[str, Any] | None, predicted: float | None = None)
     return text + (f", predicted {predicted:.2f}×" if predicted is not None else "")
 
 
-def comm_text(scaling: dict[str, Any] | None) -> str | None:
+def comm_text(scaling: dict[str, Any] | None, predicted: float | None = None) -> str | None:
     """The measured communication share: "communication 20% of the step, 10% exposed" (the
-    share nothing hid, when overlap hid some), over the median's steps."""
+    share nothing hid, when overlap hid some), over the median's steps; with the plan's exposed
+    share: "…, 10% exposed (predicted 8%)"."""
     if not scaling:
         return None
     exposed = scaling["exposed_share"]
     share = scaling.get("comm_share")
+    guess = f" (predicted {predicted:.0%})" if predicted is not None else ""
     if share is None:
-        return f"{exposed:.0%} of the step not computing"
+        return f"{exposed:.0%} of the step not computing{guess}"
     hidden = f", {exposed:.0%} exposed" if exposed < share - 0.005 else ""
-    return f"communication {share:.0%} of the step{hidden}"
+    return f"communication {share:.0%} of the step{hidden}{guess}"
 
 
 def _against(measured: float | None, predicted: float | None, fmt: str, unit: str) -> str | None:
@@ -112,6 +114,11 @@ def _scaling_doc(v: RunView) -> dict[str, Any] | None:
 def _predicted_speedup(v: RunView) -> float | None:
     speed = v.speed_doc()
     return speed.get("predicted_speedup") if speed else None
+
+
+def _predicted_exposed(v: RunView) -> float | None:
+    speed = v.speed_doc()
+    return speed.get("predicted_exposed_share") if speed else None
 
 
 # ---------------------------------------------------------------------- the CLI's plain log
@@ -307,7 +314,8 @@ def live_panel(v: RunView) -> Panel:
     figures = objective_text(v.objective_doc())
     if figures:
         lines.insert(2, figures)
-    speed = [scaling_text(_scaling_doc(v), _predicted_speedup(v)), comm_text(_scaling_doc(v)),
+    speed = [scaling_text(_scaling_doc(v), _predicted_speedup(v)),
+             comm_text(_scaling_doc(v), _predicted_exposed(v)),
              prediction_text(v.speed_doc())]  # fmt: skip
     if any(speed):
         lines.insert(len(lines) - 1, " · ".join(t for t in speed if t))
@@ -431,7 +439,7 @@ def speed_text(view: RunView) -> Text:
     if head:
         efficiency = scaling["efficiency"] if scaling else 1.0
         out.append(head, style="bold green" if efficiency >= 0.8 else "bold yellow")
-        comm = comm_text(scaling)
+        comm = comm_text(scaling, _predicted_exposed(view))
         if comm:
             out.append(f" · {comm}")
         out.append(f" (median of {scaling['steps'] if scaling else 0} steps)", style="dim")

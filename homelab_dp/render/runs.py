@@ -107,7 +107,7 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
     speed = doc.get("speed") or {}
     scaling = scaling_text(doc.get("scaling"), speed.get("predicted_speedup"))
     if scaling:  # more than one process: how well they share the work, measured
-        comm = comm_text(doc.get("scaling"))
+        comm = comm_text(doc.get("scaling"), speed.get("predicted_exposed_share"))
         lines.append(
             f"scaling   {scaling.removeprefix('scaling ')}" + (f"; {comm}" if comm else "")
         )

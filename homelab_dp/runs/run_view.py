@@ -329,7 +329,8 @@ class RunView:
 
     def speed_doc(self) -> dict[str, Any] | None:
         """Predicted against measured, as ``status --json``'s ``speed`` (None: the plan predicted
-        nothing): the plan's step seconds, tokens/s and speedup beside the run's."""
+        nothing): the plan's step seconds, tokens/s, speedup and exposed communication share
+        beside the run's."""
         predicted = self.predicted
         if not predicted:
             return None
@@ -341,6 +342,8 @@ class RunView:
             "measured_tokens_per_s": self.tokens_per_s,
             "predicted_speedup": _number(predicted.get("speedup_vs_one_device")),
             "measured_speedup": scaling.speedup if scaling else None,
+            "predicted_exposed_share": _share(predicted),
+            "measured_exposed_share": scaling.exposed_share if scaling else None,
         }
 
     @property
@@ -513,6 +516,15 @@ def _number(value: Any) -> float | None:
     """A figure of the plan as a float (None: absent, or not a number)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return float(value) if ok else None
+
+
+def _share(predicted: dict[str, Any]) -> float | None:
+    """The predicted share of the step that communication leaves exposed."""
+    exposed, step = (
+        _number(predicted.get("exposed_comm_seconds")),
+        _number(predicted.get("step_seconds")),
+    )
+    return exposed / step if exposed is not None and step else None
 
 
 def _predicted(plan: dict[str, Any]) -> dict[str, Any] | None:

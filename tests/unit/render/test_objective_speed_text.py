@@ -62,6 +62,7 @@ def test_scaling_comm_and_prediction_text() -> None:
     assert scaling_text(scaling, 1.85) == "scaling 1.82× of 2 (91%), predicted 1.85×"
     assert comm_text(scaling) == "communication 20% of the step, 9% exposed"
     assert comm_text(scaling | {"exposed_share": 0.2}) == "communication 20% of the step"
+    assert comm_text(scaling, 0.08) == "communication 20% of the step, 9% exposed (predicted 8%)"
     assert scaling_text(None) is None and comm_text(None) is None
     speed = {"predicted_step_seconds": 1.9, "measured_step_seconds": 2.0,
              "predicted_tokens_per_s": 1200.0, "measured_tokens_per_s": 1000.0}  # fmt: skip

@@ -100,7 +100,8 @@ def test_one_process_has_no_scaling_and_older_events_neither() -> None:
 
 def test_speed_doc_puts_the_plans_prediction_beside_the_measurement() -> None:
     v = RunView(world_size=2, predicted={"step_seconds": 0.8, "tokens_per_s": 1200.0,
-                                         "speedup_vs_one_device": 1.9, "bottleneck": "compute"})  # fmt: skip
+                                         "speedup_vs_one_device": 1.9, "bottleneck": "compute",
+                                         "exposed_comm_seconds": 0.06})  # fmt: skip
     for n in range(1, 4):
         v.apply(step(n, step_time_s=1.0, compute_seconds=0.9, comm_seconds=0.1,
                      tokens_per_s=1000.0))  # fmt: skip
@@ -108,7 +109,11 @@ def test_speed_doc_puts_the_plans_prediction_beside_the_measurement() -> None:
         "predicted_step_seconds": 0.8, "measured_step_seconds": 1.0,
         "predicted_tokens_per_s": 1200.0, "measured_tokens_per_s": 1000.0,
         "predicted_speedup": 1.9, "measured_speedup": pytest.approx(1.8),
+        "predicted_exposed_share": pytest.approx(0.075),
+        "measured_exposed_share": pytest.approx(0.1),
     }  # fmt: skip
+    old = RunView(predicted={"step_seconds": 0.8})  # a partial block: what it has, no more
+    assert old.speed_doc()["predicted_tokens_per_s"] is None  # type: ignore[index]
     assert RunView().speed_doc() is None  # a plan without a prediction
 
 
