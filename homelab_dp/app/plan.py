@@ -9,7 +9,11 @@ The fingerprint names the devices, driver and torch version; a what-if GPU size 
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,14 @@ from typing import Any
 from homelab_dp.app.model_specs import model_spec
 from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
 from homelab_dp.hub.hub_models import looks_like_hub_id
+from homelab_dp.planning.links import (
+    LinkSpeed,
+    gloo_link,
+    parse_network,
+    read_cached_gloo,
+    ring_link,
+    write_cached_gloo,
+)
 from homelab_dp.planning.memory.device_memory import assumed_overhead
 from homelab_dp.planning.memory.memory_calibration import (
     CalibrationStore,
@@ -27,6 +39,8 @@ from homelab_dp.planning.memory.memory_calibration import (
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.planner import Plan, plan, with_host
 from homelab_dp.planning.sample_cost import sample_plan
+from homelab_dp.planning.speed_calibration import ComputeRate, SpeedStore
+from homelab_dp.planning.speed_plan import with_predictions
 from homelab_dp.presets.preset import Preset, apply_overrides, preset_from_dict
 from homelab_dp.probe import nvml
 from homelab_dp.probe.hardware import (
@@ -58,6 +72,8 @@ class Planned:
     plan: Plan
     report: HardwareReport | None
     """The probe, when the devices came from it (None for a what-if --gpus plan)."""
+    link: LinkSpeed | None = None
+    """The link the time model priced the plan's communication at."""
 
 
 def cpu_hardware(nproc: int, ram_total: int, source: str) -> PlanHardware:
@@ -265,6 +281,8 @@ def make_plan(
     *,
     find_micro_batch: bool = False,
     fetch: bool = True,
+    network: str | None = None,
+    measure_link: bool = False,
 ) -> Planned:
     """Plan ``preset`` (paths already resolved) on the probed or what-if hardware.
 
@@ -275,9 +293,15 @@ def make_plan(
     beside the estimate. ``find_micro_batch``: the largest micro-batch that fits, accumulation
     keeping the preset's effective batch (`homelab_dp.planning.planner`). The plan's host RAM is
     checked against this machine's (`host_available`).
+
+    The time model predicts every option's step time and scaling (`predict_speed`):
+    ``network`` (``--network``) prices communication over that Ethernet between machines;
+    ``measure_link``: on the CPU, measure gloo's bandwidth once if this host has not yet
+    (`homelab-dp plan` does; a run's preparation uses the cache or the stated default).
     """
     from homelab_dp.planning.planner import plan_largest_micro_batch
 
+    link = parse_network(network) if network else None  # bad input fails before the probe
     spec = model_spec(
         config_folder(preset.model.path, preset.model.revision, fetch=fetch),
         trust_remote_code=preset.model.trust_remote_code,
@@ -289,7 +313,60 @@ def make_plan(
     planned = with_host(
         make(spec, preset, hardware, calibration), preset, host_available(gpus, hardware, report)
     )
-    return Planned(preset, spec, hardware, planned, report)
+    link = link or plan_link(hardware, report, measure=measure_link)
+    planned = predict_speed(planned, preset, link)
+    return Planned(preset, spec, hardware, planned, report, link)
+
+
+def plan_link(hw: PlanHardware, report: HardwareReport | None, *, measure: bool) -> LinkSpeed:
+    """The link the plan's collectives cross: the slowest hop between the planned cards (the
+    probe's NVLink/P2P facts; what-if cards: PCIe with P2P assumed), on the CPU gloo between
+    processes as measured on this host (``measure``: measured now when not cached)."""
+    if hw.kind != "cpu":
+        return ring_link(hw, report.links if report is not None else ())
+    if hw.world_size < 2:
+        return ring_link(hw)
+    return gloo_link(gloo_measurement(measure))
+
+
+GLOO_TIMEOUT_S = 30.0
+
+
+def gloo_measurement(measure: bool) -> dict[str, Any] | None:
+    """This host's cached gloo bandwidth; when absent and ``measure``, measured once in a child
+    process (`homelab_dp.train.gloo_bandwidth`: torch stays out of this process) and cached.
+    None when neither: the time model then states its default."""
+    host, version = socket.gethostname(), torch_version()
+    cached = read_cached_gloo(host, version)
+    if cached is not None or not measure:
+        return cached
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "homelab_dp.train.gloo_bandwidth"],
+            capture_output=True, text=True, timeout=GLOO_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        lines = done.stdout.strip().splitlines()
+        doc = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        doc = None  # the plan still answers, with the stated default
+    if not isinstance(doc, dict) or not doc.get("bytes_per_s"):
+        return None
+    write_cached_gloo(host, version, doc)
+    return doc
+
+
+def predict_speed(p: Plan, preset: Preset, link: LinkSpeed) -> Plan:
+    """``p`` with the time model's predictions and advice, its compute priced at what this
+    machine measured (`homelab_dp.planning.speed_calibration`), else the stated default."""
+    store = SpeedStore()
+    fp = p.calibration.fingerprint if p.calibration else None
+    model = {**p.spec.summary(), "model_type": p.spec.model_type}
+    kind = p.hardware.kind
+
+    def rate_of(method: str, ckpt: bool) -> ComputeRate:
+        return store.rate_for(fp, kind, model, method, ckpt)
+
+    return with_predictions(p, preset, link, rate_of)
 
 
 def with_target_share(planned: Planned, share: float) -> Plan:
@@ -358,6 +435,8 @@ def on_idle_cards(planned: Planned, gpus: str | None) -> Planned:
     idle = planned.hardware.idle()
     fresh = plan(planned.spec, planned.preset, idle, planned.plan.calibration)
     fresh = with_host(fresh, planned.preset, host_available(gpus, idle, planned.report))
+    if planned.link is not None:
+        fresh = predict_speed(fresh, planned.preset, planned.link)
     return replace(planned, hardware=idle, plan=fresh)
 
 

@@ -37,6 +37,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--revision", help="with a model id: a branch, tag or commit (default main)")
     p.add_argument("--gpus", help="plan for other hardware: 2x24GiB, 24GiB,12GiB, cpu:2")
+    p.add_argument(
+        "--network",
+        metavar="NAME_OR_GBIT",
+        help="price the communication over Ethernet between machines: 10GbE, 25GbE, 100GbE "
+        "or Gbit/s (e.g. 40)",
+    )
     p.add_argument("--seq-len", type=_positive, help="tokens per sequence (data.seq_len)")
     p.add_argument("--micro-batch", type=_positive, help="sequences per device (train.micro_batch)")
     p.add_argument("--method", choices=("auto", *METHODS), help="train.method (default auto)")
@@ -83,7 +89,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         preset = preset_for_model(args.model, overrides)
     else:
         preset = open_preset(args.preset, overrides)
-    planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch)
+    # measure_link: on the CPU, gloo's bandwidth is measured once per host (then cached)
+    planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch,
+                        network=args.network, measure_link=True)  # fmt: skip
     # What the preset's recorded runs say (`runs.preset_results`): expected duration and energy.
     expected = expected_runs(planned)
     samples = planned_samples(planned, expected)  # train.sample_every: what they add

@@ -18,6 +18,7 @@ from homelab_dp.planning.memory.memory_calibration import (
 from homelab_dp.planning.memory.offload_cost import OffloadCost
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.plan_reasons import LrAdvice
+from homelab_dp.planning.time_model import Prediction
 from homelab_dp.probe.hardware import PlanHardware
 
 
@@ -118,6 +119,9 @@ class Candidate:
     """Saved activations in pinned host RAM (`homelab_dp.train.activation_offload`)."""
     offload_cost: OffloadCost | None = None
     """Host RAM, PCIe traffic and expected slowdown of the offload; None when none."""
+    predicted: Prediction | None = None
+    """The time model's step seconds, tokens/s and scaling (`homelab_dp.planning.speed_plan`);
+    None until predicted, and for an option the worker cannot train here."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -134,6 +138,7 @@ class Candidate:
             "offload": self.offload,
             "offload_activations": self.offload_activations,
             "offload_cost": self.offload_cost.to_json() if self.offload_cost else None,
+            "predicted": self.predicted.to_json() if self.predicted else None,
         }
 
 
@@ -164,6 +169,9 @@ class Plan:
     idle: Candidate | None = None
     """What the plan would choose on the same cards idle, when other processes hold memory
     that cuts a card's budget (None: every card budgeted whole, or nothing held)."""
+    speed_advice: tuple[str, ...] = ()
+    """What the time model says of the chosen option's speed and scaling, in words
+    (`homelab_dp.planning.speed_plan`); `plan --json` lists it after `advice`."""
 
     @property
     def fits(self) -> bool:
@@ -234,11 +242,12 @@ class Plan:
             "lr": self.lr.to_json(),
             "candidates": [c.to_json() for c in self.candidates],
             "reasons": list(self.reasons),
-            "advice": list(self.advice),
+            "advice": [*self.advice, *self.speed_advice],
             "assumptions": list(self.assumptions),
             "calibration": self._calibration_json(),
             "micro_batch_finder": self.fit.to_json() if self.fit else None,
             "host": self.host.to_json() if self.host else None,
+            "predicted": pred.to_json() if (pred := self.chosen.predicted) else None,
         }
 
     def _calibration_json(self) -> dict[str, Any]:

@@ -99,8 +99,10 @@ def render_plan(
         devices.add_row(*row)
 
     cands = Table(title="Every candidate (per device)")
-    for col in ("method", "distribution", "ckpt", "offload", "total", "comm/step", "fits"):
-        cands.add_column(col, justify="right" if col in ("total", "comm/step") else "left")
+    right = ("total", "comm/step", "tokens/s", "scaling")
+    for col in ("method", "distribution", "ckpt", "offload", "total", "comm/step", "tokens/s",
+                "scaling", "fits"):  # fmt: skip
+        cands.add_column(col, justify="right" if col in right else "left")
     limit = plan.hardware.budget(SAFETY_MARGIN)
     for c in j["candidates"]:
         if not c["supported"]:
@@ -116,6 +118,7 @@ def render_plan(
             offload_label(c) or "-",
             f"{format_bytes(total)}" + (" ✗" if total > limit else ""),
             format_bytes(c["comm_bytes_per_step"]),
+            *speed_cells(c.get("predicted")),
             fits,
             style=style,
         )
@@ -130,12 +133,13 @@ def render_plan(
         *([offload_line(j)] if j.get("offload_cost") else []),
         *([host_line(j["host"])] if j.get("host") else []),
         cands,
+        *([speed] if (speed := speed_text(plan)) is not None else []),
         Panel(reasons, title="why", expand=False),
     ]
-    if j["advice"]:
+    if plan.advice:  # what would make it fit (the speed advice is in the speed block)
         blocks.append(
             Panel(
-                Text("\n".join(f"• {a}" for a in j["advice"])),
+                Text("\n".join(f"• {a}" for a in plan.advice)),
                 title="what would make it fit",
                 border_style="yellow",
                 expand=False,
@@ -329,9 +333,9 @@ def reasons_block(planned: Planned) -> Text:
     out = Text("Why\n", style="bold")
     for reason in j["reasons"]:
         out.append(f"• {reason}\n")
-    if j["advice"]:
+    if planned.plan.advice:
         out.append("What would make it fit\n", style="bold yellow")
-        for advice in j["advice"]:
+        for advice in planned.plan.advice:
             out.append(f"• {advice}\n")
     out.append("Assumed, not measured: " + "; ".join(j["assumptions"]), style="bright_black")
     return out
@@ -356,4 +360,56 @@ def render_planned(planned: Planned) -> Group:
         parts.append(line)
     if samples := planned_samples(planned, expected):
         parts.append(Text(samples_text(samples)))
+    if (speed := speed_text(planned.plan)) is not None:
+        parts.append(speed)
     return Group(*parts, candidates_block(planned), Text(), reasons_block(planned))
+
+
+def speed_cells(predicted: dict[str, Any] | None) -> tuple[str, str]:
+    """A candidate's predicted tokens/s and scaling (× of one device), or dashes."""
+    if not predicted:
+        return "-", "-"
+    tps = predicted["tokens_per_s"]
+    return f"{tps:,.0f}", f"{predicted['speedup_vs_one_device']:.2f}×"
+
+
+def _flops(x: float | None) -> str:
+    return "?" if not x else f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+
+
+def speed_text(plan: Plan) -> Text | None:
+    """The time model's prediction for the chosen option, what it assumed (and where each
+    figure came from), and the speed advice; None when nothing was predicted."""
+    pred = plan.chosen.predicted
+    if pred is None:
+        return None
+    out = Text("Speed (predicted) ", style="bold")
+    n = plan.world_size
+    out.append(
+        f"step {seconds(pred.step_seconds)} s: compute {seconds(pred.compute_seconds)} s"
+        + (f", communication {seconds(pred.comm_seconds)} s "
+           f"({seconds(pred.exposed_comm_seconds)} s exposed)" if n > 1 else "")
+        + (f", offload {seconds(pred.offload_seconds)} s" if pred.offload_seconds else "")
+        + f" · {pred.tokens_per_s:,.0f} tokens/s"
+    )  # fmt: skip
+    if n > 1:
+        out.append(f" · {pred.speedup_vs_one_device:.2f}× one device "
+                   f"({pred.scaling_efficiency:.0%}) · {pred.bottleneck}-bound")  # fmt: skip
+    a = pred.assumptions
+    parts = []
+    if a.get("peak_flops", {}).get("value"):
+        parts.append(f"peak {_flops(a['peak_flops']['value'])} ({a['peak_flops']['source']})")
+    if a.get("achieved_factor", {}).get("value"):
+        f = a["achieved_factor"]
+        parts.append(f"achieved {f['value']:.0%} ({f['source']})")
+    elif a.get("achieved_flops_per_s"):
+        f = a["achieved_flops_per_s"]
+        threads = a.get("threads_per_process")
+        parts.append(f"achieved {_flops(f['value'])} per process ({threads} thread(s); "
+                     f"{f['source']})")  # fmt: skip
+    if n > 1 and a.get("link"):
+        parts.append(f"link {a['link']['words']} ({a['link']['source']})")
+    out.append("\nassumed: " + " · ".join(parts), style="bright_black")
+    for line in plan.speed_advice:
+        out.append(f"\n• {line}")
+    return out
