@@ -22,7 +22,8 @@ from homelab_dp.app.plan import hardware_fingerprint
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.memory.device_memory import PHASES
 from homelab_dp.planning.memory.memory_calibration import CalibrationStore, Measurement
-from homelab_dp.runs.run_events import MemoryEvent, parse_event
+from homelab_dp.planning.speed_calibration import record_speed
+from homelab_dp.runs.run_events import MemoryEvent, StepEvent, parse_event
 
 DEFAULT_STEPS = 3
 """Enough for the steady state: the optimizer state exists after step 1, DDP rebuilds its
@@ -98,7 +99,9 @@ def measure(
     if steps < 1:
         raise HomelabError(f"--steps {steps}: must be at least 1", hint="e.g. --steps 3")
     controller = controller or make_controller()
-    sets = [*(overrides or []), f"train.max_steps={steps}", "train.checkpoint_every=0"]
+    # log_every=1: the last step's tokens/s is its own (steady state), not a mean since step 1
+    sets = [*(overrides or []), f"train.max_steps={steps}", "train.checkpoint_every=0",
+            "train.log_every=1"]  # fmt: skip
     prepared = controller.prepare(preset_ref, overrides=sets, gpus=gpus, force=force)
     name = Path(prepared.preset.source).stem if prepared.preset.source else "run"
     run_id = new_run_id(f"measure-{name}")
@@ -120,7 +123,36 @@ def measure(
     report = MeasureReport(run_id, run_dir, fp, spec.plan, event)
     if store and fp is not None:
         report.stored = _store(report, prepared)
+        _record_speed(run_dir, spec.plan, run_id)
     return report
+
+
+def _record_speed(run_dir: Path, plan_doc: dict[str, Any], run_id: str) -> Path | None:
+    """Record the measure run's last step speed for the time model
+    (`homelab_dp.planning.speed_calibration`): later plans on this machine price compute at it."""
+    last = None
+    for doc in _events(run_dir):
+        if isinstance(parse_event(doc), StepEvent) and doc.get("tokens_per_s"):
+            last = doc
+    if last is None:
+        return None
+    return record_speed(plan_doc, tokens_per_s=float(last["tokens_per_s"]), source="measure",
+                        run_id=run_id, step_seconds=last.get("step_time_s"),
+                        compute_seconds=last.get("compute_seconds"))  # fmt: skip
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's events that parse as JSON objects."""
+    path = run_dir / "events.jsonl"
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else ():
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
 
 
 def _memory_event(run_dir: Path) -> dict[str, Any] | None:
