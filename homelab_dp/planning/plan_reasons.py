@@ -123,6 +123,8 @@ class LrAdvice:
     rule: str
     applied: float
     warmup_steps: int
+    unit: str = "sequences"
+    """What the batch counts: sequences (SFT), pairs (DPO, ORPO) or completions (KTO)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,12 +147,13 @@ def lr_advice(preset: Preset, world_size: int) -> LrAdvice:
     ratio = effective / ref
     linear, sqrt = t.lr * ratio, t.lr * math.sqrt(ratio)
     applied = {"none": t.lr, "linear": linear, "sqrt": sqrt}[t.lr_scaling]
-    return LrAdvice(t.lr, ref, effective, linear, sqrt, t.lr_scaling, applied, t.warmup_steps)
+    unit = {"dpo": "pairs", "orpo": "pairs", "kto": "completions"}.get(t.objective, "sequences")
+    return LrAdvice(t.lr, ref, effective, linear, sqrt, t.lr_scaling, applied, t.warmup_steps, unit)
 
 
 def lr_reasons(lr: LrAdvice) -> list[str]:
     """The effective batch, and the scaled learning rates when it is not the reference one."""
-    out = [f"Effective batch {lr.effective_batch} sequences per optimizer step."]
+    out = [f"Effective batch {lr.effective_batch} {lr.unit} per optimizer step."]
     if lr.effective_batch != lr.reference_batch:
         out.append(
             f"The preset's lr {lr.preset_lr:g} was set for a batch of {lr.reference_batch}; for "

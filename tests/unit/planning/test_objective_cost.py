@@ -117,6 +117,8 @@ def test_reasons_say_what_the_objective_costs() -> None:
     kto = plan(SMOL, _preset(objective="kto"), TWO_24)
     line = next(r for r in kto.reasons if r.startswith("KTO:"))
     assert "two extra no-grad forwards (the reference's and the KL's)" in line
+    assert "Effective batch 16 completions per optimizer step." in kto.reasons
+    assert "Effective batch 16 pairs per optimizer step." in p.reasons
     assert not any(
         r.startswith(("DPO", "ORPO", "KTO")) for r in plan(SMOL, _preset(), TWO_24).reasons
     )
