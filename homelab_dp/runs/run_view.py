@@ -402,6 +402,8 @@ class RunView:
         self._take(e, ("run_id", "method", "distribution", "total_steps", "world_size",
                        "micro_batch", "grad_accum", "effective_batch", "objective"),
                    given)  # fmt: skip
+        # New processes (a resume may even have another world size): scaling measured afresh.
+        self.timings = deque(maxlen=SCALING_STEPS)
         if isinstance(e.estimate, dict) and e.estimate.get("total") is not None:  # per device
             self.estimate_bytes = int(e.estimate["total"])
         if "start_step" in given:

@@ -168,3 +168,15 @@ def test_the_status_command_prints_them_and_its_json_holds_them(
     doc = json.loads(out)
     assert doc["scaling"]["world"] == 2 and doc["speed"]["predicted_speedup"] == 1.85
     assert doc["objective_figures"]["reward_margin"] == 0.5
+
+
+def test_a_resume_measures_its_scaling_afresh() -> None:
+    v = RunView()
+    v.apply({"type": "start", "time": 1.0, "world_size": 2})
+    for n in (1, 2, 3):
+        v.apply(step(n, step_time_s=1.0, compute_seconds=0.5, comm_seconds=0.5))
+    # Resumed on 2 processes again but on a quieter machine: only the new steps count.
+    v.apply({"type": "start", "time": 9.0, "world_size": 2, "start_step": 3})
+    assert v.scaling is None
+    v.apply(step(4, step_time_s=1.0, compute_seconds=0.95, comm_seconds=0.1))
+    assert v.scaling is not None and v.scaling.speedup == pytest.approx(1.9)
