@@ -24,7 +24,8 @@ the CPU (gloo, OMP_NUM_THREADS = cores / processes), one run of each side after 
   `format_instruction`, loss on the output and eos only), truncated to seq_len, batched by
   ``DataCollatorForSeq2Seq`` (pad to the longest in the batch, labels -100 on the padding);
   same lr, warm-up, cosine to 0.1 of the lr, clipping 1.0, no weight decay, ``adamw_torch``,
-  no eval, no saving, ``report_to=[]``, no dataloader workers, ``use_cpu``, gloo. Its
+  no eval, no saving, a log line every step (as homelab-dp writes a step event every step),
+  ``report_to=[]``, no dataloader workers, ``use_cpu``, gloo. Its
   ``training_step`` counts the real (attention mask) and padded (numel) tokens of every
   micro-batch on every rank; a callback times rank 0 from the first step's begin to the last
   step's end.
@@ -294,7 +295,8 @@ def hf_worker(cfg_path: Path) -> None:
         learning_rate=cfg["lr"], warmup_steps=warmup(cfg["steps"]),
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO},
         weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", seed=cfg["seed"],
-        eval_strategy="no", save_strategy="no", logging_strategy="no", report_to=[],
+        eval_strategy="no", save_strategy="no", logging_strategy="steps", logging_steps=1,
+        report_to=[],
         dataloader_num_workers=0, dataloader_pin_memory=False, remove_unused_columns=False,
         use_cpu=True, ddp_backend="gloo", disable_tqdm=True,
     )  # fmt: skip

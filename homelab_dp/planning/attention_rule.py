@@ -3,7 +3,11 @@
 One rule for the plan (`homelab_dp.planning.plan_reasons`) and the worker
 (`homelab_dp.train.attention`): FlashAttention-2 (``"flash_attention_2"``) only on CUDA, in
 bf16/fp16, when every card is compute capability 8.0 (Ampere) or newer and the installed
-``flash-attn`` distribution is a 2.x release; SDPA otherwise. The FA2 kernels refuse older cards
+``flash-attn`` distribution is a 2.x release; otherwise ``"homelab_packed"``
+(`homelab_dp.train.packed_attention`): each sample of a packed block attends alone, through
+torch's ``varlen_attn`` on a CUDA card of compute capability 8.0+ in bf16/fp16, else SDPA on
+each sample's slice (the CPU: FlexAttention has no backward there); no block-diagonal mask and
+no repeated key/value heads either way, and any other mask goes to SDPA unchanged. The FA2 kernels refuse older cards
 at the first forward ("FlashAttention only supports Ampere GPUs or newer"), and transformers'
 FA2 path imports the 2.x API: the ``flash-attn-4`` distribution also installs a ``flash_attn``
 module, so a module that can be found says nothing about which one it is.
@@ -25,6 +29,8 @@ FLASH_MIN_CAPABILITY = (8, 0)
 """The oldest compute capability FlashAttention-2 runs on (Ampere)."""
 FLASH_DTYPES = ("bf16", "fp16")
 """FlashAttention's kernels take half precision only."""
+PACKED_ATTENTION = "homelab_packed"
+"""The ``attn_implementation`` of `homelab_dp.train.packed_attention` (registered by the worker)."""
 FLASH_DISTRIBUTION = "flash-attn"
 """The PyPI distribution of FlashAttention-2 (``pip install flash-attn``)."""
 
@@ -55,6 +61,19 @@ def _cap(capability: tuple[int, int] | None) -> str:
     return "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
 
 
+def packed_route(device: str, dtype: str, capabilities: Sequence[tuple[int, int] | None]) -> str:
+    """How ``homelab_packed`` attends on ``device`` in ``dtype``, in words: torch's
+    ``varlen_attn`` where every card is 8.0+ in bf16/fp16, else SDPA sample by sample."""
+    if (
+        device == "cuda"
+        and dtype in FLASH_DTYPES
+        and capabilities
+        and all(c is not None and c >= FLASH_MIN_CAPABILITY for c in capabilities)
+    ):
+        return "torch's varlen_attn, each sample alone"
+    return "SDPA on each sample alone"
+
+
 def choose_attention(
     device: str,
     dtype: str,
@@ -68,17 +87,28 @@ def choose_attention(
     ``capabilities``: the compute capability of every planned card (None: not known; counts as
     new enough when ``unknown_ok``, the plan's rule for a what-if card, else as too old).
     ``flash_version``: the installed flash-attn distribution's version (`flash_attn_version`).
-    ``why`` is one sentence for the plan and the start event.
+    ``why`` is one sentence for the plan and the start event. Not FlashAttention-2:
+    ``PACKED_ATTENTION`` (its route by `packed_route`).
     """
+    lean = f"{PACKED_ATTENTION} ({packed_route(device, dtype, capabilities)}, no mask)"
     if device != "cuda":
-        return "sdpa", f"SDPA: FlashAttention-2 needs CUDA (this run is on the {device})"
+        return (
+            PACKED_ATTENTION,
+            f"{lean}: FlashAttention-2 needs CUDA (this run is on the {device})",
+        )
     if dtype not in FLASH_DTYPES:
-        return "sdpa", f"SDPA: FlashAttention-2 needs bf16 or fp16 (this run computes in {dtype})"
+        return (
+            PACKED_ATTENTION,
+            f"{lean}: FlashAttention-2 needs bf16 or fp16 (this run computes in {dtype})",
+        )
     if flash_version is None:
-        return "sdpa", "SDPA: flash-attn is not installed (pip install flash-attn for FA2)"
+        return (
+            PACKED_ATTENTION,
+            f"{lean}: flash-attn is not installed (pip install flash-attn for FA2)",
+        )
     if not is_flash_attn_2(flash_version):
-        return "sdpa", (
-            f"SDPA: the installed flash-attn is {flash_version}, and transformers' "
+        return PACKED_ATTENTION, (
+            f"{lean}: the installed flash-attn is {flash_version}, and transformers' "
             "flash_attention_2 needs a 2.x release"
         )
     need = FLASH_MIN_CAPABILITY
@@ -87,8 +117,8 @@ def choose_attention(
     ]
     if not capabilities or old:
         seen = ", ".join(dict.fromkeys(_cap(c) for c in old)) or "unknown"
-        return "sdpa", (
-            f"SDPA: FlashAttention-2 needs compute capability {_cap(need)} (Ampere) or newer "
+        return PACKED_ATTENTION, (
+            f"{lean}: FlashAttention-2 needs compute capability {_cap(need)} (Ampere) or newer "
             f"on every card, and a card here is {seen}"
         )
     return "flash_attention_2", (

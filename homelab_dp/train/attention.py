@@ -1,25 +1,27 @@
 """Which attention kernel the model loads with, and what each costs on packed batches.
 
 Packed blocks (`homelab_dp.data.blocks`, pack = true) hold several samples, each with positions
-restarting at 0; the worker passes those ``position_ids`` and no ``attention_mask``, and
-transformers keeps attention within each sample by one of two routes:
+restarting at 0; the worker passes those ``position_ids`` and no ``attention_mask``, and the
+attention keeps each sample to itself by one of these routes:
 
-- **sdpa** (and eager): `transformers.masking_utils` finds the restarts
-  (``find_packed_sequence_indices``, only when the attention mask is None) and builds a
-  block-diagonal causal mask: one ``(batch, 1, seq_len, seq_len)`` tensor per forward, shared
-  by the layers (bool for sdpa, b·s² bytes; the model's dtype for eager). Because a mask is given, transformers' ``use_gqa_in_sdpa``
-  declines SDPA's native GQA on CUDA, so each layer repeats the key/value heads to all query
-  heads (``repeat_kv``: two ``(batch, heads, seq_len, head_dim)`` tensors per layer instead of
-  ``kv_heads``), and SDPA may leave its flash kernel for the memory-efficient or math one.
+- **homelab_packed** (the default; `homelab_dp.train.packed_attention`, registered in
+  transformers' attention and mask registries, so every family that uses them gets it): the
+  mask step reads where the samples start (transformers' own mask function on adjacent tokens)
+  and the attention runs per sample: torch's ``varlen_attn`` on a CUDA card of compute
+  capability 8.0+ in bf16/fp16, SDPA on each sample's slice elsewhere (``is_causal``,
+  ``enable_gqa``). No ``(batch, 1, seq_len, seq_len)`` mask, no repeated key/value heads, no
+  work on the zeros of a block-diagonal mask. Right-padded rows (pack = false) are segments
+  too; any other mask goes to SDPA unchanged.
+- **sdpa** (the route before homelab_packed, still what transformers does with
+  ``attn_implementation="sdpa"``): `transformers.masking_utils` builds a block-diagonal causal
+  mask, b·s² bytes per forward, and because a mask is given ``use_gqa_in_sdpa`` declines SDPA's
+  native GQA, so each layer repeats the key/value heads to all query heads (``repeat_kv``).
 - **flash_attention_2**: the positions become ``cu_seqlens`` and the varlen kernel attends
-  within each sample; no mask and no repeated key/value heads are allocated. Note that
-  transformers 5 takes this route from ``position_ids`` only for a batch of one row
-  (``_is_packed_sequence`` checks ``batch_size == 1``): a micro-batch of several rows must be
-  flattened to one row (rows start at position 0, so that stays exact) or given
-  ``cu_seq_lens_q/k`` and ``max_length_q/k``; otherwise FlashAttention runs plain causal
-  attention over each whole row and samples see each other.
+  within each sample. transformers 5 takes this route from ``position_ids`` only for a batch of
+  one row (``_is_packed_sequence`` checks ``batch_size == 1``): a micro-batch of several rows is
+  flattened to one row (rows start at position 0, so that stays exact).
 
-Padded blocks (pack = false) pass their attention mask on either route.
+Padded blocks (pack = false) pass their attention mask on every route.
 """
 
 from __future__ import annotations
@@ -27,10 +29,16 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 
-from homelab_dp.planning.attention_rule import FLASH_DTYPES, choose_attention, flash_attn_version
+from homelab_dp.planning.attention_rule import (
+    FLASH_DTYPES,
+    PACKED_ATTENTION,
+    choose_attention,
+    flash_attn_version,
+)
 
 __all__ = [
     "FLASH_DTYPES",
+    "PACKED_ATTENTION",
     "attention_choice",
     "attention_implementation",
     "flash_attn_available",
@@ -66,12 +74,17 @@ def attention_choice(
     capabilities: Sequence[tuple[int, int] | None] | None = None,
 ) -> tuple[str, str]:
     """``(attn_implementation, why)``: `attention_implementation` and the sentence the start
-    event records."""
+    event records. ``homelab_packed`` is registered with transformers when chosen."""
     if capabilities is None:
         if device_type == "cuda" and capability is None:
             capability = local_capability()
         capabilities = (capability,)
-    return choose_attention(device_type, dtype_name, capabilities, flash_attn_version())
+    name, why = choose_attention(device_type, dtype_name, capabilities, flash_attn_version())
+    if name == PACKED_ATTENTION:
+        from homelab_dp.train.packed_attention import register
+
+        register()  # before any model loads with it (workers, eval, the streamed QLoRA load)
+    return name, why
 
 
 def attention_implementation(
@@ -84,8 +97,9 @@ def attention_implementation(
     """The ``attn_implementation`` to load the model with.
 
     ``"flash_attention_2"`` on CUDA in bf16/fp16 when the installed flash-attn distribution
-    is a 2.x release and the card is compute capability 8.0 or newer (packed batches then need
-    no mask; see the module docstring), else ``"sdpa"`` (`planning.attention_rule`).
+    is a 2.x release and the card is compute capability 8.0 or newer, else
+    ``"homelab_packed"`` (registered here; see the module docstring and
+    `planning.attention_rule`).
     ``device_type`` is a torch device type ("cuda", "cpu"); ``dtype_name`` the run's dtype
     ("bf16", "fp16", "fp32", …), the dtype the attention computes in (under autocast the
     master weights may stay fp32; transformers casts q/k/v for the kernel). ``capability``:
