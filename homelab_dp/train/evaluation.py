@@ -423,6 +423,65 @@ def evaluate(
     )
 
 
+@dataclass(frozen=True)
+class PairEvalResult:
+    """An objective's figures over the whole preference eval data (all ranks)."""
+
+    loss: float
+    """The objective's mean loss (DPO: per pair; ORPO: NLL per chosen token + mean term)."""
+    pairs: int
+    """Pairs (KTO: completions) evaluated."""
+    tokens: int
+    """Target tokens of every sequence evaluated."""
+    seconds: float
+    fields: dict[str, float | None]
+    """The objective's event fields besides the loss (rewards, margin, accuracy, nll, ...)."""
+
+    @property
+    def perplexity(self) -> float:
+        """No perplexity for a preference loss."""
+        return float("nan")
+
+
+def evaluate_pairs(model: Any, pairs: Any, objective: Any, rank: Any) -> PairEvalResult:
+    """``objective``'s mean loss and figures over the `PairData` ``pairs`` on every rank (a
+    collective): each rank its blocks r, r + W, ... in micro-batches of ``rank.micro``, the
+    metric sums and unit counts all-reduced, so every rank has the same result on any world
+    size. Eval mode (no dropout), no grad; the model's mode restored after."""
+    t0 = time.perf_counter()
+    module = model.strategy.model
+    was_training = module.training
+    module.eval()
+    sums: torch.Tensor | None = None
+    units = torch.zeros(objective.eval_units(pairs).shape[1] + 1, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            for idx in rank_batches(pairs.n_blocks, rank.rank, rank.world, rank.micro):
+                # A rank short of blocks runs a forward too (FSDP2 gathers as a collective).
+                part = objective.eval_sums(model, pairs, torch.tensor(idx or [0]), rank.device)
+                if not idx:
+                    continue
+                sums = part if sums is None else sums + part
+                units[:-1] += objective.eval_units(pairs)[idx].sum(0)
+                units[-1] += float(pairs.targets[idx].sum())
+    finally:
+        module.train(was_training)
+    if sums is None:
+        sums = torch.zeros(len(objective.metrics), dtype=torch.float64, device=rank.device)
+    both = torch.cat([sums.to(torch.float64), units.to(sums.device)])
+    if rank.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(both)
+    values = both.tolist()
+    n = len(objective.metrics)
+    counts = values[n:-1]
+    fields = objective.fields(values[:n], counts)
+    loss = float(fields.pop("loss") or float("nan"))
+    return PairEvalResult(loss=loss, pairs=int(counts[0]), tokens=int(values[-1]),
+                          seconds=time.perf_counter() - t0, fields=fields)  # fmt: skip
+
+
 @dataclass
 class Verdict:
     """What one evaluation means for the run."""
@@ -437,9 +496,15 @@ class Verdict:
 class Validator:
     """One rank's schedule of evaluations and its record of the best eval loss."""
 
-    def __init__(self, blocks: Any, every: int, patience: int) -> None:
+    def __init__(
+        self, blocks: Any, every: int, patience: int, *, objective: Any = None, pairs: Any = None
+    ) -> None:
         self.blocks = blocks
         """`train.evaluation.EvalBlocks`: every rank holds all of them and evaluates its share."""
+        self.objective = objective
+        """With ``pairs``: the `train.objectives.objective.Objective` whose loss is evaluated."""
+        self.pairs = pairs
+        """Preference eval data (`train.objectives.pair_batch.PairData`), or None (SFT)."""
         self.every = every
         self.patience = patience
         self.best_loss: float | None = None
@@ -457,6 +522,8 @@ class Validator:
         no stall for the watchdog."""
 
         with guard.beating(step, EVALUATING):
+            if self.pairs is not None:
+                return evaluate_pairs(model, self.pairs, self.objective, rank)
             return evaluate(
                 model.strategy.model, self.blocks, rank=rank.rank, world=rank.world,
                 micro=rank.micro, device=rank.device, autocast=model.autocast,
@@ -472,9 +539,12 @@ class Validator:
         else:
             self.since_best += 1
         ppl = result.perplexity
+        extra = (
+            {"pairs": result.pairs, **result.fields} if isinstance(result, PairEvalResult) else {}
+        )
         event = EvalEvent(step=step, loss=loss, perplexity=ppl if math.isfinite(ppl) else None,
                           tokens=int(result.tokens), seconds=float(result.seconds),
-                          best=best)  # fmt: skip
+                          best=best, **extra)  # fmt: skip
         stop = self.patience > 0 and self.since_best >= self.patience
         return Verdict(event, best, stop)
 

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from homelab_dp.data.blocks import IGNORE_INDEX
 from homelab_dp.data.eval_split import load_train_eval
+from homelab_dp.data.preference_blocks import load_preference_train_eval
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
@@ -33,10 +35,18 @@ from homelab_dp.runs.run_spec import RunSpec
 from homelab_dp.train.activation_offload import ActivationOffload
 from homelab_dp.train.attention import attention_choice
 from homelab_dp.train.checkpoints import find_usable, load_checkpoint
-from homelab_dp.train.evaluation import eval_blocks
+from homelab_dp.train.evaluation import EvalBlocks, eval_blocks
 from homelab_dp.train.loss import install_loss_head, unsupported_reason
 from homelab_dp.train.memtrack import WorkerMemory
 from homelab_dp.train.metrics import all_gather_flat, peak_memory_kind
+from homelab_dp.train.objectives.objective import objective_for
+from homelab_dp.train.objectives.pair_batch import pair_data
+from homelab_dp.train.objectives.reference import (
+    build_reference,
+    prepare_precomputed,
+    reference_key,
+    reference_kind,
+)
 from homelab_dp.train.packing_check import check_model
 from homelab_dp.train.quantized_load import build_on_meta, has_routed_experts
 from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
@@ -54,7 +64,7 @@ from homelab_dp.train.trainable_model import (
     load_tokenizer,
     master_dtype,
 )
-from homelab_dp.vocabulary import SHARDED
+from homelab_dp.vocabulary import PREFERENCE_OBJECTIVES, SHARDED
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -137,7 +147,15 @@ class Data:
     """The seeded global sample order (`train.strategy.SampleOrder`)."""
     total_steps: int
     eval: Any = None
-    """`train.evaluation.EvalBlocks` of the eval data (`data.eval_split`), or None without any."""
+    """`train.evaluation.EvalBlocks` of the eval data (`data.eval_split`), or None without any;
+    for preference data its rows (the sample prompts come from them)."""
+    pairs: Any = None
+    """Preference data (dpo, orpo, kto): `train.objectives.pair_batch.PairData` of the training
+    blocks (``input_ids`` & co. are then its rows, for the sample prompts); None for SFT."""
+    eval_pairs: Any = None
+    """`PairData` of the preference eval data, or None."""
+    identical: int = 0
+    """Pairs left out because chosen and rejected were the same tokens (`data.preference_blocks`)."""
 
 
 def load_data(preset: Preset, rank: Rank) -> Data:
@@ -153,6 +171,8 @@ def load_data(preset: Preset, rank: Rank) -> Data:
         preset.model.path, trust_remote_code=preset.model.trust_remote_code
     )
     limit = getattr(config, "max_position_embeddings", None)
+    if preset.train.objective in PREFERENCE_OBJECTIVES:
+        return _load_pairs(preset, rank, tokenizer, limit)
     split = load_train_eval(preset.data, tokenizer, seed=preset.train.seed, seq_len_limit=limit,
                             min_blocks=rank.world * rank.micro)  # fmt: skip
     # hit: read what the preflight wrote; built: tokenized here (the cache was missing)
@@ -181,6 +201,41 @@ def load_data(preset: Preset, rank: Rank) -> Data:
         total_steps=total_steps,
         eval=eval_blocks(split.eval, bool(preset.data.pack)) if split.eval else None,
     )
+
+
+def _load_pairs(preset: Preset, rank: Rank, tokenizer: Any, limit: int | None) -> Data:
+    """`load_data` of preference data: `PairData` of the training and eval blocks
+    (`data.preference_blocks`), whose rows stand in for SFT's blocks where only rows matter."""
+    train = preset.train
+    split = load_preference_train_eval(preset.data, tokenizer, objective=train.objective,
+                                       seed=train.seed, seq_len_limit=limit,
+                                       min_blocks=rank.world * rank.micro)  # fmt: skip
+    names = ("train", "eval")[: len(split.cache)]
+    log.info("data: token cache %s", ", ".join(f"{u} ({n})" for u, n in zip(split.cache, names,
+                                                                         strict=True)))  # fmt: skip
+    if split.identical:
+        log.warning("%d pair(s) with identical chosen and rejected answers left out (no signal)",
+                    split.identical)  # fmt: skip
+    packed = bool(preset.data.pack)
+    pairs = pair_data(split.train, packed)
+    eval_pairs = pair_data(split.eval, packed) if split.eval else None
+    width = pairs.input_ids.shape[-1]
+
+    def rows(p: Any) -> Any:
+        return EvalBlocks(*(t.reshape(-1, width) for t in (p.input_ids, p.labels, p.mask,
+                                                            p.positions)), packed=packed)  # fmt: skip
+
+    flat = rows(pairs)
+    n = pairs.n_blocks
+    total_steps = train.max_steps or max(1, math.ceil(train.epochs * n / rank.effective))
+    return Data(
+        tokenizer=tokenizer, input_ids=flat.input_ids, labels=flat.labels, mask=flat.mask,
+        positions=flat.positions, packed=packed, targets=pairs.targets,
+        real_tokens=pairs.real_tokens, n_blocks=n, fmt=split.fmt,
+        order=SampleOrder(n, train.seed), total_steps=total_steps,
+        eval=rows(eval_pairs) if eval_pairs is not None else None, pairs=pairs,
+        eval_pairs=eval_pairs, identical=split.identical,
+    )  # fmt: skip
 
 
 @dataclass
@@ -378,6 +433,10 @@ class SetUp:
     position: Position
     memory: Any
     """`train.memtrack.WorkerMemory`: probes the memory of the set-up and of chosen steps."""
+    objective: Any = None
+    """`train.objectives.objective.Objective`: what the loop asks for units, loss and metrics."""
+    reference: str | None = None
+    """DPO/KTO: where the reference log-probabilities come from (adapters, precompute, copy)."""
 
 
 def set_determinism(deterministic: bool) -> None:
@@ -408,8 +467,27 @@ def set_up(spec: RunSpec, run_dir: Path, events: Any, resume: bool) -> SetUp:
     memory.before_build()
     model = build_model(spec, rank, data.total_steps, memory)
     memory.after_build(model.strategy.inner, model.optimizer)
+    # The reference is the starting model's: made (or read) before a resume loads its weights.
+    kind = reference_kind(spec.preset, spec.resolved.method)
+    reference = build_reference(kind, model, rank, spec.resolved.distribution)
+    if kind == "precompute":
+        _precompute(spec, rank, data, model)
     position = resume_position(run_dir, rank, model, events) if resume else Position()
-    return SetUp(rank, data, model, position, memory)
+    objective = objective_for(spec.preset, method=spec.resolved.method, reference=reference)
+    return SetUp(rank, data, model, position, memory, objective, kind)
+
+
+def _precompute(spec: RunSpec, rank: Rank, data: Data, model: Model) -> None:
+    """The precomputed reference log-probabilities of the training and eval pairs, from the
+    cache or one data-parallel pass (`train.objectives.reference.prepare_precomputed`)."""
+    r = spec.resolved
+    key = reference_key(spec.preset.model.path, data.pairs, data.eval_pairs,
+                        objective=spec.preset.train.objective, dtype=r.dtype,
+                        device=rank.device.type, attention=model.attention,
+                        method=r.method)  # fmt: skip
+    t0 = time.perf_counter()
+    use = prepare_precomputed(model, data.pairs, data.eval_pairs, rank, key)
+    log.info("reference log-probabilities: %s (%s, %.1f s)", use, key, time.perf_counter() - t0)
 
 
 def start_event(spec: RunSpec, s: SetUp) -> StartEvent:
@@ -437,4 +515,5 @@ def start_event(spec: RunSpec, s: SetUp) -> StartEvent:
         attention=s.model.attention, attention_reason=s.model.attention_reason,
         packing=s.model.packing.verdict if s.model.packing is not None else "off",
         packing_error=s.model.packing.max_diff if s.model.packing is not None else None,
+        objective=spec.preset.train.objective, reference=s.reference,
     )  # fmt: skip

@@ -35,7 +35,6 @@ checkpoint, or `SKIP_LIMIT` fp16 steps in a row skipped by the GradScaler end th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -57,11 +56,10 @@ from homelab_dp.runs.run_view import StragglerDetector
 from homelab_dp.train.checkpoints import mark_best, save_checkpoint, save_result
 from homelab_dp.train.divergence import SkippedSteps, check_loss, require_finite_weights
 from homelab_dp.train.evaluation import Validator
-from homelab_dp.train.loss import token_loss_sum
-from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
+from homelab_dp.train.metrics import StepFlops, all_gather_flat, peak_memory_bytes, peak_memory_kind
+from homelab_dp.train.objectives.sft import micro_step  # noqa: F401  (train.memcheck, tests)
 from homelab_dp.train.rank_setup import SetUp
 from homelab_dp.train.sample_answers import Sampler
-from homelab_dp.train.speed import to_device
 from homelab_dp.train.strategy import rank_slices
 
 if TYPE_CHECKING:  # torch stays out of the worker's import until it is set up
@@ -133,12 +131,15 @@ class Trainer:
         self.start_step, self.tokens = s.position.start_step, s.position.tokens
         self.last_loss = s.position.last_loss
         self.stop_at = int(os.environ.get(STOP_AT_ENV, "-1"))
-        self.stats = RankStats(self.rank.device)
+        self.objective = s.objective
+        """`train.objectives.objective.Objective`: units, micro-step loss and event fields."""
+        self.units = self.objective.units(self.data)
+        """The objective's unit counts per block, ``[n_blocks, U]`` (SFT: target tokens)."""
         self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.rank.device)
         self.votes = StopVotes()
         self.flops = StepFlops.for_run(
-            spec, self.rank.device, int(self.data.input_ids.shape[1]), self.rank.world
+            spec, self.rank.device, int(self.data.input_ids.shape[-1]), self.rank.world
         )
         self.saved_step: int | None = None
 
@@ -148,7 +149,11 @@ class Trainer:
         self.validator = None
         if self.data.eval is not None and not self.memory.measuring:
             self.validator = Validator(
-                self.data.eval, self.train.eval_every, self.train.early_stopping_patience
+                self.data.eval,
+                self.train.eval_every,
+                self.train.early_stopping_patience,
+                objective=self.objective,
+                pairs=self.data.eval_pairs,
             )
             self.validator.restore(s.position.eval_state)
         self.sampler = None
@@ -198,32 +203,25 @@ class Trainer:
             t0 = time.perf_counter()
             wall0 = time.time()
             probe = self.memory.begin_step(step, m.strategy, m.optimizer)  # None mostly
-            # Every rank's blocks of this step, from the shared order: the loss's denominator
-            # (target tokens) and the throughput (real tokens), counted on the host; this
-            # rank's micro-batches are slices of them.
+            # Every rank's blocks of this step, from the shared order: the loss's denominators
+            # (the objective's units: SFT's target tokens, pairs, ...) and the throughput (real
+            # tokens), counted on the host; this rank's micro-batches are slices of them.
             first = step * r.effective
             whole = torch.tensor(d.order.blocks(first, r.effective))
             micro_idx = [
                 whole[s.start - first : s.stop - first]
                 for s in rank_slices(step, r.micro, r.world, r.accum, r.rank)
             ]
-            targets = float(d.targets[whole].sum())
+            counts = self.units[whole].sum(0).tolist()
             tokens = int(d.real_tokens[whole].sum())
-            scale = r.world / max(targets, 1.0)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+            obj = self.objective
+            obj.begin_step(m, d, r, micro_idx)
+            sums = torch.zeros(len(obj.metrics), dtype=torch.float64, device=dev)
             for k, idx in enumerate(micro_idx):
                 if self.guard.beat(step + 1, k):  # orphaned (agent gone): stop gracefully
                     self.stop.requested = True
                 with m.strategy.accumulate(final=k == r.accum - 1):
-                    # Packed blocks go without a mask: the positions restart at each sample
-                    # and transformers masks attention to within each one from them.
-                    mask = None if d.packed else to_device(d.mask[idx], dev)
-                    loss_sum += micro_step(
-                        m.strategy, to_device(d.input_ids[idx], dev), mask, d.labels[idx],
-                        scale, positions=to_device(d.positions[idx], dev), autocast=m.autocast,
-                        loss_dtype=m.loss_dtype, scaler=m.scaler, probe=probe,
-                        loss_head=m.loss_head, flat=m.flat_batches,
-                    )  # fmt: skip
+                    sums += obj.micro_step(m, d, idx, counts, r, probe=probe)
                 if r.accum > 1 and r.rank == 0:
                     self.events.write(
                         MicroEvent(step=step + 1, micro_step=k + 1, grad_accum=r.accum)
@@ -236,9 +234,7 @@ class Trainer:
             step += 1
             self.tokens += tokens
             if step % self.train.log_every == 0 or step == d.total_steps:
-                last_log = self._log_step(
-                    step, loss_sum, targets, lr, grad_norm, t0, wall0, last_log
-                )
+                last_log = self._log_step(step, sums, counts, lr, grad_norm, t0, wall0, last_log)
             # Evaluated before the checkpoint of this step, so that it records the evaluation.
             v = self.validator
             verdict = self._validate(step) if v is not None and v.due(step, d.total_steps) else None
@@ -293,18 +289,24 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _log_step(
-        self, step: int, loss_sum: Any, targets: float, lr: float, grad_norm: Any, t0: float,
+        self, step: int, sums: Any, counts: list[float], lr: float, grad_norm: Any, t0: float,
         wall0: float, last_log: tuple[float, int, int],
     ) -> tuple[float, int, int]:  # fmt: skip
-        """Gather every rank's figures (one all-gather), write the step and any straggler."""
+        """Gather every rank's figures (one all-gather), write the step and any straggler.
+
+        ``sums`` are this rank's metric sums of the step (`Objective.micro_step`), ``counts``
+        the step's global units; the objective turns their totals into the event's fields."""
         import torch
 
         r, dev = self.rank, self.rank.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         now = time.time()
-        rows = self.stats.gather(loss_sum, time.perf_counter() - t0)
-        loss = sum(row[0] for row in rows) / max(targets, 1.0)
+        rows = gather_rows(sums, time.perf_counter() - t0, dev)
+        n = len(self.objective.metrics)
+        totals = [sum(row[j] for row in rows) for j in range(n)]
+        fields = self.objective.fields(totals, counts)
+        loss = fields.pop("loss")
 
         # Every rank has the same rows: all end here together, before a NaN reaches an event.
         check_loss(loss, step, lr=lr, dtype=self.spec.resolved.dtype)
@@ -319,12 +321,12 @@ class Trainer:
             grad_norm=float(grad_norm), tokens_per_s=tokens_per_s,
             samples_per_s=(step - last_step) * r.effective / span, micro_batch=r.micro,
             grad_accum=r.accum, world_size=r.world, effective_batch=r.effective,
-            step_time_s=now - wall0, rank_step_times_s=[row[1] for row in rows],
-            peak_memory_bytes=[int(row[2]) for row in rows], peak_memory_kind=self.memory_kind,
+            step_time_s=now - wall0, rank_step_times_s=[row[n] for row in rows],
+            peak_memory_bytes=[int(row[n + 1]) for row in rows], peak_memory_kind=self.memory_kind,
             tokens=self.tokens, samples=step * r.effective, mfu=self.flops.mfu(tokens_per_s),
-            aux_loss=aux_loss,
+            aux_loss=aux_loss, **fields,
         ))  # fmt: skip
-        for slow in self.stragglers.update([row[1] for row in rows]):
+        for slow in self.stragglers.update([row[n] for row in rows]):
             self.events.write(
                 StragglerEvent(step=step, rank=slow, message=self.stragglers.flagged[slow])
             )
@@ -355,56 +357,21 @@ class Trainer:
         self.events.write(CheckpointEvent(step=step, path=str(path), seconds=time.time() - t))
 
 
-def micro_step(
-    strategy: Any, input_ids: Any, mask: Any, labels: Any, scale: float, *, autocast: Any,
-    loss_dtype: Any, positions: Any = None, scaler: Any = None, probe: Any = None,
-    loss_head: Any = None, flat: bool = False,
-) -> Any:  # fmt: skip
-    """Forward, loss and backward of one micro-batch; returns the detached sum of token losses.
+def gather_rows(sums: Any, step_time_s: float, device: Any) -> list[list[float]]:
+    """The one all-gather per logged step: every rank's row ``[*sums, step_time_s,
+    peak_memory_bytes]`` (float64; every rank gets all rows)."""
+    import torch
+    import torch.distributed as dist
 
-    The loss is the sum of token cross-entropies times ``scale`` (world / global target tokens).
-    With ``loss_head`` (`train.loss.ChunkedLossHead`) the model's forward returns that sum,
-    computed chunk by chunk without full logits; ``labels`` may stay on the host (the head
-    finds the target rows there without a device sync). Without it the logits are not kept
-    past the loss: holding them would keep one more batch × seq_len × vocab tensor alive
-    through the backward pass. ``mask`` is None for packed blocks, whose ``positions`` restart
-    at every sample; ``flat`` sends a packed micro-batch as one row (FlashAttention's varlen
-    route). ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
-
-    A MoE model with a router aux loss (``strategy.aux_coef`` > 0) returns its router logits
-    and its aux loss (over this micro-batch's real tokens: the mask excludes padding; a packed
-    block has no mask, so the padding at its end, at most one sample's worth, counts too). The
-    effective batch's aux loss is the mean over its micro-batches (world × accumulation of
-    them); as every strategy averages gradients over ranks, each rank adds ``aux_coef × aux /
-    accumulation``: exact across world sizes and accumulation, as the token loss is.
-    """
-
-    if flat:  # exact: every row starts a sample at position 0
-        input_ids, positions, labels = (t.reshape(1, -1) for t in (input_ids, positions, labels))
-    targets = loss_head.targets(labels) if loss_head is not None else contextlib.nullcontext()
-    aux_coef = getattr(strategy, "aux_coef", 0.0)
-    router = {"output_router_logits": True} if aux_coef else {}
-    with autocast(), targets:
-        output = strategy.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False,
-            **router,
-        )  # fmt: skip
-    out, aux = output.logits, output.aux_loss if aux_coef else None
-    del output  # the router logits go with it
-    if loss_head is None:
-        labels = labels.to(out.device)
-    token_loss = token_loss_sum(out, labels, loss_dtype, loss_head)
-    del out
-    if probe is not None:
-        probe.mark("forward")
-    scaled = token_loss * scale
-    if aux is not None:
-        scaled = scaled + aux_coef * aux.to(scaled.dtype) / strategy.grad_accum
-        strategy.add_aux(aux)
-    (scaler.scale(scaled) if scaler else scaled).backward()
-    if probe is not None:
-        probe.mark("backward")
-    return token_loss.detach()
+    n = int(sums.numel())
+    mine = torch.zeros(n + 2, dtype=torch.float64, device=device)
+    mine[:n] = sums.detach().to(torch.float64)
+    mine[n] = step_time_s
+    mine[n + 1] = float(peak_memory_bytes(device))
+    world = dist.get_world_size()
+    out = torch.empty(world * (n + 2), dtype=torch.float64, device=device)
+    all_gather_flat(out, mine)
+    return out.view(world, n + 2).tolist()
 
 
 def optimizer_step(

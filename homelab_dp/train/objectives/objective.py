@@ -1,0 +1,87 @@
+"""The objective seam: what the training loop asks of an objective, and which one a run uses.
+
+The loop (`train.training_loop.Trainer`) never branches on the objective's name. For every
+optimizer step it sums the objective's per-block unit counts over every rank's blocks of the
+step (``Data.units[whole].sum(0)``: counted on the host from the shared sample order, no
+collective), then asks the objective
+
+1. `Objective.begin_step` — anything the whole effective batch must agree on before the first
+   micro-step (KTO's KL estimate: one no-grad pass and an all-reduce); a no-op for the others;
+2. `Objective.micro_step` — forward, loss and backward of one micro-batch, the loss scaled by
+   world / the step's global units (DDP and FSDP2 average gradients over ranks), so the step's
+   gradient is that of the mean over the whole effective batch whatever the split across
+   ranks and accumulation; it returns a 1-D float64 vector of detached metric sums;
+3. `Objective.fields` — the event fields (``loss`` first) from the metric sums of every rank
+   (reduced in the step log's one all-gather) and the global units.
+
+An objective with a reference model gets it from `train.objectives.reference`. Per-block unit
+counts, e.g. SFT: target tokens; DPO: pairs; ORPO: pairs and the chosen answers' target tokens;
+KTO: completions, desirable and undesirable ones. A new objective (GRPO, say) is a new module
+here and a line in `objective_for`: the loop stays as it is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from homelab_dp.errors import HomelabError
+from homelab_dp.train.objectives.dpo import DpoObjective
+from homelab_dp.train.objectives.kto import KtoObjective
+from homelab_dp.train.objectives.orpo import OrpoObjective
+from homelab_dp.train.objectives.sft import SftObjective
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+
+    from homelab_dp.presets.preset import Preset
+
+
+class Objective(Protocol):
+    """One training objective as the loop sees it (see the module docstring)."""
+
+    name: str
+    """``train.objective``: sft, dpo, orpo or kto."""
+    metrics: tuple[str, ...]
+    """Names of the metric sums `micro_step` returns, in order."""
+
+    def units(self, data: Any) -> torch.Tensor:
+        """Per-block unit counts, ``[n_blocks, U]`` float64 (`train.rank_setup.Data`)."""
+        ...
+
+    def begin_step(self, model: Any, data: Any, rank: Any, micro_idx: list[Any]) -> None:
+        """Before the step's first micro-step, with this rank's micro-batches (block indices)."""
+        ...
+
+    def micro_step(
+        self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
+        probe: Any = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Forward, scaled loss and backward of the blocks ``idx``; the detached metric sums."""
+        ...
+
+    def fields(self, sums: Sequence[float], counts: Sequence[float]) -> dict[str, float | None]:
+        """Event fields (``loss`` and the objective's own) from the effective batch's sums."""
+        ...
+
+
+def objective_for(preset: Preset, *, method: str, reference: Any = None) -> Objective:
+    """The objective ``preset.train.objective`` names, for a run of ``method`` (full, lora,
+    qlora); ``reference`` is the `train.objectives.reference.Reference` of DPO/KTO."""
+    train = preset.train
+    name = train.objective
+    if name == "sft":
+        return SftObjective()
+    if name == "orpo":
+        return OrpoObjective(train.orpo_lambda)
+    if reference is None:
+        raise HomelabError(f"train.objective = {name!r} needs a reference model",
+                           hint="set train.reference")  # fmt: skip
+    if name == "dpo":
+        return DpoObjective(reference, beta=train.beta, loss_type=train.dpo_loss,
+                            label_smoothing=train.label_smoothing)  # fmt: skip
+    if name == "kto":
+        return KtoObjective(reference, beta=train.beta)
+    raise HomelabError(f"train.objective = {name!r} is not an objective",
+                       hint="use sft, dpo, orpo or kto")  # fmt: skip

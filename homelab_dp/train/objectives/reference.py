@@ -1,0 +1,257 @@
+"""The reference model's log-probabilities (DPO, KTO): adapters off, precomputed, or a copy.
+
+``train.reference`` (auto → adapters for LoRA/QLoRA, precompute for a full fine-tune):
+
+- **adapters**: the policy's own base with its adapters disabled (`peft`'s ``disable_adapter``),
+  a no-grad forward per micro-batch; no second copy of anything.
+- **precompute**: one data-parallel no-grad pass over every block before step 1 (rank r takes
+  blocks r, r + W, ...; each rank the same number of forwards, FSDP2's gathers pair up), the
+  rows summed into every rank's table by one all-reduce (the rows are disjoint: exact), and
+  cached as safetensors beside the token cache (``$XDG_CACHE_HOME/homelab-dp/references/``),
+  keyed by the model's config and weight files, the tokens of the blocks, the dtype, device
+  and attention kernel (`reference_key`). It runs before a resumed run loads its checkpoint,
+  so it is always the starting model's; a resumed run, or a second run on the same model and
+  data, reads the file. No copy is held while training.
+- **copy**: a frozen copy of the starting model on every device (full fine-tune, not FSDP2).
+
+The reference forward runs in eval mode (no dropout): the reference log-probabilities are a
+function of the data alone, whatever the split, so the loss stays exact across ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from homelab_dp.data.token_cache import cache_root
+from homelab_dp.errors import HomelabError
+from homelab_dp.train.evaluation import rank_batches
+from homelab_dp.train.objectives.pair_batch import PairBatch, PairData, batch_of, forward_logps
+
+log = logging.getLogger("homelab_dp.worker")
+REFERENCE_OBJECTIVES = ("dpo", "kto")
+"""The objectives with a reference model (ORPO needs none)."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def reference_kind(preset: Any, method: str) -> str | None:
+    """``train.reference`` resolved for a run of ``method``; None for an objective without one.
+    Raises HomelabError for a choice the method cannot have."""
+    train = preset.train
+    if train.objective not in REFERENCE_OBJECTIVES:
+        return None
+    want = train.reference
+    lora = method in ("lora", "qlora")
+    if want == "auto":
+        return "adapters" if lora else "precompute"
+    if want == "adapters" and not lora:
+        raise HomelabError(
+            f"train.reference = 'adapters' needs LoRA or QLoRA (train.method is {method!r})",
+            hint="set train.reference = 'precompute' (or 'copy') for a full fine-tune",
+        )
+    if want == "copy" and lora:
+        raise HomelabError(
+            "train.reference = 'copy' is for a full fine-tune: LoRA's reference is its base",
+            hint="set train.reference = 'adapters' (or 'auto')",
+        )
+    return want
+
+
+class AdapterReference:
+    """The policy with its adapters disabled (LoRA/QLoRA)."""
+
+    kind = "adapters"
+
+    def logps(self, model: Any, pairs: PairData, batch: PairBatch) -> torch.Tensor:
+        """The reference log-probability of every sequence of ``batch`` (no grad)."""
+        inner = model.strategy.inner  # no DDP wrapper: no buffer broadcast, no reducer
+        with torch.no_grad(), _eval_mode(inner), model.loaded.model.disable_adapter():
+            logps, _ = forward_logps(inner, batch, autocast=model.autocast,
+                                     dtype=model.loss_dtype)  # fmt: skip
+        return logps
+
+
+class PrecomputedReference:
+    """Looked up in `PairData.ref_logps` (filled by `prepare_precomputed`)."""
+
+    kind = "precompute"
+
+    def logps(self, model: Any, pairs: PairData, batch: PairBatch) -> torch.Tensor:
+        """The precomputed log-probabilities of ``batch``'s sequences, in its order."""
+        assert pairs.ref_logps is not None, "the reference pass has not run"
+        n = pairs.n_pairs[batch.idx].tolist()
+        rows = pairs.ref_logps[batch.idx]
+        flat = torch.cat([rows[i, : 2 * k] for i, k in enumerate(n)])
+        return flat.to(device=batch.input_ids.device, dtype=model.loss_dtype)
+
+
+class CopyReference:
+    """A frozen copy of the starting model, held on this device."""
+
+    kind = "copy"
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def logps(self, model: Any, pairs: PairData, batch: PairBatch) -> torch.Tensor:
+        """The copy's log-probability of every sequence of ``batch`` (no grad)."""
+        with torch.no_grad():
+            logps, _ = forward_logps(self.module, batch, autocast=model.autocast,
+                                     dtype=model.loss_dtype)  # fmt: skip
+        return logps
+
+
+class _eval_mode:  # noqa: N801 (a context manager used like a function)
+    """Eval mode inside, the module's own mode restored after."""
+
+    def __init__(self, module: Any) -> None:
+        self.module, self.was = module, module.training
+
+    def __enter__(self) -> None:
+        self.module.eval()
+
+    def __exit__(self, *exc: object) -> None:
+        self.module.train(self.was)
+
+
+def build_reference(kind: str | None, model: Any, rank: Any, distribution: str) -> Any:
+    """The reference object of ``kind`` (None: no reference). ``copy`` copies the model now:
+    call it before a resume loads the checkpoint."""
+    if kind is None:
+        return None
+    if kind == "adapters":
+        return AdapterReference()
+    if kind == "precompute":
+        return PrecomputedReference()
+    if model.strategy.is_fsdp:
+        raise HomelabError(
+            f"train.reference = 'copy' is not supported with {distribution} (a sharded model)",
+            hint="set train.reference = 'precompute'",
+        )
+    frozen = copy.deepcopy(model.strategy.inner)
+    frozen.requires_grad_(False)
+    frozen.eval()
+    return CopyReference(frozen)
+
+
+def model_identity(model_path: str) -> dict[str, Any]:
+    """The model folder's config.json and its weight files (name, size, modification time):
+    what a changed model changes, without reading gigabytes of weights."""
+    folder = Path(model_path)
+    config = folder / "config.json"
+    files = []
+    if folder.is_dir():
+        for p in sorted(folder.iterdir()):
+            if p.suffix in WEIGHT_SUFFIXES and p.is_file():
+                st = p.stat()
+                files.append([p.name, st.st_size, st.st_mtime_ns])
+    return {
+        "config": config.read_text(encoding="utf-8") if config.is_file() else "",
+        "weights": files,
+    }
+
+
+def data_digest(pairs: PairData | None) -> str:
+    """sha256 of the blocks' tokens, targets, positions, masks and sequence ids (None: "")."""
+    if pairs is None:
+        return ""
+    h = hashlib.sha256()
+    for t in (pairs.input_ids, pairs.labels, pairs.positions, pairs.mask, pairs.sequence,
+              pairs.n_pairs):  # fmt: skip
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    h.update(b"packed" if pairs.packed else b"padded")
+    return h.hexdigest()
+
+
+def reference_key(
+    model_path: str, train: PairData, eval_: PairData | None, *, objective: str, dtype: str,
+    device: str, attention: str, method: str,
+) -> str:  # fmt: skip
+    """The cache key of a precomputed reference (see the module docstring)."""
+    doc = {
+        "version": 1, "model": model_identity(model_path), "train": data_digest(train),
+        "eval": data_digest(eval_), "objective": objective, "dtype": dtype, "device": device,
+        "attention": attention, "method": method,
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def reference_path(key: str) -> Path:
+    """Where the reference of ``key`` is cached: beside the token cache."""
+    return cache_root().parent / "references" / f"{key}.safetensors"
+
+
+def compute_table(model: Any, pairs: PairData, rank: Any) -> torch.Tensor:
+    """Every block's reference log-probabilities, ``[n_blocks, 2 · max pairs]`` float64 (NaN
+    past a block's pairs), by every rank together (a collective: call it on every rank)."""
+    dev, inner = rank.device, model.strategy.inner
+    table = torch.zeros(pairs.n_blocks, 2 * pairs.max_pairs, dtype=torch.float64, device=dev)
+    with torch.no_grad(), _eval_mode(inner):
+        for idx in rank_batches(pairs.n_blocks, rank.rank, rank.world, rank.micro):
+            # A rank short of blocks still runs a forward (FSDP2's gathers are collectives).
+            batch = batch_of(pairs, torch.tensor(idx or [0]), dev, flat=model.flat_batches)
+            logps, _ = forward_logps(inner, batch, autocast=model.autocast,
+                                     dtype=model.loss_dtype)  # fmt: skip
+            at = 0
+            for b in idx:
+                k = 2 * int(pairs.n_pairs[b])
+                table[b, :k] = logps[at : at + k].to(torch.float64)
+                at += k
+    if rank.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(table)  # each row is one rank's, zeros elsewhere: the sum is exact
+    table = table.cpu()
+    width = torch.arange(table.shape[1])[None, :]
+    table[width >= 2 * pairs.n_pairs[:, None]] = float("nan")
+    return table
+
+
+def prepare_precomputed(
+    model: Any, train: PairData, eval_: PairData | None, rank: Any, key: str
+) -> str:
+    """Fill ``train.ref_logps`` (and the eval data's) from the cache, or compute and cache
+    them; "hit" or "built". Every rank agrees on reading or computing (one all-reduce)."""
+    from safetensors.torch import load_file, save_file
+
+    path = reference_path(key)
+    tables: dict[str, torch.Tensor] | None = None
+    if path.is_file():
+        try:
+            tables = load_file(str(path))
+        except (OSError, ValueError, RuntimeError) as exc:  # a torn or foreign file: rebuild
+            log.warning("reference cache %s unreadable (%s): computing it again", path, exc)
+            tables = None
+        if tables is not None and (
+            tables["train"].shape[0] != train.n_blocks
+            or (eval_ is not None and tables.get("eval", torch.empty(0)).shape[0] != eval_.n_blocks)
+        ):
+            tables = None
+    found = torch.tensor([1 if tables is not None else 0], device=rank.device)
+    if rank.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    if int(found) and tables is not None:
+        train.ref_logps = tables["train"]
+        if eval_ is not None:
+            eval_.ref_logps = tables["eval"]
+        return "hit"
+    train.ref_logps = compute_table(model, train, rank)
+    out = {"train": train.ref_logps}
+    if eval_ is not None:
+        eval_.ref_logps = out["eval"] = compute_table(model, eval_, rank)
+    if rank.rank == 0:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file(out, str(tmp))
+        tmp.replace(path)  # readers never see half a file
+    return "built"
