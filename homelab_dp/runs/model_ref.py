@@ -12,6 +12,9 @@ here, for every command that takes a MODEL: pickle files can run code when loade
 
 Models named by Hugging Face id, resolved once in the front end's process.
 
+A preset's ``model.path`` may also name a run (id, unique prefix or folder): the run's result
+is the model to start from (`with_run_model`: SFT, then DPO on its result).
+
 A preset's ``model.path`` and the MODEL argument of `eval`, `chat` and `serve` may be a Hugging
 Face id (``Qwen/Qwen2.5-0.5B``, `homelab_dp.hub.hub_models`): planning reads the id's config.json
 only; a run, eval, chat or serve needs the whole snapshot (`homelab_dp.hub.hub_models`). What goes
@@ -183,6 +186,16 @@ def _run_ref(run_dir: Path) -> ModelRef:
             hint=f"wait for it to complete, or `homelab-dp resume {run_dir.name}`",
         )
     adapter = (final / "adapter_config.json").is_file()
+    start = str(getattr(preset.model, START_ADAPTER, "") or "")
+    if adapter and start and not (final / "merged" / "config.json").is_file():
+        # Its adapter applies to the base with the earlier run's adapter merged in: the base
+        # alone is another model.
+        raise HomelabError(
+            f"run {run_dir.name} trained adapters on top of {start}; its result is only "
+            "whole merged",
+            hint="train it with train.merge = true (final/merged), or give the model it "
+            "started from",
+        )
     if adapter and str(preset.train.method) == "qlora":  # its NF4 base, not a 16-bit merge
         base = _adapter_base(final, preset.model.path)
         return ModelRef(path=final, base=base, quantized="nf4", **common)
@@ -236,18 +249,69 @@ def split_revision(ref: str) -> tuple[str, str]:
     return ref, ""
 
 
-def config_folder(path: str, revision: str = "", *, fetch: bool = True) -> Path:
-    """The folder whose config.json describes ``path``: the folder itself, or for a model id
-    its cached snapshot (config.json downloaded if missing, when ``fetch`` and online)."""
+def config_folder(
+    path: str, revision: str = "", *, fetch: bool = True, root: Path | None = None
+) -> Path:
+    """The folder whose config.json describes ``path``: the folder itself, for a run (id,
+    unique prefix or folder, under ``root``) its result's (the base of an adapter), or for a
+    model id its cached snapshot (config.json downloaded if missing, when ``fetch`` and
+    online)."""
+    ref = run_result(path, root)
+    if ref is not None:
+        return ref.config_path
     if not is_model_id(path):
         return Path(path)
 
     return resolve_model_id(path, revision, config_only=True, fetch=fetch).folder
 
 
-def with_local_model(preset: Preset) -> tuple[Preset, ModelOrigin | None]:
+def run_result(path: str, root: Path | None = None) -> ModelRef | None:
+    """The result of the run a preset's ``model.path`` names — a run folder (with spec.json), a
+    run id or a unique id prefix — or None when it names no run (a model folder, a model id).
+    An ambiguous prefix, a run whose folder has gone or a run without a result yet raises its
+    HomelabError (with a hint)."""
+    if not path.strip():
+        return None
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if (folder / "spec.json").is_file():
+            return _checked(_run_ref(folder.absolute()))
+        return None
+    if folder.exists() or looks_like_hub_id(path):
+        return None
+    run_dir = find_run(path, root)
+    return _checked(_run_ref(run_dir)) if run_dir is not None else None
+
+
+START_ADAPTER = "adapter"
+"""The ModelSection field naming a LoRA adapter merged into model.path when the model loads
+(`homelab_dp.train.trainable_model.load_model`): set here when model.path names a LoRA run."""
+
+
+def with_run_model(preset: Preset, ref: ModelRef) -> Preset:
+    """The preset starting from a run's result (`run_result`): its merged or full model folder,
+    or for an adapter result its base with the adapter merged in at load time (model.adapter),
+    so a DPO run adds fresh adapters on top and its reference (adapters disabled) is the
+    earlier run's model. The preset's own model.trust_remote_code is kept."""
+    if not ref.is_adapter:
+        return replace(preset, model=replace(preset.model, path=str(ref.path)))
+    if not hasattr(preset.model, START_ADAPTER):
+        raise HomelabError(
+            f"model.path: run {ref.name} left a LoRA adapter, not a merged model",
+            hint=f"start from its merged model: `homelab-dp export {ref.name} --format merged` "
+            "and point model.path at that folder (or train it with train.merge = true)",
+        )
+    model = replace(preset.model, path=str(ref.base), **{START_ADAPTER: str(ref.path)})
+    return replace(preset, model=model)
+
+
+def with_local_model(preset: Preset, root: Path | None = None) -> tuple[Preset, ModelOrigin | None]:
     """The preset with a model id replaced by its full local snapshot folder (downloaded when
-    missing and online), and where it came from; a folder is returned as it is, with None."""
+    missing and online), and where it came from; a run id, unique prefix or run folder by its
+    result (`with_run_model`, under ``root``); a model folder is returned as it is, with None."""
+    ref = run_result(preset.model.path, root)
+    if ref is not None:
+        return with_run_model(preset, ref), None
     if not is_model_id(preset.model.path):
         return preset, None
 

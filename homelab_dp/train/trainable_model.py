@@ -167,7 +167,17 @@ def load_model(
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     if kwargs["attn_implementation"] != "flash_attention_2" and not supports_sdpa(preset):
         kwargs["attn_implementation"] = "eager"  # gpt-oss (attention sinks): no SDPA path
+    start = start_adapter(preset)
+    if start is not None and method == "qlora":
+        raise HomelabError(
+            f"model.adapter {start}: QLoRA quantizes the base as it loads, and an adapter "
+            "merged into 4-bit weights would be rounded away",
+            hint="start from the run's merged model (`homelab-dp export RUN --format merged`, "
+            "then model.path = that folder), or train with train.method = lora",
+        )
     model = AutoModelForCausalLM.from_pretrained(preset.model.path, **kwargs)
+    if start is not None:  # the earlier run's model: what training starts from and the reference
+        model = merge_start_adapter(model, start)
     if method == "qlora":  # fused 3-D experts: NF4 too (bitsandbytes quantized the linears)
         quantize_experts(model, compute)
     frozen = freeze_non_text(model)
@@ -197,6 +207,27 @@ def load_model(
     layers = decoder_layers(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return LoadedModel(model, method != "full", params, trainable, layers)
+
+
+def start_adapter(preset: Preset) -> Path | None:
+    """The LoRA adapter of an earlier run to merge into model.path as it loads (model.adapter,
+    set when model.path names a LoRA run, `homelab_dp.runs.model_ref.with_run_model`), or None."""
+    adapter = str(getattr(preset.model, "adapter", "") or "")
+    return Path(adapter) if adapter else None
+
+
+def merge_start_adapter(model: nn.Module, adapter: Path) -> nn.Module:
+    """``model`` with the adapter folder's LoRA weights merged in (safetensors only, read by
+    peft), in the dtype the model was loaded in: a plain model again, ready for new adapters."""
+    from peft import PeftModel
+
+    if not (adapter / "adapter_model.safetensors").is_file():
+        raise HomelabError(
+            f"model.adapter {adapter}: no adapter_model.safetensors",
+            hint="point model.path at the LoRA run itself (its id) or at a merged model",
+        )
+    merged = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    return merged.merge_and_unload()
 
 
 LOAD_WAIT_S = 3600
@@ -533,6 +564,9 @@ def merge_adapter(
     base = AutoModelForCausalLM.from_pretrained(
         preset.model.path, dtype="auto", trust_remote_code=preset.model.trust_remote_code
     )
+    start = start_adapter(preset)
+    if start is not None:  # the model this run started from: the base with the earlier adapter
+        base = merge_start_adapter(base, start)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
