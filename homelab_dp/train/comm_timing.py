@@ -231,12 +231,12 @@ def attach_fsdp(modules: Sequence[Any], device: torch.device) -> CommTimer:
 
 
 def comm_event_fields(rows: Sequence[Sequence[float]], world: int) -> dict[str, float | None]:
-    """The step event's ``comm_seconds`` and ``compute_seconds`` from `RankStats` rows
-    (``[loss, step_time_s, peak, comm_s, exposed_s, ...]``): means over ranks; None for both
+    """The step event's ``comm_seconds`` and ``compute_seconds`` from `train.metrics.RankStats`
+    rows (``[*sums, step_time_s, peak, comm_s, exposed_s]``): means over ranks; None for both
     with one process (nothing was communicated, and the step time says the rest)."""
     if world <= 1 or not rows:
         return {"comm_seconds": None, "compute_seconds": None}
     n = len(rows)
-    comm = sum(row[3] for row in rows) / n
-    compute = sum(max(row[1] - row[4], 0.0) for row in rows) / n
+    comm = sum(row[-2] for row in rows) / n
+    compute = sum(max(row[-4] - row[-1], 0.0) for row in rows) / n
     return {"comm_seconds": comm, "compute_seconds": compute}

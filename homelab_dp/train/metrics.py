@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,35 +89,33 @@ def all_gather_flat(out: torch.Tensor, mine: torch.Tensor) -> None:
 
 
 class RankStats:
-    """The one all-gather per logged step: every rank's loss sum, step time, peak memory and
-    gradient communication (`train.comm_timing.CommSplit`), plus any ``extra`` columns."""
+    """The one all-gather per logged step: every rank's metric sums, step time, peak memory and
+    gradient communication (`train.comm_timing.CommSplit`)."""
 
-    FIELDS = 5
-    """loss_sum, step_time_s, peak_memory_bytes, comm_s, exposed_comm_s."""
+    TAIL = 4
+    """Columns after the sums: step_time_s, peak_memory_bytes, comm_s, exposed_comm_s."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.world = dist.get_world_size()
 
     def gather(
-        self, loss_sum: torch.Tensor, step_time_s: float, comm: CommSplit = NO_COMM,
-        extra: Sequence[float | torch.Tensor] = (),
-    ) -> list[list[float]]:  # fmt: skip
-        """Rows ``[loss_sum, step_time_s, peak_memory_bytes, comm_s, exposed_comm_s, *extra]``,
-        one per rank (every rank gets all); ``extra`` must be as long on every rank."""
-        width = self.FIELDS + len(extra)
-        mine = torch.zeros(width, dtype=torch.float64, device=self.device)
-        mine[0] = loss_sum.detach().to(torch.float64)
-        mine[1] = step_time_s
-        mine[2] = float(peak_memory_bytes(self.device))
-        mine[3] = comm.comm_seconds
-        mine[4] = comm.exposed_seconds
-        for i, value in enumerate(extra):
-            mine[self.FIELDS + i] = value.detach().to(torch.float64) if isinstance(
-                value, torch.Tensor) else float(value)  # fmt: skip
-        out = torch.empty(self.world * width, dtype=torch.float64, device=self.device)
+        self, sums: torch.Tensor, step_time_s: float, comm: CommSplit = NO_COMM
+    ) -> list[list[float]]:
+        """Rows ``[*sums, step_time_s, peak_memory_bytes, comm_s, exposed_comm_s]``, one per
+        rank (float64; every rank gets all); ``sums`` (this rank's metric sums, 1-D, or a
+        scalar) must be as long on every rank."""
+        sums = sums.detach().reshape(-1).to(torch.float64)
+        n = int(sums.numel())
+        mine = torch.zeros(n + self.TAIL, dtype=torch.float64, device=self.device)
+        mine[:n] = sums
+        mine[n] = step_time_s
+        mine[n + 1] = float(peak_memory_bytes(self.device))
+        mine[n + 2] = comm.comm_seconds
+        mine[n + 3] = comm.exposed_seconds
+        out = torch.empty(self.world * (n + self.TAIL), dtype=torch.float64, device=self.device)
         all_gather_flat(out, mine)
-        return out.view(self.world, width).tolist()
+        return out.view(self.world, n + self.TAIL).tolist()
 
 
 def device_peak_flops(device: torch.device) -> float | None:

@@ -61,7 +61,7 @@ def test_fsdp_split_cpu_all_exposed_cuda_first_gather_and_last_scatter() -> None
 
 
 def test_step_event_fields_are_means_over_ranks() -> None:
-    rows = [[1.0, 2.0, 0.0, 0.6, 0.2], [1.0, 3.0, 0.0, 0.4, 1.0]]
+    rows = [[1.0, 7.0, 2.0, 0.0, 0.6, 0.2], [1.0, 7.0, 3.0, 0.0, 0.4, 1.0]]  # two sums first
     fields = comm_event_fields(rows, world=2)
     assert fields["comm_seconds"] == pytest.approx(0.5)
     assert fields["compute_seconds"] == pytest.approx(((2.0 - 0.2) + (3.0 - 1.0)) / 2)
@@ -127,7 +127,8 @@ def _two_ranks(rank: int, folder: str) -> None:
     strategy.zero_grad(optimizer)
     split = strategy.comm.read()
     out["ddp"] = [split.comm_seconds, split.exposed_seconds, split.collectives]
-    rows = RankStats(cpu).gather(torch.tensor(1.5), 2.0, split, extra=[float(rank)])
+    sums = torch.tensor([1.5, float(rank)])  # the objective's metric sums
+    rows = RankStats(cpu).gather(sums, 2.0, split)
     out["rows"] = rows
 
     preset, resolved = _setup("fsdp-full")
@@ -157,9 +158,9 @@ def test_two_gloo_ranks_time_ddp_buckets_and_fsdp_collectives(tmp_path: Path) ->
         comm, exposed, buckets = got["ddp"]
         assert buckets >= 1 and 0.0 < comm < 5.0 and 0.0 <= exposed <= comm + 1e-9
         rows = got["rows"]  # every rank has every rank's row, comm columns included
-        assert [row[5] for row in rows] == [0.0, 1.0]
-        assert rows[r][3] == pytest.approx(comm) and rows[r][4] == pytest.approx(exposed)
-        assert rows[0][1] == rows[1][1] == 2.0
+        assert [row[:2] for row in rows] == [[1.5, 0.0], [1.5, 1.0]]
+        assert rows[r][4] == pytest.approx(comm) and rows[r][5] == pytest.approx(exposed)
+        assert rows[0][2] == rows[1][2] == 2.0 and rows[r][3] > 0  # step time; peak memory
         comm, exposed, count = got["fsdp"]
         layers = got["layers"]
         # fsdp-full: forward gathers every layer and the root, backward regathers the
