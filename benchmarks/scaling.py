@@ -83,11 +83,11 @@ def preset_toml(model: Path, a: argparse.Namespace) -> str:
     count come as --set and --gpus on each command."""
     return (
         f"# homelab-dp run scaling.toml --gpus cpu:N\n"
-        f'[model]\npath = "{model}"\n\n'
+        f'[model]\npath = "{model}"\ndtype = "fp32"\n\n'
         f'[data]\npath = "{DATA}"\nseq_len = {a.seq_len}\npack = true\n\n'
         f'[train]\nmethod = "full"\ndistribution = "ddp"\nmicro_batch = {a.micro}\n'
         f"grad_accum = 1\nmax_steps = {a.steps}\nlog_every = 1\ncheckpoint_every = 0\n"
-        f'lr = 1e-4\ndtype = "fp32"\nactivation_checkpointing = false\n\n'
+        f'lr = 1e-4\nactivation_checkpointing = false\n\n'
         f'[hardware]\ndevices = "{a.devices}"\nnproc = 1\n'
     )
 
