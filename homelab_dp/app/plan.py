@@ -360,7 +360,7 @@ def predict_speed(p: Plan, preset: Preset, link: LinkSpeed) -> Plan:
     machine measured (`homelab_dp.planning.speed_calibration`), else the stated default."""
     store = SpeedStore()
     fp = p.calibration.fingerprint if p.calibration else None
-    model = {**p.spec.summary(), "model_type": p.spec.model_type}
+    model = p.spec.summary()  # as the plan's "model" block, which record_speed keys by
     kind = p.hardware.kind
 
     def rate_of(method: str, ckpt: bool) -> ComputeRate:

@@ -1,0 +1,248 @@
+"""The time model on recorded hardware: step seconds, overlap, scaling and the advice in words
+(`homelab_dp.planning.time_model`, `speed_plan`, `links`, `speed_calibration`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from homelab_dp.app.plan import gloo_measurement, make_plan, plan_link
+from homelab_dp.errors import HardwareSpecError
+from homelab_dp.planning.links import (
+    HOST_BOUNCE_EFFICIENCY,
+    NVLINK_EFFICIENCY,
+    gloo_cache_path,
+    parse_network,
+    read_cached_gloo,
+    write_cached_gloo,
+)
+from homelab_dp.planning.memory.device_memory import comm_bytes_per_step
+from homelab_dp.planning.model_spec import load_model_spec
+from homelab_dp.planning.planner import train_shape
+from homelab_dp.planning.speed_calibration import (
+    DEFAULT_GPU_FACTOR,
+    SpeedStore,
+    record_speed,
+)
+from homelab_dp.planning.time_model import comm_parts, cpu_threads
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.probe.hardware import GiB, parse_gpus_spec
+from homelab_dp.runs.run_view import view_of
+from tests.conftest import DATA, ROOT, run_cli
+
+QWEN = ROOT / "assets/configs/qwen2-0.5b"
+SPEC = load_model_spec(QWEN)
+PREDICTED_KEYS = {"step_seconds", "compute_seconds", "comm_seconds", "exposed_comm_seconds",
+                  "offload_seconds", "tokens_per_s", "speedup_vs_one_device",
+                  "scaling_efficiency", "bottleneck"}  # fmt: skip
+
+
+def _preset(**train: object):
+    seq_len = train.pop("seq_len", 256)
+    return preset_from_dict({
+        "model": {"path": str(QWEN)}, "data": {"path": "d", "seq_len": seq_len},
+        "train": {"method": "full", "distribution": "ddp", "micro_batch": 1, "grad_accum": 1,
+                  **train},
+    })  # fmt: skip
+
+
+def _on(recording: str, monkeypatch: pytest.MonkeyPatch, **train: object):
+    monkeypatch.setenv("HOMELAB_DP_FAKE_NVML", str(DATA / "nvml" / f"{recording}.json"))
+    return make_plan(_preset(**train), fetch=False).plan
+
+
+def test_no_p2p_scales_worse_than_the_nvlink_bridge(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvlink = _on("2x3090-nvlink", monkeypatch)
+    nop2p = _on("2x3090-nop2p", monkeypatch)
+    a, b = nvlink.chosen.predicted, nop2p.chosen.predicted
+    assert a is not None and b is not None
+    # The same option, the same compute: only the link differs.
+    assert (nvlink.chosen.method, nvlink.chosen.distribution) == ("full", "ddp")
+    assert a.compute_seconds == pytest.approx(b.compute_seconds)
+    assert a.comm_bytes_per_step == b.comm_bytes_per_step
+    # 4 NVLink 3 links of 14.06 GB/s on a 3090 against PCIe 4.0 x16 bounced through the host
+    link_a, link_b = a.assumptions["link"], b.assumptions["link"]
+    assert link_a["value"] == pytest.approx(4 * 14.0625e9 * NVLINK_EFFICIENCY)
+    assert link_b["value"] == pytest.approx(16 * 1.969e9 * HOST_BOUNCE_EFFICIENCY)
+    assert link_a["kind"] == "nvlink" and link_b["kind"] == "host-bounce"
+    # the same bytes (and collectives: the same latency) over the slower link
+    extra = a.comm_bytes_per_step * (1 / link_b["value"] - 1 / link_a["value"])
+    assert b.comm_seconds - a.comm_seconds == pytest.approx(extra)
+    assert b.scaling_efficiency < a.scaling_efficiency
+    assert b.speedup_vs_one_device < a.speedup_vs_one_device
+    assert b.tokens_per_s < a.tokens_per_s
+    assert b.bottleneck == "communication"
+
+
+def test_more_accumulation_raises_the_scaling_efficiency(monkeypatch: pytest.MonkeyPatch) -> None:
+    effs = []
+    for accum in (1, 4, 16):
+        p = _on("2x3090-nop2p", monkeypatch, grad_accum=accum)
+        pred = p.chosen.predicted
+        assert pred is not None
+        effs.append(pred.scaling_efficiency)
+        # DDP syncs once per optimizer step: the same bytes whatever the accumulation
+        assert pred.comm_bytes_per_step == p.chosen.budget.comm_bytes_per_step
+    assert effs[0] < effs[1] < effs[2]
+
+
+def test_advice_names_the_communication_below_80_percent(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _on("2x3090-nop2p", monkeypatch)
+    pred = p.chosen.predicted
+    assert pred is not None and pred.scaling_efficiency < 0.8
+    (line, *_) = p.speed_advice
+    assert line.startswith("These cards have no P2P: 2 cards ≈ ")
+    assert "communication takes" in line and "without P2P" in line
+    assert f"{pred.speedup_vs_one_device:.1f}× one card" in line
+    # The accumulation it proposes does bring the predicted scaling it names
+    g = int(line.split("grad_accum ")[1].split()[0])
+    better = _on("2x3090-nop2p", monkeypatch, grad_accum=g).chosen.predicted
+    assert better is not None and f"brings it to {better.speedup_vs_one_device:.1f}×" in line
+    assert better.scaling_efficiency > pred.scaling_efficiency
+    # plan --json: the new keys beside the old ones, the advice after the fit advice
+    doc = p.to_json()
+    assert set(doc["predicted"]) >= PREDICTED_KEYS
+    assert doc["advice"][-len(p.speed_advice) :] == list(p.speed_advice)
+    sources = {v["source"] for v in doc["predicted"]["assumptions"].values() if isinstance(v, dict)}
+    assert sources <= {"table", "measured", "calibrated", "given"}
+    for c in doc["candidates"]:
+        assert c["predicted"] is None or set(c["predicted"]) >= PREDICTED_KEYS
+    # A well-linked pair, compute-bound: no word about communication
+    good = _on("2x3090-nvlink", monkeypatch, grad_accum=16)
+    assert good.chosen.predicted.scaling_efficiency >= 0.8  # type: ignore[union-attr]
+    assert not any("communication" in a for a in good.speed_advice)
+
+
+def test_mixed_cards_the_slowest_sets_the_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _on("3090+3060", monkeypatch, method="lora")
+    pred = p.chosen.predicted
+    assert pred is not None and pred.pace_device == "NVIDIA GeForce RTX 3060"
+    assert pred.straggler_wait == pytest.approx(1 - 25.6 / 71.0)  # the 3090 waits 64%
+    # two cards paced by a 3060 against one 3090 alone: slower than the 3090 by itself
+    paced = 2 * 25.6 / 71.0 * pred.compute_seconds / pred.step_seconds
+    assert pred.speedup_vs_one_device == pytest.approx(paced) and paced < 0.75
+    assert any("sets the pace" in a and "64%" in a for a in p.speed_advice)
+    assert any(
+        a.startswith("One card with accumulation is faster than both") for a in p.speed_advice
+    )
+
+
+def test_comm_parts_are_the_memory_models_bytes_split_by_collective() -> None:
+    hw = parse_gpus_spec("2x80GiB", 64 * GiB)
+    for method, dist in [("full", "ddp"), ("full", "zero1"), ("full", "fsdp-grad-op"),
+                         ("full", "fsdp-full"), ("lora", "ddp"), ("qlora", "fsdp-full")]:  # fmt: skip
+        shape = train_shape(_preset(method=method, distribution=dist, grad_accum=3), hw, method,
+                            dist, False)  # fmt: skip
+        total = sum(p.bytes_per_step for p in comm_parts(SPEC, shape))
+        assert total == pytest.approx(comm_bytes_per_step(SPEC, shape), rel=1e-6), (method, dist)
+    # LoRA under FSDP also gathers its frozen base every micro-step (the memory model's bytes
+    # count only the adapters' gradients)
+    shape = train_shape(_preset(method="lora", distribution="fsdp-full"), hw, "lora",
+                        "fsdp-full", False)  # fmt: skip
+    parts = {p.name: p.bytes_per_step for p in comm_parts(SPEC, shape)}
+    assert parts["all-gather (forward)"] == pytest.approx(0.5 * SPEC.params * 2)
+
+
+def test_overlap_ddp_hides_all_but_the_last_bucket_zero1_hides_no_gather(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A long backward (large micro-batch on a well-linked pair): only DDP's last bucket shows.
+    p = _on("2x3090-nvlink", monkeypatch, micro_batch=8, seq_len=1024)
+    pred = p.chosen.predicted
+    assert pred is not None
+    buckets = -(-SPEC.params * 4 // (25 * 2**20))
+    assert pred.exposed_comm_seconds == pytest.approx(pred.comm_seconds / buckets, rel=0.05)
+    z = _on("2x3090-nvlink", monkeypatch, micro_batch=8, seq_len=1024, distribution="zero1")
+    zp = z.chosen.predicted
+    assert zp is not None
+    gather = 0.5 * SPEC.params * 4 / zp.assumptions["link"]["value"]
+    assert zp.exposed_comm_seconds == pytest.approx(pred.exposed_comm_seconds + gather, rel=0.02)
+
+
+def test_the_cpu_overlaps_nothing_and_shares_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(2) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert cpu_threads(1) == 8 and cpu_threads(2) == 4 and cpu_threads(16) == 1
+    p = make_plan(_preset(method="full"), "cpu:2:16GiB", fetch=False).plan
+    pred = p.chosen.predicted
+    assert pred is not None and pred.assumptions["threads_per_process"] == 4
+    assert pred.exposed_comm_seconds == pytest.approx(pred.comm_seconds)
+    # one process with 8 threads computes as fast as two with 4: the two only add the sync
+    assert pred.speedup_vs_one_device == pytest.approx(
+        pred.compute_seconds / (pred.compute_seconds + pred.comm_seconds)
+    )
+    assert pred.assumptions["link"]["kind"] == "gloo"
+
+
+def test_a_measured_speed_replaces_the_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HOMELAB_DP_FAKE_NVML", str(DATA / "nvml" / "2x3090-nvlink.json"))
+    p = make_plan(_preset(), fetch=False).plan
+    assert p.chosen.predicted.assumptions["achieved_factor"] == {  # type: ignore[union-attr]
+        "value": DEFAULT_GPU_FACTOR, "source": "table",
+        "words": "assumed 35% of the card's peak (`homelab-dp measure` calibrates it)"}  # fmt: skip
+    doc = p.to_json()
+    # the run went at half the predicted speed, 40% of its step exposed communication
+    tps = doc["predicted"]["tokens_per_s"] / 2
+    step = 1.0
+    assert record_speed(doc, tokens_per_s=tps, source="measure", step_seconds=step,
+                        compute_seconds=0.6 * step) is not None  # fmt: skip
+    again = make_plan(_preset(), fetch=False).plan
+    factor = again.chosen.predicted.assumptions["achieved_factor"]  # type: ignore[union-attr]
+    assert factor["source"] == "calibrated"
+    per_device = tps / 2 * doc["predicted"]["flops_per_token"] / 0.6
+    assert factor["value"] == pytest.approx(per_device / 71e12)
+    # nothing is recorded for a plan without a fingerprint or made before the time model
+    assert record_speed({**doc, "calibration": {"fingerprint": None}}, tokens_per_s=1.0) is None
+    old = {k: v for k, v in doc.items() if k != "predicted"}
+    assert record_speed(old, tokens_per_s=1.0) is None
+    store = SpeedStore()
+    assert len(store.records) == 1 and store.path.stat().st_mode & 0o777 == 0o600
+
+
+def test_an_old_plan_without_the_new_keys_still_reads(tmp_path: Path) -> None:
+    run = tmp_path / "old"
+    shutil.copytree(DATA / "events" / "20250301-101500-smollm2-135m-lora-7f3a", run)
+    plan = json.loads((run / "spec.json").read_text(encoding="utf-8"))["plan"]
+    assert "predicted" not in plan
+    view = view_of(run)
+    assert view.predicted is None and view.method == "lora"
+    assert record_speed(plan, tokens_per_s=100.0) is None
+
+
+def test_network_names_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    ten = parse_network("10GbE")
+    assert ten.bytes_per_s == pytest.approx(10e9 / 8 * 0.85) and ten.source == "table"
+    assert parse_network("40").bytes_per_s == pytest.approx(40e9 / 8 * 0.85)
+    assert parse_network("40").source == "given"
+    with pytest.raises(HardwareSpecError):
+        parse_network("fast")
+    rc, out, err = run_cli(capsys, "plan", "--model", str(QWEN), "--gpus", "2x24GiB",
+                           "--network", "3GbX")  # fmt: skip
+    assert rc == 2 and out == ""
+    assert err.startswith("error: --network '3GbX'") and "hint: use e.g. --network 10GbE" in err
+    rc, out, _ = run_cli(capsys, "plan", "--model", str(QWEN), "--gpus", "2x24GiB",
+                         "--network", "10GbE", "--json")  # fmt: skip
+    link = json.loads(out)["predicted"]["assumptions"]["link"]
+    assert rc == 0 and link["kind"] == "network" and link["value"] == ten.bytes_per_s
+
+
+def test_gloo_is_measured_once_and_cached_private(monkeypatch: pytest.MonkeyPatch) -> None:
+    hw = parse_gpus_spec("cpu:2", 8 * GiB)
+    assumed = plan_link(hw, None, measure=False)  # nothing cached, nothing measured
+    assert assumed.source == "table" and assumed.kind == "gloo"
+    doc = gloo_measurement(True)  # the real thing: two gloo processes on this host
+    assert doc is not None and doc["bytes_per_s"] > 1e6 and 0 < doc["latency_s"] < 1
+    measured = plan_link(hw, None, measure=False)  # the cache answers now
+    assert measured.source == "measured" and measured.bytes_per_s == doc["bytes_per_s"]
+    host = __import__("socket").gethostname()
+    path = gloo_cache_path(host, doc["torch"])
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    write_cached_gloo("h", "1", {"bytes_per_s": 5.0})
+    assert read_cached_gloo("h", "1") == {"bytes_per_s": 5.0}
