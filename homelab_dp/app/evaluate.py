@@ -21,6 +21,15 @@ The job file (read by `homelab_dp.train.evaluation`): ``model_path``, ``base_pat
 adapter's base or null), ``tokenizer_path``, ``trust_remote_code``, ``dtype`` (the run's preset
 dtype or auto), ``quantized`` (``nf4`` for a QLoRA result: its base is loaded so), ``device`` (cpu | cuda), ``data_path`` (a path or a dataset id), ``split``,
 ``format`` (as given: it keys the token cache), ``seq_len``, ``result_path`` and ``error_dir``.
+
+**Preference pairs.** When ``--data`` holds pairs (``--format preference``, or ``auto`` and the
+first record has ``chosen``/``rejected``), the job goes to `homelab_dp.train.pair_evaluation`
+instead, with the DPO loss settings (the run's train.beta, train.dpo_loss and
+train.label_smoothing, else the preset defaults) and its reference (`choose_reference`): an
+adapter result against its base with the adapters disabled (``reference`` null), a full or
+merged run result against the run's starting model (its preset's model.path), ``--reference``
+when given; a plain model folder without ``--reference`` is refused (nothing to compare with).
+KTO records are refused: eval compares pairs.
 """
 
 from __future__ import annotations
@@ -34,23 +43,27 @@ import signal
 import subprocess
 import tempfile
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.data.blocks import build_blocks
-from homelab_dp.data.records import FORMATS
+from homelab_dp.data.preference_blocks import load_pairs, pair_blocks_of
+from homelab_dp.data.records import FORMATS, PREFERENCE_FORMATS, detect_format, format_from_keys
 from homelab_dp.data.samples import load_examples
+from homelab_dp.data.sources import read_source, resolve_source
 from homelab_dp.data.token_cache import TokenizerRef
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
 from homelab_dp.hub.hub_models import looks_like_hub_id
-from homelab_dp.presets.preset import DataSection, ModelSection, Preset
+from homelab_dp.presets.preset import DataSection, ModelSection, Preset, TrainSection
 from homelab_dp.probe.hardware import HardwareReport, PlanDevice, PlanHardware
 from homelab_dp.probe.visible_gpus import cuda_device_env
+from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg
 from homelab_dp.supervise.launcher import torchrun_command
 
 EVAL_MODULE = "homelab_dp.train.evaluation"
+PAIR_EVAL_MODULE = "homelab_dp.train.pair_evaluation"
 DEFAULT_SEQ_LEN = 2048
 """The longest default sequence for a model that did not come from a run."""
 STOP_GRACE_S = 20.0
@@ -76,6 +89,23 @@ class Devices:
 
 
 @dataclass(frozen=True)
+class PairSettings:
+    """How preference pairs are scored: the DPO loss and the reference it compares against."""
+
+    reference: ModelRef | None
+    """The reference model; None: the evaluated adapter's base, its adapters disabled."""
+    reference_label: str
+    """What the report calls the reference."""
+    beta: float
+    """DPO's temperature (the run's train.beta, else the preset default)."""
+    loss_type: str
+    """sigmoid | ipo (the run's train.dpo_loss)."""
+    label_smoothing: float
+    identical: int = 0
+    """Pairs left out because chosen and rejected are the same tokens."""
+
+
+@dataclass(frozen=True)
 class EvalJob:
     """Everything checked and resolved: what the workers are started with."""
 
@@ -87,8 +117,11 @@ class EvalJob:
     seq_len: int
     """Tokens per sample at most (longer rows are truncated)."""
     samples: int
-    """Rows with at least one target token within ``seq_len`` (what is evaluated)."""
+    """Rows with at least one target token within ``seq_len`` (what is evaluated); pairs for
+    preference data."""
     devices: Devices
+    pairs: PairSettings | None = None
+    """Set for preference data: the job is a pair evaluation."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +151,44 @@ class EvalReport:
     base: str
     """The base weights: ``nf4`` (a QLoRA result on the NF4 base it was trained against),
     else the dtype they were loaded in (fp32, bf16, fp16)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The document as a dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PairEvalReport:
+    """The `eval --json` document for preference pairs."""
+
+    model: str
+    data: str
+    reference: str
+    """The reference the rewards are measured against."""
+    world_size: int
+    loss: float | None
+    """Mean DPO loss per pair (ln 2 when the model equals its reference)."""
+    reward_accuracy: float | None
+    """Share of pairs whose chosen reward is strictly above the rejected one."""
+    reward_margin: float | None
+    """Mean of chosen minus rejected reward."""
+    rewards_chosen: float | None
+    """Mean β·(log π − log π_ref) of the chosen responses."""
+    rewards_rejected: float | None
+    """The same for the rejected responses."""
+    pairs: int
+    identical: int
+    """Pairs left out because chosen and rejected are the same tokens."""
+    beta: float
+    loss_type: str
+    label_smoothing: float
+    seconds: float
+    """Time spent in the forward passes (rank 0), loading excluded."""
+    seq_len: int
+    device: str
+    dtype: str
+    base: str
+    """The evaluated model's base weights (``nf4`` for a QLoRA result), as in `EvalReport`."""
 
     def to_json(self) -> dict[str, Any]:
         """The document as a dict."""
@@ -231,10 +302,10 @@ def choose_seq_len(ref: ModelRef, seq_len: int | None) -> int:
 def data_section(data: str, fmt: str, split: str, seq_len: int) -> DataSection:
     """--data as a [data] section (read as data.path is): a path made absolute, or a dataset
     id (``org/name``) that exists nowhere on disk, kept as typed."""
-    if fmt not in (*FORMATS, "sharegpt", "auto"):
+    if fmt not in (*FORMATS, *PREFERENCE_FORMATS, "sharegpt", "auto"):
         raise DataError(
             f"--format: unknown format {fmt!r}",
-            hint=f"one of auto, {', '.join(FORMATS)}, sharegpt",
+            hint=f"one of auto, {', '.join(FORMATS)}, sharegpt, preference",
         )
     path = Path(data).expanduser()
     value = data if not path.exists() and looks_like_hub_id(data) else str(path.absolute())
@@ -266,8 +337,101 @@ def check_data(ref: ModelRef, data: DataSection) -> tuple[str, int]:
     return loaded.fmt, len(blocks)
 
 
+def data_format(data: DataSection) -> str:
+    """The data's format as reading it will resolve it: ``--format`` when named, else the first
+    record's keys (`format_from_keys`) without reading the whole source (a Parquet file's
+    schema, a CSV header; a .json file is read). Errors as reading the data raises them."""
+    if data.format != "auto":
+        return str(data.format)
+    first = resolve_source(str(data.path), str(data.split), field="--data").files()[0]
+    suffix = first.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return format_from_keys(list(pq.read_schema(first).names)) or "auto"
+    if suffix == ".csv":
+        with first.open(encoding="utf-8-sig", errors="replace") as fh:
+            header = fh.readline().strip().split(",")
+        return format_from_keys([h.strip().strip('"') for h in header]) or "auto"
+    if suffix == ".json":
+        return read_source(resolve_source(str(data.path), str(data.split), field="--data"),
+                           "auto")[2]  # fmt: skip
+    return detect_format(first)
+
+
+def check_pairs(ref: ModelRef, data: DataSection) -> tuple[int, int]:
+    """Read, validate and tokenize preference pairs as the pair worker will (into the token
+    cache); the pairs evaluated and the identical pairs left out (a DataError names the file
+    and line of a bad record)."""
+
+    def tokenizer() -> Any:  # on a cache miss only
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
+            ref.tokenizer_path, local_files_only=True, trust_remote_code=ref.trust_remote_code
+        )
+
+    loaded = load_pairs(data, TokenizerRef(Path(ref.tokenizer_path), tokenizer), objective="dpo",
+                        seq_len_limit=None, field="--data")  # fmt: skip
+    blocks, identical = pair_blocks_of(loaded.pairs, data, loaded.fmt, loaded.pad_id, seed=0,
+                                       where=loaded.label, min_blocks=1)  # fmt: skip
+    return len(blocks), identical
+
+
+def _vocab_size(ref: ModelRef) -> int | None:
+    """The model's vocabulary size from its config.json (None where it names none)."""
+    config = json.loads((ref.config_path / "config.json").read_text(encoding="utf-8"))
+    for cfg in (config, config.get("text_config") or {}):
+        if isinstance(cfg.get("vocab_size"), int):
+            return int(cfg["vocab_size"])
+    return None
+
+
+def choose_reference(ref: ModelRef, reference: str | None) -> tuple[ModelRef | None, str]:
+    """The reference pairs are scored against and its label (module docstring): ``--reference``,
+    else an adapter's base with the adapters disabled (None), else a run's starting model; a
+    HomelabError for a plain model folder (no base to compare with)."""
+    if reference:
+        chosen = resolve_model_arg(reference)
+        label = chosen.name
+    elif ref.is_adapter:
+        return None, f"{ref.base} with the adapters disabled"
+    elif ref.run_dir is not None:
+        preset = read_run_spec(ref.run_dir).preset
+        start = str(preset.model.path)
+        chosen = resolve_model_arg(start)
+        # the run's starting model computes as the run did: its remote-code choice and dtype
+        chosen = replace(chosen, trust_remote_code=bool(preset.model.trust_remote_code),
+                         dtype=str(preset.model.dtype))  # fmt: skip
+        label = f"{start} (the run's starting model)"
+    else:
+        raise HomelabError(
+            f"{ref.path}: a model folder with no base to measure rewards against (the rewards "
+            "compare the model with the one it was tuned from)",
+            hint="give --reference PATH (the model it was tuned from, e.g. the SFT result), or "
+            "evaluate the run by its id",
+        )
+    check_model(chosen)
+    if _vocab_size(chosen) != _vocab_size(ref):
+        raise HomelabError(
+            f"--reference {chosen.path}: its vocabulary ({_vocab_size(chosen)} tokens) is not "
+            f"the model's ({_vocab_size(ref)}): the same tokens cannot be scored by both",
+            hint="give the model this one was tuned from",
+        )
+    return chosen, label
+
+
+def pair_settings(ref: ModelRef, reference: str | None, identical: int) -> PairSettings:
+    """The reference and the DPO loss settings: a run's train section, else the defaults."""
+    train = read_run_spec(ref.run_dir).preset.train if ref.run_dir is not None else TrainSection()
+    chosen, label = choose_reference(ref, reference)
+    return PairSettings(chosen, label, float(train.beta), str(train.dpo_loss),
+                        float(train.label_smoothing), identical)  # fmt: skip
+
+
 def prepare(model: str, data: str, fmt: str = "auto", seq_len: int | None = None,
-            gpus: str | None = None, split: str = "train") -> EvalJob:  # fmt: skip
+            gpus: str | None = None, split: str = "train",
+            reference: str | None = None) -> EvalJob:  # fmt: skip
     """Resolve and check everything ``eval`` was given; a HomelabError before anything starts.
     The cheap checks come first; the GPU probe (and torch's answer, in a child) last."""
     parse_gpus(gpus)
@@ -275,14 +439,33 @@ def prepare(model: str, data: str, fmt: str = "auto", seq_len: int | None = None
     check_model(ref)
     seq_len = choose_seq_len(ref, seq_len)
     section = data_section(data, fmt, split, seq_len)
+    resolved = data_format(section)
+    if resolved == "kto":
+        raise DataError(
+            f"--data {data}: KTO records (prompt, completion, label); eval measures the loss "
+            "and rewards of preference pairs",
+            hint='give pairs {"prompt","chosen","rejected"}, or SFT data for the loss per token',
+        )
+    if resolved == "preference":
+        settings = pair_settings(ref, reference, 0)  # the reference first: no tokenizing
+        samples, identical = check_pairs(ref, section)
+        return EvalJob(ref, section, resolved, seq_len, samples, select_devices(gpus),
+                       replace(settings, identical=identical))  # fmt: skip
+    if reference:
+        raise HomelabError(
+            f"--reference: {data} is not preference data (format {resolved}); a reference "
+            "scores pairs only",
+            hint="leave --reference out for the loss per token, or give pairs",
+        )
     resolved, samples = check_data(ref, section)
     return EvalJob(ref, section, resolved, seq_len, samples, select_devices(gpus))
 
 
 def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
-    """What `homelab_dp.train.evaluation` reads (see the module docstring)."""
+    """What `homelab_dp.train.evaluation` reads (see the module docstring); for pairs also what
+    `homelab_dp.train.pair_evaluation` reads."""
     ref = job.ref
-    return {
+    doc = {
         "model_path": str(ref.path),
         "base_path": str(ref.base) if ref.base is not None else None,
         "tokenizer_path": str(ref.tokenizer_path),
@@ -297,12 +480,23 @@ def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
         "result_path": str(folder / "result.json"),
         "error_dir": str(folder / "errors"),
     }
+    if job.pairs is not None:
+        r = job.pairs.reference
+        doc["reference"] = None if r is None else {
+            "model_path": str(r.path),
+            "base_path": str(r.base) if r.base is not None else None,
+            "quantized": r.quantized,
+            "trust_remote_code": r.trust_remote_code,
+        }  # fmt: skip
+        doc.update(beta=job.pairs.beta, loss_type=job.pairs.loss_type,
+                   label_smoothing=job.pairs.label_smoothing)  # fmt: skip
+    return doc
 
 
-def eval_command(folder: Path, nproc: int, job_file: Path) -> list[str]:
+def eval_command(folder: Path, nproc: int, job_file: Path, module: str = EVAL_MODULE) -> list[str]:
     """The launcher's torchrun command (loopback rendezvous, logs under ``folder/logs``) with
-    the eval worker in place of the training worker."""
-    return torchrun_command(folder, nproc, worker=(EVAL_MODULE, job_file))
+    the eval worker ``module`` in place of the training worker."""
+    return torchrun_command(folder, nproc, worker=(module, job_file))
 
 
 def eval_env(devices: Devices) -> dict[str, str]:
@@ -324,18 +518,19 @@ def eval_env(devices: Devices) -> dict[str, str]:
     return env
 
 
-def run_eval(job: EvalJob) -> EvalReport:
+def run_eval(job: EvalJob) -> EvalReport | PairEvalReport:
     """Evaluate ``job`` under torchrun and return rank 0's result (see the module docstring)."""
     folder = Path(tempfile.mkdtemp(prefix="homelab-dp-eval-"))  # 0700
     job_file = folder / "job.json"
     job_file.write_text(json.dumps(job_document(job, folder), indent=2), encoding="utf-8")
-    rc = launch_and_wait(folder, eval_command(folder, job.devices.nproc, job_file),
+    module = EVAL_MODULE if job.pairs is None else PAIR_EVAL_MODULE
+    rc = launch_and_wait(folder, eval_command(folder, job.devices.nproc, job_file, module),
                          eval_env(job.devices))  # fmt: skip
     result = folder / "result.json"
     if rc == 0 and result.is_file():
         doc = json.loads(result.read_text(encoding="utf-8"))
         shutil.rmtree(folder, ignore_errors=True)
-        return _report(job, doc)
+        return _report(job, doc) if job.pairs is None else _pair_report(job, doc)
     raise job_failure(folder, rc)
 
 
@@ -393,6 +588,19 @@ def _report(job: EvalJob, doc: dict[str, Any]) -> EvalReport:
     return EvalReport(model=job.ref.name, data=job.data.path, seq_len=job.seq_len, **figures)
 
 
+def _pair_report(job: EvalJob, doc: dict[str, Any]) -> PairEvalReport:
+    """The pair report from rank 0's result document."""
+    assert job.pairs is not None
+    figures = {k: doc[k] for k in ("world_size", "loss", "reward_accuracy", "reward_margin",
+                                   "rewards_chosen", "rewards_rejected", "pairs", "seconds",
+                                   "device", "dtype", "base")}  # fmt: skip
+    p = job.pairs
+    return PairEvalReport(model=job.ref.name, data=job.data.path, reference=p.reference_label,
+                          identical=p.identical, beta=p.beta, loss_type=p.loss_type,
+                          label_smoothing=p.label_smoothing, seq_len=job.seq_len,
+                          **figures)  # fmt: skip
+
+
 def job_failure(folder: Path, rc: int, what: str = "eval") -> HomelabError:
     """The error of a failed torchrun job (``what``: "eval", "bench"): a worker's own error
     (bad input: exit 2), else the failing rank's log tail (exit 1). The folder stays for the
@@ -422,6 +630,7 @@ def log_tail(folder: Path, rank: int | None, lines: int = 20) -> str:
 
 
 def evaluate_model(model: str, data: str, fmt: str = "auto", seq_len: int | None = None,
-                   gpus: str | None = None, split: str = "train") -> EvalReport:  # fmt: skip
+                   gpus: str | None = None, split: str = "train",
+                   reference: str | None = None) -> EvalReport | PairEvalReport:  # fmt: skip
     """`prepare` then `run_eval`: what `homelab-dp eval` does."""
-    return run_eval(prepare(model, data, fmt, seq_len, gpus, split))
+    return run_eval(prepare(model, data, fmt, seq_len, gpus, split, reference))

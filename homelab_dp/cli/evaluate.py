@@ -1,4 +1,5 @@
-"""`homelab-dp eval`: a model's loss and perplexity on a data set, data-parallel."""
+"""`homelab-dp eval`: a model's loss and perplexity on a data set (on preference pairs: the DPO
+loss and rewards against a reference), data-parallel."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
 
 def register(sub: Any) -> None:
     """Add `eval` to the main parser's subparsers."""
-    p = sub.add_parser("eval", help="loss and perplexity of a model on a data set")
+    p = sub.add_parser(
+        "eval",
+        help="loss and perplexity of a model on a data set; on preference pairs the DPO loss, "
+        "reward accuracy and margin against its base",
+    )
     p.add_argument(
         "model",
         help="a run id, a run folder (its result), a model folder or a Hugging Face id (org/name)",
@@ -21,7 +26,9 @@ def register(sub: Any) -> None:
         help="a data file (.jsonl .json .csv .parquet .txt), a folder of them, or a dataset id",
     )
     p.add_argument(
-        "--format", default="auto", help="auto | text | completion | instruction | chat | sharegpt"
+        "--format",
+        default="auto",
+        help="auto | text | completion | instruction | chat | sharegpt | preference",
     )
     p.add_argument("--split", default="train", help="the split of a folder or dataset id (train)")
     p.add_argument(
@@ -34,6 +41,11 @@ def register(sub: Any) -> None:
         help="cpu:N evaluates on N CPU processes, 0,1 on those GPUs (default: every visible GPU, "
         "else one CPU process)",
     )
+    p.add_argument(
+        "--reference",
+        help="preference pairs: the model the rewards compare with (default: an adapter's base "
+        "with the adapters disabled, a run's starting model; required for a plain model folder)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON document")
     p.set_defaults(func=cmd_eval)
 
@@ -43,7 +55,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from homelab_dp.app.evaluate import evaluate_model
 
     report = evaluate_model(
-        args.model, args.data, args.format, args.seq_len, args.gpus, split=args.split
+        args.model,
+        args.data,
+        args.format,
+        args.seq_len,
+        args.gpus,
+        split=args.split,
+        reference=args.reference,
     )
     if args.json:
         print_json(report.to_json())
