@@ -1,0 +1,65 @@
+"""Bad preference data through the CLI's `run`: exit 2, one ``error:`` line naming the file and
+line (or the objective to set), a ``hint:``, no traceback, nothing spawned, no run folder.
+
+The cases the preflight finds through the preference loader (`app.runs.check_data` calling
+`data.preference_blocks.load_preference_train_eval` for dpo/orpo/kto) run once it does."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from homelab_dp.app import runs as app_runs
+from homelab_dp.cli import main
+from tests.conftest import ROOT
+
+DATA = ROOT / "assets" / "data"
+GOOD = {"prompt": "Question: What is 2 + 2?\nAnswer:", "chosen": " 4.", "rejected": " 5."}
+WIRED = "load_preference_train_eval" in inspect.getsource(app_runs.check_data)
+
+
+def _file(tmp_path: Path, bad: dict) -> str:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [GOOD] * 8 + [bad]), encoding="utf-8")
+    return str(path)
+
+
+# case -> (preset overrides, the error line's words ({file}: the data file), needs the wiring)
+CASES = {
+    "sft on pairs": (["--set", "train.objective=sft"], "tiny-preferences.jsonl:1: the data "
+                     "holds preference pairs (chosen, rejected), and train.objective sft", False),
+    "a row without rejected": ({"prompt": "Q:", "chosen": " a"},
+                               "{file}:9: field 'rejected' missing", False),
+    "an empty response": ({"prompt": "Q:", "chosen": " a", "rejected": ""},
+                          "{file}:9: field 'rejected' is empty (an empty response)", False),
+    "a prompt longer than seq_len": ({"prompt": "Q: " + "what is 1 + 1? " * 30, "chosen": " 2",
+                                      "rejected": " 3"}, "{file}:9: the prompt takes", True),
+    "dpo on instruction data": (["--set", f"data.path={DATA / 'tiny-instruct.jsonl'}"],
+                                "tiny-instruct.jsonl: train.objective dpo needs preference "
+                                "pairs", True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_bad_preference_data_is_refused_before_anything_starts(kind, in_repo, tmp_path, capsys):
+    extra, needle, wired = CASES[kind]
+    if wired and not WIRED:
+        pytest.skip("the preflight does not load preference data through its loader yet")
+    if isinstance(extra, dict):
+        file = _file(tmp_path, extra)
+        extra, needle = ["--set", f"data.path={file}"], needle.format(file=file)
+    runs = Path(os.environ["HOMELAB_DP_RUNS"])
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    rc = main(["run", "tiny-dpo", *extra, "--detach"])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert rc == 2 and out.out == "", out
+    assert lines[0].startswith("error: ") and needle in lines[0], lines
+    assert lines[-1].startswith("hint: ") and "Traceback" not in out.err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children, "spawned"
+    assert not runs.exists() or not any(runs.iterdir()), "a run folder was made"
