@@ -248,26 +248,32 @@ def units_of(
     pairs: Sequence[PairExample], fmt: str, seq_len: int, seed: int
 ) -> tuple[list[_Unit], int]:
     """The pairs' sequences for blocks, and how many pairs were left out for identical chosen
-    and rejected responses (pairs only)."""
-    if fmt == "kto":
-        partner = kto_partners(len(pairs), seed)
-        return [
-            _Unit(
-                sequence_of(p.prompt, p.chosen, seq_len, p.where),
-                sequence_of(p.prompt, pairs[partner[i]].chosen, seq_len, p.where),
-                p.desirable,
-            )
-            for i, p in enumerate(pairs)
-        ], 0
+    and rejected responses (pairs only). Every pair is checked: the first whose prompt leaves
+    no room for a response is raised with the count of the others."""
+    partner = kto_partners(len(pairs), seed) if fmt == "kto" else []
     units = []
     identical = 0
-    for p in pairs:
-        a = sequence_of(p.prompt, p.chosen, seq_len, p.where)
-        b = sequence_of(p.prompt, p.rejected, seq_len, p.where)
-        if p.chosen == p.rejected:
+    problems: list[DataError] = []
+    for i, p in enumerate(pairs):
+        other = pairs[partner[i]].chosen if partner else p.rejected
+        try:
+            a = sequence_of(p.prompt, p.chosen, seq_len, p.where)
+            b = sequence_of(p.prompt, other, seq_len, p.where)
+        except DataError as exc:
+            problems.append(exc)
+            continue
+        if not partner and p.chosen == p.rejected:
             identical += 1
             continue
-        units.append(_Unit(a, b))
+        units.append(_Unit(a, b, p.desirable))
+    if problems:
+        first, more = problems[0], len(problems) - 1
+        if more:
+            first = DataError(
+                f"{first} (and {more} more record{'s' if more > 1 else ''} like it)",
+                hint=first.hint,
+            )
+        raise first
     return units, identical
 
 

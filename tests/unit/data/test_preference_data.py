@@ -183,10 +183,12 @@ def test_kto_label_missing_or_not_a_bool(tmp_path):
 
 def test_a_prompt_longer_than_seq_len_names_its_line(tok, tmp_path):
     long = {"prompt": "Question: " + "What is 1 + 1? " * 40, "chosen": " 2.", "rejected": " 3."}
-    path = jsonl(tmp_path / "p.jsonl", [PAIRS[0], long, PAIRS[1]])
+    path = jsonl(tmp_path / "p.jsonl", [PAIRS[0], long, PAIRS[1], long])
     text = error(lambda: load(tok, path, seq_len=32))
     assert f"{path}:2: the prompt takes" in text and "data.seq_len 32" in text
-    assert "raise data.seq_len" in text
+    assert "(and 1 more record like it)" in text and "raise data.seq_len" in text
+    kto = jsonl(tmp_path / "k.jsonl", [*KTO[:3], {**KTO[3], "prompt": long["prompt"]}])
+    assert f"{kto}:4: the prompt takes" in error(lambda: load(tok, kto, "kto", seq_len=32))
 
 
 @pytest.mark.parametrize(
