@@ -19,7 +19,8 @@ chat            ``messages``: non-empty list of ``{"role", "content"}``, role on
 sharegpt        ``conversations``: non-empty list of ``{"from", "value"}``, from one of
                 human / gpt / system; at least one gpt turn (read as chat,
                 `homelab_dp.data.records`)
-preference      ``chosen`` and ``rejected``: non-empty strings with a ``prompt`` string, or
+preference      ``chosen`` and ``rejected``: non-empty strings with a ``prompt`` string (without
+                one, the text both share, as in the raw HH-RLHF layout), or
                 lists of chat messages that share every turn but the last, an assistant turn
                 (the TRL, HH-RLHF and UltraFeedback-binarized layouts; an optional
                 ``prompt``, a string or messages, is put before turns that lack it)
@@ -416,12 +417,14 @@ def preference_problems(record: dict, where: str) -> list[str]:
         ]
     kinds = {s: type(record[s]) for s in sides}
     if kinds["chosen"] is str and kinds["rejected"] is str:
+        if record.get("prompt") is not None and not isinstance(record["prompt"], str):
+            return [f"{where}: field 'prompt' must be a string, got {_kind(record['prompt'])}"]
+        pair = _string_pair(record)
         problems = [f"{where}: field '{s}' is empty (an empty response)" for s in sides
-                    if not record[s].strip()]  # fmt: skip
-        if "prompt" not in record or not isinstance(record["prompt"], str):
-            got = "missing" if record.get("prompt") is None else _kind(record["prompt"])
-            problems.insert(0, f"{where}: field 'prompt' must be a string, got {got} "
-                            "(string pairs need their prompt; chat pairs carry it as turns)")  # fmt: skip
+                    if not pair[s].strip()]  # fmt: skip
+        if not pair["prompt"] and record.get("prompt") is None:
+            problems.insert(0, f"{where}: field 'prompt' missing, and 'chosen' and 'rejected' "
+                            "share no text to take as the prompt")  # fmt: skip
         return problems
     if kinds["chosen"] is not list or kinds["rejected"] is not list:
         return [
@@ -464,12 +467,27 @@ def preference_problems(record: dict, where: str) -> list[str]:
     return problems
 
 
+def _string_pair(record: dict) -> dict:
+    """A string pair's prompt and responses. Without a ``prompt`` (the raw HH-RLHF layout: each
+    side the whole dialogue), the prompt is the text both sides share, as TRL's
+    ``extract_prompt`` takes it: up to where they differ, a space there going to the responses."""
+    chosen, rejected = record["chosen"], record["rejected"]
+    if record.get("prompt") is not None:
+        return {"prompt": record["prompt"], "chosen": chosen, "rejected": rejected}
+    cut = 0
+    while cut < min(len(chosen), len(rejected)) and chosen[cut] == rejected[cut]:
+        cut += 1
+    if 0 < cut < min(len(chosen), len(rejected)) and chosen[cut - 1] == " ":
+        cut -= 1
+    return {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
+
+
 def preference_record(record: dict) -> dict:
     """A checked preference record in the form tokenizing takes: ``{"prompt", "chosen",
     "rejected"}`` strings, or chat pairs as ``{"messages": shared turns, "chosen": answer,
     "rejected": answer}`` (the two last assistant turns' content)."""
     if isinstance(record["chosen"], str):
-        return {k: record[k] for k in ("prompt", "chosen", "rejected")}
+        return _string_pair(record)
     chosen, rejected = _conversation(record, "chosen"), _conversation(record, "rejected")
     return {
         "messages": chosen[:-1],

@@ -118,6 +118,15 @@ def test_chat_pair_layouts_read_as_the_same_pair(tmp_path):
     assert records == [want] * 4
 
 
+def test_raw_hh_rlhf_strings_take_the_shared_text_as_the_prompt(tmp_path):
+    """Anthropic's own layout: each side the whole dialogue, no prompt (TRL's extract_prompt)."""
+    talk = "\n\nHuman: What is 2 + 2?\n\nAssistant:"
+    path = jsonl(tmp_path / "hh.jsonl", [{"chosen": talk + " 4.", "rejected": talk + " 5, or 4."}])
+    records, _, fmt = read_with_lines(path, "auto")
+    assert fmt == "preference"
+    assert records == [{"prompt": talk, "chosen": " 4.", "rejected": " 5, or 4."}]
+
+
 def test_kto_labels_read_as_bools_from_json_and_csv(tmp_path):
     path = tmp_path / "k.csv"
     with path.open("w", newline="") as fh:
@@ -140,7 +149,12 @@ def test_kto_labels_read_as_bools_from_json_and_csv(tmp_path):
         ({"prompt": "Q:", "rejected": " a"}, "field 'chosen' missing"),
         ({"prompt": "Q:", "chosen": "", "rejected": " b"}, "field 'chosen' is empty"),
         ({"prompt": "Q:", "chosen": " a", "rejected": "  "}, "field 'rejected' is empty"),
-        ({"chosen": " a", "rejected": " b"}, "field 'prompt' must be a string, got missing"),
+        (
+            {"chosen": " a", "rejected": " b"},
+            "field 'prompt' missing, and 'chosen' and "
+            "'rejected' share no text to take as the prompt",
+        ),
+        ({"prompt": ["Q"], "chosen": " a", "rejected": " b"}, "'prompt' must be a string"),
         ({"prompt": "Q:", "chosen": " a", "rejected": [{"role": "user"}]}, "both be strings"),
         (
             {
