@@ -315,6 +315,7 @@ def _assumptions(hw: PlanHardware, rate: ComputeRate, slow: DeviceRate,
         out["peak_flops"] = {
             "value": slow.peak,
             "source": "table",
+            "known": slow.peak_known,
             "words": "dense 16-bit peak of the card (NVIDIA's datasheet)" if slow.peak_known
             else "the card is not in the peak table: an RTX 3090's peak assumed",
         }  # fmt: skip

@@ -397,8 +397,9 @@ def speed_text(plan: Plan) -> Text | None:
                    f"({pred.scaling_efficiency:.0%}) · {pred.bottleneck}-bound")  # fmt: skip
     a = pred.assumptions
     parts = []
-    if a.get("peak_flops", {}).get("value"):
-        parts.append(f"peak {_flops(a['peak_flops']['value'])} ({a['peak_flops']['source']})")
+    if (peak := a.get("peak_flops") or {}).get("value"):
+        whose = peak["source"] if peak.get("known", True) else "card unknown: an RTX 3090's"
+        parts.append(f"peak {_flops(peak['value'])} ({whose})")
     if a.get("achieved_factor", {}).get("value"):
         f = a["achieved_factor"]
         parts.append(f"achieved {f['value']:.0%} ({f['source']})")
