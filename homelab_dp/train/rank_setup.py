@@ -43,6 +43,7 @@ from homelab_dp.train.objectives.objective import objective_for
 from homelab_dp.train.objectives.pair_batch import pair_data
 from homelab_dp.train.objectives.reference import (
     build_reference,
+    frozen_copy,
     prepare_precomputed,
     reference_key,
     reference_kind,
@@ -265,6 +266,8 @@ class Model:
     """Why that kernel, for the start event."""
     packing: Any = None
     """`train.packing_check.PackingCheck` of data.pack = true on this model, or None."""
+    reference_copy: Any = None
+    """``train.reference = "copy"``: the frozen starting model (not with FSDP2), else None."""
 
 
 def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None) -> Model:
@@ -298,6 +301,9 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     loss_head = install_loss_head(loaded.model)
     if loss_head is None:
         log.warning("full cross-entropy: %s", unsupported_reason(loaded.model))
+    copied = None
+    if not sharded and reference_kind(spec.preset, resolved.method) == "copy":
+        copied = frozen_copy(loaded.model)  # before the wrapper: no DDP hooks on the copy
     strategy = wrap_model(loaded, resolved, device, grad_accum=rank.accum)
     packing = None
     if spec.preset.data.pack:  # exact on this model, or refused before the first step
@@ -333,7 +339,8 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     flat = attention == "flash_attention_2"
     return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast,
                  loss_head=loss_head, flat_batches=flat and spec.preset.data.pack,
-                 attention=attention, attention_reason=why, packing=packing)  # fmt: skip
+                 attention=attention, attention_reason=why, packing=packing,
+                 reference_copy=copied)  # fmt: skip
 
 
 def _offloading(autocast: Any, model: Any, *, pin: bool) -> Any:

@@ -56,7 +56,7 @@ from homelab_dp.runs.run_view import StragglerDetector
 from homelab_dp.train.checkpoints import mark_best, save_checkpoint, save_result
 from homelab_dp.train.divergence import SkippedSteps, check_loss, require_finite_weights
 from homelab_dp.train.evaluation import Validator
-from homelab_dp.train.metrics import StepFlops, all_gather_flat, peak_memory_bytes, peak_memory_kind
+from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.objectives.sft import micro_step  # noqa: F401  (train.memcheck, tests)
 from homelab_dp.train.rank_setup import SetUp
 from homelab_dp.train.sample_answers import Sampler
@@ -131,6 +131,7 @@ class Trainer:
         self.start_step, self.tokens = s.position.start_step, s.position.tokens
         self.last_loss = s.position.last_loss
         self.stop_at = int(os.environ.get(STOP_AT_ENV, "-1"))
+        self.stats = RankStats(self.rank.device)
         self.objective = s.objective
         """`train.objectives.objective.Objective`: units, micro-step loss and event fields."""
         self.units = self.objective.units(self.data)
@@ -302,7 +303,7 @@ class Trainer:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         now = time.time()
-        rows = gather_rows(sums, time.perf_counter() - t0, dev)
+        rows = self.stats.gather(sums, time.perf_counter() - t0)
         n = len(self.objective.metrics)
         totals = [sum(row[j] for row in rows) for j in range(n)]
         fields = self.objective.fields(totals, counts)
@@ -355,23 +356,6 @@ class Trainer:
                                    state, keep=self.train.keep_checkpoints)  # fmt: skip
         self.saved_step = step
         self.events.write(CheckpointEvent(step=step, path=str(path), seconds=time.time() - t))
-
-
-def gather_rows(sums: Any, step_time_s: float, device: Any) -> list[list[float]]:
-    """The one all-gather per logged step: every rank's row ``[*sums, step_time_s,
-    peak_memory_bytes]`` (float64; every rank gets all rows)."""
-    import torch
-    import torch.distributed as dist
-
-    n = int(sums.numel())
-    mine = torch.zeros(n + 2, dtype=torch.float64, device=device)
-    mine[:n] = sums.detach().to(torch.float64)
-    mine[n] = step_time_s
-    mine[n + 1] = float(peak_memory_bytes(device))
-    world = dist.get_world_size()
-    out = torch.empty(world * (n + 2), dtype=torch.float64, device=device)
-    all_gather_flat(out, mine)
-    return out.view(world, n + 2).tolist()
 
 
 def optimizer_step(

@@ -130,15 +130,21 @@ def build_reference(kind: str | None, model: Any, rank: Any, distribution: str) 
         return AdapterReference()
     if kind == "precompute":
         return PrecomputedReference()
-    if model.strategy.is_fsdp:
+    if model.reference_copy is None:
         raise HomelabError(
             f"train.reference = 'copy' is not supported with {distribution} (a sharded model)",
             hint="set train.reference = 'precompute'",
         )
-    frozen = copy.deepcopy(model.strategy.inner)
+    return CopyReference(model.reference_copy)
+
+
+def frozen_copy(module: Any) -> Any:
+    """A frozen copy of ``module`` in eval mode (the ``copy`` reference), made before the
+    strategy wraps it."""
+    frozen = copy.deepcopy(module)
     frozen.requires_grad_(False)
     frozen.eval()
-    return CopyReference(frozen)
+    return frozen
 
 
 def model_identity(model_path: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,17 +130,21 @@ class Data:
 
 
 @pytest.fixture(scope="module")
-def model() -> Model:
+def model() -> Iterator[Model]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    # One thread: on a shared 2-core runner the default two run ~10x slower (oversubscribed).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(
         TINY, dtype=torch.float64, attn_implementation="sdpa"
     )
     peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                            target_modules=["q_proj", "v_proj"]))  # fmt: skip
-    return Model(Strategy(peft, peft), Loaded(peft))
+    yield Model(Strategy(peft, peft), Loaded(peft))
+    torch.set_num_threads(threads)
 
 
 def perturbed(model: Model) -> None:
