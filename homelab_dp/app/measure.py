@@ -22,6 +22,7 @@ from homelab_dp.app.plan import hardware_fingerprint
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.memory.device_memory import PHASES
 from homelab_dp.planning.memory.memory_calibration import CalibrationStore, Measurement
+from homelab_dp.planning.planner import plan_objective
 from homelab_dp.planning.speed_calibration import record_speed
 from homelab_dp.runs.run_events import MemoryEvent, StepEvent, parse_event
 
@@ -41,6 +42,9 @@ class MeasureReport:
     memory: dict[str, Any]
     """The worker's ``memory`` event (kind, ranks, measured_peak_bytes, …)."""
     stored: Path | None = None
+    objective: dict[str, Any] | None = None
+    """What the objective costs in the measured option (`planning.objective_cost`'s JSON block:
+    name, resolved reference, sequences per sample, rows of a micro-batch, ...)."""
 
     @property
     def estimate_tensor_bytes(self) -> int:
@@ -77,6 +81,7 @@ class MeasureReport:
             "error": self.error,
             "ranks": self.memory["ranks"],
             "calibration_file": str(self.stored) if self.stored else None,
+            "objective": self.objective,
         }
 
 
@@ -120,7 +125,9 @@ def measure(
         )
     assert event is not None
     fp = hardware_fingerprint(prepared.planned.hardware, prepared.planned.report)
-    report = MeasureReport(run_id, run_dir, fp, spec.plan, event)
+    planned = prepared.planned
+    cost = plan_objective(planned.spec, planned.preset, planned.hardware, prepared.plan.chosen)
+    report = MeasureReport(run_id, run_dir, fp, spec.plan, event, objective=cost.to_json())
     if store and fp is not None:
         report.stored = _store(report, prepared)
         _record_speed(run_dir, spec.plan, run_id)
