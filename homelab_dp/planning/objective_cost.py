@@ -154,3 +154,25 @@ def precompute_seconds(
     if cost.precompute_share is None or tokens_per_s <= 0 or epoch_tokens <= 0:
         return None
     return epoch_tokens / tokens_per_s / cost.step_flops_factor * cost.precompute_share
+
+
+def sequence_len(shape: TrainShape) -> int:
+    """Tokens of one sequence of ``shape``'s forward (the attention span's length): a packed
+    preference row holds a pair's two sequences, each attending only to itself."""
+    if shape.objective in PREFERENCE_OBJECTIVES and shape.packed:
+        return max(1, shape.seq_len // SEQUENCES_PER_SAMPLE)
+    return shape.seq_len
+
+
+def shape_flops_factor(spec: ModelSpec, shape: TrainShape) -> float:
+    """`homelab_dp.planning.flops.objective_flops_factor` of a memory-model shape (its resolved
+    objective and reference): what the time model multiplies a trained token's FLOPs by."""
+    targets = (
+        shape.lora_targets if isinstance(shape.lora_targets, str) else list(shape.lora_targets)
+    )
+    return objective_flops_factor(
+        spec, objective=shape.objective, reference=shape.reference, method=shape.method,
+        activation_checkpointing=shape.activation_checkpointing,
+        attention_span=causal_span(sequence_len(shape)), lora_r=shape.lora_r,
+        lora_targets=targets,
+    )  # fmt: skip

@@ -12,8 +12,13 @@ from homelab_dp.planning.flops import (
     objective_flops_factor,
 )
 from homelab_dp.planning.model_spec import spec_from_config
-from homelab_dp.planning.objective_cost import precompute_seconds, resolve_reference
-from homelab_dp.planning.planner import plan, plan_objective
+from homelab_dp.planning.objective_cost import (
+    precompute_seconds,
+    resolve_reference,
+    sequence_len,
+    shape_flops_factor,
+)
+from homelab_dp.planning.planner import plan, plan_objective, train_shape
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.unit.planning.test_model_spec import PUBLISHED
@@ -122,3 +127,15 @@ def test_reasons_say_what_the_objective_costs() -> None:
     assert not any(
         r.startswith(("DPO", "ORPO", "KTO")) for r in plan(SMOL, _preset(), TWO_24).reasons
     )
+
+
+def test_the_time_models_factor_of_a_shape() -> None:
+    p = _preset(objective="dpo")
+    shape = train_shape(p, TWO_24, "lora", "ddp", False)
+    assert (shape.seq_len, sequence_len(shape)) == (1024, 512)  # a packed pair: 2 × 512
+    cost = plan_objective(SMOL, p, TWO_24, plan(SMOL, p, TWO_24).chosen)
+    assert shape_flops_factor(SMOL, shape) == cost.step_flops_factor > 1.4
+    unpacked = train_shape(_preset(pack=False, objective="dpo"), TWO_24, "lora", "ddp", False)
+    assert (unpacked.micro_batch, sequence_len(unpacked)) == (8, 512)
+    sft = train_shape(_preset(), TWO_24, "lora", "ddp", False)
+    assert sequence_len(sft) == 512 and shape_flops_factor(SMOL, sft) == 1.0
