@@ -24,8 +24,9 @@ on 2+ processes keeps them in its buckets (``gradient_as_bucket_view``, zeroed i
 from the load on, with no other copy (but once, with accumulation: the bucket rebuild at the
 second forward). On one process there is no wrapper: gradients live from the first backward to
 the step. ``buffers``: FSDP's gathered parameters, autocast's 16-bit weight copies, QLoRA's
-dequantized weight. Attention: SDPA with a mask (padding, or packing's block-diagonal one) keeps a
-b·s² mask per layer and repeated key/value heads; FlashAttention varlen (CUDA) neither.
+dequantized weight. Attention: SDPA with a mask (padding, or packing's block-diagonal one) and
+eager attention keep a b·s² mask per layer and repeated key/value heads; ``homelab_packed``
+(each sample alone, the worker's default) and FlashAttention-2 neither (`_masked`).
 
 QLoRA under FSDP2, as the worker runs it: the NF4 weights are stored with bitsandbytes'
 quant_storage = the compute dtype, so their packed bytes (0.5 per weight) are ordinary FSDP2
@@ -105,6 +106,19 @@ FULL_LOGITS_TYPES = ("gemma2",)
 spec that does not say so itself (`ModelSpec.full_logits`)."""
 
 
+EAGER_ATTENTION_TYPES = ("gpt_oss",)
+"""Model types without an SDPA path (attention sinks): the worker loads them with eager
+attention (`train.trainable_model.supports_sdpa`), which builds a (b, 1, s, s) mask and repeats
+the key/value heads whatever kernel the attention rule named."""
+
+
+def _masked(spec: ModelSpec, shape: TrainShape) -> bool:
+    """Whether attention allocates a b·s² mask and repeated key/value heads: SDPA's route
+    (`attention_masked`) and eager attention do; ``homelab_packed`` (each sample alone,
+    `train.packed_attention`) and FlashAttention-2 do not."""
+    return attention_masked(shape) or spec.model_type in EAGER_ATTENTION_TYPES
+
+
 def chunked_loss(spec: ModelSpec) -> bool:
     """Whether the worker computes the loss of ``spec``'s model chunk by chunk: not when its
     logits are transformed after lm_head (`ModelSpec.full_logits`; Gemma-2 always)."""
@@ -175,7 +189,7 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         if spec.hidden_dropout > 0:
             out += 2 * h * (w if cpu else 1)  # CPU dropout keeps a float mask, CUDA a bool one
     else:
-        if attention_masked(shape):
+        if _masked(spec, shape):
             # With a mask (padding, or packing's block-diagonal one) SDPA converts it to an
             # additive (b, 1, s, s) one per layer, and transformers repeats the key/value heads.
             kvd = attn
@@ -186,7 +200,7 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         out = (24 * h if w == 4 else 28 * h) + w * rest + mlp + small
         if shape.method != "full":
             out -= 2 * 4 * h  # frozen norm weights: the normalised input is not saved
-        if attention_masked(shape):
+        if _masked(spec, shape):
             out += shape.seq_len * w
         if spec.model_type == "gemma2":
             out += 4 * h * 4  # post-attention and post-MLP norms keep their input and output
@@ -325,14 +339,14 @@ def pinned_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
     if spec.model_type == "gpt2":
         parts = [(inter, 5 * inter * w)]
     else:
-        if attention_masked(shape):
+        if _masked(spec, shape):
             kvd = attn
         extra = (attn + kvd) if spec.model_type == "phi3" else 0
         routed = spec.experts.top_k * expert_width(spec) if spec.experts else inter
         trained = shape.method == "full" or bool(adapted_experts(spec, lora_targets_of(shape)))
         mlp = mlp_bytes_per_layer(spec, w, trained)
         parts = [(routed, mlp), (attn, (2 * attn + extra) * w), (kvd, 2 * kvd * w)]
-        if attention_masked(shape):
+        if _masked(spec, shape):
             parts.append((shape.seq_len, shape.seq_len * w))
     rest = total - sum(b for _, b in parts)
     layer = sum(b * r(d) for d, b in parts) + rest * r(h)
