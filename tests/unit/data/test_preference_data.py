@@ -222,8 +222,11 @@ def test_an_objective_on_data_it_does_not_train_on(tok, objective, data, words, 
 
 
 def test_a_named_format_is_checked_against_the_objective_before_reading(tok, tmp_path):
-    text = error(lambda: load(tok, tmp_path / "nowhere.jsonl", "kto", format="preference"))
-    assert "data.path" in text  # the missing file first: nothing is read
+    bad = tmp_path / "not-json.jsonl"
+    bad.write_text("this is no JSON\n", encoding="utf-8")  # never read: the names disagree
+    text = error(lambda: load(tok, bad, "kto", format="preference"))
+    assert text.startswith("data.format preference: train.objective kto needs KTO records")
+    assert 'set train.objective = "dpo"' in text
 
 
 def test_sft_on_preference_data_says_which_objective_to_set(tok):
