@@ -41,6 +41,7 @@ from homelab_dp.planning.planner import Plan, plan, with_host
 from homelab_dp.planning.sample_cost import sample_plan
 from homelab_dp.planning.speed_calibration import ComputeRate, SpeedStore
 from homelab_dp.planning.speed_plan import with_predictions
+from homelab_dp.planning.time_model import cpu_threads
 from homelab_dp.presets.preset import Preset, apply_overrides, preset_from_dict
 from homelab_dp.probe import nvml
 from homelab_dp.probe.hardware import (
@@ -362,9 +363,10 @@ def predict_speed(p: Plan, preset: Preset, link: LinkSpeed) -> Plan:
     fp = p.calibration.fingerprint if p.calibration else None
     model = p.spec.summary()  # as the plan's "model" block, which record_speed keys by
     kind = p.hardware.kind
+    threads = cpu_threads(p.world_size) if kind == "cpu" else None
 
     def rate_of(method: str, ckpt: bool) -> ComputeRate:
-        return store.rate_for(fp, kind, model, method, ckpt)
+        return store.rate_for(fp, kind, model, method, ckpt, threads)
 
     return with_predictions(p, preset, link, rate_of)
 

@@ -164,13 +164,15 @@ class SpeedStore:
 
     def rate_for(
         self, fingerprint: str | None, kind: str, model: dict[str, Any], method: str,
-        activation_checkpointing: bool,
+        activation_checkpointing: bool, threads: int | None = None,
     ) -> ComputeRate:  # fmt: skip
         """The compute rate of a plan: the closest record of this fingerprint, else the default.
 
         Closest: the same model, method and checkpointing; else the same model; else the same
         method; else any record of the machine. Among equals the newest three are averaged
-        (one slow step of a busy machine does not decide alone).
+        (one slow step of a busy machine does not decide alone). On the CPU a record made with
+        ``threads`` threads per process comes first within its tier: a thread's speed depends on
+        how many share the process (the per-thread figure is only extrapolated across counts).
         """
         mine = [r for r in self.records if fingerprint and r.fingerprint == fingerprint]
         mine = [r for r in mine if (r.factor if kind == "cuda" else r.flops_per_thread)]
@@ -190,7 +192,10 @@ class SpeedStore:
             return 1 if same_model else 2 if same_method else 3
 
         best = min(tier(r) for r in mine)
-        chosen = sorted((r for r in mine if tier(r) == best), key=lambda r: r.time)[-3:]
+        same = [r for r in mine if tier(r) == best]
+        if threads and any(r.threads == threads for r in same):
+            same = [r for r in same if r.threads == threads]
+        chosen = sorted(same, key=lambda r: r.time)[-3:]
         what = ("this model and method", "this model", "this method", "other models")[best]
         words = f"calibrated from {len(chosen)} measured run(s) of {what} on this machine"
         if kind == "cuda":

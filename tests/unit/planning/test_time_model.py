@@ -20,6 +20,7 @@ from homelab_dp.planning.links import (
     write_cached_gloo,
 )
 from homelab_dp.planning.memory.device_memory import comm_bytes_per_step
+from homelab_dp.planning.memory.memory_calibration import torch_version
 from homelab_dp.planning.model_spec import load_model_spec
 from homelab_dp.planning.planner import train_shape
 from homelab_dp.planning.speed_calibration import (
@@ -246,3 +247,35 @@ def test_gloo_is_measured_once_and_cached_private(monkeypatch: pytest.MonkeyPatc
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     write_cached_gloo("h", "1", {"bytes_per_s": 5.0})
     assert read_cached_gloo("h", "1") == {"bytes_per_s": 5.0}
+
+
+def test_one_cpu_measure_predicts_one_process_and_extrapolates_two(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    write_cached_gloo(__import__("socket").gethostname(), torch_version(),
+                      {"bytes_per_s": 5e8, "latency_s": 1e-3})  # fmt: skip
+    one = make_plan(_preset(), "cpu:1:8GiB", fetch=False).plan.to_json()
+    assert one["predicted"]["assumptions"]["achieved_factor"]["source"] == "table"
+    record_speed(one, tokens_per_s=2000.0, source="measure")  # what `measure` found: 2 threads
+    again = make_plan(_preset(), "cpu:1:8GiB", fetch=False).plan.chosen.predicted
+    assert again is not None and again.tokens_per_s == pytest.approx(2000.0)
+    two = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
+    assert two is not None and two.assumptions["threads_per_process"] == 1
+    assert two.assumptions["link"]["source"] == "measured"
+    # each process computes its half at one thread's speed (half the measured process's), then
+    # all-reduces the fp32 gradients over gloo without overlap
+    per_token = 1 / 2000.0
+    assert two.compute_seconds == pytest.approx(two.tokens_per_step / 2 * per_token * 2)
+    sync = SPEC.params * 4 / 5e8 + two.assumptions["link"]["latency_s"] * -(
+        -SPEC.params * 4 // (25 * 2**20)
+    )
+    assert two.comm_seconds == pytest.approx(sync, rel=1e-3)
+    assert two.tokens_per_s == pytest.approx(two.tokens_per_step / (two.compute_seconds + sync))
+    # once a 2-process run recorded its own (1 thread per process) speed, that is used
+    record_speed(make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.to_json(),
+                 tokens_per_s=3000.0, step_seconds=1.0, compute_seconds=0.5)  # fmt: skip
+    after = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
+    assert after is not None
+    assert after.compute_seconds == pytest.approx(after.tokens_per_step / 2 / (3000.0 / 2 / 0.5))
