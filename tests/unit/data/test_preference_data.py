@@ -23,7 +23,7 @@ from homelab_dp.data.preference_blocks import (
 )
 from homelab_dp.data.records import format_from_keys, read_with_lines
 from homelab_dp.data.sources import read_source, resolve_source
-from homelab_dp.data.tokenize import IGNORE_INDEX, PairExample, tokenize_records
+from homelab_dp.data.tokenize import IGNORE_INDEX, PairExample, tokenize_pairs, tokenize_records
 from homelab_dp.errors import DataError
 from homelab_dp.presets.preset import DataSection
 
@@ -432,3 +432,15 @@ def test_every_loader_gives_the_same_blocks(tok, tmp_path, kind):
         path = path.parent if kind == "folder" else path
     got = load(tok, path, pack=False, columns=columns)
     assert got.fmt == "preference" and got.train == ref.train
+
+
+def test_chat_pairs_in_parquet_and_the_missing_chat_template(tok, tmp_path, monkeypatch):
+    """Nested messages survive the columnar reader; a tokenizer without a template is named."""
+    path = tmp_path / "chat.parquet"
+    pq.write_table(pa.Table.from_pylist([CHAT_PAIR] * 3), path)
+    ref = load(tok, jsonl(tmp_path / "chat.jsonl", [CHAT_PAIR] * 3), pack=False)
+    assert load(tok, path, pack=False).train == ref.train and len(ref.train) == 3
+    monkeypatch.setattr(tok, "chat_template", None)
+    text = error(lambda: tokenize_pairs([{"messages": [], "chosen": "a", "rejected": "b"}],
+                                        "preference", tok, where=["f.jsonl:7"]))  # fmt: skip
+    assert text.startswith("f.jsonl:7: chat pairs need a chat template")
