@@ -340,3 +340,24 @@ def test_sequence_log_probs_casts_only_the_target_rows() -> None:
     ]
     assert sums.dtype == torch.float32 and counts.tolist() == [2, 2, 2]
     assert torch.allclose(sums, torch.stack(want), atol=1e-6, rtol=0)
+
+
+def test_sequence_log_probs_keeps_only_target_rows_for_backward() -> None:
+    """bf16 logits with few targets: every fp32 tensor saved for backward has at most
+    targets × vocab elements (no fp32 copy of the [R, L, V] logits is kept)."""
+    g = torch.Generator().manual_seed(10)
+    rows, length, vocab = 2, 64, 300
+    logits = torch.randn(rows, length, vocab, generator=g).to(torch.bfloat16).requires_grad_()
+    labels = torch.full((rows, length), -100)
+    labels[0, 10:15] = 7
+    labels[1, 40:43] = 9
+    sequence = torch.zeros(rows, length, dtype=torch.long)
+    sequence[1] = 1
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        sums, _ = sequence_log_probs(logits, labels, sequence, 2, dtype=torch.float32)
+    fp32 = [t.numel() for t in saved if t.dtype == torch.float32]
+    assert fp32 and max(fp32) <= 8 * vocab  # 8 target rows, not 2 × 64 rows
+    sums.sum().backward()
+    assert logits.grad is not None and logits.grad[0, :10].abs().sum() == 0  # no target, no grad
+    assert logits.grad[0, 10].abs().sum() > 0
