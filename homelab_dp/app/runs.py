@@ -60,6 +60,7 @@ from homelab_dp.runs.run_events import StateEvent
 from homelab_dp.runs.run_spec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.runs.run_view import RunView, new_view, summarize, view_of
 from homelab_dp.supervise.relaunch import resume_step
+from homelab_dp.vocabulary import PREFERENCE_OBJECTIVES
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 REPORTER_INSTALL = {
@@ -141,14 +142,17 @@ def load_tokenizer(preset: Preset) -> Any:
 
 def check_data(
     preset: Preset, max_positions: int, world_size: int, micro_batch: int
-) -> tuple[int, float]:
+) -> tuple[int, float, tuple[str, ...]]:
     """Load and validate the dataset as the worker will; returns the number of training blocks
-    (after any held-out split, `homelab_dp.data.eval_split`) and the largest share of a block's
-    tokens that are targets (what the chunked loss keeps). The eval data (data.eval_path or
-    data.eval_fraction) is checked the same way: an error names its file and line or row.
-    The tokenized samples go into the token cache (`homelab_dp.data.token_cache`), where every
-    rank of the run reads them instead of tokenizing again."""
+    (after any held-out split, `homelab_dp.data.eval_split`), the largest share of a block's
+    tokens that are targets (what the chunked loss keeps) and warnings for the user (identical
+    preference pairs, left out). The eval data (data.eval_path or data.eval_fraction) is
+    checked the same way: an error names its file and line or row. Preference objectives
+    (dpo, orpo, kto) read pairs (`homelab_dp.data.preference_blocks`). The tokenized samples go
+    into the token cache (`homelab_dp.data.token_cache`), where every rank of the run reads
+    them instead of tokenizing again."""
     from homelab_dp.data.eval_split import load_train_eval
+    from homelab_dp.data.preference_blocks import identical_warning, load_preference_train_eval
     from homelab_dp.data.sample_prompts import read_sample_prompts
     from homelab_dp.data.samples import source_of
     from homelab_dp.data.token_cache import TokenizerRef
@@ -160,6 +164,18 @@ def check_data(
         source_of(preset.data, eval_data=True)
     # Loaded only if the token cache misses: a hit imports no transformers here (seconds).
     tokenizer = TokenizerRef(Path(preset.model.path), lambda: load_tokenizer(preset))
+    if preset.train.objective in PREFERENCE_OBJECTIVES:
+        pairs = load_preference_train_eval(
+            preset.data,
+            tokenizer,
+            objective=preset.train.objective,
+            seed=preset.train.seed,
+            seq_len_limit=max_positions or None,
+            min_blocks=world_size * micro_batch,
+        )
+        warning = identical_warning(pairs.identical, pairs.label)
+        share = max(b.num_targets / (len(b.input_ids) * b.row_len) for b in pairs.train)
+        return len(pairs.train), share, (warning,) if warning else ()
     data = load_train_eval(
         preset.data,
         tokenizer,
@@ -169,7 +185,7 @@ def check_data(
     )
     blocks = data.train
     seq_len = max(1, int(preset.data.seq_len))
-    return len(blocks), max(b.num_targets for b in blocks) / seq_len
+    return len(blocks), max(b.num_targets for b in blocks) / seq_len, ()
 
 
 STOP_TIMEOUT_S = 120.0
@@ -204,6 +220,8 @@ class Prepared:
     blocks: int
     origin: ModelOrigin | None = None
     """The Hugging Face id ``preset.model.path`` was given as (the path is now its snapshot)."""
+    warnings: tuple[str, ...] = ()
+    """What the checks found worth saying but not refusing (the front end shows them)."""
 
     @property
     def plan(self) -> Plan:
@@ -301,11 +319,11 @@ class RunController:
         check_torch_sees_cards(planned.hardware, planned.report)
         # A model id was planned from its config.json; the run needs the whole snapshot, and
         # its workers (and any resume) get the local folder, never the id.
-        preset, origin = with_local_model(preset)
+        preset, origin = with_local_model(preset, self.root)
         planned = replace(planned, preset=preset)
         check_model_folder(preset)
         ws = p.world_size * nnodes  # multi-node: every node runs the same devices
-        blocks, share = check_data(preset, planned.spec.max_positions, ws, p.micro_batch)
+        blocks, share, warnings = check_data(preset, planned.spec.max_positions, ws, p.micro_batch)
         # The plan chose with every token taken as a target; the run records its estimate for
         # this data (the chunked loss keeps only target rows), which `measure` compares.
         planned = replace(planned, plan=with_target_share(planned, share))
@@ -323,7 +341,7 @@ class RunController:
             offload=p.chosen.offload,  # type: ignore[arg-type]
             offload_activations=p.chosen.offload_activations,
         )
-        return Prepared(preset, planned, resolved, blocks, origin)
+        return Prepared(preset, planned, resolved, blocks, origin, warnings)
 
     # ------------------------------------------------------------------ starting
     def start(

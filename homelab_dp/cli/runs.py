@@ -65,6 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         nnodes=rendezvous.nnodes,
         queue=args.queue,
     )
+    for warning in prepared.warnings:  # stderr: --json's stdout stays one document per line
+        print(warning, file=sys.stderr)
     run_id = controller.start(
         prepared,
         rendezvous,

@@ -54,6 +54,10 @@ class ModelSection:
     """For a multimodal model whose language model is a decoder (Gemma 3, Mistral 3, Qwen2.5-VL
     style configs with a ``text_config``): load the language model alone, without the vision
     tower. Off: the whole model loads and the vision tower stays frozen."""
+    adapter: str = ""
+    """A LoRA adapter folder merged into model.path as the model loads, so new adapters (and a
+    DPO reference with them disabled) start from that model. Set by homelab-dp when model.path
+    names a run whose result is an adapter; "" for none."""
 
 
 @dataclass

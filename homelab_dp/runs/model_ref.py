@@ -186,7 +186,7 @@ def _run_ref(run_dir: Path) -> ModelRef:
             hint=f"wait for it to complete, or `homelab-dp resume {run_dir.name}`",
         )
     adapter = (final / "adapter_config.json").is_file()
-    start = str(getattr(preset.model, START_ADAPTER, "") or "")
+    start = preset.model.adapter
     if adapter and start and not (final / "merged" / "config.json").is_file():
         # Its adapter applies to the base with the earlier run's adapter merged in: the base
         # alone is another model.
@@ -283,11 +283,6 @@ def run_result(path: str, root: Path | None = None) -> ModelRef | None:
     return _checked(_run_ref(run_dir)) if run_dir is not None else None
 
 
-START_ADAPTER = "adapter"
-"""The ModelSection field naming a LoRA adapter merged into model.path when the model loads
-(`homelab_dp.train.trainable_model.load_model`): set here when model.path names a LoRA run."""
-
-
 def with_run_model(preset: Preset, ref: ModelRef) -> Preset:
     """The preset starting from a run's result (`run_result`): its merged or full model folder,
     or for an adapter result its base with the adapter merged in at load time (model.adapter),
@@ -295,14 +290,10 @@ def with_run_model(preset: Preset, ref: ModelRef) -> Preset:
     earlier run's model. The preset's own model.trust_remote_code is kept."""
     if not ref.is_adapter:
         return replace(preset, model=replace(preset.model, path=str(ref.path)))
-    if not hasattr(preset.model, START_ADAPTER):
-        raise HomelabError(
-            f"model.path: run {ref.name} left a LoRA adapter, not a merged model",
-            hint=f"start from its merged model: `homelab-dp export {ref.name} --format merged` "
-            "and point model.path at that folder (or train it with train.merge = true)",
-        )
-    model = replace(preset.model, path=str(ref.base), **{START_ADAPTER: str(ref.path)})
-    return replace(preset, model=model)
+    model = replace(preset.model, path=str(ref.base), adapter=str(ref.path))
+    # The new adapters sit on the merged start adapter: alone, with the base, they would be a
+    # different model, so the result is always merged (final/merged is what MODEL resolves to).
+    return replace(preset, model=model, train=replace(preset.train, merge=True))
 
 
 def with_local_model(preset: Preset, root: Path | None = None) -> tuple[Preset, ModelOrigin | None]:

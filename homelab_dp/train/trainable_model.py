@@ -212,7 +212,7 @@ def load_model(
 def start_adapter(preset: Preset) -> Path | None:
     """The LoRA adapter of an earlier run to merge into model.path as it loads (model.adapter,
     set when model.path names a LoRA run, `homelab_dp.runs.model_ref.with_run_model`), or None."""
-    adapter = str(getattr(preset.model, "adapter", "") or "")
+    adapter = preset.model.adapter
     return Path(adapter) if adapter else None
 
 

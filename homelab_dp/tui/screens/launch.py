@@ -157,6 +157,8 @@ class LaunchScreen(Screen[None]):
         )
         if get_current_worker().is_cancelled:  # the TUI was closed while preparing
             raise RuntimeError("launch cancelled")
+        for warning in prepared.warnings:
+            self.app.call_from_thread(self.app.notify, warning, severity="warning")
         options = {k: True for k, on in (("queue", queue), ("force", force)) if on}
         return self.controller.start(prepared, **options)
 

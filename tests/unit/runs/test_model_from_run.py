@@ -4,7 +4,6 @@ is merged into its base as the model loads (`train.trainable_model.merge_start_a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -12,11 +11,9 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.presets.preset import ModelSection, preset_from_dict
+from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.model_ref import config_folder, with_local_model
 from tests.integration.conftest import DEMO_DATA, DEMO_MODEL, make_run
-
-HAS_ADAPTER_FIELD = "adapter" in {f.name for f in dataclasses.fields(ModelSection)}
 
 
 def dpo_preset(model: str):
@@ -74,19 +71,13 @@ def test_an_ambiguous_prefix_is_refused(runs: Path) -> None:
         with_local_model(dpo_preset("2026010"), runs)
 
 
-@pytest.mark.skipif(not HAS_ADAPTER_FIELD, reason="model.adapter is not in the preset yet")
 def test_an_adapter_run_starts_from_its_base_with_the_adapter(runs: Path) -> None:
     preset, _ = with_local_model(dpo_preset("20260103"), runs)
     assert Path(preset.model.path) == DEMO_MODEL
     assert Path(preset.model.adapter) == runs / "20260103-000000-sft-cccc" / "final"
     assert config_folder("20260103", root=runs) == DEMO_MODEL
-
-
-@pytest.mark.skipif(HAS_ADAPTER_FIELD, reason="model.adapter is in the preset")
-def test_an_adapter_run_without_the_field_says_how_to_merge(runs: Path) -> None:
-    with pytest.raises(HomelabError, match="left a LoRA adapter") as info:
-        with_local_model(dpo_preset("20260103"), runs)
-    assert "export 20260103-000000-sft-cccc --format merged" in info.value.hint
+    # New adapters on a merged start adapter mean nothing beside the base alone: merged result.
+    assert preset.train.merge is True
 
 
 def test_the_start_adapter_is_merged_into_the_loaded_base(tmp_path: Path) -> None:
