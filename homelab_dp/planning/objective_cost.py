@@ -45,11 +45,15 @@ REFERENCE_OBJECTIVES = ("dpo", "kto")
 def resolve_reference(objective: str, reference: str, method: str) -> str:
     """The reference a run uses: "none" for SFT and ORPO; "auto" is adapters for LoRA and
     QLoRA (the same base, no second copy) and precompute for a full fine-tune (nothing held
-    while training); a named one stays (the preset's checks refuse adapters with full)."""
+    while training); a named one stays. One the method cannot have (adapters with a full
+    fine-tune, a copy with LoRA/QLoRA: the preset's checks refuse them when the method is
+    pinned) resolves as "auto" would, so the planner's what-ifs of another method price what
+    that method would run."""
     if objective not in REFERENCE_OBJECTIVES:
         return "none"
-    if reference == "auto":
-        return "adapters" if method in ("lora", "qlora") else "precompute"
+    lora = method in ("lora", "qlora")
+    if reference == "auto" or reference == ("copy" if lora else "adapters"):
+        return "adapters" if lora else "precompute"
     return reference
 
 

@@ -503,6 +503,19 @@ def fit_advice(
                 f"train.grad_accum = {accum} (effective batch {micro * hw.world_size * accum})."
             )
             break
+    if t.objective in ("dpo", "kto") and t.reference == "copy":
+        # The frozen copy is a whole model on every device; precomputing holds nothing.
+        pre = replace(preset, train=replace(t, reference="precompute"))
+        # Without offload first: what the plan would then choose if it fits.
+        for off in (("none", False), (best.offload, best.offload_activations)):
+            c = evaluate(spec, pre, hw, m, d, ck, calibration, offload=off[0],
+                         offload_activations=off[1])  # fmt: skip
+            if c.budget.total <= usable:
+                break
+        if c.budget.total <= usable:
+            out.append(f"Precomputed reference: train.reference = 'precompute' fits "
+                       f"({format_bytes(c.budget.total)} per device): one no-grad pass over "
+                       "the data before step 1 instead of a frozen copy on every device.")  # fmt: skip
     if m != "qlora" and preset.train.method not in ("auto", "qlora"):
         for qd in ("ddp", "fsdp-grad-op", "fsdp-full"):
             q = evaluate(spec, preset, hw, "qlora", qd, True)

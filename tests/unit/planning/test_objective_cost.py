@@ -20,7 +20,7 @@ from homelab_dp.planning.objective_cost import (
 )
 from homelab_dp.planning.planner import plan, plan_objective, train_shape
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
+from homelab_dp.probe.hardware import GiB, format_bytes, parse_gpus_spec
 from tests.unit.planning.test_model_spec import PUBLISHED
 
 SMOL = spec_from_config(PUBLISHED["SmolLM-135M"][0])
@@ -45,6 +45,10 @@ def test_reference_auto_resolves_by_method() -> None:
     assert resolve_reference("kto", "auto", "qlora") == "adapters"
     assert resolve_reference("dpo", "auto", "full") == "precompute"
     assert resolve_reference("dpo", "copy", "full") == "copy"
+    assert resolve_reference("dpo", "precompute", "qlora") == "precompute"
+    # What a method cannot have (a what-if of another method) resolves as auto would.
+    assert resolve_reference("dpo", "copy", "qlora") == "adapters"
+    assert resolve_reference("kto", "adapters", "full") == "precompute"
     assert resolve_reference("orpo", "adapters", "lora") == "none"
     assert resolve_reference("sft", "auto", "full") == "none"
 
@@ -139,3 +143,19 @@ def test_the_time_models_factor_of_a_shape() -> None:
     assert (unpacked.micro_batch, sequence_len(unpacked)) == (8, 512)
     sft = train_shape(_preset(), TWO_24, "lora", "ddp", False)
     assert sequence_len(sft) == 512 and shape_flops_factor(SMOL, sft) == 1.0
+
+
+def test_a_copy_that_does_not_fit_is_told_precompute_would() -> None:
+    # Qwen2-0.5B, full DPO under DDP on 2 × 14 GiB: the frozen fp32 copy (2 GB) tips it over.
+    qwen = spec_from_config(PUBLISHED["Qwen2-0.5B"][0])
+    cards = parse_gpus_spec("2x14GiB", 64 * GiB)
+
+    def planned(reference: str):
+        return plan(qwen, _preset(objective="dpo", method="full", reference=reference,
+                                  micro_batch=1, activation_checkpointing=True), cards)  # fmt: skip
+
+    copy, pre = planned("copy"), planned("precompute")
+    assert not copy.fits and pre.fits
+    line = next(a for a in copy.advice if a.startswith("Precomputed reference:"))
+    assert f"({format_bytes(pre.chosen.budget.total)} per device)" in line
+    assert not any(a.startswith("Precomputed reference:") for a in pre.advice)
