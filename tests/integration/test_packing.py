@@ -5,8 +5,10 @@ without clipping in fp64, so the update is lr × the gradient: packed (several s
 positions restarting at each, no attention mask) and padded (one sample a row, with a mask)
 give the same loss and the same update to fp64 rounding, on one process and on two. The data is
 ragged instruction data (outputs of 3 to 60 words) with seq_len above the longest sample, so
-nothing is truncated. The unit tests (tests/unit/train/test_attention.py) show, at the model level,
-that the old packing (one run of positions over a block) would differ measurably.
+nothing is truncated. Both go through homelab_packed (each sample attends alone, no mask; padded
+rows as their real tokens and their padding). The unit tests (tests/unit/train/test_attention.py,
+tests/unit/train/test_packed_attention.py) show, at the model level, that the old packing (one
+run of positions over a block) would differ measurably.
 """
 
 from __future__ import annotations
@@ -116,7 +118,9 @@ def one_step(root: Path, model: Path, data: Path, name: str, *, pack: bool, worl
     (start,) = events(rd, "start")  # the worker checked packing on the model before training
     assert start["packing"] == ("exact" if pack else "off")
     assert (start["packing_error"] is not None) == pack and (start["packing_error"] or 0) < 1e-9
-    assert start["attention"] == "sdpa" and "CUDA" in start["attention_reason"]
+    # Every run, packed or padded, attends each sample alone (train.packed_attention): no mask.
+    assert start["attention"] == "homelab_packed" and "CUDA" in start["attention_reason"]
+    assert "SDPA on each sample alone" in start["attention_reason"]
     return step, final_weights(rd)
 
 
