@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.errors import HardwareSpecError
-from homelab_dp.planning.memory.memory_calibration import data_dir
 from homelab_dp.probe.hardware import GpuLink, PlanHardware, pcie_bytes_per_s
 
 NVLINK_GB_PER_LINK: dict[tuple[int, int], tuple[str, float]] = {
@@ -199,8 +198,12 @@ def _safe(text: str) -> str:
 
 
 def gloo_cache_path(host: str, torch_version: str | None) -> Path:
-    """The cache file of one host and torch version, in a private folder of the data home."""
-    return data_dir() / "links" / f"gloo-{_safe(host)}-torch-{_safe(torch_version or 'none')}.json"
+    """The cache file of one host and torch version: ``$XDG_CACHE_HOME/homelab-dp/links/``
+    (``~/.cache`` by default), beside the token cache. A measurement can always be made again,
+    so it is a cache, not data: every data home on the host (a test's, a user's) shares it."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    name = f"gloo-{_safe(host)}-torch-{_safe(torch_version or 'none')}.json"
+    return base / "homelab-dp" / "links" / name
 
 
 def read_cached_gloo(host: str, torch_version: str | None) -> dict[str, Any] | None:

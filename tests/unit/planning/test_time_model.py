@@ -234,7 +234,10 @@ def test_network_names_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None
     assert rc == 0 and link["kind"] == "network" and link["value"] == ten.bytes_per_s
 
 
-def test_gloo_is_measured_once_and_cached_private(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gloo_is_measured_once_and_cached_private(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the session's cache may hold one
     hw = parse_gpus_spec("cpu:2", 8 * GiB)
     assumed = plan_link(hw, None, measure=False)  # nothing cached, nothing measured
     assert assumed.source == "table" and assumed.kind == "gloo"
@@ -244,14 +247,16 @@ def test_gloo_is_measured_once_and_cached_private(monkeypatch: pytest.MonkeyPatc
     assert measured.source == "measured" and measured.bytes_per_s == doc["bytes_per_s"]
     host = __import__("socket").gethostname()
     path = gloo_cache_path(host, doc["torch"])
+    assert path.is_relative_to(tmp_path)
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     write_cached_gloo("h", "1", {"bytes_per_s": 5.0})
     assert read_cached_gloo("h", "1") == {"bytes_per_s": 5.0}
 
 
 def test_one_cpu_measure_predicts_one_process_and_extrapolates_two(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a made-up gloo figure stays here
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     write_cached_gloo(__import__("socket").gethostname(), torch_version(),
