@@ -495,7 +495,10 @@ def fit_advice(
         seq //= 2
     if seq < preset.data.seq_len and fits(seq_len=seq):
         out.append(f"Shorter sequences: data.seq_len = {seq} fits (now {preset.data.seq_len}).")
+    per_device = t.micro_batch * t.grad_accum
     for micro in range(t.micro_batch - 1, 0, -1):
+        if per_device % micro:
+            continue  # the effective batch would change: the lr and schedule were set for it
         if fits(micro_batch=micro):
             accum = math.ceil(t.micro_batch * t.grad_accum / micro)
             out.append(
