@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from homelab_dp.planning.flops import (
@@ -42,7 +42,7 @@ from homelab_dp.planning.flops import (
     peak_flops,
 )
 from homelab_dp.planning.links import NO_LINK, LinkSpeed
-from homelab_dp.planning.memory.device_memory import Budget, comm_bytes_per_step
+from homelab_dp.planning.memory.device_memory import comm_bytes_per_step
 from homelab_dp.planning.memory.train_shape import (
     TrainShape,
     compute_width,
@@ -222,7 +222,6 @@ def predict(
     *,
     link: LinkSpeed = NO_LINK,
     rate: ComputeRate,
-    budget: Budget | None = None,
     offload_seconds: float = 0.0,
 ) -> Prediction:
     """The time model's answer for one option ``shape`` of ``spec`` on ``hw``.
@@ -230,10 +229,9 @@ def predict(
     ``link``: the slowest hop of the ring (`homelab_dp.planning.links.ring_link`,
     ``gloo_link`` on the CPU, ``parse_network`` across machines); ``rate``: the achieved
     compute (`homelab_dp.planning.speed_calibration.SpeedStore.rate_for`); ``offload_seconds``:
-    the offload's PCIe seconds per step (`homelab_dp.planning.memory.offload_cost`). ``budget``
-    is accepted for callers that have one; the bytes are recomputed by collective.
+    the offload's PCIe seconds per step (`homelab_dp.planning.memory.offload_cost`). The bytes come from
+    `comm_parts`, collective by collective.
     """
-    del budget  # the bytes come from comm_parts, collective by collective
     per_token = step_flops_per_token(spec, shape)
     fwd_share = min(1.0, forward_flops_per_token(spec, shape) / per_token) if per_token else 0.0
     micro_tokens = shape.micro_batch * shape.seq_len
@@ -329,8 +327,3 @@ def _assumptions(hw: PlanHardware, rate: ComputeRate, slow: DeviceRate,
                                    "words": "model FLOP/s of the slowest device"}  # fmt: skip
     out["link"] = link.to_json()
     return out
-
-
-def with_accumulation(shape: TrainShape, grad_accum: int) -> TrainShape:
-    """``shape`` with another accumulation (what the advice tries)."""
-    return replace(shape, grad_accum=grad_accum)
