@@ -221,8 +221,9 @@ def record_speed(
     ``tokens_per_s``: measured, every rank together (after the first steps: the steady state).
     ``step_seconds`` and ``compute_seconds`` (the step's time and its part not waiting on
     communication, as step events give them): with both, the exposed communication is taken
-    out, so the record is the compute rate alone; without them (one process, or not measured)
-    the whole step counts as compute. Nothing is recorded for a plan of hardware that is not
+    out, so the record is the compute rate alone; without them the exposed communication the
+    plan predicted is taken out instead (at most half the step; one process has none).
+    Nothing is recorded for a plan of hardware that is not
     here (no fingerprint), a plan made before the time model (no ``predicted`` block), or a
     non-positive speed.
     """
@@ -239,6 +240,11 @@ def record_speed(
     per_device = tokens_per_s / world * float(per_token)
     if step_seconds and compute_seconds and 0 < compute_seconds <= step_seconds:
         per_device *= step_seconds / compute_seconds  # the step less its exposed communication
+    elif world > 1 and predicted.get("exposed_comm_seconds") and predicted.get("tokens_per_step"):
+        # not measured: take out the communication the plan predicted (at most half the step)
+        step = float(predicted["tokens_per_step"]) / tokens_per_s
+        compute = max(step - float(predicted["exposed_comm_seconds"]), step / 2)
+        per_device *= step / compute
     device = str(predicted.get("pace_device") or "")
     threads = assumed.get("threads_per_process") if kind == "cpu" else None
     record = SpeedRecord(

@@ -284,3 +284,18 @@ def test_one_cpu_measure_predicts_one_process_and_extrapolates_two(
     after = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
     assert after is not None
     assert after.compute_seconds == pytest.approx(after.tokens_per_step / 2 / (3000.0 / 2 / 0.5))
+
+
+def test_a_run_without_its_communication_measured_leaves_the_predicted_one_out() -> None:
+    doc = {"calibration": {"fingerprint": "cpu | x | torch 1"}, "method": "full",
+           "distribution": "ddp", "hardware": {"kind": "cpu"}, "model": SPEC.summary(),
+           "training": {"world_size": 2, "activation_checkpointing": False},
+           "predicted": {"flops_per_token": 1e9, "tokens_per_step": 1000,
+                         "exposed_comm_seconds": 0.25, "assumptions": {"threads_per_process": 1}}}  # fmt: skip
+    record_speed(doc, tokens_per_s=1000.0)  # a 1.0 s step, 0.25 s of it predicted communication
+    (r,) = SpeedStore().records
+    assert r.flops_per_s == pytest.approx(1000.0 / 2 * 1e9 / 0.75) and r.threads == 1
+    # a prediction of more than half the step takes out half at most
+    record_speed({**doc, "predicted": {**doc["predicted"], "exposed_comm_seconds": 0.9}},
+                 tokens_per_s=1000.0)  # fmt: skip
+    assert SpeedStore().records[-1].flops_per_s == pytest.approx(1000.0 / 2 * 1e9 / 0.5)
