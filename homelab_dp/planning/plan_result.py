@@ -17,6 +17,7 @@ from homelab_dp.planning.memory.memory_calibration import (
 )
 from homelab_dp.planning.memory.offload_cost import OffloadCost
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.objective_cost import ObjectiveCost
 from homelab_dp.planning.plan_reasons import LrAdvice
 from homelab_dp.planning.time_model import Prediction
 from homelab_dp.probe.hardware import PlanHardware
@@ -169,6 +170,9 @@ class Plan:
     idle: Candidate | None = None
     """What the plan would choose on the same cards idle, when other processes hold memory
     that cuts a card's budget (None: every card budgeted whole, or nothing held)."""
+    objective: ObjectiveCost | None = None
+    """What a preference objective (dpo, orpo, kto) costs in the chosen option: the resolved
+    reference, the rows of a micro-batch, the extra no-grad forwards (None for sft)."""
     speed_advice: tuple[str, ...] = ()
     """What the time model says of the chosen option's speed and scaling, in words
     (`homelab_dp.planning.speed_plan`); `plan --json` lists it after `advice`."""
@@ -248,6 +252,7 @@ class Plan:
             "micro_batch_finder": self.fit.to_json() if self.fit else None,
             "host": self.host.to_json() if self.host else None,
             "predicted": pred.to_json() if (pred := self.chosen.predicted) else None,
+            "objective": self.objective.to_json() if self.objective else None,
         }
 
     def _calibration_json(self) -> dict[str, Any]:

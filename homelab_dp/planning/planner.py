@@ -495,10 +495,11 @@ def plan(
     reasons = choice_reasons(spec, preset, hw, best_effort, first if later else tried, dtype,
                              SAFETY_MARGIN, only_offload=later)  # fmt: skip
     reasons += host_short_reasons(short, host_available)
+    objective = None
     if preset.train.objective != "sft":  # what the objective costs (`planning.objective_cost`)
         shape = _shape_of(preset, hw, best_effort)
-        reasons += objective_reasons(plan_objective(spec, preset, hw, best_effort),
-                                     logits_bytes(spec, shape))  # fmt: skip
+        objective = plan_objective(spec, preset, hw, best_effort)
+        reasons += objective_reasons(objective, logits_bytes(spec, shape))
     reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:
@@ -533,6 +534,7 @@ def plan(
         calibration=calibration,
         measured=measured,
         idle=idle,
+        objective=objective,
     )
 
 

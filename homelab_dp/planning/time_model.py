@@ -50,6 +50,7 @@ from homelab_dp.planning.memory.train_shape import (
     trainable_params,
 )
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.objective_cost import sequence_len, shape_flops_factor
 from homelab_dp.planning.speed_calibration import ComputeRate
 from homelab_dp.probe.hardware import PlanHardware
 
@@ -134,15 +135,21 @@ def forward_flops_per_token(spec: ModelSpec, shape: TrainShape) -> float:
 
 
 def step_flops_per_token(spec: ModelSpec, shape: TrainShape) -> float:
-    """Model FLOPs per trained token of ``shape`` (forward, backward, recomputation)."""
-    return flops_per_token(
+    """Model FLOPs per trained token of ``shape`` (forward, backward, recomputation), times
+    what its objective adds (a preference objective's reference and KL forwards:
+    `homelab_dp.planning.objective_cost.shape_flops_factor`); a packed preference row's
+    attention spans one sequence of it, not the row."""
+    per_token = flops_per_token(
         spec,
         method=shape.method,
         activation_checkpointing=shape.activation_checkpointing,
-        attention_span=causal_span(shape.seq_len),
+        attention_span=causal_span(sequence_len(shape)),
         lora_r=shape.lora_r,
         lora_targets=lora_targets_of(shape),
     )
+    if shape.objective == "sft":
+        return per_token
+    return per_token * shape_flops_factor(spec, shape)
 
 
 @dataclass(frozen=True)
