@@ -11,7 +11,8 @@ plan of every point (strategy × accumulation × 1 and 2 processes) is made *bef
 runs (a completed run recalibrates the store: planning them first keeps every figure a
 prediction); then every point runs through the console script (``homelab-dp run PRESET --gpus
 cpu:N --set …``) and is measured after its third step (`homelab_dp.runs.preset_results.
-steady_speed`: the median of the step events after step 3).
+steady_speed`: the median of the step events after step 3). OpenMP waits passively
+(``OMP_WAIT_POLICY=PASSIVE`` unless set): see tests/integration/test_scaling_prediction.py.
 
 - **models**: ``tiny`` is assets/models/tiny-llama as shipped; ``s``, ``m``, ``l`` are random
   LLaMAs of the demo family (the demo tokenizer's 2048 tokens, GQA) written to a temporary
@@ -87,7 +88,7 @@ def preset_toml(model: Path, a: argparse.Namespace) -> str:
         f'[data]\npath = "{DATA}"\nseq_len = {a.seq_len}\npack = true\n\n'
         f'[train]\nmethod = "full"\ndistribution = "ddp"\nmicro_batch = {a.micro}\n'
         f"grad_accum = 1\nmax_steps = {a.steps}\nlog_every = 1\ncheckpoint_every = 0\n"
-        f'lr = 1e-4\nactivation_checkpointing = false\n\n'
+        f"lr = 1e-4\nactivation_checkpointing = false\n\n"
         f'[hardware]\ndevices = "{a.devices}"\nnproc = 1\n'
     )
 
@@ -154,6 +155,9 @@ def bench_size(size: str, tmp: Path, a: argparse.Namespace) -> list[dict[str, An
     env = {**os.environ, "XDG_DATA_HOME": str(home / "data"), "XDG_CACHE_HOME": str(home / "c"),
            "HOMELAB_DP_RUNS": str(runs)}  # fmt: skip
     env.pop("HOMELAB_DP_FAULT", None)
+    # OpenMP threads that spin at each barrier collapse on a shared machine (one process's two
+    # threads ran 10-25× slower here while other work held a core): wait passively.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     config = SIZES[size]
     model = DEMO
     if config is not None:
