@@ -369,3 +369,26 @@ def test_reference_key_follows_model_data_and_dtype(tmp_path: Path) -> None:
     before = key()
     (folder / "config.json").write_text('{"model_type": "mistral"}')
     assert key() != before
+
+
+def test_reference_kind_auto_and_refusals() -> None:
+    from homelab_dp.errors import HomelabError
+    from homelab_dp.presets.preset import preset_from_dict
+    from homelab_dp.train.objectives.reference import reference_kind
+
+    def preset(objective: str, reference: str = "auto") -> Any:
+        return preset_from_dict({"model": {"path": str(TINY)}, "data": {"path": "x.jsonl"},
+                                 "train": {"objective": objective, "reference": reference}})  # fmt: skip
+
+    assert reference_kind(preset("dpo"), "lora") == "adapters"
+    assert reference_kind(preset("kto"), "qlora") == "adapters"
+    assert reference_kind(preset("dpo"), "full") == "precompute"
+    assert reference_kind(preset("dpo", "copy"), "full") == "copy"
+    assert reference_kind(preset("dpo", "precompute"), "lora") == "precompute"
+    assert reference_kind(preset("orpo"), "full") is None
+    assert reference_kind(preset("sft"), "lora") is None
+    with pytest.raises(HomelabError, match="train.reference = 'adapters'") as err:
+        reference_kind(preset("dpo", "adapters"), "full")
+    assert "precompute" in err.value.hint
+    with pytest.raises(HomelabError, match="train.reference = 'copy'"):
+        reference_kind(preset("dpo", "copy"), "qlora")
