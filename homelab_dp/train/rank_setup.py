@@ -46,8 +46,8 @@ from homelab_dp.train.objectives.reference import (
     frozen_copy,
     prepare_precomputed,
     reference_key,
-    reference_kind,
 )
+from homelab_dp.train.objectives.reference_choice import reference_kind
 from homelab_dp.train.packing_check import check_model
 from homelab_dp.train.quantized_load import build_on_meta, has_routed_experts
 from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32

@@ -36,32 +36,7 @@ from homelab_dp.train.evaluation import rank_batches
 from homelab_dp.train.objectives.pair_batch import PairBatch, PairData, batch_of, forward_logps
 
 log = logging.getLogger("homelab_dp.worker")
-REFERENCE_OBJECTIVES = ("dpo", "kto")
-"""The objectives with a reference model (ORPO needs none)."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def reference_kind(preset: Any, method: str) -> str | None:
-    """``train.reference`` resolved for a run of ``method``; None for an objective without one.
-    Raises HomelabError for a choice the method cannot have."""
-    train = preset.train
-    if train.objective not in REFERENCE_OBJECTIVES:
-        return None
-    want = train.reference
-    lora = method in ("lora", "qlora")
-    if want == "auto":
-        return "adapters" if lora else "precompute"
-    if want == "adapters" and not lora:
-        raise HomelabError(
-            f"train.reference = 'adapters' needs LoRA or QLoRA (train.method is {method!r})",
-            hint="set train.reference = 'precompute' (or 'copy') for a full fine-tune",
-        )
-    if want == "copy" and lora:
-        raise HomelabError(
-            "train.reference = 'copy' is for a full fine-tune: LoRA's reference is its base",
-            hint="set train.reference = 'adapters' (or 'auto')",
-        )
-    return want
 
 
 class AdapterReference:

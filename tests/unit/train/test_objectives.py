@@ -374,7 +374,7 @@ def test_reference_key_follows_model_data_and_dtype(tmp_path: Path) -> None:
 def test_reference_kind_auto_and_refusals() -> None:
     from homelab_dp.errors import HomelabError
     from homelab_dp.presets.preset import preset_from_dict
-    from homelab_dp.train.objectives.reference import reference_kind
+    from homelab_dp.train.objectives.reference_choice import reference_kind
 
     def preset(objective: str, reference: str = "auto") -> Any:
         return preset_from_dict({"model": {"path": str(TINY)}, "data": {"path": "x.jsonl"},
