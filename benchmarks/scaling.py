@@ -20,9 +20,11 @@ steady_speed`: the median of the step events after step 3). OpenMP waits passive
 - **preset**: a full fine-tune in fp32 of packed blocks of the demo instruction data,
   ``--micro`` blocks of ``--seq-len`` per process, a step event every step, no checkpoint
   before the end.
+- **points**: per accumulation, one process (no wrapper, whatever the strategy: the plan
+  refuses FSDP on one device), then each strategy on 2 processes.
 - **columns**: predicted and measured tokens/s (every process together), their ratio − 1;
-  the speedup of 2 processes over 1 of the same strategy and accumulation, predicted (the plan's
-  ``speedup_vs_one_device``) and measured (2-process tokens/s ÷ 1-process tokens/s); the
+  the speedup of 2 processes over the 1-process run of the same accumulation, predicted (the
+  plan's ``speedup_vs_one_device``) and measured (2-process tokens/s ÷ 1-process tokens/s); the
   measured share of the step spent waiting on communication (step events' ``compute_seconds``,
   `homelab_dp.train.comm_timing`; "-" when the worker did not log it).
 
@@ -166,7 +168,10 @@ def bench_size(size: str, tmp: Path, a: argparse.Namespace) -> list[dict[str, An
     preset = home / "scaling.toml"
     preset.write_text(preset_toml(model, a), encoding="utf-8")
     cli(env, "measure", str(preset), "--gpus", f"{a.devices}:1", "--steps", str(a.measure_steps))
-    points = [(s, acc, n) for s in a.strategies for acc in a.accum for n in (1, 2)]
+    # One process runs no wrapper whatever the strategy (the plan refuses FSDP on one device):
+    # each accumulation's 1-process run is the reference of every strategy's 2-process run.
+    points = [("ddp", acc, 1) for acc in a.accum]
+    points += [(s, acc, 2) for s in a.strategies for acc in a.accum]
     plans = {p: planned(env, preset, point_args(*p, a.devices)) for p in points}
     rows = []
     for p in points:
@@ -178,8 +183,8 @@ def bench_size(size: str, tmp: Path, a: argparse.Namespace) -> list[dict[str, An
               f"{plans[p].get('tokens_per_s') or 0:.0f}, measured {m['tokens_per_s']:.0f} tok/s",
               file=sys.stderr, flush=True)  # fmt: skip
     for row in rows:  # measured speedup: against the 1-process run of the same point
-        one = next(r for r in rows if r["strategy"] == row["strategy"]
-                   and r["grad_accum"] == row["grad_accum"] and r["processes"] == 1)  # fmt: skip
+        one = next(r for r in rows if r["grad_accum"] == row["grad_accum"]
+                   and r["processes"] == 1)  # fmt: skip
         row["measured_speedup"] = row["measured"]["tokens_per_s"] / one["measured"]["tokens_per_s"]
         pred = row["predicted"].get("tokens_per_s")
         row["error"] = row["measured"]["tokens_per_s"] / pred - 1.0 if pred else None
