@@ -66,6 +66,19 @@ class Objective(Protocol):
         ...
 
 
+class PairEvaluation(Protocol):
+    """What a preference objective adds for the in-training evaluation of held-out pairs
+    (`train.evaluation.evaluate_pairs`); SFT's eval is the token loss (`train.evaluation`)."""
+
+    def eval_units(self, pairs: Any) -> torch.Tensor:
+        """Per-block unit counts of `train.objectives.pair_batch.PairData`, as `units`."""
+        ...
+
+    def eval_sums(self, model: Any, pairs: Any, idx: torch.Tensor, device: Any) -> torch.Tensor:
+        """The metric sums of the blocks ``idx`` without a backward (no grad, eval mode)."""
+        ...
+
+
 def objective_for(preset: Preset, *, method: str, reference: Any = None) -> Objective:
     """The objective ``preset.train.objective`` names, for a run of ``method`` (full, lora,
     qlora); ``reference`` is the `train.objectives.reference.Reference` of DPO/KTO."""
