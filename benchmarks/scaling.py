@@ -28,7 +28,7 @@ steady_speed`: the median of the step events after step 3). OpenMP waits passive
   measured share of the step spent waiting on communication (step events' ``compute_seconds``,
   `homelab_dp.train.comm_timing`; "-" when the worker did not log it).
 
-On a GPU host pass ``--gpus`` counts there instead (``--devices cuda``); nothing else changes.
+On a GPU host ``--devices cuda`` runs the points on cards 0 and 0,1 (``--gpus``), still fp32.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def preset_toml(model: Path, a: argparse.Namespace) -> str:
         f'[data]\npath = "{DATA}"\nseq_len = {a.seq_len}\npack = true\n\n'
         f'[train]\nmethod = "full"\ndistribution = "ddp"\nmicro_batch = {a.micro}\n'
         f"grad_accum = 1\nmax_steps = {a.steps}\nlog_every = 1\ncheckpoint_every = 0\n"
-        f"lr = 1e-4\nactivation_checkpointing = false\n\n"
-        f'[hardware]\ndevices = "{a.devices}"\nnproc = 1\n'
+        f"lr = 1e-4\nactivation_checkpointing = false\n"
+        + ('\n[hardware]\ndevices = "cpu"\nnproc = 1\n' if a.devices == "cpu" else "")
     )
 
 
@@ -106,7 +106,8 @@ def cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
 
 def point_args(strategy: str, accum: int, procs: int, devices: str) -> list[str]:
     """The command-line arguments of one point."""
-    return ["--gpus", f"{devices}:{procs}", "--set", f"train.distribution={strategy}",
+    gpus = f"cpu:{procs}" if devices == "cpu" else ",".join(str(i) for i in range(procs))
+    return ["--gpus", gpus, "--set", f"train.distribution={strategy}",
             "--set", f"train.grad_accum={accum}"]  # fmt: skip
 
 
@@ -167,7 +168,8 @@ def bench_size(size: str, tmp: Path, a: argparse.Namespace) -> list[dict[str, An
         build_model(model, config)
     preset = home / "scaling.toml"
     preset.write_text(preset_toml(model, a), encoding="utf-8")
-    cli(env, "measure", str(preset), "--gpus", f"{a.devices}:1", "--steps", str(a.measure_steps))
+    cli(env, "measure", str(preset), *point_args("ddp", 1, 1, a.devices)[:2], "--steps",
+        str(a.measure_steps))  # fmt: skip
     # One process runs no wrapper whatever the strategy (the plan refuses FSDP on one device):
     # each accumulation's 1-process run is the reference of every strategy's 2-process run.
     points = [("ddp", acc, 1) for acc in a.accum]
