@@ -7,7 +7,7 @@ events' ``comm_seconds``/``compute_seconds``), and both completed runs are recor
 preset (measured beside predicted) and in the time model's calibration.
 
 Three torchrun launches in all (the measure, the 1-process run, the 2-process run), of a
-3.2M-parameter LLaMA (vs_hf_trainer's: big enough that a step is matrix products rather than
+4.2M-parameter LLaMA (vs_hf_trainer's: big enough that a step is matrix products rather than
 Python) on packed blocks of 256 tokens.
 
 OpenMP waits passively here (``OMP_WAIT_POLICY=PASSIVE``, which the launcher passes on): the
@@ -88,7 +88,7 @@ def test_plans_predict_real_runs_within_30_percent(
         assert doc["training"]["world_size"] == n
         predicted[n] = doc["predicted"]
     assert predicted[1]["comm_seconds"] == 0.0
-    assert predicted[2]["comm_seconds"] > 0.0  # gloo's all-reduce of 3.2M fp32 gradients
+    assert predicted[2]["comm_seconds"] > 0.0  # gloo's all-reduce of 4.2M fp32 gradients
     assumptions = json.dumps(predicted[2].get("assumptions") or doc.get("assumptions"))
     assert "calibrated" in assumptions and "measured" in assumptions  # compute; gloo link
 
