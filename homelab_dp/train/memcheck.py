@@ -26,6 +26,7 @@ from typing import Any
 
 from homelab_dp import json_safe
 from homelab_dp.data.blocks import Example, build_blocks
+from homelab_dp.planning.attention_rule import choose_attention
 from homelab_dp.planning.memory.device_memory import Budget, TrainShape, budget
 from homelab_dp.planning.model_spec import spec_from_config
 from homelab_dp.presets.preset import preset_from_dict
@@ -147,7 +148,7 @@ def shape_of(case: Case) -> TrainShape:
         lora_r=LORA_R, distribution="ddp", world_size=1, device="cpu", dtype="fp32",
         micro_batch=case.micro_batch, seq_len=case.seq_len, grad_accum=case.grad_accum,
         activation_checkpointing=case.activation_checkpointing, optimizer="adamw",
-        packed=not case.padded, attention="sdpa",
+        packed=not case.padded, attention=choose_attention("cpu", "fp32")[0],
     )  # fmt: skip
 
 

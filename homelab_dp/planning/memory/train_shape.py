@@ -46,8 +46,9 @@ class TrainShape:
     lora_targets: str | tuple[str, ...] = "all-linear"
     packed: bool = True
     """data.pack: whole samples per row, positions restarting (no mask); else padded rows."""
-    attention: Literal["sdpa", "flash_attention_2"] = "sdpa"
-    """`train.attention`'s kernel; SDPA gets a mask on packed batches too, FlashAttention none."""
+    attention: Literal["sdpa", "homelab_packed", "flash_attention_2"] = "sdpa"
+    """`train.attention`'s kernel: SDPA gets a mask on packed batches too (and repeats GQA's
+    key/value heads); homelab_packed (each sample alone) and FlashAttention neither."""
     target_share: float = 1.0
     """Largest share of a block's tokens that are targets (the chunked loss keeps only those);
     1.0, an upper bound, until the data has been read."""
@@ -83,7 +84,8 @@ def is_fsdp(shape: TrainShape) -> bool:
 
 
 def attention_masked(shape: TrainShape) -> bool:
-    """Whether attention gets a b·s² mask: SDPA on padded and on packed batches alike."""
+    """Whether attention gets a b·s² mask: SDPA on padded and on packed batches alike
+    (homelab_packed and FlashAttention attend each sample without one)."""
     return shape.attention == "sdpa"
 
 

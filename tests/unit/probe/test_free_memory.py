@@ -125,7 +125,7 @@ def test_a_run_that_fits_only_idle_cards_says_so_and_names_the_holders(
     assert j["advice"][0] == (
         "Fits when the other processes are gone: 6.25 GiB held on GPU 1 (NVIDIA GeForce RTX "
         "3090) by python3 (pid 48211, 6.00 GiB). On the idle cards: full fine-tune with DDP "
-        "(each device holds a full copy), without activation checkpointing, 18.5 GiB per device."
+        "(each device holds a full copy), without activation checkpointing, 18.0 GiB per device."
     )  # card 0's desktop session leaves enough free: not named as a cause
     rc, out, _ = run_cli(capsys, "plan", "qwen2-0.5b-full-ddp", "--set", "hardware.devices=auto",
                          *(a for o in FITS_ONLY_IDLE for a in ("--set", o)))  # fmt: skip
@@ -175,8 +175,15 @@ def test_a_recording_without_processes_plans_as_before(
     assert all(d.processes is None for d in old.hardware.devices)  # recorded before processes
     j, w = old.to_json(), what_if.to_json()
     assert j["fits"] and j["fits_when_idle"] and old.idle is None
-    for key in ("method", "distribution", "per_device_bytes", "candidates", "advice"):
+    for key in ("method", "distribution", "per_device_bytes"):
         assert j[key] == w[key], key
+
+    # Memory alike; speed may differ: the probed pair's NVLink against a what-if's assumed PCIe.
+    def memory_of(candidates: list[dict]) -> list[dict]:
+        return [{k: v for k, v in c.items() if k != "predicted"} for c in candidates]
+
+    assert memory_of(j["candidates"]) == memory_of(w["candidates"])
+    assert old.advice == what_if.advice
     assert (
         j["reasons"][0] == w["reasons"][0]
         and "22.8 GiB usable after a 5% margin" in j["reasons"][0]
