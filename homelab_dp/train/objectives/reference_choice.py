@@ -9,9 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from homelab_dp.errors import HomelabError
-
-REFERENCE_OBJECTIVES = ("dpo", "kto")
-"""The objectives with a reference model (ORPO needs none)."""
+from homelab_dp.planning.objective_cost import REFERENCE_OBJECTIVES, resolve_reference
 
 
 def reference_kind(preset: Any, method: str) -> str | None:
@@ -22,8 +20,6 @@ def reference_kind(preset: Any, method: str) -> str | None:
         return None
     want = train.reference
     lora = method in ("lora", "qlora")
-    if want == "auto":
-        return "adapters" if lora else "precompute"
     if want == "adapters" and not lora:
         raise HomelabError(
             f"train.reference = 'adapters' needs LoRA or QLoRA (train.method is {method!r})",
@@ -34,4 +30,4 @@ def reference_kind(preset: Any, method: str) -> str | None:
             "train.reference = 'copy' is for a full fine-tune: LoRA's reference is its base",
             hint="set train.reference = 'adapters' (or 'auto')",
         )
-    return want
+    return resolve_reference(train.objective, want, method)  # the planner's rule, one place
