@@ -94,6 +94,7 @@ def train_curve(method: str, variant: str, steps: int) -> dict[str, Any]:
 
     from homelab_dp.train.lora import param_bytes
     from homelab_dp.train.memcheck import single_rank_group
+    from homelab_dp.train.objectives.sft import micro_step
     from homelab_dp.train.strategy import (
         build_optimizer,
         build_scheduler,
@@ -101,7 +102,7 @@ def train_curve(method: str, variant: str, steps: int) -> dict[str, Any]:
         wrap_model,
     )
     from homelab_dp.train.trainable_model import load_model
-    from homelab_dp.train.training_loop import micro_step, optimizer_step
+    from homelab_dp.train.training_loop import optimizer_step
 
     preset, resolved, d = _setup(method, steps)
     cpu = torch.device("cpu")

@@ -83,8 +83,9 @@ def _estimate(model: Path, spec: Any) -> int:
 def _one(model: Path, device: Any, name: str, spec: Any, batches: list[Any]) -> dict[str, Any]:
     import torch
 
+    from homelab_dp.train.objectives.sft import micro_step
     from homelab_dp.train.rank_setup import Rank, build_model
-    from homelab_dp.train.training_loop import micro_step, optimizer_step
+    from homelab_dp.train.training_loop import optimizer_step
 
     cuda = device.type == "cuda"
     if cuda:

@@ -54,10 +54,10 @@ from homelab_dp.runs.run_events import (
 from homelab_dp.runs.run_spec import RunSpec
 from homelab_dp.runs.run_view import StragglerDetector
 from homelab_dp.train.checkpoints import mark_best, save_checkpoint, save_result
+from homelab_dp.train.comm_timing import comm_event_fields
 from homelab_dp.train.divergence import SkippedSteps, check_loss, require_finite_weights
 from homelab_dp.train.evaluation import Validator
 from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
-from homelab_dp.train.objectives.sft import micro_step  # noqa: F401  (train.memcheck, tests)
 from homelab_dp.train.rank_setup import SetUp
 from homelab_dp.train.sample_answers import Sampler
 from homelab_dp.train.strategy import rank_slices
@@ -303,7 +303,9 @@ class Trainer:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         now = time.time()
-        rows = self.stats.gather(sums, time.perf_counter() - t0)
+        # The step's communication was read off the strategy's timer only now (a logged step).
+        comm = self.model.strategy.comm.read()
+        rows = self.stats.gather(sums, time.perf_counter() - t0, comm)
         n = len(self.objective.metrics)
         totals = [sum(row[j] for row in rows) for j in range(n)]
         fields = self.objective.fields(totals, counts)
@@ -325,7 +327,7 @@ class Trainer:
             step_time_s=now - wall0, rank_step_times_s=[row[n] for row in rows],
             peak_memory_bytes=[int(row[n + 1]) for row in rows], peak_memory_kind=self.memory_kind,
             tokens=self.tokens, samples=step * r.effective, mfu=self.flops.mfu(tokens_per_s),
-            aux_loss=aux_loss, **fields,
+            aux_loss=aux_loss, **fields, **comm_event_fields(rows, r.world),
         ))  # fmt: skip
         for slow in self.stragglers.update([row[n] for row in rows]):
             self.events.write(

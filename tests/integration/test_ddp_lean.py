@@ -72,9 +72,9 @@ def _train(root: Path, rank: int, world: int, lean: bool, accum: int) -> dict[st
     from torch.nn.parallel import DistributedDataParallel
 
     from homelab_dp.train.memtrack import MemoryProbe, model_state
+    from homelab_dp.train.objectives.sft import micro_step
     from homelab_dp.train.strategy import Strategy, build_optimizer, wrap_model
     from homelab_dp.train.trainable_model import load_model
-    from homelab_dp.train.training_loop import micro_step
 
     preset, resolved, device = _preset(root, accum), _resolved(world, accum), torch.device("cpu")
     torch.manual_seed(0)
