@@ -24,7 +24,9 @@ from homelab_dp.planning.memory.device_memory import PHASES
 from homelab_dp.planning.memory.memory_calibration import CalibrationStore, Measurement
 from homelab_dp.planning.planner import plan_objective
 from homelab_dp.planning.speed_calibration import record_speed
-from homelab_dp.runs.run_events import MemoryEvent, StepEvent, parse_event
+from homelab_dp.runs.preset_results import steady_speed
+from homelab_dp.runs.run_events import MemoryEvent, parse_event
+from homelab_dp.runs.run_spec import MEASURED_STEPS
 
 DEFAULT_STEPS = 3
 """Enough for the steady state: the optimizer state exists after step 1, DDP rebuilds its
@@ -104,7 +106,7 @@ def measure(
     if steps < 1:
         raise HomelabError(f"--steps {steps}: must be at least 1", hint="e.g. --steps 3")
     controller = controller or make_controller()
-    # log_every=1: the last step's tokens/s is its own (steady state), not a mean since step 1
+    # log_every=1: each step's tokens/s is its own, not a mean since step 1
     sets = [*(overrides or []), f"train.max_steps={steps}", "train.checkpoint_every=0",
             "train.log_every=1"]  # fmt: skip
     prepared = controller.prepare(preset_ref, overrides=sets, gpus=gpus, force=force)
@@ -135,17 +137,20 @@ def measure(
 
 
 def _record_speed(run_dir: Path, plan_doc: dict[str, Any], run_id: str) -> Path | None:
-    """Record the measure run's last step speed for the time model
-    (`homelab_dp.planning.speed_calibration`): later plans on this machine price compute at it."""
-    last = None
-    for doc in _events(run_dir):
-        if isinstance(parse_event(doc), StepEvent) and doc.get("tokens_per_s"):
-            last = doc
-    if last is None:
+    """Record the measure run's speed for the time model
+    (`homelab_dp.planning.speed_calibration`): later plans on this machine price compute at it.
+    The median of the steps after the tracked ones (`train.memtrack.MEASURED_STEPS`: tracking
+    every tensor slows a CPU step by a third), else of the steps after the first: one step
+    alone varies by tens of percent on a shared CPU."""
+    events = _events(run_dir)
+    steps = [int(e.get("step") or 0) for e in events if e.get("type") == "step"]
+    untracked = any(s > MEASURED_STEPS for s in steps)
+    speed = steady_speed(events, after=MEASURED_STEPS if untracked else 1)
+    if speed is None:
         return None
-    return record_speed(plan_doc, tokens_per_s=float(last["tokens_per_s"]), source="measure",
-                        run_id=run_id, step_seconds=last.get("step_time_s"),
-                        compute_seconds=last.get("compute_seconds"))  # fmt: skip
+    return record_speed(plan_doc, tokens_per_s=float(speed["tokens_per_s"]), source="measure",
+                        run_id=run_id, step_seconds=speed["step_seconds"],
+                        compute_seconds=speed["compute_seconds"])  # fmt: skip
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:

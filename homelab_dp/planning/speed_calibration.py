@@ -19,6 +19,7 @@ torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +39,12 @@ DEFAULT_GPU_FACTOR = 0.35
 0.5–8B models reach on one card with fused attention and a chunked loss (30–45% is typical;
 the lower end, so a first plan promises no more than a card usually gives)."""
 
+CPU_THREAD_SCALING = 0.0
+"""How a CPU process's speed grows with its OpenMP threads until two thread counts have been
+measured here: not at all. Measured on a 2-core machine (a 4.2M-parameter LLaMA, packed blocks
+of 256 tokens, OpenMP waiting passively as CPU runs do): one process with 2 threads ran at
+3,243 tokens/s, each of 2 processes with 1 thread at about 3,000; processes scale on the CPU,
+a second thread in one process did not."""
 DEFAULT_CPU_FLOPS_PER_THREAD = 4e9
 """Model FLOP/s one CPU thread achieves in fp32 training before anything is measured: a
 conservative guess (a recent AVX2 core peaks at 50–100 GFLOP/s, but training a small model
@@ -115,6 +122,19 @@ class ComputeRate:
     """"table" (the stated default) or "calibrated" (measured runs on this machine)."""
     words: str
     """Where it came from, for people."""
+    threads: int | None = None
+    """CPU, calibrated: the threads per process the rate was measured with (None: the
+    per-thread default, taken as linear in threads)."""
+    thread_scaling: float = 1.0
+    """CPU, calibrated: how a process's rate grows with its threads, as (t / threads) to this
+    power; fitted from records at two thread counts, else `CPU_THREAD_SCALING`."""
+
+    def cpu_process_flops(self, threads: int) -> float:
+        """CPU: one process's achieved FLOP/s with ``threads`` threads."""
+        per = self.flops_per_thread or 0.0
+        if not self.threads:
+            return per * threads
+        return per * self.threads * (threads / self.threads) ** self.thread_scaling
 
 
 def default_rate(kind: str) -> ComputeRate:
@@ -201,8 +221,32 @@ class SpeedStore:
         if kind == "cuda":
             factor = sum(r.factor or 0.0 for r in chosen) / len(chosen)
             return ComputeRate(factor, None, "calibrated", f"{factor:.0%} of the peak, {words}")
+        counts = {r.threads for r in chosen}
+        at = counts.pop() if len(counts) == 1 else None
         per = sum(r.flops_per_thread or 0.0 for r in chosen) / len(chosen)
-        return ComputeRate(None, per, "calibrated", f"{per / 1e9:.1f} GFLOP/s per thread, {words}")
+        alpha, fitted = thread_scaling([r for r in mine if tier(r) == best])
+        how = f"threads scale as ^{alpha:.2f}" + (" (fitted here)" if fitted else " (assumed)")
+        return ComputeRate(None, per, "calibrated",
+                           f"{per / 1e9:.1f} GFLOP/s per thread at {at or '?'} thread(s), {how}, "
+                           f"{words}", threads=at, thread_scaling=alpha)  # fmt: skip
+
+
+def thread_scaling(records: list[SpeedRecord]) -> tuple[float, bool]:
+    """The exponent of a CPU process's FLOP/s in its threads, fitted from the newest records at
+    the fewest and the most threads (0 to 1), and whether it was fitted; `CPU_THREAD_SCALING`
+    when fewer than two thread counts were measured."""
+    by_threads: dict[int, SpeedRecord] = {}
+    for r in sorted(records, key=lambda r: r.time):
+        if r.threads:
+            by_threads[r.threads] = r
+    if len(by_threads) < 2:
+        return CPU_THREAD_SCALING, False
+    lo, hi = by_threads[min(by_threads)], by_threads[max(by_threads)]
+    assert lo.threads and hi.threads
+    if lo.flops_per_s <= 0 or hi.flops_per_s <= 0:
+        return CPU_THREAD_SCALING, False
+    alpha = math.log(hi.flops_per_s / lo.flops_per_s) / math.log(hi.threads / lo.threads)
+    return min(1.0, max(0.0, alpha)), True
 
 
 def record_speed(

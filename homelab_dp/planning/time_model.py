@@ -168,8 +168,8 @@ def device_rates(hw: PlanHardware, rate: ComputeRate, world_size: int) -> list[D
     ``world_size`` of them would)."""
     if hw.kind == "cpu":
         threads = cpu_threads(world_size)
-        per = rate.flops_per_thread or 0.0
-        return [DeviceRate(per * threads, None, False, threads) for _ in hw.devices]
+        flops = rate.cpu_process_flops(threads)
+        return [DeviceRate(flops, None, False, threads) for _ in hw.devices]
     out = []
     for d in hw.devices:
         peak = peak_flops(d.name)

@@ -24,6 +24,12 @@ RUN_SPEC_VERSION = 2
 """Written into every spec.json; 1 is the untyped document of earlier versions."""
 
 
+MEASURED_STEPS = 3
+"""Steps a `homelab-dp measure` run tracks memory on the CPU (`train.memtrack`): the optimizer
+state exists after the first, DDP rebuilds its buckets in the second, the third is steady;
+later steps run untracked, at full speed, and give the speed `measure` records."""
+
+
 @dataclass(frozen=True)
 class Resolved:
     """Decisions fixed before launch."""

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from homelab_dp.runs.run_events import MemoryEvent
-from homelab_dp.runs.run_spec import RunSpec
+from homelab_dp.runs.run_spec import MEASURED_STEPS, RunSpec
 
 PHASES = ("load", "forward", "backward", "optimizer")
 CATEGORIES = ("weights", "buffers", "gradients", "optimizer", "other")
@@ -299,7 +299,9 @@ class WorkerMemory:
     """The worker's memory hook: a measure run, or one probed step of a normal run.
 
     Measure run (``RunSpec.measure_steps`` N): the probe starts before the model is loaded and
-    covers every step. Normal run: one steady-state step is probed — the third of this attempt
+    covers the first `MEASURED_STEPS` steps (every step on CUDA, where it costs nothing): on
+    the CPU it sees every tensor operation, which slows a step by a third, so the steps after
+    those run untracked and give `measure` an honest speed. Normal run: one steady-state step is probed — the third of this attempt
     (the optimizer state exists from the first, DDP rebuilds its buckets in the second), or the
     last when there are fewer — and every other step runs without any tracking.
     """
@@ -334,7 +336,10 @@ class WorkerMemory:
     ) -> MemoryProbe | None:
         """The probe to pass through this step, or None (the normal, untracked case)."""
         if self.measuring:
-            return self.probe
+            cpu_done = self.device.type == "cpu" and len(self.steps) >= MEASURED_STEPS
+            if cpu_done and self.probe is not None and self.probe.tracker is not None:
+                self.probe.stop()  # the counts stay readable for the report
+            return None if cpu_done else self.probe
         if self.probe_step is None:  # the first step of this attempt (resumed runs start later)
             self.probe_step = step + max(0, min(2, self.total_steps - step - 1))
         if step != self.probe_step or self.steps:
@@ -348,6 +353,8 @@ class WorkerMemory:
         """Close the step's optimizer phase; a normal run reports its probed step now."""
         if self.probe is None:
             return
+        if self.measuring and self.device.type == "cpu" and self.probe.tracker is None:
+            return  # an untracked step after the measured ones
         self.probe.mark("optimizer")
         self.steps.append(step + 1)
         if self.measuring:

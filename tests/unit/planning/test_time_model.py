@@ -269,15 +269,26 @@ def test_one_cpu_measure_predicts_one_process_and_extrapolates_two(
     two = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
     assert two is not None and two.assumptions["threads_per_process"] == 1
     assert two.assumptions["link"]["source"] == "measured"
-    # each process computes its half at one thread's speed (half the measured process's), then
-    # all-reduces the fp32 gradients over gloo without overlap
+    # each process computes its half at the measured process's speed (one thread or two: on
+    # the CPU processes scale and threads do not, `CPU_THREAD_SCALING`), then all-reduces the
+    # fp32 gradients over gloo without overlap
     per_token = 1 / 2000.0
-    assert two.compute_seconds == pytest.approx(two.tokens_per_step / 2 * per_token * 2)
+    assert two.compute_seconds == pytest.approx(two.tokens_per_step / 2 * per_token)
     sync = SPEC.params * 4 / 5e8 + two.assumptions["link"]["latency_s"] * -(
         -SPEC.params * 4 // (25 * 2**20)
     )
     assert two.comm_seconds == pytest.approx(sync, rel=1e-3)
     assert two.tokens_per_s == pytest.approx(two.tokens_per_step / (two.compute_seconds + sync))
+    # A run at 1 thread per process measured at 1,500 tokens/s a process: the exponent is
+    # fitted from the two thread counts, log(1500/2000)/log(1/2) = 0.415, and 1 thread a
+    # process is then priced from the record made at 1 thread.
+    two_doc = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.to_json()
+    compute = two.compute_seconds * 2000 / 1500
+    record_speed(two_doc, tokens_per_s=3000.0, step_seconds=compute, compute_seconds=compute)
+    rate = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
+    assert rate is not None and rate.compute_seconds == pytest.approx(compute, rel=1e-6)
+    words = rate.assumptions["achieved_factor"]["words"]
+    assert "^0.42 (fitted here)" in words
     # once a 2-process run recorded its own (1 thread per process) speed, that is used
     record_speed(make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.to_json(),
                  tokens_per_s=3000.0, step_seconds=1.0, compute_seconds=0.5)  # fmt: skip
