@@ -279,22 +279,38 @@ def test_one_cpu_measure_predicts_one_process_and_extrapolates_two(
     )
     assert two.comm_seconds == pytest.approx(sync, rel=1e-3)
     assert two.tokens_per_s == pytest.approx(two.tokens_per_step / (two.compute_seconds + sync))
-    # A run at 1 thread per process measured at 1,500 tokens/s a process: the exponent is
-    # fitted from the two thread counts, log(1500/2000)/log(1/2) = 0.415, and 1 thread a
-    # process is then priced from the record made at 1 thread.
-    two_doc = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.to_json()
-    compute = two.compute_seconds * 2000 / 1500
-    record_speed(two_doc, tokens_per_s=3000.0, step_seconds=compute, compute_seconds=compute)
-    rate = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
-    assert rate is not None and rate.compute_seconds == pytest.approx(compute, rel=1e-6)
-    words = rate.assumptions["achieved_factor"]["words"]
-    assert "^0.42 (fitted here)" in words
     # once a 2-process run recorded its own (1 thread per process) speed, that is used
     record_speed(make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.to_json(),
                  tokens_per_s=3000.0, step_seconds=1.0, compute_seconds=0.5)  # fmt: skip
     after = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
     assert after is not None
     assert after.compute_seconds == pytest.approx(after.tokens_per_step / 2 / (3000.0 / 2 / 0.5))
+
+
+def test_two_thread_counts_measured_fit_how_a_cpu_process_scales_with_threads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A 2-process run (1 thread each) measured at 1,500 tokens/s a process after a 1-process
+    measure (2 threads) at 2,000: the exponent is fitted, log(1500/2000) / log(1/2) = 0.415, and
+    each thread count is priced from its own record."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    write_cached_gloo(__import__("socket").gethostname(), torch_version(),
+                      {"bytes_per_s": 5e8, "latency_s": 1e-3})  # fmt: skip
+    record_speed(make_plan(_preset(), "cpu:1:8GiB", fetch=False).plan.to_json(),
+                 tokens_per_s=2000.0, source="measure")  # fmt: skip
+    two = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan
+    assert two.chosen.predicted is not None
+    assumed = two.chosen.predicted.assumptions["achieved_factor"]["words"]
+    assert "^0.00 (assumed)" in assumed  # one thread count: a process's speed, whatever threads
+    compute = two.chosen.predicted.compute_seconds * 2000 / 1500
+    record_speed(two.to_json(), tokens_per_s=3000.0, step_seconds=compute, compute_seconds=compute)
+    again = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
+    assert again is not None and again.compute_seconds == pytest.approx(compute, rel=1e-6)
+    assert "^0.42 (fitted here)" in again.assumptions["achieved_factor"]["words"]
+    one = make_plan(_preset(), "cpu:1:8GiB", fetch=False).plan.chosen.predicted
+    assert one is not None and one.tokens_per_s == pytest.approx(2000.0)
 
 
 def test_a_run_without_its_communication_measured_leaves_the_predicted_one_out() -> None:
