@@ -239,6 +239,106 @@ def check_moe_nf4(device: str) -> dict[str, Any]:
             "peak_bytes": peak}  # fmt: skip
 
 
+def check_packed_attention(device: str) -> dict[str, Any]:
+    """``homelab_packed`` on the device: the route taken (torch's varlen_attn in bf16 on a card
+    of compute capability 8.0+, SDPA per sample elsewhere), packed logits and gradients against
+    each sample alone, and on a card the packed step's peak against the unpacked loop's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from homelab_dp.train.packed_attention import PACKED_ATTENTION, packed_route, register
+
+    register()
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=512 if cuda else 64,
+                      intermediate_size=1536 if cuda else 128, num_hidden_layers=4 if cuda else 2,
+                      num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM._from_config(cfg, attn_implementation=PACKED_ATTENTION, dtype=dtype)
+    model = model.to(device)
+    rows = [[700, 150, 1200, 2046], [33, 4000, 63]] if cuda else [[7, 15, 10], [20, 12]]
+    g = torch.Generator().manual_seed(1)
+    samples = [[torch.randint(3, 2048, (n,), generator=g) for n in row] for row in rows]
+    width = max(sum(row) for row in rows)
+    pad = [width - sum(row) for row in rows]  # a row shorter than the block ends in a sample
+    for row, extra in zip(samples, pad, strict=True):
+        if extra:
+            row.append(torch.randint(3, 2048, (extra,), generator=g))
+    ids = torch.stack([torch.cat(r) for r in samples]).to(device)
+    pos = torch.stack([torch.cat([torch.arange(len(s)) for s in r]) for r in samples]).to(device)
+    route = packed_route(torch.empty(1, 8, 1, cfg.hidden_size // 8, dtype=dtype, device=device))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+    packed.square().mean().backward()
+    peak_packed = torch.cuda.max_memory_allocated() - base if cuda else None
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    alone, loss = [], 0.0
+    for row in samples:  # the unpacked loop: every sample alive until one backward
+        outs = []
+        for sample in row:
+            out = model(input_ids=sample[None].to(device), use_cache=False).logits.float()[0]
+            loss = loss + out.square().sum() / packed.numel()
+            outs.append(out.detach())
+        alone.append(torch.cat(outs))
+    loss.backward()
+    peak_alone = torch.cuda.max_memory_allocated() - base if cuda else None
+    ref = torch.stack(alone)
+    logit_err = float((packed.detach() - ref).abs().max() / ref.abs().max())
+    grad_err = max(
+        float((grads[n] - p.grad.float()).norm() / p.grad.float().norm().clamp_min(1e-12))
+        for n, p in model.named_parameters()
+    )
+    if cuda:
+        assert peak_packed is not None and peak_alone is not None
+        ok = route == "varlen" and logit_err < 2e-2 and grad_err < 5e-2
+        ok = ok and peak_packed <= 1.05 * peak_alone
+    else:
+        ok = route == "per-sample" and logit_err < 1e-5 and grad_err < 1e-4
+    return {"ok": ok, "route": route, "logit_err": logit_err, "grad_err": grad_err,
+            "peak_packed_bytes": peak_packed, "peak_unpacked_bytes": peak_alone}  # fmt: skip
+
+
+def check_preference_log_probs(device: str) -> dict[str, Any]:
+    """DPO's per-sequence log-probabilities on the device in its compute dtype (fp32 sums of
+    the target rows) against a plain log-softmax, and the loss of a policy equal to its
+    reference: ln 2."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from homelab_dp.train.objectives.preference_losses import dpo_loss, sequence_log_probs
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "assets" / "models" / "tiny-llama",
+                                                 dtype=dtype).to(device).eval()  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (2, 64), generator=g).to(device)
+    labels = ids.roll(-1, 1)
+    labels[:, :20] = -100
+    labels[:, -1] = -100
+    seq = torch.arange(2, device=device)[:, None].expand(2, 64)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    logps, tokens = sequence_log_probs(logits, labels, seq, 2, dtype=torch.float32)
+    direct = torch.log_softmax(logits.float(), -1).gather(2, labels.clamp(min=0)[..., None])
+    direct = direct.squeeze(2).masked_fill(labels < 0, 0).sum(1)
+    err = float((logps - direct).abs().max() / direct.abs().max())  # relative
+    loss, _, _ = dpo_loss(logps[:1], logps[1:], logps[:1], logps[1:], beta=0.1,
+                          loss_type="sigmoid", label_smoothing=0.0)  # fmt: skip
+    loss_err = abs(float(loss.mean()) - math.log(2))
+    ok = err < (1e-4 if cuda else 1e-6) and loss_err < 1e-6 and int(tokens.sum()) == 2 * 43
+    return {"ok": ok, "logp_rel_err": err, "first_loss_minus_ln2": loss_err}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "assets" / "models" / "tiny-llama")
@@ -253,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         ("device order", lambda: check_device_order(args.device)),
         ("MIG mode", lambda: check_mig(args.device)),
         ("MoE NF4 experts", lambda: check_moe_nf4(args.device)),
+        ("packed attention (homelab_packed)", lambda: check_packed_attention(args.device)),
+        ("DPO log-probabilities", lambda: check_preference_log_probs(args.device)),
     ]
     for name, check in checks:
         try:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -407,6 +408,54 @@ def step_day_one(r: Runner, report: Report, cpu: bool) -> None:
                    ", ".join(f"{k} {v}" for k, v in row.items()))  # fmt: skip
 
 
+def step_tiny_dpo(r: Runner, report: Report, cpu: bool) -> None:
+    """LoRA DPO of the demo on one device: the first loss is ln 2 (the policy is its
+    reference, the adapters disabled) and reward accuracy passes 0.8."""
+    args = ["run", "tiny-dpo", "--json", "--set", "train.max_steps=10",
+            "--set", "train.checkpoint_every=0"]  # fmt: skip
+    args += ["--gpus", "cpu:1"] if cpu else ["--set", "hardware.devices=[0]", "--set",
+                                              "model.dtype=bf16"]  # fmt: skip
+    out = r.cli(*args, cap_s=240)
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    steps = [e for e in events if e.get("type") == "step"]
+    if not steps:
+        report.add("tiny-dpo (1 process)", f"exit {out.returncode}", last_line(out.stderr))
+        return
+    first, last = steps[0], steps[-1]
+    accuracy = last.get("reward_accuracy") or 0.0
+    ok = abs(first["loss"] - math.log(2)) < 1e-3 and accuracy > 0.8
+    report.add("tiny-dpo (1 process)", "ok" if ok else "check",
+               f"first loss {first['loss']:.6f} (ln 2 = 0.693147), reward accuracy "
+               f"{accuracy:.3f}, margin {last.get('reward_margin') or 0.0:.3f}")  # fmt: skip
+
+
+def step_time_model(r: Runner, report: Report, cpu: bool) -> None:
+    """The time model on this device: the demo's predicted tokens/s before and after one
+    `measure` (which calibrates the compute rate), against the tokens/s the measure saw."""
+    gpus = ["--gpus", "cpu:1"] if cpu else ["--set", "hardware.devices=[0]"]
+
+    def predicted() -> dict[str, Any]:
+        out = r.cli("plan", "tiny-demo", "--json", *gpus, cap_s=60)
+        return json.loads(out.stdout)["predicted"] or {}
+
+    before = predicted()
+    out = r.cli("measure", "tiny-demo", "--json", "--steps", "6", "--force", *gpus, cap_s=200)
+    if out.returncode != 0:
+        report.add("time model", f"measure failed (exit {out.returncode})", last_line(out.stderr))
+        return
+    run_dir = Path(json.loads(out.stdout)["run_dir"])
+    lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    # the steps after the 3 whose memory measure tracks: what `measure` records
+    untracked = [e for e in map(json.loads, lines) if e.get("step", 0) > 3]
+    measured = median_tokens_per_s(untracked) or 0.0
+    after = predicted()
+    factor = (after.get("assumptions") or {}).get("achieved_factor") or {}
+    ok = measured > 0 and abs(after.get("tokens_per_s", 0.0) / measured - 1) < 0.3
+    report.add("time model", "ok" if ok else "off",
+               f"default {before.get('tokens_per_s', 0):,.0f} tokens/s, measured {measured:,.0f}, "
+               f"calibrated ({factor.get('source')}) {after.get('tokens_per_s', 0):,.0f}")  # fmt: skip
+
+
 def gpu_name() -> str | None:
     """The first card's name as torch sees it, or None without a usable GPU."""
     try:
@@ -442,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         guarded(report, "eval (tiny-demo run)", step_eval, r, report, run_id, args.cpu)
         guarded(report, "serve (tiny-demo run)", step_serve, r, report, run_id, args.cpu)
         guarded(report, "CUDA day-one checks", step_day_one, r, report, args.cpu)
+        guarded(report, "tiny-dpo (1 process)", step_tiny_dpo, r, report, args.cpu)
+        guarded(report, "time model", step_time_model, r, report, args.cpu)
         model = work / "qwen2-0.5b-random"
         try:
             t = time.monotonic()
