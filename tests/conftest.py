@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if unit not in item.path.parents:
             item.add_marker(pytest.mark.xdist_group("one-at-a-time"))
+
+
+def _lock_file(name: str) -> Any:
+    """A lock file every worker of this session (xdist's run id) opens: in the temp folder."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"pid{os.getpid()}")
+    return open(os.path.join(tempfile.gettempdir(), f"homelab-dp-tests-{run}.{name}"), "a")  # noqa: SIM115
+
+
+@contextlib.contextmanager
+def _machine_share(alone: bool) -> Iterator[None]:
+    """Every test holds a shared lock on the machine; a test marked ``alone`` (one that times
+    real runs against a prediction) holds it exclusively, so nothing else of the session runs
+    beside it. The turnstile, held by a waiting ``alone`` test, stops new shared holders from
+    starving it."""
+    with _lock_file("turnstile") as turnstile, _lock_file("machine") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: no timeout runs while it waits
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Each test's setup, call and teardown (module fixtures' runs included) under its share
+    of the machine (`_machine_share`)."""
+    with _machine_share(item.get_closest_marker("alone") is not None):
+        yield
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -240,8 +240,12 @@ def _per_sample(
     scale: float | None, dropout: float, window: int | None, causal: bool,
 ) -> torch.Tensor:  # fmt: skip
     """SDPA on each sample's slice; ``(batch, seq, heads, head_dim)``. On the CPU without
-    dropout or a window, `_CpuPerSample` (the same kernel, no extra copy of the output)."""
-    if query.device.type == "cpu" and dropout == 0 and window is None and causal:
+    dropout or a window, `_CpuPerSample` (the same kernel, no extra copy of the output); that
+    kernel takes no fp16 on the CPU and one dtype for q, k and v, so anything else goes sample
+    by sample through SDPA."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    cpu_kernel = query.device.type == "cpu" and len(dtypes) == 1 and torch.float16 not in dtypes
+    if cpu_kernel and dropout == 0 and window is None and causal:
         return _CpuPerSample.apply(query, key, value, segments.lengths, scale)
     gqa = key.shape[1] != query.shape[1]
     rows = []

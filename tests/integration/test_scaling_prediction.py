@@ -62,6 +62,7 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in lines]
 
 
+@pytest.mark.alone  # other tests' runs beside it would take the cores it predicts for
 @pytest.mark.timeout(900)
 def test_plans_predict_real_runs_within_30_percent(
     tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch

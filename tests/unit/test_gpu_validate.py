@@ -153,9 +153,12 @@ def test_the_cuda_day_one_checks_run_and_pass_on_the_cpu() -> None:
     assert [r["check"] for r in rows] == [
         "attention and packing", "inference dtypes", "one bad row fails alone",
         "pinned host memory, activation offload", "device order", "MIG mode", "MoE NF4 experts",
+        "packed attention (homelab_packed)", "DPO log-probabilities",
     ]  # fmt: skip
     assert all(r["ok"] for r in rows), rows
     by = {r["check"]: r for r in rows}
     assert by["inference dtypes"]["inv_freq"] == ["torch.float32"]
     assert by["MoE NF4 experts"]["diff"] < 1e-5 and by["MoE NF4 experts"]["quantized_values"] > 0
     assert by["one bad row fails alone"]["finish_reasons"][1:3] == ["error", "error"]
+    assert by["packed attention (homelab_packed)"]["route"] == "per-sample"  # varlen: CUDA only
+    assert by["DPO log-probabilities"]["first_loss_minus_ln2"] < 1e-6

@@ -257,7 +257,7 @@ def test_a_cache_hit_loads_no_tokenizer(tmp_path: Path, monkeypatch) -> None:
         "from homelab_dp.presets.preset import preset_from_dict\n"
         "from homelab_dp.app.runs import check_data\n"
         f"preset = preset_from_dict(json.loads({json.dumps(json.dumps(doc))}))\n"
-        "blocks, share = check_data(preset, 128, 2, 2)\n"
+        "blocks, share, warnings = check_data(preset, 128, 2, 2)\n"
         "print(json.dumps([blocks, share, 'transformers' in sys.modules]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

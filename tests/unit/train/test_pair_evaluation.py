@@ -102,10 +102,11 @@ def test_lora_against_its_base_equals_the_direct_computation(
     ]  # fmt: skip
     for s in sums:
         assert s.pairs == N
-        # fp32 logits, batched with padding here and one sequence alone there
-        assert s.loss == pytest.approx(want["loss"], rel=1e-6, abs=1e-6)
-        assert s.chosen_rewards == pytest.approx(want["chosen"], rel=1e-6, abs=1e-6)
-        assert s.rejected_rewards == pytest.approx(want["rejected"], rel=1e-6, abs=1e-6)
+        # fp32 logits, batched with padding here and one sequence alone there, each attention
+        # kernel summing in its own order: the eval CLI's tolerance (rel 1e-5)
+        assert s.loss == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
+        assert s.chosen_rewards == pytest.approx(want["chosen"], rel=1e-5, abs=1e-6)
+        assert s.rejected_rewards == pytest.approx(want["rejected"], rel=1e-5, abs=1e-6)
         assert s.correct == want["correct"]
     assert 0 < want["correct"] < N  # both kinds of pair: the accuracy is a real count
     means = sums[0].means()
