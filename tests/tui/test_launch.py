@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +20,11 @@ from tests.tui.conftest import RUN_ID, open_app, plain, wait_for
 SMOLLM = "smollm2-135m-lora-2x12gb"
 
 
+IDENTICAL = "warning: pairs.jsonl: 2 pairs with identical chosen and rejected responses left out"
+PREPARED = SimpleNamespace(warnings=(IDENTICAL,))
+"""What `RunController.prepare` returns, as far as the Launch screen reads it."""
+
+
 class StubController(RunController):
     """The real controller, except that prepare/start only record what they were given."""
 
@@ -30,10 +36,10 @@ class StubController(RunController):
     def prepare(self, preset_ref: str, **kwargs: Any) -> Any:
         self.prepared.append({"preset": preset_ref, **kwargs})
         assert self.release.wait(10), "the test never let prepare finish"
-        return "prepared"
+        return PREPARED
 
     def start(self, prepared: Any, multinode: Any = None) -> str:
-        assert prepared == "prepared"
+        assert prepared is PREPARED
         return RUN_ID  # the recorded run stands in for the new one
 
 
@@ -78,6 +84,7 @@ async def test_start_prepares_off_the_ui_thread_then_follows_the_run(runs_root: 
         ]
         assert app.followed == RUN_ID
         assert any(text.startswith(f"started run {RUN_ID}") for text, _ in notes)
+        assert (IDENTICAL, "warning") in notes  # what the checks said but did not refuse
 
 
 @pytest.mark.usefixtures("gpus_2x3090")
