@@ -269,11 +269,11 @@ def test_one_cpu_measure_predicts_one_process_and_extrapolates_two(
     two = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
     assert two is not None and two.assumptions["threads_per_process"] == 1
     assert two.assumptions["link"]["source"] == "measured"
-    # each process computes its half at the measured process's speed (one thread or two: on
-    # the CPU processes scale and threads do not, `CPU_THREAD_SCALING`), then all-reduces the
+    # each process computes its half with one thread, at the measured 2-thread process's speed
+    # ÷ √2 (`CPU_THREAD_SCALING` 0.5 until two thread counts are measured), then all-reduces the
     # fp32 gradients over gloo without overlap
     per_token = 1 / 2000.0
-    assert two.compute_seconds == pytest.approx(two.tokens_per_step / 2 * per_token)
+    assert two.compute_seconds == pytest.approx(two.tokens_per_step / 2 * per_token * 2**0.5)
     sync = SPEC.params * 4 / 5e8 + two.assumptions["link"]["latency_s"] * -(
         -SPEC.params * 4 // (25 * 2**20)
     )
@@ -303,8 +303,8 @@ def test_two_thread_counts_measured_fit_how_a_cpu_process_scales_with_threads(
     two = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan
     assert two.chosen.predicted is not None
     assumed = two.chosen.predicted.assumptions["achieved_factor"]["words"]
-    assert "^0.00 (assumed)" in assumed  # one thread count: a process's speed, whatever threads
-    compute = two.chosen.predicted.compute_seconds * 2000 / 1500
+    assert "^0.50 (assumed)" in assumed  # one thread count: the stated default
+    compute = two.chosen.predicted.compute_seconds / 2**0.5 * 2000 / 1500
     record_speed(two.to_json(), tokens_per_s=3000.0, step_seconds=compute, compute_seconds=compute)
     again = make_plan(_preset(), "cpu:2:8GiB", fetch=False).plan.chosen.predicted
     assert again is not None and again.compute_seconds == pytest.approx(compute, rel=1e-6)
