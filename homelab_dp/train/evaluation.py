@@ -55,6 +55,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -246,7 +247,7 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
+def write_json(path: Path, doc: dict[str, Any]) -> None:
     """Write then rename: the front end never reads half a file."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -254,12 +255,18 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank; returns the process exit code."""
+def run_worker(
+    argv: list[str] | None, run_job: Callable[[dict[str, Any]], dict[str, Any] | None], what: str,
+    hint: str,
+) -> int:  # fmt: skip
+    """One rank of an eval job under torchrun (the SFT eval here, the pair eval in
+    `train.pair_evaluation`): read the JOB_FILE, run ``run_job`` on it, rank 0 writes its
+    result; a bad input or a crash is written to the job's error folder, named by rank, and
+    becomes the exit code. ``what`` and ``hint`` word the refusal of a call outside torchrun."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or any(k not in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        print("error: the eval worker runs under torchrun with one JOB_FILE\n"
-              "hint: use `homelab-dp eval MODEL --data FILE`", file=sys.stderr)  # fmt: skip
+        print(f"error: {what} runs under torchrun with one JOB_FILE\nhint: {hint}",
+              file=sys.stderr)  # fmt: skip
         return EXIT_BAD_INPUT
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s")
@@ -269,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     try:
-        doc = evaluate_job(job)
+        doc = run_job(job)
         if doc is not None:
-            _write_json(Path(job["result_path"]), doc)
+            write_json(Path(job["result_path"]), doc)
         dist.barrier()  # leave together: a peer's teardown must not abort rank 0's write
         return EXIT_OK
     except HomelabError as exc:
@@ -285,8 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    _write_json(Path(job["error_dir"]) / f"rank-{rank}.json", error)
+    write_json(Path(job["error_dir"]) / f"rank-{rank}.json", error)
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank; returns the process exit code."""
+    return run_worker(argv, evaluate_job, "the eval worker",
+                      "use `homelab-dp eval MODEL --data FILE`")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -27,33 +27,25 @@ Rank 0 writes the result JSON to ``result_path``; a failing rank writes ``error_
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from homelab_dp import json_safe
 from homelab_dp.data.preference_blocks import PairBlock, load_pairs, pair_blocks_of
-from homelab_dp.errors import HomelabError
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.train.evaluation import (
     DTYPE_NAMES,
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_OK,
     base_of,
     eval_dtype,
     forward_tokens,
     join_group,
     load_model,
     rank_batches,
+    run_worker,
 )
 from homelab_dp.train.objectives.preference_losses import dpo_loss, sequence_log_probs
 
@@ -224,48 +216,11 @@ def pair_evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Write then rename: the front end never reads half a file."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json_safe.dumps(doc, indent=2), encoding="utf-8")
-    tmp.replace(path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank; returns the process exit code (the SFT eval worker's contract:
-    `homelab_dp.train.evaluation.main`)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or any(k not in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        print("error: the pair eval worker runs under torchrun with one JOB_FILE\n"
-              "hint: use `homelab-dp eval MODEL --data PAIRS`", file=sys.stderr)  # fmt: skip
-        return EXIT_BAD_INPUT
-    rank = int(os.environ["RANK"])
-    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    job = json.loads(Path(args[0]).read_text(encoding="utf-8"))
-    import torch.distributed as dist
-
-    try:
-        doc = pair_evaluate_job(job)
-        if doc is not None:
-            _write_json(Path(job["result_path"]), doc)
-        dist.barrier()  # leave together: a peer's teardown must not abort rank 0's write
-        return EXIT_OK
-    except HomelabError as exc:
-        error = {"rank": rank, "message": exc.message, "hint": exc.hint, "bad_input": True}
-        code = exc.exit_code
-        print(f"error: {exc.message}\nhint: {exc.hint}", file=sys.stderr)
-    except Exception as exc:  # any crash: say which rank and what, then fail
-        error = {"rank": rank, "message": f"{type(exc).__name__}: {exc}", "bad_input": False}
-        code = EXIT_FAILED
-        traceback.print_exc()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    _write_json(Path(job["error_dir"]) / f"rank-{rank}.json", error)
-    return code
+    """Entry point of one rank; returns the process exit code (`train.evaluation.run_worker`:
+    the SFT eval worker's contract)."""
+    return run_worker(argv, pair_evaluate_job, "the pair eval worker",
+                      "use `homelab-dp eval MODEL --data PAIRS`")  # fmt: skip
 
 
 if __name__ == "__main__":
