@@ -326,3 +326,25 @@ def test_a_run_without_its_communication_measured_leaves_the_predicted_one_out()
     record_speed({**doc, "predicted": {**doc["predicted"], "exposed_comm_seconds": 0.9}},
                  tokens_per_s=1000.0)  # fmt: skip
     assert SpeedStore().records[-1].flops_per_s == pytest.approx(1000.0 / 2 * 1e9 / 0.5)
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"records": 3}', '{"records": [{"x": 1}]}', ""])
+def test_a_damaged_speed_file_plans_with_the_default_and_is_rewritten(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, damage: str
+) -> None:
+    """A torn or foreign speed.json never breaks a plan: it reads as empty (the default rate,
+    the problem said), and the next record rewrites it whole and private."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    write_cached_gloo(__import__("socket").gethostname(), torch_version(),
+                      {"bytes_per_s": 5e8, "latency_s": 1e-3})  # fmt: skip
+    path = SpeedStore().path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(damage, encoding="utf-8")
+    store = SpeedStore()
+    assert store.records == [] and store.problem and str(path) in store.problem
+    doc = make_plan(_preset(), "cpu:1:8GiB", fetch=False).plan.to_json()
+    assert doc["predicted"]["assumptions"]["achieved_factor"]["source"] == "table"
+    record_speed(doc, tokens_per_s=2000.0, source="measure")
+    again = SpeedStore()
+    assert again.problem is None and [r.source for r in again.records] == ["measure"]
+    assert path.stat().st_mode & 0o777 == 0o600
