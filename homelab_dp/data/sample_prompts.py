@@ -8,15 +8,17 @@ starts; every rank of the worker reads the same list again (`homelab_dp.train.sa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from homelab_dp import safe_files
 from homelab_dp.errors import DataError
 
 FIELD = "data.sample_prompts"
 DATA_PROMPTS = 3
 """Prompts taken from the data when ``data.sample_prompts`` is empty."""
 SUFFIXES = (".txt", ".jsonl")
+MAX_FILE_BYTES = 8 * 2**20
+"""The largest file of prompts read (prompts are answered while training: a few, short)."""
 
 
 def read_sample_prompts(value: str | list[str]) -> list[str]:
@@ -41,8 +43,8 @@ def read_sample_prompts(value: str | list[str]) -> list[str]:
             hint='a .txt file (one prompt a line), a .jsonl file ({"prompt": ...} a line), '
             "or a list of strings",
         )
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+    try:  # a regular file only (a FIFO would wait, /dev/zero never end), of bounded size
+        lines = safe_files.read_regular(path, MAX_FILE_BYTES).decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise DataError(
@@ -57,10 +59,10 @@ def read_sample_prompts(value: str | list[str]) -> list[str]:
             prompts.append(line)
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
+            record = safe_files.parse(line)
+        except safe_files.BadJson as exc:  # nested 100,000 deep, a 5,000-digit integer too
             raise DataError(
-                f"{FIELD}: {path}:{n}: not JSON ({exc.msg})",
+                f"{FIELD}: {path}:{n}: not JSON ({exc.reason})",
                 hint='write one object a line: {"prompt": "..."}',
             ) from None
         prompt = record.get("prompt") if isinstance(record, dict) else None

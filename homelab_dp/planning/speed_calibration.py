@@ -13,22 +13,33 @@ taken out of the step first (the run's ``compute_seconds`` when it measured them
 time model adds communication once, its own way.
 
 The file is ``$XDG_DATA_HOME/homelab-dp/speed.json`` (private to the user); nothing here imports
-torch.
+torch. It is not trusted: only a regular file of bounded size is read, and every record is checked
+(`record_problem`: types, ranges, finite and positive rates); one that does not pass is left
+out, said in `SpeedStore.problem`, and gone from the file the next time it is written.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp import json_safe
+from homelab_dp import json_safe, safe_files
 from homelab_dp.planning.flops import peak_flops
-from homelab_dp.planning.memory.memory_calibration import data_dir
+from homelab_dp.planning.memory.memory_calibration import (
+    MAX_BYTES,
+    Check,
+    data_dir,
+    field_problem,
+    is_int,
+    is_number,
+    is_scalar_map,
+    is_text,
+    read_records,
+    required_fields,
+)
 
 FILE_VERSION = 1
 KEEP_PER_FINGERPRINT = 50
@@ -108,8 +119,46 @@ class SpeedRecord:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> SpeedRecord:
+        """The record of ``doc``; ValueError when `record_problem` finds one."""
+        problem = record_problem(doc)
+        if problem:
+            raise ValueError(problem)
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in doc.items() if k in names})
+
+
+MAX_RATE = 1e18
+"""The largest FLOP/s, FLOPs per token or tokens/s a record may hold (a card peaks near 1e15)."""
+MAX_COUNT = 2**20
+"""The largest world size or thread count a record may hold."""
+
+RECORD_CHECKS: dict[str, Check] = {
+    "fingerprint": lambda v: is_text(v) and bool(v),
+    "kind": lambda v: v in ("cuda", "cpu"),
+    "model": lambda v: is_scalar_map(v) and set(v) <= set(MODEL_KEYS),
+    "method": is_text,
+    "distribution": is_text,
+    "activation_checkpointing": lambda v: type(v) is bool,
+    "world_size": is_int(1, MAX_COUNT),
+    "device": is_text,
+    "tokens_per_s": is_number(0, MAX_RATE, above=True),
+    "flops_per_token": is_number(0, MAX_RATE, above=True),
+    "flops_per_s": is_number(0, MAX_RATE, above=True),
+    "threads": is_int(1, MAX_COUNT, optional=True),
+    "peak_flops": is_number(0, MAX_RATE, above=True, optional=True),
+    "source": is_text,
+    "run_id": is_text,
+    "time": is_number(0, 1e12),
+}
+"""What each field of a stored record must be: a rate is finite and positive (a negative one
+would predict negative tokens/s)."""
+assert MAX_RATE < MAX_BYTES
+
+
+def record_problem(doc: Any) -> str | None:
+    """Why ``doc`` is no speed record (a field missing, of the wrong type, out of range or not
+    finite), or None when it is one."""
+    return field_problem(doc, RECORD_CHECKS, required_fields(SpeedRecord))
 
 
 @dataclass(frozen=True)
@@ -157,13 +206,9 @@ class SpeedStore:
         self.path = path or speed_path()
         self.records: list[SpeedRecord] = []
         self.problem: str | None = None
-        """Why the file could not be read (it is then treated as empty and rewritten)."""
-        if self.path.is_file():
-            try:
-                doc = json.loads(self.path.read_text(encoding="utf-8"))
-                self.records = [SpeedRecord.from_json(r) for r in doc["records"]]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                self.problem = f"{self.path}: unreadable ({exc}); starting afresh"
+        """Why the file, or some of its records, could not be read (what could not is left
+        out, and gone from the file at the next `save`)."""
+        self.records, self.problem = read_records(self.path, "records", SpeedRecord.from_json)
 
     def add(self, r: SpeedRecord) -> None:
         """Keep ``r``; beyond `KEEP_PER_FINGERPRINT` records of its fingerprint the oldest go."""
@@ -174,15 +219,8 @@ class SpeedStore:
 
     def save(self) -> Path:
         """Write the file atomically, private to the user."""
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         doc = {"version": FILE_VERSION, "records": [r.to_json() for r in self.records]}
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json_safe.dump(doc, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, self.path)
-        return self.path
+        return safe_files.write_private(self.path, (json_safe.dumps(doc, indent=1) + "\n").encode())
 
     def rate_for(
         self, fingerprint: str | None, kind: str, model: dict[str, Any], method: str,

@@ -16,7 +16,7 @@ import homelab_dp
 
 PACKAGE = Path(homelab_dp.__file__).parent
 PURE_PARTS = ("presets", "planning", "runs", "data", "hub", "serving/front")
-PURE_MODULES = ("probe/hardware.py", "errors.py", "vocabulary.py", "json_safe.py")
+PURE_MODULES = ("probe/hardware.py", "errors.py", "vocabulary.py", "json_safe.py", "safe_files.py")
 
 
 def _name(path: Path) -> str:
