@@ -11,7 +11,13 @@
   keyed by the model's config and weight files, the tokens of the blocks, the dtype, device
   and attention kernel (`reference_key`). It runs before a resumed run loads its checkpoint,
   so it is always the starting model's; a resumed run, or a second run on the same model and
-  data, reads the file. No copy is held while training.
+  data, reads the file. No copy is held while training. The file is not trusted
+  (`cached_tables`): only a regular file of the size its tables need is read, and it is used
+  only when it holds exactly the tables expected (names, float64, ``[blocks, 2 · max pairs]``),
+  finite log-probabilities (at most 0) exactly where a block has sequences and NaN elsewhere,
+  the key it was made for, and the sha256 of its tables as written; anything else (a torn,
+  edited, narrower or foreign file, a FIFO or a device at its path) is computed again and
+  rewritten, with a warning naming the reason.
 - **copy**: a frozen copy of the starting model on every device (full fine-tune, not FSDP2).
 
 The reference forward runs in eval mode (no dropout): the reference log-probabilities are a
@@ -24,12 +30,12 @@ import copy
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from homelab_dp import safe_files
 from homelab_dp.data.token_cache import cache_root
 from homelab_dp.errors import HomelabError
 from homelab_dp.train.evaluation import rank_batches
@@ -196,26 +202,107 @@ def compute_table(model: Any, pairs: PairData, rank: Any) -> torch.Tensor:
     return table
 
 
+TABLES_VERSION = "1"
+"""The layout of a reference file's tables and metadata (in its ``version`` metadata)."""
+LOGP_SLACK = 1e-6
+"""How far above 0 a stored log-probability may be (rounding) before the file is refused."""
+
+
+def tables_digest(tables: dict[str, torch.Tensor]) -> str:
+    """sha256 of the tables' names, dtypes, shapes and bytes: what a reference file was written
+    with (its ``digest`` metadata), so an edit of any value is seen."""
+    h = hashlib.sha256()
+    for name in sorted(tables):
+        t = tables[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _expected(train: PairData, eval_: PairData | None) -> dict[str, PairData]:
+    return {"train": train, **({"eval": eval_} if eval_ is not None else {})}
+
+
+def _header(raw: bytes) -> dict[str, Any]:
+    """The JSON header of a safetensors file's bytes (ValueError when there is none)."""
+    if len(raw) < 8:
+        raise ValueError("shorter than a safetensors header")
+    size = int.from_bytes(raw[:8], "little")
+    if size > len(raw) - 8:
+        raise ValueError(f"its header claims {size} bytes, the file has {len(raw) - 8}")
+    header = safe_files.parse(raw[8 : 8 + size], constants=False)
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return header
+
+
+def table_problem(table: torch.Tensor, pairs: PairData) -> str | None:
+    """Why ``table`` is not a reference table of ``pairs`` (dtype, shape, a log-probability
+    that is not finite or above 0 where the block has a sequence, a value where it has none),
+    or None."""
+    shape = (pairs.n_blocks, 2 * pairs.max_pairs)
+    if table.dtype != torch.float64:
+        return f"dtype {table.dtype}, not float64"
+    if tuple(table.shape) != shape:
+        return f"shape {tuple(table.shape)}, not {shape}"
+    used = torch.arange(shape[1])[None, :] < 2 * pairs.n_pairs[:, None]
+    values = table[used]
+    if not bool(torch.isfinite(values).all()):
+        return "a log-probability that is not finite"
+    if values.numel() and float(values.max()) > LOGP_SLACK:
+        return f"a log-probability above 0 ({float(values.max()):.3g})"
+    if not bool(torch.isnan(table[~used]).all()):
+        return "a value past a block's sequences (NaN expected)"
+    return None
+
+
+def cached_tables(
+    path: Path, key: str, train: PairData, eval_: PairData | None
+) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """The tables of the reference file ``path`` when it passes every check (see the module
+    docstring), else None; and why not ("" when it is absent)."""
+    from safetensors.torch import load
+
+    expected = _expected(train, eval_)
+    cells = sum(p.n_blocks * 2 * p.max_pairs for p in expected.values())
+    try:
+        raw = safe_files.read_regular(path, 8 * cells + 2**20)  # the tables and a header
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, str(exc)
+    try:
+        meta = _header(raw).get("__metadata__") or {}
+        tables = load(raw)
+    except Exception as exc:  # noqa: BLE001 (safetensors raises its own kinds): rebuild
+        return None, f"not a safetensors file ({str(exc)[:200]})"
+    if set(tables) != set(expected):
+        return None, f"tables {sorted(tables)}, not {sorted(expected)}"
+    if not isinstance(meta, dict) or meta.get("version") != TABLES_VERSION:
+        return None, "no version metadata (made by another version)"
+    if meta.get("key") != key:
+        return None, "made for another key"
+    for name, pairs in expected.items():
+        problem = table_problem(tables[name], pairs)
+        if problem:
+            return None, f"table {name!r}: {problem}"
+    if meta.get("digest") != tables_digest(tables):
+        return None, "its tables do not match their checksum (changed after writing)"
+    return tables, ""
+
+
 def prepare_precomputed(
     model: Any, train: PairData, eval_: PairData | None, rank: Any, key: str
 ) -> str:
     """Fill ``train.ref_logps`` (and the eval data's) from the cache, or compute and cache
-    them; "hit" or "built". Every rank agrees on reading or computing (one all-reduce)."""
-    from safetensors.torch import load_file, save_file
+    them; "hit" or "built". Every rank agrees on reading or computing (one all-reduce): a file
+    that fails any check (`cached_tables`) is computed again and rewritten."""
+    from safetensors.torch import save
 
     path = reference_path(key)
-    tables: dict[str, torch.Tensor] | None = None
-    if path.is_file():
-        try:
-            tables = load_file(str(path))
-        except (OSError, ValueError, RuntimeError) as exc:  # a torn or foreign file: rebuild
-            log.warning("reference cache %s unreadable (%s): computing it again", path, exc)
-            tables = None
-        if tables is not None and (
-            tables["train"].shape[0] != train.n_blocks
-            or (eval_ is not None and tables.get("eval", torch.empty(0)).shape[0] != eval_.n_blocks)
-        ):
-            tables = None
+    tables, problem = cached_tables(path, key, train, eval_)
+    if problem:
+        log.warning("reference cache %s not used (%s): computing it again", path, problem)
     found = torch.tensor([1 if tables is not None else 0], device=rank.device)
     if rank.world > 1:
         import torch.distributed as dist
@@ -231,8 +318,9 @@ def prepare_precomputed(
     if eval_ is not None:
         eval_.ref_logps = out["eval"] = compute_table(model, eval_, rank)
     if rank.rank == 0:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(out, str(tmp))
-        tmp.replace(path)  # readers never see half a file
+        meta = {"version": TABLES_VERSION, "key": key, "digest": tables_digest(out)}
+        try:  # written whole under a temporary name: readers never see half a file
+            safe_files.write_private(path, save(out, metadata=meta))
+        except OSError as exc:  # a cache that cannot be written: the run goes on without it
+            log.warning("reference cache %s not written (%s)", path, exc)
     return "built"

@@ -27,10 +27,14 @@ from homelab_dp.train.objectives.kto import KtoObjective
 from homelab_dp.train.objectives.orpo import OrpoObjective
 from homelab_dp.train.objectives.pair_batch import pair_data
 from homelab_dp.train.objectives.reference import (
+    TABLES_VERSION,
     AdapterReference,
     PrecomputedReference,
+    cached_tables,
     prepare_precomputed,
     reference_key,
+    reference_path,
+    tables_digest,
 )
 from homelab_dp.train.objectives.sft import SftObjective
 from tests.conftest import ROOT
@@ -392,3 +396,144 @@ def test_reference_kind_auto_and_refusals() -> None:
     assert "precompute" in err.value.hint
     with pytest.raises(HomelabError, match="train.reference = 'copy'"):
         reference_kind(preset("dpo", "copy"), "qlora")
+
+
+def _tables_file(path: Path, tables: dict[str, torch.Tensor], **meta: str) -> None:
+    from safetensors.torch import save
+
+    path.write_bytes(save(tables, metadata=meta or None))
+
+
+def _good_meta(key: str, tables: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {"version": TABLES_VERSION, "key": key, "digest": tables_digest(tables)}
+
+
+def _narrower(key: str, good: dict[str, torch.Tensor]) -> dict[str, Any]:
+    t = {"train": good["train"][:, :2].contiguous()}  # the issue's edit: "completes" at 1e-5
+    return {"tables": t, "meta": _good_meta(key, t)}
+
+
+def _edited(key: str, good: dict[str, torch.Tensor], value: float, at: tuple[int, int]) -> Any:
+    t = {"train": good["train"].clone()}
+    t["train"][at] = value
+    return {"tables": t, "meta": _good_meta(key, t)}  # the checksum made to match the edit
+
+
+REFERENCE_DAMAGE: dict[str, Any] = {
+    "narrower table, checksum matching": _narrower,
+    "the train table missing": lambda key, good: {
+        "tables": {"other": good["train"]},
+        "meta": _good_meta(key, {"other": good["train"]}),
+    },
+    "float32 table": lambda key, good: {
+        "tables": {"train": good["train"].float()},
+        "meta": _good_meta(key, {"train": good["train"].float()}),
+    },
+    "a value changed, old checksum": lambda key, good: {
+        "tables": {"train": good["train"] - 1e-3 * good["train"].isfinite()},
+        "meta": _good_meta(key, good),
+    },
+    "no metadata": lambda key, good: {"tables": good, "meta": {}},
+    "made for another key": lambda key, good: {
+        "tables": good,
+        "meta": {**_good_meta(key, good), "key": "0" * 32},
+    },
+    "NaN where a pair is": lambda key, good: _edited(key, good, float("nan"), (0, 0)),
+    "infinity where a pair is": lambda key, good: _edited(key, good, float("-inf"), (0, 1)),
+    "a positive log-probability": lambda key, good: _edited(key, good, 3.0, (2, 0)),
+    "a value past a block's pairs": lambda key, good: _edited(key, good, -1.0, (1, 3)),
+    "truncated": "truncated",
+    "garbage bytes": b"\x00\x01not safetensors at all" * 10,
+    "a header claiming 2^60 bytes": (2**60).to_bytes(8, "little") + b"{}",
+    "empty": b"",
+    "a huge sparse file": "huge",
+    "a FIFO": "fifo",
+    "a symlink to /dev/zero": "devzero",
+}
+"""Every damage a reference file is checked for, made as `test_a_damaged_reference_cache…`
+writes it: each is computed again (never a hit), equal to the true table, and rewritten."""
+
+REFERENCE_REASONS = {
+    "narrower table, checksum matching": "shape (3, 2), not (3, 4)",
+    "the train table missing": "tables ['other'], not ['train']",
+    "float32 table": "dtype torch.float32, not float64",
+    "a value changed, old checksum": "do not match their checksum",
+    "no metadata": "no version metadata",
+    "made for another key": "made for another key",
+    "NaN where a pair is": "not finite",
+    "infinity where a pair is": "not finite",
+    "a positive log-probability": "above 0 (3)",
+    "a value past a block's pairs": "NaN expected",
+    "truncated": "not a safetensors file",
+    "garbage bytes": "not a safetensors file",
+    "a header claiming 2^60 bytes": "its header claims",
+    "empty": "shorter than a safetensors header",
+    "a huge sparse file": "over the limit",
+    "a FIFO": "not a regular file (a FIFO)",
+    "a symlink to /dev/zero": "not a regular file (a character device)",
+}
+"""What `cached_tables` says of each: the check meant for it caught it."""
+
+
+@pytest.mark.parametrize("damage", list(REFERENCE_DAMAGE))
+def test_a_damaged_reference_cache_is_computed_again_and_rewritten(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    zero_b(model)
+    raw = random_pairs(5, seed=11)
+    pairs = pair_data([block(g, 24, True) for g in (raw[0:2], raw[2:3], raw[3:5])], True)
+    rank = Rank(torch.device("cpu"), 0, 1, 2)
+    key = reference_key(str(TINY), pairs, None, objective="dpo", dtype="fp64", device="cpu",
+                        attention="sdpa", method="lora")  # fmt: skip
+    assert prepare_precomputed(model, pairs, None, rank, key) == "built"
+    path = reference_path(key)
+    good = {"train": pairs.ref_logps.clone()}
+    assert good["train"].shape == (3, 4)
+    how = REFERENCE_DAMAGE[damage]
+    path.unlink()
+    if callable(how):
+        made = how(key, good)
+        _tables_file(path, made["tables"], **made["meta"])
+    elif how == "truncated":
+        _tables_file(path, good, **_good_meta(key, good))
+        path.write_bytes(path.read_bytes()[:-20])
+    elif how == "huge":
+        with open(path, "wb") as fh:
+            fh.truncate(2**40)  # a terabyte, sparse: refused by its size, never read
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "devzero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_bytes(how)
+    tables, problem = cached_tables(path, key, pairs, None)
+    assert tables is None and REFERENCE_REASONS[damage] in problem
+    pairs.ref_logps = None
+    assert prepare_precomputed(model, pairs, None, rank, key) == "built"
+    assert torch.equal(pairs.ref_logps.nan_to_num(7.0), good["train"].nan_to_num(7.0))
+    assert path.is_file() and not path.is_symlink() and path.stat().st_size < 2**20
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    pairs.ref_logps = None
+    assert prepare_precomputed(model, pairs, None, rank, key) == "hit"  # rewritten whole
+
+
+def test_a_reference_cache_with_eval_needs_both_tables(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    zero_b(model)
+    train = pair_data([block(random_pairs(2, seed=3), 24, True)], True)
+    held = pair_data([block(random_pairs(1, seed=4), 24, True)], True)
+    rank = Rank(torch.device("cpu"), 0, 1, 2)
+    key = reference_key(str(TINY), train, held, objective="dpo", dtype="fp64", device="cpu",
+                        attention="sdpa", method="lora")  # fmt: skip
+    assert prepare_precomputed(model, train, held, rank, key) == "built"
+    tables, problem = cached_tables(reference_path(key), key, train, held)
+    assert problem == "" and tables is not None and set(tables) == {"train", "eval"}
+    only = {"train": tables["train"]}
+    _tables_file(reference_path(key), only, **_good_meta(key, only))
+    tables, problem = cached_tables(reference_path(key), key, train, held)
+    assert tables is None and problem == "tables ['train'], not ['eval', 'train']"
+    assert prepare_precomputed(model, train, held, rank, key) == "built"
+    assert held.ref_logps is not None and held.ref_logps.shape == (1, 2)
