@@ -44,9 +44,15 @@ def read_sample_prompts(value: str | list[str]) -> list[str]:
             "or a list of strings",
         )
     try:  # a regular file only (a FIFO would wait, /dev/zero never end), of bounded size
-        lines = safe_files.read_regular(path, MAX_FILE_BYTES).decode("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raw = safe_files.read_regular(path, MAX_FILE_BYTES)
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(
+            f"{FIELD}: {path}:{line}: not UTF-8 text", hint="save the prompts as UTF-8"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
         raise DataError(
             f"{FIELD}: cannot read {value}: {reason}",
             hint="name an existing UTF-8 file of prompts",

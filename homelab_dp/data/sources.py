@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from homelab_dp import safe_files
 from homelab_dp.data.records import (
     check_columns,
     check_format_name,
@@ -221,6 +222,8 @@ def _rows(path: Path, columns: dict[str, str]) -> tuple[list[dict], list[str]]:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     kind = BUILDERS[path.suffix.lower()]
+    if kind == "json":
+        check_json_depth(path)  # before the library's parsers, which crash on deep nesting
     extra: dict[str, Any] = {}
     if kind == "csv":  # every cell a string: a number-like answer stays text, "" stays ""
         header = _csv_header(path)
@@ -247,6 +250,46 @@ def _rows(path: Path, columns: dict[str, str]) -> tuple[list[dict], list[str]]:
     missing_columns(names, columns, str(path))
     wheres = [f"{path} row {i}" for i in range(1, len(rows) + 1)]
     return [rename_row(r, columns) for r in rows], wheres
+
+
+def check_json_depth(path: Path) -> None:
+    """A DataError naming ``file:line`` when a ``.json`` file holds JSON nested too deeply or an
+    integer too long to read (`homelab_dp.safe_files.parse`): the ``datasets`` library's JSON
+    readers are not asked to, since one of them (pandas' ujson) ends the process with a
+    segmentation fault on an array nested 100,000 deep. Each line is parsed (JSON lines, or
+    one line of a document); the document whole only when it spreads over several lines."""
+    try:
+        text = safe_files.read_regular(path, MAX_JSON_FILE_BYTES).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason})", hint="save it as UTF-8") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read it ({exc})", hint="name a regular file") from None
+    lines_parse = True
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            safe_files.parse(line)
+        except safe_files.BadJson as exc:
+            if exc.reason.startswith(_UNREADABLE):
+                raise DataError(
+                    f"{path}:{number}: not valid JSON ({exc.reason})", hint=_JSON_HINT
+                ) from None
+            lines_parse = False
+    if lines_parse:
+        return
+    try:
+        safe_files.parse(text)
+    except safe_files.BadJson as exc:
+        if exc.reason.startswith(_UNREADABLE):
+            raise DataError(f"{path}: not valid JSON ({exc.reason})", hint=_JSON_HINT) from None
+
+
+MAX_JSON_FILE_BYTES = 2**34
+"""The largest ``.json`` file read (16 GiB: the ``datasets`` library holds it whole anyway)."""
+_UNREADABLE = ("nested too deeply", "an integer of")
+"""`homelab_dp.safe_files.BadJson` reasons no JSON reader should be asked to read."""
+_JSON_HINT = "a record is a flat JSON object of strings (or chat messages): write it plainly"
 
 
 def _csv_header(path: Path) -> list[str]:
