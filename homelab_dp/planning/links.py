@@ -20,12 +20,14 @@ direction, in bytes a second, at the share of the line rate NCCL's bus bandwidth
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from homelab_dp import safe_files
 from homelab_dp.errors import HardwareSpecError
 from homelab_dp.probe.hardware import GpuLink, PlanHardware, pcie_bytes_per_s
 
@@ -207,13 +209,27 @@ def gloo_cache_path(host: str, torch_version: str | None) -> Path:
 
 
 def read_cached_gloo(host: str, torch_version: str | None) -> dict[str, Any] | None:
-    """The cached gloo measurement of this host, or None (absent or unreadable)."""
+    """The cached gloo measurement of this host, or None (absent, unreadable, or not a
+    measurement: `gloo_doc_ok`; the plan then measures again). Only a regular file of at most
+    64 KiB is read (a FIFO or a link to ``/dev/zero`` there is no measurement)."""
     path = gloo_cache_path(host, torch_version)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = safe_files.read_json(path, 64 * 1024)
     except (OSError, ValueError):
         return None
-    return doc if isinstance(doc, dict) and doc.get("bytes_per_s") else None
+    return doc if gloo_doc_ok(doc) else None
+
+
+def gloo_doc_ok(doc: Any) -> bool:
+    """Whether ``doc`` is a gloo measurement: ``bytes_per_s`` a finite number in (0, 10^13]
+    (a negative or zero rate would price communication as negative or endless), ``latency_s``
+    absent, null, or finite in [0, 10] s."""
+    if not isinstance(doc, dict):
+        return False
+    rate, lat = doc.get("bytes_per_s"), doc.get("latency_s")
+    if type(rate) not in (int, float) or not (math.isfinite(rate) and 0 < rate <= 1e13):
+        return False
+    return lat is None or (type(lat) in (int, float) and math.isfinite(lat) and 0 <= lat <= 10)
 
 
 def write_cached_gloo(host: str, torch_version: str | None, doc: dict[str, Any]) -> Path:
@@ -221,9 +237,4 @@ def write_cached_gloo(host: str, torch_version: str | None, doc: dict[str, Any])
     path = gloo_cache_path(host, torch_version)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path.parent, 0o700)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh)
-    os.replace(tmp, path)
-    return path
+    return safe_files.write_private(path, json.dumps(doc).encode())

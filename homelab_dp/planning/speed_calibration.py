@@ -135,7 +135,7 @@ MAX_COUNT = 2**20
 RECORD_CHECKS: dict[str, Check] = {
     "fingerprint": lambda v: is_text(v) and bool(v),
     "kind": lambda v: v in ("cuda", "cpu"),
-    "model": lambda v: is_scalar_map(v) and set(v) <= set(MODEL_KEYS),
+    "model": is_scalar_map,
     "method": is_text,
     "distribution": is_text,
     "activation_checkpointing": lambda v: type(v) is bool,
