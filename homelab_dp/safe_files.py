@@ -88,19 +88,29 @@ class FileRefused(OSError):
         return f"{self.filename}: {self.strerror}"
 
 
+def open_regular(path: Path | str) -> int:
+    """A read-only descriptor of ``path``, a regular file (symlinks followed); the caller closes
+    it. Raises `FileRefused` for anything else (a FIFO, a device, a socket, a folder), and
+    `OSError` when it cannot be opened (FileNotFoundError: missing)."""
+    before = os.stat(path)  # a device is never even opened
+    if not stat.S_ISREG(before.st_mode):
+        raise FileRefused(path, f"not a regular file ({_kind(before.st_mode)})")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)  # what was opened: the path may have changed since the stat
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise FileRefused(path, f"not a regular file ({_kind(st.st_mode)})")
+    return fd
+
+
 def read_regular(path: Path | str, limit: int) -> bytes:
     """The bytes of ``path``, a regular file (symlinks followed) of at most ``limit`` bytes.
 
     Raises `FileRefused` for anything else (a FIFO, a device, a socket, a folder, a file over
     ``limit``), and `OSError` when it cannot be opened or read (FileNotFoundError: missing)."""
-    before = os.stat(path)  # a device is never even opened
-    if not stat.S_ISREG(before.st_mode):
-        raise FileRefused(path, f"not a regular file ({_kind(before.st_mode)})")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = open_regular(path)
     try:
-        st = os.fstat(fd)  # what was opened: the path may have changed since the stat
-        if not stat.S_ISREG(st.st_mode):
-            raise FileRefused(path, f"not a regular file ({_kind(st.st_mode)})")
+        st = os.fstat(fd)
         if st.st_size > limit:
             raise FileRefused(path, f"{st.st_size} bytes, over the limit of {limit}")
         chunks: list[bytes] = []

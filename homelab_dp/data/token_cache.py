@@ -16,6 +16,14 @@ Layout: ``$XDG_CACHE_HOME/homelab-dp/tokens/<key>/`` (``~/.cache`` by default):
 - ``uses.jsonl``: one line per process that used the entry, ``{"pid", "time", "use"}`` with
   use ``built`` (it tokenized) or ``hit`` (it read the file): the record of who tokenized.
 
+An entry is not trusted when read: only a regular file is mapped (a FIFO or a device at its path
+is no entry), and it is used only when its columns are the types written (``list<int32>`` without
+nulls: the values are read straight from the buffers), each sample's ``input_ids`` and
+``labels`` are as long as each other, token ids are not negative and labels are ids or -100,
+KTO's ``desirable`` is 0 or 1 (a pair's -1), the format and padding id are ones this code writes, and the
+sha256 of its columns matches the ``digest`` it was written with (an edited token is seen). An
+entry that does not pass is no entry: the samples are tokenized again and written over it.
+
 The key is the sha256 of everything the samples depend on: the tokenizer (`tokenizer_digest`:
 the content of its folder's files, which decide its class, vocabulary, special tokens and chat
 template, so no tokenizer is loaded to look an entry up), the data's identity
@@ -49,8 +57,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from homelab_dp import json_safe
+from homelab_dp import json_safe, safe_files
 from homelab_dp.data import tokenize
+from homelab_dp.data.records import LAYOUTS
 from homelab_dp.data.tokenize import Example, PairExample
 
 if TYPE_CHECKING:
@@ -85,7 +94,7 @@ def loaded(tokenizer: PreTrainedTokenizerBase) -> Any:
     return tokenizer.get() if isinstance(tokenizer, TokenizerRef) else tokenizer
 
 
-CACHE_VERSION = 3  # 3: records over MAX_RECORD_BYTES are refused; caches made before are not
+CACHE_VERSION = 4  # 4: a digest of the columns in the metadata, checked when read
 """Raise it when the cache file's layout or the meaning of a sample changes."""
 FILE = "samples.arrow"
 USES = "uses.jsonl"
@@ -155,31 +164,83 @@ class Cached:
 
 
 def read(key: str) -> Cached | None:
-    """The entry of ``key``, memory-mapped, or None when there is none (or it cannot be read:
-    it is then made again)."""
+    """The entry of ``key``, memory-mapped, or None when there is none (or it does not pass the
+    checks of the module docstring: it is then made again)."""
+    table, meta = _open_table(cache_root() / key / FILE, ("input_ids", "labels"))
+    if table is None:
+        return None
+    ids, labels = (_lists(table.column(c)) for c in ("input_ids", "labels"))
+    if not _tokens_ok(ids, labels) or any(
+        len(i) != len(la) for i, la in zip(ids, labels, strict=True)
+    ):
+        return None
+    examples = [Example(i, lab) for i, lab in zip(ids, labels, strict=True)]
+    return Cached(examples, meta["format"], int(meta["pad_id"]), cache_root() / key)
+
+
+def _open_table(path: Path, lists: tuple[str, ...], others: dict[str, str] | None = None) -> Any:
+    """The Arrow table of ``path`` and its metadata when it passes the file's checks: a
+    regular file, an Arrow IPC file whose ``lists`` columns are ``list<int32>`` and ``others``
+    of the named types, none with nulls, its ``count`` rows, a known format, an integer
+    padding id, and its ``digest``; else (None, {})."""
     import pyarrow as pa
 
-    folder = cache_root() / key
-    path = folder / FILE
-    if not path.is_file():
-        return None
+    others = others or {}
     try:
-        with open(path, "rb") as fh:
-            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        fd = safe_files.open_regular(path)
+    except OSError:  # missing, or a FIFO, a device, a folder: no entry
+        return None, {}
+    try:
         # Python's own mapping, read as a buffer: pyarrow's file readers start I/O threads,
         # and a rank or CLI that exits with those alive has been seen to abort ("terminate
         # called without an active exception") after its work was done.
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         options = pa.ipc.IpcReadOptions(use_threads=False)
         table = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped)), options=options).read_all()
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-        ids = _lists(table.column("input_ids"))
-        labels = _lists(table.column("labels"))
-    except (OSError, ValueError, pa.ArrowInvalid, KeyError):  # ValueError: an empty file
-        return None
-    if meta.get("count") != str(len(ids)) or "format" not in meta or "pad_id" not in meta:
-        return None
-    examples = [Example(i, lab) for i, lab in zip(ids, labels, strict=True)]
-    return Cached(examples, meta["format"], int(meta["pad_id"]), folder)
+        ints = pa.list_(pa.int32())
+        wanted = {**dict.fromkeys(lists, ints), **{k: getattr(pa, t)() for k, t in others.items()}}
+        for name, kind in wanted.items():
+            column = table.column(name).combine_chunks()
+            if column.type != kind or column.null_count:
+                return None, {}
+            if kind == ints and column.flatten().null_count:
+                return None, {}
+    except (OSError, ValueError, pa.ArrowInvalid, KeyError, UnicodeDecodeError):
+        return None, {}  # ValueError: an empty file
+    finally:
+        os.close(fd)
+    if (meta.get("count") != str(table.num_rows) or meta.get("format") not in LAYOUTS
+            or not meta.get("pad_id", "").lstrip("-").isdigit() or len(meta["pad_id"]) > 12
+            or meta.get("digest") != _digest(table, (*lists, *others))):  # fmt: skip
+        return None, {}
+    return table, meta
+
+
+def _digest(table: Any, names: tuple[str, ...]) -> str:
+    """sha256 of ``table``'s columns ``names``: each list column's row lengths and int32
+    values, each other column's values; what `write` and `write_pairs` store as ``digest``."""
+    h = hashlib.sha256()
+    for name in names:
+        column = table.column(name).combine_chunks()
+        h.update(f"{name}|{column.type}|{len(column)}|".encode())
+        if hasattr(column, "flatten"):
+            offsets = column.offsets.to_numpy(zero_copy_only=False)
+            h.update((offsets - offsets[0]).astype("<i8").tobytes())
+            values = column.flatten()
+            values = values.fill_null(0) if values.null_count else values  # refused anyway
+            h.update(values.to_numpy(zero_copy_only=False).astype("<i4").tobytes())
+        else:
+            h.update(repr(column.to_pylist()).encode())
+    return h.hexdigest()
+
+
+def _tokens_ok(ids: list[list[int]], labels: list[list[int]]) -> bool:
+    """Token ids are not negative; labels are ids or -100 (no loss)."""
+    low_id = min((min(r) for r in ids if r), default=0)
+    low_label = min((min(x for x in r if x != -100) for r in labels if any(x != -100 for x in r)),
+                    default=0)  # fmt: skip
+    return low_id >= 0 and low_label >= 0
 
 
 def _lists(column: Any) -> list[list[int]]:
@@ -211,11 +272,9 @@ def write(key: str, examples: Sequence[Example], fmt: str, about: str, pad_id: i
     import pyarrow as pa
 
     folder = cache_root() / key
-    schema = pa.schema(
-        [("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))],
-        metadata={"format": fmt, "count": str(len(examples)), "data": about,
-                  "version": str(CACHE_VERSION), "pad_id": str(pad_id)},
-    )  # fmt: skip
+    meta = {"format": fmt, "count": str(len(examples)), "data": about,
+            "version": str(CACHE_VERSION), "pad_id": str(pad_id)}  # fmt: skip
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
     table = pa.table(
         [
             pa.array([e.input_ids for e in examples], type=pa.list_(pa.int32())),
@@ -223,6 +282,9 @@ def write(key: str, examples: Sequence[Example], fmt: str, about: str, pad_id: i
         ],
         schema=schema,
     )
+    meta["digest"] = _digest(table, ("input_ids", "labels"))
+    table = table.replace_schema_metadata(meta)
+    schema = table.schema
     tmp = folder / f".{FILE}.{os.getpid()}.tmp"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -257,11 +319,11 @@ def write_pairs(key: str, pairs: Sequence[PairExample], fmt: str, about: str, pa
 
     folder = cache_root() / key
     ints = pa.list_(pa.int32())
+    meta = {"format": fmt, "count": str(len(pairs)), "data": about,
+            "version": str(CACHE_VERSION), "pad_id": str(pad_id)}  # fmt: skip
     schema = pa.schema(
         [("prompt", ints), ("chosen", ints), ("rejected", ints), ("where", pa.string()),
          ("desirable", pa.int8())],
-        metadata={"format": fmt, "count": str(len(pairs)), "data": about,
-                  "version": str(CACHE_VERSION), "pad_id": str(pad_id)},
     )  # fmt: skip
     table = pa.table(
         [
@@ -273,6 +335,9 @@ def write_pairs(key: str, pairs: Sequence[PairExample], fmt: str, about: str, pa
         ],
         schema=schema,
     )
+    meta["digest"] = _digest(table, PAIR_COLUMNS)
+    table = table.replace_schema_metadata(meta)
+    schema = table.schema
     tmp = folder / f".{PAIRS_FILE}.{os.getpid()}.tmp"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -284,33 +349,31 @@ def write_pairs(key: str, pairs: Sequence[PairExample], fmt: str, about: str, pa
     return folder
 
 
-def read_pairs(key: str) -> CachedPairs | None:
-    """The preference entry of ``key``, or None when there is none (or it cannot be read)."""
-    import pyarrow as pa
+PAIR_COLUMNS = ("prompt", "chosen", "rejected", "where", "desirable")
+DESIRABLE = {True: {0, 1}, False: {-1}}
+"""``desirable`` values of a KTO entry (True) and of a pairs entry (False)."""
 
-    folder = cache_root() / key
-    path = folder / PAIRS_FILE
-    if not path.is_file():
+
+def read_pairs(key: str) -> CachedPairs | None:
+    """The preference entry of ``key``, or None when there is none (or it does not pass the
+    checks of the module docstring: it is then made again)."""
+    lists = ("prompt", "chosen", "rejected")
+    table, meta = _open_table(cache_root() / key / PAIRS_FILE, lists,
+                              {"where": "string", "desirable": "int8"})  # fmt: skip
+    if table is None:
         return None
-    try:
-        with open(path, "rb") as fh:
-            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        options = pa.ipc.IpcReadOptions(use_threads=False)  # see `read`
-        table = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped)), options=options).read_all()
-        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-        prompt, chosen, rejected = (
-            _lists(table.column(c)) for c in ("prompt", "chosen", "rejected")
-        )
-        where = [str(w) for w in table.column("where").to_pylist()]
-        desirable = [int(d) for d in table.column("desirable").to_pylist()]
-    except (OSError, ValueError, pa.ArrowInvalid, KeyError):
-        return None
-    if meta.get("count") != str(len(prompt)) or "format" not in meta or "pad_id" not in meta:
+    prompt, chosen, rejected = (_lists(table.column(c)) for c in lists)
+    where = [str(w) for w in table.column("where").to_pylist()]
+    desirable = [int(d) for d in table.column("desirable").to_pylist()]
+    if (
+        not _tokens_ok(prompt + chosen + rejected, [])
+        or not set(desirable) <= DESIRABLE[meta["format"] == "kto"]
+    ):
         return None
     pairs = [
         PairExample(*row) for row in zip(prompt, chosen, rejected, where, desirable, strict=True)
     ]
-    return CachedPairs(pairs, meta["format"], int(meta["pad_id"]), folder)
+    return CachedPairs(pairs, meta["format"], int(meta["pad_id"]), cache_root() / key)
 
 
 def note_use(folder: Path, use: str) -> None:
@@ -329,7 +392,16 @@ def note_use(folder: Path, use: str) -> None:
 
 def uses(folder: Path) -> list[dict[str, Any]]:
     """The entry's recorded uses, oldest first."""
-    path = folder / USES
-    if not path.is_file():
+    try:  # a regular file of at most 64 MiB; a line that is not a JSON object is skipped
+        text = safe_files.read_regular(folder / USES, 64 * 2**20).decode("utf-8", "replace")
+    except OSError:
         return []
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    out = []
+    for line in text.splitlines():
+        try:
+            doc = safe_files.parse(line) if line.strip() else None
+        except safe_files.BadJson:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out

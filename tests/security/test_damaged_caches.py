@@ -6,7 +6,9 @@ wrong types, NaN and infinities, zero, negative, out of range, a bool for a numb
 not an object), and whole files that are damaged (truncated, not JSON, not UTF-8, deep nesting,
 a 5,000-digit integer) or not files (a FIFO, a symlink to ``/dev/zero``, a file over the
 bound). A bad record is left out, said, and gone from the file at the next write; a plan made
-beside it prices compute at positive rates. The shared reader and writer
+beside it prices compute at positive rates. A token cache entry is tried with every column and
+metadata damage (types, nulls, lengths, negative ids, labels, count, format, padding id, an
+edit under the old checksum) and as a file: each is no entry, and is written again. The shared reader and writer
 (`homelab_dp.safe_files`) are tried on the same paths. The reference log-probability cache's
 damage is tried in tests/unit/train/test_objectives.py (it needs the tiny model)."""
 
@@ -24,6 +26,8 @@ import pytest
 
 from homelab_dp import safe_files
 from homelab_dp.app.plan import make_plan
+from homelab_dp.data import token_cache
+from homelab_dp.data.tokenize import Example, PairExample
 from homelab_dp.planning.links import read_cached_gloo, write_cached_gloo
 from homelab_dp.planning.memory.device_memory import assumed_overhead
 from homelab_dp.planning.memory.memory_calibration import (
@@ -328,3 +332,134 @@ def test_parse_names_what_is_wrong_without_a_traceback(text: str, says: str) -> 
     assert says in err.value.reason
     assert safe_files.parse('{"a": NaN}')["a"] != 0  # read as a float where allowed
     assert safe_files.parse("-" + "9" * 4300) == -int("9" * 4300)
+
+
+EXAMPLES = [Example([5, 6, 7], [6, 7, -100]), Example([8, 9], [-100, 9])]
+KTO = [PairExample([1, 2], [3, 4], [], "f:1", 1), PairExample([1], [5], [], "f:2", 0)]
+
+
+def _arrow(path: Path, columns: dict[str, Any], meta: dict[str, str], digest: bool = True) -> None:
+    """An Arrow IPC file of ``columns`` (pyarrow arrays) with ``meta``, its digest made to
+    match (``digest``) so that a check other than the checksum must catch it."""
+    import pyarrow as pa
+
+    table = pa.table(columns)
+    if digest:
+        meta = {**meta, "digest": token_cache._digest(table, tuple(columns))}
+    table = table.replace_schema_metadata(meta)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+def _token_damage(path: Path, how: str) -> None:
+    import pyarrow as pa
+
+    ints, meta = pa.list_(pa.int32()), {"format": "text", "count": "2", "pad_id": "0"}
+    ids = pa.array([[5, 6, 7], [8, 9]], type=ints)
+    labels = pa.array([[6, 7, -100], [-100, 9]], type=ints)
+    cols = {"input_ids": ids, "labels": labels}
+    if how == "int64 columns":
+        cols = {k: v.cast(pa.list_(pa.int64())) for k, v in cols.items()}
+    elif how == "a null token":
+        cols["input_ids"] = pa.array([[5, None, 7], [8, 9]], type=ints)
+    elif how == "a null sample":
+        cols["labels"] = pa.array([[6, 7, -100], None], type=ints)
+    elif how == "labels shorter than ids":
+        cols["labels"] = pa.array([[6, 7], [-100, 9]], type=ints)
+    elif how == "a negative token id":
+        cols["input_ids"] = pa.array([[5, -6, 7], [8, 9]], type=ints)
+    elif how == "a label of -5":
+        cols["labels"] = pa.array([[6, 7, -5], [-100, 9]], type=ints)
+    elif how == "labels missing":
+        cols = {"input_ids": ids}
+    elif how == "count wrong":
+        meta["count"] = "3"
+    elif how == "unknown format":
+        meta["format"] = "pickle"
+    elif how == "padding id not a number":
+        meta["pad_id"] = "zero"
+    elif how == "padding id of 10^30":
+        meta["pad_id"] = str(10**30)
+    elif how == "a token edited, old checksum":
+        _arrow(path, cols, meta)
+        digest = pa.ipc.open_file(str(path)).schema.metadata[b"digest"].decode()
+        edited = pa.array([[5, 6, 99], [8, 9]], type=ints)
+        _arrow(path, {**cols, "input_ids": edited}, {**meta, "digest": digest}, digest=False)
+        return
+    elif how == "no checksum":
+        _arrow(path, cols, meta, digest=False)
+        return
+    elif how in ("fifo", "devzero", "folder"):
+        _damage(path, how)
+        return
+    elif how in ("truncated", "empty", "garbage"):
+        _arrow(path, cols, meta)
+        whole = path.read_bytes()
+        path.write_bytes({"truncated": whole[: len(whole) // 2], "empty": b"",
+                          "garbage": b"ARROW1" + b"\xff" * 200}[how])  # fmt: skip
+        return
+    _arrow(path, cols, meta)
+
+
+TOKEN_DAMAGE = [
+    "int64 columns", "a null token", "a null sample", "labels shorter than ids",
+    "a negative token id", "a label of -5", "labels missing", "count wrong", "unknown format",
+    "padding id not a number", "padding id of 10^30", "a token edited, old checksum",
+    "no checksum", "truncated", "empty", "garbage", "fifo", "devzero", "folder",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("how", TOKEN_DAMAGE)
+def test_a_damaged_token_cache_entry_is_no_entry_and_is_written_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, how: str
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = token_cache.write("k", EXAMPLES, "text", "x", pad_id=0)
+    good = token_cache.read("k")
+    assert good is not None and good.examples == EXAMPLES  # the entry as written reads back
+    path = folder / token_cache.FILE
+    path.unlink()
+    _token_damage(path, how)
+    t0 = time.monotonic()
+    assert token_cache.read("k") is None
+    assert time.monotonic() - t0 < 10  # never waits on a FIFO nor reads /dev/zero out
+    if how == "folder":
+        return
+    token_cache.write("k", EXAMPLES, "text", "x", pad_id=0)  # the preflight's rebuild
+    again = token_cache.read("k")
+    assert again is not None and again.examples == EXAMPLES and again.pad_id == 0
+
+
+@pytest.mark.parametrize("how", ["a desirable of 7", "a pair's -1 in a KTO entry", "an edit"])
+def test_a_damaged_kto_entry_is_no_entry(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, how: str
+) -> None:
+    import pyarrow as pa
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = token_cache.write_pairs("k", KTO, "kto", "x", pad_id=0)
+    good = token_cache.read_pairs("k")
+    assert good is not None and good.pairs == KTO
+    path = folder / token_cache.PAIRS_FILE
+    table = pa.ipc.open_file(str(path)).read_all()
+    cols = {n: table.column(n).combine_chunks() for n in token_cache.PAIR_COLUMNS}
+    meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
+    value = {"a desirable of 7": 7, "a pair's -1 in a KTO entry": -1, "an edit": 0}[how]
+    cols["desirable"] = pa.array([value, 0], type=pa.int8())
+    _arrow(path, cols, meta, digest=how != "an edit")  # an edit keeps the old checksum
+    assert token_cache.read_pairs("k") is None
+
+
+def test_a_damaged_uses_file_keeps_its_good_lines(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = token_cache.write("k", EXAMPLES, "text", "x", pad_id=0)
+    token_cache.note_use(folder, "built")
+    with open(folder / token_cache.USES, "ab") as fh:
+        fh.write(b"[" * 100_000 + b"\n" + b"9" * 5000 + b"\n\xff\xfe\n[1]\n{torn\n")
+    token_cache.note_use(folder, "hit")
+    assert [u["use"] for u in token_cache.uses(folder)] == ["built", "hit"]
+    (folder / token_cache.USES).unlink()
+    os.mkfifo(folder / token_cache.USES)
+    assert token_cache.uses(folder) == []
