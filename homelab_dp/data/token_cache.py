@@ -170,19 +170,16 @@ def read(key: str) -> Cached | None:
     if table is None:
         return None
     ids, labels = (_lists(table.column(c)) for c in ("input_ids", "labels"))
-    if not _tokens_ok(ids, labels) or any(
-        len(i) != len(la) for i, la in zip(ids, labels, strict=True)
-    ):
-        return None
     examples = [Example(i, lab) for i, lab in zip(ids, labels, strict=True)]
     return Cached(examples, meta["format"], int(meta["pad_id"]), cache_root() / key)
 
 
 def _open_table(path: Path, lists: tuple[str, ...], others: dict[str, str] | None = None) -> Any:
     """The Arrow table of ``path`` and its metadata when it passes the file's checks: a
-    regular file, an Arrow IPC file whose ``lists`` columns are ``list<int32>`` and ``others``
-    of the named types, none with nulls, its ``count`` rows, a known format, an integer
-    padding id, and its ``digest``; else (None, {})."""
+    regular file, an Arrow IPC file whose ``lists`` columns are ``list<int32>`` of tokens in
+    range (`_tokens_ok`; samples' ids and labels as long as each other) and ``others`` of the
+    named types, none with nulls, its ``count`` rows, a known format, an integer padding id,
+    and its ``digest``; else (None, {})."""
     import pyarrow as pa
 
     others = others or {}
@@ -200,12 +197,19 @@ def _open_table(path: Path, lists: tuple[str, ...], others: dict[str, str] | Non
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
         ints = pa.list_(pa.int32())
         wanted = {**dict.fromkeys(lists, ints), **{k: getattr(pa, t)() for k, t in others.items()}}
+        lengths = []
         for name, kind in wanted.items():
             column = table.column(name).combine_chunks()
             if column.type != kind or column.null_count:
                 return None, {}
-            if kind == ints and column.flatten().null_count:
-                return None, {}
+            if kind == ints:
+                values = column.flatten()
+                if values.null_count or not _tokens_ok(name, values.to_numpy()):
+                    return None, {}
+                offsets = column.offsets.to_numpy()
+                lengths.append(offsets[1:] - offsets[:-1])
+        if _lengths_differ(lists, lengths):
+            return None, {}
     except (OSError, ValueError, pa.ArrowInvalid, KeyError, UnicodeDecodeError):
         return None, {}  # ValueError: an empty file
     finally:
@@ -235,12 +239,20 @@ def _digest(table: Any, names: tuple[str, ...]) -> str:
     return h.hexdigest()
 
 
-def _tokens_ok(ids: list[list[int]], labels: list[list[int]]) -> bool:
-    """Token ids are not negative; labels are ids or -100 (no loss)."""
-    low_id = min((min(r) for r in ids if r), default=0)
-    low_label = min((min(x for x in r if x != -100) for r in labels if any(x != -100 for x in r)),
-                    default=0)  # fmt: skip
-    return low_id >= 0 and low_label >= 0
+def _tokens_ok(name: str, values: Any) -> bool:
+    """A list column's token values (a numpy array): ids are not negative, and a ``labels``
+    column holds ids or -100 (no loss)."""
+    if name == "labels":
+        values = values[values != -100]
+    return not values.size or int(values.min()) >= 0
+
+
+def _lengths_differ(names: tuple[str, ...], lengths: list[Any]) -> bool:
+    """Whether a samples entry's ``input_ids`` and ``labels`` rows differ in length (a pairs
+    entry's columns may)."""
+    if names != ("input_ids", "labels"):
+        return False
+    return bool((lengths[0] != lengths[1]).any())
 
 
 def _lists(column: Any) -> list[list[int]]:
@@ -365,10 +377,7 @@ def read_pairs(key: str) -> CachedPairs | None:
     prompt, chosen, rejected = (_lists(table.column(c)) for c in lists)
     where = [str(w) for w in table.column("where").to_pylist()]
     desirable = [int(d) for d in table.column("desirable").to_pylist()]
-    if (
-        not _tokens_ok(prompt + chosen + rejected, [])
-        or not set(desirable) <= DESIRABLE[meta["format"] == "kto"]
-    ):
+    if not set(desirable) <= DESIRABLE[meta["format"] == "kto"]:
         return None
     pairs = [
         PairExample(*row) for row in zip(prompt, chosen, rejected, where, desirable, strict=True)
