@@ -309,13 +309,19 @@ def record_speed(
     plan predicted is taken out instead (at most half the step; one process has none).
     Nothing is recorded for a plan of hardware that is not
     here (no fingerprint), a plan made before the time model (no ``predicted`` block), or a
-    non-positive speed.
+    speed that is not finite and positive.
     """
     fp = (plan_doc.get("calibration") or {}).get("fingerprint")
     predicted = plan_doc.get("predicted") or {}
     assumed = predicted.get("assumptions") or {}
     per_token = predicted.get("flops_per_token")
-    if not fp or not per_token or not tokens_per_s or tokens_per_s <= 0:
+    if (
+        not fp
+        or not per_token
+        or not tokens_per_s
+        or not math.isfinite(tokens_per_s)
+        or tokens_per_s <= 0
+    ):
         return None
     hw = plan_doc.get("hardware") or {}
     kind = str(hw.get("kind", "cuda"))
@@ -331,6 +337,8 @@ def record_speed(
         per_device *= step / compute
     device = str(predicted.get("pace_device") or "")
     threads = assumed.get("threads_per_process") if kind == "cpu" else None
+    if not is_number(0, MAX_RATE, above=True)(per_device):
+        return None  # a figure no record may hold (a plan's FLOPs per token not finite)
     record = SpeedRecord(
         fingerprint=str(fp),
         kind=kind,

@@ -38,7 +38,7 @@ from homelab_dp.planning.memory.memory_calibration import (
     torch_version,
 )
 from homelab_dp.planning.memory.train_shape import TrainShape
-from homelab_dp.planning.speed_calibration import MODEL_KEYS, SpeedRecord, SpeedStore
+from homelab_dp.planning.speed_calibration import MODEL_KEYS, SpeedRecord, SpeedStore, record_speed
 from homelab_dp.presets.preset import preset_from_dict
 
 from ..conftest import ROOT
@@ -463,3 +463,17 @@ def test_a_damaged_uses_file_keeps_its_good_lines(
     (folder / token_cache.USES).unlink()
     os.mkfifo(folder / token_cache.USES)
     assert token_cache.uses(folder) == []
+
+
+@pytest.mark.parametrize("tokens_per_s", [NAN, INF, -1.0, 0.0])
+def test_a_speed_that_is_not_finite_and_positive_is_never_recorded(
+    tmp_path: Path, tokens_per_s: float
+) -> None:
+    doc = {"calibration": {"fingerprint": CPU_FP}, "method": "full", "distribution": "ddp",
+           "hardware": {"kind": "cpu"}, "model": MODEL, "training": {"world_size": 1},
+           "predicted": {"flops_per_token": 1e9, "assumptions": {"threads_per_process": 1}}}  # fmt: skip
+    path = tmp_path / "speed.json"
+    assert record_speed(doc, tokens_per_s=tokens_per_s, path=path) is None
+    assert not path.exists()
+    assert record_speed(doc, tokens_per_s=100.0, path=path) == path
+    assert SpeedStore(path).records[0].flops_per_s == pytest.approx(1e11)
