@@ -29,7 +29,6 @@ from typing import Any
 from homelab_dp import json_safe, safe_files
 from homelab_dp.planning.flops import peak_flops
 from homelab_dp.planning.memory.memory_calibration import (
-    MAX_BYTES,
     Check,
     data_dir,
     field_problem,
@@ -152,7 +151,6 @@ RECORD_CHECKS: dict[str, Check] = {
 }
 """What each field of a stored record must be: a rate is finite and positive (a negative one
 would predict negative tokens/s)."""
-assert MAX_RATE < MAX_BYTES
 
 
 def record_problem(doc: Any) -> str | None:
