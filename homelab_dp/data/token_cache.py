@@ -16,13 +16,14 @@ Layout: ``$XDG_CACHE_HOME/homelab-dp/tokens/<key>/`` (``~/.cache`` by default):
 - ``uses.jsonl``: one line per process that used the entry, ``{"pid", "time", "use"}`` with
   use ``built`` (it tokenized) or ``hit`` (it read the file): the record of who tokenized.
 
-An entry is not trusted when read: only a regular file is mapped (a FIFO or a device at its path
-is no entry), and it is used only when its columns are the types written (``list<int32>`` without
-nulls: the values are read straight from the buffers), each sample's ``input_ids`` and
+An entry is not trusted when read: only a regular file is mapped (a FIFO or a device at its
+path is no entry), and it is used only when its columns are the types written (``list<int32>``
+without nulls: the values are read straight from the buffers), each sample's ``input_ids`` and
 ``labels`` are as long as each other, token ids are not negative and labels are ids or -100,
-KTO's ``desirable`` is 0 or 1 (a pair's -1), the format and padding id are ones this code writes, and the
-sha256 of its columns matches the ``digest`` it was written with (an edited token is seen). An
-entry that does not pass is no entry: the samples are tokenized again and written over it.
+KTO's ``desirable`` is 0 or 1 (a pair's -1), the format is one this code writes and the
+padding id a non-negative integer, and the sha256 of its columns matches the ``digest`` it was
+written with (an edited token is seen). An entry that does not pass is no entry: the samples
+are tokenized again and written over it.
 
 The key is the sha256 of everything the samples depend on: the tokenizer (`tokenizer_digest`:
 the content of its folder's files, which decide its class, vocabulary, special tokens and chat
@@ -49,6 +50,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -215,7 +217,7 @@ def _open_table(path: Path, lists: tuple[str, ...], others: dict[str, str] | Non
     finally:
         os.close(fd)
     if (meta.get("count") != str(table.num_rows) or meta.get("format") not in LAYOUTS
-            or not meta.get("pad_id", "").lstrip("-").isdigit() or len(meta["pad_id"]) > 12
+            or not re.fullmatch(r"[0-9]{1,12}", meta.get("pad_id", ""))
             or meta.get("digest") != _digest(table, (*lists, *others))):  # fmt: skip
         return None, {}
     return table, meta

@@ -380,6 +380,10 @@ def _token_damage(path: Path, how: str) -> None:
         meta["pad_id"] = "zero"
     elif how == "padding id of 10^30":
         meta["pad_id"] = str(10**30)
+    elif how == "a negative padding id":
+        meta["pad_id"] = "-5"
+    elif how == "padding id a superscript digit":
+        meta["pad_id"] = "\u00b2"
     elif how == "a token edited, old checksum":
         _arrow(path, cols, meta)
         digest = pa.ipc.open_file(str(path)).schema.metadata[b"digest"].decode()
@@ -404,7 +408,8 @@ def _token_damage(path: Path, how: str) -> None:
 TOKEN_DAMAGE = [
     "int64 columns", "a null token", "a null sample", "labels shorter than ids",
     "a negative token id", "a label of -5", "labels missing", "count wrong", "unknown format",
-    "padding id not a number", "padding id of 10^30", "a token edited, old checksum",
+    "padding id not a number", "padding id of 10^30", "a negative padding id",
+    "padding id a superscript digit", "a token edited, old checksum",
     "no checksum", "truncated", "empty", "garbage", "fifo", "devzero", "folder",
 ]  # fmt: skip
 
