@@ -76,7 +76,7 @@ def test_moe_estimate_within_five_percent_of_the_measured_peak(name: str) -> Non
 # families and shapes they never saw. GPT-2 without recomputation is over-estimated (the safe
 # side) by more than the bound on this grid and on GRID alike (gpt2 b1 s256: +22%): a known gap.
 HELD_OUT_GAP = {"gpt2-small-vocab b2 s160": "GPT-2's activations without recomputation are "
-                "over-estimated (+29% measured here; +22% on GRID's gpt2 b1 s256)"}  # fmt: skip
+                "over-estimated (+24% measured here; +22% on GRID's gpt2 b1 s256)"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
