@@ -7,7 +7,7 @@ folders written to a temporary folder, each run cold (a fresh process and an emp
 so no cached model spec): Qwen3-30B-A3B (a hand-written MoE family, config.json alone) and a
 StarCoder2 config (no hand-written spec: the census child builds it on the meta device). The
 last row is what
-`tests/unit/probe/test_probe.py::test_real_pynvml_without_a_driver_is_fast_and_says_why` times: the
+`tests/unit/probe/test_probe.py::test_real_pynvml_without_a_driver_answers_and_says_why` times: the
 first `probe()` of a fresh process against the real pynvml (importing pynvml, looking for the
 driver, reading the host), `homelab_dp.probe.nvml` already imported; the test bounds it only by
 a liveness guard (``PROBE_LIVENESS_S``) many times this figure.

@@ -2,7 +2,7 @@
 
     python benchmarks/tui_latency.py [--floods 5] [--idle-presses 100]
 
-The mechanism of `tests/tui/test_follow.py::test_stays_responsive_while_1000_events_arrive`
+The mechanism of `tests/tui/test_follow.py::test_every_event_is_folded_and_every_key_answered_while_1000_events_arrive`
 (`tests/tui/flood.py`): HomelabApp under Textual's Pilot (``run_test``) follows a copy of the
 recorded run, marked running; a writer thread appends events as rank 0 would, and each
 measurement is one ``app.simulate_key`` that switches screens (5 → Runs, 4 → Monitor), timed

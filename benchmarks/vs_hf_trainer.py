@@ -1,9 +1,24 @@
-"""Real (non-pad) tokens/s of homelab-dp against Hugging Face Trainer with dynamic padding.
+"""Real (non-pad) tokens/s of homelab-dp against Hugging Face Trainer at its best.
 
-    python benchmarks/vs_hf_trainer.py [--steps 20] [--seq-len 512] [--samples 3000] [--json]
+    python benchmarks/vs_hf_trainer.py [--repeats 3] [--steps 20] [--seq-len 512] [--json]
 
 The same model, the same ragged instruction data, a full fine-tune with AdamW, 2 processes on
-the CPU (gloo, OMP_NUM_THREADS = cores / processes), one run of each side after the other:
+the CPU (gloo, OMP_NUM_THREADS = cores / processes), against every way a careful user would run
+HF Trainer (`HF_SETUPS`):
+
+- ``hf-defaults``: dynamic padding (``DataCollatorForSeq2Seq``, pad to the longest of a random
+  batch) and Trainer's DDP defaults (``find_unused_parameters`` on without gradient
+  checkpointing, buffers broadcast every forward);
+- ``hf-group-by-length``: ``train_sampling_strategy="group_by_length"`` (batches of similar
+  lengths, so little padding), ``ddp_find_unused_parameters=False``,
+  ``ddp_broadcast_buffers=False``;
+- ``hf-padding-free``: ``DataCollatorWithFlattening`` (a micro-batch is one row of its samples
+  end to end, position ids restarting per sample, no padding; transformers' SDPA path builds the
+  block-diagonal mask from the position ids) with the same DDP flags.
+
+Runs are interleaved (homelab-dp, then each HF set-up, ``--repeats`` times), and the table gives
+the median and min–max of real tokens/s for each, with homelab-dp's median over each set-up's
+median and over the best HF set-up's; ``--json`` has every run.
 
 - **data**: seeded, no network. Instruction records whose outputs run from ``--min-words`` to
   ``--max-words`` words, log-uniform (long-tailed like real instruction data: the median is
@@ -21,13 +36,12 @@ the CPU (gloo, OMP_NUM_THREADS = cores / processes), one run of each side after 
   neither start-up nor the final save.
 - **HF Trainer**: this script again under ``torchrun --nproc-per-node 2`` (``--hf-worker``):
   the same records tokenized by homelab-dp's own `tokenize_records` (prompt of
-  `format_instruction`, loss on the output and eos only), truncated to seq_len, batched by
-  ``DataCollatorForSeq2Seq`` (pad to the longest in the batch, labels -100 on the padding);
-  same lr, warm-up, cosine to 0.1 of the lr, clipping 1.0, no weight decay, ``adamw_torch``,
+  `format_instruction`, loss on the output and eos only), truncated to seq_len, batched as the
+  set-up says (labels -100 on padding and on each flattened sample's first token); same lr, warm-up, cosine to 0.1 of the lr, clipping 1.0, no weight decay, ``adamw_torch``,
   no eval, no saving, a log line every step (as homelab-dp writes a step event every step),
   ``report_to=[]``, no dataloader workers, ``use_cpu``, gloo. Its
-  ``training_step`` counts the real (attention mask) and padded (numel) tokens of every
-  micro-batch on every rank; a callback times rank 0 from the first step's begin to the last
+  ``training_step`` counts the real (attention mask; every token when flattened) and padded
+  (numel) tokens of every micro-batch on every rank; a callback times rank 0 from the first step's begin to the last
   step's end.
 
 Fairness: homelab-dp's micro-batch is in packed blocks of seq_len tokens, HF's in samples, so
@@ -44,6 +58,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +79,15 @@ MODEL_CONFIG = {  # the demo family (see DEMO/config.json), about 5x its compute
     "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "tie_word_embeddings": False,
 }  # fmt: skip
 MIN_LR_RATIO = 0.1  # homelab-dp's default train.min_lr_ratio
+SANE_DDP = {"ddp_find_unused_parameters": False, "ddp_broadcast_buffers": False}
+HF_SETUPS: dict[str, dict[str, Any]] = {
+    "hf-defaults": {"collator": "pad", "args": {}},
+    "hf-group-by-length": {
+        "collator": "pad", "args": {"train_sampling_strategy": "group_by_length", **SANE_DDP},
+    },
+    "hf-padding-free": {"collator": "flatten", "args": dict(SANE_DDP)},
+}  # fmt: skip
+"""HF Trainer set-ups: the collator (pad to the longest, or flatten) and TrainingArguments."""
 
 
 # ---------------------------------------------------------------- data (pure, seeded)
@@ -224,33 +248,37 @@ def run_homelab(tmp: Path, model: Path, data: Path, a: argparse.Namespace) -> di
 # ---------------------------------------------------------------- HF Trainer side
 
 
-def run_hf(tmp: Path, model: Path, data: Path, a: argparse.Namespace, batch: int) -> dict:
-    """This script under torchrun as the HF Trainer worker; sums its ranks' counts."""
+def run_hf(
+    tmp: Path, model: Path, data: Path, a: argparse.Namespace, batch: int, setup: str
+) -> dict:
+    """This script under torchrun as the HF Trainer worker of ``setup``; sums its ranks'
+    counts."""
+    out_dir = Path(tempfile.mkdtemp(prefix=f"{setup}-", dir=tmp))
     cfg = {"model": str(model), "data": str(data), "seq_len": a.seq_len, "batch": batch,
-           "accum": a.accum, "steps": a.steps, "lr": a.lr, "seed": a.seed,
-           "out": str(tmp / "hf")}  # fmt: skip
-    (tmp / "hf").mkdir()
-    (tmp / "hf.json").write_text(json.dumps(cfg), encoding="utf-8")
+           "accum": a.accum, "steps": a.steps, "lr": a.lr, "seed": a.seed, "setup": setup,
+           "out": str(out_dir)}  # fmt: skip
+    (out_dir / "hf.json").write_text(json.dumps(cfg), encoding="utf-8")
     threads = max(1, (os.cpu_count() or 1) // a.nproc)  # what homelab-dp's launcher sets
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={a.nproc}", str(Path(__file__).resolve()),
-           "--hf-worker", str(tmp / "hf.json")]  # fmt: skip
+           "--hf-worker", str(out_dir / "hf.json")]  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"HF Trainer run failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    ranks = [json.loads(p.read_text()) for p in sorted((tmp / "hf").glob("rank*.json"))]
+        raise SystemExit(f"HF Trainer ({setup}) failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     if len(ranks) != a.nproc:
         raise SystemExit(f"HF Trainer run: {len(ranks)} rank reports of {a.nproc}")
     zero = ranks[0]
     return {
-        "side": "HF Trainer",
+        "side": setup,
         "steps": zero["steps"],
         "real_tokens": sum(r["real_tokens"] for r in ranks),
         "padded_tokens": sum(r["padded_tokens"] for r in ranks),
         "target_tokens": sum(r["target_tokens"] for r in ranks),  # with a loss (--json only)
         "wall_s": zero["wall_s"],
-        "micro_batch": f"{batch} samples, padded to the longest",
+        "micro_batch": f"{batch} samples, "
+        + ("flattened, no padding" if HF_SETUPS[setup]["collator"] == "flatten" else "padded"),
     }
 
 
@@ -261,12 +289,14 @@ def hf_worker(cfg_path: Path) -> None:
         AutoModelForCausalLM,
         AutoTokenizer,
         DataCollatorForSeq2Seq,
+        DataCollatorWithFlattening,
         Trainer,
         TrainerCallback,
         TrainingArguments,
     )
 
     cfg = json.loads(cfg_path.read_text())
+    setup = HF_SETUPS[cfg["setup"]]
     rows = tokenized(Path(cfg["data"]), Path(cfg["model"]), cfg["seq_len"])
     dataset = [{"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)}
                for ids, labels in rows]  # fmt: skip
@@ -277,7 +307,10 @@ def hf_worker(cfg_path: Path) -> None:
 
     class Counting(Trainer):
         def training_step(self, model, inputs, num_items_in_batch=None):  # noqa: ANN001
-            counts["real_tokens"] += int(inputs["attention_mask"].sum())
+            mask = inputs.get("attention_mask")  # none when flattened: every token is real
+            counts["real_tokens"] += int(
+                mask.sum() if mask is not None else inputs["input_ids"].numel()
+            )
             counts["padded_tokens"] += int(inputs["input_ids"].numel())
             counts["target_tokens"] += int((inputs["labels"] != -100).sum())
             return super().training_step(model, inputs, num_items_in_batch)
@@ -298,9 +331,13 @@ def hf_worker(cfg_path: Path) -> None:
         eval_strategy="no", save_strategy="no", logging_strategy="steps", logging_steps=1,
         report_to=[],
         dataloader_num_workers=0, dataloader_pin_memory=False, remove_unused_columns=False,
-        use_cpu=True, ddp_backend="gloo", disable_tqdm=True,
+        use_cpu=True, ddp_backend="gloo", disable_tqdm=True, **setup["args"],
     )  # fmt: skip
-    collator = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
+    if setup["collator"] == "flatten":
+        collator: Any = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+        dataset = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
+    else:
+        collator = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
     trainer = Counting(
         model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[Clock()]
     )
@@ -322,20 +359,58 @@ def hf_batch(lengths: list[int], micro: int, seq_len: int) -> int:
     return max(1, round(micro * seq_len / (sum(lengths) / len(lengths))))
 
 
-def table(rows: list[dict], header: str) -> str:
-    """The printed table; the last column is homelab-dp's rate over HF's."""
-    hf_rate = next(r["tokens_per_s"] for r in rows if r["side"] == "HF Trainer")
-    lines = [header, f"{'side':<11} {'steps':>5} {'real tokens':>11} {'padded tokens':>13} "
-             f"{'wall s':>7} {'real tok/s':>10} {'ratio':>6}  micro-batch per device"]  # fmt: skip
-    for r in rows:
-        lines.append(f"{r['side']:<11} {r['steps']:>5} {r['real_tokens']:>11} "
-                     f"{r['padded_tokens']:>13} {r['wall_s']:>7.1f} {r['tokens_per_s']:>10.0f} "
-                     f"{r['tokens_per_s'] / hf_rate:>5.2f}x  {r['micro_batch']}")  # fmt: skip
+def summarize(runs: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per side, in first-seen order: the real tokens/s of each repeat, their median, min and
+    max, and homelab-dp's median over that side's median (``ratio``)."""
+    sides: dict[str, list[float]] = {}
+    for r in runs:
+        sides.setdefault(r["side"], []).append(r["real_tokens"] / r["wall_s"])
+    ours = statistics.median(sides["homelab-dp"])
+    return {
+        side: {"tokens_per_s": rates, "median": statistics.median(rates), "min": min(rates),
+               "max": max(rates), "ratio": ours / statistics.median(rates)}
+        for side, rates in sides.items()
+    }  # fmt: skip
+
+
+def best_hf(summary: dict[str, dict[str, Any]]) -> str:
+    """The HF set-up with the highest median real tokens/s."""
+    return max((s for s in summary if s != "homelab-dp"), key=lambda s: summary[s]["median"])
+
+
+def per_repeat_ratios(runs: list[dict], setup: str) -> list[float]:
+    """homelab-dp's real tokens/s over ``setup``'s, repeat by repeat (runs interleaved)."""
+    ours = [r["real_tokens"] / r["wall_s"] for r in runs if r["side"] == "homelab-dp"]
+    theirs = [r["real_tokens"] / r["wall_s"] for r in runs if r["side"] == setup]
+    return [a / b for a, b in zip(ours, theirs, strict=True)]
+
+
+def table(runs: list[dict], header: str) -> str:
+    """The printed table: median and min–max real tokens/s per side, homelab-dp's median over
+    each side's median, and over the best HF set-up's."""
+    summary = summarize(runs)
+    best = best_hf(summary)
+    lines = [header, f"{'side':<19} {'runs':>4} {'median tok/s':>12} {'min-max tok/s':>15} "
+             f"{'ratio':>6}  micro-batch per device"]  # fmt: skip
+    for side, s in summary.items():
+        batch = next(r["micro_batch"] for r in runs if r["side"] == side)
+        lines.append(f"{side:<19} {len(s['tokens_per_s']):>4} {s['median']:>12.0f} "
+                     f"{s['min']:>7.0f}-{s['max']:<7.0f} {s['ratio']:>5.2f}x  {batch}")  # fmt: skip
+    ratios = ", ".join(f"{x:.2f}" for x in per_repeat_ratios(runs, best))
+    defaults = ", ".join(f"{x:.2f}" for x in per_repeat_ratios(runs, "hf-defaults"))
+    lines.append(f"homelab-dp over the best HF set-up ({best}): x{summary[best]['ratio']:.2f} "
+                 f"(medians); per repeat {ratios}; over hf-defaults per repeat {defaults}")  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side")
+    parser.add_argument(
+        "--setups",
+        default=",".join(HF_SETUPS),
+        help=f"HF set-ups, comma-separated (default: all of {', '.join(HF_SETUPS)})",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps of each side")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--samples", type=int, default=3000, help="records in the data set")
@@ -361,27 +436,43 @@ def main() -> None:
         params = build_model(model, args.seed)
         lengths = [len(ids) for ids, _ in tokenized(data, model, args.seq_len)]
         batch = hf_batch(lengths, args.micro, args.seq_len)
-        rows = [run_homelab(tmp, model, data, args), run_hf(tmp, model, data, args, batch)]
-    for r in rows:
-        r["tokens_per_s"] = r["real_tokens"] / r["wall_s"]
-    hf = rows[1]["tokens_per_s"]
+        setups = [x for x in args.setups.split(",") if x]
+        unknown = [x for x in setups if x not in HF_SETUPS]
+        if unknown or "hf-defaults" not in setups:
+            raise SystemExit(f"--setups: {', '.join(unknown) or 'hf-defaults missing'}; "
+                             f"choose among {', '.join(HF_SETUPS)} (hf-defaults included)")  # fmt: skip
+        runs: list[dict] = []
+        for repeat in range(args.repeats):  # interleaved: ours, then each HF set-up
+            for side in ("homelab-dp", *setups):
+                r = (run_homelab(tmp, model, data, args) if side == "homelab-dp"
+                     else run_hf(tmp, model, data, args, batch, side))  # fmt: skip
+                r["repeat"] = repeat
+                r["tokens_per_s"] = r["real_tokens"] / r["wall_s"]
+                runs.append(r)
+                print(f"repeat {repeat + 1}/{args.repeats} {side}: {r['tokens_per_s']:.0f} real "
+                      "tok/s", file=sys.stderr, flush=True)  # fmt: skip
     ordered = sorted(lengths)
+    summary = summarize(runs)
     facts = {
-        "params": params, "samples": len(lengths), "seq_len": args.seq_len,
+        "params": params, "samples": len(lengths), "seq_len": args.seq_len, "steps": args.steps,
+        "repeats": args.repeats, "micro": args.micro, "hf_batch": batch,
         "mean_sample_tokens": sum(lengths) / len(lengths),
         "median_sample_tokens": ordered[len(ordered) // 2], "max_sample_tokens": ordered[-1],
         "nproc": args.nproc, "grad_accum": args.accum, "cpus": os.cpu_count(),
-        "load_average": os.getloadavg()[0], "ratio": rows[0]["tokens_per_s"] / hf,
+        "load_average": os.getloadavg()[0], "best_hf": best_hf(summary),
+        "ratio_to_best_hf": summary[best_hf(summary)]["ratio"],
+        "ratio_to_hf_defaults": summary["hf-defaults"]["ratio"],
     }  # fmt: skip
     if args.json:
-        print(json.dumps({**facts, "rows": rows}))
+        print(json.dumps({**facts, "summary": summary, "runs": runs}))
         return
     header = (f"LLaMA {params / 1e6:.1f}M params, full fine-tune, {args.nproc} CPU processes "
-              f"(gloo), {args.steps} steps, seq_len {args.seq_len}, accum {args.accum}; "
-              f"{len(lengths)} samples of {facts['mean_sample_tokens']:.0f} tokens on average "
-              f"(median {facts['median_sample_tokens']}, max {facts['max_sample_tokens']}); "
+              f"(gloo), {args.steps} steps, seq_len {args.seq_len}, accum {args.accum}, "
+              f"{args.repeats} interleaved repeats; {len(lengths)} samples of "
+              f"{facts['mean_sample_tokens']:.0f} tokens on average (median "
+              f"{facts['median_sample_tokens']}, max {facts['max_sample_tokens']}); "
               f"{os.cpu_count()} CPUs, load average {facts['load_average']:.1f} at the end")  # fmt: skip
-    print(table(rows, header))
+    print(table(runs, header))
 
 
 if __name__ == "__main__":

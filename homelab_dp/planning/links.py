@@ -47,9 +47,13 @@ NVLINK_EFFICIENCY = 0.8
 """Share of NVLink's line rate NCCL's ring bus bandwidth reaches (nccl-tests, large messages)."""
 P2P_EFFICIENCY = 0.8
 """Share of a PCIe link's line rate P2P copies reach."""
-HOST_BOUNCE_EFFICIENCY = 0.45
-"""Share of one PCIe link's line rate a ring reaches when P2P is off: every chunk is copied to
-pinned host memory and back (two crossings, and the host's memory bandwidth shared)."""
+HOST_BOUNCE_EFFICIENCY = 0.22
+"""Share of one PCIe link's line rate a DDP step's all-reduce effectively reaches when P2P is
+off: every chunk is copied to pinned host memory and back (two crossings, the host's memory
+bandwidth shared), and the time model overlaps none of it with backward. Fitted on one
+published run (GPT-2 124M on two TITAN RTX without P2P: ×1.56 one card's speed, PCIe 3.0 x16)
+and checked on the others in docs/planning.md (tests/unit/planning/test_published_scaling.py);
+0.45, the bus bandwidth alone, predicted ×1.99 there."""
 NETWORK_EFFICIENCY = 0.85
 """Share of an Ethernet's line rate NCCL's socket transport reaches."""
 ASSUMED_PCIE = (4, 16)

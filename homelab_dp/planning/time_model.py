@@ -13,10 +13,13 @@ A step is compute + the communication it cannot hide + offload copies:
   ring factor included) ÷ the slowest hop of the ring (`homelab_dp.planning.links`), plus a
   latency per collective;
 - **overlap** (what is exposed): DDP's buckets all-reduce while backward still runs, except the
-  last bucket; FSDP2 prefetches the next layer's all-gather while the current layer computes,
+  last bucket (which holds the input embeddings' gradient: `last_bucket_bytes`); FSDP2 prefetches the next layer's all-gather while the current layer computes,
   except the first of each pass, and its reduce-scatters overlap backward except the last
   layer's; ZeRO-1's all-gather of the updated parameters after the optimizer step and offload
-  copies overlap nothing. Gradients are synchronised once per optimizer step (no_sync during
+  copies overlap nothing. Without P2P (NCCL staging every chunk through host memory) nothing
+  overlaps: the published two-card runs of docs/planning.md lose more time than the whole
+  all-reduce would take at the link's rate, so the link's figure there is an effective one,
+  fitted with overlap taken as none. Gradients are synchronised once per optimizer step (no_sync during
   accumulation), so raising ``grad_accum`` divides DDP's exposed communication per token. On
   the CPU nothing overlaps: gloo's collectives run on the cores the compute uses;
 - **offload**: the PCIe seconds of `homelab_dp.planning.memory.offload_cost`, not overlapped.
@@ -105,7 +108,8 @@ def comm_parts(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
     layers = max(1, spec.layers)
     if shape.distribution in ("ddp", "zero1"):
         buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
-        out = [CommPart("all-reduce", 2 * ring * grads, False, "backward", 1 / buckets, buckets)]
+        out = [CommPart("all-reduce", 2 * ring * grads, False, "backward",
+                        last_bucket_bytes(spec, shape) / grads, buckets)]  # fmt: skip
         if shape.distribution == "zero1":
             out.append(CommPart("all-gather (after the step)", ring * spec.params * 4.0, False,
                                 "none", 1.0, 1))  # fmt: skip
@@ -122,6 +126,21 @@ def comm_parts(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
         out.append(CommPart("all-gather (backward)", gather, True, "backward", 1 / layers, layers))
     out.append(CommPart("reduce-scatter", ring * grads, False, "backward", 1 / layers, layers))
     return out
+
+
+def last_bucket_bytes(spec: ModelSpec, shape: TrainShape) -> float:
+    """Gradient bytes of DDP's last bucket, whose all-reduce starts only when backward ends.
+
+    DDP fills its buckets in reverse parameter order, so the input embeddings (the first
+    parameters, their gradient the last one backward writes) are in the last bucket; a
+    parameter larger than ``bucket_cap_mb`` is a bucket of its own. A full fine-tune's last
+    bucket is therefore the larger of a bucket and the embeddings (GPT-2 124M: 31% of its
+    gradients); LoRA trains no embedding."""
+    grads = trainable_params(spec, shape) * 4.0
+    last = float(DDP_BUCKET_BYTES)
+    if shape.method == "full":
+        last = max(last, spec.embedding_params * 4.0)
+    return min(grads, last)
 
 
 def forward_flops_per_token(spec: ModelSpec, shape: TrainShape) -> float:
@@ -250,7 +269,9 @@ def predict(
     c_fwd, c_bwd = micro_compute * fwd_share, micro_compute * (1 - fwd_share)
     parts = comm_parts(spec, shape)
     comm = exposed = 0.0
-    overlap = hw.kind == "cuda"  # gloo on the CPU shares the cores the compute uses
+    # gloo on the CPU shares the cores the compute uses; without P2P, NCCL's copies through
+    # host memory hide behind nothing either (fitted on published runs: docs/planning.md).
+    overlap = hw.kind == "cuda" and link.kind != "host-bounce"
     # One micro-step's communication (FSDP's gathers), then what only the last one sends.
     for last in (False, True):
         hide = {"forward": c_fwd if overlap else 0.0, "backward": c_bwd if overlap else 0.0,

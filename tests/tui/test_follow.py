@@ -57,7 +57,9 @@ async def test_a_burst_of_updates_is_coalesced(controller: RunController) -> Non
         assert app.screen.shown.view.step == posted  # the newest one is what is on screen
 
 
-async def test_stays_responsive_while_1000_events_arrive(runs_root: Path) -> None:
+async def test_every_event_is_folded_and_every_key_answered_while_1000_events_arrive(
+    runs_root: Path,
+) -> None:
     """1000 events written at ~500 a second: every one is folded, updates are coalesced, and
     every key is answered meanwhile.
 

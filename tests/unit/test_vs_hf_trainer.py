@@ -1,4 +1,5 @@
-"""benchmarks/vs_hf_trainer.py: its ragged data and its fairness rule (no timed run here)."""
+"""benchmarks/vs_hf_trainer.py: its ragged data, its fairness rule, its HF set-ups and its
+summary (no timed run here)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 import random
 import statistics
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
@@ -57,3 +60,38 @@ def test_hf_batch_matches_real_tokens_per_micro_batch() -> None:
     # 4 blocks of 512 = 2048 real tokens; samples of 128 tokens on average: 16 of them.
     assert bench.hf_batch([100, 156, 128], micro=4, seq_len=512) == 16
     assert bench.hf_batch([5000], micro=1, seq_len=512) == 1
+
+
+def test_hf_setups_are_defaults_and_the_two_a_careful_user_would_pick() -> None:
+    setups = bench.HF_SETUPS
+    assert set(setups) == {"hf-defaults", "hf-group-by-length", "hf-padding-free"}
+    assert setups["hf-defaults"] == {"collator": "pad", "args": {}}  # HF's own defaults
+    for name in ("hf-group-by-length", "hf-padding-free"):
+        args = setups[name]["args"]
+        assert args["ddp_find_unused_parameters"] is False
+        assert args["ddp_broadcast_buffers"] is False
+    assert setups["hf-group-by-length"]["args"]["train_sampling_strategy"] == "group_by_length"
+    assert setups["hf-padding-free"]["collator"] == "flatten"
+
+
+def _run(side: str, tokens: int, wall: float) -> dict:
+    return {"side": side, "real_tokens": tokens, "wall_s": wall, "micro_batch": "-"}
+
+
+def test_medians_min_max_and_the_ratio_to_the_best_hf_setup() -> None:
+    # interleaved: ours, defaults, grouped, for three repeats (tokens/s = tokens / 1 s)
+    runs = []
+    for ours, defaults, grouped in ((1000, 300, 800), (1200, 250, 700), (900, 400, 900)):
+        runs += [_run("homelab-dp", ours, 1.0), _run("hf-defaults", defaults, 1.0),
+                 _run("hf-group-by-length", grouped, 1.0)]  # fmt: skip
+    summary = bench.summarize(runs)
+    assert list(summary) == ["homelab-dp", "hf-defaults", "hf-group-by-length"]
+    assert summary["homelab-dp"]["median"] == 1000
+    assert (summary["hf-defaults"]["min"], summary["hf-defaults"]["max"]) == (250, 400)
+    assert bench.best_hf(summary) == "hf-group-by-length"
+    assert summary["hf-group-by-length"]["ratio"] == pytest.approx(1000 / 800)
+    assert bench.per_repeat_ratios(runs, "hf-defaults") == pytest.approx(
+        [1000 / 300, 1200 / 250, 900 / 400]
+    )
+    text = bench.table(runs, "header")
+    assert "best HF set-up (hf-group-by-length): x1.25" in text

@@ -187,7 +187,7 @@ def test_bad_preset_gives_one_clear_error(name: str, in_repo, capsys) -> None:
     assert "Traceback" not in err
 
 
-def test_every_problem_is_reported_at_once(in_repo, capsys) -> None:
+def test_every_problem_is_reported_in_one_answer(in_repo, capsys) -> None:
     rc, _, err = run_cli(capsys, "plan", str(DATA / "bad_presets" / "many-problems.toml"))
     assert rc == 2
     for key in ("model.dtype", "data.seq_len", "train.lr", "train.warmup"):

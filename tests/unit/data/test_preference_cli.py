@@ -1,12 +1,11 @@
 """Bad preference data through the CLI's `run`: exit 2, one ``error:`` line naming the file and
 line (or the objective to set), a ``hint:``, no traceback, nothing spawned, no run folder.
 
-The cases the preflight finds through the preference loader (`app.runs.check_data` calling
-`data.preference_blocks.load_preference_train_eval` for dpo/orpo/kto) run once it does."""
+The preflight (`app.runs.check_data`) loads dpo/orpo/kto data through the preference loader
+(`data.preference_blocks.load_preference_train_eval`), so every case runs."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from pathlib import Path
@@ -14,13 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from homelab_dp.app import runs as app_runs
 from homelab_dp.cli import main
 from tests.conftest import ROOT
 
 DATA = ROOT / "assets" / "data"
 GOOD = {"prompt": "Question: What is 2 + 2?\nAnswer:", "chosen": " 4.", "rejected": " 5."}
-WIRED = "load_preference_train_eval" in inspect.getsource(app_runs.check_data)
 
 
 def _file(tmp_path: Path, bad: dict) -> str:
@@ -29,27 +26,25 @@ def _file(tmp_path: Path, bad: dict) -> str:
     return str(path)
 
 
-# case -> (preset overrides, the error line's words ({file}: the data file), needs the wiring)
+# case -> (preset overrides, the error line's words ({file}: the data file))
 CASES = {
     "sft on pairs": (["--set", "train.objective=sft"], "tiny-preferences.jsonl:1: the data "
-                     "holds preference pairs (chosen, rejected), and train.objective sft", False),
+                     "holds preference pairs (chosen, rejected), and train.objective sft"),
     "a row without rejected": ({"prompt": "Q:", "chosen": " a"},
-                               "{file}:9: field 'rejected' missing", False),
+                               "{file}:9: field 'rejected' missing"),
     "an empty response": ({"prompt": "Q:", "chosen": " a", "rejected": ""},
-                          "{file}:9: field 'rejected' is empty (an empty response)", False),
+                          "{file}:9: field 'rejected' is empty (an empty response)"),
     "a prompt longer than seq_len": ({"prompt": "Q: " + "what is 1 + 1? " * 30, "chosen": " 2",
-                                      "rejected": " 3"}, "{file}:9: the prompt takes", True),
+                                      "rejected": " 3"}, "{file}:9: the prompt takes"),
     "dpo on instruction data": (["--set", f"data.path={DATA / 'tiny-instruct.jsonl'}"],
                                 "tiny-instruct.jsonl: train.objective dpo needs preference "
-                                "pairs", True),
+                                "pairs"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_bad_preference_data_is_refused_before_anything_starts(kind, in_repo, tmp_path, capsys):
-    extra, needle, wired = CASES[kind]
-    if wired and not WIRED:
-        pytest.skip("the preflight does not load preference data through its loader yet")
+    extra, needle = CASES[kind]
     if isinstance(extra, dict):
         file = _file(tmp_path, extra)
         extra, needle = ["--set", f"data.path={file}"], needle.format(file=file)

@@ -14,7 +14,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from homelab_dp.train.memcheck import GRID, Case, estimate, measure_case  # noqa: E402
+from homelab_dp.train.memcheck import (  # noqa: E402
+    FAMILIES,
+    GRID,
+    HELD_OUT_FAMILIES,
+    HELD_OUT_GRID,
+    Case,
+    estimate,
+    measure_case,
+)
 from homelab_dp.train.memtrack import LiveTensors, MemoryProbe  # noqa: E402
 
 BOUND = 0.10
@@ -62,6 +70,38 @@ def test_moe_estimate_within_five_percent_of_the_measured_peak(name: str) -> Non
     assert r.estimate.peak_phase in MOE_CASES[name] and r.measured_phase in MOE_CASES[name]
     load = r.phases["load"]["end_bytes"]  # every expert loaded, exactly
     assert abs(load - r.estimate.phases["load"]) / load < 0.01
+
+
+# The constants marked "(measured)" in the memory model were fitted on GRID: here they meet
+# families and shapes they never saw. GPT-2 without recomputation is over-estimated (the safe
+# side) by more than the bound on this grid and on GRID alike (gpt2 b1 s256: +22%): a known gap.
+HELD_OUT_GAP = {"gpt2-small-vocab b2 s160": "GPT-2's activations without recomputation are "
+                "over-estimated (+24% measured here; +22% on GRID's gpt2 b1 s256)"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(c.name, marks=pytest.mark.xfail(strict=True, reason=HELD_OUT_GAP[c.name]))
+        if c.name in HELD_OUT_GAP
+        else c.name
+        for c in HELD_OUT_GRID
+    ],
+)
+def test_held_out_estimate_within_ten_percent_of_the_measured_peak(name: str) -> None:
+    case = next(c for c in HELD_OUT_GRID if c.name == name)
+    r = measure_case(case, steps=2)
+    assert r.error >= -BOUND, f"{name}: under-estimated, {r.estimate.tensors} < {r.measured}"
+    assert abs(r.error) <= BOUND, f"{name}: estimate {r.estimate.tensors}, measured {r.measured}"
+
+
+def test_the_held_out_grid_is_disjoint_from_the_fitted_one() -> None:
+    assert not set(HELD_OUT_FAMILIES) & set(FAMILIES)
+    assert not [c for c in HELD_OUT_FAMILIES.values() if c in FAMILIES.values()]
+    assert not {(c.micro_batch, c.seq_len, c.grad_accum) for c in HELD_OUT_GRID} & {
+        (c.micro_batch, c.seq_len, c.grad_accum) for c in GRID
+    }
+    assert {c.activation_checkpointing for c in HELD_OUT_GRID} == {False, True}
 
 
 def test_the_grid_covers_six_families_checkpointing_and_shapes() -> None:

@@ -230,7 +230,7 @@ def _nvml_library_present() -> bool:
     return True
 
 
-def test_real_pynvml_without_a_driver_is_fast_and_says_why(
+def test_real_pynvml_without_a_driver_answers_and_says_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(FAKE_ENV, raising=False)
