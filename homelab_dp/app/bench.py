@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
-import functools
 import json
 import logging
 import os
@@ -72,7 +70,13 @@ from homelab_dp.app.evaluate import (
     launch_and_wait,
     select_devices,
 )
-from homelab_dp.app.task_files import load_task_file, sandbox_templates
+from homelab_dp.app.task_files import (  # noqa: F401  (check_tasks: bench's own)
+    TaskSpec,
+    check_tasks,
+    lm_eval_version,
+    load_task_file,
+    sandbox_templates,
+)
 from homelab_dp.errors import HardwareSpecError, HomelabError
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model, resolve_model_arg
@@ -81,21 +85,10 @@ from homelab_dp.supervise.launcher import torchrun_command
 BENCH_MODULE = "homelab_dp.app.bench"
 BENCH_FILE = "bench.json"
 BASE_BENCH_FILE = "bench-base.json"
-TASK_SUFFIXES = (".yaml", ".yml")
 DEFAULT_FILTER = "none"
 """lm_eval's name for "no filter": dropped from the metric names."""
 BATCH_SIZE = 8
 """Requests per forward pass in each rank (lm_eval's ``batch_size``)."""
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """One item of ``--tasks``: a task name, or a task file."""
-
-    name: str
-    """The task's name (a file's ``task:``)."""
-    file: Path | None = None
-    """The task file (absolute), or None for a name from lm_eval's index."""
 
 
 @dataclass(frozen=True)
@@ -115,86 +108,6 @@ class BenchJob:
     notes: tuple[str, ...] = field(default_factory=tuple)
     trust_code: bool = False
     """``--trust-task-code``: the task files may run code (`app.task_files`)."""
-
-
-def split_tasks(tasks: str | list[str], field_name: str = "--tasks") -> list[str]:
-    """The items of ``--tasks`` (comma-separated) or of ``train.bench_tasks`` (a list)."""
-    items = tasks.split(",") if isinstance(tasks, str) else list(tasks)
-    out = [str(t).strip() for t in items if str(t).strip()]
-    if not out:
-        raise HomelabError(
-            f"{field_name}: no task given",
-            hint="give task names (e.g. hellaswag,arc_easy) or a task file (my_task.yaml)",
-        )
-    return out
-
-
-def is_task_file(item: str) -> bool:
-    """Whether a ``--tasks`` item names a file rather than a task (a .yaml name or a path)."""
-    return item.lower().endswith(TASK_SUFFIXES) or "/" in item or Path(item).is_file()
-
-
-def read_task_file(item: str, *, trust_code: bool = False, field_name: str = "--tasks") -> TaskSpec:
-    """A task file checked as the workers will load it (`task_files.load_task_file`: the same
-    rule, the same switch): a bounded regular file, safe YAML, lm_eval's keys and types, no
-    include outside its folder, and no code unless ``trust_code``."""
-    path = Path(item).expanduser().absolute()
-    if not path.exists():
-        raise HomelabError(f"{field_name}: task file {item} not found",
-                           hint="give the path of an lm_eval task .yaml file, or a task name")  # fmt: skip
-    cfg = load_task_file(path, trust_code=trust_code, resolve=False, field_name=field_name)
-    if "group" in cfg and not isinstance(cfg.get("task"), str):
-        return TaskSpec(str(cfg["group"]), path)
-    return TaskSpec(cfg["task"], path)
-
-
-@functools.cache
-def known_tasks() -> tuple[str, ...]:
-    """Every task, group and tag name of lm_eval's index (built once per process: it reads
-    lm_eval's thousands of task files, seconds)."""
-    from lm_eval.tasks import TaskManager
-
-    return tuple(TaskManager().all_tasks)
-
-
-def check_task_names(names: list[str], field_name: str = "--tasks") -> None:
-    """Every name is a task, group or tag of lm_eval's index (an unknown one: exit 2)."""
-    known = list(known_tasks())
-    known_set = set(known)
-    for name in names:
-        if name not in known_set:
-            near = difflib.get_close_matches(name, known, n=5, cutoff=0.6) or known[:5]
-            raise HomelabError(
-                f"{field_name}: unknown task {name[:100]!r} (lm_eval {_lm_eval_version()} knows "
-                f"{len(known)} tasks)",
-                hint=f"e.g. {', '.join(near)}; or give a task .yaml file "
-                "(`python -m lm_eval ls tasks` lists every name)",
-            )
-
-
-def check_tasks(
-    tasks: str | list[str], *, trust_code: bool = False, field_name: str = "--tasks"
-) -> tuple[TaskSpec, ...]:
-    """``--tasks`` (or a preset's ``train.bench_tasks``: ``field_name``) read and checked: files
-    as the workers load them (``trust_code``: ``--trust-task-code``), names looked up (the
-    index only when a name is given: building it reads lm_eval's thousands of task files)."""
-    items = split_tasks(tasks, field_name)
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise HomelabError(
-            f"{field_name}: lm-evaluation-harness (lm_eval) is not installed",
-            hint="pip install 'homelab-dp[bench]'",
-        ) from None
-    specs = [
-        read_task_file(i, trust_code=trust_code, field_name=field_name)
-        if is_task_file(i) else TaskSpec(i)
-        for i in items
-    ]  # fmt: skip
-    names = [s.name for s in specs if s.file is None]
-    if names:
-        check_task_names(names, field_name)
-    return tuple(specs)
 
 
 def base_ref(ref: ModelRef) -> ModelRef:
@@ -342,15 +255,6 @@ def bench_model(model: str, tasks: str | list[str], limit: int | None = None,
     return run_bench(prepare(model, tasks, limit, gpus, base, trust_code=trust_code))
 
 
-def _lm_eval_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lm_eval")
-    except PackageNotFoundError:
-        return "?"
-
-
 # --- the worker: one rank under torchrun ---------------------------------------------------
 
 
@@ -441,7 +345,7 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
             for t, n in out.get("n-samples", {}).items()
         },  # fmt: skip
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "lm_eval": _lm_eval_version(),
+        "lm_eval": lm_eval_version(),
     }
 
 

@@ -29,6 +29,7 @@ from homelab_dp.planning.links import (
     ring_link,
     write_cached_gloo,
 )
+from homelab_dp.planning.lora_target_check import check_lora_targets
 from homelab_dp.planning.memory.device_memory import assumed_overhead
 from homelab_dp.planning.memory.memory_calibration import (
     CalibrationStore,
@@ -308,6 +309,8 @@ def make_plan(
         trust_remote_code=preset.model.trust_remote_code,
         text_only=preset.model.text_only,
     )
+    if preset.train.method != "full":  # a name that picks nothing fails in rank 0: refuse it now
+        check_lora_targets(spec, preset.lora.target_modules, preset.source)
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
     make = plan_largest_micro_batch if find_micro_batch else plan

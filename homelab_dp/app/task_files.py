@@ -23,10 +23,15 @@ group, ``GroupConfig``) does not have, or gives a key a value of the wrong type;
 ``include:`` names a file outside the task file's folder (its content is never shown), a file
 included twice in one chain, or more than `MAX_FILES` files in all. Includes are merged as lm_eval
 merges them: the included keys first (less its ``task_list``), the file's own keys winning.
+
+`check_tasks` is the whole check of ``--tasks`` and of a preset's ``train.bench_tasks`` (which
+`run` checks before a run starts): each item a task file read by this rule, or a name lm_eval's
+task index knows.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import stat
@@ -46,6 +51,7 @@ MAX_DEPTH = 64
 """The deepest nesting of lists and mappings in a task file."""
 MAX_FILES = 32
 """The most files one task file may read through its ``include:`` chains."""
+TASK_SUFFIXES = (".yaml", ".yml")
 FUNCTION_TAG = "!function"
 TRUST_HINT = (
     "a task file that runs code needs your explicit consent: `homelab-dp bench --trust-task-code` "
@@ -405,3 +411,106 @@ def sandbox_templates() -> None:
                                keep_trailing_newline=True)  # fmt: skip
     env.filters.update(lm_utils.env.filters)
     lm_utils.env = env
+
+
+# --- `--tasks` and `train.bench_tasks`: task names and task files ------------------------
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One item of ``--tasks``: a task name, or a task file."""
+
+    name: str
+    """The task's name (a file's ``task:``)."""
+    file: Path | None = None
+    """The task file (absolute), or None for a name from lm_eval's index."""
+
+
+def split_tasks(tasks: str | list[str], field_name: str = "--tasks") -> list[str]:
+    """The items of ``--tasks`` (comma-separated) or of ``train.bench_tasks`` (a list)."""
+    items = tasks.split(",") if isinstance(tasks, str) else list(tasks)
+    out = [str(t).strip() for t in items if str(t).strip()]
+    if not out:
+        raise HomelabError(
+            f"{field_name}: no task given",
+            hint="give task names (e.g. hellaswag,arc_easy) or a task file (my_task.yaml)",
+        )
+    return out
+
+
+def is_task_file(item: str) -> bool:
+    """Whether a ``--tasks`` item names a file rather than a task (a .yaml name or a path)."""
+    return item.lower().endswith(TASK_SUFFIXES) or "/" in item or Path(item).is_file()
+
+
+def read_task_file(item: str, *, trust_code: bool = False, field_name: str = "--tasks") -> TaskSpec:
+    """A task file checked as the workers will load it (`task_files.load_task_file`: the same
+    rule, the same switch): a bounded regular file, safe YAML, lm_eval's keys and types, no
+    include outside its folder, and no code unless ``trust_code``."""
+    path = Path(item).expanduser().absolute()
+    if not path.exists():
+        raise HomelabError(f"{field_name}: task file {item} not found",
+                           hint="give the path of an lm_eval task .yaml file, or a task name")  # fmt: skip
+    cfg = load_task_file(path, trust_code=trust_code, resolve=False, field_name=field_name)
+    if "group" in cfg and not isinstance(cfg.get("task"), str):
+        return TaskSpec(str(cfg["group"]), path)
+    return TaskSpec(cfg["task"], path)
+
+
+@functools.cache
+def known_tasks() -> tuple[str, ...]:
+    """Every task, group and tag name of lm_eval's index (built once per process: it reads
+    lm_eval's thousands of task files, seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    return tuple(TaskManager().all_tasks)
+
+
+def check_task_names(names: list[str], field_name: str = "--tasks") -> None:
+    """Every name is a task, group or tag of lm_eval's index (an unknown one: exit 2)."""
+    known = list(known_tasks())
+    known_set = set(known)
+    for name in names:
+        if name not in known_set:
+            near = difflib.get_close_matches(name, known, n=5, cutoff=0.6) or known[:5]
+            raise HomelabError(
+                f"{field_name}: unknown task {name[:100]!r} (lm_eval {lm_eval_version()} knows "
+                f"{len(known)} tasks)",
+                hint=f"e.g. {', '.join(near)}; or give a task .yaml file "
+                "(`python -m lm_eval ls tasks` lists every name)",
+            )
+
+
+def check_tasks(
+    tasks: str | list[str], *, trust_code: bool = False, field_name: str = "--tasks"
+) -> tuple[TaskSpec, ...]:
+    """``--tasks`` (or a preset's ``train.bench_tasks``: ``field_name``) read and checked: files
+    as the workers load them (``trust_code``: ``--trust-task-code``), names looked up (the
+    index only when a name is given: building it reads lm_eval's thousands of task files)."""
+    items = split_tasks(tasks, field_name)
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise HomelabError(
+            f"{field_name}: lm-evaluation-harness (lm_eval) is not installed",
+            hint="pip install 'homelab-dp[bench]'",
+        ) from None
+    specs = [
+        read_task_file(i, trust_code=trust_code, field_name=field_name)
+        if is_task_file(i) else TaskSpec(i)
+        for i in items
+    ]  # fmt: skip
+    names = [s.name for s in specs if s.file is None]
+    if names:
+        check_task_names(names, field_name)
+    return tuple(specs)
+
+
+def lm_eval_version() -> str:
+    """The installed lm_eval's version, "?" when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lm_eval")
+    except PackageNotFoundError:
+        return "?"
