@@ -261,19 +261,25 @@ def _allowed() -> tuple[dict[str, str], dict[str, str]]:
     from lm_eval.config.group import GroupConfig
     from lm_eval.config.task import TaskConfig
 
-    task = {f.name: str(f.type) for f in fields(TaskConfig)}
-    group = {f.name: str(f.type) for f in fields(GroupConfig)}
+    def name(tp: Any) -> str:  # a string under postponed annotations, else a type or union
+        return tp if isinstance(tp, str) else getattr(tp, "__name__", None) or str(tp)
+
+    task = {f.name: name(f.type) for f in fields(TaskConfig)}
+    group = {f.name: name(f.type) for f in fields(GroupConfig)}
     return task, group
 
 
 def _type_ok(value: Any, annotation: str) -> bool:
-    """Whether ``value`` has one of the types an lm_eval annotation string names."""
-    kinds = {part.strip().split("[")[0] for part in annotation.split("|")}
-    if "Any" in kinds:
+    """Whether ``value`` has one of the types an lm_eval annotation string names, read as
+    leniently as lm_eval's own task files need: a function anywhere (whether it may run is
+    the trust switch's question), a number where a string is named (``doc_to_target: 0``),
+    a mapping where a list is normalised from one (``aggregate_metric_list``)."""
+    kinds = {part.strip().split("[")[0].removeprefix("typing.") for part in _union(annotation)}
+    if "Any" in kinds or isinstance(value, FunctionRef):
         return True
     checks = {
         "None": value is None,
-        "str": isinstance(value, str),
+        "str": isinstance(value, (str, int, float)),
         "bool": isinstance(value, bool),
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -287,12 +293,27 @@ def _type_ok(value: Any, annotation: str) -> bool:
     return any(checks.get(k, False) for k in kinds)
 
 
+def _union(annotation: str) -> list[str]:
+    """The members of a ``A | B[C | D] | None`` annotation (split outside brackets)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(annotation):
+        depth += (c == "[") - (c == "]")
+        if c == "|" and depth == 0:
+            parts.append(annotation[start:i])
+            start = i + 1
+    return [*parts, annotation[start:]]
+
+
 def check_config(cfg: dict[str, Any], file: Path, field_name: str, where: str = "") -> None:
     """Every key one lm_eval knows for a task (or a group), with a value of its type."""
     task_fields, group_fields = _allowed()
     is_group = "group" in cfg and not isinstance(cfg.get("task"), str)
     known = {**task_fields, **(group_fields if is_group else {})}
+    if is_group:
+        known["aggregate_metric_list"] = "list | dict | None"  # one item, as a mapping
     for key, value in cfg.items():
+        if "class" in cfg:  # a task class of its own takes its own keys (and is code)
+            break
         if key in STRUCTURAL and key not in known:
             continue
         if key not in known:
