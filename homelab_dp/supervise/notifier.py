@@ -47,6 +47,11 @@ OUTPUT_TAIL_BYTES = 4096
 DRAIN_S = 0.5
 """Once the command has exited, how long output still in the pipe is read (a child it left
 in the background may hold the pipe open: it is not waited for)."""
+KILL_GRACE_S = 5.0
+"""At a timeout: seconds between SIGTERM and SIGKILL to the child's process group."""
+BENCH_GRACE_S = 60.0
+"""The benchmarks' grace: `homelab-dp bench` stops its torchrun workers (in sessions of their
+own) on SIGTERM."""
 TEXT_LIMIT = 2000
 """The most characters of one value of the run put in the notifier's environment."""
 
@@ -109,10 +114,11 @@ def run_bounded(
     stdin: bytes = b"",
     env: dict[str, str] | None = None,
     shell: bool = False,
+    grace: float = KILL_GRACE_S,
 ) -> Bounded:
     """Run ``argv`` in a new session (its own process group), stdout and stderr read together
-    as they come with only the last `OUTPUT_TAIL_BYTES` kept; at ``timeout`` the whole group is
-    killed. Returns once the command has exited (its output drained for at most `DRAIN_S`):
+    as they come with only the last `OUTPUT_TAIL_BYTES` kept; at ``timeout`` the whole group
+    gets SIGTERM, and SIGKILL ``grace`` seconds later (`_kill_group`). Returns once the command has exited (its output drained for at most `DRAIN_S`):
     a background child holding the pipe does not hold the caller. OSError and ValueError
     (a NUL in the command) are the caller's to catch."""
     proc = subprocess.Popen(
@@ -144,7 +150,7 @@ def run_bounded(
         if exited_at is not None and now - exited_at > DRAIN_S:
             break
         if now >= deadline:
-            _kill_group(proc)
+            _kill_group(proc, grace)
             killed = True
             break
         ready, _, _ = select.select([fd], [], [], min(0.1, deadline - now))
@@ -156,7 +162,7 @@ def run_bounded(
                 try:
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    _kill_group(proc)
+                    _kill_group(proc, grace)
                     killed = True
             break
         total += len(chunk)
@@ -169,12 +175,23 @@ def run_bounded(
     return Bounded(rc, b"".join(tail)[-OUTPUT_TAIL_BYTES:], total)
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL to the child's whole process group (it leads its own session), then reap it."""
-    try:
+def _kill_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """End the child's whole process group (it leads its own session): SIGTERM, then once the
+    child has exited or ``grace`` seconds have passed, SIGKILL to whatever of the group is
+    left; then reap the child. The child is reaped last, so its pid (the group's id) cannot be
+    reused by another process while the group is signalled."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        try:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                break  # exited (a zombie until reaped below)
+        except ChildProcessError:
+            break
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
     proc.wait()
 
 
@@ -244,7 +261,7 @@ def run_bench(run_dir: Path, tasks: list[str], *, trust_code: bool = False) -> b
             ",".join(tasks), "--json"] + ["--trust-task-code"] * trust_code  # fmt: skip
     log(f"benchmarks: {clean_text(' '.join(argv[3:]), 4096)}")
     try:
-        done = run_bounded(argv, timeout=BENCH_TIMEOUT_S)
+        done = run_bounded(argv, timeout=BENCH_TIMEOUT_S, grace=BENCH_GRACE_S)
     except (OSError, ValueError) as exc:
         log(f"the benchmarks failed: {clean_text(str(exc), 500)}")
         return False

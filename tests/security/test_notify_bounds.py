@@ -67,18 +67,23 @@ def test_300_mb_of_output_does_not_grow_the_keeper(capsys: pytest.CaptureFixture
 def test_the_whole_process_group_dies_at_the_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pid_file = tmp_path / "child.pid"
+    pid_file, deaf_file = tmp_path / "child.pid", tmp_path / "deaf.pid"
     monkeypatch.setattr(notifier, "NOTIFY_TIMEOUT_S", 1.0)
-    command = f"sleep 300 & echo $! > {pid_file}; sleep 300"
+    monkeypatch.setattr(notifier, "KILL_GRACE_S", 0.5)
+    # one child in the background, one that ignores SIGTERM (it needs the SIGKILL)
+    command = (f"sleep 300 & echo $! > {pid_file}; (trap '' TERM; sleep 300) & "
+               f"echo $! > {deaf_file}; sleep 300")  # fmt: skip
     start = time.monotonic()
     assert notifier.notify(command, tmp_path, "failed", "r1 failed") is False
     assert time.monotonic() - start < 30  # liveness: killed at 1 s, not after 300
-    child = int(pid_file.read_text())
+    children = [int(pid_file.read_text()), int(deaf_file.read_text())]
     try:
-        assert gone_within(child, 10), "the backgrounded child survived the timeout"
+        for child in children:
+            assert gone_within(child, 10), "a backgrounded child survived the timeout"
     finally:
-        if alive(child):
-            os.kill(child, 9)
+        for child in children:
+            if alive(child):
+                os.kill(child, 9)
     assert "killed after 1 s (its whole process group)" in capsys.readouterr().err
 
 
