@@ -329,6 +329,10 @@ def check_config(cfg: dict[str, Any], file: Path, field_name: str, where: str = 
         low, high = _RANGES.get(key, (None, None))
         if low is not None and value is not None and not low <= value <= high:
             raise _fail(field_name, file, f"{where}{key}: must be between {low} and {high}")
+    for i, metric in enumerate(cfg.get("metric_list") or [] if "class" not in cfg else []):
+        if not isinstance(metric, dict) or "metric" not in metric:
+            raise _fail(field_name, file, f"{where}metric_list[{i}]: expected a mapping with a "
+                        "metric: key")  # fmt: skip
     if is_group and isinstance(cfg.get("task"), list):
         for i, member in enumerate(cfg["task"]):
             if isinstance(member, dict):
@@ -359,7 +363,8 @@ def code_uses(cfg: Any, path: str = "") -> list[str]:
             out.append(f"{path}{key}: a Python object")
     if cfg.get("unsafe_code") is True:
         out.append(f"{path}unsafe_code: true (it runs the model's answers)")
-    for i, metric in enumerate(cfg.get("metric_list") or []):
+    metrics = cfg.get("metric_list") if cfg.get("process_results") is None else None
+    for i, metric in enumerate(metrics or []):  # a process_results of its own: names unused
         if not isinstance(metric, dict):
             continue
         name = metric.get("metric")
@@ -383,9 +388,10 @@ def _metric_names() -> frozenset[str]:
 
 
 def unsafe_template(text: str) -> str | None:
-    """The first ``_``-attribute or ``_``-key a Jinja template in ``text`` reaches for (how a
-    template gets at Python), or None. Text that is no template, or no valid one, is None
-    (lm_eval then uses it as it is, or fails on it)."""
+    """The first ``_``-attribute (``x.__class__``, ``x._private``) or dunder key
+    (``x['__globals__']``) a Jinja template in ``text`` reaches for (how a template gets at
+    Python), or None. A document's own ``_``-field (``{{ _id }}``, ``doc['_id']``) is data.
+    Text that is no template, or no valid one, is None (lm_eval uses it as it is, or fails)."""
     if "{{" not in text and "{%" not in text:
         return None
     from jinja2 import Environment, nodes
@@ -395,16 +401,14 @@ def unsafe_template(text: str) -> str | None:
         tree = Environment().parse(text)
     except TemplateSyntaxError:
         return None
-    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Name)):
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
         if isinstance(node, nodes.Getattr):
-            name = node.attr
-        elif isinstance(node, nodes.Name):
-            name = node.name
-        else:
-            arg = node.arg
-            name = arg.value if isinstance(arg, nodes.Const) and isinstance(arg.value, str) else ""
-        if name.startswith("_"):
-            return name
+            if node.attr.startswith("_"):
+                return node.attr
+            continue
+        key = node.arg.value if isinstance(node.arg, nodes.Const) else None
+        if isinstance(key, str) and key.startswith("__"):
+            return key
     return None
 
 

@@ -73,7 +73,7 @@ CODE = {
     "hf-evaluate": "metric_list:\n  - metric: acc\n    hf_evaluate: true\n",
     "template-class": 'doc_to_target: "{{ answer.__class__.__mro__[1] }}"\n',
     "template-item": "doc_to_target: \"{{ cycler['__init__']['__globals__'] }}\"\n",
-    "template-private": 'gen_prefix: "{% for x in _secret %}{% endfor %}"\n',
+    "template-private": 'gen_prefix: "{% for x in doc._secret %}{% endfor %}"\n',
 }
 
 
@@ -154,6 +154,7 @@ DAMAGED = {
     "key-not-name": (BASE + "1: one\n", "a key that is not a name"),
     "empty": ("", "empty"),
     "include-type": ("include: [1]\n" + BASE, "include: expected a file name"),
+    "metric-no-name": (BASE + "metric_list:\n  - aggregation: mean\n", "metric_list[0]: expected a mapping"),
 }  # fmt: skip
 
 
@@ -246,7 +247,8 @@ def test_group_files_and_lenient_types_pass(folder: Path) -> None:
     (spec,) = check_tasks(str(group))
     assert spec.name == "g"
     file = folder / "t.yaml"
-    file.write_text(BASE.replace("doc_to_target: answer", "doc_to_target: 0"), encoding="utf-8")
+    file.write_text(BASE.replace("doc_to_target: answer", "doc_to_target: 0")
+                    + "gen_prefix: \"{{ _id }} {{ doc['_id'] }}\"\n", encoding="utf-8")  # fmt: skip
     assert load_task_file(file, trust_code=False, resolve=False)["doc_to_target"] == 0
 
 
