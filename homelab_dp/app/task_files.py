@@ -314,6 +314,8 @@ def check_config(cfg: dict[str, Any], file: Path, field_name: str, where: str = 
     for key, value in cfg.items():
         if "class" in cfg:  # a task class of its own takes its own keys (and is code)
             break
+        if key == "include":  # the top's were merged: lm_eval reads no other
+            raise _fail(field_name, file, f"{where}include: only at the top of a task file")
         if key in STRUCTURAL and key not in known:
             continue
         if key not in known:

@@ -154,6 +154,8 @@ DAMAGED = {
     "key-not-name": (BASE + "1: one\n", "a key that is not a name"),
     "empty": ("", "empty"),
     "include-type": ("include: [1]\n" + BASE, "include: expected a file name"),
+    "nested-include": ("group: g\ntask:\n  - task: x\n    include: /etc/passwd\n",
+                       "task[0]: include: only at the top of a task file"),
     "metric-no-name": (BASE + "metric_list:\n  - aggregation: mean\n", "metric_list[0]: expected a mapping"),
 }  # fmt: skip
 
