@@ -7,9 +7,10 @@ model), the devices (`app.evaluate.select_devices`), and the tasks: each item of
 (comma-separated) is a task file (``.yaml``/``.yml``, or any path that exists), checked as the
 workers will load it (`app.task_files`: bounded safe YAML, lm_eval's keys and types, includes
 inside its folder, and no code without ``--trust-task-code``), or a task name known to lm_eval's
-task index (an unknown name: exit 2 with the nearest known names). Then `run_bench` starts ``torchrun … -m homelab_dp.app.bench JOB``
-(N CPU processes on gloo, or one per chosen GPU), as `homelab-dp eval` does
-(`app.evaluate.run_eval`: a private temporary folder, Ctrl-C stops every worker). Each rank
+task index (an unknown name: exit 2 with the nearest known names). Then `run_bench` starts
+``torchrun … -m homelab_dp.app.bench JOB`` (N CPU processes on gloo, or one per chosen GPU), as
+`homelab-dp eval` does (`app.evaluate.run_eval`: a private temporary folder, Ctrl-C stops every
+worker). Each rank
 runs ``lm_eval.simple_evaluate`` with HFLM: HFLM sees the torchrun world through accelerate and
 shards the requests across the ranks; rank 0 writes the gathered result.
 
@@ -18,9 +19,8 @@ A task file is handed to lm_eval as its config, read by the front end's own rule
 resolved next to the file, as lm_eval does), with a relative ``dataset_kwargs.data_files`` read
 from the task file's folder (lm_eval itself would read it from the working folder). Without
 ``--trust-task-code`` every Jinja template (lm_eval's own tasks' too) renders in Jinja's
-sandbox. Datasets are read
-offline (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1``): task names need their data in the
-Hugging Face cache.
+sandbox. Datasets are read offline (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1``): task
+names need their data in the Hugging Face cache.
 
 A LoRA result is evaluated as HFLM(pretrained=BASE, peft=ADAPTER); a run that merged its
 adapter (``final/merged``) as that folder. A QLoRA result is evaluated on its 16-bit base plus
