@@ -105,25 +105,36 @@ def _fail(field_name: str, file: Path, problem: str, hint: str = TASK_HINT) -> H
 
 
 def read_bounded(file: Path, field_name: str) -> bytes:
-    """A regular file's bytes, at most `MAX_FILE_BYTES` (a FIFO, a device, a folder: refused
-    without opening it)."""
+    """A regular file's bytes, at most `MAX_FILE_BYTES`. Opened without blocking and checked on
+    the open file (a FIFO, a device, a folder: refused, never read; a file swapped meanwhile is
+    the one checked)."""
     try:
-        info = os.stat(file)
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise _fail(field_name, file, "not found",
                     "give the path of an lm_eval task .yaml file, or a task name") from None  # fmt: skip
+    except IsADirectoryError:
+        raise _fail(
+            field_name, file, "not a regular file", "a task file is a YAML text file"
+        ) from None
     except OSError as exc:
         raise _fail(field_name, file, f"not readable ({exc.strerror})") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise _fail(field_name, file, "not a regular file", "a task file is a YAML text file")
-    if info.st_size > MAX_FILE_BYTES:
-        raise _fail(field_name, file, f"{info.st_size:,} bytes; a task file is read up to "
-                    f"{MAX_FILE_BYTES:,}")  # fmt: skip
     try:
-        with open(file, "rb") as fh:
-            data = fh.read(MAX_FILE_BYTES + 1)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _fail(field_name, file, "not a regular file", "a task file is a YAML text file")
+        if info.st_size > MAX_FILE_BYTES:
+            raise _fail(field_name, file, f"{info.st_size:,} bytes; a task file is read up to "
+                        f"{MAX_FILE_BYTES:,}")  # fmt: skip
+        chunks, size = [], 0
+        while size <= MAX_FILE_BYTES and (chunk := os.read(fd, 1 << 16)):
+            chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
     except OSError as exc:
         raise _fail(field_name, file, f"not readable ({exc.strerror})") from None
+    finally:
+        os.close(fd)
     if len(data) > MAX_FILE_BYTES:  # grew since the stat
         raise _fail(field_name, file, f"more than {MAX_FILE_BYTES:,} bytes")
     return data
