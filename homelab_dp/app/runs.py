@@ -25,7 +25,6 @@ from typing import Any
 
 from homelab_dp.app import doctor
 from homelab_dp.app.plan import Planned, cpu_hardware, make_plan, on_idle_cards, with_target_share
-from homelab_dp.app.task_files import check_tasks
 from homelab_dp.errors import (
     HardwareSpecError,
     HomelabError,
@@ -82,15 +81,6 @@ def check_reporters(preset: Preset) -> None:
                 f'log.report_to: "{name}" is named, but the {module} package is not installed',
                 hint=f'{install}, or take "{name}" out of log.report_to',
             )
-
-
-def check_bench_tasks(preset: Preset) -> None:
-    """``train.bench_tasks`` checked as `homelab-dp bench` checks ``--tasks`` (known names,
-    task files readable and, without ``train.bench_trust_code``, free of code), so a run whose
-    benchmarks would fail after training is refused before it starts."""
-    if preset.train.bench_tasks:
-        check_tasks(list(preset.train.bench_tasks), trust_code=preset.train.bench_trust_code,
-                    field_name="train.bench_tasks")  # fmt: skip
 
 
 def check_model_folder(preset: Preset) -> None:
@@ -307,7 +297,6 @@ class RunController:
         devices another run is using refuse it (unless ``force``)."""
         preset = open_preset(preset_ref, overrides)
         check_reporters(preset)  # a logger not installed: before the plan
-        check_bench_tasks(preset)  # they run after training: an error then would be too late
         check_run_gpus(gpus)
         planned = make_plan(preset, gpus)
         if gpus:  # cpu:N — check the count against this machine's cores

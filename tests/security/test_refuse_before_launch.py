@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from homelab_dp.app.runs import check_bench_tasks
+from homelab_dp.app.plan import check_bench_tasks
 from homelab_dp.errors import HomelabError, PresetError
 from homelab_dp.planning.lora_target_check import check_lora_targets, known_targets
 from homelab_dp.planning.model_spec import hand_written_spec
@@ -121,12 +121,14 @@ def task_folder(tmp_path: Path) -> Path:
     ],
     ids=["unknown-name", "missing-file", "damaged-file", "code", "empty"],
 )  # fmt: skip
+@pytest.mark.parametrize("command", ["plan", "run"])
 def test_bench_tasks_that_would_fail_after_training_exit_2_before_the_run(
-    capsys: pytest.CaptureFixture[str], task_folder: Path, tasks: str, error: str
+    capsys: pytest.CaptureFixture[str], task_folder: Path, tasks: str, error: str, command: str
 ) -> None:
     value = tasks.format(folder=task_folder)
-    rc, out, err = run_cli(capsys, "run", "tiny-demo", "--set", f"train.bench_tasks={value}",
-                           "--gpus", "cpu:1", "--detach")  # fmt: skip
+    extra = ["--detach"] if command == "run" else []
+    rc, out, err = run_cli(capsys, command, "tiny-demo", "--set", f"train.bench_tasks={value}",
+                           "--gpus", "cpu:1", *extra)  # fmt: skip
     assert rc == 2 and "Traceback" not in err, err
     first, second = err.strip().splitlines()[:2]
     assert first.startswith("error: ") and error.format(folder=task_folder) in first, first
