@@ -173,6 +173,7 @@ def job_document(job: BenchJob, folder: Path) -> dict[str, Any]:
         "device": job.devices.kind,
         "tasks": [{"name": t.name, "file": str(t.file) if t.file else None} for t in job.tasks],
         "trust_code": job.trust_code,
+        "index": any(t.members for t in job.tasks),
         "limit": job.limit,
         "batch_size": BATCH_SIZE,
         "result_path": str(folder / "result.json"),
@@ -306,7 +307,7 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
     trust = job.get("trust_code") is True
     if not trust:
         sandbox_templates()
-    manager = TaskManager(include_defaults=bool(names))
+    manager = TaskManager(include_defaults=bool(names) or job.get("index") is True)
     specs: list[Any] = [*names, *(task_config(Path(t["file"]), trust) for t in files)]
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(job["dtype"], "auto")
     model_args: dict[str, Any] = {

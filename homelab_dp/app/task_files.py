@@ -462,6 +462,8 @@ class TaskSpec:
     """The task's name (a file's ``task:``)."""
     file: Path | None = None
     """The task file (absolute), or None for a name from lm_eval's index."""
+    members: tuple[str, ...] = ()
+    """The names of lm_eval's index a group file refers to (its workers load the index)."""
 
 
 def split_tasks(tasks: str | list[str], field_name: str = "--tasks") -> list[str]:
@@ -491,7 +493,8 @@ def read_task_file(item: str, *, trust_code: bool = False, field_name: str = "--
                            hint="give the path of an lm_eval task .yaml file, or a task name")  # fmt: skip
     cfg = load_task_file(path, trust_code=trust_code, resolve=False, field_name=field_name)
     if "group" in cfg and not isinstance(cfg.get("task"), str):
-        return TaskSpec(str(cfg["group"]), path)
+        refs = [m if isinstance(m, str) else m.get("task") for m in cfg.get("task") or []]
+        return TaskSpec(str(cfg["group"]), path, tuple(r for r in refs if isinstance(r, str)))
     return TaskSpec(cfg["task"], path)
 
 
@@ -526,6 +529,11 @@ def check_tasks(
     as the workers load them (``trust_code``: ``--trust-task-code``), names looked up (the
     index only when a name is given: building it reads lm_eval's thousands of task files)."""
     items = split_tasks(tasks, field_name)
+    if not isinstance(tasks, str):  # a preset's list: its keeper passes them comma-joined
+        for item in items:
+            if "," in item:
+                raise HomelabError(f"{field_name}: {item[:100]!r} holds a comma",
+                                   hint="one task name or task file per item of the list")  # fmt: skip
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -538,7 +546,7 @@ def check_tasks(
         if is_task_file(i) else TaskSpec(i)
         for i in items
     ]  # fmt: skip
-    names = [s.name for s in specs if s.file is None]
+    names = [s.name for s in specs if s.file is None] + [m for s in specs for m in s.members]
     if names:
         check_task_names(names, field_name)
     return tuple(specs)

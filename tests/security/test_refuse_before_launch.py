@@ -107,6 +107,8 @@ def task_folder(tmp_path: Path) -> Path:
     (folder / "code.yaml").write_text(text + "process_docs: !function evil.fn\n",
                                       encoding="utf-8")  # fmt: skip
     (folder / "bad.yaml").write_text("task: t\nbogus_key: 1\n", encoding="utf-8")
+    (folder / "group.yaml").write_text("group: g\ntask:\n  - arc_easy\n  - task: arc_easyy\n",
+                                       encoding="utf-8")  # fmt: skip
     return folder
 
 
@@ -118,8 +120,11 @@ def task_folder(tmp_path: Path) -> Path:
         ('["{folder}/bad.yaml"]', "train.bench_tasks: {folder}/bad.yaml: unknown key 'bogus_key'"),
         ('["{folder}/code.yaml"]', "train.bench_tasks: {folder}/code.yaml: runs code"),
         ('[""]', "train.bench_tasks: no task given"),
+        ('["{folder}/group.yaml"]', "train.bench_tasks: unknown task 'arc_easyy'"),
+        ('["arc_easy,hellaswag"]', "train.bench_tasks: 'arc_easy,hellaswag' holds a comma"),
     ],
-    ids=["unknown-name", "missing-file", "damaged-file", "code", "empty"],
+    ids=["unknown-name", "missing-file", "damaged-file", "code", "empty", "group-member",
+         "comma"],
 )  # fmt: skip
 @pytest.mark.parametrize("command", ["plan", "run"])
 def test_bench_tasks_that_would_fail_after_training_exit_2_before_the_run(
