@@ -118,9 +118,10 @@ def run_bounded(
 ) -> Bounded:
     """Run ``argv`` in a new session (its own process group), stdout and stderr read together
     as they come with only the last `OUTPUT_TAIL_BYTES` kept; at ``timeout`` the whole group
-    gets SIGTERM, and SIGKILL ``grace`` seconds later (`_kill_group`). Returns once the command has exited (its output drained for at most `DRAIN_S`):
-    a background child holding the pipe does not hold the caller. OSError and ValueError
-    (a NUL in the command) are the caller's to catch."""
+    gets SIGTERM, and SIGKILL ``grace`` seconds later (`_kill_group`). Returns once the command
+    has exited (its output drained for at most `DRAIN_S`): a background child holding the pipe
+    does not hold the caller. OSError and ValueError (a NUL in the command) are the caller's to
+    catch."""
     proc = subprocess.Popen(
         argv,
         shell=shell,
