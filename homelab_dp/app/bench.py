@@ -4,19 +4,23 @@ The front end (`prepare`, in the CLI's process: no torch) checks everything befo
 starts: ``--limit``, MODEL (`runs.model_ref.resolve_model_arg`: a run id or folder, a model
 or adapter folder, a Hugging Face id from the local cache only), ``--base`` (the run's base
 model), the devices (`app.evaluate.select_devices`), and the tasks: each item of ``--tasks``
-(comma-separated) is a task file (``.yaml``/``.yml``, or any path that exists), which must parse
-and name a ``task``, or a task name known to lm_eval's task index (an unknown name: exit 2 with
-the nearest known names). Then `run_bench` starts ``torchrun … -m homelab_dp.app.bench JOB``
-(N CPU processes on gloo, or one per chosen GPU), as `homelab-dp eval` does
-(`app.evaluate.run_eval`: a private temporary folder, Ctrl-C stops every worker). Each rank
+(comma-separated) is a task file (``.yaml``/``.yml``, or any path that exists), checked as the
+workers will load it (`app.task_files`: bounded safe YAML, lm_eval's keys and types, includes
+inside its folder, and no code without ``--trust-task-code``), or a task name known to lm_eval's
+task index (an unknown name: exit 2 with the nearest known names). Then `run_bench` starts
+``torchrun … -m homelab_dp.app.bench JOB`` (N CPU processes on gloo, or one per chosen GPU), as
+`homelab-dp eval` does (`app.evaluate.run_eval`: a private temporary folder, Ctrl-C stops every
+worker). Each rank
 runs ``lm_eval.simple_evaluate`` with HFLM: HFLM sees the torchrun world through accelerate and
 shards the requests across the ranks; rank 0 writes the gathered result.
 
-A task file is handed to lm_eval as its config (its ``include:`` and ``!function`` resolved
-next to the file, as lm_eval does), with a relative ``dataset_kwargs.data_files`` read from the
-task file's folder (lm_eval itself would read it from the working folder). Datasets are read
-offline (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1``): task names need their data in the
-Hugging Face cache.
+A task file is handed to lm_eval as its config, read by the front end's own rule
+(`app.task_files.load_task_file`; its ``include:`` and, only when trusted, its ``!function``
+resolved next to the file, as lm_eval does), with a relative ``dataset_kwargs.data_files`` read
+from the task file's folder (lm_eval itself would read it from the working folder). Without
+``--trust-task-code`` every Jinja template (lm_eval's own tasks' too) renders in Jinja's
+sandbox. Datasets are read offline (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1``): task
+names need their data in the Hugging Face cache.
 
 A LoRA result is evaluated as HFLM(pretrained=BASE, peft=ADAPTER); a run that merged its
 adapter (``final/merged``) as that folder. A QLoRA result is evaluated on its 16-bit base plus
@@ -45,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import json
 import logging
 import os
@@ -67,6 +70,13 @@ from homelab_dp.app.evaluate import (
     launch_and_wait,
     select_devices,
 )
+from homelab_dp.app.task_files import (  # noqa: F401  (check_tasks: bench's own)
+    TaskSpec,
+    check_tasks,
+    lm_eval_version,
+    load_task_file,
+    sandbox_templates,
+)
 from homelab_dp.errors import HardwareSpecError, HomelabError
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model, resolve_model_arg
@@ -75,21 +85,10 @@ from homelab_dp.supervise.launcher import torchrun_command
 BENCH_MODULE = "homelab_dp.app.bench"
 BENCH_FILE = "bench.json"
 BASE_BENCH_FILE = "bench-base.json"
-TASK_SUFFIXES = (".yaml", ".yml")
 DEFAULT_FILTER = "none"
 """lm_eval's name for "no filter": dropped from the metric names."""
 BATCH_SIZE = 8
 """Requests per forward pass in each rank (lm_eval's ``batch_size``)."""
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """One item of ``--tasks``: a task name, or a task file."""
-
-    name: str
-    """The task's name (a file's ``task:``)."""
-    file: Path | None = None
-    """The task file (absolute), or None for a name from lm_eval's index."""
 
 
 @dataclass(frozen=True)
@@ -107,78 +106,8 @@ class BenchJob:
     store: Path | None = None
     """Where the result is stored (``<run>/bench.json`` or ``bench-base.json``); None: nowhere."""
     notes: tuple[str, ...] = field(default_factory=tuple)
-
-
-def split_tasks(tasks: str | list[str]) -> list[str]:
-    """The items of ``--tasks`` (comma-separated) or of ``train.bench_tasks`` (a list)."""
-    items = tasks.split(",") if isinstance(tasks, str) else list(tasks)
-    out = [str(t).strip() for t in items if str(t).strip()]
-    if not out:
-        raise HomelabError(
-            "--tasks: no task given",
-            hint="give task names (e.g. hellaswag,arc_easy) or a task file (my_task.yaml)",
-        )
-    return out
-
-
-def is_task_file(item: str) -> bool:
-    """Whether a ``--tasks`` item names a file rather than a task (a .yaml name or a path)."""
-    return item.lower().endswith(TASK_SUFFIXES) or "/" in item or Path(item).is_file()
-
-
-def read_task_file(item: str) -> TaskSpec:
-    """A task file checked as lm_eval reads it: it exists, parses, and names a ``task``."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    path = Path(item).expanduser().absolute()
-    if not path.is_file():
-        raise HomelabError(f"--tasks: task file {item} not found",
-                           hint="give the path of an lm_eval task .yaml file, or a task name")  # fmt: skip
-    try:
-        cfg = load_yaml(path, resolve_func=False)
-    except Exception as exc:  # yaml's errors, a bad include, a non-mapping: the user's file
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise HomelabError(
-            f"--tasks: {path}{where}: not a readable task file ({problem})",
-            hint="an lm_eval task file is a YAML mapping with task:, dataset_path:, "
-            "output_type:, doc_to_text: ... (see lm_eval's docs/task_guide.md)",
-        ) from None
-    if "group" in cfg and "task" not in cfg:
-        return TaskSpec(str(cfg["group"]), path)
-    if not isinstance(cfg.get("task"), str) or not cfg["task"]:
-        raise HomelabError(f"--tasks: {path}: names no task (no `task:` key)",
-                           hint="add `task: NAME` to the file")  # fmt: skip
-    return TaskSpec(cfg["task"], path)
-
-
-def check_task_names(names: list[str]) -> None:
-    """Every name is a task, group or tag of lm_eval's index (an unknown one: exit 2)."""
-    from lm_eval.tasks import TaskManager
-
-    known = TaskManager().all_tasks
-    known_set = set(known)
-    for name in names:
-        if name not in known_set:
-            near = difflib.get_close_matches(name, known, n=5, cutoff=0.6) or known[:5]
-            raise HomelabError(
-                f"--tasks: unknown task {name!r} (lm_eval {_lm_eval_version()} knows "
-                f"{len(known)} tasks)",
-                hint=f"e.g. {', '.join(near)}; or give a task .yaml file "
-                "(`python -m lm_eval ls tasks` lists every name)",
-            )
-
-
-def check_tasks(tasks: str | list[str]) -> tuple[TaskSpec, ...]:
-    """``--tasks`` read and checked: files parsed, names looked up (the index only when a
-    name is given: building it reads lm_eval's thousands of task files)."""
-    items = split_tasks(tasks)
-    specs = [read_task_file(i) if is_task_file(i) else TaskSpec(i) for i in items]
-    names = [s.name for s in specs if s.file is None]
-    if names:
-        check_task_names(names)
-    return tuple(specs)
+    trust_code: bool = False
+    """``--trust-task-code``: the task files may run code (`app.task_files`)."""
 
 
 def base_ref(ref: ModelRef) -> ModelRef:
@@ -195,8 +124,10 @@ def base_ref(ref: ModelRef) -> ModelRef:
 
 
 def prepare(model: str, tasks: str | list[str], limit: int | None = None,
-            gpus: str | None = None, base: bool = False) -> BenchJob:  # fmt: skip
-    """Resolve and check everything `bench` was given; a HomelabError before anything starts."""
+            gpus: str | None = None, base: bool = False, *,
+            trust_code: bool = False) -> BenchJob:  # fmt: skip
+    """Resolve and check everything `bench` was given; a HomelabError before anything starts.
+    ``trust_code``: ``--trust-task-code`` (task files may run code)."""
     from homelab_dp.app.evaluate import check_model, parse_gpus
 
     if limit is not None and limit < 1:
@@ -208,7 +139,7 @@ def prepare(model: str, tasks: str | list[str], limit: int | None = None,
     if base:
         ref = base_ref(ref)
     check_model(ref)
-    specs = check_tasks(tasks)
+    specs = check_tasks(tasks, trust_code=trust_code)
     store = None
     if ref.run_dir is not None:
         store = ref.run_dir / (BASE_BENCH_FILE if base else BENCH_FILE)
@@ -217,7 +148,7 @@ def prepare(model: str, tasks: str | list[str], limit: int | None = None,
         notes = ("QLoRA result: evaluated on its 16-bit base with the adapter, not the NF4 base",)
     with _as_bench():
         devices = select_devices(gpus)
-    return BenchJob(ref, specs, limit, devices, base, store, notes)
+    return BenchJob(ref, specs, limit, devices, base, store, notes, trust_code)
 
 
 @contextlib.contextmanager
@@ -241,6 +172,8 @@ def job_document(job: BenchJob, folder: Path) -> dict[str, Any]:
         "dtype": ref.dtype,
         "device": job.devices.kind,
         "tasks": [{"name": t.name, "file": str(t.file) if t.file else None} for t in job.tasks],
+        "trust_code": job.trust_code,
+        "index": any(t.members for t in job.tasks),
         "limit": job.limit,
         "batch_size": BATCH_SIZE,
         "result_path": str(folder / "result.json"),
@@ -317,18 +250,10 @@ def read_bench(run_dir: Path, base: bool = False) -> dict[str, Any] | None:
 
 
 def bench_model(model: str, tasks: str | list[str], limit: int | None = None,
-                gpus: str | None = None, base: bool = False) -> dict[str, Any]:  # fmt: skip
+                gpus: str | None = None, base: bool = False, *,
+                trust_code: bool = False) -> dict[str, Any]:  # fmt: skip
     """`prepare` then `run_bench`: what `homelab-dp bench` does."""
-    return run_bench(prepare(model, tasks, limit, gpus, base))
-
-
-def _lm_eval_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lm_eval")
-    except PackageNotFoundError:
-        return "?"
+    return run_bench(prepare(model, tasks, limit, gpus, base, trust_code=trust_code))
 
 
 # --- the worker: one rank under torchrun ---------------------------------------------------
@@ -346,11 +271,11 @@ def _local_data_files(value: Any, folder: Path) -> Any:
     return value
 
 
-def task_config(path: Path) -> dict[str, Any]:
-    """A task file as the config lm_eval builds the task from (see the module docstring)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    cfg = load_yaml(path)
+def task_config(path: Path, trust_code: bool) -> dict[str, Any]:
+    """A task file as the config lm_eval builds the task from (see the module docstring),
+    read by the front end's rule (`task_files.load_task_file`): a file changed since the check
+    is checked again, and its functions are imported only with ``trust_code``."""
+    cfg = load_task_file(path, trust_code=trust_code, resolve=True)
     kwargs = cfg.get("dataset_kwargs")
     if isinstance(kwargs, dict) and "data_files" in kwargs:
         cfg["dataset_kwargs"] = {
@@ -379,8 +304,11 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
 
     files = [t for t in job["tasks"] if t["file"]]
     names = [t["name"] for t in job["tasks"] if not t["file"]]
-    manager = TaskManager(include_defaults=bool(names))
-    specs: list[Any] = [*names, *(task_config(Path(t["file"])) for t in files)]
+    trust = job.get("trust_code") is True
+    if not trust:
+        sandbox_templates()
+    manager = TaskManager(include_defaults=bool(names) or job.get("index") is True)
+    specs: list[Any] = [*names, *(task_config(Path(t["file"]), trust) for t in files)]
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(job["dtype"], "auto")
     model_args: dict[str, Any] = {
         "pretrained": job["pretrained"],
@@ -418,7 +346,7 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
             for t, n in out.get("n-samples", {}).items()
         },  # fmt: skip
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "lm_eval": _lm_eval_version(),
+        "lm_eval": lm_eval_version(),
     }
 
 

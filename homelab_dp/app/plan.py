@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.app.model_specs import model_spec
+from homelab_dp.app.task_files import check_tasks
 from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
 from homelab_dp.hub.hub_models import looks_like_hub_id
 from homelab_dp.planning.links import (
@@ -29,6 +30,7 @@ from homelab_dp.planning.links import (
     ring_link,
     write_cached_gloo,
 )
+from homelab_dp.planning.lora_target_check import check_lora_targets
 from homelab_dp.planning.memory.device_memory import assumed_overhead
 from homelab_dp.planning.memory.memory_calibration import (
     CalibrationStore,
@@ -276,6 +278,15 @@ def preset_for_model(model: str, overrides: list[str] | None = None) -> Preset:
     return replace(preset, data=replace(preset.data, path=""))
 
 
+def check_bench_tasks(preset: Preset) -> None:
+    """``train.bench_tasks`` checked as `homelab-dp bench` checks ``--tasks`` (known names,
+    task files readable and, without ``train.bench_trust_code``, free of code), so a run whose
+    benchmarks would fail after training is refused before it starts."""
+    if preset.train.bench_tasks:
+        check_tasks(list(preset.train.bench_tasks), trust_code=preset.train.bench_trust_code,
+                    field_name="train.bench_tasks")  # fmt: skip
+
+
 def make_plan(
     preset: Preset,
     gpus: str | None = None,
@@ -303,11 +314,14 @@ def make_plan(
     from homelab_dp.planning.planner import plan_largest_micro_batch
 
     link = parse_network(network) if network else None  # bad input fails before the probe
+    check_bench_tasks(preset)  # they run after training: an error then would be too late
     spec = model_spec(
         config_folder(preset.model.path, preset.model.revision, fetch=fetch),
         trust_remote_code=preset.model.trust_remote_code,
         text_only=preset.model.text_only,
     )
+    if preset.train.method != "full":  # a name that picks nothing fails in rank 0: refuse it now
+        check_lora_targets(spec, preset.lora.target_modules, preset.source)
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
     make = plan_largest_micro_batch if find_micro_batch else plan

@@ -34,6 +34,13 @@ def register(sub: Any) -> None:
         help="bench the run's base model instead (stored as the run's bench-base.json)",
     )
     p.add_argument(
+        "--trust-task-code",
+        action="store_true",
+        help="let the task files run Python code (!function, a class, a custom dataset, a "
+        "metric script, unsandboxed templates); without it such a file is refused. Only for "
+        "task files you have read",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help='one JSON document: {"model", "tasks": {task: {metric: value, '
@@ -46,7 +53,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Check everything, run lm_eval under torchrun (`app.bench`), print the result."""
     from homelab_dp.app.bench import bench_model
 
-    doc = bench_model(args.model, args.tasks, args.limit, args.gpus, args.base)
+    doc = bench_model(args.model, args.tasks, args.limit, args.gpus, args.base,
+                      trust_code=args.trust_task_code)  # fmt: skip
     if args.json:
         print_json(doc)
     else:

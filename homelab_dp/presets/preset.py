@@ -213,7 +213,11 @@ class TrainSection:
     """0: greedy; above 0: sampled with a generator seeded by train.seed and the step."""
     bench_tasks: list[str] = field(default_factory=list)
     """lm-evaluation-harness tasks (names, or paths of task .yaml files) to run on the result
-    when the run completes (`homelab-dp bench`); [] for none."""
+    when the run completes (`homelab-dp bench`); [] for none. Checked before the run starts."""
+    bench_trust_code: bool = False
+    """Let the task files of bench_tasks run Python code (``!function``, a ``class``, a custom
+    dataset, an ``hf_evaluate`` or file metric, unsandboxed templates), as `bench
+    --trust-task-code` does; off: such a file is refused before the run starts."""
 
 
 @dataclass

@@ -106,7 +106,12 @@ def with_resolved_paths(preset: Preset) -> Preset:
         data = replace(data, eval_path=_resolve_path(data.eval_path, source))
     if isinstance(data.sample_prompts, str) and data.sample_prompts:  # a file of prompts
         data = replace(data, sample_prompts=_resolve_path(data.sample_prompts, source))
-    return replace(preset, model=model, data=data)
+    # A bench task file (a .yaml name or a path; not a task name): the run's keeper runs the
+    # benchmarks from the run folder, so a relative path is made absolute here.
+    tasks = [_resolve_path(t, source) if t.lower().endswith((".yaml", ".yml")) or "/" in t
+             else t for t in preset.train.bench_tasks]  # fmt: skip
+    train = replace(preset.train, bench_tasks=tasks)
+    return replace(preset, model=model, data=data, train=train)
 
 
 def open_preset(name_or_path: str, overrides: list[str] | None = None) -> Preset:

@@ -312,7 +312,11 @@ def after_end(run_dir: Path) -> None:
     state = read_state(run_dir)
     status = str(state.get("status"))
     if status == "completed" and spec.preset.train.bench_tasks:
-        notifier.run_bench(run_dir, list(spec.preset.train.bench_tasks))
+        notifier.run_bench(
+            run_dir,
+            list(spec.preset.train.bench_tasks),
+            trust_code=spec.preset.train.bench_trust_code,
+        )
     command = spec.notify or notifier.configured_command()
     if not command:
         return

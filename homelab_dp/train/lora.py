@@ -179,6 +179,8 @@ def lora_targets(
     (every ``nn.Parameter`` of 3 dimensions directly on an experts module, or the one named);
     a ModuleList of expert MLPs gets its linears as modules instead.
     """
+    if isinstance(target_modules, str) and target_modules != "all-linear":
+        target_modules = [target_modules]  # one name, as planned (peft reads a str as a regex)
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     wanted = [n for n in names if n in EXPERT_TARGETS]
     rest = [n for n in names if n not in EXPERT_TARGETS]

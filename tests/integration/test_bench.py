@@ -103,3 +103,29 @@ def test_run_folder_on_two_processes_stores_bench_json(
     assert stored is not None and (run / BENCH_FILE).is_file()
     assert stored["tasks"] == doc["tasks"] and stored["seconds"] == doc["seconds"]
     assert not (run / "bench-base.json").exists()
+
+
+def test_a_trusted_function_runs_in_the_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_process: dict[str, Any]
+) -> None:
+    """``--trust-task-code``: the task file's ``!function`` is imported by the workers (their
+    marker file), and a process_docs that keeps every document gives the same metrics."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "keep.py").write_text(
+        "import os, pathlib\n"
+        "def docs(ds):\n"
+        "    pathlib.Path(__file__).with_name(f\"rank{os.environ.get('RANK', '?')}\").touch()\n"
+        "    return ds\n",
+        encoding="utf-8",
+    )
+    text = (TASKS_DIR / "tiny_arith.yaml").read_text(encoding="utf-8")
+    text = text.replace("test: tiny_arith.jsonl", f"test: {TASKS_DIR / 'tiny_arith.jsonl'}")
+    (folder / "t.yaml").write_text(text + "process_docs: !function keep.docs\n", encoding="utf-8")
+    argv = ["bench", str(DEMO_MODEL), "--tasks", str(folder / "t.yaml"), "--gpus", "cpu:1"]
+    rc, _, err = run_cli(capsys, *argv, "--json")
+    assert rc == 2 and "--trust-task-code" in err and not (folder / "rank0").exists()
+    rc, out, err = run_cli(capsys, *argv, "--json", "--trust-task-code")
+    assert rc == 0, err
+    assert (folder / "rank0").exists()
+    assert json.loads(out)["tasks"]["tiny_arith"] == one_process["tasks"]["tiny_arith"]

@@ -161,7 +161,7 @@ def test_relative_data_files_are_read_beside_the_task_file(tmp_path: Path) -> No
                              folder) == {"test": "/tasks/a.jsonl",
                                          "train": ["/tasks/b.jsonl", "/abs/c.jsonl"]}  # fmt: skip
     assert _local_data_files("hf://datasets/x/y.jsonl", folder) == "hf://datasets/x/y.jsonl"
-    cfg = task_config(TASK)
+    cfg = task_config(TASK, trust_code=False)
     assert cfg["dataset_kwargs"]["data_files"] == {"test": str(TASK.parent / "tiny_arith.jsonl")}
     assert cfg["task"] == "tiny_arith" and cfg["output_type"] == "multiple_choice"
 
