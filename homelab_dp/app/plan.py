@@ -260,11 +260,11 @@ def _mark_ours(
 
 def preset_for_model(model: str, overrides: list[str] | None = None) -> Preset:
     """A preset made in memory to plan ``model`` (a model folder, a Hugging Face id, or a run
-    by id, unique id prefix or folder: its result) with
-    every other field at its default and ``overrides`` (``--set``) applied: `plan --model`.
+    by id, unique id prefix or folder: its result) with every other field at its default and
+    ``overrides`` (``--set``) applied: `plan --model`.
     It has no data file (planning reads none), so it can be planned, never run."""
     path = Path(os.path.expanduser(model))
-    if run_result(model) is not None:  # a run id, unique prefix or run folder: its result
+    if run_result(model, field="--model") is not None:  # a run (id, prefix, folder): its result
         pass
     elif path.exists():
         model = str(path.absolute())

@@ -267,15 +267,17 @@ def config_folder(
     return resolve_model_id(path, revision, config_only=True, fetch=fetch).folder
 
 
-def run_result(path: str, root: Path | None = None) -> ModelRef | None:
+def run_result(
+    path: str, root: Path | None = None, *, field: str = "model.path"
+) -> ModelRef | None:
     """The result of the run a preset's ``model.path`` names — a run folder (with spec.json), a
     run id or a unique id prefix — or None when it names no run (a model folder, a model id).
     An ambiguous prefix, a run whose folder has gone or a run without a result yet raises its
-    HomelabError (with a hint)."""
+    HomelabError (with a hint) naming ``field``."""
     if not path.strip():
         return None
     folder = Path(os.path.expanduser(path))
-    _check_path(path, folder)
+    _check_path(path, folder, field)
     if _is_dir(folder):
         if (folder / "spec.json").is_file():
             return _checked(_run_ref(folder.absolute()))
@@ -287,7 +289,7 @@ def run_result(path: str, root: Path | None = None) -> ModelRef | None:
         return _checked(_run_ref(run_dir))
     if _bare_name(path):  # no folder by that name here, no model id, and no run either
         raise RunNotFoundError(
-            f"model.path {_shown(path)}: no model folder by that name here, not a Hugging Face id "
+            f"{field} {_shown(path)}: no model folder by that name here, not a Hugging Face id "
             f"(org/name), and no run with that id or id prefix (runs folder {root or runs_root()} "
             "and the run index)",
             hint="give a model folder's path, a Hugging Face id, or a run id from "
@@ -301,7 +303,7 @@ def _shown(value: str, limit: int = 80) -> str:
     return repr(value if len(value) <= limit else value[:limit] + "…")
 
 
-def _check_path(value: str, folder: Path) -> None:
+def _check_path(value: str, folder: Path, field: str) -> None:
     """A HomelabError when the system refuses the path itself (a NUL, a name too long)."""
     try:
         folder.stat()
@@ -310,7 +312,7 @@ def _check_path(value: str, folder: Path) -> None:
     except (OSError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise HomelabError(
-            f"model.path {_shown(value)}: not a usable path ({reason})",
+            f"{field} {_shown(value)}: not a usable path ({reason})",
             hint="give a model folder's path, a Hugging Face id (org/name) or a run id",
         ) from None
 

@@ -73,6 +73,8 @@ def test_the_plan_of_a_run_id_plans_the_runs_result(
     assert json.loads(out)["fits"] is True
     rc, out, err = run_cli(capsys, "plan", "--model", "20260101-000001", "--gpus", "cpu:1")
     assert rc == 0, err
+    rc, out, err = run_cli(capsys, "plan", "--model", "nothing-here", "--gpus", "cpu:1")
+    assert rc == 2 and "error: --model 'nothing-here': no model folder by that name" in err
 
 
 def test_an_ambiguous_prefix_lists_its_candidates(
