@@ -297,7 +297,10 @@ def settle_dead_run(run_dir: Path) -> bool:
         append_event(run_dir, StateEvent(status=final["status"], reason=final["reason"]))
     except OSError:
         return False  # the disk is full: `current_state` keeps reading it settled
-    log = open(run_dir / "logs" / "keeper.log", "ab")  # noqa: SIM115 - the child owns it
+    try:
+        log = open(run_dir / "logs" / "keeper.log", "ab")  # noqa: SIM115 - the child owns it
+    except OSError:  # a folder that lost its logs/: the benchmarks and notification still run
+        log = open(os.devnull, "ab")  # noqa: SIM115
     with log:
         subprocess.Popen(
             [sys.executable, "-m", "homelab_dp.supervise.keeper", "--after-end", str(run_dir)],
