@@ -61,7 +61,7 @@ from homelab_dp.probe.hardware import (
 )
 from homelab_dp.runs.folder.run_index import known_runs
 from homelab_dp.runs.folder.run_state import read_state, recorded_pids
-from homelab_dp.runs.model_ref import config_folder
+from homelab_dp.runs.model_ref import config_folder, run_result
 from homelab_dp.vocabulary import ACTIVE_STATUSES
 
 
@@ -261,11 +261,14 @@ def _mark_ours(
 
 
 def preset_for_model(model: str, overrides: list[str] | None = None) -> Preset:
-    """A preset made in memory to plan ``model`` (a model folder or a Hugging Face id) with
-    every other field at its default and ``overrides`` (``--set``) applied: `plan --model`.
+    """A preset made in memory to plan ``model`` (a model folder, a Hugging Face id, or a run
+    by id, unique id prefix or folder: its result) with every other field at its default and
+    ``overrides`` (``--set``) applied: `plan --model`.
     It has no data file (planning reads none), so it can be planned, never run."""
-    path = Path(model).expanduser()
-    if path.exists():
+    path = Path(os.path.expanduser(model))
+    if run_result(model, field="--model") is not None:  # a run (id, prefix, folder): its result
+        pass
+    elif path.exists():
         model = str(path.absolute())
     elif not looks_like_hub_id(model):
         raise ModelSpecError(

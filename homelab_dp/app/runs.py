@@ -12,8 +12,11 @@ Every problem found here is a `HomelabError` (exit 2, nothing started, nothing w
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -38,7 +41,7 @@ from homelab_dp.presets.preset import Preset
 from homelab_dp.presets.preset_store import open_preset
 from homelab_dp.probe.hardware import HardwareReport, PlanHardware
 from homelab_dp.runs import run_queue as waiting_room
-from homelab_dp.runs.folder.jsonl_tail import RunTail
+from homelab_dp.runs.folder.jsonl_tail import RunTail, file_size
 from homelab_dp.runs.folder.run_folder import (
     append_event,
     create_run_dir,
@@ -59,6 +62,7 @@ from homelab_dp.runs.model_ref import with_local_model
 from homelab_dp.runs.run_events import StateEvent
 from homelab_dp.runs.run_spec import Launch, Rendezvous, Resolved, RunSpec
 from homelab_dp.runs.run_view import RunView, new_view, summarize, view_of
+from homelab_dp.supervise.keeper import settle_dead_run
 from homelab_dp.supervise.relaunch import resume_step
 from homelab_dp.vocabulary import PREFERENCE_OBJECTIVES
 
@@ -413,6 +417,7 @@ class RunController:
         ``notify``: a new notification command (None keeps the one the run was started with)."""
         run_dir = self.run_dir(run_id)
         spec = read_run_spec(run_dir)  # a damaged run says so before anything else
+        settle(run_dir)
         state = current_state(run_dir)
         status = state.get("status")
         if status == "completed":
@@ -431,23 +436,29 @@ class RunController:
             waiting_room.check_devices_free(waiting_room.devices_of(spec), self.root)
         if notify:
             spec = replace(spec, notify=notify)
-        write_run_spec(run_dir, spec.relaunched(rendezvous or Rendezvous()))
         status = "queued" if queued else "starting"
         step = None if state.get("queued_only") else resume_step(run_dir)
         how = ("" if step is None else f"from checkpoint step {step}" if step
                else "from step 1: it has no usable checkpoint")  # fmt: skip
-        update_state(
-            run_dir,
-            status=status,
-            reason=("queued again" if queued else "resuming") + (f" {how}" if how else ""),
-            resume_from=step,
-            attempt=int(state.get("attempt", 1)) + (0 if queued else 1),
-            queued_only=None,
-            ended=None,
-            stop_requested=None,  # a stop of its queued turn before is no stop of this one
-            pids={"keeper": None, "workers": [], "agent": None, "monitor": None},
-        )
-        append_event(run_dir, StateEvent(status=status, resume=True, reason=how or None))
+        before = {name: _read_bytes(run_dir / name) for name in ("spec.json", "state.json")}
+        events_size = file_size(run_dir / "events.jsonl")
+        try:  # all of it or none: a full disk leaves the run as it was, resumable later
+            write_run_spec(run_dir, spec.relaunched(rendezvous or Rendezvous()))
+            update_state(
+                run_dir,
+                status=status,
+                reason=("queued again" if queued else "resuming") + (f" {how}" if how else ""),
+                resume_from=step,
+                attempt=int(state.get("attempt", 1)) + (0 if queued else 1),
+                queued_only=None,
+                ended=None,
+                stop_requested=None,  # a stop of its queued turn before is no stop of this one
+                pids={"keeper": None, "workers": [], "agent": None, "monitor": None},
+            )
+            append_event(run_dir, StateEvent(status=status, resume=True, reason=how or None))
+        except OSError as exc:
+            _restore(run_dir, before, events_size)
+            raise write_error(run_dir, exc, "resume it") from None
         self._spawn_keeper(run_dir)
         return run_dir.name
 
@@ -455,6 +466,7 @@ class RunController:
     def stop(self, run_id: str, timeout: float = STOP_TIMEOUT_S) -> dict[str, Any]:
         """Graceful stop: the keeper tells every rank; they agree, checkpoint and exit."""
         run_dir = self.run_dir(run_id)
+        settle(run_dir)
         state = current_state(run_dir)
         if state.get("status") == "queued":
             left = waiting_room.leave_queue(run_dir, state, timeout)
@@ -466,6 +478,10 @@ class RunController:
                 f"run {run_dir.name}: not running ({state.get('status')})",
                 hint="`homelab-dp status RUN` shows its state",
             )
+        # Read by whoever settles the run if its keeper dies of this very signal; on a full
+        # disk the signal still stops it (the keeper records why).
+        with contextlib.suppress(OSError):
+            update_state(run_dir, stop_requested=time.time())
         keeper = (state.get("pids") or {}).get("keeper")
         workers = (state.get("pids") or {}).get("workers") or []
         targets = [keeper] if keeper and keeper in alive_pids(state, run_dir) else workers
@@ -500,6 +516,7 @@ class RunController:
     def status(self, run_id: str) -> dict[str, Any]:
         """The `status --json` document: state, progress and final figures."""
         run_dir = self.run_dir(run_id)
+        settle(run_dir)
         return summarize(run_dir, self._fold(run_dir), current_state(run_dir))
 
     def list_runs(self, sweep: str | None = None) -> list[dict[str, Any]]:
@@ -527,6 +544,7 @@ class RunController:
         reason, status = "folder gone", None
         if run.exists:
             try:
+                settle(run.path)
                 state = current_state(run.path)
                 sweep_id = read_run_spec(run.path).sweep_id
                 doc = summarize(run.path, self._fold(run.path), state)
@@ -535,6 +553,47 @@ class RunController:
                 reason, status = str(exc), "damaged"
         return {"run_id": run.id, "path": str(run.path), "exists": run.exists, "status": status,
                 "reason": reason, "created": run.created, "sweep_id": None}  # fmt: skip
+
+
+def settle(run_dir: Path) -> None:
+    """A run whose keeper died without its last word gets it now, from this reader
+    (`supervise.keeper.settle_dead_run`: final state, benchmarks, notification, once)."""
+    with contextlib.suppress(OSError, ValueError, HomelabError):  # damaged: readers see it
+        settle_dead_run(run_dir)
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _restore(run_dir: Path, before: dict[str, bytes | None], events_size: int) -> None:
+    """Put back files a failed write may have replaced, and cut events.jsonl back to its size
+    before (a line half appended); best effort: atomic writes that failed left the old file
+    in place and no temporary behind."""
+    with contextlib.suppress(OSError):
+        if file_size(run_dir / "events.jsonl") > events_size:
+            os.truncate(run_dir / "events.jsonl", events_size)
+    for name, data in before.items():
+        path = run_dir / name
+        if data is not None and _read_bytes(path) != data:
+            with contextlib.suppress(OSError):
+                path.write_bytes(data)
+
+
+def write_error(run_dir: Path, exc: OSError, doing: str) -> HomelabError:
+    """A write to the run folder that failed, in words: the file, why, and what to do."""
+    where = exc.filename or run_dir
+    why = exc.strerror or str(exc)
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return RunStateError(
+        f"run {run_dir.name}: cannot write {where} ({why}); the run is left as it was",
+        hint=f"free space on the disk of {run_dir} (df -h), then {doing} again"
+        if full
+        else f"make {run_dir} writable, then {doing} again",
+    )
 
 
 def check_port(rendezvous: Rendezvous) -> None:

@@ -610,6 +610,10 @@ def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
                 f"--set {key}: unknown key",
                 hint=f"keys in [{section}] are {', '.join(_hints(SECTIONS[section]))}",
             )
+        if _hints(SECTIONS[section])[name] is str and not isinstance(value, (str, list, dict)):
+            # A text field takes the text typed: a run id prefix (20260101), a commit (1234567)
+            # or a date-shaped name is not the number or date TOML reads it as.
+            value = text.split("=", 1)[1].strip()
         data[section][name] = value
     return preset_from_dict(data, source=preset.source)
 

@@ -42,7 +42,7 @@ def search_dirs() -> list[Path]:
 
 def find_preset(name_or_path: str) -> Path:
     """A preset file from a path or a name (with or without .toml)."""
-    path = Path(name_or_path).expanduser()
+    path = Path(os.path.expanduser(name_or_path))
     if path.is_file():
         return path
     if path.suffix == ".toml" and (path.parent != Path(".") or path.exists()):
@@ -81,8 +81,23 @@ def header_comment(path: Path) -> str:
     return "\n".join(lines).strip()
 
 
-def _resolve_path(value: str, preset_file: Path | None) -> str:
-    p = Path(value).expanduser()
+def is_bare_name(value: str) -> bool:
+    """Whether ``value`` is one plain name (no folder separator, no ``~``, not ``.``/``..``):
+    as model.path, a run id or unique id prefix when no file or folder has that name."""
+    return (
+        bool(value.strip())
+        and "/" not in value
+        and os.sep not in value
+        and (value not in (".", "..") and not value.startswith("~"))
+    )
+
+
+def _resolve_path(value: str, preset_file: Path | None, *, run_name: bool = False) -> str:
+    """``value`` made absolute: from the current folder, beside the preset file, one folder
+    above it. Found nowhere: a Hugging Face id is kept as typed, and so is a bare name when
+    ``run_name`` (model.path: a run id or prefix, which `runs.model_ref` resolves from the run
+    index wherever the command is run)."""
+    p = Path(os.path.expanduser(value))  # ~nobody: kept as typed
     if p.is_absolute():
         return str(p)
     bases = [Path.cwd()]
@@ -90,17 +105,27 @@ def _resolve_path(value: str, preset_file: Path | None) -> str:
         folder = preset_file.resolve().parent
         bases += [folder, folder.parent]
     for base in bases:
-        if (base / p).exists():
+        if _exists(base / p):
             return str((base / p).resolve())
     if looks_like_hub_id(value):  # found nowhere on disk: a Hugging Face id, kept as typed
         return value
+    if run_name and is_bare_name(value):  # a run id or prefix, looked up in the run index
+        return value
     return str((Path.cwd() / p).absolute())
+
+
+def _exists(path: Path) -> bool:
+    """Whether anything is at ``path``; a name the system refuses (too long) is nothing there."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def with_resolved_paths(preset: Preset) -> Preset:
     """A copy whose model and data paths are absolute (see ModelSection.path for the order)."""
     source = Path(preset.source) if preset.source else None
-    model = replace(preset.model, path=_resolve_path(preset.model.path, source))
+    model = replace(preset.model, path=_resolve_path(preset.model.path, source, run_name=True))
     data = replace(preset.data, path=_resolve_path(preset.data.path, source))
     if data.eval_path:  # "" stays "": no eval file
         data = replace(data, eval_path=_resolve_path(data.eval_path, source))

@@ -25,10 +25,11 @@ workers, replicas and resumed runs never touch the Hub. A path that exists alway
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from homelab_dp.errors import HomelabError
+from homelab_dp.errors import HomelabError, RunNotFoundError
 from homelab_dp.hub.hub_models import ModelOrigin, looks_like_hub_id, named, resolve_model_id
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.folder import run_index as index
@@ -207,10 +208,11 @@ def _run_ref(run_dir: Path) -> ModelRef:
 
 
 def find_run(ref: str, root: Path | None = None) -> Path | None:
-    """The run folder whose id is ``ref`` or starts with it (unique), wherever the run lives
-    (`runs.folder.run_index.find_run`: the per-user index, ``root``, ./runs); None when no run has that
-    id. An ambiguous prefix or a run whose folder has gone raises its HomelabError."""
-    if not ref or "/" in ref:
+    """The run folder whose id is ``ref`` or starts with it (unique), or the run folder ``ref``
+    is the path of, wherever the run lives (`runs.folder.run_index.find_run`: the per-user
+    index, ``root``, ./runs); None when no run has that id or path. An ambiguous prefix or a
+    run whose folder has gone (by id or by path) raises its HomelabError."""
+    if not ref.strip():
         return None
     try:
         return index.find_run(ref, root)
@@ -220,8 +222,8 @@ def find_run(ref: str, root: Path | None = None) -> Path | None:
 
 def resolve_model(ref: str, root: Path | None = None) -> ModelRef:
     """The model MODEL names: a folder (run, model or adapter), else a run id (or unique prefix)."""
-    folder = Path(ref).expanduser()
-    if ref.strip() and folder.is_dir():  # Path("") is the current folder: never a silent "."
+    folder = Path(os.path.expanduser(ref))
+    if ref.strip() and _is_dir(folder):  # Path("") is the current folder: never a silent "."
         folder = folder.absolute()
         if (folder / "spec.json").is_file():
             return _checked(_run_ref(folder))
@@ -238,7 +240,7 @@ def resolve_model(ref: str, root: Path | None = None) -> ModelRef:
 
 def is_model_id(path: str) -> bool:
     """Whether ``path`` names a Hub model rather than a folder (a path that exists wins)."""
-    return looks_like_hub_id(path) and not Path(path).expanduser().exists()
+    return looks_like_hub_id(path) and not _exists(Path(os.path.expanduser(path)))
 
 
 def split_revision(ref: str) -> tuple[str, str]:
@@ -265,22 +267,74 @@ def config_folder(
     return resolve_model_id(path, revision, config_only=True, fetch=fetch).folder
 
 
-def run_result(path: str, root: Path | None = None) -> ModelRef | None:
+def run_result(
+    path: str, root: Path | None = None, *, field: str = "model.path"
+) -> ModelRef | None:
     """The result of the run a preset's ``model.path`` names — a run folder (with spec.json), a
     run id or a unique id prefix — or None when it names no run (a model folder, a model id).
     An ambiguous prefix, a run whose folder has gone or a run without a result yet raises its
-    HomelabError (with a hint)."""
+    HomelabError (with a hint) naming ``field``."""
     if not path.strip():
         return None
-    folder = Path(path).expanduser()
-    if folder.is_dir():
+    folder = Path(os.path.expanduser(path))
+    _check_path(path, folder, field)
+    if _is_dir(folder):
         if (folder / "spec.json").is_file():
             return _checked(_run_ref(folder.absolute()))
         return None
-    if folder.exists() or looks_like_hub_id(path):
+    if _exists(folder) or looks_like_hub_id(path):
         return None
     run_dir = find_run(path, root)
-    return _checked(_run_ref(run_dir)) if run_dir is not None else None
+    if run_dir is not None:
+        return _checked(_run_ref(run_dir))
+    if _bare_name(path):  # no folder by that name here, no model id, and no run either
+        raise RunNotFoundError(
+            f"{field} {_shown(path)}: no model folder by that name here, not a Hugging Face id "
+            f"(org/name), and no run with that id or id prefix (runs folder {root or runs_root()} "
+            "and the run index)",
+            hint="give a model folder's path, a Hugging Face id, or a run id from "
+            "`homelab-dp runs` (a run kept elsewhere: --runs DIR)",
+        )
+    return None
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    """``value`` quoted for an error line, cut to ``limit`` characters."""
+    return repr(value if len(value) <= limit else value[:limit] + "…")
+
+
+def _check_path(value: str, folder: Path, field: str) -> None:
+    """A HomelabError when the system refuses the path itself (a NUL, a name too long)."""
+    try:
+        folder.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise HomelabError(
+            f"{field} {_shown(value)}: not a usable path ({reason})",
+            hint="give a model folder's path, a Hugging Face id (org/name) or a run id",
+        ) from None
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long for the system: no folder
+        return False
+
+
+def _exists(path: Path) -> bool:
+    """Whether anything is at ``path``; a name the system refuses (too long) is nothing."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
+def _bare_name(value: str) -> bool:
+    """One plain name: no folder separator, not ``.``, ``..`` or ``~…`` (a run id's shape)."""
+    return "/" not in value and value not in (".", "..") and not value.startswith("~")
 
 
 def with_run_model(preset: Preset, ref: ModelRef) -> Preset:

@@ -40,6 +40,8 @@ from homelab_dp.runs.folder.heartbeats import heartbeat_dir
 from homelab_dp.runs.folder.jsonl_tail import JsonlTail, file_size
 from homelab_dp.runs.folder.run_folder import append_event, read_run_spec
 from homelab_dp.runs.folder.run_state import (
+    alive_pids,
+    current_state,
     is_run_process,
     pid_alive,
     read_error_files,
@@ -55,6 +57,7 @@ from homelab_dp.supervise import launcher, notifier
 from homelab_dp.supervise.launch_verdict import Attempt, Verdict, decide
 from homelab_dp.supervise.relaunch import MAX_OOM_RETRIES, apply_oom_proposal
 from homelab_dp.supervise.watchdog import Stall, Watchdog
+from homelab_dp.vocabulary import ACTIVE_STATUSES, FINAL_STATUSES
 
 WORKER_GRACE_S = 20.0
 """How long orphaned workers get to exit after SIGTERM before SIGKILL."""
@@ -108,7 +111,11 @@ class Keeper:
         # The supervision loop sends each worker one SIGTERM: a second one could land while a
         # rank is already shutting down with the default handler back in place.
         self.stop_requested = True
-        update_state(self.run_dir, status="stopping", reason="stop requested")
+        try:  # `stop` marked it already; a full disk must not end the keeper in its handler
+            update_state(self.run_dir, status="stopping", reason="stop requested",
+                         stop_requested=time.time())  # fmt: skip
+        except OSError as exc:
+            print(f"keeper: the stop was not recorded in state.json ({exc})", file=sys.stderr)
 
     # -------------------------------------------------------------- lifecycle
     def run(self) -> int:
@@ -120,7 +127,11 @@ class Keeper:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         shutil.rmtree(heartbeat_dir(self.run_dir), ignore_errors=True)  # an earlier launch's
-        update_state(self.run_dir, status="starting", pids={"keeper": os.getpid()})
+        state = update_state(self.run_dir, status="starting", pids={"keeper": os.getpid()})
+        if state.get("stop_requested"):  # `stop` came before this handler was in place
+            self.stop_requested = True
+            return Verdict("interrupted", "stopped by request before it started; resume with "
+                           "`homelab-dp resume`")  # fmt: skip
         self.agent = launcher.launch(self.run_dir)
         self.monitor = self._start_monitor()
         update_state(
@@ -147,21 +158,7 @@ class Keeper:
         return 0 if verdict.status in ("completed", "interrupted") else 1
 
     def _record_results(self, final: dict[str, Any]) -> None:
-        """Record the run's figures against its preset (`homelab_dp.runs.preset_results`), and
-        its steady speed for the time model's calibration (`record_speed`: the next plan on
-        this machine prices compute at what this run achieved)."""
-
-        try:
-            record = record_run(self.run_dir, final) or {}
-            measured = record.get("measured") or {}
-            if measured.get("tokens_per_s"):
-                plan = read_run_spec(self.run_dir).plan
-                record_speed(plan, tokens_per_s=measured["tokens_per_s"], source="run",
-                             run_id=str(record.get("run_id") or ""),
-                             step_seconds=measured.get("step_seconds"),
-                             compute_seconds=measured.get("compute_seconds"))  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - the run is over: recording never changes that
-            print(f"keeper: the run's results were not recorded: {exc!r}", file=sys.stderr)
+        record_results(self.run_dir, final)
 
     def _supervise(self) -> list[int]:
         """Poll until torchrun exits: record workers, forward a stop, run the watchdog."""
@@ -244,6 +241,73 @@ class Keeper:
             error_files=read_error_files(self.run_dir),
         )
         return decide(attempt)
+
+
+def record_results(run_dir: Path, final: dict[str, Any]) -> None:
+    """Record a completed run's figures against its preset (`homelab_dp.runs.preset_results`),
+    and its steady speed for the time model's calibration (`record_speed`: the next plan on
+    this machine prices compute at what this run achieved)."""
+    try:
+        record = record_run(run_dir, final) or {}
+        measured = record.get("measured") or {}
+        if measured.get("tokens_per_s"):
+            plan = read_run_spec(run_dir).plan
+            record_speed(plan, tokens_per_s=measured["tokens_per_s"], source="run",
+                         run_id=str(record.get("run_id") or ""),
+                         step_seconds=measured.get("step_seconds"),
+                         compute_seconds=measured.get("compute_seconds"))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the run is over: recording never changes that
+        print(f"keeper: the run's results were not recorded: {exc!r}", file=sys.stderr)
+
+
+SETTLED = ".settled-{attempt}"
+"""The claim a reader takes to settle a launch whose keeper died (one reader wins)."""
+
+
+def settle_dead_run(run_dir: Path) -> bool:
+    """The keeper's last word, said by whoever reads the run first once its keeper is dead:
+    when state.json still says the run is active, its keeper's pid is recorded and gone, and
+    none of its processes lives, the status `current_state` reads from what the run left
+    (`runs.folder.run_state.settled_state`: completed from the end event and final/,
+    interrupted for a requested stop, else failed) is written as the final state, with its
+    state event and, for a completed run, its recorded results; then its benchmarks and its
+    notification run once, in a process of their own (``keeper --after-end``). One reader
+    settles a launch (an O_EXCL claim file); True when this call did."""
+    state = read_state(run_dir)
+    keeper = (state.get("pids") or {}).get("keeper")
+    if state.get("status") not in ACTIVE_STATUSES or not isinstance(keeper, int) or keeper <= 0:
+        return False  # not started by a keeper yet, or ended as it should
+    if alive_pids(state, run_dir):
+        return False
+    settled = current_state(run_dir)
+    if settled.get("status") not in FINAL_STATUSES:
+        return False
+    claim = run_dir / SETTLED.format(attempt=int(state.get("attempt") or 1))
+    try:
+        os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False  # another reader settled it
+    except OSError:
+        return False  # a read-only or full run folder: readers still see the settled status
+    final = {"status": settled["status"], "reason": settled.get("reason"), "ended": time.time()}
+    try:
+        if final["status"] == "completed":
+            record_results(run_dir, final)
+        update_state(run_dir, **final, failure=settled.get("failure"), settled_after_keeper=True)
+        append_event(run_dir, StateEvent(status=final["status"], reason=final["reason"]))
+    except OSError:
+        return False  # the disk is full: `current_state` keeps reading it settled
+    try:
+        log = open(run_dir / "logs" / "keeper.log", "ab")  # noqa: SIM115 - the child owns it
+    except OSError:  # a folder that lost its logs/: the benchmarks and notification still run
+        log = open(os.devnull, "ab")  # noqa: SIM115
+    with log:
+        subprocess.Popen(
+            [sys.executable, "-m", "homelab_dp.supervise.keeper", "--after-end", str(run_dir)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=run_dir,
+        )  # fmt: skip
+    return True
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:
@@ -333,7 +397,12 @@ def main(argv: list[str] | None = None) -> int:
         description="homelab-dp run keeper (started by the controller)"
     )
     parser.add_argument("run_dir", type=Path, help="the run folder; its spec.json says the rest")
+    parser.add_argument("--after-end", action="store_true",
+                        help="only the ended run's benchmarks and notification (`settle_dead_run`)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.after_end:
+        after_end(args.run_dir)
+        return 0
     return supervise(args.run_dir)
 
 

@@ -10,9 +10,13 @@ The reason names the root cause, not its echo. In order, the first that applies:
 
 1. the watchdog ended a stalled run → failed (``stall``), naming the rank;
 2. rank 0's ``end`` event says completed (or early_stopped) and torchrun exited 0 → completed;
+   (with a stop requested, a nonzero exit after a whole result is still completed);
 3. the ranks stopped gracefully (``end`` stopped, no error): when the torchrun agent was killed
    by a signal nobody asked for, the keeper stopped its orphans → failed (``agent``); otherwise
    → interrupted, by request, by a signal the agent received (it forwards it), or just stopped;
+3b. a stop was requested and the ranks did not stop gracefully (it came during start-up, or a
+   rank died of the SIGTERM) → interrupted, stopped by request, at any moment; only an
+   out-of-memory error stays a failure;
 4. torchrun exited 0 without an ``end`` event on a multi-node run → completed (rank 0, which
    writes the events, ran on another node);
 5. a rank ran out of memory → failed (``oom``) with its proposal; its peers only echo it;
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from homelab_dp.runs.folder.run_state import diagnose, signal_name, torchrun_root_cause
-from homelab_dp.runs.run_events import EndEvent, ErrorEvent, Event
+from homelab_dp.runs.run_events import CheckpointEvent, EndEvent, ErrorEvent, Event, StepEvent
 from homelab_dp.supervise.watchdog import Stall
 
 
@@ -84,13 +88,17 @@ def decide(a: Attempt) -> Verdict:
     ends = [e for e in a.events if isinstance(e, EndEvent)]
     errors = [e for e in a.events if isinstance(e, ErrorEvent)]
     end = ends[-1] if ends else None
-    if end is not None and end.reason == "completed" and a.exit_code == 0:
+    whole = end is not None and bool(end.final_path)  # written after final/ was whole
+    if end is not None and end.reason == "completed" and (a.exit_code == 0 or
+                                                          (whole and a.stop_requested)):  # fmt: skip
         return Verdict("completed", f"{end.steps} steps, result in final/")
     if end is not None and end.reason == "early_stopped" and a.exit_code == 0:
         return Verdict("completed", f"early stopped at step {end.steps} (the eval loss stopped "
                        "improving), result in final/")  # fmt: skip
     if end is not None and end.reason == "stopped" and not errors:
         return _stopped(a, end)
+    if a.stop_requested:
+        return _requested(a, end, errors)
     if a.exit_code == 0 and not ends and a.nnodes > 1:
         # c10d hands out global ranks in joining order: rank 0 (events, checkpoints'
         # metadata, the result) may live on another node's run folder.
@@ -115,6 +123,29 @@ def _stopped(a: Attempt, end: EndEvent) -> Verdict:
             {"kind": "agent", "signal": a.agent_signal, "orphans": list(a.orphans)},
         )
     return Verdict("interrupted", f"{_stop_cause(a)}: {at}; resume with `homelab-dp resume`")
+
+
+def _requested(a: Attempt, end: EndEvent | None, errors: list[ErrorEvent]) -> Verdict:
+    """A stop was requested and the ranks did not all stop at a step boundary: the stop came
+    during start-up, before a rank's own handler was in place, or while the ranks were
+    leaving, and a rank died of the SIGTERM or of a peer that did. The user asked for it: an
+    interrupted run, whatever the ranks' exits say; only running out of memory is its own
+    failure."""
+    oom = [e for e in errors if e.kind == "OutOfMemoryError"]
+    if oom:
+        return _failed(a, errors)
+    steps = [e.step for e in a.events if isinstance(e, StepEvent)]
+    if end is not None and end.reason in ("completed", "early_stopped"):
+        at = f"after its last step ({end.steps}), before the result was whole"
+    elif steps:
+        at = f"at step {max(steps)}, before a checkpoint of it"
+    else:
+        at = "during start-up, before its first step"
+    checkpoints = [e.step for e in a.events if isinstance(e, CheckpointEvent)]
+    kept = f"its checkpoint of step {max(checkpoints)} is kept" if checkpoints else (
+        "it resumes from its newest checkpoint, if any")  # fmt: skip
+    return Verdict("interrupted", f"stopped by request {at}; {kept}; resume with "
+                   "`homelab-dp resume`")  # fmt: skip
 
 
 def _stop_cause(a: Attempt) -> str:

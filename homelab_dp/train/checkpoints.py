@@ -327,6 +327,54 @@ class CheckpointError(HomelabError):
     exit_code = 1
 
 
+_WRITE_FAILURE = re.compile(
+    r"os error (28|27|122|5|30)\b|no space left|file too large|quota exceeded|"
+    r"read-only file system|input/output error",
+    re.I,
+)
+"""What a failed write says when a library wraps the OSError (safetensors' Rust writer:
+"Error while serializing: I/O error: No space left on device (os error 28)")."""
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+def is_write_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a file write that failed (a full disk, a quota, a file-size limit, a
+    read-only or failing disk), as an OSError or wrapped by the library that wrote."""
+    if isinstance(exc, OSError):
+        return exc.errno in _WRITE_ERRNOS
+    return bool(_WRITE_FAILURE.search(str(exc)[:2000]))
+
+
+def _write_reason(exc: BaseException) -> str:
+    code = exc.errno if isinstance(exc, OSError) else None
+    text = str(exc)[:2000].lower()
+    if code == errno.ENOSPC or "os error 28" in text or "no space left" in text:
+        return "no space left on device"
+    if code == errno.EFBIG or "os error 27" in text or "file too large" in text:
+        return "file too large (a file-size limit)"
+    if code == errno.EDQUOT or "os error 122" in text or "quota exceeded" in text:
+        return "disk quota exceeded"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[-1][:200] if first else 'write failed'}"
+
+
+def result_write_error(
+    exc: BaseException, run_dir: Path, where: Path, step: int
+) -> CheckpointError:
+    """The result (``final/``, its merge) could not be written: where, why, what is kept, and
+    what to do; the raw library error (safetensors' "Error while serializing") is not it."""
+    return CheckpointError(
+        f"the result: writing {where} failed ({_write_reason(exc)}); training finished at step "
+        f"{step} and its checkpoints are kept; no final/ was written",
+        hint=f"free space on the disk of {run_dir} (df -h), then `homelab-dp resume "
+        f"{run_dir.name}`: it continues from its newest checkpoint and writes final/",
+    )
+
+
 class _GuardedWriter(HuggingFaceStorageWriter):
     """DCP's safetensors writer with the test-only write faults of `homelab_dp.train.rank_guard`."""
 
@@ -531,12 +579,20 @@ def save_result(
         inject_slow_result(run_dir, 0, step)
         shutil.rmtree(tmp, ignore_errors=True)
         save = save_adapter if is_peft else save_full_model
-        save(strategy.inner, state_dict, tokenizer, tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        if is_peft and preset.train.merge:
-            set_phase(MERGING)
-            merge_adapter(preset, out, tokenizer, out / "merged")
+        target = tmp
+        try:
+            save(strategy.inner, state_dict, tokenizer, tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+            if is_peft and preset.train.merge:
+                set_phase(MERGING)
+                target = out / "merged"
+                merge_adapter(preset, out, tokenizer, target)
+        except Exception as exc:
+            if not is_write_failure(exc):
+                raise
+            shutil.rmtree(target, ignore_errors=True)  # a half-written folder is no result
+            raise result_write_error(exc, run_dir, target, step) from None
 
     if on_rank0 is not None:
         on_rank0(write)

@@ -346,6 +346,62 @@ def test_held_unfinished_bodies_are_bounded(server: Server) -> None:
     still_serving(server)
 
 
+# -- issue 34, item 9: answer shapes it cannot produce; hostile headers never reach the log
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),  # fmt: skip
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+            "tool_choice",
+        ),  # fmt: skip
+        ({"function_call": {"name": "f"}}, "function_call"),
+    ],
+)
+def test_answer_shapes_it_cannot_produce_are_400(server, fields, param) -> None:
+    before = served(server)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+    status, doc = call(server, "/v1/chat/completions", body)
+    assert (status, doc["error"]["param"]) == (400, param), doc
+    assert served(server) == before
+    tools = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}
+    status, doc = call(server, "/v1/chat/completions", {**body, **tools} | {param: None})
+    assert status == 200 and doc["choices"][0]["message"]["content"] is not None, doc
+
+
+def _raw(server: Server, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(data)
+        return s.recv(200)
+
+
+def test_hostile_headers_are_refused_and_logged_without_their_bytes(server: Server) -> None:
+    """A NUL in the Authorization header, a 100 KB one, 200 headers, a NUL in the URL: each a
+    400 from the parser, one log line each, and the key they carry never in the log."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+    key = KEY.encode()
+    hostile = [
+        head + b"Authorization: Bearer " + key + b"\x00\r\n\r\n",
+        head + b"Authorization: Bearer " + key + b"k" * 100_000 + b"\r\n\r\n",
+        head + b"".join(b"X-%d: %s\r\n" % (i, key) for i in range(200)) + b"\r\n",
+        b"GET /v1/" + key + b"\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+        head + b"X-" + key + b"\x01: v\r\n\r\n",
+    ]
+    for data in hostile:
+        answer = _raw(server, data)
+        assert answer.startswith(b"HTTP/1.0 400 "), answer
+    still_serving(server)
+    text = server.stderr.read_text(errors="replace")
+    assert KEY not in text, text[-3000:]
+    assert text.count("serve: refused a request from 127.0.0.1") == len(hostile), text[-3000:]
+
+
 # -- 4: a stopped replica: deadlines and the heartbeat
 
 

@@ -38,8 +38,8 @@ class JsonlTail:
                 continue
             try:
                 value = json.loads(line)
-            except ValueError:  # not JSON (or not UTF-8): a torn line from a crash mid-write,
-                continue  # or damage; the next one is whole
+            except (ValueError, RecursionError):  # not JSON (or not UTF-8): a torn line from a
+                continue  # crash mid-write, or damage (nesting too deep); the next one is whole
             if isinstance(value, dict):
                 out.append(value)
         return out

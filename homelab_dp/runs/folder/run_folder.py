@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -109,14 +110,27 @@ def _root_source() -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+    """Write JSON through a temporary file and a rename, so readers never see half a file. A
+    write that fails (a full disk) leaves the old file as it was and no temporary behind, and
+    raises its OSError (naming ``path``)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json_safe.dump(data, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json_safe.dump(data, fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.filename is None or Path(exc.filename) == tmp:
+            exc.filename = str(path)
+        raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def read_run_spec(run_dir: Path) -> RunSpec:

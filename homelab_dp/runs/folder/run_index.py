@@ -264,9 +264,12 @@ def find_run(ref: str, root: Path | None = None) -> Path:
     if not ref.strip():
         raise RunUnknownError("run id: empty", hint=_HINT)
     if os.sep in ref or "/" in ref:  # a path to a run folder
-        folder = Path(ref).expanduser()
+        folder = Path(os.path.expanduser(ref))  # ~nobody: as typed, no error
         if is_run_dir(folder) or looks_like_run_dir(folder):  # a damaged one says what is wrong
             return folder.absolute()
+        gone = _gone_at(folder, root)
+        if gone is not None:
+            raise _gone_error(gone)
         raise RunUnknownError(f"run {ref!r}: not a run folder (no spec.json)", hint=_HINT)
     runs = known_runs(root)
     exact = [r for r in runs if r.id == ref]
@@ -284,15 +287,33 @@ def find_run(ref: str, root: Path | None = None) -> Path:
     if exact and len(present) > 1 and len(here) == 1:  # the same id elsewhere: this root's
         return here[0].path
     if len(matches) == 1 or (exact and not present):
-        run = matches[-1]
-        raise RunGoneError(
-            f"run {run.id} was at {run.path}; that folder is gone",
-            hint="it was moved or deleted; if it was moved, give its new path "
-            "(or its runs folder with --runs DIR); `homelab-dp runs --forget-gone` forgets it",
-        )
-    names = ", ".join(r.id if not exact else str(r.path) for r in matches[:3])
+        raise _gone_error(matches[-1])
+    names = ", ".join(
+        (r.id if not exact else str(r.path)) + ("" if r.exists else " (gone)") for r in matches[:3]
+    )
     more = "…" if len(matches) > 3 else ""
     raise RunAmbiguousError(
         f"run id prefix {ref!r} matches {len(matches)} runs ({names}{more})",
         hint="give more of the id (" + _HINT + ")",
     )
+
+
+def _gone_error(run: IndexedRun) -> RunGoneError:
+    """The error for a run the index knows whose folder is no longer there."""
+    return RunGoneError(
+        f"run {run.id} was at {run.path}; that folder is gone",
+        hint="it was moved or deleted; if it was moved, give its new path "
+        "(or its runs folder with --runs DIR); `homelab-dp runs --forget-gone` forgets it",
+    )
+
+
+def _gone_at(folder: Path, root: Path) -> IndexedRun | None:
+    """The known run whose folder was at the path ``folder`` and is gone, or None."""
+    try:
+        path = folder.absolute()
+        if path.exists():
+            return None
+        wanted = {path, path.parent.resolve() / path.name}
+    except (OSError, RuntimeError, ValueError):  # a name too long, a loop, a NUL: no run
+        return None
+    return next((r for r in known_runs(root) if not r.exists and r.path in wanted), None)

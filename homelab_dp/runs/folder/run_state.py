@@ -2,8 +2,10 @@
 
 `state.json` is written by the controller at start and by the keeper (the supervisor that
 outlives the terminal) at the end. When every recorded process is gone but the file still
-says starting/running/stopping, the run died without saying so: `current_state` then reports
-failed, with the reason read from torchrun's error files and the logs. A queued run whose
+says starting/running/stopping, the run ended without saying so: `current_state` then settles
+it from what it left (`settled_state`): completed when this launch's end event says so and
+final/ is there (the keeper was killed as the run finished), interrupted when a stop was
+requested, else failed with the reason read from torchrun's error files and the logs. A queued run whose
 keeper is gone (a reboot) reads as interrupted, with ``queued_only`` set: nothing had started.
 
 The reason names the root cause: torchrun's summary lists every rank that failed, and the
@@ -181,10 +183,68 @@ def current_state(run_dir: Path) -> dict[str, Any]:
         # Re-read: the keeper may have written the final state between the two reads.
         state = read_state(run_dir)
         if state.get("status") in ACTIVE and not alive_pids(state, run_dir):
-            state["status"] = "failed"
-            state["reason"] = diagnose_failure(run_dir) or "its processes are gone"
-            state["reason"] = "the run's processes died without a final state: " + state["reason"]
+            state.update(settled_state(run_dir, state))
     return state
+
+
+DIED = "its keeper died before writing the final state"
+
+
+def settled_state(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The final status of a run whose processes are all gone while state.json still says it is
+    active (its keeper was killed, or the machine went down), from what the run left:
+
+    - rank 0's ``end`` event of this launch says completed (or early stopped) and names the
+      result, and ``final/`` is there → completed (the end event is written after ``final/``
+      is whole, merge included);
+    - a stop was requested (`stop` marks ``stop_requested`` before it signals) → interrupted,
+      stopped by request, whenever it landed (before the keeper's own handler, during start-up);
+    - otherwise → failed, with the root cause the logs show.
+
+    Returns the fields to merge: ``status``, ``reason`` (and ``failure`` None when not failed)."""
+    end = _launch_end(run_dir)
+    if end is not None and end.get("reason") in ("completed", "early_stopped"):
+        final = end.get("final_path")
+        if isinstance(final, str) and final and (run_dir / "final").is_dir():
+            steps = end.get("steps")
+            how = "early stopped" if end.get("reason") == "early_stopped" else "completed"
+            return {"status": "completed", "failure": None,
+                    "reason": f"{steps} steps ({how}), result in final/; {DIED}"}  # fmt: skip
+    if state.get("stop_requested"):
+        at = f" at step {end.get('steps')}" if end is not None else ""
+        return {"status": "interrupted", "failure": None,
+                "reason": f"stopped by request{at}; {DIED}; resume with "
+                f"`homelab-dp resume {run_dir.name}`"}  # fmt: skip
+    why = diagnose_failure(run_dir) or "its processes are gone"
+    return {"status": "failed", "reason": "the run's processes died without a final state: " + why}
+
+
+MAX_EVENTS_READ = 64 * 1024 * 1024
+"""The most bytes of events.jsonl read to settle a dead run (its tail: the last launch)."""
+
+
+def _launch_end(run_dir: Path) -> dict[str, Any] | None:
+    """This launch's ``end`` event: the last one in events.jsonl when no launch ("starting"
+    state event) came after it; None when the last launch never ended."""
+    try:
+        with open(run_dir / "events.jsonl", "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - MAX_EVENTS_READ))
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            doc = json.loads(line)
+        except (ValueError, RecursionError):  # a torn line, not UTF-8, hostile nesting
+            continue
+        if not isinstance(doc, dict):
+            continue
+        if doc.get("type") == "end":
+            return doc
+        if doc.get("type") == "state" and doc.get("status") in ("starting", "queued"):
+            return None  # a launch began after any end before it
+    return None
 
 
 def _keeper_alive(state: dict[str, Any], run_dir: Path | None = None) -> bool:

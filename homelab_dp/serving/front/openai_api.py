@@ -8,8 +8,10 @@ outside [0, 2] or between 0 and `MIN_TEMPERATURE` (logits / T overflow float32),
 ``torch.Generator`` cannot take (`SEED_RANGE`), ``max_tokens`` < 1, a string that is not valid
 Unicode (a lone surrogate), a stop string longer than `MAX_STOP_CHARS`, or a knob OpenAI has and
 we do not honour set to anything but its default (``presence_penalty``, ``frequency_penalty``,
-``logit_bias``, ``logprobs``) raise `ApiError` (HTTP 400 with OpenAI's error body, ``param``
-naming the field). The body must be strict JSON: no ``NaN``/``Infinity``, no nesting deep
+``logit_bias``, ``logprobs``), or an answer shape other than free text (``response_format``
+JSON, ``tool_choice`` required or named, ``function_call``, ``modalities``/``audio``:
+`_output_shape`) raise `ApiError` (HTTP 400 with OpenAI's error body, ``param`` naming the
+field). The body must be strict JSON: no ``NaN``/``Infinity``, no nesting deep
 enough to exhaust the parser's recursion. A prompt longer than `PROMPT_CHARS_PER_TOKEN` characters
 or `PROMPT_BYTES_PER_TOKEN` UTF-8 bytes per token of the context is refused before any tokenizer
 sees it (`check_prompt_size`). The limits are `planning.serve_plan`'s, which the replica checks too. Other fields we do not know are ignored: OpenAI clients send many
@@ -210,6 +212,58 @@ def _unsupported(doc: dict[str, Any]) -> None:
         )
 
 
+TOOL_CHOICES = ("none", "auto")
+"""``tool_choice`` values a free-text answer honours: no tool, or the model's own choice."""
+
+
+def _output_shape(doc: dict[str, Any]) -> None:
+    """Knobs that ask for an answer shape other than free text — JSON (``response_format``),
+    a tool call (``tool_choice`` ``required`` or a named function, the older
+    ``function_call``), audio (``modalities``, ``audio``) — are 400 naming the field: the
+    server generates free text only, and a 200 with free text would break the client later.
+    ``tools`` with ``tool_choice`` ``auto`` or ``none`` pass: free text is an answer to them."""
+    fmt = doc.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind != "text":
+            shown = repr(kind) if isinstance(kind, str) and len(kind) <= 40 else "that type"
+            raise ApiError(
+                f"response_format {shown} is not supported by this server: it answers in free "
+                'text only ({"type": "text"})',
+                param="response_format",
+            )
+    tools = doc.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(f"tools must be a list, not {_type_name(tools)}", param="tools")
+    choice = doc.get("tool_choice")
+    if choice is not None and choice not in TOOL_CHOICES:
+        what = repr(choice) if choice == "required" else "a named tool"
+        if not (choice == "required" or isinstance(choice, dict)):
+            raise ApiError(
+                f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, required or an object",
+                param="tool_choice",
+            )
+        raise ApiError(
+            f"tool_choice {what} is not supported by this server: it cannot call tools, "
+            "only answer in free text (tool_choice auto or none)",
+            param="tool_choice",
+        )
+    call = doc.get("function_call")
+    if call is not None and call not in TOOL_CHOICES:
+        raise ApiError(
+            "function_call is not supported by this server beyond auto or none: it cannot "
+            "call functions, only answer in free text",
+            param="function_call",
+        )
+    modalities = doc.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError(
+            'modalities is not supported by this server beyond ["text"]', param="modalities"
+        )
+    if doc.get("audio") is not None:
+        raise ApiError("audio is not supported by this server: it answers in text", param="audio")
+
+
 def _stop(doc: dict[str, Any]) -> list[str]:
     value = doc.get("stop")
     if value is None:
@@ -234,6 +288,7 @@ def _common(doc: dict[str, Any], kind: Kind, max_tokens_field: str) -> dict[str,
     if model is not None:
         _text(model, "model")
     _unsupported(doc)
+    _output_shape(doc)
     n = _int(doc, "n")
     if n not in (None, 1):
         raise ApiError(f"n must be 1 (one answer per request), got {n}", param="n")

@@ -8,6 +8,10 @@ replica is ready and 503 otherwise, with the same body, so that an outside load 
 use it as it is; a replica that stops answering its heartbeat shows as ``unresponsive``.
 
 Every error is a JSON body, a handler's unexpected exception too (500, its traceback on stderr).
+A request aiohttp cannot parse (a NUL or another forbidden byte in a header or the URL, a header
+line over `MAX_HEADER_BYTES`, more than `MAX_HEADERS` headers, not HTTP) is a 400 from aiohttp's
+parser, logged as one line naming the kind of fault and the client, never the bytes it sent (an
+Authorization header's key would be among them) and never a traceback (`ParseErrorLog`).
 A request has `REQUEST_TIMEOUT_S` (``--request-timeout``) to be answered, else 504. Request
 bodies are read within a shared memory budget and a time limit (`homelab_dp.serving.front.request_guards`).
 
@@ -19,6 +23,7 @@ requests, gives the ones in flight `DRAIN_S`, and stops every replica process.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 import sys
@@ -29,7 +34,7 @@ from contextlib import aclosing
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from homelab_dp.serving.front import openai_api as api
 from homelab_dp.serving.front.replica_relay import (
@@ -57,6 +62,60 @@ REQUEST_TIMEOUT_S = 600.0
 """The default deadline of one request, from its body read to its last byte (then 504)."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_HEADER_BYTES = 8190
+"""The longest request line, header name or header value aiohttp's parser takes (400 above)."""
+MAX_HEADERS = 64
+"""The most headers one request may carry (400 above); clients send about ten."""
+HTTP_LOG = "homelab_dp.serve.http"
+"""The logger aiohttp's request handler writes to (`ParseErrorLog` keeps sent bytes out)."""
+_PARSE_FAULTS: tuple[tuple[type[Exception], str], ...] = (
+    (http_exceptions.LineTooLong, f"a request line or header over {MAX_HEADER_BYTES} bytes"),
+    (http_exceptions.InvalidURLError, "a URL with a forbidden character"),
+    (http_exceptions.BadHttpMethod, "not an HTTP request"),
+    (http_exceptions.BadStatusLine, "a malformed request line"),
+    (http_exceptions.InvalidHeader, "a malformed header"),
+    (http_exceptions.BadHttpMessage, "a malformed header or request"),
+    (http_exceptions.HttpProcessingError, "a malformed request"),
+)
+
+
+class ParseErrorLog(logging.Filter):
+    """Rewrites aiohttp's "Error handling request" record for a request its parser refused:
+    one warning line naming the fault's kind and the client. aiohttp's own record carries a
+    traceback whose message quotes the bytes received (a header with the API key in it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, http_exceptions.HttpProcessingError):
+            return True
+        kind = next(what for cls, what in _PARSE_FAULTS if isinstance(exc, cls))
+        client = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        record.msg = "serve: refused a request from %s: %s (HTTP %s; its bytes are not logged)"
+        record.args = (client, kind, exc.code)
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def http_log() -> logging.Logger:
+    """The logger given to aiohttp's request handler: `ParseErrorLog` on it, once."""
+    log = logging.getLogger(HTTP_LOG)
+    if not any(isinstance(f, ParseErrorLog) for f in log.filters):
+        log.addFilter(ParseErrorLog())
+    return log
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The app's runner with the header limits and the request handler's logger set."""
+    return web.AppRunner(
+        app,
+        access_log=None,
+        shutdown_timeout=DRAIN_S,
+        logger=http_log(),
+        max_line_size=MAX_HEADER_BYTES,
+        max_field_size=MAX_HEADER_BYTES,
+        max_headers=MAX_HEADERS,
+    )
 
 
 def _error(status: int, message: str, **fields: Any) -> web.Response:
@@ -354,7 +413,7 @@ async def _serve(
         front = Front(
             name, supervisor, dispatcher, api_key=api_key, request_timeout=request_timeout
         )
-        runner = web.AppRunner(front.app(), access_log=None, shutdown_timeout=DRAIN_S)
+        runner = make_runner(front.app())
         await runner.setup()
         site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
         watcher: asyncio.Task[None] | None = None

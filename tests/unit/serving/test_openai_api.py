@@ -205,3 +205,62 @@ def test_ids_and_models_list() -> None:
         "object": "list",
         "data": [{"id": "tiny", "object": "model", "created": 5, "owned_by": "homelab-dp"}],
     }
+
+
+# Issue 34, item 9: an answer shape the server cannot produce is a 400 naming the field, never a
+# 200 with free text (every kind: JSON modes, tool calls demanded, the older function_call,
+# audio; wrong types; a huge type name, which the message never echoes).
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": SCHEMA}, "response_format"),
+        ({"response_format": {"type": "x" * 100_000}}, "response_format"),
+        ({"response_format": {"type": 5}}, "response_format"),
+        ({"response_format": {}}, "response_format"),
+        ({"response_format": "json_object"}, "response_format"),
+        ({"response_format": ["text"]}, "response_format"),
+        ({"tools": [FUNCTION], "tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [FUNCTION], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice",
+        ),  # fmt: skip
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [FUNCTION], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [FUNCTION], "tool_choice": 1}, "tool_choice"),
+        ({"tools": FUNCTION}, "tools"),
+        ({"tools": "f"}, "tools"),
+        ({"functions": [FUNCTION["function"]], "function_call": {"name": "f"}}, "function_call"),
+        ({"function_call": "required"}, "function_call"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"modalities": "text"}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ],
+)
+def test_an_answer_shape_it_cannot_produce_is_a_400_naming_the_field(fields, param) -> None:
+    for parse, base in ((api.parse_chat, {"messages": [{"role": "user", "content": "Hi"}]}),
+                        (api.parse_completion, {"prompt": "Hi"})):  # fmt: skip
+        error = refused(parse, {**base, **fields})
+        assert (error.status, error.param) == (400, param), error.message
+        assert len(error.message) < 300  # a hostile value is named, not echoed
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "text"}},
+        {"response_format": None},
+        {"tools": [FUNCTION]},  # auto by default: free text is an answer
+        {"tools": [FUNCTION], "tool_choice": "auto"},
+        {"tools": [FUNCTION], "tool_choice": "none"},
+        {"tools": [], "tool_choice": None},
+        {"functions": [FUNCTION["function"]], "function_call": "auto"},
+        {"modalities": ["text"], "audio": None, "parallel_tool_calls": True},
+    ],
+)
+def test_free_text_compatible_shapes_pass(fields) -> None:
+    assert chat(**fields).messages == [{"role": "user", "content": "Hi"}]
