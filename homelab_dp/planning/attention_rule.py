@@ -61,9 +61,61 @@ def _cap(capability: tuple[int, int] | None) -> str:
     return "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
 
 
+VARLEN_MAX_HEAD_DIM = 256
+"""FlashAttention's largest head dimension."""
+VARLEN_HEAD_DIM_MULTIPLE = 8
+"""FlashAttention's kernels take a head dimension that is a multiple of 8 only."""
+ROUTES = ("varlen", "sdpa", "sdpa-repeat-kv")
+"""The routes of ``homelab_packed`` on packed segments (`packed_kernel`)."""
+
+
+def packed_kernel(
+    device: str,
+    dtype: str,
+    capability: tuple[int, int] | None,
+    head_dim: int,
+    gqa: bool,
+    *,
+    dropout: bool = False,
+    window: bool = False,
+    varlen: bool = True,
+    varlen_window: bool = True,
+) -> str:
+    """The route ``homelab_packed`` takes on packed segments, one rule for the worker
+    (`homelab_dp.train.packed_attention`) and the plan's memory count:
+
+    - ``"varlen"``: torch's ``varlen_attn`` (FlashAttention) over the flattened tokens: CUDA,
+      bf16/fp16 (the dtype the attention computes in, autocast's), compute capability 8.0+, a
+      head dimension FlashAttention takes (at most 256, a multiple of 8), no dropout, a torch
+      that has it (``varlen``) and its ``window_size`` when a window is asked.
+    - ``"sdpa"``: SDPA on each sample's slice with the key/value heads shared (``enable_gqa``):
+      the CPU, a model without grouped-query attention, or a card where SDPA's flash kernel
+      runs (the only CUDA kernel besides the math one that takes GQA).
+    - ``"sdpa-repeat-kv"``: SDPA on each sample's slice with that sample's key/value heads
+      repeated to the query heads, so that the memory-efficient kernel runs where the flash
+      kernel cannot (a card below 8.0, fp32, a head dimension it refuses, a window's band
+      mask): with ``enable_gqa`` there torch falls to the math kernel, a heads × n² fp32
+      matrix per sample saved for backward. The saved key/value are then query-wide.
+
+    ``capability`` None: a card of unknown capability, counted as new enough (the plan's rule
+    for a what-if card; the worker always knows its card).
+    """
+    half = device == "cuda" and dtype in FLASH_DTYPES
+    new = capability is None or capability >= FLASH_MIN_CAPABILITY
+    dim_ok = head_dim <= VARLEN_MAX_HEAD_DIM and head_dim % VARLEN_HEAD_DIM_MULTIPLE == 0
+    flash = half and new and dim_ok
+    if flash and not dropout and varlen and (varlen_window or not window):
+        return "varlen"
+    if device != "cuda" or not gqa or (flash and not window):
+        return "sdpa"
+    return "sdpa-repeat-kv"
+
+
 def packed_route(device: str, dtype: str, capabilities: Sequence[tuple[int, int] | None]) -> str:
     """How ``homelab_packed`` attends on ``device`` in ``dtype``, in words: torch's
-    ``varlen_attn`` where every card is 8.0+ in bf16/fp16, else SDPA sample by sample."""
+    ``varlen_attn`` where every card is 8.0+ in bf16/fp16, else SDPA sample by sample (on CUDA
+    with grouped-query key/value heads repeated, `packed_kernel`). A head dimension
+    FlashAttention refuses also leaves varlen; the step event counts what ran."""
     if (
         device == "cuda"
         and dtype in FLASH_DTYPES
@@ -71,6 +123,8 @@ def packed_route(device: str, dtype: str, capabilities: Sequence[tuple[int, int]
         and all(c is not None and c >= FLASH_MIN_CAPABILITY for c in capabilities)
     ):
         return "torch's varlen_attn, each sample alone"
+    if device == "cuda":
+        return "SDPA on each sample alone, grouped-query key/value heads repeated"
     return "SDPA on each sample alone"
 
 

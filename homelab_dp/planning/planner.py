@@ -63,7 +63,11 @@ from dataclasses import replace
 from typing import Any
 
 from homelab_dp.errors import PresetError
-from homelab_dp.planning.attention_rule import choose_attention, flash_attn_version
+from homelab_dp.planning.attention_rule import (
+    FLASH_MIN_CAPABILITY,
+    choose_attention,
+    flash_attn_version,
+)
 from homelab_dp.planning.memory.device_memory import TrainShape, budget, logits_bytes
 from homelab_dp.planning.memory.host_memory import HostBudget, host_budget
 from homelab_dp.planning.memory.memory_calibration import (
@@ -290,6 +294,10 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         lora_targets=targets if isinstance(targets, str) else tuple(targets),
         packed=preset.data.pack,
         attention=attention_path(hw.kind, dtype, [d.compute_capability for d in hw.devices]),  # type: ignore[arg-type]
+        old_cards=any(
+            c is not None and c < FLASH_MIN_CAPABILITY
+            for c in (d.compute_capability for d in hw.devices)
+        ),  # fmt: skip
         target_share=kw.get("target_share", 1.0),
         offload=kw.get("offload", "none"),
         offload_activations=kw.get("offload_activations", False),

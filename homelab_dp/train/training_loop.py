@@ -58,6 +58,7 @@ from homelab_dp.train.comm_timing import comm_event_fields
 from homelab_dp.train.divergence import SkippedSteps, check_loss, require_finite_weights
 from homelab_dp.train.evaluation import Validator
 from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
+from homelab_dp.train.packed_attention import take_route_counts
 from homelab_dp.train.rank_setup import SetUp
 from homelab_dp.train.sample_answers import Sampler
 from homelab_dp.train.strategy import rank_slices
@@ -143,6 +144,9 @@ class Trainer:
             spec, self.rank.device, int(self.data.input_ids.shape[-1]), self.rank.world
         )
         self.saved_step: int | None = None
+        take_route_counts()  # the routes count from the loop's first forward (no checks before)
+        self.routes_reported = False
+        """Whether a step event carried ``attention_routes`` (the first of this launch does)."""
 
         self.skips = SkippedSteps()
         """fp16: the GradScaler's consecutive skipped steps (`train.divergence`)."""
@@ -318,6 +322,9 @@ class Trainer:
         span = max(now - last_t, 1e-9)
         tokens_per_s = (self.tokens - last_tokens) / span
         aux_loss = self.model.strategy.take_aux_loss()  # every rank: a collective with an aux
+        routes = None
+        if not self.routes_reported:  # what ran, counted: homelab_packed's calls by route
+            routes, self.routes_reported = take_route_counts(), True
         self.events.write(StepEvent(
             step=step, total_steps=self.data.total_steps,
             epoch=step * r.effective / self.data.n_blocks, loss=self.last_loss, lr=lr,
@@ -327,7 +334,8 @@ class Trainer:
             step_time_s=now - wall0, rank_step_times_s=[row[n] for row in rows],
             peak_memory_bytes=[int(row[n + 1]) for row in rows], peak_memory_kind=self.memory_kind,
             tokens=self.tokens, samples=step * r.effective, mfu=self.flops.mfu(tokens_per_s),
-            aux_loss=aux_loss, **fields, **comm_event_fields(rows, r.world),
+            aux_loss=aux_loss, attention_routes=routes, **fields,
+            **comm_event_fields(rows, r.world),
         ))  # fmt: skip
         for slow in self.stragglers.update([row[n] for row in rows]):
             self.events.write(

@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from homelab_dp.planning.attention_rule import PACKED_ATTENTION, packed_kernel
 from homelab_dp.planning.memory.moe_memory import (
     adapted_experts,
     decoder_params,
@@ -110,6 +111,19 @@ EAGER_ATTENTION_TYPES = ("gpt_oss",)
 """Model types without an SDPA path (attention sinks): the worker loads them with eager
 attention (`train.trainable_model.supports_sdpa`), which builds a (b, 1, s, s) mask and repeats
 the key/value heads whatever kernel the attention rule named."""
+
+
+def kv_repeated(spec: ModelSpec, shape: TrainShape) -> bool:
+    """Whether ``homelab_packed`` repeats the key/value heads of ``spec``'s grouped-query
+    attention per sample on ``shape`` (`homelab_dp.planning.attention_rule.packed_kernel`'s
+    ``"sdpa-repeat-kv"``: fp32 or a card below 8.0 on CUDA, so that SDPA's memory-efficient
+    kernel runs instead of the math one): the key/value it saves are then query-wide."""
+    if shape.attention != PACKED_ATTENTION or spec.kv_heads == spec.heads:
+        return False
+    capability = (7, 5) if shape.old_cards else None
+    route = packed_kernel(shape.device, shape.dtype, capability, spec.head_dim, True,
+                          window=spec.sliding_window > 0 and spec.sliding_layers > 0)  # fmt: skip
+    return route == "sdpa-repeat-kv"
 
 
 def _masked(spec: ModelSpec, shape: TrainShape) -> bool:
@@ -189,9 +203,10 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         if spec.hidden_dropout > 0:
             out += 2 * h * (w if cpu else 1)  # CPU dropout keeps a float mask, CUDA a bool one
     else:
-        if _masked(spec, shape):
+        if _masked(spec, shape) or kv_repeated(spec, shape):
             # With a mask (padding, or packing's block-diagonal one) SDPA converts it to an
-            # additive (b, 1, s, s) one per layer, and transformers repeats the key/value heads.
+            # additive (b, 1, s, s) one per layer, and transformers repeats the key/value heads;
+            # homelab_packed repeats them per sample where SDPA's flash kernel cannot run.
             kvd = attn
         rest = 2 * attn + 2 * kvd
         if spec.model_type == "phi3":
@@ -339,7 +354,7 @@ def pinned_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
     if spec.model_type == "gpt2":
         parts = [(inter, 5 * inter * w)]
     else:
-        if _masked(spec, shape):
+        if _masked(spec, shape) or kv_repeated(spec, shape):
             kvd = attn
         extra = (attn + kvd) if spec.model_type == "phi3" else 0
         routed = spec.experts.top_k * expert_width(spec) if spec.experts else inter
