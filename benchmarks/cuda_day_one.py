@@ -31,6 +31,7 @@ Prints one JSON object per check with ``--json`` (``{"check", "ok", ...}``), els
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -117,7 +118,9 @@ def check_one_bad_row(model: Path, device: str) -> dict[str, Any]:
             and same, "finish_reasons": reasons, "good_rows_as_alone": same}  # fmt: skip
 
 
-def check_pinned_and_offload(device: str) -> dict[str, Any]:
+def check_pinned_and_offload(
+    device: str, read_pinned: Callable[[], int] | None = None
+) -> dict[str, Any]:
     """HostAdamW pins what the plan's host line says (one flat buffer per kind, rounded up to a
     power of two by torch's caching host allocator); activation offload keeps the weights on
     the card, moves the activations and changes no bit of the gradients."""
@@ -130,20 +133,24 @@ def check_pinned_and_offload(device: str) -> dict[str, Any]:
     cuda = device == "cuda"
 
     def pinned() -> int:
-        if not cuda:
-            return 0
         torch.cuda.synchronize()
         return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
 
-    base = pinned()
+    if read_pinned is None and cuda:
+        read_pinned = pinned
+    base = read_pinned() if read_pinned is not None else 0
     params = [
         torch.nn.Parameter(torch.randn(n, device=device)) for n in (3_000_000, 1_500_000, 700_001)
     ]
     for p in params:
         p.grad = torch.randn_like(p)
-    HostAdamW(params).step()
+    optimizer = HostAdamW(params)
+    optimizer.step()
     planned = host_adamw_pinned_bytes(4 * sum(p.numel() for p in params))
-    measured = pinned() - base if cuda else None
+    # Read while the optimizer is alive: its pinned buffers go back to the caching host
+    # allocator (allocated_bytes.current falls) once it is freed.
+    measured = read_pinned() - base if read_pinned is not None else None
+    del optimizer
     m = torch.nn.Sequential(
         torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)
     ).to(device)
@@ -164,10 +171,12 @@ def check_device_order(device: str) -> dict[str, Any]:
     from homelab_dp.probe.nvml import probe
     from homelab_dp.probe.visible_gpus import cuda_device_env
 
-    env = cuda_device_env(os.environ, ["0"])
     if device == "cpu":
+        env = cuda_device_env(os.environ, ["0"])
         return {"ok": env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", "env": "PCI_BUS_ID"}
-    nvml_name = probe().gpus[0].name
+    first = probe().gpus[0]  # the first card CUDA_VISIBLE_DEVICES leaves, as the probe reads it
+    env = cuda_device_env(os.environ, [str(first.index)])
+    nvml_name = first.name
     code = "import torch; print(torch.cuda.get_device_name(0))"
     seen = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
@@ -198,6 +207,8 @@ def check_mig(device: str) -> dict[str, Any]:
 def check_moe_nf4(device: str) -> dict[str, Any]:
     """QLoRA's NF4 expert stacks on the card: the loss equals the model whose experts hold the
     dequantized values (the same bitsandbytes dequantization), backward runs, and the peak."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return {"ok": True, "skipped": "bitsandbytes not installed (carry its wheel to run it)"}
     import copy
 
     import torch
