@@ -242,7 +242,11 @@ class Trainer:
                 last_log = self._log_step(step, sums, counts, lr, grad_norm, t0, wall0, last_log)
             # Evaluated before the checkpoint of this step, so that it records the evaluation.
             v = self.validator
-            verdict = self._validate(step) if v is not None and v.due(step, d.total_steps) else None
+            outside = m.strategy.comm.outside_step  # no step's communication (`comm_timing`)
+            verdict = None
+            if v is not None and v.due(step, d.total_steps):
+                with outside():
+                    verdict = self._validate(step)
             if verdict is not None:  # the training throughput leaves the evaluation out
                 last_log = (last_log[0] + verdict.event.seconds, last_log[1], last_log[2])
             # Before the checkpoint too; the samples leave the random states and weights as
@@ -251,11 +255,14 @@ class Trainer:
             if self.sampler is not None and self.sampler.due(
                 step, d.total_steps, evaluated=verdict is not None, ending=ending
             ):
-                last_log = (last_log[0] + self._sample(step), last_log[1], last_log[2])
+                with outside():
+                    seconds = self._sample(step)
+                last_log = (last_log[0] + seconds, last_log[1], last_log[2])
             keep = verdict is not None and verdict.best and self.train.keep_best
             every = self.train.checkpoint_every
             if keep or (every and step % every == 0 and step < d.total_steps):
-                self._checkpoint(step)
+                with outside():
+                    self._checkpoint(step)
             if keep and r.rank == 0:  # after the write: BEST names a complete checkpoint
                 mark_best(self.run_dir / "checkpoints", step, verdict.event.loss or 0.0,
                           self.train.keep_checkpoints)  # fmt: skip
