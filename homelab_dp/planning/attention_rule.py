@@ -65,7 +65,7 @@ VARLEN_MAX_HEAD_DIM = 256
 """FlashAttention's largest head dimension."""
 VARLEN_HEAD_DIM_MULTIPLE = 8
 """FlashAttention's kernels take a head dimension that is a multiple of 8 only."""
-ROUTES = ("varlen", "sdpa", "sdpa-repeat-kv")
+ROUTES = ("varlen", "sdpa", "sdpa-repeat-kv", "sinks")
 """The routes of ``homelab_packed`` on packed segments (`packed_kernel`)."""
 
 
@@ -80,6 +80,7 @@ def packed_kernel(
     window: bool = False,
     varlen: bool = True,
     varlen_window: bool = True,
+    sinks: bool = False,
 ) -> str:
     """The route ``homelab_packed`` takes on packed segments, one rule for the worker
     (`homelab_dp.train.packed_attention`) and the plan's memory count:
@@ -97,9 +98,15 @@ def packed_kernel(
       mask): with ``enable_gqa`` there torch falls to the math kernel, a heads × n² fp32
       matrix per sample saved for backward. The saved key/value are then query-wide.
 
+    - ``"sinks"``: a model with attention sinks (gpt-oss: one learned logit per head in every
+      softmax, `SINK_TYPES`): each sample's softmax over its keys and the sink, written out
+      (no fused kernel takes the sink: FlashAttention-2 and SDPA drop it).
+
     ``capability`` None: a card of unknown capability, counted as new enough (the plan's rule
     for a what-if card; the worker always knows its card).
     """
+    if sinks:
+        return "sinks"
     half = device == "cuda" and dtype in FLASH_DTYPES
     new = capability is None or capability >= FLASH_MIN_CAPABILITY
     dim_ok = head_dim <= VARLEN_MAX_HEAD_DIM and head_dim % VARLEN_HEAD_DIM_MULTIPLE == 0
@@ -128,6 +135,25 @@ def packed_route(device: str, dtype: str, capabilities: Sequence[tuple[int, int]
     return "SDPA on each sample alone"
 
 
+SINK_TYPES = ("gpt_oss",)
+"""``model_type``s with attention sinks (``s_aux``): FlashAttention-2 and SDPA ignore them, so
+their every load (training, QLoRA, eval, chat, serving) attends through ``homelab_packed``,
+which adds the sink logit (`packed_kernel`'s ``"sinks"``)."""
+
+
+def has_sinks(model_type: str | None) -> bool:
+    """Whether a model of ``model_type`` has attention sinks (`SINK_TYPES`)."""
+    return model_type in SINK_TYPES
+
+
+def inference_attention(model_type: str | None) -> str | None:
+    """The ``attn_implementation`` a chat or serving replica loads ``model_type`` with: a model
+    with attention sinks gets ``"eager"``, its own transformers attention, which adds them (the
+    replica runs no packed blocks; FlashAttention-2 and SDPA would drop the sinks); None
+    (transformers' default) otherwise."""
+    return "eager" if has_sinks(model_type) else None
+
+
 def choose_attention(
     device: str,
     dtype: str,
@@ -135,6 +161,7 @@ def choose_attention(
     flash_version: str | None = None,
     *,
     unknown_ok: bool = False,
+    sinks: bool = False,
 ) -> tuple[str, str]:
     """``(attn_implementation, why)`` for a run on ``device`` ("cuda", "cpu") in ``dtype``.
 
@@ -142,8 +169,14 @@ def choose_attention(
     new enough when ``unknown_ok``, the plan's rule for a what-if card, else as too old).
     ``flash_version``: the installed flash-attn distribution's version (`flash_attn_version`).
     ``why`` is one sentence for the plan and the start event. Not FlashAttention-2:
-    ``PACKED_ATTENTION`` (its route by `packed_route`).
+    ``PACKED_ATTENTION`` (its route by `packed_route`). ``sinks``: the model has attention sinks
+    (`has_sinks`): always ``PACKED_ATTENTION``, whose softmax takes them.
     """
+    if sinks:
+        return PACKED_ATTENTION, (
+            f"{PACKED_ATTENTION} (each sample's softmax with its attention sink, no mask): the "
+            "model has attention sinks, which FlashAttention-2 and SDPA drop"
+        )
     lean = f"{PACKED_ATTENTION} ({packed_route(device, dtype, capabilities)}, no mask)"
     if device != "cuda":
         return (
@@ -192,14 +225,18 @@ family, or a model's own code (``trust_remote_code``), may attend across the sam
 packed block: the worker checks it before training (`homelab_dp.train.packing_check`)."""
 
 
-def attention_reason(hw: PlanHardware, dtype: str, flash_version: str | None = None) -> str:
+def attention_reason(
+    hw: PlanHardware, dtype: str, flash_version: str | None = None, model_type: str | None = None
+) -> str:
     """The attention kernel the worker will load with on ``hw``, and why
     (`homelab_dp.planning.attention_rule`; ``flash_version``: the installed flash-attn's version,
     read here when not given). A card of unknown capability counts as new enough (the worker
     decides on the card itself)."""
     version = flash_attn_version() if flash_version is None else flash_version
     caps = [d.compute_capability for d in hw.devices]
-    _, why = choose_attention(hw.kind, dtype, caps, version, unknown_ok=True)
+    _, why = choose_attention(
+        hw.kind, dtype, caps, version, unknown_ok=True, sinks=has_sinks(model_type)
+    )
     return f"Attention: {why}."
 
 

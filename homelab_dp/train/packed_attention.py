@@ -52,6 +52,7 @@ transformers' SDPA function unchanged.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import threading
@@ -72,6 +73,11 @@ DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp
 
 _lock = threading.Lock()
 _registered = False
+_positions: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "homelab_packed_positions", default=None
+)
+"""The ``position_ids`` of the forward in progress, for a family whose forward does not hand
+them to transformers' mask builder (gpt-oss): set by `watch_positions`' hook."""
 _routes: Counter[str] = Counter()
 """Calls per route since the last `take_route_counts` (this process)."""
 
@@ -172,6 +178,11 @@ def packed_mask(
         starts = starts | (torch.arange(1, kv_length, device=device)[None, :] == n)
     else:
         prefix = torch.ones((), dtype=torch.bool, device=device)
+    positions = _positions.get()
+    if positions is not None and tuple(positions.shape) == (batch_size, q_length):
+        # A family that does not hand position_ids to the mask builder (gpt-oss): the
+        # restarts of the forward's positions start samples too (read in the same sync).
+        starts = starts | ((positions[:, 1:] - positions[:, :-1]) != 1).to(device)
     flags = torch.cat([ahead.any().reshape(1), (~prefix).reshape(1), starts.reshape(-1)]).tolist()
     if flags[0] or flags[1]:  # not causal (bidirectional, an overlay), or left padding
         return sdpa()
@@ -207,7 +218,7 @@ def _cached_capability(index: int) -> tuple[int, int]:
 
 def packed_route(
     query: torch.Tensor, key: torch.Tensor | None = None, *, dropout: float = 0.0,
-    window: int | None = None,
+    window: int | None = None, sinks: bool = False,
 ) -> str:  # fmt: skip
     """The route for ``query`` (and ``key``: grouped-query attention when it has fewer heads),
     by `homelab_dp.planning.attention_rule.packed_kernel` on this card: ``"varlen"``,
@@ -219,7 +230,7 @@ def packed_route(
         _capability(query.device), int(query.shape[-1]),
         key is not None and key.shape[1] != query.shape[1], dropout=dropout > 0,
         window=window is not None, varlen=call is not None,
-        varlen_window=call is not None and "window_size" in call[1],
+        varlen_window=call is not None and "window_size" in call[1], sinks=sinks,
     )  # fmt: skip
 
 
@@ -317,6 +328,41 @@ def _per_sample(
     return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
 
 
+def _with_sinks(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: PackedSegments,
+    sinks: torch.Tensor, *, scale: float | None, dropout: float, window: int | None,
+    training: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Each sample's causal softmax over its own keys and one learned sink logit per head
+    (gpt-oss's ``s_aux``, as its eager attention computes it, sample by sample instead of over
+    the whole block); ``(batch, seq, heads, head_dim)``. The sink takes probability mass but
+    adds no value."""
+    heads, d = query.shape[1], query.shape[-1]
+    rep = heads // key.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    rows = []
+    for r, lengths in enumerate(segments.lengths):
+        pieces, at = [], 0
+        for n in lengths:
+            q, k, v = (t[r, :, at : at + n] for t in (query, key, value))
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+            scores = torch.matmul(q, k.transpose(1, 2)) * scale
+            i = torch.arange(n, device=query.device)
+            gap = i[:, None] - i[None, :]
+            allowed = (gap >= 0) & (gap < window) if window is not None else gap >= 0
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+            sink = sinks.reshape(-1, 1, 1).to(scores.dtype).expand(heads, n, 1)
+            logits = torch.cat([scores, sink], dim=-1)
+            logits = logits - logits.max(dim=-1, keepdim=True).values
+            probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+            probs = F.dropout(probs, p=dropout, training=training).to(v.dtype)
+            pieces.append(torch.matmul(probs, v).transpose(0, 1))
+            at += n
+        rows.append(torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])
+    return torch.stack(rows)
+
+
 def varlen_kwargs(
     names: frozenset[str], scale: float | None, head_dim: int
 ) -> tuple[dict[str, Any], float]:
@@ -372,6 +418,8 @@ def packed_attention_forward(
     """The attention step of ``homelab_packed`` (see the module docstring); transformers'
     attention-function signature: q ``(batch, heads, seq, head_dim)``, k/v with the key/value
     heads; returns ``((batch, seq, heads, head_dim), None)``."""
+    if not isinstance(attention_mask, PackedSegments) and kwargs.get("s_aux") is not None:
+        return _eager_with_sinks(module, query, key, value, attention_mask, dropout, scaling)
     if not isinstance(attention_mask, PackedSegments):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -387,10 +435,14 @@ def packed_attention_forward(
     if torch.is_autocast_enabled(device_type):  # RoPE may have promoted q/k to fp32
         half = torch.get_autocast_dtype(device_type)
         query, key, value = (t if t.dtype == half else t.to(half) for t in (query, key, value))
-    route = packed_route(query, key, dropout=dropout, window=window)
+    sinks = kwargs.get("s_aux")
+    route = packed_route(query, key, dropout=dropout, window=window, sinks=sinks is not None)
     with _lock:
         _routes[route] += 1
-    if route == "varlen":
+    if route == "sinks":
+        out = _with_sinks(query, key, value, attention_mask, sinks, scale=scaling,
+                          dropout=dropout, window=window, training=module.training)  # fmt: skip
+    elif route == "varlen":
         out = _varlen(query, key, value, attention_mask, scale=scaling, window=window)
     else:
         out = _per_sample(
@@ -398,6 +450,55 @@ def packed_attention_forward(
             causal=causal, repeat_kv=route == "sdpa-repeat-kv",
         )  # fmt: skip
     return out, None
+
+
+def _eager_with_sinks(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: torch.Tensor | None, dropout: float, scaling: float | None,
+) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """A model with attention sinks under any other mask (a KV cache, left padding): its own
+    eager attention (which adds the sink), given the additive mask it expects in place of the
+    boolean or absent one SDPA's mask step made (absent: causal, unless one query)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    q_len, k_len = query.shape[2], key.shape[2]
+    if mask is None and q_len > 1:
+        i = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
+        mask = torch.arange(k_len, device=query.device)[None, :] <= i
+    if mask is not None:
+        mask = mask[..., :k_len]
+        if mask.dtype == torch.bool:
+            low = torch.finfo(query.dtype).min
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, low
+            )
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return eager_attention_forward(module, query, key, value, mask, scale, dropout=dropout)
+
+
+def watch_positions(model: torch.nn.Module) -> torch.nn.Module:
+    """Let the mask step see the ``position_ids`` of ``model``'s forward (its first
+    ``…ForCausalLM`` module: under a peft or DDP wrapper too), so that a packed block's samples
+    are found in a family whose forward keeps them from the mask builder (gpt-oss). Returns
+    ``model``."""
+    target = next((m for m in model.modules() if type(m).__name__.endswith("ForCausalLM")), None)
+    if target is None or getattr(target, "_homelab_watches_positions", False):
+        return model
+    tokens: list[contextvars.Token[torch.Tensor | None]] = []
+
+    def before(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        pos = kwargs.get("position_ids")
+        keep = pos if isinstance(pos, torch.Tensor) and pos.dim() == 2 else None
+        tokens.append(_positions.set(keep))
+
+    def after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if tokens:
+            _positions.reset(tokens.pop())
+
+    target.register_forward_pre_hook(before, with_kwargs=True)
+    target.register_forward_hook(after, with_kwargs=True, always_call=True)
+    target._homelab_watches_positions = True
+    return model
 
 
 def register() -> str:

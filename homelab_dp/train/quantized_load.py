@@ -102,7 +102,9 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed
         model = AutoModelForCausalLM.from_config(
             config, dtype=compute, trust_remote_code=remote,
-            attn_implementation=attention_implementation(resolved.device, resolved.dtype),
+            attn_implementation=attention_implementation(
+                resolved.device, resolved.dtype, model_type=config.model_type
+            ),
         )  # fmt: skip
     # init_empty_weights re-creates every parameter it registers, which unties a tied lm_head:
     # tie it again (one parameter, sent once), as from_pretrained does.

@@ -108,9 +108,10 @@ spec that does not say so itself (`ModelSpec.full_logits`)."""
 
 
 EAGER_ATTENTION_TYPES = ("gpt_oss",)
-"""Model types without an SDPA path (attention sinks): the worker loads them with eager
-attention (`train.trainable_model.supports_sdpa`), which builds a (b, 1, s, s) mask and repeats
-the key/value heads whatever kernel the attention rule named."""
+"""Model types with attention sinks (`homelab_dp.planning.attention_rule.SINK_TYPES`): the
+worker attends through ``homelab_packed``'s ``"sinks"`` route, each sample's softmax written out
+with the key/value heads repeated, budgeted as the eager attention it replaces (a mask row and
+repeated key/value heads per token)."""
 
 
 def kv_repeated(spec: ModelSpec, shape: TrainShape) -> bool:

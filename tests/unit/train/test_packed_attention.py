@@ -316,3 +316,72 @@ def test_varlen_takes_the_scale_on_every_allowed_torch(monkeypatch, fn) -> None:
     assert pa.varlen_kwargs(names, 0.05, 64) == (
         ({"scale": 0.05}, 1.0) if "scale" in names else ({}, 0.05 * 8.0)
     )
+
+
+# ------------------------------------------------------------------ attention sinks (gpt-oss)
+
+
+def tiny_gpt_oss(attn: str) -> torch.nn.Module:
+    """A seeded tiny gpt-oss (sinks of size, a sliding layer of window 8 and a full one)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    register()
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    model = GptOssForCausalLM._from_config(
+        config, attn_implementation=attn, experts_implementation="eager"
+    ).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)  # sinks that matter (they start at zero)
+    return model.eval()
+
+
+def test_gpt_oss_packed_keeps_its_sinks_and_equals_each_sample_alone() -> None:
+    """homelab_packed adds gpt-oss's sink logit in each sample's softmax and finds the samples
+    from the forward's position_ids (gpt-oss keeps them from the mask builder): logits and
+    gradients equal its own eager attention on each sample alone."""
+    from homelab_dp.train.packed_attention import take_route_counts, watch_positions
+
+    eager = tiny_gpt_oss("eager")
+    packed = watch_positions(tiny_gpt_oss(PACKED_ATTENTION))
+    packed.load_state_dict(eager.state_dict())
+    ids, pos, samples = packed_batch()
+    weights = torch.randn(2, SEQ, VOCAB, generator=torch.Generator().manual_seed(1)).double()
+    take_route_counts()
+    out = packed(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert take_route_counts() == {"sinks": 2}
+    (out * weights).sum().backward()
+    for r, row in enumerate(samples):
+        at = 0
+        for s in row:
+            ref = eager(input_ids=s[None], use_cache=False).logits[0]
+            (ref * weights[r, at : at + len(s)]).sum().backward()
+            assert torch.allclose(out[r, at : at + len(s)], ref, atol=1e-10)
+            at += len(s)
+    for (name, p), q in zip(packed.named_parameters(), eager.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-9), name
+    sinks = dict(packed.named_parameters())["model.layers.0.self_attn.sinks"]
+    assert sinks.grad.abs().max() > 0  # the sinks are in the softmax: they get a gradient
+    # Generation (a KV cache: no segments) keeps them too, through gpt-oss's own eager.
+    prompt = ids[:1, :10]
+    assert packed.generate(prompt, max_new_tokens=4, do_sample=False).tolist() == (
+        eager.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
+    )
+
+
+def test_one_rule_keeps_sinks_on_every_load() -> None:
+    """FlashAttention-2 (even installed, on Ampere) and SDPA drop sinks: a model with sinks is
+    trained and evaluated through homelab_packed, chatted with and served through its eager."""
+    from homelab_dp.planning.attention_rule import has_sinks, inference_attention
+
+    name, why = choose_attention("cuda", "bf16", [(9, 0)], "2.7.4.post1", sinks=True)
+    assert name == PACKED_ATTENTION and "sinks" in why
+    assert choose_attention("cuda", "bf16", [(9, 0)], "2.7.4.post1")[0] == "flash_attention_2"
+    assert attention_implementation("cpu", "fp32", model_type="gpt_oss") == PACKED_ATTENTION
+    assert has_sinks("gpt_oss") and not has_sinks("llama")
+    assert inference_attention("gpt_oss") == "eager" and inference_attention("llama") is None
