@@ -22,7 +22,7 @@ runs this script as one of its rows; ``--device cpu`` tests the script itself):
   in a child with that environment sees the card NVML calls index 0.
 - **MIG**: the probe's MIG mode per card against ``nvidia-smi``'s.
 - **MoE NF4 experts**: a small random Qwen3-MoE with its fused expert stacks in NF4
-  (`train.quantized_experts`, the `homelab_nf4` experts implementation) against the same model
+  (`nf4_quantization.quantize_experts`, the `homelab_nf4` experts implementation) against the same model
   with the experts bitsandbytes-dequantized: the loss, its backward, and the peak memory.
 
 Prints one JSON object per check with ``--json`` (``{"check", "ok", ...}``), else a line each.
@@ -214,7 +214,7 @@ def check_moe_nf4(device: str) -> dict[str, Any]:
     import torch
     import transformers as tf
 
-    from homelab_dp.train.quantized_experts import (
+    from homelab_dp.nf4_quantization import (
         dequantize_experts,
         is_fused_experts,
         quantize_experts,

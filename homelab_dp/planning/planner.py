@@ -225,7 +225,7 @@ def names_experts(preset: Preset) -> bool:
 
 def check_expert_adapters(spec: ModelSpec, preset: Preset) -> None:
     """QLoRA with adapters on routed experts: the experts are NF4 stacks there
-    (`train.quantized_experts`), which have no 3-D weight for peft to adapt, so the adapters
+    (`nf4_quantization.quantize_experts`), which have no 3-D weight for peft to adapt, so the adapters
     would not exist while the plan counted them: refused before launch (``method = "auto"``
     does not choose QLoRA then, `allowed_options`)."""
     if preset.train.method != "qlora" or spec.experts is None or not names_experts(preset):

@@ -67,7 +67,7 @@ from homelab_dp import json_safe
 from homelab_dp.data.blocks import IGNORE_INDEX, Block, build_blocks
 from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works
+from homelab_dp.nf4_quantization import nf4_config, nf4_works, quantize_experts
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
@@ -195,6 +195,8 @@ def load_model(
         kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+    if base_kind == "nf4":  # bitsandbytes converts nn.Linear only: the fused experts as trained
+        quantize_experts(model, dtype)
     if job["base_path"]:
         from peft import PeftModel
 

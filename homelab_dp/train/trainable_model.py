@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config
+from homelab_dp.nf4_quantization import nf4_config, quantize_experts
 from homelab_dp.planning.attention_rule import has_sinks
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
@@ -49,7 +49,6 @@ from homelab_dp.train.lora import (
     prepare_frozen_base,
     seed_adapters,
 )
-from homelab_dp.train.quantized_experts import quantize_experts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -41,7 +41,7 @@ FAMILIES: dict[str, tuple[str, str, Any]] = {
     "gpt_oss": ("lora", "ddp", ["all-linear", "experts"]),
     "gemma3_text": ("full", "fsdp-grad-op", None),
     "olmo2": ("full", "ddp", None),
-    # QLoRA: every expert stack NF4 (train.quantized_experts), streamed as rank 0 reads it
+    # QLoRA: every expert stack NF4 (nf4_quantization), streamed as rank 0 reads it
     "qwen3_moe/qlora": ("qlora", "ddp", None),
 }
 DTYPE = {"qwen3_moe/qlora": ("fp32", 1e-6)}

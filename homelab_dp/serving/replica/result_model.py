@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works
+from homelab_dp.nf4_quantization import nf4_config, nf4_works, quantize_experts
 from homelab_dp.planning.attention_rule import inference_attention
 from homelab_dp.runs.model_ref import ModelRef, refuse_pickle_only
 
@@ -190,6 +190,8 @@ def load_for_inference(
         model = AutoModelForCausalLM.from_pretrained(
             ref.config_path, use_safetensors=True, **kwargs
         )
+        if base == "nf4":  # bitsandbytes converts nn.Linear only: the fused experts as trained
+            quantize_experts(model, dtype)
         if ref.is_adapter:
             from peft import PeftModel
 
