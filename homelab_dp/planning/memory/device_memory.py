@@ -67,6 +67,7 @@ from homelab_dp.planning.memory.moe_memory import (
     adapted_experts,
     decoder_params,
     expert_width,
+    largest_dequantized,
     largest_layer_params,
     largest_quantized,
     lora_outputs_per_layer,
@@ -550,14 +551,14 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
             layer = (q_layer - router) * NF4_PACKED_BYTES + trainable * 4 / spec.layers
             other = spec.norm_params_per_layer + spec.other_params_per_layer + router
             buffers += root * base_w + 2 * (layer + other * base_w)
-        buffers += 2 * largest_quantized(spec) * base_w  # dequantized for the matmul
+        buffers += 2 * largest_dequantized(spec) * base_w  # dequantized for the matmul
     else:
         if shape.method == "qlora":
             other = spec.params - spec.quantizable_params  # embeddings, lm_head, norms
             base = spec.quantizable_params * NF4_BYTES_PER_PARAM + other * base_w
             buffers += (
-                2 * largest_quantized(spec) * base_w
-            )  # one linear dequantized at a time for the matmul
+                2 * largest_dequantized(spec) * base_w
+            )  # one linear (or one expert) dequantized at a time for the matmul
         else:
             base = spec.params * base_w
             if fsdp:  # gathered as for a full fine-tune: grad-op everything, full the root
