@@ -118,7 +118,9 @@ def packed_kernel(
     return "sdpa-repeat-kv"
 
 
-def packed_route(device: str, dtype: str, capabilities: Sequence[tuple[int, int] | None]) -> str:
+def packed_route(
+    device: str, dtype: str, capabilities: Sequence[tuple[int, int] | None], gqa: bool = True
+) -> str:
     """How ``homelab_packed`` attends on ``device`` in ``dtype``, in words: torch's
     ``varlen_attn`` where every card is 8.0+ in bf16/fp16, else SDPA sample by sample (on CUDA
     with grouped-query key/value heads repeated, `packed_kernel`). A head dimension
@@ -130,7 +132,7 @@ def packed_route(device: str, dtype: str, capabilities: Sequence[tuple[int, int]
         and all(c is not None and c >= FLASH_MIN_CAPABILITY for c in capabilities)
     ):
         return "torch's varlen_attn, each sample alone"
-    if device == "cuda":
+    if device == "cuda" and gqa:
         return "SDPA on each sample alone, grouped-query key/value heads repeated"
     return "SDPA on each sample alone"
 
@@ -162,6 +164,7 @@ def choose_attention(
     *,
     unknown_ok: bool = False,
     sinks: bool = False,
+    gqa: bool = True,
 ) -> tuple[str, str]:
     """``(attn_implementation, why)`` for a run on ``device`` ("cuda", "cpu") in ``dtype``.
 
@@ -177,7 +180,7 @@ def choose_attention(
             f"{PACKED_ATTENTION} (each sample's softmax with its attention sink, no mask): the "
             "model has attention sinks, which FlashAttention-2 and SDPA drop"
         )
-    lean = f"{PACKED_ATTENTION} ({packed_route(device, dtype, capabilities)}, no mask)"
+    lean = f"{PACKED_ATTENTION} ({packed_route(device, dtype, capabilities, gqa)}, no mask)"
     if device != "cuda":
         return (
             PACKED_ATTENTION,
@@ -226,8 +229,9 @@ packed block: the worker checks it before training (`homelab_dp.train.packing_ch
 
 
 def attention_reason(
-    hw: PlanHardware, dtype: str, flash_version: str | None = None, model_type: str | None = None
-) -> str:
+    hw: PlanHardware, dtype: str, flash_version: str | None = None, model_type: str | None = None,
+    gqa: bool = True,
+) -> str:  # fmt: skip
     """The attention kernel the worker will load with on ``hw``, and why
     (`homelab_dp.planning.attention_rule`; ``flash_version``: the installed flash-attn's version,
     read here when not given). A card of unknown capability counts as new enough (the worker
@@ -235,7 +239,7 @@ def attention_reason(
     version = flash_attn_version() if flash_version is None else flash_version
     caps = [d.compute_capability for d in hw.devices]
     _, why = choose_attention(
-        hw.kind, dtype, caps, version, unknown_ok=True, sinks=has_sinks(model_type)
+        hw.kind, dtype, caps, version, unknown_ok=True, sinks=has_sinks(model_type), gqa=gqa
     )
     return f"Attention: {why}."
 

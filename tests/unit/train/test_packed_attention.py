@@ -170,6 +170,8 @@ def test_the_rule_names_the_route() -> None:
         packed_route("cuda", "bf16", [(8, 0), (9, 0)]) == "torch's varlen_attn, each sample alone"
     )
     assert packed_route("cpu", "bf16", []) == "SDPA on each sample alone"
+    # Without grouped-query attention nothing is repeated (the memory-efficient kernel takes it).
+    assert packed_route("cuda", "fp32", [(9, 0)], gqa=False) == "SDPA on each sample alone"
     for device, dtype, caps in (("cuda", "fp32", [(9, 0)]), ("cuda", "fp16", [(7, 5)]),
                                 ("cuda", "bf16", [None])):  # fmt: skip
         assert packed_route(device, dtype, caps) == (
