@@ -1,51 +1,50 @@
-"""Validate homelab-dp on one GPU in under 8 minutes and print the figures as markdown tables.
+"""Validate homelab-dp on one GPU inside ten minutes and print the figures as markdown tables.
 
     python benchmarks/gpu_validate.py [--budget-s 450] [--steps 8] [--json-out FILE] [--keep DIR]
     python benchmarks/gpu_validate.py --cpu      (the same steps on the CPU, small: tests the script)
 
-Rows, each through the command line as a user would run it (``python -c`` into
-`homelab_dp.cli.main`, the repository on ``PYTHONPATH``), each bounded by what is left of the
-time budget:
+Made for a bare card: torch (2.9+) and transformers (4.56+) installed, nothing else but the
+wheels carried beside the checkout (docs/gpus.md gives the command and the wheels). Rows, in
+this order (`row_list`), each through the command line as a user would run it (``python -c``
+into `homelab_dp.cli.main`, the repository on ``PYTHONPATH``), each bounded by what is left of
+the time budget; once it is spent, the rest are rows saying so:
 
-1. ``homelab-dp probe --json``: the cards NVML sees.
-2. ``homelab-dp doctor --json``: the readiness checks, counted by status (a build without the
-   doctor command gets a row saying so).
-3. ``homelab-dp run tiny-demo --set hardware.devices=[0] --set model.dtype=bf16``: the demo on
-   one card in bf16, one process, to its end (status, steps, seconds).
-4. ``homelab-dp eval RUN --data assets/data/tiny-instruct.jsonl --json`` of that demo run:
-   device, dtype, loss, perplexity, tokens/s.
-5. ``homelab-dp serve RUN --replicas 1 --port 0`` of that run, in its own process session:
-   the ready line's URL, ``/health``'s device, 8 concurrent ``/v1/completions`` (requests/s,
-   generated tokens/s from their usage), one streamed chat completion (``data: [DONE]``), then
-   SIGTERM: a clean exit and no replica pid left (`gpu_validate_steps`).
-6. ``homelab-dp measure`` of a full fine-tune, LoRA and QLoRA of Qwen2-0.5B's layers with random
+1. ``homelab-dp probe --json``: the cards NVML sees. The first card it lists is the card every
+   row names (``hardware.devices=[N]``): the probe reads an existing ``CUDA_VISIBLE_DEVICES``
+   as CUDA does, so ``CUDA_VISIBLE_DEVICES=3`` runs every row on card 3.
+2. The plan against the measured, first, so that the budget always reaches them:
+   ``homelab-dp measure`` of a full fine-tune, LoRA and QLoRA of Qwen2-0.5B's layers with random
    weights (assets/configs/qwen2-0.5b, saved as safetensors into a temporary folder) and the
    tiny tokenizer (assets/models/tiny-llama): the config takes the tokenizer's vocabulary size
    (2048) and token ids, so the model has 24 Qwen2-0.5B layers and a small embedding. For each:
    the plan's estimate beside ``torch.cuda.max_memory_allocated`` per phase (load, forward,
    backward, optimizer; the largest rank), tokens/s (median of the step events after the first)
-   and MFU = 6 · N · tokens/s / the card's peak dense bf16 FLOPS (`homelab_dp.planning.flops`, by name).
-   6 · N counts the weight-gradient matmuls that LoRA and QLoRA skip (their work is nearer
+   and MFU = 6 · N · tokens/s / the card's peak dense bf16 FLOPS (`homelab_dp.planning.flops`, by
+   name). 6 · N counts the weight-gradient matmuls that LoRA and QLoRA skip (their work is nearer
    4 · N), so their MFU overstates the card's use by about half; memory probes are on during a
-   measure, so tokens/s is a little below a plain run's.
-6a. The CUDA day-one checks (`benchmarks/cuda_day_one.py`, one row each): the attention the
-   worker picks on this card and why, the packed-vs-unpacked logits check in the card's 16-bit
-   dtype, the rotary ``inv_freq`` dtype after a 16-bit inference load, one hostile row in a
-   serving batch failing alone, HostAdamW's pinned bytes against the plan's host line and
-   activation offload keeping the weights, device order by PCI bus, MIG mode against nvidia-smi.
-7. QLoRA under FSDP2 on the same model (`benchmarks/qlora_fsdp_one_card.py`, in a process
-   group of one: FSDP2 across cards needs two): full sharding with nothing, the params, the
-   optimizer or the activations offloaded, beside QLoRA loaded whole; per configuration the
-   largest loss difference from the whole-model run, the measured ``max_memory_allocated``
-   beside the memory model's estimate, and tokens/s.
+   measure, so tokens/s is a little below a plain run's. Then the time model (the demo's
+   predicted tokens/s before and after one ``measure``) and QLoRA under FSDP2 on the same model
+   (`benchmarks/qlora_fsdp_one_card.py`, in a process group of one): full sharding with nothing,
+   the params, the optimizer or the activations offloaded, beside QLoRA loaded whole.
+3. The CUDA day-one checks (`benchmarks/cuda_day_one.py`, one row each): the attention the
+   worker picks and the route ``homelab_packed`` took (counted), the packing check in the
+   card's 16-bit dtype, the rotary ``inv_freq`` dtype after a 16-bit inference load, one hostile
+   row in a serving batch failing alone, HostAdamW's pinned bytes against the plan's host line
+   (read while the optimizer is alive) and activation offload keeping the weights, device
+   order by PCI bus (of the first visible card), MIG mode against nvidia-smi, NF4 experts.
+4. ``homelab-dp run tiny-demo`` on the card in bf16 to its end; ``homelab-dp eval`` of it;
+   ``homelab-dp serve`` of it in its own process session (the ready line's URL, ``/health``,
+   8 concurrent ``/v1/completions``, one streamed chat completion, then SIGTERM: a clean exit
+   and no replica pid left, `gpu_validate_steps`); LoRA DPO of the demo (the first loss is ln 2);
+   ``homelab-dp doctor --json`` last.
 
 Nothing is imported at module level beyond the standard library: torch and transformers are
-imported inside functions, and textual, bitsandbytes and datasets never by this script (the
-QLoRA row says "bitsandbytes not installed" when it is missing; the serve row says "aiohttp
-missing: carry its wheel" when aiohttp is). Without a GPU it prints that none was found and
-exits 0. Wheels to carry to a bare GPU image beside torch/transformers/peft/accelerate:
-textual, bitsandbytes, and aiohttp with its dependencies (multidict, yarl, propcache,
-frozenlist, aiosignal, aiohappyeyeballs, attrs).
+imported inside functions, and textual, bitsandbytes, datasets and tomli-w never by this script
+nor by the paths its rows run. A row that needs what is absent says so and skips: the QLoRA
+rows and the NF4 experts check "bitsandbytes not installed", the serve row "aiohttp missing:
+carry its wheel". Without a GPU it prints that none was found and exits 0.
+tests/unit/test_gpu_validate.py runs the whole row list on the CPU against stand-in answers
+of a bare H200 (``CUDA_VISIBLE_DEVICES=3``, no bitsandbytes), so it works the first time.
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +171,9 @@ class Runner:
 
     def __init__(self, work: Path, budget_s: float) -> None:
         self.work = work
+        self.card = 0
+        """The NVML index of the card the CLI rows name (``hardware.devices``): the first card
+        the probe lists, which honours an existing ``CUDA_VISIBLE_DEVICES`` (`step_probe`)."""
         self.deadline = time.monotonic() + budget_s
         self.env = {**os.environ, "HOMELAB_DP_RUNS": str(work / "runs"),
                     "XDG_DATA_HOME": str(work / "xdg-data"),
@@ -180,6 +183,24 @@ class Runner:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def devices(self, cpu: bool) -> list[str]:
+        """The arguments that put a CLI row on one CPU process or on this run's card, and keep
+        TensorBoard out of it where tensorboard is not installed (a bare card's image)."""
+        where = ["--gpus", "cpu:1"] if cpu else ["--set", f"hardware.devices=[{self.card}]"]
+        return where + ([] if has_module("tensorboard") else ["--set", "log.report_to=[]"])
+
+    def script(self, name: str, *args: str, cap_s: float) -> subprocess.CompletedProcess[str]:
+        """``python benchmarks/NAME ARGS`` (a helper script beside this one), bounded by the
+        budget; a timeout is exit 124 with what it printed."""
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / name), *args]
+        timeout = max(30.0, min(cap_s, self.left()))
+        try:
+            return subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            return subprocess.CompletedProcess(cmd, 124, out, f"timed out after {timeout:.0f} s")
 
     def cli(self, *args: str, cap_s: float = 180) -> subprocess.CompletedProcess[str]:
         """``homelab-dp ARGS`` (via python -c, so the repository needs no install)."""
@@ -193,6 +214,11 @@ class Runner:
             return subprocess.CompletedProcess(
                 exc.cmd, 124, out, f"timed out after {timeout:.0f} s"
             )
+
+
+def has_module(name: str) -> bool:
+    """Whether ``name`` can be imported here (found, not imported)."""
+    return importlib.util.find_spec(name) is not None
 
 
 def last_line(text: str) -> str:
@@ -212,7 +238,17 @@ def step_probe(r: Runner, report: Report) -> None:
              f"{doc.get('cuda_driver_version')}"  # fmt: skip
     if not gpus:
         detail = doc.get("notice") or "NVML lists no card"
+    else:
+        r.card = first_card(doc)
+        detail += f"; the rows use NVML card {r.card}"
     report.add("probe", "ok" if gpus else "no GPU seen by NVML", detail)
+
+
+def first_card(probe_doc: dict[str, Any]) -> int:
+    """The NVML index of the first card ``probe --json`` lists: the probe reads
+    ``CUDA_VISIBLE_DEVICES`` as CUDA does, so under ``CUDA_VISIBLE_DEVICES=3`` it is card 3."""
+    gpus = probe_doc.get("gpus") or []
+    return int(gpus[0].get("index", 0)) if gpus else 0
 
 
 def step_doctor(r: Runner, report: Report) -> None:
@@ -239,8 +275,7 @@ def step_tiny_demo(r: Runner, report: Report, cpu: bool) -> str | None:
     """The demo to its end; its run id when it left a result (the eval and serve rows use it)."""
     args = ["run", "tiny-demo", "--json", "--set", "train.max_steps=30",
             "--set", "train.checkpoint_every=15"]  # fmt: skip
-    args += ["--gpus", "cpu:1"] if cpu else ["--set", "hardware.devices=[0]", "--set",
-                                              "model.dtype=bf16"]  # fmt: skip
+    args += r.devices(cpu) + ([] if cpu else ["--set", "model.dtype=bf16"])
     t = time.monotonic()
     out = r.cli(*args, cap_s=240)
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -281,9 +316,11 @@ def build_model(folder: Path, device: str, layers: int | None) -> int:
     return params
 
 
-def write_preset(folder: Path, model: Path, method: str, cpu: bool, steps: int) -> Path:
+def write_preset(
+    folder: Path, model: Path, method: str, cpu: bool, steps: int, card: int = 0
+) -> Path:
     seq_len, micro = (256, 2) if cpu else (1024, 8)
-    devices = '"cpu"\nnproc = 1' if cpu else "[0]"
+    devices = '"cpu"\nnproc = 1' if cpu else f"[{card}]"
     dtype = "auto" if cpu else "bf16"
     text = f"""# homelab-dp measure {folder / method}.toml --json
 [model]
@@ -308,6 +345,9 @@ activation_checkpointing = false
 r = 16
 alpha = 32
 
+[log]
+report_to = []
+
 [hardware]
 devices = {devices}
 """
@@ -319,13 +359,13 @@ devices = {devices}
 def step_measure(r: Runner, report: Report, method: str, model: Path, params: int,
                  cpu: bool, steps: int, peak: float | None) -> None:  # fmt: skip
     name = f"measure {method}"
-    if method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+    if method == "qlora" and not has_module("bitsandbytes"):
         report.add(name, "skipped", "bitsandbytes not installed")
         return
     if r.left() < 45:
         report.add(name, "skipped", "out of the time budget")
         return
-    preset = write_preset(r.work, model, method, cpu, steps)
+    preset = write_preset(r.work, model, method, cpu, steps, r.card)
     args = ["measure", str(preset), "--json", "--no-store", "--steps", str(steps), "--force"]
     out = r.cli(*(args + (["--gpus", "cpu:1"] if cpu else [])), cap_s=200)
     try:
@@ -351,21 +391,18 @@ def step_measure(r: Runner, report: Report, method: str, model: Path, params: in
 def step_qlora_fsdp(r: Runner, report: Report, model: Path, cpu: bool) -> None:
     """QLoRA under FSDP2 and each offload mode on one card (`qlora_fsdp_one_card`)."""
     name = "QLoRA-FSDP (one card)"
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if not has_module("bitsandbytes"):
         report.add(name, "skipped", "bitsandbytes not installed")
         return
     if r.left() < 60:
         report.add(name, "skipped", "out of the time budget")
         return
-    script = Path(__file__).resolve().parent / "qlora_fsdp_one_card.py"
     size = ["--seq-len", "64", "--micro", "2", "--steps", "3"] if cpu else ["--steps", "6"]
-    cmd = [sys.executable, str(script), str(model), "--device", "cpu" if cpu else "cuda",
-           "--json", *size]  # fmt: skip
+    out = r.script("qlora_fsdp_one_card.py", str(model), "--device", "cpu" if cpu else "cuda",
+                   "--json", *size, cap_s=300)  # fmt: skip
     try:
-        out = subprocess.run(cmd, env=r.env, cwd=ROOT, capture_output=True, text=True,
-                             timeout=max(30.0, min(300.0, r.left())), check=False)  # fmt: skip
         doc = json.loads(out.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
+    except (json.JSONDecodeError, IndexError) as exc:
         report.add(name, "failed", f"{type(exc).__name__}: {exc}"[:300])
         return
     worst, failed = 0.0, []
@@ -390,22 +427,17 @@ def step_day_one(r: Runner, report: Report, cpu: bool) -> None:
     if r.left() < 30:
         report.add("CUDA day-one checks", "skipped", "out of the time budget")
         return
-    script = Path(__file__).resolve().parent / "cuda_day_one.py"
-    cmd = [sys.executable, str(script), "--json", "--device", "cpu" if cpu else "cuda"]
-    try:
-        out = subprocess.run(cmd, env=r.env, cwd=ROOT, capture_output=True, text=True,
-                             timeout=max(30.0, min(240.0, r.left())), check=False)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        report.add("CUDA day-one checks", "failed", "timed out")
-        return
+    out = r.script("cuda_day_one.py", "--json", "--device", "cpu" if cpu else "cuda", cap_s=240)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if not rows:
         report.add("CUDA day-one checks", "failed", last_line(out.stderr))
     for row in rows:
         name = row.pop("check")
         ok = row.pop("ok")
-        report.add(f"day one: {name}", "ok" if ok else "failed",
-                   ", ".join(f"{k} {v}" for k, v in row.items()))  # fmt: skip
+        skipped = row.pop("skipped", None)
+        result = "skipped" if skipped else "ok" if ok else "failed"
+        detail = skipped or ", ".join(f"{k} {v}" for k, v in row.items())
+        report.add(f"day one: {name}", result, detail)
 
 
 def step_tiny_dpo(r: Runner, report: Report, cpu: bool) -> None:
@@ -413,8 +445,7 @@ def step_tiny_dpo(r: Runner, report: Report, cpu: bool) -> None:
     reference, the adapters disabled) and reward accuracy passes 0.8."""
     args = ["run", "tiny-dpo", "--json", "--set", "train.max_steps=10",
             "--set", "train.checkpoint_every=0"]  # fmt: skip
-    args += ["--gpus", "cpu:1"] if cpu else ["--set", "hardware.devices=[0]", "--set",
-                                              "model.dtype=bf16"]  # fmt: skip
+    args += r.devices(cpu) + ([] if cpu else ["--set", "model.dtype=bf16"])
     out = r.cli(*args, cap_s=240)
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     steps = [e for e in events if e.get("type") == "step"]
@@ -432,7 +463,7 @@ def step_tiny_dpo(r: Runner, report: Report, cpu: bool) -> None:
 def step_time_model(r: Runner, report: Report, cpu: bool) -> None:
     """The time model on this device: the demo's predicted tokens/s before and after one
     `measure` (which calibrates the compute rate), against the tokens/s the measure saw."""
-    gpus = ["--gpus", "cpu:1"] if cpu else ["--set", "hardware.devices=[0]"]
+    gpus = r.devices(cpu)
 
     def predicted() -> dict[str, Any]:
         out = r.cli("plan", "tiny-demo", "--json", *gpus, cap_s=60)
@@ -465,10 +496,88 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
+@dataclass
+class Found:
+    """What one row leaves for the later ones."""
+
+    run_id: str | None = None
+    """The tiny-demo run with a result (the eval and serve rows use it)."""
+    model: Path | None = None
+    """The random Qwen2-0.5B layers (the measure and QLoRA-FSDP rows)."""
+    params: int = 0
+
+
+def step_build(r: Runner, report: Report, found: Found, cpu: bool) -> None:
+    """The random Qwen2-0.5B layers the measure rows train (`build_model`)."""
+    t = time.monotonic()
+    model = r.work / "qwen2-0.5b-random"
+    found.params = build_model(model, "cpu" if cpu else "cuda", 2 if cpu else None)
+    found.model = model
+    report.add("random Qwen2-0.5B layers", "ok", f"{found.params / 1e6:.0f} M parameters "
+               f"(vocabulary 2048: the tiny tokenizer's), {time.monotonic() - t:.0f} s")  # fmt: skip
+
+
+def needs_model(name: str, found: Found, report: Report) -> bool:
+    if found.model is None:
+        report.add(name, "skipped", "no model: the random Qwen2-0.5B row failed")
+        return False
+    return True
+
+
+def row_list(
+    r: Runner, report: Report, found: Found, *, cpu: bool, steps: int, peak: float | None
+) -> list[tuple[str, Callable[[], Any]]]:
+    """Every row in the order it runs: the probe (which card), then the plan against the
+    measured (memory per phase, tokens/s, the time model), which the budget must reach, then
+    the day-one checks and the user's paths (run, eval, serve, DPO), the doctor last."""
+
+    def measure(method: str) -> Callable[[], Any]:
+        def row() -> None:
+            if needs_model(f"measure {method}", found, report):
+                assert found.model is not None
+                step_measure(r, report, method, found.model, found.params, cpu, steps, peak)
+
+        return row
+
+    def qlora_fsdp() -> None:
+        if needs_model("QLoRA-FSDP (one card)", found, report):
+            assert found.model is not None
+            step_qlora_fsdp(r, report, found.model, cpu)
+
+    def demo() -> None:
+        found.run_id = step_tiny_demo(r, report, cpu)
+
+    return [
+        ("probe", lambda: step_probe(r, report)),
+        ("random Qwen2-0.5B layers", lambda: step_build(r, report, found, cpu)),
+        ("measure full", measure("full")),
+        ("measure lora", measure("lora")),
+        ("measure qlora", measure("qlora")),
+        ("time model", lambda: step_time_model(r, report, cpu)),
+        ("QLoRA-FSDP (one card)", qlora_fsdp),
+        ("CUDA day-one checks", lambda: step_day_one(r, report, cpu)),
+        ("tiny-demo (1 process)", demo),
+        ("eval (tiny-demo run)", lambda: step_eval(r, report, found.run_id, cpu)),
+        ("serve (tiny-demo run)", lambda: step_serve(r, report, found.run_id, cpu)),
+        ("tiny-dpo (1 process)", lambda: step_tiny_dpo(r, report, cpu)),
+        ("doctor", lambda: step_doctor(r, report)),
+    ]
+
+
+def run_rows(rows: list[tuple[str, Callable[[], Any]]], report: Report, r: Runner) -> None:
+    """Each row in turn; one that raises is a failed row, and the next runs; once the budget is
+    spent, the rest are skipped rows saying so."""
+    for name, row in rows:
+        if r.left() <= 0:
+            report.add(name, "skipped", "out of the time budget")
+            continue
+        guarded(report, name, row)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=450.0,
-                        help="stop starting new steps after this many seconds (default 450)")  # fmt: skip
+                        help="stop starting new rows after this many seconds (default 450)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=8, help="measured steps per method")
     parser.add_argument("--json-out", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
@@ -485,27 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         r = Runner(work, args.budget_s)
-        guarded(report, "probe", step_probe, r, report)
-        guarded(report, "doctor", step_doctor, r, report)
-        run_id = guarded(report, "tiny-demo (1 process)", step_tiny_demo, r, report, args.cpu)
-        guarded(report, "eval (tiny-demo run)", step_eval, r, report, run_id, args.cpu)
-        guarded(report, "serve (tiny-demo run)", step_serve, r, report, run_id, args.cpu)
-        guarded(report, "CUDA day-one checks", step_day_one, r, report, args.cpu)
-        guarded(report, "tiny-dpo (1 process)", step_tiny_dpo, r, report, args.cpu)
-        guarded(report, "time model", step_time_model, r, report, args.cpu)
-        model = work / "qwen2-0.5b-random"
-        try:
-            t = time.monotonic()
-            params = build_model(model, "cpu" if args.cpu else "cuda", 2 if args.cpu else None)
-            report.add("random Qwen2-0.5B layers", "ok", f"{params / 1e6:.0f} M parameters "
-                       f"(vocabulary 2048: the tiny tokenizer's), {time.monotonic() - t:.0f} s")  # fmt: skip
-        except Exception as exc:  # the measure rows need it; say why and stop there
-            report.add("random Qwen2-0.5B layers", "failed", f"{type(exc).__name__}: {exc}")
-        else:
-            peak = None if args.cpu else peak_bf16_flops(name or "")
-            for method in ("full", "lora", "qlora"):
-                step_measure(r, report, method, model, params, args.cpu, args.steps, peak)
-            guarded(report, "QLoRA-FSDP (one card)", step_qlora_fsdp, r, report, model, args.cpu)
+        peak = None if args.cpu else peak_bf16_flops(name or "")
+        rows = row_list(r, report, Found(), cpu=args.cpu, steps=args.steps, peak=peak)
+        run_rows(rows, report, r)
     text = report.markdown()
     print(text)
     if args.json_out:

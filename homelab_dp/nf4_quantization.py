@@ -3,6 +3,33 @@
 One definition for the worker (`train/`) and the replicas (`serving/replica/`), which may not
 import each other: the same quantization on both sides is what makes `eval` of a QLoRA result
 give the run's own eval loss (the adapter was trained against exactly this base).
+
+**Fused experts** (`quantize_experts`: the worker's QLoRA load, and eval, chat and serving of a
+QLoRA MoE result alike, so that the base a result is evaluated and served on is the base it
+trained on):
+
+bitsandbytes' ``Linear4bit`` replaces ``nn.Linear`` only, but transformers 5 stores a MoE
+layer's routed experts as 3-D parameters of one module (``experts.gate_up_proj [E, 2I, H]``,
+``experts.down_proj [E, H, I]``; gpt-oss transposed, with biases) — nearly all of a MoE model's
+weights. `quantize_experts` quantizes them with bitsandbytes' own ``quantize_4bit`` (NF4, double
+quantization, the blocksize ``Linear4bit`` uses: `nf4_quantization.nf4_settings`), one expert at
+a time, so that one expert can be dequantized alone. Each 3-D weight becomes:
+
+- ``<name>_nf4``: a frozen parameter ``[E, packed]`` (two 4-bit values a byte, viewed as the
+  storage dtype: uint8, or the compute dtype under FSDP2 so that it shards like the rest);
+- buffers ``<name>_absmax [E, blocks]`` (uint8, the double-quantized block scales),
+  ``<name>_absmax2 [E, blocks/256]`` and ``<name>_offset [E]`` (float32, their statistics),
+  and the two code books ``<name>_code`` (NF4, 16) and ``<name>_code2`` (256), shared by all
+  experts (bitsandbytes' tables: the same for every tensor).
+
+Biases stay 16-bit parameters. The experts' forward is transformers' own dispatch
+(``config._experts_implementation``): `quantize_experts` registers ``homelab_nf4`` in
+``ALL_EXPERTS_FUNCTIONS``, which runs the same math as transformers' grouped implementation
+(gate, activation, routing weights, the deterministic per-token sum) but dequantizes only the
+experts the micro-batch routes to, in the compute dtype. The matmul is a custom autograd
+function that saves nothing: like bitsandbytes' ``MatMul4Bit`` it dequantizes the expert again
+in backward, so no dequantized weight outlives its matmul, and the frozen weights get no
+gradient while the input does (LoRA upstream needs it).
 """
 
 from __future__ import annotations
@@ -11,6 +38,7 @@ import functools
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import BitsAndBytesConfig
 
 
@@ -63,3 +91,280 @@ def nf4_works(device_type: str) -> bool:
     except (ImportError, RuntimeError, NotImplementedError, AttributeError, ValueError):
         return False
     return bool(torch.allclose(back.float(), x.float()))
+
+
+EXPERTS_IMPLEMENTATION = "homelab_nf4"
+"""The name `quantize_experts` registers in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
+
+FUSED_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+"""The 3-D weights of transformers' experts modules (``up_proj`` where there is no gate)."""
+
+_STATE_SUFFIXES = ("absmax", "absmax2", "offset", "code", "code2")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module (``use_experts_implementation``)
+    holding its experts as 3-D weights, or one `quantize_experts` already quantized."""
+    if not hasattr(module, "is_transposed") or not hasattr(module, "_is_expert_parallel"):
+        return False
+    return any(
+        (name in module._parameters and module._parameters[name].ndim == 3)
+        or f"{name}_nf4" in module._parameters
+        for name in FUSED_WEIGHTS
+    )
+
+
+def quantized_bytes_per_expert(rows: int, cols: int, storage: torch.dtype = torch.uint8) -> int:
+    """Bytes one quantized ``rows x cols`` expert weight holds: packed values (padded to the
+    storage dtype), uint8 absmax a 64-block, float32 absmax statistics a 256-absmax block and
+    its float32 offset (the code books, shared, not counted)."""
+    s = nf4_settings()
+    n = rows * cols
+    packed = -(-n // 2)
+    packed = -(-packed // storage.itemsize) * storage.itemsize
+    blocks = -(-n // s["blocksize"])
+    blocks2 = -(-blocks // s["nested_blocksize"])
+    return packed + blocks + 4 * blocks2 + 4
+
+
+def quantize_experts(
+    model: nn.Module, compute_dtype: torch.dtype, storage: torch.dtype | None = None
+) -> int:
+    """Replace every fused experts module's 3-D weights by frozen NF4 storage (see the module
+    docstring) and route the experts' forward to ``homelab_nf4``. The weights are quantized on
+    the device they are on, from their values cast to ``compute_dtype``, the dtype they are
+    dequantized to. ``storage``: the packed values' dtype (uint8 by default).
+
+    Returns the number of weight values quantized (the logical parameters: the packed
+    parameters hold two a byte), 0 for a model without fused experts.
+    Raises ValueError for an expert-parallel module (not supported).
+    """
+    register_experts_implementation()
+    total = 0
+    for module in model.modules():
+        if not is_fused_experts(module):
+            continue
+        if module._is_expert_parallel:
+            raise ValueError(
+                f"{type(module).__name__}: 4-bit experts under expert parallelism (not "
+                "supported: use train.method = 'lora' for an expert-parallel model)"
+            )
+        for name in FUSED_WEIGHTS:
+            weight = module._parameters.get(name)
+            if weight is None or weight.ndim != 3:
+                continue
+            total += weight.numel()
+            _quantize_weight(module, name, weight.detach(), compute_dtype, storage or torch.uint8)
+    return total
+
+
+def quantize_expert_tensor(
+    weight: torch.Tensor, compute: torch.dtype, storage: torch.dtype = torch.uint8
+) -> dict[str, torch.Tensor]:
+    """NF4 storage of a 3-D weight ``[E, A, B]``, expert by expert, on its device: ``nf4``
+    (``[E, packed]`` of ``storage``) and the quantization state (``absmax``, ``absmax2``,
+    ``offset``, ``code``, ``code2``: the module docstring), from its values cast to ``compute``."""
+    import bitsandbytes.functional as bnbf
+
+    s = nf4_settings()
+    packed, absmax, absmax2, offset = [], [], [], []
+    state = None
+    for e in range(weight.shape[0]):
+        q, state = bnbf.quantize_4bit(
+            weight[e].to(compute).contiguous(),
+            blocksize=s["blocksize"],
+            compress_statistics=s["compress_statistics"],
+            quant_type=s["quant_type"],
+            quant_storage=storage,
+        )
+        packed.append(q.reshape(-1))
+        absmax.append(state.absmax)
+        absmax2.append(state.state2.absmax)
+        offset.append(state.offset.reshape(()).float())
+    if state is None:
+        raise ValueError("a fused expert weight with no experts")
+    return {"nf4": torch.stack(packed), "absmax": torch.stack(absmax),
+            "absmax2": torch.stack(absmax2), "offset": torch.stack(offset),
+            "code": state.code, "code2": state.state2.code}  # fmt: skip
+
+
+def expert_state_shapes(
+    logical: tuple[int, ...], storage: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each tensor `quantize_expert_tensor` makes of a ``logical`` weight
+    ``(E, A, B)`` (what a model built on the meta device registers before the weights come)."""
+    s = nf4_settings()
+    experts, n = logical[0], logical[1] * logical[2]
+    blocks = -(-n // s["blocksize"])
+    return {
+        "nf4": ((experts, (n + 1) // (2 * storage.itemsize)), storage),
+        "absmax": ((experts, blocks), torch.uint8),
+        "absmax2": ((experts, -(-blocks // s["nested_blocksize"])), torch.float32),
+        "offset": ((experts,), torch.float32),
+        "code": ((16,), torch.float32),
+        "code2": ((256,), torch.float32),
+    }
+
+
+def install_expert_tensors(
+    module: nn.Module,
+    name: str,
+    tensors: dict[str, torch.Tensor],
+    logical: tuple[int, ...],
+    compute: torch.dtype,
+) -> None:
+    """Put `quantize_expert_tensor`'s ``tensors`` on ``module`` in place of its 3-D ``name``:
+    a frozen parameter ``<name>_nf4`` and non-persistent buffers for the state."""
+    module._parameters.pop(name, None)
+    module.register_parameter(f"{name}_nf4", nn.Parameter(tensors["nf4"], requires_grad=False))
+    module.get_parameter(f"{name}_nf4").nf4_logical_shape = tuple(logical)
+    for key in _STATE_SUFFIXES:
+        module.register_buffer(f"{name}_{key}", tensors[key], persistent=False)
+    shapes = getattr(module, "nf4_shapes", {})
+    shapes[name] = (tuple(logical[1:]), compute)
+    module.nf4_shapes = shapes
+    # Kept on the module too: FSDP2 replaces the parameter (and its attributes) by a DTensor.
+    module.nf4_logical = {**getattr(module, "nf4_logical", {}), name: tuple(logical)}
+    module.nf4_compute_dtype = compute
+    module.config._experts_implementation = EXPERTS_IMPLEMENTATION
+
+
+def _quantize_weight(
+    module: nn.Module, name: str, weight: torch.Tensor, compute: torch.dtype, storage: torch.dtype
+) -> None:
+    """Quantize ``weight [E, A, B]`` expert by expert onto ``module`` (and drop it)."""
+    tensors = quantize_expert_tensor(weight, compute, storage)
+    install_expert_tensors(module, name, tensors, tuple(weight.shape), compute)
+
+
+def pack_experts_on_meta(model: nn.Module, compute: torch.dtype, storage: torch.dtype) -> int:
+    """`quantize_experts` for a model on the meta device: every fused 3-D weight replaced by
+    empty (meta) NF4 storage of the shapes quantization will give, for FSDP2 to shard before
+    the values come (`train.quantized_load.stream_weights`). Returns the values to come."""
+    register_experts_implementation()
+    total = 0
+    for module in model.modules():
+        if not is_fused_experts(module):
+            continue
+        for name in FUSED_WEIGHTS:
+            weight = module._parameters.get(name)
+            if weight is None or weight.ndim != 3:
+                continue
+            total += weight.numel()
+            meta = {key: torch.empty(shape, dtype=dtype, device="meta")
+                    for key, (shape, dtype) in expert_state_shapes(weight.shape, storage).items()}  # fmt: skip
+            install_expert_tensors(module, name, meta, tuple(weight.shape), compute)
+    return total
+
+
+def dequantize_expert(module: nn.Module, name: str, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s weight ``name`` as bitsandbytes dequantizes it, in the compute dtype."""
+    import bitsandbytes.functional as bnbf
+    from bitsandbytes.functional import QuantState
+
+    s = nf4_settings()
+    shape, dtype = module.nf4_shapes[name]
+    packed = module.get_parameter(f"{name}_nf4")[expert]
+    nested = QuantState(
+        absmax=getattr(module, f"{name}_absmax2")[expert],
+        code=getattr(module, f"{name}_code2"),
+        blocksize=s["nested_blocksize"],
+        dtype=torch.float32,
+    )
+    state = QuantState(
+        absmax=getattr(module, f"{name}_absmax")[expert],
+        shape=torch.Size(shape),
+        code=getattr(module, f"{name}_code"),
+        blocksize=s["blocksize"],
+        quant_type=s["quant_type"],
+        dtype=dtype,
+        offset=getattr(module, f"{name}_offset")[expert],
+        state2=nested,
+    )
+    return bnbf.dequantize_4bit(packed.view(torch.uint8).reshape(-1, 1), state)
+
+
+def dequantize_experts(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every quantized 3-D weight of ``module``, whole, dequantized (tests and export)."""
+    return {
+        name: torch.stack([dequantize_expert(module, name, e) for e in range(shape_e)])
+        for name in module.nf4_shapes
+        for shape_e in [module.get_parameter(f"{name}_nf4").shape[0]]
+    }
+
+
+class _Nf4ExpertLinear(torch.autograd.Function):
+    """``x @ W_e^T`` (``x @ W_e`` when transposed) for one NF4 expert; saves no weight: the
+    expert is dequantized again in backward, as bitsandbytes' ``MatMul4Bit`` does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, module: nn.Module, name: str, expert: int, transposed: bool
+    ) -> torch.Tensor:
+        ctx.module, ctx.name, ctx.expert, ctx.transposed = module, name, expert, transposed
+        w = dequantize_expert(module, name, expert)
+        return x @ w if transposed else x @ w.t()
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        w = dequantize_expert(ctx.module, ctx.name, ctx.expert)
+        return (grad @ w.t() if ctx.transposed else grad @ w), None, None, None, None
+
+
+def _linear(module: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert's projection ``name`` (and its bias, kept 16-bit) of the rows ``x``."""
+    out = _Nf4ExpertLinear.apply(x, module, name, expert, module.is_transposed)
+    if module.has_bias:
+        out = out + module.get_parameter(f"{name}_bias")[expert]
+    return out
+
+
+def nf4_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' experts forward (the grouped implementation's math) on NF4 experts:
+    only the experts some token is routed to are dequantized, one at a time."""
+    num_tokens, hidden_dim = hidden_states.shape
+    num_top_k = top_k_index.size(-1)
+    compute = self.nf4_compute_dtype
+    x = hidden_states.to(compute)
+    expert_ids = top_k_index.reshape(-1)  # (S,), S = tokens x top-k
+    sorted_ids, perm = torch.sort(expert_ids, stable=True)
+    counts = torch.bincount(sorted_ids, minlength=self.num_experts).tolist()  # one host sync
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = perm[start : start + n]
+        start += n
+        if e >= self.num_experts:  # a sentinel (no expert): contributes nothing
+            outs.append(x.new_zeros(n, hidden_dim))
+            continue
+        h = _linear(self, first, e, x[rows // num_top_k])
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        h = _linear(self, "down_proj", e, h)
+        if self.has_post_expert_norm:
+            h = self.post_expert_norm(h)
+        outs.append(h)
+    if not outs:
+        return torch.zeros_like(hidden_states)
+    grouped = torch.cat(outs) * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(compute)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+    out = grouped[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return out.to(hidden_states.dtype)
+
+
+def register_experts_implementation() -> None:
+    """Make ``homelab_nf4`` a valid ``config._experts_implementation`` (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, nf4_experts_forward)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.probe.visible_gpus import cuda_device_env
+from homelab_dp.probe.visible_gpus import ORDER_ENV, cuda_device_env
 
 HELP = """commands:
   /reset           forget the conversation (the system message stays)
@@ -55,17 +55,24 @@ def _device(args: argparse.Namespace) -> str | None:
     return args.device
 
 
-def device_env(env: Mapping[str, str], gpus: str | None) -> tuple[dict[str, str], str | None]:
+def device_env(
+    env: Mapping[str, str], gpus: str | None, device: str | None = None
+) -> tuple[dict[str, str], str | None]:
     """The environment this process loads the model in, and the device to load it on.
 
     ``gpus`` is what ``--gpus`` asked for: ``cpu`` hides every card (no CUDA context at all), a
     GPU's NVML index leaves that card alone as ``cuda:0``, counted in PCI bus order as NVML
     and `homelab-dp probe` count (the launcher's one rule, `probe.visible_gpus.cuda_device_env`);
     None (``--device`` or nothing) keeps ``env``'s own cards, in PCI bus order where
-    ``CUDA_VISIBLE_DEVICES`` names some.
+    ``CUDA_VISIBLE_DEVICES`` names some. ``device`` (``--device cuda:N``) without
+    ``CUDA_VISIBLE_DEVICES``: every card stays visible, in PCI bus order too, so that ``cuda:N``
+    is card N of ``homelab-dp probe`` (CUDA's own default counts the fastest card first).
     """
     if gpus is None:
-        return cuda_device_env(env, None), None
+        out = cuda_device_env(env, None)
+        if device is not None and device.strip().lower().startswith("cuda"):
+            out[ORDER_ENV] = "PCI_BUS_ID"
+        return out, None
     gpus = gpus.strip().lower()
     if gpus == "cpu":
         return cuda_device_env(env, []), "cpu"
@@ -146,7 +153,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     _check(args)
     device = _device(args)
     ref = resolve_model_arg(args.model)  # a bad MODEL stops here, before torch is imported
-    env, where = device_env(os.environ, args.gpus)
+    env, where = device_env(os.environ, args.gpus, args.device)
     os.environ.update(env)  # before CUDA starts in this process: it reads them once
     device = where or device
     sys.stderr.write(f"loading {ref.name} …\n")

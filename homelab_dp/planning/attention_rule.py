@@ -61,9 +61,70 @@ def _cap(capability: tuple[int, int] | None) -> str:
     return "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
 
 
-def packed_route(device: str, dtype: str, capabilities: Sequence[tuple[int, int] | None]) -> str:
+VARLEN_MAX_HEAD_DIM = 256
+"""FlashAttention's largest head dimension."""
+VARLEN_HEAD_DIM_MULTIPLE = 8
+"""FlashAttention's kernels take a head dimension that is a multiple of 8 only."""
+ROUTES = ("varlen", "sdpa", "sdpa-repeat-kv", "sinks")
+"""The routes of ``homelab_packed`` on packed segments (`packed_kernel`)."""
+
+
+def packed_kernel(
+    device: str,
+    dtype: str,
+    capability: tuple[int, int] | None,
+    head_dim: int,
+    gqa: bool,
+    *,
+    dropout: bool = False,
+    window: bool = False,
+    varlen: bool = True,
+    varlen_window: bool = True,
+    sinks: bool = False,
+) -> str:
+    """The route ``homelab_packed`` takes on packed segments, one rule for the worker
+    (`homelab_dp.train.packed_attention`) and the plan's memory count:
+
+    - ``"varlen"``: torch's ``varlen_attn`` (FlashAttention) over the flattened tokens: CUDA,
+      bf16/fp16 (the dtype the attention computes in, autocast's), compute capability 8.0+, a
+      head dimension FlashAttention takes (at most 256, a multiple of 8), no dropout, a torch
+      that has it (``varlen``) and its ``window_size`` when a window is asked.
+    - ``"sdpa"``: SDPA on each sample's slice with the key/value heads shared (``enable_gqa``):
+      the CPU, a model without grouped-query attention, or a card where SDPA's flash kernel
+      runs (the only CUDA kernel besides the math one that takes GQA).
+    - ``"sdpa-repeat-kv"``: SDPA on each sample's slice with that sample's key/value heads
+      repeated to the query heads, so that the memory-efficient kernel runs where the flash
+      kernel cannot (a card below 8.0, fp32, a head dimension it refuses, a window's band
+      mask): with ``enable_gqa`` there torch falls to the math kernel, a heads × n² fp32
+      matrix per sample saved for backward. The saved key/value are then query-wide.
+
+    - ``"sinks"``: a model with attention sinks (gpt-oss: one learned logit per head in every
+      softmax, `SINK_TYPES`): each sample's softmax over its keys and the sink, written out
+      (no fused kernel takes the sink: FlashAttention-2 and SDPA drop it).
+
+    ``capability`` None: a card of unknown capability, counted as new enough (the plan's rule
+    for a what-if card; the worker always knows its card).
+    """
+    if sinks:
+        return "sinks"
+    half = device == "cuda" and dtype in FLASH_DTYPES
+    new = capability is None or capability >= FLASH_MIN_CAPABILITY
+    dim_ok = head_dim <= VARLEN_MAX_HEAD_DIM and head_dim % VARLEN_HEAD_DIM_MULTIPLE == 0
+    flash = half and new and dim_ok
+    if flash and not dropout and varlen and (varlen_window or not window):
+        return "varlen"
+    if device != "cuda" or not gqa or (flash and not window):
+        return "sdpa"
+    return "sdpa-repeat-kv"
+
+
+def packed_route(
+    device: str, dtype: str, capabilities: Sequence[tuple[int, int] | None], gqa: bool = True
+) -> str:
     """How ``homelab_packed`` attends on ``device`` in ``dtype``, in words: torch's
-    ``varlen_attn`` where every card is 8.0+ in bf16/fp16, else SDPA sample by sample."""
+    ``varlen_attn`` where every card is 8.0+ in bf16/fp16, else SDPA sample by sample (on CUDA
+    with grouped-query key/value heads repeated, `packed_kernel`). A head dimension
+    FlashAttention refuses also leaves varlen; the step event counts what ran."""
     if (
         device == "cuda"
         and dtype in FLASH_DTYPES
@@ -71,7 +132,28 @@ def packed_route(device: str, dtype: str, capabilities: Sequence[tuple[int, int]
         and all(c is not None and c >= FLASH_MIN_CAPABILITY for c in capabilities)
     ):
         return "torch's varlen_attn, each sample alone"
+    if device == "cuda" and gqa:
+        return "SDPA on each sample alone, grouped-query key/value heads repeated"
     return "SDPA on each sample alone"
+
+
+SINK_TYPES = ("gpt_oss",)
+"""``model_type``s with attention sinks (``s_aux``): FlashAttention-2 and SDPA ignore them, so
+their every load (training, QLoRA, eval, chat, serving) attends through ``homelab_packed``,
+which adds the sink logit (`packed_kernel`'s ``"sinks"``)."""
+
+
+def has_sinks(model_type: str | None) -> bool:
+    """Whether a model of ``model_type`` has attention sinks (`SINK_TYPES`)."""
+    return model_type in SINK_TYPES
+
+
+def inference_attention(model_type: str | None) -> str | None:
+    """The ``attn_implementation`` a chat or serving replica loads ``model_type`` with: a model
+    with attention sinks gets ``"eager"``, its own transformers attention, which adds them (the
+    replica runs no packed blocks; FlashAttention-2 and SDPA would drop the sinks); None
+    (transformers' default) otherwise."""
+    return "eager" if has_sinks(model_type) else None
 
 
 def choose_attention(
@@ -81,6 +163,8 @@ def choose_attention(
     flash_version: str | None = None,
     *,
     unknown_ok: bool = False,
+    sinks: bool = False,
+    gqa: bool = True,
 ) -> tuple[str, str]:
     """``(attn_implementation, why)`` for a run on ``device`` ("cuda", "cpu") in ``dtype``.
 
@@ -88,9 +172,15 @@ def choose_attention(
     new enough when ``unknown_ok``, the plan's rule for a what-if card, else as too old).
     ``flash_version``: the installed flash-attn distribution's version (`flash_attn_version`).
     ``why`` is one sentence for the plan and the start event. Not FlashAttention-2:
-    ``PACKED_ATTENTION`` (its route by `packed_route`).
+    ``PACKED_ATTENTION`` (its route by `packed_route`). ``sinks``: the model has attention sinks
+    (`has_sinks`): always ``PACKED_ATTENTION``, whose softmax takes them.
     """
-    lean = f"{PACKED_ATTENTION} ({packed_route(device, dtype, capabilities)}, no mask)"
+    if sinks:
+        return PACKED_ATTENTION, (
+            f"{PACKED_ATTENTION} (each sample's softmax with its attention sink, no mask): the "
+            "model has attention sinks, which FlashAttention-2 and SDPA drop"
+        )
+    lean = f"{PACKED_ATTENTION} ({packed_route(device, dtype, capabilities, gqa)}, no mask)"
     if device != "cuda":
         return (
             PACKED_ATTENTION,
@@ -138,14 +228,19 @@ family, or a model's own code (``trust_remote_code``), may attend across the sam
 packed block: the worker checks it before training (`homelab_dp.train.packing_check`)."""
 
 
-def attention_reason(hw: PlanHardware, dtype: str, flash_version: str | None = None) -> str:
+def attention_reason(
+    hw: PlanHardware, dtype: str, flash_version: str | None = None, model_type: str | None = None,
+    gqa: bool = True,
+) -> str:  # fmt: skip
     """The attention kernel the worker will load with on ``hw``, and why
     (`homelab_dp.planning.attention_rule`; ``flash_version``: the installed flash-attn's version,
     read here when not given). A card of unknown capability counts as new enough (the worker
     decides on the card itself)."""
     version = flash_attn_version() if flash_version is None else flash_version
     caps = [d.compute_capability for d in hw.devices]
-    _, why = choose_attention(hw.kind, dtype, caps, version, unknown_ok=True)
+    _, why = choose_attention(
+        hw.kind, dtype, caps, version, unknown_ok=True, sinks=has_sinks(model_type), gqa=gqa
+    )
     return f"Attention: {why}."
 
 

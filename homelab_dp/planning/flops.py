@@ -130,7 +130,13 @@ def flops_per_token(
 # fp16 rate; P40's fp16 is 1/64 rate, so its fp32 rate (what it trains in).
 # Keys are the words of the name (lower case, "-" and "_" as spaces) that must appear in order.
 PEAK_DENSE_16BIT_TFLOPS: dict[tuple[str, ...], float] = {
-    # Hopper / Blackwell data centre
+    # Blackwell data centre: the datasheets' sparse FP16/BF16 halved (HGX B200: 4.5 PFLOPS
+    # sparse a GPU; GB200 NVL72: 5 PFLOPS sparse a GPU; HGX B100: 3.5)
+    ("b200",): 2250.0,
+    ("gb200",): 2500.0,
+    ("b100",): 1750.0,
+    # Hopper data centre
+    ("gh200",): 989.5,  # Grace Hopper: the H100 SXM5's tensor cores
     ("h200",): 989.5,  # H200 SXM
     ("h200", "nvl"): 835.5,
     ("h100",): 989.5,  # "NVIDIA H100 80GB HBM3" is the SXM5 card
@@ -141,6 +147,7 @@ PEAK_DENSE_16BIT_TFLOPS: dict[tuple[str, ...], float] = {
     ("h800", "pcie"): 756.5,
     # Ampere data centre and workstation
     ("a100",): 312.0,  # SXM4 and PCIe alike
+    ("a30",): 165.0,
     ("a800",): 312.0,
     ("a40",): 149.7,
     ("a6000",): 154.8,  # RTX A6000
@@ -155,6 +162,9 @@ PEAK_DENSE_16BIT_TFLOPS: dict[tuple[str, ...], float] = {
     ("rtx", "5090"): 209.5,
     ("rtx", "5080"): 112.6,
     ("rtx", "5070", "ti"): 87.9,
+    ("rtx", "5070"): 61.7,
+    ("rtx", "5060", "ti"): 47.4,
+    ("rtx", "5060"): 38.4,
     # GeForce Ada
     ("rtx", "4090"): 165.2,
     ("rtx", "4080"): 97.5,
@@ -200,12 +210,29 @@ def _match_end(words: list[str], key: tuple[str, ...]) -> int | None:
     return None
 
 
+MIG_COMPUTE_SLICES: dict[tuple[str, ...], int] = {("a30",): 4}
+"""Compute slices (GPCs) of a card that MIG divides; 7 for every other MIG card (A100, H100,
+H200, B200). A ``3g.40gb`` instance of an A100 has 3 of its 7."""
+
+
+def mig_share(gpu_name: str) -> float:
+    """The share of its card's compute a MIG instance has, from its name (``NVIDIA
+    A100-SXM4-80GB MIG 3g.40gb`` → 3/7); 1.0 for a whole card."""
+    m = re.search(r"\bmig\s+(\d+)g\.", gpu_name.lower())
+    if not m:
+        return 1.0
+    words = _words(gpu_name)
+    total = next((n for key, n in MIG_COMPUTE_SLICES.items() if _match_end(words, key)), 7)
+    return min(int(m.group(1)), total) / total
+
+
 def peak_flops(gpu_name: str) -> float | None:
     """The dense 16-bit peak (FLOP/s, one card) of an NVML/torch GPU name; None when unknown.
 
     The longest table key whose words occur whole and in order wins ("H100 PCIe" over "H100");
     a match followed by a variant word ("RTX 4090 D", "RTX 4080 SUPER", "Laptop GPU") does not
-    count, so an unlisted variant is None rather than the wrong card's peak.
+    count, so an unlisted variant is None rather than the wrong card's peak. A MIG instance
+    (``… MIG 3g.40gb``) has its share of the card's compute slices (`mig_share`).
     """
     words = _words(gpu_name)
     best: tuple[int, float] | None = None
@@ -215,7 +242,7 @@ def peak_flops(gpu_name: str) -> float | None:
             continue
         if best is None or len(key) > best[0]:
             best = (len(key), tflops)
-    return None if best is None else best[1] * 1e12
+    return None if best is None else best[1] * 1e12 * mig_share(gpu_name)
 
 
 def mfu(

@@ -8,6 +8,8 @@ direction, in bytes a second, at the share of the line rate NCCL's bus bandwidth
 - NVLink: active links × the per-link rate of the card's generation (`NVLINK_GB_PER_LINK`, by
   compute capability: an RTX 3090's NVLink 3 bridge has 4 links of 14.06 GB/s, an A100's
   NVLink 3 12 links of 25 GB/s), at `NVLINK_EFFICIENCY`;
+- NVSwitch (HGX A100/H100/H200/B200: NVML says ``nvlink`` with no direct link between the
+  pair): the card's own links to the switches (`NVSWITCH_CARD_LINKS`) at the same rate;
 - PCIe with P2P: the slower card's PCIe generation × width, at `P2P_EFFICIENCY`;
 - PCIe without P2P (GeForce cards on most boards): NCCL stages every chunk through host memory,
   a copy up and a copy down over the same links, at `HOST_BOUNCE_EFFICIENCY` of one PCIe link;
@@ -42,6 +44,15 @@ NVLINK_GB_PER_LINK: dict[tuple[int, int], tuple[str, float]] = {
     (10, 0): ("NVLink 5", 50.0),  # B200 (18 links, 900 GB/s)
 }
 """Compute capability → (NVLink generation, GB/s per link and direction)."""
+
+NVSWITCH_CARD_LINKS: dict[tuple[int, int], int] = {
+    (8, 0): 12,  # HGX A100: 12 NVLink 3 links a card to the NVSwitches (300 GB/s a way)
+    (9, 0): 18,  # HGX H100/H200, GH200 NVL: 18 NVLink 4 links (450 GB/s)
+    (10, 0): 18,  # HGX B200: 18 NVLink 5 links (900 GB/s)
+}
+"""Compute capability → the NVLink links each card has to its NVSwitches. Through NVSwitch a
+pair has no direct link (NVML: ``nvlink`` with 0 links between them), and a ring hop runs at
+the card's whole NVLink bandwidth."""
 
 NVLINK_EFFICIENCY = 0.8
 """Share of NVLink's line rate NCCL's ring bus bandwidth reaches (nccl-tests, large messages)."""
@@ -131,6 +142,12 @@ def pair_link(a: tuple[int | None, int | None], b: tuple[int | None, int | None]
         name, per = nvlink_rate(capability)
         rate = link.nvlink_links * per * NVLINK_EFFICIENCY
         words = f"{name} × {link.nvlink_links} links ({_gbs(rate)})"
+        return LinkSpeed(rate, GPU_LATENCY_S, "nvlink", words, "table")
+    if link is not None and link.kind == "nvlink":  # NVSwitch: no direct link, the card's all
+        name, per = nvlink_rate(capability)
+        n = NVSWITCH_CARD_LINKS.get(capability, 12) if capability else 12  # type: ignore[arg-type]
+        rate = n * per * NVLINK_EFFICIENCY
+        words = f"{name} through NVSwitch, {n} links a card ({_gbs(rate)})"
         return LinkSpeed(rate, GPU_LATENCY_S, "nvlink", words, "table")
     if link is not None and (link.kind == "pcie" or link.p2p is False):
         rate = pcie * HOST_BOUNCE_EFFICIENCY

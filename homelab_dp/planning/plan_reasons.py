@@ -374,7 +374,9 @@ def choice_reasons(
     out += model_reasons(spec, chosen.method)
     out += dtype_reasons(preset, hw, dtype)
     if hw.kind == "cuda":
-        out.append(attention_reason(hw, dtype))
+        out.append(
+            attention_reason(hw, dtype, model_type=spec.model_type, gqa=spec.kv_heads != spec.heads)
+        )
     out += packing_reasons(preset, spec.model_type)
     if len({d.memory_bytes for d in hw.devices}) > 1:
         out.append(

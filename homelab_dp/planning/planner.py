@@ -63,7 +63,11 @@ from dataclasses import replace
 from typing import Any
 
 from homelab_dp.errors import PresetError
-from homelab_dp.planning.attention_rule import choose_attention, flash_attn_version
+from homelab_dp.planning.attention_rule import (
+    FLASH_MIN_CAPABILITY,
+    choose_attention,
+    flash_attn_version,
+)
 from homelab_dp.planning.memory.device_memory import TrainShape, budget, logits_bytes
 from homelab_dp.planning.memory.host_memory import HostBudget, host_budget
 from homelab_dp.planning.memory.memory_calibration import (
@@ -209,6 +213,31 @@ def check_fp16_sharding(preset: Preset, hw: PlanHardware, dtype: str) -> None:
     )
 
 
+EXPERT_TARGET_NAMES = ("experts", "experts.gate_up_proj", "experts.down_proj")
+"""``lora.target_modules`` entries that name routed experts (`homelab_dp.train.lora`)."""
+
+
+def names_experts(preset: Preset) -> bool:
+    """Whether ``lora.target_modules`` names the routed experts."""
+    targets = preset.lora.target_modules
+    return not isinstance(targets, str) and any(t in EXPERT_TARGET_NAMES for t in targets)
+
+
+def check_expert_adapters(spec: ModelSpec, preset: Preset) -> None:
+    """QLoRA with adapters on routed experts: the experts are NF4 stacks there
+    (`nf4_quantization.quantize_experts`), which have no 3-D weight for peft to adapt, so the adapters
+    would not exist while the plan counted them: refused before launch (``method = "auto"``
+    does not choose QLoRA then, `allowed_options`)."""
+    if preset.train.method != "qlora" or spec.experts is None or not names_experts(preset):
+        return
+    raise PresetError(
+        "lora.target_modules names the routed experts, and under QLoRA they are NF4 stacks "
+        "peft cannot adapt: those adapters would not exist",
+        hint="train.method = 'lora' adapts them (the experts stay 16-bit), or take 'experts' "
+        "out of lora.target_modules for QLoRA",
+    )
+
+
 def check_offload(preset: Preset, hw: PlanHardware, dtype: str) -> None:
     """A pinned ``train.offload`` of the optimizer or the parameters needs FSDP: refuse it with
     a pinned DDP or ZeRO-1, on one device (FSDP needs two or more), and in fp16 on CUDA (FSDP
@@ -290,6 +319,10 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         lora_targets=targets if isinstance(targets, str) else tuple(targets),
         packed=preset.data.pack,
         attention=attention_path(hw.kind, dtype, [d.compute_capability for d in hw.devices]),  # type: ignore[arg-type]
+        old_cards=any(
+            c is not None and c < FLASH_MIN_CAPABILITY
+            for c in (d.compute_capability for d in hw.devices)
+        ),  # fmt: skip
         target_share=kw.get("target_share", 1.0),
         offload=kw.get("offload", "none"),
         offload_activations=kw.get("offload_activations", False),
@@ -358,6 +391,8 @@ def allowed_options(preset: Preset) -> list[tuple[str, str]]:
     if t.objective in REFERENCE_OBJECTIVES and t.reference == "copy":
         # The worker deep-copies the unsharded model of a full fine-tune.
         pairs = [(mm, dd) for mm, dd in pairs if mm == "full" and dd not in SHARDED] or pairs
+    if m == "auto" and names_experts(preset):  # NF4 experts take no adapters
+        pairs = [(mm, dd) for mm, dd in pairs if mm != "qlora"] or pairs
     if not pairs:  # e.g. method=lora with distribution=zero1: plan it anyway, flagged unsupported
         pairs = [(m if m != "auto" else "full", d if d != "auto" else "ddp")]
     return pairs
@@ -465,6 +500,7 @@ def plan(
     dtype = resolve_dtype(preset, hw)
     check_fp16_sharding(preset, hw, dtype)
     check_offload(preset, hw, dtype)
+    check_expert_adapters(spec, preset)
     # Memory other processes hold is waited for (`run --queue`), never offloaded around: offload
     # is tried only when the same cards, idle, would not hold the run without it either.
     offload = (

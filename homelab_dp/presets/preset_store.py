@@ -11,8 +11,6 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-import tomli_w  # pure-Python TOML writer; a declared dependency
-
 from homelab_dp.errors import PresetError
 from homelab_dp.hub.hub_models import looks_like_hub_id
 from homelab_dp.presets.preset import Preset, apply_overrides, load_preset
@@ -147,7 +145,16 @@ def open_preset(name_or_path: str, overrides: list[str] | None = None) -> Preset
 
 
 def preset_toml(preset: Preset, header: str) -> str:
-    """A preset as TOML text with a header comment."""
+    """A preset as TOML text with a header comment. ``tomli_w`` (a declared dependency) is
+    imported here, where a preset is written, so that everything else (plan, run, measure,
+    eval, serve) works on a machine without it (benchmarks/gpu_validate.py on a bare card)."""
+    try:
+        import tomli_w  # pure-Python TOML writer
+    except ImportError as exc:
+        raise PresetError(
+            "writing a preset needs the tomli-w package, which is not installed",
+            hint="pip install tomli-w (a dependency of homelab-dp)",
+        ) from exc
     comment = "\n".join(f"# {line}".rstrip() for line in header.splitlines())
     return f"{comment}\n{tomli_w.dumps(preset.to_dict())}"
 

@@ -86,7 +86,8 @@ class StartEvent(Event):
     """The plan's per_device_bytes."""
     estimate_bytes: int | None = None
     attention: str = ""
-    """The attention kernel the model loaded with: "sdpa" or "flash_attention_2"."""
+    """The attention kernel the model loaded with: "homelab_packed" or "flash_attention_2" (its
+    route on packed segments, counted, is in the first step event's ``attention_routes``)."""
     attention_reason: str = ""
     """Why that kernel (`homelab_dp.planning.attention_rule`): the card, the dtype, flash-attn."""
     packing: str = ""
@@ -139,6 +140,11 @@ class StepEvent(Event):
     """A MoE model's router auxiliary (load-balancing) loss, unweighted: the mean over the
     micro-batches since the last step event (``router_aux_loss_coef`` × it is trained on, beside
     ``loss``); None for a model without one."""
+    attention_routes: dict[str, int] | None = None
+    """The first step event of a launch only: the routes ``homelab_packed`` took on this rank
+    since the loop began, attention calls counted by route ("varlen", "sdpa",
+    "sdpa-repeat-kv"; `homelab_dp.planning.attention_rule.packed_kernel`): what ran, not what
+    the start event's rule assumed. Empty under another kernel (FlashAttention-2)."""
     rewards_chosen: float | None = None
     """DPO/KTO: the mean implicit reward β·(log π − log π_ref) of the chosen (KTO: desirable)
     answers of the effective batch; None for other objectives."""

@@ -34,6 +34,7 @@ from homelab_dp.planning.attention_rule import (
     PACKED_ATTENTION,
     choose_attention,
     flash_attn_version,
+    has_sinks,
 )
 
 __all__ = [
@@ -72,14 +73,18 @@ def attention_choice(
     *,
     capability: tuple[int, int] | None = None,
     capabilities: Sequence[tuple[int, int] | None] | None = None,
+    model_type: str | None = None,
 ) -> tuple[str, str]:
     """``(attn_implementation, why)``: `attention_implementation` and the sentence the start
-    event records. ``homelab_packed`` is registered with transformers when chosen."""
+    event records. ``homelab_packed`` is registered with transformers when chosen; a model with
+    attention sinks (``model_type`` gpt_oss) always gets it (`planning.attention_rule`)."""
     if capabilities is None:
         if device_type == "cuda" and capability is None:
             capability = local_capability()
         capabilities = (capability,)
-    name, why = choose_attention(device_type, dtype_name, capabilities, flash_attn_version())
+    name, why = choose_attention(
+        device_type, dtype_name, capabilities, flash_attn_version(), sinks=has_sinks(model_type)
+    )
     if name == PACKED_ATTENTION:
         from homelab_dp.train.packed_attention import register
 
@@ -93,6 +98,7 @@ def attention_implementation(
     *,
     capability: tuple[int, int] | None = None,
     capabilities: Sequence[tuple[int, int] | None] | None = None,
+    model_type: str | None = None,
 ) -> str:
     """The ``attn_implementation`` to load the model with.
 
@@ -107,5 +113,9 @@ def attention_implementation(
     card of the run instead. A card not known counts as too old.
     """
     return attention_choice(
-        device_type, dtype_name, capability=capability, capabilities=capabilities
+        device_type,
+        dtype_name,
+        capability=capability,
+        capabilities=capabilities,
+        model_type=model_type,
     )[0]

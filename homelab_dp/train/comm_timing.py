@@ -26,14 +26,19 @@ step that is not logged: the records of a step are closed at its end (`CommTimer
   overlaps the rest. That split is a model applied to measured durations, and untested on a
   card here.
 
+Collectives between optimizer steps (in-run validation, sample generation, a checkpoint: FSDP2
+all-gathers them too) are no step's: the loop runs them inside `CommTimer.outside_step`, which
+records nothing, so they never land in the next step's record.
+
 ``compute_seconds`` of a step event is the step time less the exposed communication (mean over
 ranks, `comm_event_fields`).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +126,21 @@ class CommTimer:
         """This step's collectives so far: ``[start mark, end mark or None, kind]``."""
         self._closed: list[list[Any]] = []
         """The last ended step's collectives (what `read` reports)."""
+        self._outside = 0
+        """Depth of `outside_step`: collectives launched meanwhile are not the step's."""
+
+    @contextlib.contextmanager
+    def outside_step(self) -> Iterator[None]:
+        """Collectives launched inside are no optimizer step's (in-run validation, sample
+        generation, a checkpoint between steps): not recorded, so FSDP2's all-gathers of an
+        evaluation never land in the next step's record."""
+        with self._lock:
+            self._outside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._outside -= 1
 
     def _mark(self) -> Any:
         if self.on_cuda:
@@ -131,6 +151,10 @@ class CommTimer:
 
     def launch(self, kind: str) -> list[Any]:
         """Mark a collective's launch; pass the record to `complete`."""
+        with self._lock:
+            outside = self._outside > 0
+        if outside:  # not timed: no marks (no CUDA events) either
+            return [None, None, kind]
         record = [self._mark(), None, kind]
         with self._lock:
             self._open.append(record)
@@ -138,7 +162,8 @@ class CommTimer:
 
     def complete(self, record: list[Any]) -> None:
         """Mark the collective of ``record`` complete."""
-        record[1] = self._mark()
+        if record[0] is not None:
+            record[1] = self._mark()
 
     def end_step(self) -> None:
         """Close this optimizer step's records (no sync: marks are only moved)."""

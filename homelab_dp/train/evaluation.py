@@ -67,13 +67,14 @@ from homelab_dp import json_safe
 from homelab_dp.data.blocks import IGNORE_INDEX, Block, build_blocks
 from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works
+from homelab_dp.nf4_quantization import nf4_config, nf4_works, quantize_experts
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
 from homelab_dp.train.attention import attention_implementation
 from homelab_dp.train.lora import disable_cpu_bf16_repack
 from homelab_dp.train.loss import install_loss_head, token_loss_sum, unsupported_reason
+from homelab_dp.train.packed_attention import watch_positions
 from homelab_dp.train.speed import to_device
 
 if TYPE_CHECKING:
@@ -177,25 +178,32 @@ def load_model(
     base quantized to NF4 as training did when ``base_kind`` is ``nf4``. Loaded in ``dtype``
     and moved with ``.to(device)`` only: rotary ``inv_freq`` and ``_keep_in_fp32_modules``
     stay fp32."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     base = job["base_path"] or job["model_path"]
+    remote = bool(job["trust_remote_code"])
+    model_type = AutoConfig.from_pretrained(base, trust_remote_code=remote).model_type
     kwargs: dict[str, Any] = {
         "dtype": dtype,
-        "trust_remote_code": bool(job["trust_remote_code"]),
-        "attn_implementation": attention_implementation(device.type, DTYPE_NAMES[str(dtype)]),
+        "trust_remote_code": remote,
+        "attn_implementation": attention_implementation(
+            device.type, DTYPE_NAMES[str(dtype)], model_type=model_type
+        ),
         "use_safetensors": True,
     }
     if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
         kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+    if base_kind == "nf4":  # bitsandbytes converts nn.Linear only: the fused experts as trained
+        quantize_experts(model, dtype)
     if job["base_path"]:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, job["model_path"])
     if base_kind != "nf4":  # placed by device_map otherwise
         model.to(device)
+    watch_positions(model)  # packed eval blocks of a family like gpt-oss (`packed_attention`)
     if base_kind == "nf4" and device.type == "cpu":
         disable_cpu_bf16_repack(model)  # the kernel the in-run eval computed with
     model.eval()

@@ -19,16 +19,29 @@ not causal, a custom overlay, a KV cache, left padding) goes to SDPA's mask unch
 attention per sample, so no mask and no repeated key/value heads are allocated and no work is
 spent on the zeros of a block-diagonal mask:
 
-- ``varlen`` (CUDA, bf16/fp16, compute capability 8.0+): torch's own
-  ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's varlen kernel shipped in torch,
-  no ``flash-attn`` build) over the flattened tokens with cumulative sequence lengths, native
-  GQA and sliding windows where this torch's signature takes them.
-- ``per-sample`` (the CPU, fp32 on CUDA, older cards): ``scaled_dot_product_attention`` on each
-  sample's slice with ``is_causal`` and ``enable_gqa`` (no mask, key/value heads shared). On the
-  CPU this is SDPA's flash kernel, which takes GQA natively; FlexAttention has no backward on
-  the CPU (torch 2.13: "FlexAttention does not support backward on CPU"). Measured on this
-  repository's CPU: 37 ms against the masked route's 71 ms for a forward and backward of
-  4 × 512 tokens, 8 query and 4 key/value heads (benchmarks/packing.py --attention).
+The route is `homelab_dp.planning.attention_rule.packed_kernel`'s, one rule for the worker
+and the plan's memory count, decided on q/k/v in the dtype the attention computes in (under
+autocast with fp32 master weights RoPE hands fp32 q/k: they are cast to autocast's dtype
+first), and every call is counted by route (`take_route_counts`: the first step event's
+``attention_routes``, what ran):
+
+- ``varlen`` (CUDA, bf16/fp16, compute capability 8.0+, a head dimension of at most 256 and a
+  multiple of 8, no dropout): torch's own ``torch.nn.attention.varlen.varlen_attn``
+  (FlashAttention's varlen kernel shipped in torch, no ``flash-attn`` build) over the flattened
+  tokens with cumulative sequence lengths, native GQA and sliding windows where this torch's
+  signature takes them (read once a process), and the scale by keyword or, on a torch whose
+  ``varlen_attn`` has no ``scale`` (2.9), on the query.
+- ``sdpa`` (the CPU, a model without GQA, or where SDPA's flash kernel runs):
+  ``scaled_dot_product_attention`` on each sample's slice with ``is_causal`` and
+  ``enable_gqa`` (no mask, key/value heads shared). On the CPU this is SDPA's flash kernel,
+  which takes GQA natively; FlexAttention has no backward on the CPU (torch 2.13:
+  "FlexAttention does not support backward on CPU"). Measured on this repository's CPU: 37 ms
+  against the masked route's 71 ms for a forward and backward of 4 × 512 tokens, 8 query and
+  4 key/value heads (benchmarks/packing.py --attention).
+- ``sdpa-repeat-kv`` (CUDA with GQA where the flash kernel cannot run: below 8.0, fp32, a head
+  dimension it refuses, a window's band mask): the same per sample with that sample's
+  key/value heads repeated, so that the memory-efficient kernel runs; with ``enable_gqa`` torch
+  would run the math kernel, a heads × n² fp32 matrix per sample saved for backward.
 
 It saves what SDPA on one sample alone saves (q, k, v, the output pieces, their logsumexp) and
 the output rows joined as the model expects them, ``(batch, seq, heads, head_dim)``: the same
@@ -39,25 +52,43 @@ transformers' SDPA function unchanged.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import inspect
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from homelab_dp.planning.attention_rule import packed_kernel
+
 PACKED_ATTENTION = "homelab_packed"
 """The ``attn_implementation`` name of this module's attention (`register`)."""
-VARLEN_MIN_CAPABILITY = (8, 0)
-"""The oldest card torch's FlashAttention kernels (behind ``varlen_attn``) run on."""
-VARLEN_DTYPES = (torch.float16, torch.bfloat16)
-"""FlashAttention computes in half precision only."""
-VARLEN_MAX_HEAD_DIM = 256
-"""FlashAttention's largest head dimension."""
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+               torch.float64: "fp64"}  # fmt: skip
+"""The rule's dtype words (`homelab_dp.planning.attention_rule.packed_kernel`)."""
 
 _lock = threading.Lock()
 _registered = False
+_positions: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "homelab_packed_positions", default=None
+)
+"""The ``position_ids`` of the forward in progress, for a family whose forward does not hand
+them to transformers' mask builder (gpt-oss): set by `watch_positions`' hook."""
+_routes: Counter[str] = Counter()
+"""Calls per route since the last `take_route_counts` (this process)."""
+
+
+def take_route_counts() -> dict[str, int]:
+    """The routes ``homelab_packed`` took since the last call (attention calls, all layers), and
+    start counting afresh: what ran, counted, for the step event."""
+    with _lock:
+        out = dict(_routes)
+        _routes.clear()
+    return out
 
 
 @dataclass(frozen=True)
@@ -147,6 +178,11 @@ def packed_mask(
         starts = starts | (torch.arange(1, kv_length, device=device)[None, :] == n)
     else:
         prefix = torch.ones((), dtype=torch.bool, device=device)
+    positions = _positions.get()
+    if positions is not None and tuple(positions.shape) == (batch_size, q_length):
+        # A family that does not hand position_ids to the mask builder (gpt-oss): the
+        # restarts of the forward's positions start samples too (read in the same sync).
+        starts = starts | ((positions[:, 1:] - positions[:, :-1]) != 1).to(device)
     flags = torch.cat([ahead.any().reshape(1), (~prefix).reshape(1), starts.reshape(-1)]).tolist()
     if flags[0] or flags[1]:  # not causal (bidirectional, an overlay), or left padding
         return sdpa()
@@ -156,30 +192,46 @@ def packed_mask(
     return PackedSegments(segments_from_starts(starts_list), device)
 
 
-def _varlen_call() -> tuple[Any, set[str]] | None:
-    """torch's ``varlen_attn`` and the names its signature takes, or None without it."""
+@functools.cache
+def _varlen_call() -> tuple[Any, frozenset[str]] | None:
+    """torch's ``varlen_attn`` and the names its signature takes, or None without it (read once
+    a process, not per layer)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def packed_route(query: torch.Tensor, *, dropout: float = 0.0, window: int | None = None) -> str:
-    """``"varlen"`` or ``"per-sample"`` for ``query`` (see the module docstring): varlen only
-    on a CUDA card of compute capability 8.0+, in half precision, without dropout (which it
-    does not take), with a head dimension FlashAttention takes, and a torch that has it (and its
-    ``window_size`` when a sliding window is asked)."""
-    if query.device.type != "cuda" or query.dtype not in VARLEN_DTYPES or dropout > 0:
-        return "per-sample"
-    if query.shape[-1] > VARLEN_MAX_HEAD_DIM:
-        return "per-sample"
-    if torch.cuda.get_device_capability(query.device) < VARLEN_MIN_CAPABILITY:
-        return "per-sample"
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The card's compute capability (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return _cached_capability(device.index if device.index is not None else -1)
+
+
+@functools.cache
+def _cached_capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(None if index < 0 else index)
+    return int(major), int(minor)
+
+
+def packed_route(
+    query: torch.Tensor, key: torch.Tensor | None = None, *, dropout: float = 0.0,
+    window: int | None = None, sinks: bool = False,
+) -> str:  # fmt: skip
+    """The route for ``query`` (and ``key``: grouped-query attention when it has fewer heads),
+    by `homelab_dp.planning.attention_rule.packed_kernel` on this card: ``"varlen"``,
+    ``"sdpa"`` or ``"sdpa-repeat-kv"``. ``query`` is in the dtype the attention computes in
+    (autocast's, `packed_attention_forward` casts first)."""
     call = _varlen_call()
-    if call is None or (window is not None and "window_size" not in call[1]):
-        return "per-sample"
-    return "varlen"
+    return packed_kernel(
+        query.device.type, DTYPE_NAMES.get(query.dtype, str(query.dtype)),
+        _capability(query.device), int(query.shape[-1]),
+        key is not None and key.shape[1] != query.shape[1], dropout=dropout > 0,
+        window=window is not None, varlen=call is not None,
+        varlen_window=call is not None and "window_size" in call[1], sinks=sinks,
+    )  # fmt: skip
 
 
 class _CpuPerSample(torch.autograd.Function):
@@ -238,21 +290,29 @@ def _spans(lengths: tuple[tuple[int, ...], ...]) -> list[tuple[int, int, int]]:
 def _per_sample(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: PackedSegments, *,
     scale: float | None, dropout: float, window: int | None, causal: bool,
+    repeat_kv: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """SDPA on each sample's slice; ``(batch, seq, heads, head_dim)``. On the CPU without
     dropout or a window, `_CpuPerSample` (the same kernel, no extra copy of the output); that
     kernel takes no fp16 on the CPU and one dtype for q, k and v, so anything else goes sample
-    by sample through SDPA."""
+    by sample through SDPA. ``repeat_kv`` (the ``"sdpa-repeat-kv"`` route): each sample's
+    key/value heads repeated to the query heads, so SDPA's memory-efficient kernel runs."""
+    rep = 1
     dtypes = {query.dtype, key.dtype, value.dtype}
     cpu_kernel = query.device.type == "cpu" and len(dtypes) == 1 and torch.float16 not in dtypes
     if cpu_kernel and dropout == 0 and window is None and causal:
         return _CpuPerSample.apply(query, key, value, segments.lengths, scale)
     gqa = key.shape[1] != query.shape[1]
+    if gqa and repeat_kv:  # the memory-efficient kernel takes no GQA: each sample's heads repeated
+        rep = query.shape[1] // key.shape[1]
+        gqa = False
     rows = []
     for r, lengths in enumerate(segments.lengths):
         pieces, at = [], 0
         for n in lengths:
             q, k, v = (t[r : r + 1, :, at : at + n] for t in (query, key, value))
+            if repeat_kv and rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             mask = None
             if window is not None and n > window:  # a band within this sample alone
                 i = torch.arange(n, device=query.device)
@@ -268,6 +328,54 @@ def _per_sample(
     return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
 
 
+def _with_sinks(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: PackedSegments,
+    sinks: torch.Tensor, *, scale: float | None, dropout: float, window: int | None,
+    training: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Each sample's causal softmax over its own keys and one learned sink logit per head
+    (gpt-oss's ``s_aux``, as its eager attention computes it, sample by sample instead of over
+    the whole block); ``(batch, seq, heads, head_dim)``. The sink takes probability mass but
+    adds no value."""
+    heads, d = query.shape[1], query.shape[-1]
+    rep = heads // key.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    rows = []
+    for r, lengths in enumerate(segments.lengths):
+        pieces, at = [], 0
+        for n in lengths:
+            q, k, v = (t[r, :, at : at + n] for t in (query, key, value))
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+            scores = torch.matmul(q, k.transpose(1, 2)) * scale
+            i = torch.arange(n, device=query.device)
+            gap = i[:, None] - i[None, :]
+            allowed = (gap >= 0) & (gap < window) if window is not None else gap >= 0
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+            sink = sinks.reshape(-1, 1, 1).to(scores.dtype).expand(heads, n, 1)
+            logits = torch.cat([scores, sink], dim=-1)
+            logits = logits - logits.max(dim=-1, keepdim=True).values
+            probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+            probs = F.dropout(probs, p=dropout, training=training).to(v.dtype)
+            pieces.append(torch.matmul(probs, v).transpose(0, 1))
+            at += n
+        rows.append(torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])
+    return torch.stack(rows)
+
+
+def varlen_kwargs(
+    names: frozenset[str], scale: float | None, head_dim: int
+) -> tuple[dict[str, Any], float]:
+    """``scale`` as this torch's ``varlen_attn`` takes it: ``({"scale": scale}, 1.0)`` where its
+    signature has the keyword (torch 2.10+), else no keyword and the factor to multiply the
+    query by so that its default ``1/sqrt(head_dim)`` gives ``scale`` (torch 2.9's has none)."""
+    if "scale" in names:
+        return {"scale": scale}, 1.0
+    if scale is None:
+        return {}, 1.0
+    return {}, float(scale) * head_dim**0.5
+
+
 def _varlen(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: PackedSegments, *,
     scale: float | None, window: int | None,
@@ -278,7 +386,9 @@ def _varlen(
     varlen_attn, names = call
     b, heads, s, d = query.shape
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))
-    kwargs: dict[str, Any] = {"scale": scale}
+    kwargs, factor = varlen_kwargs(names, scale, d)
+    if factor != 1.0:  # a torch whose varlen_attn takes no scale: the query scaled instead
+        q = q * factor
     if "window_size" in names:  # torch 2.13: causal is a window ending at the query
         kwargs["window_size"] = (-1 if window is None else window - 1, 0)
     else:  # older torch: an is_causal flag
@@ -308,6 +418,8 @@ def packed_attention_forward(
     """The attention step of ``homelab_packed`` (see the module docstring); transformers'
     attention-function signature: q ``(batch, heads, seq, head_dim)``, k/v with the key/value
     heads; returns ``((batch, seq, heads, head_dim), None)``."""
+    if not isinstance(attention_mask, PackedSegments) and kwargs.get("s_aux") is not None:
+        return _eager_with_sinks(module, query, key, value, attention_mask, dropout, scaling)
     if not isinstance(attention_mask, PackedSegments):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -319,14 +431,74 @@ def packed_attention_forward(
     if not causal:  # the mask step only makes segments for causal masks
         raise ValueError("homelab_packed: segments given to a non-causal attention")
     window = sliding_window if sliding_window and sliding_window > 0 else None
-    if packed_route(query, dropout=dropout, window=window) == "varlen":
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # RoPE may have promoted q/k to fp32
+        half = torch.get_autocast_dtype(device_type)
+        query, key, value = (t if t.dtype == half else t.to(half) for t in (query, key, value))
+    sinks = kwargs.get("s_aux")
+    route = packed_route(query, key, dropout=dropout, window=window, sinks=sinks is not None)
+    with _lock:
+        _routes[route] += 1
+    if route == "sinks":
+        out = _with_sinks(query, key, value, attention_mask, sinks, scale=scaling,
+                          dropout=dropout, window=window, training=module.training)  # fmt: skip
+    elif route == "varlen":
         out = _varlen(query, key, value, attention_mask, scale=scaling, window=window)
     else:
         out = _per_sample(
             query, key, value, attention_mask, scale=scaling, dropout=dropout, window=window,
-            causal=causal,
+            causal=causal, repeat_kv=route == "sdpa-repeat-kv",
         )  # fmt: skip
     return out, None
+
+
+def _eager_with_sinks(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: torch.Tensor | None, dropout: float, scaling: float | None,
+) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """A model with attention sinks under any other mask (a KV cache, left padding): its own
+    eager attention (which adds the sink), given the additive mask it expects in place of the
+    boolean or absent one SDPA's mask step made (absent: causal, unless one query)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    q_len, k_len = query.shape[2], key.shape[2]
+    if mask is None and q_len > 1:
+        i = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
+        mask = torch.arange(k_len, device=query.device)[None, :] <= i
+    if mask is not None:
+        mask = mask[..., :k_len]
+        if mask.dtype == torch.bool:
+            low = torch.finfo(query.dtype).min
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, low
+            )
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return eager_attention_forward(module, query, key, value, mask, scale, dropout=dropout)
+
+
+def watch_positions(model: torch.nn.Module) -> torch.nn.Module:
+    """Let the mask step see the ``position_ids`` of ``model``'s forward (its first
+    ``…ForCausalLM`` module: under a peft or DDP wrapper too), so that a packed block's samples
+    are found in a family whose forward keeps them from the mask builder (gpt-oss). Returns
+    ``model``."""
+    target = next((m for m in model.modules() if type(m).__name__.endswith("ForCausalLM")), None)
+    if target is None or getattr(target, "_homelab_watches_positions", False):
+        return model
+    tokens: list[contextvars.Token[torch.Tensor | None]] = []
+
+    def before(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        pos = kwargs.get("position_ids")
+        keep = pos if isinstance(pos, torch.Tensor) and pos.dim() == 2 else None
+        tokens.append(_positions.set(keep))
+
+    def after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if tokens:
+            _positions.reset(tokens.pop())
+
+    target.register_forward_pre_hook(before, with_kwargs=True)
+    target.register_forward_hook(after, with_kwargs=True, always_call=True)
+    target._homelab_watches_positions = True
+    return model
 
 
 def register() -> str:

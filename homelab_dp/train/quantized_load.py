@@ -17,7 +17,7 @@ bitsandbytes call on the same values), and the adapters are `train.lora.adapter_
 the whole-model path, so QLoRA under FSDP2 learns what QLoRA under DDP learns.
 
 Mixture-of-Experts: the fused 3-D expert weights (``experts.gate_up_proj``/``down_proj``),
-which ``Linear4bit`` cannot hold, are packed the same way by `train.quantized_experts` (NF4 per
+which ``Linear4bit`` cannot hold, are packed the same way by `nf4_quantization.quantize_experts` (NF4 per
 expert, stored in the compute dtype, sharded by expert along dim 0) and their quantization state
 broadcast whole; a checkpoint storing them per expert (the published Qwen-MoE and Mixtral ones:
 ``experts.N.gate_proj/up_proj/down_proj``, ``block_sparse_moe.experts.N.w1/w3/w2``) is stacked
@@ -39,7 +39,14 @@ import torch.distributed as dist
 from torch import nn
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config
+from homelab_dp.nf4_quantization import (
+    FUSED_WEIGHTS,
+    expert_state_shapes,
+    is_fused_experts,
+    nf4_config,
+    pack_experts_on_meta,
+    quantize_expert_tensor,
+)
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation
@@ -51,13 +58,6 @@ from homelab_dp.train.lora import (
     prepare_frozen_base,
 )
 from homelab_dp.train.model_census import any_model_spec
-from homelab_dp.train.quantized_experts import (
-    FUSED_WEIGHTS,
-    expert_state_shapes,
-    is_fused_experts,
-    pack_experts_on_meta,
-    quantize_expert_tensor,
-)
 from homelab_dp.train.trainable_model import (
     LoadedModel,
     check_materialized,
@@ -102,7 +102,9 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed
         model = AutoModelForCausalLM.from_config(
             config, dtype=compute, trust_remote_code=remote,
-            attn_implementation=attention_implementation(resolved.device, resolved.dtype),
+            attn_implementation=attention_implementation(
+                resolved.device, resolved.dtype, model_type=config.model_type
+            ),
         )  # fmt: skip
     # init_empty_weights re-creates every parameter it registers, which unties a tied lm_head:
     # tie it again (one parameter, sent once), as from_pretrained does.
@@ -118,7 +120,7 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
         if isinstance(module, bnb.nn.Linear4bit):
             _pack_on_meta(module, compute)
     # MoE: the fused 3-D expert weights, which Linear4bit cannot hold, packed per expert the same
-    # way (train.quantized_experts), stored in the compute dtype so FSDP2 shards them by expert.
+    # way (nf4_quantization), stored in the compute dtype so FSDP2 shards them by expert.
     pack_experts_on_meta(model, compute, storage=compute)
     model.config.use_cache = False
     model.train()
@@ -303,7 +305,7 @@ def _quantize_experts(
     device: torch.device, compute: torch.dtype,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """Rank 0: read the fused expert weight ``fused`` and NF4-quantize it expert by expert on
-    ``device`` (train.quantized_experts), stored in the compute dtype."""
+    ``device`` (nf4_quantization), stored in the compute dtype."""
     base = _base_name(name).removesuffix("_nf4")
     logical = tuple(getattr(owner, "nf4_logical", {}).get(fused, ()))
     value = source.experts(base, prefix, logical[0])

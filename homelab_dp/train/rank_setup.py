@@ -48,6 +48,7 @@ from homelab_dp.train.objectives.reference import (
     reference_key,
 )
 from homelab_dp.train.objectives.reference_choice import reference_kind
+from homelab_dp.train.packed_attention import watch_positions
 from homelab_dp.train.packing_check import check_model
 from homelab_dp.train.quantized_load import build_on_meta, has_routed_experts
 from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
@@ -297,6 +298,9 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     else:
         loaded = load_model(spec.preset, resolved, device, sharded=sharded)
     _count_loaded(memory, loaded)
+    # homelab_packed finds a packed block's samples from the forward's position_ids, also in a
+    # family whose forward keeps them from the mask builder (gpt-oss).
+    watch_positions(loaded.model)
     # Before the wrapper: DDP and FSDP2 then see lm_head's parameters under the same names.
     loss_head = install_loss_head(loaded.model)
     if loss_head is None:
@@ -334,8 +338,9 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     if resolved.offload_activations:
         autocast = _offloading(autocast, loaded.model, pin=device.type == "cuda")
     attention, why = attention_choice(
-        device.type, resolved.dtype, capability=card_capability(device)
-    )
+        device.type, resolved.dtype, capability=card_capability(device),
+        model_type=str(getattr(loaded.model.config, "model_type", "")),
+    )  # fmt: skip
     flat = attention == "flash_attention_2"
     return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast,
                  loss_head=loss_head, flat_batches=flat and spec.preset.data.pack,

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config
+from homelab_dp.nf4_quantization import nf4_config, quantize_experts
+from homelab_dp.planning.attention_rule import has_sinks
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation, local_capability
@@ -48,7 +49,6 @@ from homelab_dp.train.lora import (
     prepare_frozen_base,
     seed_adapters,
 )
-from homelab_dp.train.quantized_experts import quantize_experts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -140,12 +140,13 @@ def load_model(
     if sharded:
         return _load_on_meta(preset, resolved)
     compute = compute or compute_dtype(resolved)
+    model_type = model_type_of(preset)
     kwargs: dict[str, Any] = {
         "trust_remote_code": preset.model.trust_remote_code,
         # FlashAttention-2's varlen kernel on an sm80+ card with flash-attn 2.x installed, else
         # homelab_packed: each sample of a packed block alone, SDPA for other masks.
         "attn_implementation": attention_implementation(
-            device.type, resolved.dtype, capability=card_capability(device)
+            device.type, resolved.dtype, capability=card_capability(device), model_type=model_type
         ),
         **experts_implementation(resolved),
         **text_only_load(preset),
@@ -165,8 +166,12 @@ def load_model(
         from transformers import Mxfp4Config
 
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-    if kwargs["attn_implementation"] != "flash_attention_2" and not supports_sdpa(preset):
-        kwargs["attn_implementation"] = "eager"  # gpt-oss (attention sinks): no SDPA path
+    if (
+        kwargs["attn_implementation"] != "flash_attention_2"
+        and not has_sinks(model_type)  # homelab_packed adds gpt-oss's sinks
+        and not supports_sdpa(preset)
+    ):
+        kwargs["attn_implementation"] = "eager"  # a family with no SDPA path
     start = start_adapter(preset)
     if start is not None and method == "qlora":
         raise HomelabError(
@@ -255,8 +260,9 @@ def _load_on_meta(preset: Preset, resolved: Resolved) -> LoadedModel:
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=preset.model.trust_remote_code,
             attn_implementation=attention_implementation(resolved.device, resolved.dtype,
-                                                         capability=local_capability())
-            if supports_sdpa(preset) else "eager",
+                                                         capability=local_capability(),
+                                                         model_type=config.model_type)
+            if supports_sdpa(preset) or has_sinks(config.model_type) else "eager",
             **experts_implementation(resolved),
         )  # fmt: skip
         model.config.use_cache = False
@@ -436,6 +442,16 @@ def experts_implementation(resolved: Resolved) -> dict[str, str]:
     fp64 (the CPU exactness runs), which ``torch._grouped_mm`` does not take: the eager loop
     over the routed experts then (the same math, expert by expert)."""
     return {"experts_implementation": "eager"} if resolved.dtype == "fp64" else {}
+
+
+def model_type_of(preset: Preset) -> str:
+    """The ``model_type`` of the preset's model folder (its config)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        preset.model.path, trust_remote_code=preset.model.trust_remote_code
+    )
+    return str(config.model_type)
 
 
 def supports_sdpa(preset: Preset) -> bool:

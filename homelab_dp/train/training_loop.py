@@ -58,6 +58,7 @@ from homelab_dp.train.comm_timing import comm_event_fields
 from homelab_dp.train.divergence import SkippedSteps, check_loss, require_finite_weights
 from homelab_dp.train.evaluation import Validator
 from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
+from homelab_dp.train.packed_attention import take_route_counts
 from homelab_dp.train.rank_setup import SetUp
 from homelab_dp.train.sample_answers import Sampler
 from homelab_dp.train.strategy import rank_slices
@@ -143,6 +144,9 @@ class Trainer:
             spec, self.rank.device, int(self.data.input_ids.shape[-1]), self.rank.world
         )
         self.saved_step: int | None = None
+        take_route_counts()  # the routes count from the loop's first forward (no checks before)
+        self.routes_reported = False
+        """Whether a step event carried ``attention_routes`` (the first of this launch does)."""
 
         self.skips = SkippedSteps()
         """fp16: the GradScaler's consecutive skipped steps (`train.divergence`)."""
@@ -238,7 +242,11 @@ class Trainer:
                 last_log = self._log_step(step, sums, counts, lr, grad_norm, t0, wall0, last_log)
             # Evaluated before the checkpoint of this step, so that it records the evaluation.
             v = self.validator
-            verdict = self._validate(step) if v is not None and v.due(step, d.total_steps) else None
+            outside = m.strategy.comm.outside_step  # no step's communication (`comm_timing`)
+            verdict = None
+            if v is not None and v.due(step, d.total_steps):
+                with outside():
+                    verdict = self._validate(step)
             if verdict is not None:  # the training throughput leaves the evaluation out
                 last_log = (last_log[0] + verdict.event.seconds, last_log[1], last_log[2])
             # Before the checkpoint too; the samples leave the random states and weights as
@@ -247,11 +255,14 @@ class Trainer:
             if self.sampler is not None and self.sampler.due(
                 step, d.total_steps, evaluated=verdict is not None, ending=ending
             ):
-                last_log = (last_log[0] + self._sample(step), last_log[1], last_log[2])
+                with outside():
+                    seconds = self._sample(step)
+                last_log = (last_log[0] + seconds, last_log[1], last_log[2])
             keep = verdict is not None and verdict.best and self.train.keep_best
             every = self.train.checkpoint_every
             if keep or (every and step % every == 0 and step < d.total_steps):
-                self._checkpoint(step)
+                with outside():
+                    self._checkpoint(step)
             if keep and r.rank == 0:  # after the write: BEST names a complete checkpoint
                 mark_best(self.run_dir / "checkpoints", step, verdict.event.loss or 0.0,
                           self.train.keep_checkpoints)  # fmt: skip
@@ -318,6 +329,9 @@ class Trainer:
         span = max(now - last_t, 1e-9)
         tokens_per_s = (self.tokens - last_tokens) / span
         aux_loss = self.model.strategy.take_aux_loss()  # every rank: a collective with an aux
+        routes = None
+        if not self.routes_reported:  # what ran, counted: homelab_packed's calls by route
+            routes, self.routes_reported = take_route_counts(), True
         self.events.write(StepEvent(
             step=step, total_steps=self.data.total_steps,
             epoch=step * r.effective / self.data.n_blocks, loss=self.last_loss, lr=lr,
@@ -327,7 +341,8 @@ class Trainer:
             step_time_s=now - wall0, rank_step_times_s=[row[n] for row in rows],
             peak_memory_bytes=[int(row[n + 1]) for row in rows], peak_memory_kind=self.memory_kind,
             tokens=self.tokens, samples=step * r.effective, mfu=self.flops.mfu(tokens_per_s),
-            aux_loss=aux_loss, **fields, **comm_event_fields(rows, r.world),
+            aux_loss=aux_loss, attention_routes=routes, **fields,
+            **comm_event_fields(rows, r.world),
         ))  # fmt: skip
         for slow in self.stragglers.update([row[n] for row in rows]):
             self.events.write(

@@ -41,7 +41,7 @@ FAMILIES: dict[str, tuple[str, str, Any]] = {
     "gpt_oss": ("lora", "ddp", ["all-linear", "experts"]),
     "gemma3_text": ("full", "fsdp-grad-op", None),
     "olmo2": ("full", "ddp", None),
-    # QLoRA: every expert stack NF4 (train.quantized_experts), streamed as rank 0 reads it
+    # QLoRA: every expert stack NF4 (nf4_quantization), streamed as rank 0 reads it
     "qwen3_moe/qlora": ("qlora", "ddp", None),
 }
 DTYPE = {"qwen3_moe/qlora": ("fp32", 1e-6)}
@@ -95,13 +95,22 @@ def _run_pair(family: str, root: Path, data: Path) -> dict[str, Path]:
         rd = make_run(root, model, data, name=f"{name}-{nproc}", method=method,
                       distribution=distribution, world=2, micro=2, dtype=dtype,
                       lr=1e-2 if method == "full" else 3e-2)  # fmt: skip
+        spec = read_run_spec(rd)
+        preset = spec.preset
         if targets is not None:
-            spec = read_run_spec(rd)
-            lora = replace(spec.preset.lora, target_modules=targets)
-            write_run_spec(rd, replace(spec, preset=replace(spec.preset, lora=lora)))
+            preset = replace(preset, lora=replace(preset.lora, target_modules=targets))
+        if family in PACKED:  # the default data.pack: the worker's packing check must pass
+            preset = replace(preset, data=replace(preset.data, pack=True))
+        write_run_spec(rd, replace(spec, preset=preset))
         assert run(rd, nproc) == 0
         out[str(nproc)] = rd
     return out
+
+
+PACKED = ("gpt_oss",)
+"""Families trained on packed blocks (data.pack = true, the default) here: gpt-oss, whose
+forward keeps position_ids from the mask builder and whose sinks no fused kernel takes
+(`train.packed_attention`)."""
 
 
 class Runs:
@@ -151,6 +160,9 @@ def test_trains_and_two_ranks_match_one(
     assert max_abs_diff(final_weights(two), final_weights(one)) < DTYPE.get(family, ("", TOL))[1]
     start = events(two, "start")[-1]
     assert start["world_size"] == 2 if "world_size" in start else True
+    if family in PACKED:  # attention sinks in each sample's softmax: packing is exact
+        assert start["packing"] == "exact" and start["packing_error"] < 1e-9, start
+        assert steps[0]["attention_routes"] == {"sinks": 2 * 1}, steps[0]  # 2 layers, 1 micro
     method = FAMILIES[family][0]
     names = list(final_weights(two))
     if method in ("lora", "qlora"):

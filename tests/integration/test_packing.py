@@ -121,6 +121,8 @@ def one_step(root: Path, model: Path, data: Path, name: str, *, pack: bool, worl
     # Every run, packed or padded, attends each sample alone (train.packed_attention): no mask.
     assert start["attention"] == "homelab_packed" and "CUDA" in start["attention_reason"]
     assert "SDPA on each sample alone" in start["attention_reason"]
+    # What ran, counted: per micro-step forward, one per-sample SDPA call in each of 2 layers.
+    assert step["attention_routes"] == {"sdpa": 2 * accum}
     return step, final_weights(rd)
 
 

@@ -62,10 +62,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from homelab_dp.planning.attention_rule import PACKED_ATTENTION, packed_kernel
 from homelab_dp.planning.memory.moe_memory import (
     adapted_experts,
     decoder_params,
     expert_width,
+    largest_dequantized,
     largest_layer_params,
     largest_quantized,
     lora_outputs_per_layer,
@@ -107,9 +109,23 @@ spec that does not say so itself (`ModelSpec.full_logits`)."""
 
 
 EAGER_ATTENTION_TYPES = ("gpt_oss",)
-"""Model types without an SDPA path (attention sinks): the worker loads them with eager
-attention (`train.trainable_model.supports_sdpa`), which builds a (b, 1, s, s) mask and repeats
-the key/value heads whatever kernel the attention rule named."""
+"""Model types with attention sinks (`homelab_dp.planning.attention_rule.SINK_TYPES`): the
+worker attends through ``homelab_packed``'s ``"sinks"`` route, each sample's softmax written out
+with the key/value heads repeated, budgeted as the eager attention it replaces (a mask row and
+repeated key/value heads per token)."""
+
+
+def kv_repeated(spec: ModelSpec, shape: TrainShape) -> bool:
+    """Whether ``homelab_packed`` repeats the key/value heads of ``spec``'s grouped-query
+    attention per sample on ``shape`` (`homelab_dp.planning.attention_rule.packed_kernel`'s
+    ``"sdpa-repeat-kv"``: fp32 or a card below 8.0 on CUDA, so that SDPA's memory-efficient
+    kernel runs instead of the math one): the key/value it saves are then query-wide."""
+    if shape.attention != PACKED_ATTENTION or spec.kv_heads == spec.heads:
+        return False
+    capability = (7, 5) if shape.old_cards else None
+    route = packed_kernel(shape.device, shape.dtype, capability, spec.head_dim, True,
+                          window=spec.sliding_window > 0 and spec.sliding_layers > 0)  # fmt: skip
+    return route == "sdpa-repeat-kv"
 
 
 def _masked(spec: ModelSpec, shape: TrainShape) -> bool:
@@ -189,9 +205,10 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         if spec.hidden_dropout > 0:
             out += 2 * h * (w if cpu else 1)  # CPU dropout keeps a float mask, CUDA a bool one
     else:
-        if _masked(spec, shape):
+        if _masked(spec, shape) or kv_repeated(spec, shape):
             # With a mask (padding, or packing's block-diagonal one) SDPA converts it to an
-            # additive (b, 1, s, s) one per layer, and transformers repeats the key/value heads.
+            # additive (b, 1, s, s) one per layer, and transformers repeats the key/value heads;
+            # homelab_packed repeats them per sample where SDPA's flash kernel cannot run.
             kvd = attn
         rest = 2 * attn + 2 * kvd
         if spec.model_type == "phi3":
@@ -339,7 +356,7 @@ def pinned_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
     if spec.model_type == "gpt2":
         parts = [(inter, 5 * inter * w)]
     else:
-        if _masked(spec, shape):
+        if _masked(spec, shape) or kv_repeated(spec, shape):
             kvd = attn
         extra = (attn + kvd) if spec.model_type == "phi3" else 0
         routed = spec.experts.top_k * expert_width(spec) if spec.experts else inter
@@ -534,14 +551,14 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
             layer = (q_layer - router) * NF4_PACKED_BYTES + trainable * 4 / spec.layers
             other = spec.norm_params_per_layer + spec.other_params_per_layer + router
             buffers += root * base_w + 2 * (layer + other * base_w)
-        buffers += 2 * largest_quantized(spec) * base_w  # dequantized for the matmul
+        buffers += 2 * largest_dequantized(spec) * base_w  # dequantized for the matmul
     else:
         if shape.method == "qlora":
             other = spec.params - spec.quantizable_params  # embeddings, lm_head, norms
             base = spec.quantizable_params * NF4_BYTES_PER_PARAM + other * base_w
             buffers += (
-                2 * largest_quantized(spec) * base_w
-            )  # one linear dequantized at a time for the matmul
+                2 * largest_dequantized(spec) * base_w
+            )  # one linear (or one expert) dequantized at a time for the matmul
         else:
             base = spec.params * base_w
             if fsdp:  # gathered as for a full fine-tune: grad-op everything, full the root

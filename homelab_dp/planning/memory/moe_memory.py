@@ -24,7 +24,8 @@ the parts that depend on the model's MoE block (`ModelSpec.experts`), its dense 
   neither (``w·(3·i + h)``). gpt-oss's clamped gate (``(up + 1)·gate·σ(α·gate)``) keeps three
   intermediate-wide tensors more per slot (`GATE_TENSORS`, measured the same way).
 * The sizes of one decoder layer (`largest_layer_params`) and of the largest tensor a QLoRA
-  matmul dequantizes (`largest_quantized`): a MoE layer holds every expert.
+  load reads whole (`largest_quantized`: a MoE layer's fused stack) and of the weight a matmul
+  holds dequantized (`largest_dequantized`: one expert at a time).
 """
 
 from __future__ import annotations
@@ -176,6 +177,17 @@ def largest_quantized(spec: ModelSpec) -> int:
         sizes += [lin.d_in * lin.d_out for lin in spec.experts.shared]
         stack = spec.experts.count if spec.experts.fused else 1
         sizes += [stack * lin.d_in * lin.d_out for lin in spec.experts.linears]
+    return max(sizes, default=0)
+
+
+def largest_dequantized(spec: ModelSpec) -> int:
+    """Elements of the largest weight a QLoRA matmul holds dequantized: a linear, or one routed
+    expert's weight (the NF4 experts, `homelab_dp.nf4_quantization.nf4_experts_forward`,
+    dequantize one expert at a time, again in backward, never the fused stack whole; the load
+    does read the stack whole, `largest_quantized`)."""
+    sizes = [lin.d_in * lin.d_out for lin in (*spec.linears, *spec.dense_mlp)]
+    if spec.experts is not None:
+        sizes += [lin.d_in * lin.d_out for lin in (*spec.experts.shared, *spec.experts.linears)]
     return max(sizes, default=0)
 
 

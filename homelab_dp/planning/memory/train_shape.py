@@ -49,6 +49,10 @@ class TrainShape:
     attention: Literal["sdpa", "homelab_packed", "flash_attention_2"] = "sdpa"
     """`train.attention`'s kernel: SDPA gets a mask on packed batches too (and repeats GQA's
     key/value heads); homelab_packed (each sample alone) and FlashAttention neither."""
+    old_cards: bool = False
+    """A planned card is below compute capability 8.0 (no FlashAttention kernels there):
+    ``homelab_packed`` then repeats the key/value heads of grouped-query attention per sample
+    (`homelab_dp.planning.attention_rule.packed_kernel`)."""
     target_share: float = 1.0
     """Largest share of a block's tokens that are targets (the chunked loss keeps only those);
     1.0, an upper bound, until the data has been read."""

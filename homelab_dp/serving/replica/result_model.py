@@ -44,6 +44,7 @@ not hold a CUDA context on any card.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works
+from homelab_dp.nf4_quantization import nf4_config, nf4_works, quantize_experts
+from homelab_dp.planning.attention_rule import inference_attention
 from homelab_dp.runs.model_ref import ModelRef, refuse_pickle_only
 
 if TYPE_CHECKING:
@@ -177,6 +179,9 @@ def load_for_inference(
     check_safetensors(ref)
     # In the dtype from the start: inv_freq and _keep_in_fp32_modules stay fp32.
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": ref.trust_remote_code}
+    attention = inference_attention(_model_type(ref.config_path))
+    if attention is not None:  # attention sinks kept (`planning.attention_rule`)
+        kwargs["attn_implementation"] = attention
     if base == "nf4":
         kwargs["quantization_config"] = nf4_config(dtype)
         kwargs["device_map"] = {"": dev}  # quantized as it is placed on the device
@@ -185,6 +190,8 @@ def load_for_inference(
         model = AutoModelForCausalLM.from_pretrained(
             ref.config_path, use_safetensors=True, **kwargs
         )
+        if base == "nf4":  # bitsandbytes converts nn.Linear only: the fused experts as trained
+            quantize_experts(model, dtype)
         if ref.is_adapter:
             from peft import PeftModel
 
@@ -310,3 +317,12 @@ def eos_texts(folder: Path) -> list[str]:
         if int(i) not in ids:
             ids.append(int(i))
     return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+
+def _model_type(folder: Path) -> str | None:
+    """The ``model_type`` of ``folder``'s config.json (None when it cannot be read)."""
+    try:
+        doc = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc.get("model_type") if isinstance(doc, dict) else None

@@ -76,6 +76,17 @@ def test_chat_in_its_own_process(gpus, base, want, device) -> None:
     assert _cards(env) == want and where == device
 
 
+@pytest.mark.parametrize("device", ["cuda:1", "cuda", " CUDA:0"])
+def test_chat_on_a_cuda_device_counts_cards_in_pci_bus_order(device) -> None:
+    """``chat --device cuda:N`` without CUDA_VISIBLE_DEVICES: every card stays visible, counted
+    as NVML and `probe` count them (PCI bus order), not fastest first."""
+    env, where = device_env({"PATH": "/usr/bin"}, None, device)
+    assert _cards(env) == (None, "PCI_BUS_ID") and where is None
+    env, _ = device_env({**MIXED, VISIBLE: "1,0"}, None, device)
+    assert _cards(env) == ("1,0", "PCI_BUS_ID")
+    assert _cards(device_env({"PATH": "/usr/bin"}, None, "cpu")[0]) == (None, None)
+
+
 def test_export_children_hide_every_card(monkeypatch) -> None:
     monkeypatch.setattr("os.environ", {**MIXED, VISIBLE: "0,1"})
     assert _cards(cpu_child_env()) == ("", "PCI_BUS_ID")

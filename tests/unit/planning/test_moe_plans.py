@@ -239,7 +239,7 @@ def test_qlora_load_holds_a_whole_expert_stack_on_the_host() -> None:
     h = host_budget(spec, shape, budget(spec, shape))
     assert h.phases["load"][0] == CUDA_HOST_RUNTIME_BYTES + stack * 2  # read in 16 bits
     b = budget(spec, shape)
-    assert b.buffers >= 2 * stack * 2  # dequantized whole for the grouped matmul
+    assert b.buffers < 2 * stack * 2  # on the card: one expert dequantized at a time
 
 
 def test_router_aux_loss_keeps_each_moe_layers_router_softmax() -> None:
@@ -248,3 +248,48 @@ def test_router_aux_loss_keeps_each_moe_layers_router_softmax() -> None:
         shape = _shape("lora", activation_checkpointing=ckpt)
         extra = budget(aux, shape).activations - budget(MOE, shape).activations
         assert extra == 3 * 2 * 256 * 8 * 4  # MoE layers × tokens × experts × fp32
+
+
+def test_qlora_with_adapters_on_nf4_experts_is_refused_before_launch() -> None:
+    """Issue 32, point 6: under QLoRA the routed experts are NF4 stacks with no 3-D weight for
+    peft, so adapters named on them would not exist: a pinned QLoRA is refused with a hint, and
+    method = "auto" never picks QLoRA for such targets."""
+    from homelab_dp.errors import PresetError
+    from homelab_dp.planning.model_spec import load_model_spec
+    from homelab_dp.planning.planner import allowed_options, plan
+    from homelab_dp.presets.preset import preset_from_dict
+    from homelab_dp.probe.hardware import GiB, parse_gpus_spec
+    from tests.conftest import ROOT
+
+    spec = load_model_spec(ROOT / "assets/configs/qwen3-30b-a3b")
+
+    def preset(method: str, targets):
+        return preset_from_dict({"model": {"path": "m"}, "data": {"path": "d", "seq_len": 512},
+                                 "train": {"method": method, "micro_batch": 1},
+                                 "lora": {"target_modules": targets}})  # fmt: skip
+
+    hw = parse_gpus_spec("2x80GiB", 256 * GiB)
+    with pytest.raises(PresetError) as err:
+        plan(spec, preset("qlora", ["all-linear", "experts"]), hw)
+    assert "NF4" in err.value.message and "train.method = 'lora'" in err.value.hint
+    assert plan(spec, preset("qlora", "all-linear"), hw).chosen is not None  # no expert targets
+    methods = {m for m, _ in allowed_options(preset("auto", ["all-linear", "experts"]))}
+    assert "qlora" not in methods and "lora" in methods
+    assert "qlora" in {m for m, _ in allowed_options(preset("auto", "all-linear"))}
+
+
+def test_qlora_budgets_one_dequantized_expert_not_the_stack() -> None:
+    """Issue 32, point 7: the NF4 experts dequantize one expert at a time (again in backward),
+    so the plan's dequantized buffer is one expert's weight, not the fused stack (Mixtral: one
+    4096 × 14336 expert weight, not eight of them: 3.8 GB in bf16 was reserved)."""
+    from homelab_dp.planning.memory.moe_memory import largest_dequantized, largest_quantized
+    from homelab_dp.planning.model_spec import load_model_spec
+    from tests.conftest import ROOT
+
+    spec = load_model_spec(ROOT / "assets/configs/qwen3-30b-a3b")
+    e = spec.experts
+    assert e is not None and e.fused and e.count == 128
+    one_expert = max(lin.d_in * lin.d_out for lin in e.linears)
+    dense = max(lin.d_in * lin.d_out for lin in (*spec.linears, *spec.dense_mlp, *e.shared))
+    assert largest_dequantized(spec) == max(one_expert, dense)
+    assert largest_quantized(spec) == e.count * one_expert  # what the load reads whole

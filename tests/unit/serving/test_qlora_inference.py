@@ -121,3 +121,65 @@ def test_the_nf4_config_is_qloras() -> None:
     assert (
         nf4_config(torch.bfloat16, storage=torch.bfloat16).bnb_4bit_quant_storage == torch.bfloat16
     )
+
+
+@pytest.fixture(scope="module")
+def moe_adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny random Qwen3-MoE base (safetensors) and a QLoRA-style adapter on its attention."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("qlora-moe")
+    torch.manual_seed(3)
+    config = Qwen3MoeConfig(vocab_size=2048, hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2)  # fmt: skip
+    base = root / "base"
+    Qwen3MoeForCausalLM(config).save_pretrained(base)
+    AutoTokenizer.from_pretrained(DEMO_MODEL).save_pretrained(base)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      init_lora_weights=False)  # fmt: skip
+    folder = root / "final"
+    get_peft_model(Qwen3MoeForCausalLM.from_pretrained(base), lora).save_pretrained(folder)
+    return base, folder
+
+
+def test_a_qlora_moe_result_is_served_and_evaluated_on_nf4_experts(moe_adapter) -> None:
+    """Issue 32, point 5: bitsandbytes converts nn.Linear only; the fused experts are quantized
+    as training quantizes them, in serving (chat) and in eval alike: the same logits as the
+    base the run trained on."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from homelab_dp.nf4_quantization import is_fused_experts, quantize_experts
+    from homelab_dp.train.evaluation import load_model as load_eval_model
+    from homelab_dp.train.lora import disable_cpu_bf16_repack
+
+    base, adapter = moe_adapter
+    ref = ModelRef(name="run", path=adapter, base=base, quantized="nf4")
+    loaded = load_for_inference(ref, "cpu")
+    experts = [m for m in loaded.model.modules() if is_fused_experts(m)]
+    assert len(experts) == 2
+    assert all("gate_up_proj_nf4" in m._parameters and "gate_up_proj" not in m._parameters
+               for m in experts)  # fmt: skip
+    job = {"base_path": str(base), "model_path": str(adapter), "trust_remote_code": False,
+           "quantized": "nf4"}  # fmt: skip
+    evaluated = load_eval_model(job, torch.device("cpu"), torch.float32, "nf4")
+    assert all("gate_up_proj_nf4" in m._parameters
+               for m in evaluated.modules() if is_fused_experts(m))  # fmt: skip
+
+    def trained(repack: bool):  # noqa: ANN202 - what the run trained on, built as the worker does
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=torch.float32, quantization_config=nf4_config(torch.float32),
+            device_map={"": "cpu"},
+        )  # fmt: skip
+        quantize_experts(model, torch.float32)  # as the worker's QLoRA load does
+        if not repack:
+            disable_cpu_bf16_repack(model)  # eval computes with the in-run eval's CPU kernel
+        return PeftModel.from_pretrained(model, adapter)
+
+    ids = torch.tensor([[5, 9, 30, 7]])
+    for got_model, repack in ((loaded.model, True), (evaluated, False)):
+        got, want = _logits(got_model, ids), _logits(trained(repack), ids)
+        assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())

@@ -119,8 +119,8 @@ def test_plan_names_the_attention_and_why(monkeypatch, in_repo, flash_attn_2):
         plan = make_plan(open_preset("tiny-demo", ["hardware.devices=auto"])).plan
         reasons[rec] = [r for r in plan.reasons if r.startswith("Attention: ")]
     assert reasons["2x2080ti"] == [
-        "Attention: homelab_packed (SDPA on each sample alone, no mask): FlashAttention-2 needs "
-        "compute capability 8.0 (Ampere) or newer on every card, and a card here is 7.5."
+        "Attention: homelab_packed (SDPA on each sample alone, grouped-query key/value heads "
+        "repeated, no mask): FlashAttention-2 needs compute capability 8.0 (Ampere) or newer on every card, and a card here is 7.5."
     ]
     assert reasons["2xa6000-nvlink"] == [
         "Attention: FlashAttention-2: flash-attn 2.7.4.post1 is installed and every card is "

@@ -143,6 +143,13 @@ def _two_ranks(rank: int, folder: str) -> None:
     split = fsdp.comm.read()
     out["fsdp"] = [split.comm_seconds, split.exposed_seconds, split.collectives]
     out["fsdp_kinds"] = kinds
+    with fsdp.comm.outside_step(), torch.no_grad():  # an in-run validation between steps
+        _loss(fsdp.model, a)
+    out["between_steps"] = len(fsdp.comm._open)
+    with fsdp.accumulate(final=True):  # the next step records its own collectives alone
+        _loss(fsdp.model, b).backward()
+    fsdp.zero_grad(optimizer)
+    out["next_step"] = fsdp.comm.read().collectives
     out["layers"] = len(loaded.decoder_layers)
     Path(folder, f"rank{rank}.json").write_text(json.dumps(out), encoding="utf-8")
     dist.destroy_process_group()
@@ -168,4 +175,7 @@ def test_two_gloo_ranks_time_ddp_buckets_and_fsdp_collectives(tmp_path: Path) ->
         assert got["fsdp_kinds"].count(ALL_GATHER) >= layers + 1
         assert got["fsdp_kinds"].count(REDUCE_SCATTER) == layers + 1
         assert count == len(got["fsdp_kinds"])
+        # A validation's all-gathers between steps are no step's: the next step counts as many
+        # collectives as the first did.
+        assert got["between_steps"] == 0 and got["next_step"] == count
         assert 0.0 < comm < 5.0 and exposed == pytest.approx(comm)  # CPU: blocking calls

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from homelab_dp.planning.attention_rule import PACKED_ATTENTION, choose_attention, packed_route
@@ -168,6 +169,221 @@ def test_the_rule_names_the_route() -> None:
     assert (
         packed_route("cuda", "bf16", [(8, 0), (9, 0)]) == "torch's varlen_attn, each sample alone"
     )
+    assert packed_route("cpu", "bf16", []) == "SDPA on each sample alone"
+    # Without grouped-query attention nothing is repeated (the memory-efficient kernel takes it).
+    assert packed_route("cuda", "fp32", [(9, 0)], gqa=False) == "SDPA on each sample alone"
     for device, dtype, caps in (("cuda", "fp32", [(9, 0)]), ("cuda", "fp16", [(7, 5)]),
-                                ("cuda", "bf16", [None]), ("cpu", "bf16", [])):  # fmt: skip
-        assert packed_route(device, dtype, caps) == "SDPA on each sample alone"
+                                ("cuda", "bf16", [None])):  # fmt: skip
+        assert packed_route(device, dtype, caps) == (
+            "SDPA on each sample alone, grouped-query key/value heads repeated"
+        )
+
+
+# ------------------------------------------------------------------ which route runs (issue 32)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "cap", "head_dim", "gqa", "extra", "route"),
+    [
+        ("cuda", "bf16", (9, 0), 128, True, {}, "varlen"),
+        ("cuda", "fp16", (8, 6), 64, False, {}, "varlen"),
+        ("cuda", "bf16", None, 128, True, {}, "varlen"),  # a what-if card counts as new enough
+        # Below 8.0 or in fp32 the flash kernel cannot run; with GQA SDPA would fall to math.
+        ("cuda", "fp16", (7, 5), 128, True, {}, "sdpa-repeat-kv"),
+        ("cuda", "fp16", (7, 0), 64, True, {}, "sdpa-repeat-kv"),
+        ("cuda", "fp32", (9, 0), 128, True, {}, "sdpa-repeat-kv"),
+        ("cuda", "fp16", (7, 5), 128, False, {}, "sdpa"),  # no GQA: memory-efficient kernel
+        ("cuda", "fp32", (9, 0), 128, False, {}, "sdpa"),
+        # A head dimension FlashAttention refuses: not varlen, and GQA repeated.
+        ("cuda", "bf16", (9, 0), 80 + 4, True, {}, "sdpa-repeat-kv"),
+        ("cuda", "bf16", (9, 0), 320, False, {}, "sdpa"),
+        # Dropout: varlen takes none, SDPA's flash kernel does (and takes GQA).
+        ("cuda", "bf16", (9, 0), 128, True, {"dropout": True}, "sdpa"),
+        # A window on a torch whose varlen_attn has no window_size: a band mask, no flash kernel.
+        ("cuda", "bf16", (9, 0), 128, True, {"window": True, "varlen_window": False},
+         "sdpa-repeat-kv"),
+        ("cuda", "bf16", (9, 0), 128, True, {"varlen": False}, "sdpa"),
+        ("cpu", "fp32", None, 128, True, {}, "sdpa"),  # the CPU's flash kernel takes GQA
+        ("cpu", "bf16", None, 36, True, {}, "sdpa"),
+    ],
+)  # fmt: skip
+def test_the_kernel_rule_routes_gqa_where_a_fused_kernel_runs(
+    device, dtype, cap, head_dim, gqa, extra, route
+) -> None:
+    from homelab_dp.planning.attention_rule import packed_kernel
+
+    assert packed_kernel(device, dtype, cap, head_dim, gqa, **extra) == route
+
+
+def qkv(dtype: torch.dtype = torch.float64, heads: int = 4, kv: int = 2, d: int = 16):
+    g = torch.Generator().manual_seed(7)
+    b, s = len(ROWS), SEQ
+    q = torch.randn(b, heads, s, d, generator=g, dtype=dtype)
+    k, v = (torch.randn(b, kv, s, d, generator=g, dtype=dtype) for _ in range(2))
+    return q, k, v, PackedSegments(ROWS, torch.device("cpu"))
+
+
+def test_the_repeat_kv_route_gives_sdpa_full_heads_and_the_same_result(monkeypatch) -> None:
+    """``sdpa-repeat-kv`` (run here on the CPU through SDPA's per-sample loop, as on a card
+    below 8.0): each sample's key/value heads repeated, no ``enable_gqa``, exactly the GQA
+    result."""
+    from homelab_dp.train import packed_attention as pa
+
+    q, k, v, seg = qkv()
+    shared = pa._per_sample(q, k, v, seg, scale=None, dropout=0.0, window=5, causal=True)
+    calls: list[tuple[int, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):  # noqa: ANN001, ANN003
+        calls.append((k.shape[1], kw.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(pa.F, "scaled_dot_product_attention", spy)
+    repeated = pa._per_sample(q, k, v, seg, scale=None, dropout=0.0, window=5, causal=True,
+                              repeat_kv=True)  # fmt: skip
+    assert calls and all(c == (4, False) for c in calls)  # query-wide k/v, no GQA flag
+    assert torch.allclose(repeated, shared, atol=1e-12)
+
+
+def test_the_forward_casts_to_autocast_dtype_and_counts_its_route() -> None:
+    """Under autocast RoPE hands fp32 q/k/v: the attention computes in autocast's dtype (the
+    dtype the route is chosen by), and the route that ran is counted."""
+    from homelab_dp.train.packed_attention import packed_attention_forward, take_route_counts
+
+    q, k, v, seg = qkv(torch.float32)
+    module = torch.nn.Module()
+    take_route_counts()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = packed_attention_forward(module, q, k, v, seg)
+    assert out.dtype == torch.bfloat16
+    assert take_route_counts() == {"sdpa": 1}
+    model = tiny("llama", PACKED_ATTENTION)
+    ids, pos, _ = packed_batch()
+    model(input_ids=ids, position_ids=pos, use_cache=False)
+    assert take_route_counts() == {"sdpa": 2}  # one call per layer, counted, then reset
+    assert take_route_counts() == {}
+
+
+def test_the_varlen_signature_is_read_once_per_process(monkeypatch) -> None:
+    from homelab_dp.train import packed_attention as pa
+
+    seen = []
+    signature = pa.inspect.signature
+    monkeypatch.setattr(pa.inspect, "signature", lambda f: seen.append(f) or signature(f))
+    pa._varlen_call.cache_clear()
+    q, k, _, _ = qkv()
+    for _ in range(5):
+        pa.packed_route(q, k)
+    assert len(seen) <= 1
+    pa._varlen_call.cache_clear()
+
+
+def _stand_in_varlen(
+    q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1), enable_gqa=False
+):  # noqa: ANN001
+    """torch's varlen_attn on the CPU (the card's kernel is out of reach here): each segment
+    alone, causal, by SDPA."""
+    out = torch.empty_like(q)
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        piece = F.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=scale,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
+        out[a:b] = piece[0].transpose(0, 1)
+    return out
+
+
+def _stand_in_varlen_no_scale(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, enable_gqa=False
+):  # noqa: ANN001
+    """The same, with torch 2.9's keywords: no ``scale`` (1/sqrt(head_dim) always)."""
+    return _stand_in_varlen(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("fn", [_stand_in_varlen, _stand_in_varlen_no_scale])
+def test_varlen_takes_the_scale_on_every_allowed_torch(monkeypatch, fn) -> None:
+    """``varlen_attn`` with and without a ``scale`` keyword (torch 2.10+ and 2.9): a model's own
+    scale (Gemma's query_pre_attn_scalar, ...) is applied either way."""
+    import inspect
+
+    from homelab_dp.train import packed_attention as pa
+
+    names = frozenset(inspect.signature(fn).parameters)
+    monkeypatch.setattr(pa, "_varlen_call", lambda: (fn, names))
+    q, k, v, seg = qkv()
+    for scale in (None, 0.05):
+        got = pa._varlen(q, k, v, seg, scale=scale, window=None)
+        want = pa._per_sample(q, k, v, seg, scale=scale, dropout=0.0, window=None, causal=True)
+        assert torch.allclose(got, want, atol=1e-10), scale
+    assert pa.varlen_kwargs(names, 0.05, 64) == (
+        ({"scale": 0.05}, 1.0) if "scale" in names else ({}, 0.05 * 8.0)
+    )
+
+
+# ------------------------------------------------------------------ attention sinks (gpt-oss)
+
+
+def tiny_gpt_oss(attn: str) -> torch.nn.Module:
+    """A seeded tiny gpt-oss (sinks of size, a sliding layer of window 8 and a full one)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    register()
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    model = GptOssForCausalLM._from_config(
+        config, attn_implementation=attn, experts_implementation="eager"
+    ).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)  # sinks that matter (they start at zero)
+    return model.eval()
+
+
+def test_gpt_oss_packed_keeps_its_sinks_and_equals_each_sample_alone() -> None:
+    """homelab_packed adds gpt-oss's sink logit in each sample's softmax and finds the samples
+    from the forward's position_ids (gpt-oss keeps them from the mask builder): logits and
+    gradients equal its own eager attention on each sample alone."""
+    from homelab_dp.train.packed_attention import take_route_counts, watch_positions
+
+    eager = tiny_gpt_oss("eager")
+    packed = watch_positions(tiny_gpt_oss(PACKED_ATTENTION))
+    packed.load_state_dict(eager.state_dict())
+    ids, pos, samples = packed_batch()
+    weights = torch.randn(2, SEQ, VOCAB, generator=torch.Generator().manual_seed(1)).double()
+    take_route_counts()
+    out = packed(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert take_route_counts() == {"sinks": 2}
+    (out * weights).sum().backward()
+    for r, row in enumerate(samples):
+        at = 0
+        for s in row:
+            ref = eager(input_ids=s[None], use_cache=False).logits[0]
+            (ref * weights[r, at : at + len(s)]).sum().backward()
+            assert torch.allclose(out[r, at : at + len(s)], ref, atol=1e-10)
+            at += len(s)
+    for (name, p), q in zip(packed.named_parameters(), eager.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-9), name
+    sinks = dict(packed.named_parameters())["model.layers.0.self_attn.sinks"]
+    assert sinks.grad.abs().max() > 0  # the sinks are in the softmax: they get a gradient
+    # Generation (a KV cache: no segments) keeps them too, through gpt-oss's own eager.
+    prompt = ids[:1, :10]
+    assert packed.generate(prompt, max_new_tokens=4, do_sample=False).tolist() == (
+        eager.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
+    )
+
+
+def test_one_rule_keeps_sinks_on_every_load() -> None:
+    """FlashAttention-2 (even installed, on Ampere) and SDPA drop sinks: a model with sinks is
+    trained and evaluated through homelab_packed, chatted with and served through its eager."""
+    from homelab_dp.planning.attention_rule import has_sinks, inference_attention
+
+    name, why = choose_attention("cuda", "bf16", [(9, 0)], "2.7.4.post1", sinks=True)
+    assert name == PACKED_ATTENTION and "sinks" in why
+    assert choose_attention("cuda", "bf16", [(9, 0)], "2.7.4.post1")[0] == "flash_attention_2"
+    assert attention_implementation("cpu", "fp32", model_type="gpt_oss") == PACKED_ATTENTION
+    assert has_sinks("gpt_oss") and not has_sinks("llama")
+    assert inference_attention("gpt_oss") == "eager" and inference_attention("llama") is None

@@ -1,4 +1,4 @@
-"""NF4 fused experts (train.quantized_experts) on tiny random qwen3_moe, mixtral and gpt_oss
+"""NF4 fused experts (nf4_quantization) on tiny random qwen3_moe, mixtral and gpt_oss
 models built from their config classes: the 4-bit model computes what the model with
 bitsandbytes' dequantized experts computes, forward and backward, dequantizes only the routed
 experts (again in backward), stores 0.5 byte a value plus bitsandbytes' statistics, and a LoRA
@@ -23,7 +23,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from homelab_dp.train.quantized_experts import (
+from homelab_dp.nf4_quantization import (
     EXPERTS_IMPLEMENTATION,
     dequantize_expert,
     dequantize_experts,

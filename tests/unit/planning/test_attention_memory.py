@@ -1,0 +1,43 @@
+"""The plan counts the attention that runs (issue 32, point 1): where ``homelab_packed`` repeats
+grouped-query key/value heads per sample (fp32 or a card below 8.0 on CUDA, so that SDPA's
+memory-efficient kernel runs instead of the math one), the saved key/value are query-wide."""
+
+from __future__ import annotations
+
+from homelab_dp.planning.memory.device_memory import TrainShape, activation_bytes, kv_repeated
+from homelab_dp.planning.model_spec import load_model_spec
+from homelab_dp.planning.planner import train_shape
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.probe.hardware import GiB, parse_gpus_spec
+from tests.conftest import ROOT
+
+LLAMA3_8B = load_model_spec(ROOT / "assets/configs/meta-llama-3-8b")  # 32 query, 8 kv heads
+
+
+def _shape(**kw) -> TrainShape:
+    base = dict(method="lora", distribution="ddp", world_size=1, device="cuda", dtype="fp16",
+                micro_batch=2, seq_len=1024, attention="homelab_packed")  # fmt: skip
+    return TrainShape(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_repeated_key_value_heads_are_counted_where_they_run() -> None:
+    spec = LLAMA3_8B
+    assert spec.heads == 32 and spec.kv_heads == 8 and spec.head_dim == 128
+    ampere, turing = _shape(), _shape(old_cards=True)
+    fp32 = _shape(dtype="fp32")
+    assert not kv_repeated(spec, ampere)
+    assert kv_repeated(spec, turing) and kv_repeated(spec, fp32)
+    assert not kv_repeated(spec, _shape(device="cpu", dtype="fp32"))  # CPU flash takes GQA
+    assert not kv_repeated(spec, _shape(old_cards=True, attention="flash_attention_2"))
+    tokens = 2 * 1024
+    extra = spec.layers * tokens * 2 * (32 - 8) * 128 * 2  # k and v, 24 more heads, fp16
+    assert activation_bytes(spec, turing) - activation_bytes(spec, ampere) == extra
+
+
+def test_the_planner_marks_a_plan_with_cards_below_8_0() -> None:
+    preset = preset_from_dict({"model": {"path": "m"}, "data": {"path": "d", "seq_len": 512},
+                               "train": {"micro_batch": 1}})  # fmt: skip
+    turing = train_shape(preset, parse_gpus_spec("2x11GiB@7.5", 64 * GiB), "lora", "ddp", False)
+    ampere = train_shape(preset, parse_gpus_spec("2x24GiB@8.6", 64 * GiB), "lora", "ddp", False)
+    unknown = train_shape(preset, parse_gpus_spec("2x24GiB", 64 * GiB), "lora", "ddp", False)
+    assert turing.old_cards and not ampere.old_cards and not unknown.old_cards
