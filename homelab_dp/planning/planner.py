@@ -462,6 +462,10 @@ def plan(
     Raises `PresetError` for a dtype the planned cards cannot train in (`resolve_dtype`), and
     for a pinned choice they cannot train (`check_fp16_sharding`, `check_offload`).
     """
+    if preset.train.objective == "grpo":  # the [grpo] section is checked; the loop is to come
+        raise PresetError("train.objective = 'grpo': this version checks the [grpo] section "
+                          "but cannot plan or train it yet",
+                          hint="use train.objective = 'sft', 'dpo', 'orpo' or 'kto'")  # fmt: skip
     dtype = resolve_dtype(preset, hw)
     check_fp16_sharding(preset, hw, dtype)
     check_offload(preset, hw, dtype)
