@@ -275,6 +275,8 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
     rows, row_len = forward_rows(kw.get("micro_batch", t.micro_batch),
                                  kw.get("seq_len", preset.data.seq_len),
                                  packed=preset.data.pack, objective=t.objective)  # fmt: skip
+    if t.objective == "grpo":  # a prompt's completions: rows of prompt + completion tokens
+        rows, row_len = rows * preset.grpo.generations, row_len + preset.grpo.max_completion_tokens
     return TrainShape(
         method=method,  # type: ignore[arg-type]
         distribution=dist,  # type: ignore[arg-type]
@@ -358,6 +360,11 @@ def allowed_options(preset: Preset) -> list[tuple[str, str]]:
     if t.objective in REFERENCE_OBJECTIVES and t.reference == "copy":
         # The worker deep-copies the unsharded model of a full fine-tune.
         pairs = [(mm, dd) for mm, dd in pairs if mm == "full" and dd not in SHARDED] or pairs
+    if t.objective == "grpo":
+        # Each rank decodes its own prompts (forwards of its own count): unsharded weights only;
+        # the reference (beta > 0) is the base with the adapters off.
+        pairs = [(mm, dd) for mm, dd in pairs
+                 if dd == "ddp" and (preset.grpo.beta == 0 or mm != "full")] or pairs  # fmt: skip
     if not pairs:  # e.g. method=lora with distribution=zero1: plan it anyway, flagged unsupported
         pairs = [(m if m != "auto" else "full", d if d != "auto" else "ddp")]
     return pairs
@@ -462,10 +469,6 @@ def plan(
     Raises `PresetError` for a dtype the planned cards cannot train in (`resolve_dtype`), and
     for a pinned choice they cannot train (`check_fp16_sharding`, `check_offload`).
     """
-    if preset.train.objective == "grpo":  # the [grpo] section is checked; the loop is to come
-        raise PresetError("train.objective = 'grpo': this version checks the [grpo] section "
-                          "but cannot plan or train it yet",
-                          hint="use train.objective = 'sft', 'dpo', 'orpo' or 'kto'")  # fmt: skip
     dtype = resolve_dtype(preset, hw)
     check_fp16_sharding(preset, hw, dtype)
     check_offload(preset, hw, dtype)
@@ -500,7 +503,10 @@ def plan(
                              SAFETY_MARGIN, only_offload=later)  # fmt: skip
     reasons += host_short_reasons(short, host_available)
     objective = None
-    if preset.train.objective != "sft":  # what the objective costs (`planning.objective_cost`)
+    if preset.train.objective not in (
+        "sft",
+        "grpo",
+    ):  # what the objective costs (`planning.objective_cost`)
         shape = _shape_of(preset, hw, best_effort)
         objective = plan_objective(spec, preset, hw, best_effort)
         reasons += objective_reasons(objective, logits_bytes(spec, shape))

@@ -54,8 +54,8 @@ class GrpoSection:
     """Advantage = reward − its group's mean, divided by: group (the group's standard
     deviation) | batch (the whole batch's standard deviation) | none (not divided)."""
     iterations: int = 1
-    """Optimizer passes over each generated batch; above 1 the loss uses the importance ratio
-    to the policy that generated it."""
+    """Optimizer passes over each generated batch (above 1 the loss would use the importance
+    ratio to the policy that generated it); this version runs 1 only."""
     rewards: list[str] = field(default_factory=list)
     """Reward functions, summed with reward_weights: exact_answer (1 when the completion's last
     number, or its \\boxed{} answer, equals the data's "answer" column, else 0) |
@@ -99,6 +99,18 @@ def grpo_checks(preset: Any) -> list[str]:
         out.append(f"grpo.top_p: must be above 0 and at most 1, got {g.top_p}")
     if not 0 < g.epsilon < 1:
         out.append(f"grpo.epsilon: must be above 0 and below 1 (0.2 is usual), got {g.epsilon}")
+    t = preset.train
+    if g.iterations > 1:
+        out.append(f"grpo.iterations: this version makes one optimizer pass over each generated "
+                   f"batch (the importance-ratio loss is there, the loop's reuse of a batch is "
+                   f"not yet), got {g.iterations}: set grpo.iterations = 1")  # fmt: skip
+    if t.distribution not in ("auto", "ddp"):
+        out.append(f"train.distribution: GRPO runs under ddp (each rank decodes its own prompts "
+                   f"with unsharded weights), got {t.distribution!r}")  # fmt: skip
+    if g.beta > 0 and t.method == "full":
+        out.append(f"grpo.beta: the KL's reference is the base with the adapters off, but "
+                   f"train.method = 'full' has no adapters (got beta {g.beta}): set "
+                   "train.method = 'lora' or 'qlora', or grpo.beta = 0")  # fmt: skip
     if not g.rewards:
         out.append('grpo.rewards: required for train.objective = "grpo" (e.g. ["exact_answer"] '
                    'or ["my_rewards.py:brevity"])')  # fmt: skip

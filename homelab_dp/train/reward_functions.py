@@ -128,7 +128,10 @@ def _serve(conn: Any, targets: list[tuple[str, str]]) -> None:
             return
     conn.send(("ready", "", ""))
     while True:
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except EOFError:  # the trainer is gone (it ended, or failed): end quietly
+            return
         if message is None:
             return
         key, prompts, completions, columns = message

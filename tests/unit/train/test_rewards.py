@@ -130,3 +130,25 @@ def test_a_slow_user_reward_is_stopped_at_its_time_limit(user_file: str) -> None
     with pytest.raises(RewardError, match=r"reward slow \(.*\) on prompts 10..11 took more than"):
         _score(user_file, "slow", timeout=1.5)
     assert time.perf_counter() - t0 < 25  # liveness: the 30 s sleep was not waited for
+
+
+def test_grpo_step_figures_round_trip_and_reach_the_loggers() -> None:
+    from homelab_dp.runs.run_events import StepEvent, parse_event
+    from homelab_dp.train.reporting import step_scalars
+
+    event = StepEvent(step=3, loss=0.5, reward=0.75, reward_std=0.25, clipped=0.0,
+                      reward_functions={"exact_answer": 0.5, "brevity": 1.25},
+                      completion_length=7.5, generation_s=0.2)  # fmt: skip
+    line = event.to_json()
+    assert line["reward_exact_answer"] == 0.5 and line["reward_brevity"] == 1.25
+    assert "reward_functions" not in line
+    back = parse_event(json.loads(json.dumps(line)))
+    assert isinstance(back, StepEvent)
+    assert back.reward_functions == {"exact_answer": 0.5, "brevity": 1.25}
+    assert back.reward == 0.75 and back.completion_length == 7.5
+    scalars = step_scalars(back)
+    assert scalars["train/reward"] == 0.75 and scalars["train/reward_brevity"] == 1.25
+    assert scalars["train/completion_length"] == 7.5 and "train/kl" not in scalars
+    sft = StepEvent(step=1, loss=1.0)  # another objective: no reward keys at all
+    assert not [k for k in sft.to_json() if k.startswith("reward_") and k != "reward_margin"
+                and k != "reward_accuracy" and k != "reward_std"]  # fmt: skip
