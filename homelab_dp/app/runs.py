@@ -168,7 +168,8 @@ def check_data(
         from homelab_dp.data.prompt_records import read_prompts
 
         prompts = read_prompts(preset.data.path, preset.data.split, preset.data.columns)
-        return len(prompts), 1.0, ()
+        completion = preset.grpo.max_completion_tokens  # the loss reads completion tokens only
+        return len(prompts), completion / (preset.data.seq_len + completion), ()
     if preset.train.objective in PREFERENCE_OBJECTIVES:
         pairs = load_preference_train_eval(
             preset.data,

@@ -275,8 +275,12 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
     rows, row_len = forward_rows(kw.get("micro_batch", t.micro_batch),
                                  kw.get("seq_len", preset.data.seq_len),
                                  packed=preset.data.pack, objective=t.objective)  # fmt: skip
-    if t.objective == "grpo":  # a prompt's completions: rows of prompt + completion tokens
-        rows, row_len = rows * preset.grpo.generations, row_len + preset.grpo.max_completion_tokens
+    share = kw.get("target_share", 1.0)
+    if t.objective == "grpo":  # a prompt's completions: rows of prompt + completion tokens,
+        # the loss normalising the completion tokens' logits only
+        completion = preset.grpo.max_completion_tokens
+        rows, row_len = rows * preset.grpo.generations, row_len + completion
+        share = min(share, completion / row_len)
     return TrainShape(
         method=method,  # type: ignore[arg-type]
         distribution=dist,  # type: ignore[arg-type]
@@ -292,7 +296,7 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         lora_targets=targets if isinstance(targets, str) else tuple(targets),
         packed=preset.data.pack,
         attention=attention_path(hw.kind, dtype, [d.compute_capability for d in hw.devices]),  # type: ignore[arg-type]
-        target_share=kw.get("target_share", 1.0),
+        target_share=share,
         offload=kw.get("offload", "none"),
         offload_activations=kw.get("offload_activations", False),
         objective=t.objective,

@@ -7,8 +7,9 @@ summation order):
 - 2 processes, stopped after step 3 (HOMELAB_DP_STOP_AT_STEP) and resumed: every step's
   rollouts are the same text as the 1-process run's (generation depends on the seed, the step
   and the prompt only: the resume saves no generator state) and the adapters end equal;
-- 2 processes with a user reward that raises from step 2 on: the run fails naming the
-  function and the prompt, the checkpoint of step 1 kept.
+- 2 processes with a KL term (beta > 0: the reference is the base with the adapters off) and a
+  user reward that raises from step 2 on: step 1's KL is 0 (the adapters start at zero), then
+  the run fails naming the function and the prompt, the checkpoint of step 1 kept.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stopped = events(two)
     assert run(two, 2, resume=True) == 0
     (root / "mine.py").write_text(RAISES)
-    bad = make_grpo_run(root, "bad", world=2, accum=1, checkpoint_every=1,
+    bad = make_grpo_run(root, "bad", world=2, accum=1, checkpoint_every=1, beta=0.04,
                         rewards=["mine.py:flaky"])  # fmt: skip
     rc = run(bad, 2)
     return {"one": one, "two": two, "stopped": stopped, "bad": bad, "bad_rc": rc}
@@ -128,11 +129,13 @@ def test_the_reward_rises_and_1_process_equals_2_stopped_and_resumed(
 
 
 @pytest.mark.timeout(900)
-def test_a_reward_that_raises_ends_the_run_naming_it_and_the_prompt(
+def test_kl_to_the_adapters_off_and_a_reward_that_raises_ends_the_run(
     grpo_runs: dict[str, Any],
 ) -> None:
     bad = grpo_runs["bad"]
     assert grpo_runs["bad_rc"] != 0
+    (step1,) = events(bad, "step")
+    assert step1["kl"] == 0.0 and step1["reward"] == 0.0  # policy = reference; flaky gives 0
     errors = events(bad, "error")
     assert errors, events(bad)
     message = errors[0]["message"]

@@ -84,3 +84,25 @@ def test_the_knobs_of_a_plan_that_does_not_fit() -> None:
     qlora = grpo_knobs(LLAMA3_8B, cost, 1, generations=2, max_completion_tokens=32,
                        method="qlora")  # fmt: skip
     assert qlora == []
+
+
+def test_the_planner_budgets_a_prompts_completions_as_rows_of_full_logits() -> None:
+    from homelab_dp.planning.memory.device_memory import loss_head_bytes
+    from homelab_dp.planning.memory.train_shape import plain_logits
+    from homelab_dp.planning.planner import train_shape
+    from homelab_dp.presets.preset import preset_from_dict
+    from homelab_dp.probe.hardware import GiB, parse_gpus_spec
+
+    preset = preset_from_dict({
+        "model": {"path": "m"}, "data": {"path": "d", "seq_len": 256},
+        "train": {"objective": "grpo", "micro_batch": 2},
+        "grpo": {"generations": 8, "max_completion_tokens": 512, "rewards": ["exact_answer"]},
+    })  # fmt: skip
+    hw = parse_gpus_spec("2x24GiB", 64 * GiB)
+    shape = train_shape(preset, hw, "qlora", "ddp", True)
+    assert (shape.micro_batch, shape.seq_len) == (16, 768)  # 2 prompts × 8 rows of 256 + 512
+    assert shape.target_share == pytest.approx(512 / 768)  # only completion tokens normalised
+    assert plain_logits(shape)
+    head = loss_head_bytes(LLAMA3_8B, shape)
+    n, t, v = 16 * 768, 16 * 512, LLAMA3_8B.vocab
+    assert head["forward"] == n * v * 2 + t * v * 4 + t * v * 2  # logits, fp32 rows, bf16 gather
