@@ -107,6 +107,14 @@ def grpo_checks(preset: Any) -> list[str]:
     if t.distribution not in ("auto", "ddp"):
         out.append(f"train.distribution: GRPO runs under ddp (each rank decodes its own prompts "
                    f"with unsharded weights), got {t.distribution!r}")  # fmt: skip
+    d = preset.data
+    if d.eval_path or d.eval_fraction > 0:
+        out.append("data.eval_path / data.eval_fraction: GRPO has no held-out evaluation yet "
+                   "(every step's rollouts and rewards are its record): leave them unset")  # fmt: skip
+    if not isinstance(t.sample_every, str) and not d.sample_prompts:
+        out.append(f"train.sample_every: GRPO samples its own prompts every step (the "
+                   f"rollouts); set data.sample_prompts too, or train.sample_every = 'off', "
+                   f"got {t.sample_every}")  # fmt: skip
     if g.beta > 0 and t.method == "full":
         out.append(f"grpo.beta: the KL's reference is the base with the adapters off, but "
                    f"train.method = 'full' has no adapters (got beta {g.beta}): set "

@@ -138,6 +138,7 @@ def test_kl_to_the_adapters_off_and_a_reward_that_raises_ends_the_run(
     assert step1["kl"] == 0.0 and step1["reward"] == 0.0  # policy = reference; flaky gives 0
     errors = events(bad, "error")
     assert errors, events(bad)
+    assert len({e["message"] for e in errors}) == 1  # every rank ends with the same error
     message = errors[0]["message"]
     assert "reward flaky" in message and "mine.py" in message and "raised on prompt" in message
     assert "ValueError: no plus after step 1" in message and " plus " in message

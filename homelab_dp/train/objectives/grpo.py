@@ -41,7 +41,7 @@ from homelab_dp.train.objectives.grpo_losses import (
     masked_sum,
     token_losses,
 )
-from homelab_dp.train.reward_functions import Rewards
+from homelab_dp.train.reward_functions import RewardError, Rewards
 from homelab_dp.train.sample_answers import _eos_ids, evaluating
 
 if TYPE_CHECKING:
@@ -115,8 +115,8 @@ class GrpoObjective:
                 index.append(i)
                 for name in names:
                     columns.setdefault(name, []).append(record.columns.get(name))
-        scores = torch.tensor(self.rewards.score(prompts, texts, columns, index),
-                              dtype=torch.float64).reshape(len(texts), len(self.specs))  # fmt: skip
+        scored = self._score_together(prompts, texts, columns, index, rank)
+        scores = torch.tensor(scored, dtype=torch.float64).reshape(len(texts), len(self.specs))
         total = scores @ torch.tensor(self.weights, dtype=torch.float64)
         lengths = torch.cat([groups[i].mask.sum(1) for i in mine]).to(torch.float64)
         truncated = torch.cat([groups[i].truncated for i in mine]).to(torch.float64)
@@ -140,6 +140,26 @@ class GrpoObjective:
         self._figures(whole, gen_s)
         if g.rollouts and self.run_dir is not None:
             self._write_rollouts(step + 1, rank, mine, texts, scores, total, index)
+
+    def _score_together(self, prompts: list[Any], texts: list[str], columns: dict[str, list[Any]],
+                        index: list[int], rank: Any) -> list[list[float]]:  # fmt: skip
+        """This rank's rewards; a reward that failed on any rank ends every rank with the
+        first failing rank's error (one small all-gather: no rank left waiting in the next
+        collective)."""
+        import torch.distributed as dist
+
+        scores: list[list[float]] = []
+        failure = None
+        try:
+            scores = self.rewards.score(prompts, texts, columns, index)  # type: ignore[union-attr]
+        except RewardError as exc:
+            failure = (exc.message, exc.hint)
+        failures: list[Any] = [None] * rank.world
+        dist.all_gather_object(failures, failure)
+        first = next((f for f in failures if f is not None), None)
+        if first is not None:
+            raise RewardError(*first)
+        return scores
 
     def _figures(self, whole: torch.Tensor, gen_s: float) -> None:
         total = whole[:, 1]

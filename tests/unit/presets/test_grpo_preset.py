@@ -43,6 +43,8 @@ BAD = [
     (['grpo.rewards=["missing.py:f"]'], "grpo.rewards[0]: 'missing.py:f': no file"),
     (["grpo.engine=vllm"], "grpo.engine: expected 'auto' | 'transformers'"),
     (["data.format=completion"], "data.format: GRPO reads prompts"),
+    (["data.eval_fraction=0.1"], "data.eval_path / data.eval_fraction: GRPO has no held-out"),
+    (["train.sample_every=5"], "train.sample_every: GRPO samples its own prompts"),
 ]  # fmt: skip
 
 
