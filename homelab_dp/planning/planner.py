@@ -65,6 +65,7 @@ from typing import Any
 from homelab_dp.errors import PresetError
 from homelab_dp.planning.attention_rule import choose_attention, flash_attn_version
 from homelab_dp.planning.memory.device_memory import TrainShape, budget, logits_bytes
+from homelab_dp.planning.memory.grpo_memory import kv_cache_bytes
 from homelab_dp.planning.memory.host_memory import HostBudget, host_budget
 from homelab_dp.planning.memory.memory_calibration import (
     HardwareCalibration,
@@ -514,6 +515,8 @@ def plan(
         shape = _shape_of(preset, hw, best_effort)
         objective = plan_objective(spec, preset, hw, best_effort)
         reasons += objective_reasons(objective, logits_bytes(spec, shape))
+    if preset.train.objective == "grpo":
+        reasons.append(grpo_reason(spec, preset, dtype))
     reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:
@@ -550,6 +553,20 @@ def plan(
         idle=idle,
         objective=objective,
     )
+
+
+def grpo_reason(spec: ModelSpec, preset: Preset, dtype: str) -> str:
+    """Which engine generates GRPO's completions, and its KV cache
+    (`homelab_dp.planning.memory.grpo_memory`)."""
+    g = preset.grpo
+    tokens = preset.data.seq_len + g.max_completion_tokens
+    kv = kv_cache_bytes(spec, g.generations, tokens, 4 if dtype == "fp32" else 2)
+    return (f"GRPO: each rank generates its prompts' completions with transformers (the weights "
+            f"being trained{', adapters on' if preset.train.method != 'full' else ''}), one "
+            f"prompt's {g.generations} at a time: a KV cache of {g.generations} × "
+            f"({preset.data.seq_len} + {g.max_completion_tokens}) tokens = "
+            f"{kv / 2**20:,.0f} MiB, freed before the training forward; decoding is bound by "
+            "memory bandwidth (every new token reads the weights once).")  # fmt: skip
 
 
 def _shape_of(preset: Preset, hw: PlanHardware, c: Candidate) -> TrainShape:

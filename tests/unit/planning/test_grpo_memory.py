@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
+from homelab_dp.planning.memory.device_memory import loss_head_bytes
 from homelab_dp.planning.memory.grpo_memory import (
     completion_logits_bytes,
     generation_seconds,
@@ -13,7 +15,12 @@ from homelab_dp.planning.memory.grpo_memory import (
     grpo_knobs,
     kv_cache_bytes,
 )
+from homelab_dp.planning.memory.train_shape import plain_logits
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.planner import train_shape
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.probe.hardware import GiB, parse_gpus_spec
+from tests.conftest import run_cli
 from tests.unit.planning.test_model_spec import PUBLISHED
 
 LLAMA3_8B = spec_from_config(PUBLISHED["Meta-Llama-3-8B"][0])
@@ -87,12 +94,6 @@ def test_the_knobs_of_a_plan_that_does_not_fit() -> None:
 
 
 def test_the_planner_budgets_a_prompts_completions_as_rows_of_full_logits() -> None:
-    from homelab_dp.planning.memory.device_memory import loss_head_bytes
-    from homelab_dp.planning.memory.train_shape import plain_logits
-    from homelab_dp.planning.planner import train_shape
-    from homelab_dp.presets.preset import preset_from_dict
-    from homelab_dp.probe.hardware import GiB, parse_gpus_spec
-
     preset = preset_from_dict({
         "model": {"path": "m"}, "data": {"path": "d", "seq_len": 256},
         "train": {"objective": "grpo", "micro_batch": 2},
@@ -106,3 +107,16 @@ def test_the_planner_budgets_a_prompts_completions_as_rows_of_full_logits() -> N
     head = loss_head_bytes(LLAMA3_8B, shape)
     n, t, v = 16 * 768, 16 * 512, LLAMA3_8B.vocab
     assert head["forward"] == n * v * 2 + t * v * 4 + t * v * 2  # logits, fp32 rows, bf16 gather
+
+
+def test_the_plan_names_the_engine_and_the_generation_cache(
+    in_repo: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = run_cli(capsys, "plan", "qwen3-8b-grpo-qlora-2x24gb", "--gpus", "2x24GiB",
+                           "--json")  # fmt: skip
+    assert rc == 0, err
+    reasons = " ".join(json.loads(out)["reasons"])
+    # Qwen3-8B: 36 layers × 8 KV heads × 128 dims × (K, V) × 2 bytes = 144 KiB a token
+    assert "with transformers (the weights being trained, adapters on)" in reasons
+    assert f"8 × (256 + 512) tokens = {8 * 768 * 144 // 1024:,} MiB" in reasons
+    assert "Effective batch 8 prompts" in reasons
