@@ -12,7 +12,12 @@ import pytest
 from homelab_dp.data.prompt_records import read_prompts
 from homelab_dp.errors import DataError, RunFailedError
 from homelab_dp.presets.reward_specs import reward_specs
+from homelab_dp.render.run_view import objective_text
+from homelab_dp.runs.run_events import StepEvent, parse_event
+from homelab_dp.runs.run_view import RunView
+from homelab_dp.train.reporting import step_scalars
 from homelab_dp.train.reward_functions import RewardError, Rewards, final_answer
+from homelab_dp.tui.screens.monitor import OBJECTIVE_CHARTS
 
 
 def _write(path: Path, records: list[object]) -> Path:
@@ -133,9 +138,6 @@ def test_a_slow_user_reward_is_stopped_at_its_time_limit(user_file: str) -> None
 
 
 def test_grpo_step_figures_round_trip_and_reach_the_loggers() -> None:
-    from homelab_dp.runs.run_events import StepEvent, parse_event
-    from homelab_dp.train.reporting import step_scalars
-
     event = StepEvent(step=3, loss=0.5, reward=0.75, reward_std=0.25, clipped=0.0,
                       reward_functions={"exact_answer": 0.5, "brevity": 1.25},
                       completion_length=7.5, generation_s=0.2)  # fmt: skip
@@ -152,3 +154,17 @@ def test_grpo_step_figures_round_trip_and_reach_the_loggers() -> None:
     sft = StepEvent(step=1, loss=1.0)  # another objective: no reward keys at all
     assert not [k for k in sft.to_json() if k.startswith("reward_") and k != "reward_margin"
                 and k != "reward_accuracy" and k != "reward_std"]  # fmt: skip
+
+
+def test_status_and_the_monitor_read_grpos_reward() -> None:
+    view = RunView()
+    for step, reward in ((1, 0.125), (2, 0.5)):
+        line = StepEvent(step=step, total_steps=2, loss=0.1, reward=reward, reward_std=0.25,
+                         completion_length=9.5, clipped=0.0,
+                         reward_functions={"length": reward}).to_json()  # fmt: skip
+        view.apply(json.loads(json.dumps(line)))
+    doc = view.objective_doc()
+    assert doc is not None and doc["reward"] == 0.5 and doc["completion_length"] == 9.5
+    assert view.series("reward") == [0.125, 0.5]  # the Monitor's chart
+    assert "reward" in [figure for figure, _, _ in OBJECTIVE_CHARTS]
+    assert objective_text(doc) == "reward 0.500 ± 0.250, completion 9.5 tokens"
