@@ -8,8 +8,9 @@ summation order):
   rollouts are the same text as the 1-process run's (generation depends on the seed, the step
   and the prompt only: the resume saves no generator state) and the adapters end equal;
 - 2 processes with a KL term (beta > 0: the reference is the base with the adapters off) and a
-  user reward that raises from step 2 on: step 1's KL is 0 (the adapters start at zero), then
-  the run fails naming the function and the prompt, the checkpoint of step 1 kept.
+  user reward that raises from step 2 on, rollouts off: step 1's KL is 0 (the adapters start
+  at zero), then the run fails naming the function and the prompt, the checkpoint of step 1
+  kept, no rollouts written.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert run(two, 2, resume=True) == 0
     (root / "mine.py").write_text(RAISES)
     bad = make_grpo_run(root, "bad", world=2, accum=1, checkpoint_every=1, beta=0.04,
-                        rewards=["mine.py:flaky"])  # fmt: skip
+                        rewards=["mine.py:flaky"], rollouts=False)  # fmt: skip
     rc = run(bad, 2)
     return {"one": one, "two": two, "stopped": stopped, "bad": bad, "bad_rc": rc}
 
@@ -136,6 +137,7 @@ def test_kl_to_the_adapters_off_and_a_reward_that_raises_ends_the_run(
     assert grpo_runs["bad_rc"] != 0
     (step1,) = events(bad, "step")
     assert step1["kl"] == 0.0 and step1["reward"] == 0.0  # policy = reference; flaky gives 0
+    assert not (bad / "rollouts").exists()  # grpo.rollouts = false
     errors = events(bad, "error")
     assert errors, events(bad)
     assert len({e["message"] for e in errors}) == 1  # every rank ends with the same error
