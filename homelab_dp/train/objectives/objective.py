@@ -16,7 +16,8 @@ collective), then asks the objective
 
 An objective with a reference model gets it from `train.objectives.reference`. Per-block unit
 counts, e.g. SFT: target tokens; DPO: pairs; ORPO: pairs and the chosen answers' target tokens;
-KTO: completions, desirable and undesirable ones. A new objective (GRPO, say) is a new module
+KTO: completions, desirable and undesirable ones; GRPO: prompts (its `begin_step` generates and
+scores their completions and agrees on the batch's advantages). A new objective is a new module
 here and a line in `objective_for`: the loop stays as it is.
 """
 
@@ -43,7 +44,7 @@ class Objective(Protocol):
     """One training objective as the loop sees it (see the module docstring)."""
 
     name: str
-    """``train.objective``: sft, dpo, orpo or kto."""
+    """``train.objective``: sft, dpo, orpo, kto or grpo."""
     metrics: tuple[str, ...]
     """Names of the metric sums `micro_step` returns, in order."""
 
