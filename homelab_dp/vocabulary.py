@@ -17,10 +17,11 @@ FSDP2 sharding everything."""
 Offload = Literal["none", "optimizer", "params"]
 """What FSDP keeps in host RAM: nothing; the optimizer state (the step on the CPU); the sharded
 weights, gradients and optimizer state (FSDP2's CPUOffloadPolicy)."""
-Objective = Literal["sft", "dpo", "orpo", "kto"]
+Objective = Literal["sft", "dpo", "orpo", "kto", "grpo"]
 """What a run trains for: supervised fine-tuning on target tokens; Direct Preference
 Optimization on chosen/rejected pairs; ORPO (SFT plus an odds-ratio term on pairs, no
-reference); KTO on completions labelled desirable or not."""
+reference); KTO on completions labelled desirable or not; GRPO, online reinforcement learning
+on completions the model generates, scored by reward functions (``[grpo]``)."""
 Reference = Literal["adapters", "precompute", "copy"]
 """Where DPO/KTO's reference log-probabilities come from: the same base with the LoRA adapters
 disabled; one data-parallel pass before training, cached beside the token cache; a frozen copy

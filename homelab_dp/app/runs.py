@@ -168,6 +168,12 @@ def check_data(
         source_of(preset.data, eval_data=True)
     # Loaded only if the token cache misses: a hit imports no transformers here (seconds).
     tokenizer = TokenizerRef(Path(preset.model.path), lambda: load_tokenizer(preset))
+    if preset.train.objective == "grpo":  # prompts (`homelab_dp.data.prompt_records`)
+        from homelab_dp.data.prompt_records import read_prompts
+
+        prompts = read_prompts(preset.data.path, preset.data.split, preset.data.columns)
+        completion = preset.grpo.max_completion_tokens  # the loss reads completion tokens only
+        return len(prompts), completion / (preset.data.seq_len + completion), ()
     if preset.train.objective in PREFERENCE_OBJECTIVES:
         pairs = load_preference_train_eval(
             preset.data,

@@ -147,7 +147,9 @@ def lr_advice(preset: Preset, world_size: int) -> LrAdvice:
     ratio = effective / ref
     linear, sqrt = t.lr * ratio, t.lr * math.sqrt(ratio)
     applied = {"none": t.lr, "linear": linear, "sqrt": sqrt}[t.lr_scaling]
-    unit = {"dpo": "pairs", "orpo": "pairs", "kto": "completions"}.get(t.objective, "sequences")
+    unit = {"dpo": "pairs", "orpo": "pairs", "kto": "completions", "grpo": "prompts"}.get(
+        t.objective, "sequences"
+    )
     return LrAdvice(t.lr, ref, effective, linear, sqrt, t.lr_scaling, applied, t.warmup_steps, unit)
 
 

@@ -69,6 +69,7 @@ from homelab_dp.planning.attention_rule import (
     flash_attn_version,
 )
 from homelab_dp.planning.memory.device_memory import TrainShape, budget, logits_bytes
+from homelab_dp.planning.memory.grpo_memory import kv_cache_bytes
 from homelab_dp.planning.memory.host_memory import HostBudget, host_budget
 from homelab_dp.planning.memory.memory_calibration import (
     HardwareCalibration,
@@ -304,6 +305,12 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
     rows, row_len = forward_rows(kw.get("micro_batch", t.micro_batch),
                                  kw.get("seq_len", preset.data.seq_len),
                                  packed=preset.data.pack, objective=t.objective)  # fmt: skip
+    share = kw.get("target_share", 1.0)
+    if t.objective == "grpo":  # a prompt's completions: rows of prompt + completion tokens,
+        # the loss normalising the completion tokens' logits only
+        completion = preset.grpo.max_completion_tokens
+        rows, row_len = rows * preset.grpo.generations, row_len + completion
+        share = min(share, completion / row_len)
     return TrainShape(
         method=method,  # type: ignore[arg-type]
         distribution=dist,  # type: ignore[arg-type]
@@ -323,7 +330,7 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
             c is not None and c < FLASH_MIN_CAPABILITY
             for c in (d.compute_capability for d in hw.devices)
         ),  # fmt: skip
-        target_share=kw.get("target_share", 1.0),
+        target_share=share,
         offload=kw.get("offload", "none"),
         offload_activations=kw.get("offload_activations", False),
         objective=t.objective,
@@ -393,6 +400,11 @@ def allowed_options(preset: Preset) -> list[tuple[str, str]]:
         pairs = [(mm, dd) for mm, dd in pairs if mm == "full" and dd not in SHARDED] or pairs
     if m == "auto" and names_experts(preset):  # NF4 experts take no adapters
         pairs = [(mm, dd) for mm, dd in pairs if mm != "qlora"] or pairs
+    if t.objective == "grpo":
+        # Each rank decodes its own prompts (forwards of its own count): unsharded weights only;
+        # the reference (beta > 0) is the base with the adapters off.
+        pairs = [(mm, dd) for mm, dd in pairs
+                 if dd == "ddp" and (preset.grpo.beta == 0 or mm != "full")] or pairs  # fmt: skip
     if not pairs:  # e.g. method=lora with distribution=zero1: plan it anyway, flagged unsupported
         pairs = [(m if m != "auto" else "full", d if d != "auto" else "ddp")]
     return pairs
@@ -532,10 +544,15 @@ def plan(
                              SAFETY_MARGIN, only_offload=later)  # fmt: skip
     reasons += host_short_reasons(short, host_available)
     objective = None
-    if preset.train.objective != "sft":  # what the objective costs (`planning.objective_cost`)
+    if preset.train.objective not in (
+        "sft",
+        "grpo",
+    ):  # what the objective costs (`planning.objective_cost`)
         shape = _shape_of(preset, hw, best_effort)
         objective = plan_objective(spec, preset, hw, best_effort)
         reasons += objective_reasons(objective, logits_bytes(spec, shape))
+    if preset.train.objective == "grpo":
+        reasons.append(grpo_reason(spec, preset, dtype))
     reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:
@@ -572,6 +589,20 @@ def plan(
         idle=idle,
         objective=objective,
     )
+
+
+def grpo_reason(spec: ModelSpec, preset: Preset, dtype: str) -> str:
+    """Which engine generates GRPO's completions, and its KV cache
+    (`homelab_dp.planning.memory.grpo_memory`)."""
+    g = preset.grpo
+    tokens = preset.data.seq_len + g.max_completion_tokens
+    kv = kv_cache_bytes(spec, g.generations, tokens, 4 if dtype == "fp32" else 2)
+    return (f"GRPO: each rank generates its prompts' completions with transformers (the weights "
+            f"being trained{', adapters on' if preset.train.method != 'full' else ''}), one "
+            f"prompt's {g.generations} at a time: a KV cache of {g.generations} × "
+            f"({preset.data.seq_len} + {g.max_completion_tokens}) tokens = "
+            f"{kv / 2**20:,.0f} MiB, freed before the training forward; decoding is bound by "
+            "memory bandwidth (every new token reads the weights once).")  # fmt: skip
 
 
 def _shape_of(preset: Preset, hw: PlanHardware, c: Candidate) -> TrainShape:

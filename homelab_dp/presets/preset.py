@@ -21,6 +21,8 @@ from typing import Any, Literal, get_args, get_origin
 
 from homelab_dp import vocabulary
 from homelab_dp.errors import PresetError
+from homelab_dp.presets import grpo_section
+from homelab_dp.presets.grpo_section import GrpoSection, grpo_checks
 
 Dtype = Literal["auto", vocabulary.Dtype]
 DataFormat = Literal[
@@ -109,8 +111,9 @@ class TrainSection:
     objective: vocabulary.Objective = "sft"
     """sft (supervised fine-tuning on the target tokens) | dpo (Direct Preference Optimization
     on chosen/rejected pairs) | orpo (SFT on the chosen answer plus an odds-ratio term; no
-    reference model) | kto (completions labelled desirable or not). dpo, orpo and kto need
-    preference data (data.format preference or kto)."""
+    reference model) | kto (completions labelled desirable or not) | grpo (reinforcement learning
+    on completions the model generates for prompts, scored by the [grpo] rewards). dpo, orpo
+    and kto need preference data (data.format preference or kto); grpo prompts."""
     beta: float = 0.1
     """DPO/KTO: the temperature of the implicit reward, beta × (log π − log π_ref); higher keeps
     the policy closer to the reference."""
@@ -289,6 +292,7 @@ class Preset:
     cost: CostSection = field(default_factory=CostSection)
     log: LogSection = field(default_factory=LogSection)
     sweep: SweepSection = field(default_factory=SweepSection)
+    grpo: GrpoSection = field(default_factory=GrpoSection)
     source: str = ""
     """The file the preset was read from (not a TOML key)."""
 
@@ -300,8 +304,8 @@ class Preset:
 
 
 # The sections are defined beside this module; importers take them from here.
-__all__ = ["SECTIONS", "CostSection", "DataSection", "HardwareSection", "LogSection", "LoraSection",
-           "ModelSection", "Preset", "TrainSection", "apply_overrides", "field_docs", "load_preset",
+__all__ = ["SECTIONS", "CostSection", "DataSection", "GrpoSection", "HardwareSection",
+           "LogSection", "LoraSection", "ModelSection", "Preset", "TrainSection", "apply_overrides", "field_docs", "load_preset",
            "parse_override", "preset_from_dict"]  # fmt: skip
 
 if sys.version_info >= (3, 11):
@@ -318,18 +322,19 @@ SECTIONS: dict[str, type] = {
     "cost": CostSection,
     "log": LogSection,
     "sweep": SweepSection,
+    "grpo": GrpoSection,
 }
 
 # Sizes that must be at least 1 (0 and negatives are rejected); values that must not be negative.
 _POSITIVE = {"data.seq_len", "train.micro_batch", "train.grad_accum", "train.log_every",
              "train.keep_checkpoints", "lora.r", "lora.alpha", "hardware.nproc",
-             "train.sample_max_tokens"}  # fmt: skip
+             "train.sample_max_tokens"} | grpo_section.POSITIVE  # fmt: skip
 _NON_NEGATIVE = {
     "train.max_steps", "train.epochs", "train.warmup_steps", "train.checkpoint_every",
     "train.weight_decay", "train.max_grad_norm", "train.reference_batch", "train.watchdog_s",
     "train.collective_timeout_s", "cost.per_kwh", "lora.dropout", "train.min_lr_ratio",
     "train.sample_temperature", "train.eval_every", "train.early_stopping_patience",
-}  # fmt: skip
+} | grpo_section.NON_NEGATIVE  # fmt: skip
 _POSITIVE_FLOAT = {"train.lr"}
 _RANGES = {"data.eval_fraction": (0.0, 0.5)}
 
@@ -503,7 +508,7 @@ def _cross_checks(preset: Preset, data: dict[str, Any]) -> list[str]:
         if train.optimizer != "adamw":
             problems.append(f"train.offload = {train.offload!r} steps AdamW in host memory: set "
                             f"train.optimizer = 'adamw', got {train.optimizer!r}")  # fmt: skip
-    return problems + _objective_checks(preset) + _eval_checks(preset)
+    return problems + _objective_checks(preset) + _eval_checks(preset) + grpo_checks(preset)
 
 
 def _objective_checks(preset: Preset) -> list[str]:

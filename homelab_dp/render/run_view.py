@@ -39,6 +39,12 @@ def objective_text(figures: dict[str, Any] | None) -> str | None:
     if not figures:
         return None
     parts = []
+    if figures.get("reward") is not None:  # GRPO
+        spread = figures.get("reward_std")
+        parts.append(f"reward {figures['reward']:.3f}"
+                     + (f" ± {spread:.3f}" if spread is not None else ""))  # fmt: skip
+        if figures.get("completion_length") is not None:
+            parts.append(f"completion {figures['completion_length']:.1f} tokens")
     if figures.get("reward_accuracy") is not None:
         parts.append(f"reward accuracy {figures['reward_accuracy']:.3f}")
     if figures.get("reward_margin") is not None:

@@ -164,6 +164,31 @@ class StepEvent(Event):
     compute_seconds: float | None = None
     """Seconds of this step not spent waiting on communication (step time − exposed
     communication, mean over ranks)."""
+    reward: float | None = None
+    """GRPO: the mean of the completions' weighted total reward over the effective batch."""
+    reward_std: float | None = None
+    """GRPO: the standard deviation of that total over the batch."""
+    reward_functions: dict[str, float] = field(default_factory=dict)
+    """GRPO: each reward function's mean, written as ``reward_<name>`` keys of the JSON line."""
+    completion_length: float | None = None
+    """GRPO: the completions' mean length in tokens (their eos included)."""
+    completion_length_min: float | None = None
+    completion_length_max: float | None = None
+    completion_truncated: float | None = None
+    """GRPO: the share of completions cut at grpo.max_completion_tokens."""
+    clipped: float | None = None
+    """GRPO: the share of completion tokens whose importance ratio was clipped."""
+    kl: float | None = None
+    """GRPO (beta > 0): the mean KL estimate to the reference per completion token."""
+    generation_s: float | None = None
+    """GRPO: seconds this step spent generating (rank 0)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """As every event's, with ``reward_functions`` as ``reward_<name>`` keys."""
+        out = super().to_json()
+        for name, value in out.pop("reward_functions").items():
+            out[f"reward_{name}"] = value
+        return out
 
 
 @dataclass(kw_only=True)
@@ -332,6 +357,10 @@ def parse_event(data: dict[str, Any]) -> Event | None:
         return None
     known = {f.name for f in fields(cls)}
     kwargs = {k: v for k, v in data.items() if k in known and v is not None}
+    if cls is StepEvent:  # GRPO's reward_<name> keys
+        kwargs["reward_functions"] = {k[len("reward_") :]: v for k, v in data.items()
+                                      if k.startswith("reward_") and k not in known
+                                      and isinstance(v, (int, float))}  # fmt: skip
     if not isinstance(kwargs.get("time", 0.0), (int, float)):
         kwargs.pop("time")
     return cls(**kwargs)

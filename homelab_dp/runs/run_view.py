@@ -49,6 +49,9 @@ OBJECTIVE_FIGURES = (
 )  # fmt: skip
 """A preference objective's figures (`runs.run_events.StepEvent`): DPO/KTO rewards, ORPO's nll
 and log odds; step and eval events carry the same names, None for objectives without them."""
+STEP_FIGURES = (*OBJECTIVE_FIGURES, "reward", "reward_std", "completion_length", "clipped", "kl")
+"""The objective figures of step events: the preference ones and GRPO's (the mean reward, its
+spread, the completions' mean length, the clipped share and the KL)."""
 SCALING_STEPS = 5
 """Live scaling is the median over this many logged steps that measured their communication:
 one step alone swings with a warm-up, a checkpoint or a busy neighbour."""
@@ -297,7 +300,7 @@ class RunView:
         ``objective_figures`` (None: the run logs none, as SFT)."""
         if not self.figures:
             return None
-        return {name: self.figures[name][-1][1] for name in OBJECTIVE_FIGURES
+        return {name: self.figures[name][-1][1] for name in STEP_FIGURES
                 if self.figures.get(name)}  # fmt: skip
 
     @property
@@ -432,7 +435,7 @@ class RunView:
                        "peak_memory_kind"), given)  # fmt: skip
         self.mfu = None if e.mfu is None else float(e.mfu)  # each step says whether it is known
         # Converted before anything is appended: a damaged line leaves the view as it was.
-        figures = {n: float(getattr(e, n)) for n in OBJECTIVE_FIGURES if getattr(e, n) is not None}
+        figures = {n: float(getattr(e, n)) for n in STEP_FIGURES if getattr(e, n) is not None}
         timing = None
         if e.step_time_s is not None and e.compute_seconds is not None:
             comm = None if e.comm_seconds is None else float(e.comm_seconds)

@@ -158,6 +158,16 @@ class Data:
     """`PairData` of the preference eval data, or None."""
     identical: int = 0
     """Pairs left out because chosen and rejected were the same tokens (`data.preference_blocks`)."""
+    prompts: Any = None
+    """GRPO: `Prompts` (each block is one prompt), else None."""
+
+
+@dataclass
+class Prompts:
+    """GRPO's prompts: the records (`homelab_dp.data.prompt_records`) and their token ids."""
+
+    records: list[Any]
+    ids: list[list[int]]
 
 
 def load_data(preset: Preset, rank: Rank) -> Data:
@@ -175,6 +185,8 @@ def load_data(preset: Preset, rank: Rank) -> Data:
     limit = getattr(config, "max_position_embeddings", None)
     if preset.train.objective in PREFERENCE_OBJECTIVES:
         return _load_pairs(preset, rank, tokenizer, limit)
+    if preset.train.objective == "grpo":
+        return _load_prompts(preset, rank, tokenizer)
     split = load_train_eval(preset.data, tokenizer, seed=preset.train.seed, seq_len_limit=limit,
                             min_blocks=rank.world * rank.micro)  # fmt: skip
     # hit: read what the preflight wrote; built: tokenized here (the cache was missing)
@@ -237,6 +249,53 @@ def _load_pairs(preset: Preset, rank: Rank, tokenizer: Any, limit: int | None) -
         order=SampleOrder(n, train.seed), total_steps=total_steps,
         eval=rows(eval_pairs) if eval_pairs is not None else None, pairs=pairs,
         eval_pairs=eval_pairs, identical=split.identical,
+    )  # fmt: skip
+
+
+def prompt_ids(tokenizer: Any, record: Any) -> list[int]:
+    """A GRPO prompt's token ids: a chat prompt through the chat template with the generation
+    prompt, a text prompt as the tokenizer encodes it (its special tokens included)."""
+    if record.chat:
+        text = tokenizer.apply_chat_template(record.prompt, tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(record.prompt)["input_ids"])
+
+
+def _load_prompts(preset: Preset, rank: Rank, tokenizer: Any) -> Data:
+    """`load_data` of GRPO: every prompt (`homelab_dp.data.prompt_records`) and its token ids;
+    one block per prompt. A prompt longer than data.seq_len tokens is refused."""
+    import torch
+
+    from homelab_dp.data.prompt_records import read_prompts
+
+    records = read_prompts(preset.data.path, preset.data.split, preset.data.columns)
+    ids = [prompt_ids(tokenizer, r) for r in records]
+    seq_len = int(preset.data.seq_len)
+    for r, row in zip(records, ids, strict=True):
+        if len(row) > seq_len:
+            raise HomelabError(f"{r.where}: the prompt is {len(row)} tokens, more than "
+                               f"data.seq_len = {seq_len}",
+                               hint="raise data.seq_len (the longest prompt) or shorten it")  # fmt: skip
+    n = len(records)
+    if n < rank.world * rank.micro:
+        raise HomelabError(f"data.path: {n} prompt(s) for {rank.world} process(es) of "
+                           f"{rank.micro} prompts a micro-step", hint="add prompts")  # fmt: skip
+    width = max(len(row) for row in ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.full((n, width), int(pad), dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    train = preset.train
+    total_steps = train.max_steps or max(1, math.ceil(train.epochs * n / rank.effective))
+    return Data(
+        tokenizer=tokenizer, input_ids=input_ids, labels=torch.zeros_like(input_ids),
+        mask=mask, positions=torch.arange(width)[None, :].expand(n, -1).contiguous(),
+        packed=False, targets=torch.ones(n, dtype=torch.long), real_tokens=mask.sum(1),
+        n_blocks=n, fmt="prompt", order=SampleOrder(n, train.seed), total_steps=total_steps,
+        prompts=Prompts(records, ids),
     )  # fmt: skip
 
 
@@ -485,7 +544,8 @@ def set_up(spec: RunSpec, run_dir: Path, events: Any, resume: bool) -> SetUp:
     if kind == "precompute":
         _precompute(spec, rank, data, model)
     position = resume_position(run_dir, rank, model, events) if resume else Position()
-    objective = objective_for(spec.preset, method=spec.resolved.method, reference=reference)
+    objective = objective_for(spec.preset, method=spec.resolved.method, reference=reference,
+                              run_dir=run_dir, start_step=position.start_step)  # fmt: skip
     return SetUp(rank, data, model, position, memory, objective, kind)
 
 

@@ -193,6 +193,12 @@ OBJECTIVE_FIGURES = (
 )  # fmt: skip
 """A preference objective's figures, in step and eval events alike (None for another one):
 listed, not found by reflection, so a new event field is logged only when it is named here."""
+GRPO_FIGURES = (
+    "reward", "reward_std", "completion_length", "completion_length_min",
+    "completion_length_max", "completion_truncated", "clipped", "kl", "generation_s",
+)  # fmt: skip
+"""GRPO's step figures (None for another objective); each reward function's mean is logged as
+``train/reward_<name>``."""
 
 
 def step_scalars(event: StepEvent) -> dict[str, float]:
@@ -204,6 +210,8 @@ def step_scalars(event: StepEvent) -> dict[str, float]:
         "train/mfu": event.mfu, "train/comm_seconds": event.comm_seconds,
         "train/compute_seconds": event.compute_seconds,
         **{f"train/{name}": getattr(event, name) for name in OBJECTIVE_FIGURES},
+        **{f"train/{name}": getattr(event, name) for name in GRPO_FIGURES},
+        **{f"train/reward_{name}": v for name, v in event.reward_functions.items()},
     }  # fmt: skip
     out = {tag: float(v) for tag, v in named.items() if v is not None}
     for rank, peak in enumerate(event.peak_memory_bytes):

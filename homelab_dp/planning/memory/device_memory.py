@@ -94,7 +94,7 @@ from homelab_dp.planning.memory.train_shape import (
     is_fsdp,
     lora_targets_of,
     offloads,
-    preference,
+    plain_logits,
     trainable_params,
 )
 from homelab_dp.planning.model_spec import ModelSpec
@@ -281,7 +281,7 @@ def loss_head_bytes(spec: ModelSpec, shape: TrainShape) -> dict[str, int]:
     hidden states arrive in fp32 when the residual stream is fp32 (full, unsharded).
     """
     tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
-    if preference(shape):  # the plain logits path (`planning.memory.objective_memory`)
+    if plain_logits(shape):  # the plain logits path (`planning.memory.objective_memory`)
         head = preference_head_bytes(spec, shape)
         return {"forward": head["forward"], "backward": head["backward"]}
     if not chunked_loss(spec):
@@ -304,7 +304,7 @@ def loss_head_saved(spec: ModelSpec, shape: TrainShape) -> list[float]:
     lm_head's weight is not in the compute dtype, its cast. Full logits: the fp32 log-softmax.
     """
     tokens, w = shape.micro_batch * shape.seq_len, compute_width(shape)
-    if preference(shape):
+    if plain_logits(shape):
         return [float(preference_head_bytes(spec, shape)["saved"])]
     if not chunked_loss(spec):
         return [tokens * spec.vocab * 4.0]

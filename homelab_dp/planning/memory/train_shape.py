@@ -78,6 +78,12 @@ def preference(shape: TrainShape) -> bool:
     return shape.objective in PREFERENCE_OBJECTIVES
 
 
+def plain_logits(shape: TrainShape) -> bool:
+    """Whether the loss reads the model's full logits (a preference objective, or GRPO's
+    completion log-probabilities) rather than the chunked cross-entropy."""
+    return preference(shape) or shape.objective == "grpo"
+
+
 def compute_width(shape: TrainShape) -> int:
     """Bytes per element of activations and gathered weights."""
     return 4 if shape.dtype == "fp32" else 2

@@ -1,1 +1,1 @@
-"""Training objectives behind one seam (`objective.Objective`): SFT, DPO, ORPO and KTO."""
+"""Training objectives behind one seam (`objective.Objective`): SFT, DPO, ORPO, KTO and GRPO."""

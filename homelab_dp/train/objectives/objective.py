@@ -16,7 +16,8 @@ collective), then asks the objective
 
 An objective with a reference model gets it from `train.objectives.reference`. Per-block unit
 counts, e.g. SFT: target tokens; DPO: pairs; ORPO: pairs and the chosen answers' target tokens;
-KTO: completions, desirable and undesirable ones. A new objective (GRPO, say) is a new module
+KTO: completions, desirable and undesirable ones; GRPO: prompts (its `begin_step` generates and
+scores their completions and agrees on the batch's advantages). A new objective is a new module
 here and a line in `objective_for`: the loop stays as it is.
 """
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.train.objectives.dpo import DpoObjective
+from homelab_dp.train.objectives.grpo import GrpoObjective
 from homelab_dp.train.objectives.kto import KtoObjective
 from homelab_dp.train.objectives.orpo import OrpoObjective
 from homelab_dp.train.objectives.sft import SftObjective
@@ -42,7 +44,7 @@ class Objective(Protocol):
     """One training objective as the loop sees it (see the module docstring)."""
 
     name: str
-    """``train.objective``: sft, dpo, orpo or kto."""
+    """``train.objective``: sft, dpo, orpo, kto or grpo."""
     metrics: tuple[str, ...]
     """Names of the metric sums `micro_step` returns, in order."""
 
@@ -79,13 +81,19 @@ class PairEvaluation(Protocol):
         ...
 
 
-def objective_for(preset: Preset, *, method: str, reference: Any = None) -> Objective:
+def objective_for(
+    preset: Preset, *, method: str, reference: Any = None, run_dir: Any = None,
+    start_step: int = 0,
+) -> Objective:  # fmt: skip
     """The objective ``preset.train.objective`` names, for a run of ``method`` (full, lora,
-    qlora); ``reference`` is the `train.objectives.reference.Reference` of DPO/KTO."""
+    qlora); ``reference`` is the `train.objectives.reference.Reference` of DPO/KTO; GRPO
+    writes its rollouts under ``run_dir`` and counts its steps from ``start_step``."""
     train = preset.train
     name = train.objective
     if name == "sft":
         return SftObjective()
+    if name == "grpo":
+        return GrpoObjective(preset, run_dir, start_step)
     if name == "orpo":
         return OrpoObjective(train.orpo_lambda)
     if reference is None:
@@ -97,4 +105,4 @@ def objective_for(preset: Preset, *, method: str, reference: Any = None) -> Obje
     if name == "kto":
         return KtoObjective(reference, beta=train.beta)
     raise HomelabError(f"train.objective = {name!r} is not an objective",
-                       hint="use sft, dpo, orpo or kto")  # fmt: skip
+                       hint="use sft, dpo, orpo, kto or grpo")  # fmt: skip

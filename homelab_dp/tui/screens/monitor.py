@@ -45,8 +45,10 @@ OBJECTIVE_CHARTS = (
     ("reward_margin", "reward margin", "{:.3f}"),
     ("nll", "nll", "{:.4f}"),
     ("log_odds_ratio", "log odds", "{:.3f}"),
+    ("reward", "reward", "{:.3f}"),
+    ("completion_length", "completion length", "{:.1f}"),
 )
-"""A preference run's charts: (figure, title, format); each shown once a step gave it."""
+"""A preference or GRPO run's charts: (figure, title, format); each shown once a step gave it."""
 
 
 def chart_id(figure: str) -> str:

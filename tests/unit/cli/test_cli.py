@@ -43,6 +43,8 @@ TARGETS = {  # the hardware each shipped preset's header names
     "qwen3-30b-a3b-qlora-2x24gb": "2x24GiB",
     "gpt-oss-20b-lora-2x24gb": "2x24GiB",
     "tiny-dpo": None,
+    "tiny-grpo": None,
+    "qwen3-8b-grpo-qlora-2x24gb": "2x24GiB",
     "llama3-8b-dpo-qlora-2x24gb": "2x24GiB",
 }
 

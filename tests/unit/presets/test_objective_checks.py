@@ -13,7 +13,7 @@ from homelab_dp.presets.preset import preset_from_dict
 from tests.conftest import run_cli
 
 BAD = [
-    (["train.objective=simpo"], "train.objective: expected 'sft' | 'dpo' | 'orpo' | 'kto'"),
+    (["train.objective=simpo"], "train.objective: expected 'sft' | 'dpo' | 'orpo' | 'kto' | 'grpo'"),
     (["train.objective=dpo", "train.method=full", "train.reference=adapters"],
      "train.reference = 'adapters' needs LoRA or QLoRA"),
     (["train.objective=kto", "train.method=full", "train.reference=adapters"],
