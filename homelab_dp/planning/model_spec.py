@@ -11,7 +11,7 @@ parameter (the tests check it). Other decoders are derived from transformers' mo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,9 @@ SEQ2SEQ = frozenset({
     "blenderbot", "blenderbot-small", "led", "plbart", "bigbird_pegasus", "prophetnet",
     "switch_transformers", "fsmt", "m2m_100", "nllb-moe", "mvp", "whisper", "t5gemma",
 })  # fmt: skip
+MAX_LAYERS = 100_000
+"""The most decoder layers a config.json may state (real models have at most a few hundred):
+every count the planner loops over is bounded by it."""
 DECODER_HINT = (
     "homelab-dp fine-tunes decoder-only causal language models (llama, qwen3, mistral, gemma3, ...)"
 )
@@ -98,6 +101,118 @@ class Experts:
         return self.top_k * self.expert_params + self.shared_params
 
 
+MIXER_KINDS = (
+    "attention", "sliding_attention", "chunked_attention", "mla", "gated_attention",
+    "linear_attention", "mamba2", "mamba", "short_conv", "recurrent",
+)  # fmt: skip
+"""Token mixers a decoder layer may hold. ``attention``: full causal softmax attention;
+``sliding_attention`` / ``chunked_attention``: limited to a window or a chunk; ``mla``:
+multi-head latent attention (DeepSeek); ``gated_attention``: attention whose output is gated by a
+sigmoid of the input (Qwen3-Next, Qwen3.5); ``linear_attention``: Gated DeltaNet (a recurrent
+state per head, a short causal convolution); ``mamba2`` / ``mamba``: selective state-space
+(Mamba-2, Mamba-1); ``short_conv``: LFM2's gated short convolution; ``recurrent``: any other
+recurrent mixer (RWKV, xLSTM, RG-LRU), planned with a generic activation estimate."""
+ATTENTION_KINDS = frozenset({"attention", "sliding_attention", "chunked_attention", "mla",
+                             "gated_attention"})  # fmt: skip
+STATE_KINDS = frozenset({"linear_attention", "mamba2", "mamba", "short_conv", "recurrent"})
+"""Mixers that carry a recurrent (or convolution) state from token to token: a packed block must
+not carry it across a sample boundary."""
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One token mixer of a decoder layer (a layer may hold two side by side: Falcon-H1)."""
+
+    kind: str
+    """One of `MIXER_KINDS`."""
+    linears: tuple[Linear, ...]
+    """Its ``nn.Linear`` projections (names relative to the decoder layer)."""
+    params: int = 0
+    """Its parameters outside the linears: convolution weights, ``A_log``, ``dt_bias``, ``D``,
+    its inner norms, q/k norms, attention sinks."""
+    dims: tuple[tuple[str, int], ...] = ()
+    """Sizes the memory and FLOPs models read, by name: attention ``heads``, ``kv_heads``,
+    ``head_dim``, ``window``; Gated DeltaNet ``k_heads``, ``v_heads``, ``k_dim``, ``v_dim``,
+    ``conv_kernel``; Mamba-2 ``heads``, ``head_dim``, ``state``, ``groups``, ``conv_kernel``,
+    ``inner``; short convolution ``conv_kernel``, ``width``."""
+
+    def dim(self, name: str, default: int = 0) -> int:
+        """The size ``name`` of `dims` (``default`` when not given)."""
+        return next((v for k, v in self.dims if k == name), default)
+
+    @property
+    def total_params(self) -> int:
+        """Linears and the rest."""
+        return sum(lin.params for lin in self.linears) + self.params
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One kind of decoder layer: its mixer(s), its MLP (dense, MoE or none) and the rest."""
+
+    mixers: tuple[Mixer, ...]
+    """() for a layer that is only an MLP (Nemotron-H's MLP and MoE blocks); two for
+    attention and Mamba-2 side by side (Falcon-H1)."""
+    mlp: tuple[Linear, ...] = ()
+    """A dense MLP's linears (empty in a MoE layer, or a mixer-only layer)."""
+    experts: Experts | None = None
+    """The MoE block (its ``layers`` field is not used here: the group's count says it)."""
+    norm_params: int = 0
+    """The layer's own norms."""
+    other_linears: tuple[Linear, ...] = ()
+    """Any other ``nn.Linear`` of the layer (Gemma 4's per-layer input gate and projection)."""
+    other_params: int = 0
+    """Any other parameter of the layer (a layer scalar, norms inside the MLP)."""
+
+    @property
+    def mixer(self) -> str:
+        """The kind of the layer's mixer: one of `MIXER_KINDS`, ``"a+b"`` for two side by
+        side, ``"none"`` for an MLP-only layer."""
+        return "+".join(m.kind for m in self.mixers) or "none"
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        """Every ``nn.Linear`` of the layer but the routed experts and the router."""
+        shared = self.experts.shared if self.experts else ()
+        return (*(lin for m in self.mixers for lin in m.linears), *self.mlp, *shared,
+                *self.other_linears)  # fmt: skip
+
+    @property
+    def params(self) -> int:
+        """Every parameter of one such layer (every expert counted)."""
+        moe = self.experts.layer_params if self.experts else 0
+        return (sum(m.total_params for m in self.mixers) + sum(lin.params for lin in self.mlp)
+                + moe + self.norm_params + sum(lin.params for lin in self.other_linears)
+                + self.other_params)  # fmt: skip
+
+    @property
+    def active_params(self) -> int:
+        """The parameters a token goes through (top-k of the routed experts)."""
+        if self.experts is None:
+            return self.params
+        e = self.experts
+        return self.params - (e.count - e.top_k) * e.expert_params
+
+    @property
+    def quantizable_params(self) -> int:
+        """What 4-bit QLoRA quantizes: the linears, shared and routed experts (not the router)."""
+        routed = self.experts.count * self.experts.expert_params if self.experts else 0
+        return sum(lin.params for lin in self.linears) + routed
+
+    @property
+    def carries_state(self) -> bool:
+        """A mixer carries a recurrent or convolution state from token to token."""
+        return any(m.kind in STATE_KINDS for m in self.mixers)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """``count`` decoder layers of one kind (equal layers grouped wherever they sit)."""
+
+    kind: LayerKind
+    count: int
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What the planner needs to know about a model."""
@@ -148,6 +263,71 @@ class ModelSpec:
     full_logits: bool = False
     """The logits are transformed after lm_head (soft-capping, scaling): the loss keeps the
     full-logits path instead of the chunked head."""
+    blocks: tuple[LayerGroup, ...] = ()
+    """The decoder layers as groups of equal layers, for a model whose layers are not all one
+    attention layer (hybrids, per-layer sizes, dense and MoE layers of different shapes).
+    Empty: every layer is `linears` (+ the MoE block or `dense_mlp`), the uniform form; the
+    counts then follow the fields above. Set: the counts, memory and FLOPs follow the groups;
+    `linears` lists each distinct decoder linear once (for name look-ups) and
+    `norm_params_per_layer` / `other_params_per_layer` are 0."""
+    extras: tuple[tuple[str, int], ...] = ()
+    """Parameters a family adds outside the decoder layers, by name (Gemma 4's per-layer input
+    embeddings and projection, a shared transformer block): counted in `params`, frozen
+    weights to the memory model. ``mtp_layers_not_built`` (a count, not parameters): MTP heads in
+    the checkpoint that transformers does not build and training does not use."""
+
+    @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The decoder layers as groups of equal layers: `blocks`, or for the uniform form one
+        group (a MoE model: its MoE layers and its dense layers)."""
+        if self.blocks:
+            return self.blocks
+        kind = "sliding_attention" if self.sliding_layers >= self.layers > 0 else "attention"
+        mixer = Mixer(kind, self.linears, self.other_params_per_layer,
+                      (("heads", self.heads), ("kv_heads", self.kv_heads),
+                       ("head_dim", self.head_dim), ("window", self.sliding_window)))  # fmt: skip
+        if self.experts is None:
+            return (LayerGroup(LayerKind((mixer,), norm_params=self.norm_params_per_layer),
+                               self.layers),)  # fmt: skip
+        out = [
+            LayerGroup(
+                LayerKind((mixer,), experts=self.experts, norm_params=self.norm_params_per_layer),
+                self.moe_layers,
+            )
+        ]
+        if self.layers > self.moe_layers:
+            out.append(LayerGroup(LayerKind((mixer,), mlp=self.dense_mlp,
+                                            norm_params=self.norm_params_per_layer),
+                                  self.layers - self.moe_layers))  # fmt: skip
+        return tuple(g for g in out if g.count)
+
+    @property
+    def extra_params(self) -> int:
+        """Parameters outside the decoder layers that `extras` names (counts left out)."""
+        return sum(n for name, n in self.extras if name != "mtp_layers_not_built")
+
+    @property
+    def mixer_counts(self) -> dict[str, int]:
+        """Layers per mixer kind (`LayerKind.mixer`)."""
+        out: dict[str, int] = {}
+        for g in self.layer_groups:
+            out[g.kind.mixer] = out.get(g.kind.mixer, 0) + g.count
+        return out
+
+    @property
+    def state_layers(self) -> int:
+        """Layers whose mixer carries a recurrent or convolution state (`STATE_KINDS`): a
+        packed block must not let it leak from one sample into the next."""
+        return sum(g.count for g in self.layer_groups if g.kind.carries_state)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with softmax attention (those that keep a KV cache when serving)."""
+        return sum(
+            g.count
+            for g in self.layer_groups
+            if any(m.kind in ATTENTION_KINDS for m in g.kind.mixers)
+        )
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -172,6 +352,10 @@ class ModelSpec:
     @property
     def params(self) -> int:
         """Exact total parameter count (tied weights counted once, every expert counted)."""
+        outer = (self.embedding_params + self.lm_head_params + self.final_norm_params
+                 + self.vision_params + self.extra_params)  # fmt: skip
+        if self.blocks:
+            return outer + sum(g.count * g.kind.params for g in self.blocks)
         moe = self._mlp_params(self.experts.layer_params) if self.experts else 0
         return (
             self.embedding_params
@@ -180,6 +364,7 @@ class ModelSpec:
             + self.final_norm_params
             + moe
             + self.vision_params
+            + self.extra_params
         )
 
     @property
@@ -187,6 +372,9 @@ class ModelSpec:
         """Parameters one token uses (top-k routed experts; `params` for a dense model).
 
         The vision tower is left out: text training never runs it."""
+        if self.blocks:
+            inactive = sum(g.count * (g.kind.params - g.kind.active_params) for g in self.blocks)
+            return self.params - self.vision_params - inactive
         if self.experts is None:
             return self.params - self.vision_params
         inactive = self.moe_layers * (self.experts.count - self.experts.top_k)
@@ -196,6 +384,8 @@ class ModelSpec:
     def quantizable_params(self) -> int:
         """Parameters that 4-bit QLoRA quantizes: the decoder's linear layers and, in a MoE
         model, the dense MLPs, shared experts and routed experts (the router stays 16-bit)."""
+        if self.blocks:
+            return sum(g.count * g.kind.quantizable_params for g in self.blocks)
         if self.experts is None:
             return self.layers * self.linear_params_per_layer
         shared = sum(lin.params for lin in self.experts.shared)
@@ -206,6 +396,13 @@ class ModelSpec:
         """Trainable LoRA parameters of a dense model: r·(d_in + d_out) per adapted linear, in
         every layer (what the planner counts for any model, MoE included, is
         `planning.memory.moe_memory.lora_param_count`)."""
+        if self.blocks:
+            names = None if targets == "all-linear" else set(targets)
+            return sum(
+                g.count * r * (lin.d_in + lin.d_out)
+                for g in self.blocks for lin in g.kind.linears
+                if names is None or lin.name in names or lin.name.split(".")[-1] in names
+            )  # fmt: skip
         chosen = self.lora_targets(targets)
         return self.layers * sum(r * (lin.d_in + lin.d_out) for lin in chosen)
 
@@ -262,20 +459,152 @@ def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
     return asdict(spec)
 
 
-def spec_from_dict(data: dict[str, Any]) -> ModelSpec:
-    """The spec `spec_to_dict` wrote; ModelSpecError for a document that is not one."""
-    try:
-        linears = lambda rows: tuple(Linear(**row) for row in rows)  # noqa: E731
-        experts = data.get("experts")
-        if experts is not None:
-            experts = Experts(**{**experts, "linears": linears(experts["linears"]),
-                                 "shared": linears(experts.get("shared") or ())})  # fmt: skip
-        return ModelSpec(**{**data, "linears": linears(data["linears"]), "experts": experts,
-                            "dense_mlp": linears(data.get("dense_mlp") or ())})  # fmt: skip
-    except (TypeError, KeyError, AttributeError) as exc:
-        raise ModelSpecError(
-            f"not a model spec ({exc})", hint="delete the cached spec; it is derived again"
-        ) from None
+MAX_SIZE = 10**12
+"""The largest size a spec (or a config.json) may state: 10^12 is above any real width, vocabulary
+or count; a larger one is damage or hostility, refused before arithmetic meets it."""
+_SPEC_INT_MIN = {"layers": 1, "hidden": 1, "heads": 1, "kv_heads": 1, "head_dim": 1,
+                 "intermediate": 0, "vocab": 1}  # fmt: skip
+
+
+def _bad_spec(why: str) -> ModelSpecError:
+    return ModelSpecError(
+        f"not a model spec ({why})", hint="delete the cached spec; it is derived again"
+    )
+
+
+def _int(value: Any, what: str, low: int = 0, high: int = MAX_SIZE) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise _bad_spec(f"{what} must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
+    return value
+
+
+def _obj(value: Any, what: str, keys: set[str], required: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad_spec(f"{what} must be an object")
+    unknown, missing = set(value) - keys, required - set(value)
+    if unknown or missing:
+        raise _bad_spec(f"{what}: unknown {sorted(unknown)[:3]} / missing {sorted(missing)[:3]}")
+    return value
+
+
+def _rows(value: Any, what: str, limit: int = 4096) -> list[Any]:
+    if not isinstance(value, list | tuple) or len(value) > limit:
+        raise _bad_spec(f"{what} must be a list of at most {limit} items")
+    return list(value)
+
+
+def _linear_from(row: Any, what: str) -> Linear:
+    row = _obj(row, what, {"name", "d_in", "d_out", "bias"}, {"name", "d_in", "d_out"})
+    if not isinstance(row["name"], str) or len(row["name"]) > 300:
+        raise _bad_spec(f"{what}.name must be a string")
+    if not isinstance(row.get("bias", False), bool):
+        raise _bad_spec(f"{what}.bias must be true or false")
+    return Linear(row["name"], _int(row["d_in"], f"{what}.d_in", 1),
+                  _int(row["d_out"], f"{what}.d_out", 1), row.get("bias", False))  # fmt: skip
+
+
+def _linears_from(value: Any, what: str) -> tuple[Linear, ...]:
+    return tuple(_linear_from(r, f"{what}[{i}]") for i, r in enumerate(_rows(value or [], what)))
+
+
+def _float(value: Any, what: str, high: float = 1e6) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
+        raise _bad_spec(f"{what} must be a number in [0, {high:g}]")
+    return float(value)
+
+
+def _experts_from(value: Any, what: str) -> Experts:
+    keys = {f.name for f in fields(Experts)}
+    d = _obj(value, what, keys, {"count", "top_k", "linears", "layers"})
+    count = _int(d["count"], f"{what}.count", 1)
+    if not isinstance(d.get("fused", True), bool):
+        raise _bad_spec(f"{what}.fused must be true or false")
+    return Experts(
+        count=count, top_k=_int(d["top_k"], f"{what}.top_k", 1, count),
+        linears=_linears_from(d["linears"], f"{what}.linears"),
+        layers=_int(d["layers"], f"{what}.layers"), fused=d.get("fused", True),
+        router_params=_int(d.get("router_params", 0), f"{what}.router_params"),
+        shared=_linears_from(d.get("shared"), f"{what}.shared"),
+        shared_gate_params=_int(d.get("shared_gate_params", 0), f"{what}.shared_gate_params"),
+        aux_loss_coef=_float(d.get("aux_loss_coef", 0.0), f"{what}.aux_loss_coef"),
+    )  # fmt: skip
+
+
+def _pairs_from(value: Any, what: str) -> tuple[tuple[str, int], ...]:
+    out = []
+    for i, pair in enumerate(_rows(value or [], what, 64)):
+        if not isinstance(pair, list | tuple) or len(pair) != 2 or not isinstance(pair[0], str):
+            raise _bad_spec(f"{what}[{i}] must be a [name, size] pair")
+        out.append((pair[0][:100], _int(pair[1], f"{what}[{i}]")))
+    return tuple(out)
+
+
+def _group_from(value: Any, what: str) -> LayerGroup:
+    g = _obj(value, what, {"kind", "count"}, {"kind", "count"})
+    k = _obj(g["kind"], f"{what}.kind", {f.name for f in fields(LayerKind)}, {"mixers"})
+    mixers = []
+    for i, m in enumerate(_rows(k["mixers"], f"{what}.kind.mixers", 4)):
+        w = f"{what}.kind.mixers[{i}]"
+        m = _obj(m, w, {"kind", "linears", "params", "dims"}, {"kind", "linears"})
+        if m["kind"] not in MIXER_KINDS:
+            raise _bad_spec(f"{w}.kind must be one of {', '.join(MIXER_KINDS)}")
+        mixers.append(Mixer(m["kind"], _linears_from(m["linears"], f"{w}.linears"),
+                            _int(m.get("params", 0), f"{w}.params"),
+                            _pairs_from(m.get("dims"), f"{w}.dims")))  # fmt: skip
+    experts = k.get("experts")
+    kind = LayerKind(
+        mixers=tuple(mixers), mlp=_linears_from(k.get("mlp"), f"{what}.kind.mlp"),
+        experts=None if experts is None else _experts_from(experts, f"{what}.kind.experts"),
+        norm_params=_int(k.get("norm_params", 0), f"{what}.kind.norm_params"),
+        other_linears=_linears_from(k.get("other_linears"), f"{what}.kind.other_linears"),
+        other_params=_int(k.get("other_params", 0), f"{what}.kind.other_params"),
+    )  # fmt: skip
+    return LayerGroup(kind, _int(g["count"], f"{what}.count", 1, MAX_LAYERS))
+
+
+def spec_from_dict(data: Any) -> ModelSpec:
+    """The spec `spec_to_dict` wrote, every field checked (type, range) and the counts positive;
+    ModelSpecError for a document that is not one (a damaged or edited cache is derived again)."""
+    keys = {f.name for f in fields(ModelSpec)}
+    required = {f.name for f in fields(ModelSpec) if f.default is MISSING}
+    d = _obj(data, "spec", keys, required)
+    if not isinstance(d["model_type"], str) or not 0 < len(d["model_type"]) <= 100:
+        raise _bad_spec("model_type must be a short string")
+    for name in ("tied_embeddings", "full_logits"):
+        if not isinstance(d.get(name, False), bool):
+            raise _bad_spec(f"{name} must be true or false")
+    for name in ("source", "quantization"):
+        if d.get(name) is not None and (not isinstance(d[name], str) or len(d[name]) > 4096):
+            raise _bad_spec(f"{name} must be a string")
+    ints = {name: _int(d.get(name, 0), name, _SPEC_INT_MIN.get(name, 0),
+                       MAX_LAYERS if name in ("layers", "sliding_layers") else MAX_SIZE)
+            for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                         "vocab", "max_positions", "embedding_params", "lm_head_params",
+                         "norm_params_per_layer", "final_norm_params", "other_params_per_layer",
+                         "sliding_window", "sliding_layers", "vision_params")}  # fmt: skip
+    floats = {name: _float(d.get(name, 0.0), name, 1.0)
+              for name in ("attention_dropout", "hidden_dropout", "embedding_dropout")}  # fmt: skip
+    blocks = tuple(
+        _group_from(g, f"blocks[{i}]") for i, g in enumerate(_rows(d.get("blocks"), "blocks", 1024))
+    )
+    spec = ModelSpec(**{
+        **d, **ints, **floats,
+        "linears": _linears_from(d["linears"], "linears"),
+        "experts": None if d.get("experts") is None else _experts_from(d["experts"], "experts"),
+        "dense_mlp": _linears_from(d.get("dense_mlp"), "dense_mlp"),
+        "blocks": blocks, "extras": _pairs_from(d.get("extras"), "extras"),
+    })  # fmt: skip
+    if blocks and sum(g.count for g in blocks) != spec.layers:
+        raise _bad_spec("the layer groups do not add up to the layers")
+    if spec.experts is not None and spec.experts.layers > spec.layers:
+        raise _bad_spec("more MoE layers than layers")
+    if spec.sliding_layers > spec.layers:
+        raise _bad_spec("more sliding-window layers than layers")
+    if not 0 < spec.active_params <= spec.params or spec.params > MAX_SIZE * 100:
+        raise _bad_spec(
+            f"its parameter counts are not positive ({spec.params}, {spec.active_params})"
+        )
+    return spec
 
 
 def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
