@@ -389,9 +389,13 @@ def _int_attr(module: Any, *names: str, default: int = 0) -> int:
     return default
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
 def _prefixed(prefix: str, module: nn.Module) -> dict[str, Linear]:
     return {
-        f"{prefix}.{n}" if n else prefix: replace_name(lin, f"{prefix}.{n}" if n else prefix)
+        _join(prefix, n): replace_name(lin, _join(prefix, n))
         for n, lin in _all_linears(module).items()
     }
 
@@ -434,8 +438,8 @@ def _attention_mixer(prefix: str, module: nn.Module, text: Any, index: int, hidd
     head_dim = head_dim or max(1, hidden // heads_cfg)
     out = last.get("o_proj") or last.get("out_proj") or last.get("dense") or last.get("c_proj")
     heads = max(1, out.d_in // head_dim) if out else heads_cfg
-    k = last.get("k_proj")
-    kv_heads = max(1, k.d_out // head_dim) if k else heads
+    k = last.get("k_proj") or last.get("v_proj")
+    kv_heads = max(1, k.d_out // head_dim) if k else 0  # 0: keys and values of another layer
     q = last.get("q_proj")
     if any(n in last for n in ("kv_a_proj_with_mqa", "q_a_proj", "kv_a_proj")):
         kind = "mla"
@@ -452,6 +456,8 @@ def _attention_mixer(prefix: str, module: nn.Module, text: Any, index: int, hidd
         window = _int_attr(text, "sliding_window")
     elif kind == "chunked_attention":
         window = _int_attr(text, "attention_chunk_size", "chunk_size")
+    if q is None and "qkv_proj" not in last and "c_attn" not in last and not k:
+        kv_heads = heads  # a fused projection under another name: as many KV heads as heads
     dims = (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim), ("window", window))
     return Mixer(kind, tuple(linears.values()), rest, dims)
 
@@ -485,7 +491,7 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
     count, fused = 0, True
     expert_ids: set[int] = set()
     for name, p in module.named_parameters():
-        full = f"{prefix}.{name}"
+        full = _join(prefix, name)
         if ".experts." in f".{name}" and "shared" not in name:
             expert_ids.add(id(p))
             if p.dim() == 3:
@@ -544,7 +550,19 @@ def layer_kind(layer: nn.Module, text: Any, index: int, hidden: int) -> LayerKin
     norms = other = 0
     top_k = int(_attr(text, *TOP_K_NAMES, default=0) or 0)
     aux = float(_attr(text, *AUX_NAMES, default=0.0) or 0.0)
-    for child_name, child in layer.named_children():
+    children = dict(layer.named_children())
+    if "experts" in children:  # the experts and their router straight in the layer (Gemma 4)
+        if not top_k:
+            raise ModelSpecError(
+                "a Mixture-of-Experts model without num_experts_per_tok (or top_k_experts)",
+                hint="config.json must say how many experts each token uses",
+            )
+        box = nn.Module()
+        for name in ("experts", "router", "gate"):
+            if name in children:
+                box.add_module(name, children.pop(name))
+        experts = _moe_block("", box, hidden, top_k, aux)
+    for child_name, child in children.items():
         total = _numel(list(child.parameters()))
         if not total:
             continue
@@ -575,6 +593,7 @@ def layer_kind(layer: nn.Module, text: Any, index: int, hidden: int) -> LayerKin
             other_linears += linears.values()
             other += total - sum(lin.params for lin in linears.values())
     other += sum(p.numel() for _, p in layer.named_parameters(recurse=False))
+    mixers.sort(key=lambda m: m.kind not in ATTENTION_KINDS)  # "attention+mamba2"
     return LayerKind(
         mixers=tuple(mixers), mlp=tuple(mlp), experts=experts, norm_params=norms,
         other_linears=tuple(other_linears), other_params=other,
