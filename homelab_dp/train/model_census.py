@@ -38,6 +38,7 @@ from homelab_dp.planning.model_spec import (
     Mixer,
     ModelSpec,
     hand_written_spec,
+    read_config,
     spec_to_dict,
 )
 
@@ -187,7 +188,7 @@ def census(
 ) -> ModelSpec:
     """Build the model of ``folder``'s config.json on the meta device and describe it."""
     source = str(Path(folder) / "config.json")
-    raw = json.loads(Path(source).read_text(encoding="utf-8"))
+    raw = read_config(folder)  # regular, bounded, every size checked (`check_config_sizes`)
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING and not (trust_remote_code and raw.get("auto_map")):
         raise ModelSpecError(
@@ -265,7 +266,7 @@ def describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> Mode
 
 
 def _describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> ModelSpec:
-    hidden = int(text.hidden_size)
+    hidden = hidden_size(model, text)
     layers_name, layers = _decoder_layers(model)
     if not any(_is_attention(name) for name, _ in layers[0].named_modules()):
         raise ModelSpecError(
@@ -357,7 +358,7 @@ def _describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> Mod
         kv_heads=int(_attr(text, "num_key_value_heads", default=heads)), head_dim=head_dim,
         intermediate=int(_attr(text, "moe_intermediate_size", "intermediate_size", default=4 * hidden)
                          if experts else _attr(text, "intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden),
-        vocab=int(text.vocab_size), max_positions=int(_attr(text, "max_position_embeddings", default=0)),
+        vocab=_vocab(model, text), max_positions=int(_attr(text, "max_position_embeddings", default=0)),
         tied_embeddings=tied, linears=tuple(common.values()), embedding_params=embedding,
         lm_head_params=head, norm_params_per_layer=norms, final_norm_params=final_norm,
         other_params_per_layer=other, source="meta-device",
@@ -600,10 +601,29 @@ def layer_kind(layer: nn.Module, text: Any, index: int, hidden: int) -> LayerKin
     )  # fmt: skip
 
 
+def hidden_size(model: nn.Module, text: Any) -> int:
+    """The model's width: the config's, else the token embedding's (BLT names it otherwise)."""
+    value = _attr(text, "hidden_size", "n_embd", "d_model", "dim")
+    if isinstance(value, int) and value > 0:
+        return value
+    inputs = model.get_input_embeddings()
+    if isinstance(inputs, nn.Embedding):
+        return int(inputs.embedding_dim)
+    raise ModelSpecError("its config names no hidden size", hint=DECODER_HINT)
+
+
+def _vocab(model: nn.Module, text: Any) -> int:
+    value = _attr(text, "vocab_size")
+    if isinstance(value, int) and value > 0:
+        return value
+    inputs = model.get_input_embeddings()
+    return int(inputs.num_embeddings) if isinstance(inputs, nn.Embedding) else 1
+
+
 def layer_groups(model: nn.Module, text: Any) -> list[tuple[LayerGroup, list[int]]]:
     """The decoder layers grouped by kind, in the order each kind first appears, with the
     indices of its layers."""
-    hidden = int(text.hidden_size)
+    hidden = hidden_size(model, text)
     _, layers = _decoder_layers(model)
     seen: dict[LayerKind, list[int]] = {}
     for i, layer in enumerate(layers):
@@ -616,7 +636,7 @@ def _describe_groups(
     source: str,
 ) -> ModelSpec:  # fmt: skip
     """The spec of a model whose layers are not one repeated attention layer (`ModelSpec.blocks`)."""
-    hidden = int(text.hidden_size)
+    hidden = hidden_size(model, text)
     layers_name, layers = _decoder_layers(model)
     blocks = tuple(g for g, _ in groups)
     if not any(g.kind.mixers for g in blocks):
@@ -698,7 +718,7 @@ def _describe_groups(
     return ModelSpec(
         model_type=str(text.model_type if not wrapper else model.config.model_type),
         layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        intermediate=intermediate, vocab=int(text.vocab_size),
+        intermediate=intermediate, vocab=_vocab(model, text),
         max_positions=int(_attr(text, "max_position_embeddings", default=0) or 0),
         tied_embeddings=tied, linears=tuple(distinct.values()), embedding_params=embedding,
         lm_head_params=head, norm_params_per_layer=0, final_norm_params=final_norm,
