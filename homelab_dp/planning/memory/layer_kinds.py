@@ -40,6 +40,8 @@ plan, `reference_path_note`).
 
 from __future__ import annotations
 
+import importlib.util
+
 from homelab_dp.planning.memory.moe_memory import kind_mlp_bytes
 from homelab_dp.planning.model_spec import ATTENTION_KINDS, LayerKind, Mixer, ModelSpec
 
@@ -121,6 +123,18 @@ def blocks_activation_bytes(
             per += seq_len * w
         total += g.count * per
     return total / max(1, spec.layers)
+
+
+def installed_kernels() -> set[str]:
+    """The fast kernels' modules installed here (found, not imported: planning stays pure)."""
+    found = set()
+    for _, module, _ in KERNELS.values():
+        try:
+            if importlib.util.find_spec(module) is not None:
+                found.add(module)
+        except (ImportError, ValueError):
+            continue
+    return found
 
 
 def reference_path_note(spec: ModelSpec, installed: set[str], device: str) -> str | None:
