@@ -238,9 +238,13 @@ def kind_mlp_bytes(
     e = kind.experts
     if e is not None:
         i = min(lin.d_in for lin in e.linears) if e.linears else 0
-        trained, frozen = GATE_TENSORS.get(model_type, (4, 3))
+        ins = [lin for lin in e.linears if "down" not in lin.name.rsplit(".", 1)[-1]]
+        gated = len(ins) >= 2 or any(lin.d_out == 2 * i for lin in ins)
+        # SwiGLU experts save (4, 3) intermediate-wide tensors per slot, a plain up/act/down
+        # expert (Nemotron-H's relu²) (2, 1).
+        trained, frozen = GATE_TENSORS.get(model_type, (4, 3) if gated else (2, 1))
         wide = trained * i + 2 * hidden if experts_trained else frozen * i + hidden
-        shared = 2 * sum(lin.d_out for lin in e.shared if lin.d_in == hidden)
+        shared = 2 * sum(lin.d_out for lin in e.shared if "down" not in lin.name.rsplit(".", 1)[-1])
         out += e.top_k * (width * wide + ROUTED_INDEX_BYTES) + 4 * e.count + ROUTER_TOKEN_BYTES
         out += width * shared
     return out

@@ -113,3 +113,73 @@ def test_moe_with_dense_first_layers_has_both_groups(tmp_path):
     assert [g.count for g in moe] == [3] and [g.count for g in dense] == [1]
     assert moe[0].kind.experts.count == 8 and moe[0].kind.experts.top_k == 2
     assert spec.experts is not None and spec.experts.layers == 3
+
+
+# --- activations per layer kind, against the bytes autograd saves on the CPU -----------------
+
+WIDE = {"hidden_size": 256, "vocab_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 32, "intermediate_size": 512, "max_position_embeddings": 4096}  # fmt: skip
+MEASURED_FAMILIES = {
+    "qwen3_5_text": {**WIDE, "num_hidden_layers": 4, "linear_num_key_heads": 4,
+                     "linear_num_value_heads": 8, "linear_key_head_dim": 32,
+                     "linear_value_head_dim": 32},
+    "nemotron_h": {**WIDE, "num_hidden_layers": 4, "hybrid_override_pattern": "M-*E",
+                   "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 64,
+                   "n_groups": 1, "chunk_size": 128, "n_routed_experts": 8,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                   "moe_shared_expert_intermediate_size": 256},
+    "lfm2": {**WIDE, "num_hidden_layers": 2, "full_attn_idxs": [1]},
+}  # fmt: skip
+
+
+def _saved_per_token(model, index: int, seq: int) -> float:
+    """Bytes per token autograd saves in decoder layer ``index`` (weights left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.update(args=args, kwargs=kwargs)
+        raise StopIteration
+
+    layer = model.model.layers[index]
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    with pytest.raises(StopIteration):
+        model(input_ids=torch.randint(0, model.config.vocab_size, (1, seq)))
+    handle.remove()
+    args = [a.detach().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() else a
+            for a in captured["args"]]  # fmt: skip
+    kwargs = dict(captured["kwargs"])
+    if "hidden_states" in kwargs:
+        kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(*args, **kwargs)
+    return sum(seen.values()) / seq
+
+
+@pytest.mark.parametrize("model_type", sorted(MEASURED_FAMILIES))
+def test_planned_activations_per_layer_kind_match_what_autograd_saves(model_type, tmp_path):
+    """Every layer kind of Qwen3.5 (Gated DeltaNet, gated attention), Nemotron-H (Mamba-2,
+    attention, MLP, MoE) and LFM2 (short convolution, attention with q/k norms): the plan's
+    bytes per token within 5% of what the torch reference path saves (fp32, full fine-tune)."""
+    from homelab_dp.planning.memory.layer_kinds import kind_activation_bytes
+    from homelab_dp.train.model_census import layer_groups
+
+    torch.manual_seed(0)
+    cfg = CONFIG_MAPPING[model_type](**MEASURED_FAMILIES[model_type])
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().train()
+    cfg.save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    for group, ids in layer_groups(model, cfg):
+        measured = _saved_per_token(model, ids[0], 256)
+        planned = kind_activation_bytes(
+            spec, group.kind, 4, experts_trained=True, frozen_norms=False
+        )
+        assert planned == pytest.approx(measured, rel=0.05), group.kind.mixer
