@@ -12,6 +12,7 @@ their ratio; the mixers' ratios are the fit `STATE_KIND_FIT` records.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 
@@ -20,7 +21,7 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from homelab_dp.planning.memory.layer_kinds import kind_activation_bytes, mixer_elements
-from homelab_dp.train.model_census import census
+from homelab_dp.train.model_census import census, layer_groups
 
 H = {"hidden_size": 256, "vocab_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
      "head_dim": 32, "intermediate_size": 512, "max_position_embeddings": 4096}  # fmt: skip
@@ -59,10 +60,8 @@ def saved_bytes(model, index: int, seq: int) -> float:
         raise StopIteration
 
     handle = layers[index].register_forward_pre_hook(grab, with_kwargs=True)
-    try:
+    with contextlib.suppress(StopIteration):
         model(input_ids=ids)
-    except StopIteration:
-        pass
     handle.remove()
     args = tuple(a.detach().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point()
                  else a for a in captured["args"])  # fmt: skip
@@ -87,8 +86,6 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             cfg.save_pretrained(tmp)
             spec = census(tmp)
-        from homelab_dp.train.model_census import layer_groups
-
         for group, ids in layer_groups(model, cfg):
             measured = saved_bytes(model, ids[0], args.seq) / args.seq
             planned = kind_activation_bytes(spec, group.kind, 4, experts_trained=True,

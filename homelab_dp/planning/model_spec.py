@@ -1102,6 +1102,9 @@ CONFIG_FLOATS = ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                  "router_aux_loss_coef", "aux_loss_alpha", "logits_scaling",
                  "final_logit_softcapping", "attn_logit_softcapping")  # fmt: skip
 """Numbers a config.json states that the planner reads: a number (not a string), finite."""
+PER_LAYER_INTS = frozenset({"intermediate_size", "num_key_value_heads", "num_attention_heads",
+                            "head_dim", "sliding_window"})  # fmt: skip
+"""Sizes a family may give per layer, as a list (Gemma 3n's intermediate_size)."""
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "top_k_experts", "moe_k", "moe_topk")
 LAYER_LISTS = ("layer_types", "layers_block_type", "mlp_only_layers", "full_attn_idxs",
@@ -1144,6 +1147,12 @@ def check_config_sizes(cfg: dict[str, Any], source: str, where: str = "") -> Non
         value = cfg.get(name)
         if value is None:
             continue
+        if isinstance(value, list) and name in PER_LAYER_INTS:  # one size per layer (Gemma 3n)
+            if len(value) > MAX_LAYERS or not all(
+                isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in value
+            ):
+                raise _config_error(source, where + name, f"must list integers in [{low}, {high}]")
+            continue
         if not isinstance(value, int) or isinstance(value, bool):
             got = type(value).__name__
             raise _config_error(
@@ -1158,7 +1167,8 @@ def check_config_sizes(cfg: dict[str, Any], source: str, where: str = "") -> Non
             raise _config_error(source, where + name, f"must be a number, got {str(value)[:40]!r}")
     count = next((cfg[n] for n in EXPERT_COUNTS if cfg.get(n) is not None), None)
     top_k = next((n for n in TOP_K_FIELDS if cfg.get(n) is not None), None)
-    if count is not None and top_k is not None and cfg[top_k] > count:
+    zero = cfg.get("zero_expert_num") if isinstance(cfg.get("zero_expert_num"), int) else 0
+    if count is not None and top_k is not None and cfg[top_k] > count + max(0, zero):
         raise _config_error(source, where + top_k, f"{cfg[top_k]} is above the {count} experts")
     layers = next((cfg[n] for n in ("num_hidden_layers", "n_layer", "num_layers")
                    if cfg.get(n) is not None), None)  # fmt: skip
@@ -1170,7 +1180,10 @@ def check_config_sizes(cfg: dict[str, Any], source: str, where: str = "") -> Non
             raise _config_error(
                 source, where + name, f"must be a list of at most {MAX_LAYERS} items"
             )
-        if name in ("layer_types", "layers_block_type", "block_types") and layers is not None:
+        if name == "block_types":  # a pattern repeated over the layers (RecurrentGemma)
+            if not all(isinstance(t, str) for t in value):
+                raise _config_error(source, where + name, "must name layer types")
+        elif name in ("layer_types", "layers_block_type") and layers is not None:
             if len(value) != layers or not all(isinstance(t, str) for t in value):
                 raise _config_error(
                     source, where + name, f"must name one layer type per layer ({layers})"
@@ -1186,6 +1199,7 @@ def check_config_sizes(cfg: dict[str, Any], source: str, where: str = "") -> Non
     heads = next(
         (cfg[n] for n in ("num_attention_heads", "n_head") if cfg.get(n) is not None), None
     )
+    heads = heads if isinstance(heads, int) else None  # a per-layer list: transformers checks
     if hidden and heads and cfg.get("head_dim") is None and heads > hidden:
         raise _config_error(
             source, where + "num_attention_heads", f"{heads} heads of a {hidden}-wide model"

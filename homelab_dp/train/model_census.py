@@ -409,6 +409,8 @@ def replace_name(lin: Linear, name: str) -> Linear:
 def _mixer_kind(child_name: str, module: nn.Module) -> str | None:
     """The `MIXER_KINDS` kind of a decoder layer's child, None for a child that mixes no tokens."""
     cls = type(module).__name__.lower()
+    if "mlp" in cls or any(w in child_name.lower() for w in ("mlp", "ffn", "feed_forward")):
+        return None  # an MLP, whatever its class says (RecurrentGemmaMlp)
     names = {n.rsplit(".", 1)[-1] for n, _ in module.named_parameters()}
     a_log = next((p for n, p in module.named_parameters() if n.endswith("A_log")), None)
     if "deltanet" in cls or "gated_delta" in cls:
@@ -417,7 +419,9 @@ def _mixer_kind(child_name: str, module: nn.Module) -> str | None:
         return "mamba2" if a_log.dim() == 1 else "mamba"
     if "shortconv" in cls or "short_conv" in cls:
         return "short_conv"
-    if _is_attention(child_name) or "attention" in cls or "attn" in cls:
+    if (_is_attention(child_name) or "attention" in cls or "attn" in cls) and len(
+        _all_linears(module)
+    ) >= 2:  # projections in and out (a residual gate named after attention is none)
         if names & {"time_decay", "time_first", "time_faaaa"}:
             return "recurrent"
         return "attention"
@@ -516,8 +520,8 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
             if bias_name.startswith(lin.name) and lin.d_out == width and not lin.bias:
                 experts[i] = Linear(lin.name, lin.d_in, lin.d_out, True)
                 break
-        else:
-            raise ModelSpecError(f"expert bias {bias_name} matches no expert tensor", hint="")
+        else:  # a per-expert vector of its own (a norm's weight): one row per expert
+            experts.append(Linear(bias_name, 1, width))
     if not count:
         raise ModelSpecError("a MoE block without experts", hint=DECODER_HINT)
     shared_all = {n: lin for n, lin in linears.items() if "shared" in n and n not in unfused}
@@ -542,8 +546,17 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
     )  # fmt: skip
 
 
-def layer_kind(layer: nn.Module, text: Any, index: int, hidden: int) -> LayerKind:
-    """One decoder layer described by its children: norms, token mixer(s), MLP or MoE block."""
+def layer_kind(
+    layer: nn.Module,
+    text: Any,
+    index: int,
+    hidden: int,
+    shared: set[int] | frozenset[int] = frozenset(),
+) -> LayerKind:
+    """One decoder layer described by its children: norms, token mixer(s), MLP or MoE block.
+
+    A child whose parameters other layers hold too (``shared``) adds no parameters here: a
+    mixer among them is kept for its activations and FLOPs, without linears."""
     mixers: list[Mixer] = []
     mlp: list[Linear] = []
     other_linears: list[Linear] = []
@@ -567,8 +580,21 @@ def layer_kind(layer: nn.Module, text: Any, index: int, hidden: int) -> LayerKin
         total = _numel(list(child.parameters()))
         if not total:
             continue
+        if all(id(p) in shared for p in child.parameters()):
+            for sub_name, sub in [(child_name, child), *child.named_children()]:
+                kind = _mixer_kind(sub_name, sub)
+                if kind == "attention":
+                    m = _attention_mixer(sub_name, sub, text, index, hidden)
+                    mixers.append(Mixer(m.kind, (), 0, m.dims))
+                    break
+                if kind is not None:
+                    m = _state_mixer(kind, sub_name, sub, hidden)
+                    mixers.append(Mixer(m.kind, (), 0, m.dims))
+                    break
+            continue
         names = [n for n, _ in child.named_parameters()]
-        if any(".experts." in f".{n}" for n in names):
+        mixer_first = _mixer_kind(child_name, child) is not None and _is_attention(child_name)
+        if any(".experts." in f".{n}" for n in names) and not mixer_first:
             if not top_k:
                 raise ModelSpecError(
                     "a Mixture-of-Experts model without num_experts_per_tok",
@@ -625,10 +651,20 @@ def layer_groups(model: nn.Module, text: Any) -> list[tuple[LayerGroup, list[int
     indices of its layers."""
     hidden = hidden_size(model, text)
     _, layers = _decoder_layers(model)
+    shared = shared_across_layers(layers)
     seen: dict[LayerKind, list[int]] = {}
     for i, layer in enumerate(layers):
-        seen.setdefault(layer_kind(layer, text, i, hidden), []).append(i)
+        seen.setdefault(layer_kind(layer, text, i, hidden, shared), []).append(i)
     return [(LayerGroup(kind, len(ids)), ids) for kind, ids in seen.items()]
+
+
+def shared_across_layers(layers: nn.ModuleList) -> set[int]:
+    """Ids of the parameters that more than one decoder layer holds (Zamba's shared attention
+    block): counted once, outside the layers (``extras`` "shared_blocks")."""
+    owners: Counter[int] = Counter()
+    for layer in layers:
+        owners.update({id(p) for p in layer.parameters()})
+    return {k for k, n in owners.items() if n > 1}
 
 
 def _describe_groups(
@@ -647,12 +683,20 @@ def _describe_groups(
     layer_ids = {id(p) for p in layers.parameters()}
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = outputs is not None and inputs is not None and outputs.weight is inputs.weight
-    head = 0 if tied or outputs is None else _numel(list(outputs.parameters()))
     head_ids = set() if outputs is None else {id(p) for p in outputs.parameters()}
     parent = model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
     token_ids = set() if inputs is None else {id(p) for p in inputs.parameters()}
+    # lm_head's own parameters (a tied head's bias too)
+    head = (
+        0
+        if outputs is None
+        else _numel([p for p in outputs.parameters() if id(p) not in token_ids])
+    )
     embedding = 0 if inputs is None else _numel(list(inputs.parameters()))
     extras: dict[str, int] = {}
+    shared = shared_across_layers(layers)
+    if shared:  # a block several layers run (Zamba): its parameters once
+        extras["shared_blocks"] = _numel([p for p in layers.parameters() if id(p) in shared])
     final_norm = 0
     counted = layer_ids | head_ids | token_ids
     for name, module in parent.named_children():
