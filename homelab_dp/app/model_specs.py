@@ -26,9 +26,9 @@ from homelab_dp.planning.model_spec import (
     hand_written_spec,
     read_config_bytes,
     read_regular_file,
-    spec_from_dict,
     spec_to_dict,
 )
+from homelab_dp.planning.spec_document import spec_from_dict
 from homelab_dp.runs.folder.run_index import data_home, ensure_private_dir
 
 CACHE_FOLDER = "model-specs"

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
-from homelab_dp.planning.model_spec import spec_from_dict, spec_to_dict  # noqa: E402
+from homelab_dp.planning.model_spec import spec_to_dict  # noqa: E402
+from homelab_dp.planning.spec_document import spec_from_dict  # noqa: E402
 from homelab_dp.train.model_census import census  # noqa: E402
 
 T = {"hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

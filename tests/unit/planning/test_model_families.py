@@ -17,7 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from homelab_dp.errors import ModelSpecError  # noqa: E402
 from homelab_dp.planning.model_spec import spec_from_config  # noqa: E402
 from homelab_dp.train.model_census import census  # noqa: E402
 
