@@ -258,15 +258,20 @@ class ModelSpec:
             lin for lin in self.linears if lin.name.split(".")[-1] in names or lin.name in names
         ]
 
-    def summary(self) -> dict[str, int]:
-        """The `model` block of `plan --json` (without trainable_params)."""
-        return {
+    def summary(self) -> dict[str, Any]:
+        """The `model` block of `plan --json` (without trainable_params); a model of layer
+        groups adds its layers per mixer kind and how many carry a recurrent state."""
+        out: dict[str, Any] = {
             "params": self.params,
             "active_params": self.active_params,
             "layers": self.layers,
             "hidden": self.hidden,
             "vocab": self.vocab,
         }
+        if self.blocks:
+            out["layers_by_kind"] = self.mixer_counts
+            out["state_layers"] = self.state_layers
+        return out
 
 
 def check_decoder(cfg: dict[str, Any], source: str, *, trust_remote_code: bool = False) -> str:
