@@ -33,6 +33,7 @@ from homelab_dp.planning.model_layers import LayerGroup as LayerGroup
 from homelab_dp.planning.model_layers import LayerKind as LayerKind
 from homelab_dp.planning.model_layers import Linear as Linear
 from homelab_dp.planning.model_layers import Mixer as Mixer
+from homelab_dp.planning.model_layers import lora_can_adapt as lora_can_adapt
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 DENSE_FAMILIES = ("gemma3_text", "gemma3", "olmo2", "granite", "smollm3", "glm4")
@@ -244,7 +245,8 @@ class ModelSpec:
             return sum(
                 g.count * r * (lin.d_in + lin.d_out)
                 for g in self.blocks for lin in g.kind.linears
-                if names is None or lin.name in names or lin.name.split(".")[-1] in names
+                if (names is None or lin.name in names or lin.name.split(".")[-1] in names)
+                and lora_can_adapt(self.model_type, lin.name)
             )  # fmt: skip
         chosen = self.lora_targets(targets)
         return self.layers * sum(r * (lin.d_in + lin.d_out) for lin in chosen)

@@ -184,3 +184,34 @@ def test_planned_activations_per_layer_kind_match_what_autograd_saves(model_type
             spec, group.kind, 4, experts_trained=True, frozen_norms=False
         )
         assert planned == pytest.approx(measured, rel=0.05), group.kind.mixer
+
+
+# ERNIE 4.5 MoE and Qwen3-Next left out: peft 0.21 turns a target naming their shared experts'
+# linears into adapters on the fused routed experts (a training-side matter, issue 36 item 4).
+PEFT_CHECKED = sorted(set(FAMILIES) - {"ernie4_5_moe", "qwen3_next"})
+
+
+@pytest.mark.parametrize("model_type", PEFT_CHECKED)
+def test_planned_lora_parameters_equal_peft_s_on_every_layer_kind(model_type, tmp_path):
+    """LoRA on every decoder linear the plan counts for "all-linear" (Mamba's out_proj left out:
+    peft refuses it on Mamba families): peft's trainable count equals the plan's."""
+    peft = pytest.importorskip("peft")
+    from homelab_dp.planning.memory.moe_memory import lora_param_count
+    from homelab_dp.planning.model_layers import lora_can_adapt
+    from homelab_dp.train.model_census import layer_groups
+
+    fields, _ = FAMILIES[model_type]
+    cfg = CONFIG_MAPPING[model_type](**fields)
+    cfg.save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    prefix = next(n for n, m in model.named_modules() if m is model.model.layers)
+    targets = [
+        f"{prefix}.{i}.{lin.name}"
+        for group, ids in layer_groups(model, cfg) for i in ids for lin in group.kind.linears
+        if lora_can_adapt(spec.model_type, lin.name)
+    ]  # fmt: skip
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert trainable == lora_param_count(spec, 4, "all-linear") == spec.lora_params(4)
