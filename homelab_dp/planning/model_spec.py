@@ -47,6 +47,11 @@ ENCODER_ONLY = frozenset({
     "big_bird", "roc_bert", "roberta-prelayernorm", "modernbert", "deberta", "deberta-v2",
     "distilbert", "albert", "mpnet", "nomic_bert", "jina_bert",
 })  # fmt: skip
+NOT_CAUSAL = {
+    "xlm": "a cross-lingual masked language model (its causal head is a side mode)",
+    "xlnet": "a permutation language model (two-stream attention)",
+}
+"""Language models transformers builds as causal LMs that were not trained left to right."""
 SEQ2SEQ = frozenset({
     "t5", "mt5", "umt5", "longt5", "bart", "mbart", "pegasus", "pegasus_x", "marian",
     "blenderbot", "blenderbot-small", "led", "plbart", "bigbird_pegasus", "prophetnet",
@@ -289,6 +294,11 @@ def check_decoder(cfg: dict[str, Any], source: str, *, trust_remote_code: bool =
     if model_type in ENCODER_ONLY:
         raise ModelSpecError(
             f"{source}: model_type={model_type!r} is an encoder-only model", hint=DECODER_HINT
+        )
+    if model_type in NOT_CAUSAL:
+        raise ModelSpecError(
+            f"{source}: model_type={model_type!r} is {NOT_CAUSAL[model_type]}, not a causal decoder",
+            hint=DECODER_HINT,
         )
     if cfg.get("is_encoder_decoder") or model_type in SEQ2SEQ:
         raise ModelSpecError(
