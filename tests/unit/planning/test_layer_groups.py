@@ -215,3 +215,18 @@ def test_planned_lora_parameters_equal_peft_s_on_every_layer_kind(model_type, tm
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert trainable == lora_param_count(spec, 4, "all-linear") == spec.lora_params(4)
+
+
+def test_serving_keeps_keys_and_values_of_attention_layers_and_the_state_of_the_others(tmp_path):
+    """Qwen3.5: the KV cache grows with the context in its one attention layer only; each Gated
+    DeltaNet layer keeps a fixed state (value heads × d_k × d_v) and its convolution window."""
+    from homelab_dp.planning.serve_plan import kv_cache_bytes
+
+    fields, _ = FAMILIES["qwen3_5_text"]
+    CONFIG_MAPPING["qwen3_5_text"](**fields).save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    kv = 2 * 2 * 16  # keys and values, 2 KV heads of 16, per token, in the 1 attention layer
+    conv = 2 * 2 * 16 + 4 * 16  # q, k (2 heads of 16) and v (4 heads of 16) through the conv
+    state = 4 * 16 * 16 + (4 - 1) * conv  # per Gated DeltaNet layer, whatever the context
+    for context in (128, 4096):
+        assert kv_cache_bytes(spec, context, 3, 2) == 3 * 2 * (kv * context + 3 * state)
