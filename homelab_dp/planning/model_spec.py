@@ -19,6 +19,7 @@ from typing import Any
 from homelab_dp.errors import ModelSpecError
 
 # Re-exported: the layer types and the config reader are part of this module's interface.
+from homelab_dp.planning.model_config import CONFIG_INTS
 from homelab_dp.planning.model_config import MAX_LAYERS as MAX_LAYERS
 from homelab_dp.planning.model_config import MAX_SIZE as MAX_SIZE
 from homelab_dp.planning.model_config import check_config_sizes as check_config_sizes
@@ -345,6 +346,12 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
             f"{source}: unknown architecture model_type={model_type or None!r} "
             f"(architectures={cfg.get('architectures')})",
             hint=f"supported families: {known}",
+        )
+    listed = next((n for n in CONFIG_INTS if isinstance(cfg.get(n), list)), None)
+    if listed is not None:  # the hand-written families take one number per size
+        raise ModelSpecError(
+            f"{source}: {listed}: must be one integer for model_type={model_type!r}, got a list",
+            hint="config.json must be the model's published Hugging Face config; re-download it",
         )
     if model_type == "gpt2":
         return _gpt2(cfg, source)
