@@ -21,11 +21,7 @@ from homelab_dp.errors import ModelSpecError
 # Re-exported: the layer types and the config reader are part of this module's interface.
 from homelab_dp.planning.model_config import CONFIG_INTS
 from homelab_dp.planning.model_config import MAX_LAYERS as MAX_LAYERS
-from homelab_dp.planning.model_config import MAX_SIZE as MAX_SIZE
-from homelab_dp.planning.model_config import check_config_sizes as check_config_sizes
 from homelab_dp.planning.model_config import read_config as read_config
-from homelab_dp.planning.model_config import read_config_bytes as read_config_bytes
-from homelab_dp.planning.model_config import read_regular_file as read_regular_file
 from homelab_dp.planning.model_layers import ATTENTION_KINDS as ATTENTION_KINDS
 from homelab_dp.planning.model_layers import MIXER_KINDS as MIXER_KINDS
 from homelab_dp.planning.model_layers import STATE_KINDS as STATE_KINDS
