@@ -230,3 +230,30 @@ def test_serving_keeps_keys_and_values_of_attention_layers_and_the_state_of_the_
     state = 4 * 16 * 16 + (4 - 1) * conv  # per Gated DeltaNet layer, whatever the context
     for context in (128, 4096):
         assert kv_cache_bytes(spec, context, 3, 2) == 3 * 2 * (kv * context + 3 * state)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "nemotron_h", "falcon_h1", "lfm2"])
+def test_flops_count_the_weights_a_token_multiplies_by_in_every_layer_kind(model_type, tmp_path):
+    """The time model's N (`linear_matmul_params`): every nn.Linear weight of the decoder layers
+    (a routed expert stack at top-k of E, the router), and lm_head — counted here from the meta
+    model's own modules."""
+    from homelab_dp.planning.flops import linear_matmul_params
+
+    fields, _ = FAMILIES[model_type]
+    cfg = CONFIG_MAPPING[model_type](**fields)
+    model = _meta_model(cfg)
+    cfg.save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    top_k = getattr(cfg, "num_experts_per_tok", None) or 0
+    expected = spec.vocab * spec.hidden  # lm_head multiplies by the vocabulary, tied or not
+    for module in model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            expected += module.in_features * module.out_features
+    for name, p in model.model.layers.named_parameters():
+        if ".experts." in f".{name}" and p.dim() == 3:
+            expected += p.numel() * top_k // p.shape[0]
+        elif p.dim() == 2 and name.endswith("gate.weight") and p.shape[1] == spec.hidden:
+            parent = model.model.layers.get_submodule(name.rsplit(".", 1)[0])
+            if not isinstance(parent, torch.nn.Linear):  # a router kept as a bare weight
+                expected += p.numel()
+    assert linear_matmul_params(spec) == expected
