@@ -67,7 +67,7 @@ from homelab_dp import json_safe
 from homelab_dp.data.blocks import IGNORE_INDEX, Block, build_blocks
 from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works
+from homelab_dp.nf4_quantization import folder_model_type, nf4_config, nf4_works
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
@@ -187,7 +187,7 @@ def load_model(
         "use_safetensors": True,
     }
     if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
-        kwargs["quantization_config"] = nf4_config(dtype)
+        kwargs["quantization_config"] = nf4_config(dtype, model_type=folder_model_type(base))
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     if job["base_path"]:

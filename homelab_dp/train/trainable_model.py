@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config
+from homelab_dp.nf4_quantization import folder_model_type, nf4_config
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation, local_capability
@@ -45,6 +45,7 @@ from homelab_dp.train.lora import (
     add_lora,
     disable_cpu_bf16_repack,
     is_outside_text,
+    nf4_report,
     prepare_frozen_base,
     seed_adapters,
 )
@@ -151,7 +152,9 @@ def load_model(
         **text_only_load(preset),
     }
     if method == "qlora":
-        kwargs["quantization_config"] = nf4_config(compute)
+        kwargs["quantization_config"] = nf4_config(
+            compute, model_type=folder_model_type(preset.model.path)
+        )
         kwargs["dtype"] = compute  # what is not 4-bit (embeddings, lm_head, norms)
         kwargs["device_map"] = {"": device}
     elif method == "lora":
@@ -204,6 +207,8 @@ def load_model(
         seed_adapters(model, preset.train.seed)
     if method == "qlora" and device.type == "cpu":
         disable_cpu_bf16_repack(model)
+    if method == "qlora":  # what bitsandbytes quantized, what it kept 16-bit (and why: lora)
+        log.info(nf4_report(model))
     layers = decoder_layers(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return LoadedModel(model, method != "full", params, trainable, layers)

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works
+from homelab_dp.nf4_quantization import folder_model_type, nf4_config, nf4_works
 from homelab_dp.runs.model_ref import ModelRef, refuse_pickle_only
 
 if TYPE_CHECKING:
@@ -178,7 +178,9 @@ def load_for_inference(
     # In the dtype from the start: inv_freq and _keep_in_fp32_modules stay fp32.
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": ref.trust_remote_code}
     if base == "nf4":
-        kwargs["quantization_config"] = nf4_config(dtype)
+        kwargs["quantization_config"] = nf4_config(
+            dtype, model_type=folder_model_type(ref.config_path)
+        )
         kwargs["device_map"] = {"": dev}  # quantized as it is placed on the device
     try:
         tokenizer = load_tokenizer(ref)
