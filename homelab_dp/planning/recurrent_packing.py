@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 RECURRENT_KINDS = frozenset({
-    "linear_attention", "mamba", "mamba2", "conv", "recurrent", "hybrid", "rwkv", "mlstm",
-    "slstm", "lightning_attention",
+    "linear_attention", "mamba", "mamba2", "conv", "short_conv", "recurrent", "hybrid", "rwkv",
+    "mlstm", "slstm", "lightning_attention",
 })  # fmt: skip
 """Layer kinds (as transformers' configs spell them in ``layer_types``, ``layers_block_type``
 or ``block_types``) that carry a state from token to token. transformers calls Nemotron-H's and
 Granite 4's Mamba-2 layers ``linear_attention`` too, and Zamba2's shared-attention Mamba layers
-``hybrid``."""
+``hybrid``; the model spec's mixer kinds (``short_conv``, ``mamba2``, ...) are here too."""
 ALL_RECURRENT = {
     "mamba": "mamba", "mamba2": "mamba2", "falcon_mamba": "mamba", "falcon_h1": "mamba2",
     "bamba": "mamba2", "jamba": "mamba", "zamba": "mamba", "zamba2": "mamba2", "rwkv": "rwkv",
