@@ -68,6 +68,7 @@ from homelab_dp.data.blocks import IGNORE_INDEX, Block, build_blocks
 from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import HomelabError
 from homelab_dp.nf4_quantization import folder_model_type, nf4_config, nf4_works
+from homelab_dp.peft_targets import exact_targets
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
@@ -193,7 +194,8 @@ def load_model(
     if job["base_path"]:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, job["model_path"])
+        with exact_targets(job["model_path"]):
+            model = PeftModel.from_pretrained(model, job["model_path"])
     if base_kind != "nf4":  # placed by device_map otherwise
         model.to(device)
     if base_kind == "nf4" and device.type == "cpu":

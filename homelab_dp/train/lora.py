@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.peft_targets import exact_targets
 
 
 def prepare_frozen_base(
@@ -117,7 +118,8 @@ def add_lora(model: nn.Module, lora: Any) -> nn.Module:
         target_parameters=parameters or None,
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    with exact_targets():  # the modules named, not peft's v4 expert renaming
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     _drop_input_grad_hook(model)  # peft adds it to a checkpointed model that is not quantized
     return peft_model
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.nf4_quantization import folder_model_type, nf4_config
+from homelab_dp.peft_targets import exact_targets
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation, local_capability
@@ -231,7 +232,8 @@ def merge_start_adapter(model: nn.Module, adapter: Path) -> nn.Module:
             f"model.adapter {adapter}: no adapter_model.safetensors",
             hint="point model.path at the LoRA run itself (its id) or at a merged model",
         )
-    merged = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    with exact_targets(adapter):
+        merged = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
     return merged.merge_and_unload()
 
 
@@ -572,7 +574,8 @@ def merge_adapter(
     start = start_adapter(preset)
     if start is not None:  # the model this run started from: the base with the earlier adapter
         base = merge_start_adapter(base, start)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with exact_targets(adapter_dir):
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(str(tmp))

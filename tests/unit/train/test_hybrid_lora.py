@@ -45,11 +45,9 @@ ADAPTED = {
                    "shared_experts.down_proj"],
     "falcon_h1": ["mamba.in_proj", "self_attn.o_proj", "feed_forward.down_proj"],
     "lfm2": ["conv.in_proj", "conv.out_proj", "self_attn.out_proj", "feed_forward.w2"],
-    # peft 0.21 renames an explicit list on ernie4_5_moe (transformers' "qwen2_moe" conversion
-    # pattern, for adapters trained on v4): every ``*.gate_proj/up_proj/down_proj`` becomes the
-    # routed experts' fused parameters, so the dense first layer and the shared experts lose
-    # their adapters (left alone here: see the report); the attention is adapted.
-    "ernie4_5_moe": ["self_attn.q_proj", "self_attn.o_proj"],
+    # The dense first layer's MLP and the shared experts (peft 0.21 alone renamed them to the
+    # routed experts' fused parameters: `homelab_dp.peft_targets`).
+    "ernie4_5_moe": ["self_attn.q_proj", "layers.0.mlp.down_proj", "shared_experts.up_proj"],
     "gemma4_text": ["self_attn.q_proj", "mlp.down_proj", "per_layer_projection"],
 }  # fmt: skip
 """Module name endings "all-linear" must adapt in each family (some of each layer kind)."""
@@ -57,8 +55,8 @@ NEVER = {
     "nemotron_h": ["mixer.out_proj", "mixer.gate"],
     "falcon_h1": ["mamba.out_proj"],
     "gemma4_text": ["router.proj"],
-    "qwen3_5_moe_text": ["mlp.gate", "shared_expert_gate"],
-    "ernie4_5_moe": ["mlp.gate"],
+    "ernie4_5_moe": ["mlp.gate", "mlp.experts"],
+    "qwen3_5_moe_text": ["mlp.gate", "shared_expert_gate", "mlp.experts"],
 }
 """Linears it must leave alone: what peft refuses, routers and a router's own projection."""
 
@@ -169,3 +167,32 @@ def test_qlora_quantizes_what_bitsandbytes_can_and_keeps_mamba_out_proj(
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for n, p in peft_model.named_parameters() if ".lora_B." in n)
+
+
+def test_an_adapter_loads_back_on_the_modules_it_was_trained_on(
+    tiny_hybrid: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Ernie 4.5 MoE (a dense first layer, shared experts): saved and loaded back as `eval`,
+    `export` and the replicas load it, the adapter gives the trained model's logits; peft's own
+    v4 renaming would have put it on the routed experts."""
+    from peft import PeftModel
+
+    from homelab_dp.peft_targets import exact_targets
+
+    folder = tiny_hybrid("ernie4_5_moe")
+    peft_model = add_lora(_load(folder), LORA)
+    assert not peft_model.peft_config["default"].target_parameters
+    with torch.no_grad():  # non-zero B matrices: the adapters change the logits
+        for name, param in peft_model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.randint(3, 2000, (1, 12), generator=torch.Generator().manual_seed(1))
+    peft_model.eval()
+    trained = peft_model(input_ids=ids).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with exact_targets(tmp_path / "adapter"):
+        loaded = PeftModel.from_pretrained(_load(folder), tmp_path / "adapter").eval()
+    assert sorted(_adapted(loaded)) == sorted(_adapted(peft_model))
+    assert torch.allclose(loaded(input_ids=ids).logits, trained, atol=1e-6)
+    renamed = PeftModel.from_pretrained(_load(folder), tmp_path / "adapter")  # without it
+    assert sorted(_adapted(renamed)) != sorted(_adapted(peft_model))
