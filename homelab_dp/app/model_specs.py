@@ -9,9 +9,11 @@ config.json, the installed transformers version and the flags, so a second `plan
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -22,14 +24,25 @@ from homelab_dp.errors import ModelSpecError
 from homelab_dp.planning.model_spec import (
     ModelSpec,
     hand_written_spec,
-    spec_from_dict,
+    read_config_bytes,
+    read_regular_file,
     spec_to_dict,
 )
+from homelab_dp.planning.spec_document import spec_from_dict
 from homelab_dp.runs.folder.run_index import data_home, ensure_private_dir
 
 CACHE_FOLDER = "model-specs"
-CENSUS_TIMEOUT_S = 600
-"""A meta-device build takes seconds even for 100B-class models; this only ends a hung child."""
+CACHE_FORMAT = 2
+"""Bumped when the spec's fields change (2: layer groups), so an older entry is derived again."""
+CENSUS_TIMEOUT_S = 180
+"""A meta-device build takes seconds even for 100B-class models (a cold start of torch and
+transformers included, on a busy machine under a minute); this ends a hung child."""
+CENSUS_MEMORY_BYTES = 8 * 1024**3
+"""The census child's address-space cap (RLIMIT_AS): it holds no tensor data (the meta device),
+its peak is under 1 GiB of address space on the CPU build of torch; a model whose module tree
+alone would outgrow this is refused instead of growing until the machine swaps."""
+CACHE_MAX_BYTES = 4 * 1024 * 1024
+"""The largest cached spec read (a spec of a few hundred layer groups is under 100 KB)."""
 
 
 def model_spec(
@@ -48,28 +61,68 @@ def model_spec(
 
 def cache_path(folder: Path, *, trust_remote_code: bool, text_only: bool) -> Path:
     """Where the census of ``folder`` is kept: config bytes, transformers version and flags."""
+    return (
+        data_home()
+        / CACHE_FOLDER
+        / f"{cache_key(folder, trust_remote_code=trust_remote_code, text_only=text_only)}.json"
+    )
+
+
+def cache_key(folder: Path, *, trust_remote_code: bool, text_only: bool) -> str:
+    """What a cached census was made from: config.json's bytes (read as `read_config_bytes`
+    reads them: a regular file, bounded), transformers' version and the flags."""
     try:
         tf_version = version("transformers")
     except PackageNotFoundError:
         tf_version = "none"
-    key = hashlib.sha256((folder / "config.json").read_bytes())
-    key.update(f"\0{tf_version}\0{int(trust_remote_code)}{int(text_only)}".encode())
-    return data_home() / CACHE_FOLDER / f"{key.hexdigest()}.json"
+    _, data = read_config_bytes(folder)
+    key = hashlib.sha256(data)
+    key.update(f"\0{tf_version}\0{int(trust_remote_code)}{int(text_only)}\0{CACHE_FORMAT}".encode())
+    return key.hexdigest()
 
 
 def _derived(folder: Path, *, trust_remote_code: bool, text_only: bool) -> ModelSpec:
     """The cached census, else a fresh one from a child process (then cached)."""
-    path = cache_path(folder, trust_remote_code=trust_remote_code, text_only=text_only)
-    try:
-        return spec_from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        pass
-    except (ModelSpecError, json.JSONDecodeError, UnicodeDecodeError):
-        path.unlink(missing_ok=True)  # a damaged cache entry is derived again
+    key = cache_key(folder, trust_remote_code=trust_remote_code, text_only=text_only)
+    path = data_home() / CACHE_FOLDER / f"{key}.json"
+    spec = read_cached(path, key)
+    if spec is not None:
+        return spec
     data = run_census(folder, trust_remote_code=trust_remote_code, text_only=text_only)
     spec = spec_from_dict(data)
-    _write_private(path, spec_to_dict(spec))
+    _write_private(path, {"key": key, "spec": spec_to_dict(spec)})
     return spec
+
+
+def read_cached(path: Path, key: str) -> ModelSpec | None:
+    """The cached spec at ``path`` if it passes every check: a regular file (a symlink to
+    /dev/zero or a FIFO is not read), at most `CACHE_MAX_BYTES`, JSON naming ``key`` (what it
+    was made from), a spec whose every field has its type and range and whose counts are
+    positive (`spec_from_dict`). Anything else is removed (it is derived again) and None."""
+    try:
+        data = read_regular_file(path, CACHE_MAX_BYTES, "cached model spec")
+    except FileNotFoundError:
+        return None
+    except (ModelSpecError, OSError):
+        _discard(path)
+        return None
+    try:
+        doc = json.loads(data.decode("utf-8"))
+        if not isinstance(doc, dict) or doc.get("key") != key:
+            raise ModelSpecError("the cached spec was made from another config", hint="")
+        return spec_from_dict(doc.get("spec"))
+    except (ModelSpecError, ValueError, RecursionError, UnicodeDecodeError):
+        _discard(path)
+        return None
+
+
+def _discard(path: Path) -> None:
+    """Remove a cache entry that failed its checks (a link is removed, not its target)."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def run_census(folder: Path, *, trust_remote_code: bool, text_only: bool) -> dict[str, Any]:
@@ -80,8 +133,9 @@ def run_census(folder: Path, *, trust_remote_code: bool, text_only: bool) -> dic
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     try:
         done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=CENSUS_TIMEOUT_S, env=env, check=False
-        )
+            argv, capture_output=True, text=True, timeout=CENSUS_TIMEOUT_S, env=env, check=False,
+            preexec_fn=_cap_memory, start_new_session=True,
+        )  # fmt: skip
     except subprocess.TimeoutExpired:
         raise ModelSpecError(
             f"{folder / 'config.json'}: building the model on the meta device took over "
@@ -89,7 +143,18 @@ def run_census(folder: Path, *, trust_remote_code: bool, text_only: bool) -> dic
             hint="use a hand-written family (homelab-dp plan names them) or report the model",
         ) from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    answer = json.loads(lines[-1]) if lines else {}
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except (ValueError, RecursionError):
+        answer = {}
+    if not isinstance(answer, dict):
+        answer = {}
+    if done.returncode < 0 or "MemoryError" in done.stderr:
+        raise ModelSpecError(
+            f"{folder / 'config.json'}: building the model on the meta device outgrew "
+            f"{CENSUS_MEMORY_BYTES // 1024**3} GiB of address space",
+            hint="check config.json's sizes (layers, experts) against the model's published one",
+        )
     if done.returncode != 0 or "error" in answer:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise ModelSpecError(
@@ -100,6 +165,12 @@ def run_census(folder: Path, *, trust_remote_code: bool, text_only: bool) -> dic
         )
     answer.pop("transformers", None)
     return answer
+
+
+def _cap_memory() -> None:
+    """In the census child, before it starts: cap its address space (`CENSUS_MEMORY_BYTES`)."""
+    with contextlib.suppress(ValueError, OSError):  # a lower hard limit already applies
+        resource.setrlimit(resource.RLIMIT_AS, (CENSUS_MEMORY_BYTES, CENSUS_MEMORY_BYTES))
 
 
 def _write_private(path: Path, data: dict[str, Any]) -> None:

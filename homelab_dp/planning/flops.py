@@ -31,8 +31,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from homelab_dp.planning.memory.moe_memory import adapted, adapted_experts, lora_param_count
-from homelab_dp.planning.model_spec import Linear, ModelSpec
+from homelab_dp.planning.memory.moe_memory import (
+    adapted,
+    adapted_experts,
+    lora_param_count,
+    named_experts,
+)
+from homelab_dp.planning.model_spec import Linear, Mixer, ModelSpec
 
 METHODS = ("full", "lora", "qlora")
 
@@ -57,6 +62,15 @@ def linear_matmul_params(spec: ModelSpec) -> int:
 
     A MoE layer multiplies by the router, the shared experts and top-k routed experts (the
     active parameters, `ModelSpec.active_params`), a MoE model's dense layer by `dense_mlp`."""
+    if spec.blocks:
+        out = spec.vocab * spec.hidden
+        for g in spec.blocks:
+            k = g.kind
+            out += g.count * _weights(k.linears)
+            if k.experts is not None:
+                e = k.experts
+                out += g.count * (e.top_k * _weights(e.linears) + e.count * spec.hidden)
+        return out
     out = spec.layers * _weights(spec.linears) + spec.vocab * spec.hidden
     e = spec.experts
     if e is not None:
@@ -70,6 +84,15 @@ def adapter_params_per_token(spec: ModelSpec, lora_r: int, lora_targets: str | l
     """LoRA weights a token multiplies by: every adapter, but of those on routed experts only
     the top-k experts' share."""
     total = float(lora_param_count(spec, lora_r, lora_targets))
+    if spec.blocks:
+        skipped = 0.0
+        for g in spec.blocks:
+            e = g.kind.experts
+            if e is not None:
+                named = named_experts(e.linears, lora_targets)
+                per = sum(lora_r * (lin.d_in + lin.d_out) for lin in named) * e.count * g.count
+                skipped += per * (1 - e.top_k / e.count)
+        return total - skipped
     experts = adapted_experts(spec, lora_targets)
     if spec.experts is None or not experts:
         return total
@@ -80,8 +103,56 @@ def adapter_params_per_token(spec: ModelSpec, lora_r: int, lora_targets: str | l
 
 
 def attention_forward_flops(spec: ModelSpec, attention_span: float) -> float:
-    """Q·Kᵀ and P·V of one token's queries against ``attention_span`` keys, in every layer."""
+    """Q·Kᵀ and P·V of one token's queries against ``attention_span`` keys, in every layer; for
+    a model of layer groups (`ModelSpec.blocks`) the token-mixing FLOPs of every mixer kind
+    (`mixer_forward_flops`)."""
+    if spec.blocks:
+        return sum(
+            g.count * mixer_forward_flops(m, attention_span)
+            for g in spec.blocks
+            for m in g.kind.mixers
+        )
     return 2 * 2 * spec.layers * spec.heads * spec.head_dim * float(attention_span)
+
+
+DELTA_CHUNK = 64
+"""Gated DeltaNet's chunk length (flash-linear-attention's chunked kernel and transformers'
+torch reference both use 64)."""
+
+
+def mixer_forward_flops(mixer: Mixer, attention_span: float) -> float:
+    """Forward FLOPs per token of one mixer beyond its linears (the linears are in
+    `linear_matmul_params`).
+
+    Softmax attention: Q·Kᵀ and P·V against the span (a sliding or chunked layer's span is at
+    most its window). Gated DeltaNet (chunked form, chunk C = `DELTA_CHUNK`): per value head the
+    state read and update (about 4·d_k·d_v) and the intra-chunk products (2·C·(d_k + d_v)).
+    Mamba-2 (SSD, chunk C): per head the state terms (3·d_head·d_state) and the intra-chunk
+    products (C·(d_state + d_head)). Short convolutions: 2·width·kernel. A generic recurrent
+    mixer: its state update, counted as 4·hidden (small beside its linears)."""
+    span = float(attention_span)
+    if mixer.kind in (
+        "attention",
+        "sliding_attention",
+        "chunked_attention",
+        "mla",
+        "gated_attention",
+    ):
+        window = mixer.dim("window")
+        if window:
+            span = min(span, float(window))
+        return 2 * 2 * mixer.dim("heads", 1) * mixer.dim("head_dim", 1) * span
+    if mixer.kind == "linear_attention":
+        dk, dv = mixer.dim("k_dim", 1), mixer.dim("v_dim", 1)
+        c = min(DELTA_CHUNK, max(1.0, span * 2))
+        return 2 * mixer.dim("v_heads", 1) * (4 * dk * dv + 2 * c * (dk + dv))
+    if mixer.kind in ("mamba2", "mamba"):
+        hd, n = mixer.dim("head_dim", 1), mixer.dim("state", 16)
+        c = min(mixer.dim("chunk", 256), max(1.0, span * 2))
+        return 2 * mixer.dim("heads", 1) * (3 * hd * n + c * (n + hd))
+    if mixer.kind == "short_conv":
+        return 2 * mixer.dim("width", 1) * mixer.dim("conv_kernel", 3)
+    return 4 * mixer.dim("width", 1)
 
 
 def flops_per_token(

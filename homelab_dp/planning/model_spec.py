@@ -5,17 +5,34 @@ Gemma3 (text and the vision wrapper), OLMo2, Granite, SmolLM3, GLM-4, Phi-3 and 
 Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss and DeepSeek-V2. The counts
 match instantiating the model through transformers 5 on the meta device, parameter for
 parameter (the tests check it). Other decoders are derived from transformers' module tree
-(`train/model_census.py`, read back by `spec_from_dict`).
+(`train/model_census.py`, read back by `planning.spec_document.spec_from_dict`). The layer
+types are in `planning.model_layers`, the reading and checking of config.json in
+`planning.model_config`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from homelab_dp.errors import ModelSpecError
+
+# Re-exported: the layer types and the config reader are part of this module's interface.
+from homelab_dp.planning.model_config import MAX_LAYERS as MAX_LAYERS
+from homelab_dp.planning.model_config import MAX_SIZE as MAX_SIZE
+from homelab_dp.planning.model_config import check_config_sizes as check_config_sizes
+from homelab_dp.planning.model_config import read_config as read_config
+from homelab_dp.planning.model_config import read_config_bytes as read_config_bytes
+from homelab_dp.planning.model_config import read_regular_file as read_regular_file
+from homelab_dp.planning.model_layers import ATTENTION_KINDS as ATTENTION_KINDS
+from homelab_dp.planning.model_layers import MIXER_KINDS as MIXER_KINDS
+from homelab_dp.planning.model_layers import STATE_KINDS as STATE_KINDS
+from homelab_dp.planning.model_layers import Experts as Experts
+from homelab_dp.planning.model_layers import LayerGroup as LayerGroup
+from homelab_dp.planning.model_layers import LayerKind as LayerKind
+from homelab_dp.planning.model_layers import Linear as Linear
+from homelab_dp.planning.model_layers import Mixer as Mixer
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 DENSE_FAMILIES = ("gemma3_text", "gemma3", "olmo2", "granite", "smollm3", "glm4")
@@ -37,65 +54,6 @@ SEQ2SEQ = frozenset({
 DECODER_HINT = (
     "homelab-dp fine-tunes decoder-only causal language models (llama, qwen3, mistral, gemma3, ...)"
 )
-
-
-@dataclass(frozen=True)
-class Linear:
-    """One linear layer inside a decoder block (repeated in every layer)."""
-
-    name: str
-    d_in: int
-    d_out: int
-    bias: bool = False
-
-    @property
-    def params(self) -> int:
-        return self.d_in * self.d_out + (self.d_out if self.bias else 0)
-
-
-@dataclass(frozen=True)
-class Experts:
-    """The Mixture-of-Experts block of a model's MoE layers (one instance describes them all)."""
-
-    count: int
-    """Routed experts per MoE layer (``num_experts``, ``num_local_experts``, ``n_routed_experts``)."""
-    top_k: int
-    """Routed experts each token goes through (``num_experts_per_tok``)."""
-    linears: tuple[Linear, ...]
-    """One routed expert's projections as 2-D shapes (gate/up, possibly fused, and down)."""
-    layers: int
-    """How many decoder layers are MoE; the others run `ModelSpec.dense_mlp`."""
-    fused: bool = True
-    """The experts are stored as 3-D tensors ``[count, ...]`` (transformers 5), not as
-    ``nn.Linear``: peft reaches them through ``target_parameters`` and bitsandbytes cannot."""
-    router_params: int = 0
-    """The router's weight (and bias) per MoE layer: kept 16-bit, frozen under LoRA."""
-    shared: tuple[Linear, ...] = ()
-    """Shared experts' linears (``nn.Linear``), run for every token in every MoE layer."""
-    shared_gate_params: int = 0
-    """A shared expert's own gate per MoE layer (Qwen2-MoE's ``shared_expert_gate``)."""
-    aux_loss_coef: float = 0.0
-    """The router's load-balancing loss weight (``router_aux_loss_coef``; 0: none is added)."""
-
-    @property
-    def expert_params(self) -> int:
-        """Parameters of one routed expert."""
-        return sum(lin.params for lin in self.linears)
-
-    @property
-    def shared_params(self) -> int:
-        """Shared experts, their gate and the router: what every token uses in a MoE layer."""
-        return sum(lin.params for lin in self.shared) + self.shared_gate_params + self.router_params
-
-    @property
-    def layer_params(self) -> int:
-        """Every parameter of one MoE layer's MLP block."""
-        return self.count * self.expert_params + self.shared_params
-
-    @property
-    def active_layer_params(self) -> int:
-        """The parameters one token uses in a MoE layer's MLP block (top-k experts)."""
-        return self.top_k * self.expert_params + self.shared_params
 
 
 @dataclass(frozen=True)
@@ -148,6 +106,71 @@ class ModelSpec:
     full_logits: bool = False
     """The logits are transformed after lm_head (soft-capping, scaling): the loss keeps the
     full-logits path instead of the chunked head."""
+    blocks: tuple[LayerGroup, ...] = ()
+    """The decoder layers as groups of equal layers, for a model whose layers are not all one
+    attention layer (hybrids, per-layer sizes, dense and MoE layers of different shapes).
+    Empty: every layer is `linears` (+ the MoE block or `dense_mlp`), the uniform form; the
+    counts then follow the fields above. Set: the counts, memory and FLOPs follow the groups;
+    `linears` lists each distinct decoder linear once (for name look-ups) and
+    `norm_params_per_layer` / `other_params_per_layer` are 0."""
+    extras: tuple[tuple[str, int], ...] = ()
+    """Parameters a family adds outside the decoder layers, by name (Gemma 4's per-layer input
+    embeddings and projection, a shared transformer block): counted in `params`, frozen
+    weights to the memory model. ``mtp_layers_not_built`` (a count, not parameters): MTP heads in
+    the checkpoint that transformers does not build and training does not use."""
+
+    @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The decoder layers as groups of equal layers: `blocks`, or for the uniform form one
+        group (a MoE model: its MoE layers and its dense layers)."""
+        if self.blocks:
+            return self.blocks
+        kind = "sliding_attention" if self.sliding_layers >= self.layers > 0 else "attention"
+        mixer = Mixer(kind, self.linears, self.other_params_per_layer,
+                      (("heads", self.heads), ("kv_heads", self.kv_heads),
+                       ("head_dim", self.head_dim), ("window", self.sliding_window)))  # fmt: skip
+        if self.experts is None:
+            return (LayerGroup(LayerKind((mixer,), norm_params=self.norm_params_per_layer),
+                               self.layers),)  # fmt: skip
+        out = [
+            LayerGroup(
+                LayerKind((mixer,), experts=self.experts, norm_params=self.norm_params_per_layer),
+                self.moe_layers,
+            )
+        ]
+        if self.layers > self.moe_layers:
+            out.append(LayerGroup(LayerKind((mixer,), mlp=self.dense_mlp,
+                                            norm_params=self.norm_params_per_layer),
+                                  self.layers - self.moe_layers))  # fmt: skip
+        return tuple(g for g in out if g.count)
+
+    @property
+    def extra_params(self) -> int:
+        """Parameters outside the decoder layers that `extras` names (counts left out)."""
+        return sum(n for name, n in self.extras if name != "mtp_layers_not_built")
+
+    @property
+    def mixer_counts(self) -> dict[str, int]:
+        """Layers per mixer kind (`LayerKind.mixer`)."""
+        out: dict[str, int] = {}
+        for g in self.layer_groups:
+            out[g.kind.mixer] = out.get(g.kind.mixer, 0) + g.count
+        return out
+
+    @property
+    def state_layers(self) -> int:
+        """Layers whose mixer carries a recurrent or convolution state (`STATE_KINDS`): a
+        packed block must not let it leak from one sample into the next."""
+        return sum(g.count for g in self.layer_groups if g.kind.carries_state)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with softmax attention (those that keep a KV cache when serving)."""
+        return sum(
+            g.count
+            for g in self.layer_groups
+            if any(m.kind in ATTENTION_KINDS for m in g.kind.mixers)
+        )
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -172,6 +195,10 @@ class ModelSpec:
     @property
     def params(self) -> int:
         """Exact total parameter count (tied weights counted once, every expert counted)."""
+        outer = (self.embedding_params + self.lm_head_params + self.final_norm_params
+                 + self.vision_params + self.extra_params)  # fmt: skip
+        if self.blocks:
+            return outer + sum(g.count * g.kind.params for g in self.blocks)
         moe = self._mlp_params(self.experts.layer_params) if self.experts else 0
         return (
             self.embedding_params
@@ -180,6 +207,7 @@ class ModelSpec:
             + self.final_norm_params
             + moe
             + self.vision_params
+            + self.extra_params
         )
 
     @property
@@ -187,6 +215,9 @@ class ModelSpec:
         """Parameters one token uses (top-k routed experts; `params` for a dense model).
 
         The vision tower is left out: text training never runs it."""
+        if self.blocks:
+            inactive = sum(g.count * (g.kind.params - g.kind.active_params) for g in self.blocks)
+            return self.params - self.vision_params - inactive
         if self.experts is None:
             return self.params - self.vision_params
         inactive = self.moe_layers * (self.experts.count - self.experts.top_k)
@@ -196,6 +227,8 @@ class ModelSpec:
     def quantizable_params(self) -> int:
         """Parameters that 4-bit QLoRA quantizes: the decoder's linear layers and, in a MoE
         model, the dense MLPs, shared experts and routed experts (the router stays 16-bit)."""
+        if self.blocks:
+            return sum(g.count * g.kind.quantizable_params for g in self.blocks)
         if self.experts is None:
             return self.layers * self.linear_params_per_layer
         shared = sum(lin.params for lin in self.experts.shared)
@@ -206,6 +239,13 @@ class ModelSpec:
         """Trainable LoRA parameters of a dense model: r·(d_in + d_out) per adapted linear, in
         every layer (what the planner counts for any model, MoE included, is
         `planning.memory.moe_memory.lora_param_count`)."""
+        if self.blocks:
+            names = None if targets == "all-linear" else set(targets)
+            return sum(
+                g.count * r * (lin.d_in + lin.d_out)
+                for g in self.blocks for lin in g.kind.linears
+                if names is None or lin.name in names or lin.name.split(".")[-1] in names
+            )  # fmt: skip
         chosen = self.lora_targets(targets)
         return self.layers * sum(r * (lin.d_in + lin.d_out) for lin in chosen)
 
@@ -260,22 +300,6 @@ def check_decoder(cfg: dict[str, Any], source: str, *, trust_remote_code: bool =
 def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
     """The spec as JSON-ready values (the census's output and the spec cache's file)."""
     return asdict(spec)
-
-
-def spec_from_dict(data: dict[str, Any]) -> ModelSpec:
-    """The spec `spec_to_dict` wrote; ModelSpecError for a document that is not one."""
-    try:
-        linears = lambda rows: tuple(Linear(**row) for row in rows)  # noqa: E731
-        experts = data.get("experts")
-        if experts is not None:
-            experts = Experts(**{**experts, "linears": linears(experts["linears"]),
-                                 "shared": linears(experts.get("shared") or ())})  # fmt: skip
-        return ModelSpec(**{**data, "linears": linears(data["linears"]), "experts": experts,
-                            "dense_mlp": linears(data.get("dense_mlp") or ())})  # fmt: skip
-    except (TypeError, KeyError, AttributeError) as exc:
-        raise ModelSpecError(
-            f"not a model spec ({exc})", hint="delete the cached spec; it is derived again"
-        ) from None
 
 
 def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -525,7 +549,7 @@ def _sliding_layers(cfg: dict[str, Any], layers: int, pattern: int) -> int:
     if isinstance(types, list):
         return sum(1 for t in types if t == "sliding_attention")
     pattern = int(cfg.get("sliding_window_pattern") or pattern)
-    return sum(1 for i in range(layers) if (i + 1) % pattern)
+    return layers - layers // pattern  # every layer but each pattern-th
 
 
 def _family_base(
@@ -576,9 +600,9 @@ def _dense(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
 
 def _moe_layer_count(cfg: dict[str, Any], layers: int) -> int:
     """Qwen-MoE's rule: MoE unless in ``mlp_only_layers`` or off the ``decoder_sparse_step``."""
-    only = set(cfg.get("mlp_only_layers") or [])
+    only = {i for i in cfg.get("mlp_only_layers") or [] if 0 <= i < layers}
     step = int(cfg.get("decoder_sparse_step") or 1)
-    return sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
+    return layers // step - sum(1 for i in only if (i + 1) % step == 0)
 
 
 def _moe(cfg: dict[str, Any], model_type: str, source: str) -> ModelSpec:
@@ -725,34 +749,6 @@ def _gemma3_wrapper(cfg: dict[str, Any], source: str) -> ModelSpec:
     vision_h = int(vision.get("hidden_size") or _SIGLIP["hidden_size"])
     projector = vision_h * spec.hidden + vision_h  # projection weight and its soft-embedding norm
     return replace(spec, model_type="gemma3", vision_params=_siglip_params(vision) + projector)  # fmt: skip
-
-
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """Read a model folder's config.json with errors that name the file."""
-    folder = Path(model_dir)
-    if not folder.is_dir():
-        raise ModelSpecError(
-            f"model.path: {folder} is not a folder",
-            hint="model.path must be a local Hugging Face model folder (with config.json)",
-        )
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ModelSpecError(
-            f"{path}: missing",
-            hint="a Hugging Face model folder has config.json beside the weights and tokenizer",
-        )
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelSpecError(
-            f"{path}: not valid JSON ({exc})", hint="re-download or re-save the model's config"
-        ) from None
-    if not isinstance(cfg, dict):
-        raise ModelSpecError(f"{path}: expected a JSON object", hint="a config.json is an object")
-    # Multimodal wrappers keep the text model's sizes in text_config.
-    if "text_config" in cfg and isinstance(cfg["text_config"], dict) and "model_type" not in cfg:
-        cfg = cfg["text_config"]
-    return cfg
 
 
 def hand_written_spec(

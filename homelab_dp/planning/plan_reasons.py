@@ -45,6 +45,7 @@ from homelab_dp.planning.memory.device_memory import (
     MiB,
     Overhead,
 )
+from homelab_dp.planning.memory.layer_kinds import installed_kernels, reference_path_note
 from homelab_dp.planning.memory.memory_calibration import HardwareCalibration
 from homelab_dp.planning.memory.offload_cost import OffloadCost, cost_words, offload_words
 from homelab_dp.planning.model_spec import ModelSpec
@@ -172,12 +173,29 @@ def count(n: int) -> str:
     return str(n)
 
 
+def layers_reason(spec: ModelSpec) -> str:
+    """A model of layer groups in words: its layers per mixer kind, what carries a state."""
+    kinds = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in spec.mixer_counts.items())
+    state = (
+        f"; {spec.state_layers} carry a recurrent or convolution state (a packed block must "
+        "not carry it from one sample into the next)"
+        if spec.state_layers
+        else ""
+    )
+    extra = ", ".join(f"{k.replace('_', ' ')} {count(n)}" for k, n in spec.extras)
+    return f"Layers by kind: {kinds}{state}. Memory and FLOPs are counted per layer kind" + (
+        f"; outside the layers: {extra}." if extra else "."
+    )
+
+
 def model_reasons(spec: ModelSpec, method: str) -> list[str]:
     """What the plan counts for this model beyond a dense decoder, in words: a MoE model's
     experts (total against active parameters, and what QLoRA keeps in 16 bits), a
     pre-quantized checkpoint (what loads instead) and a frozen vision tower."""
     out: list[str] = []
     e = spec.experts
+    if spec.blocks:
+        out.append(layers_reason(spec))
     if e is not None:
         dense = spec.layers - e.layers
         where = f" in {e.layers} of {spec.layers} layers" if dense else ""
@@ -372,6 +390,9 @@ def choice_reasons(
         f"compute in {dtype}."
     ]
     out += model_reasons(spec, chosen.method)
+    note = reference_path_note(spec, installed_kernels(), hw.kind)
+    if note:
+        out.append(note)
     out += dtype_reasons(preset, hw, dtype)
     if hw.kind == "cuda":
         out.append(attention_reason(hw, dtype))

@@ -34,7 +34,7 @@ from homelab_dp.planning.memory.device_memory import (
     CUDA_CONTEXT_BYTES,
     CUDA_FRAGMENTATION,
 )
-from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.model_spec import ATTENTION_KINDS, Mixer, ModelSpec
 from homelab_dp.planning.plan_reasons import count
 from homelab_dp.probe.hardware import format_bytes
 
@@ -208,8 +208,39 @@ class ServePlan:
 
 
 def kv_cache_bytes(spec: ModelSpec, context: int, sequences: int, bytes_per_el: float) -> int:
-    """Keys and values of every layer for ``sequences`` × ``context`` tokens."""
-    return int(2 * spec.layers * spec.kv_heads * spec.head_dim * context * sequences * bytes_per_el)
+    """Keys and values of every layer for ``sequences`` × ``context`` tokens; for a model of
+    layer groups, of its attention layers (a sliding layer keeps at most its window; a layer
+    that reuses another's keys and values none) plus each state layer's fixed-size state
+    (`recurrent_state_elements`), per sequence whatever the context."""
+    if not spec.blocks:
+        return int(
+            2 * spec.layers * spec.kv_heads * spec.head_dim * context * sequences * bytes_per_el
+        )
+    per_seq = 0.0
+    for g in spec.blocks:
+        for m in g.kind.mixers:
+            if m.kind in ATTENTION_KINDS:
+                window = m.dim("window")
+                kept = min(context, window) if window else context
+                per_seq += g.count * 2 * m.dim("kv_heads", 0) * m.dim("head_dim", 1) * kept
+            else:
+                per_seq += g.count * recurrent_state_elements(m)
+    return int(per_seq * sequences * bytes_per_el)
+
+
+def recurrent_state_elements(m: Mixer) -> int:
+    """A state mixer's cache per sequence: Gated DeltaNet's d_k × d_v state per value head and
+    its convolution window; Mamba-2's d_head × d_state per head and its convolution window; a
+    short convolution's window."""
+    conv = max(0, m.dim("conv_kernel", 4) - 1)
+    if m.kind == "linear_attention":
+        vh, dk, dv = m.dim("v_heads", 1), m.dim("k_dim", 1), m.dim("v_dim", 1)
+        return vh * dk * dv + conv * (2 * m.dim("k_heads", 1) * dk + vh * dv)
+    if m.kind in ("mamba2", "mamba"):
+        heads, hd, n = m.dim("heads", 1), m.dim("head_dim", 1), m.dim("state", 16)
+        inner = m.dim("inner", heads * hd)
+        return heads * hd * n + conv * (inner + 2 * m.dim("groups", 1) * n)
+    return conv * m.dim("width", 1)
 
 
 def prefill_layer_bytes(spec: ModelSpec, tokens: int, bytes_per_el: float) -> int:

@@ -25,67 +25,34 @@ import torch
 import transformers
 from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.pytorch_utils import Conv1D
 
 from homelab_dp.errors import ModelSpecError
 from homelab_dp.planning.model_spec import (
+    ATTENTION_KINDS,
     DECODER_HINT,
     Experts,
     Linear,
     ModelSpec,
     hand_written_spec,
+    read_config,
     spec_to_dict,
 )
-
-TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k")
-UNEVEN_HINT = (
-    "the planner describes a model by one decoder layer (and its MoE or dense variant); "
-    "hybrid attention/state-space or per-layer-sized models are not planned yet"
+from homelab_dp.train.layer_census import (
+    AUX_NAMES,
+    TOP_K_NAMES,
+    UNEVEN_HINT,
+    _all_linears,
+    _attr,
+    _decoder_layers,
+    _expert_linear,
+    _is_attention,
+    _is_norm,
+    _numel,
+    _vocab,
+    describe_groups,
+    hidden_size,
+    layer_groups,
 )
-AUX_NAMES = ("router_aux_loss_coef", "aux_loss_alpha", "router_aux_loss_factor")
-
-
-def _numel(params: list[nn.Parameter]) -> int:
-    return sum(p.numel() for p in params)
-
-
-def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The longest ModuleList whose items are all one class: the decoder layers."""
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if (
-            isinstance(module, nn.ModuleList)
-            and len(module) > 0
-            and (
-                len({type(m) for m in module}) == 1
-                and "vision" not in name
-                and "visual" not in name
-            )
-            and (best is None or len(module) > len(best[1]))
-        ):
-            best = (name, module)
-    if best is None:
-        raise ModelSpecError(
-            "its decoder layers are not one kind of module (a hybrid model)", hint=UNEVEN_HINT
-        )
-    return best
-
-
-def _attr(config: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def _expert_linear(name: str, shape: torch.Size, hidden: int) -> Linear:
-    """A fused expert tensor ``[count, a, b]`` as one expert's 2-D linear (down: out = hidden)."""
-    a, b = int(shape[1]), int(shape[2])
-    other = b if a == hidden else a
-    if "down" in name.split(".")[-1]:
-        return Linear(name, other, hidden)
-    return Linear(name, hidden, other)
 
 
 def _layer_parts(layer: nn.Module, hidden: int) -> dict[str, Any]:
@@ -146,35 +113,6 @@ def _layer_parts(layer: nn.Module, hidden: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _all_linears(layer: nn.Module) -> dict[str, Linear]:
-    """The layer's nn.Linear and transformers' Conv1D (GPT-2's linears, weight [in, out])."""
-    found = {}
-    for n, m in layer.named_modules():
-        if isinstance(m, nn.Linear):
-            found[n] = Linear(n, m.in_features, m.out_features, m.bias is not None)
-        elif isinstance(m, Conv1D):
-            found[n] = Linear(n, int(m.weight.shape[0]), int(m.weight.shape[1]), m.bias is not None)
-    return found
-
-
-def _is_attention(name: str) -> bool:
-    last = name.rsplit(".", 1)[-1].lower()
-    return "attn" in last or "attention" in last
-
-
-def _is_norm(child: str) -> bool:
-    return "norm" in child.lower() or child.startswith("ln")
-
-
-def _is_attention(name: str) -> bool:
-    last = name.rsplit(".", 1)[-1].lower()
-    return "attn" in last or "attention" in last
-
-
-def _is_norm(child: str) -> bool:
-    return "norm" in child.lower() or child.startswith("ln")
-
-
 def _same(values: list[int], what: str) -> int:
     if len(set(values)) != 1:
         raise ModelSpecError(
@@ -189,7 +127,7 @@ def census(
 ) -> ModelSpec:
     """Build the model of ``folder``'s config.json on the meta device and describe it."""
     source = str(Path(folder) / "config.json")
-    raw = json.loads(Path(source).read_text(encoding="utf-8"))
+    raw = read_config(folder)  # regular, bounded, every size checked (`check_config_sizes`)
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING and not (trust_remote_code and raw.get("auto_map")):
         raise ModelSpecError(
@@ -241,9 +179,23 @@ def any_model_spec(
 
 def describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> ModelSpec:
     """The ModelSpec of a built model (any device) whose text config is ``text``; a
-    ModelSpecError naming the file and model_type when the tree cannot be described."""
+    ModelSpecError naming the file and model_type when the tree cannot be described.
+
+    Every layer is described (`layer_kind`) and equal layers grouped. A model whose layers all
+    hold one attention mixer of one shape gets the uniform form (no `ModelSpec.blocks`, exactly
+    as before); any other (hybrids, dense and MoE layers of other shapes, per-layer sizes) gets
+    its layer groups."""
     try:
-        return _describe(model, text, wrapper=wrapper, source=source)
+        groups = layer_groups(model, text)
+        uniform = all(
+            len(g.kind.mixers) == 1 and g.kind.mixers[0].kind in ATTENTION_KINDS for g, _ in groups
+        )
+        if uniform:
+            try:
+                return _describe(model, text, wrapper=wrapper, source=source)
+            except ModelSpecError:
+                pass  # not one repeated layer: described by its groups
+        return describe_groups(model, text, groups, wrapper=wrapper, source=source)
     except ModelSpecError as exc:
         if exc.message.startswith(source):
             raise
@@ -253,7 +205,7 @@ def describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> Mode
 
 
 def _describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> ModelSpec:
-    hidden = int(text.hidden_size)
+    hidden = hidden_size(model, text)
     layers_name, layers = _decoder_layers(model)
     if not any(_is_attention(name) for name, _ in layers[0].named_modules()):
         raise ModelSpecError(
@@ -345,7 +297,7 @@ def _describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> Mod
         kv_heads=int(_attr(text, "num_key_value_heads", default=heads)), head_dim=head_dim,
         intermediate=int(_attr(text, "moe_intermediate_size", "intermediate_size", default=4 * hidden)
                          if experts else _attr(text, "intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden),
-        vocab=int(text.vocab_size), max_positions=int(_attr(text, "max_position_embeddings", default=0)),
+        vocab=_vocab(model, text), max_positions=int(_attr(text, "max_position_embeddings", default=0)),
         tied_embeddings=tied, linears=tuple(common.values()), embedding_params=embedding,
         lm_head_params=head, norm_params_per_layer=norms, final_norm_params=final_norm,
         other_params_per_layer=other, source="meta-device",

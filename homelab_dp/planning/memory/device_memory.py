@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from homelab_dp.planning.memory.layer_kinds import blocks_activation_bytes
 from homelab_dp.planning.memory.moe_memory import (
     adapted_experts,
     decoder_params,
@@ -184,7 +185,12 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
     w = compute_width(shape)
     cpu = shape.device == "cpu"
     small = 4 * (2 + a)  # per-token norm statistics and SDPA's log-sum-exp, fp32
-    if spec.model_type == "gpt2":
+    if spec.blocks:  # layer groups: each kind's own bytes (`planning.memory.layer_kinds`)
+        out = blocks_activation_bytes(
+            spec, w, experts_trained=experts_trained, frozen_norms=shape.method != "full",
+            masked_kv=_masked(spec, shape), seq_len=shape.seq_len,
+        )  # fmt: skip
+    elif spec.model_type == "gpt2":
         out = w * (8 * h + 5 * inter) + small
         if spec.hidden_dropout > 0:
             out += 2 * h * (w if cpu else 1)  # CPU dropout keeps a float mask, CUDA a bool one
@@ -336,7 +342,9 @@ def pinned_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
     w = compute_width(shape)
     attn, kvd = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     total = layer_activation_bytes(spec, shape)
-    if spec.model_type == "gpt2":
+    if spec.blocks:  # layer groups: every tensor rounded as a hidden-wide one (approximate)
+        parts = []
+    elif spec.model_type == "gpt2":
         parts = [(inter, 5 * inter * w)]
     else:
         if _masked(spec, shape):
@@ -556,7 +564,7 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
         # residual_in_fp32: the residual stream must not overflow fp16): 2 bytes more each.
         # FSDP is never planned in fp16, so nothing here is sharded.
         weights += 2 * (spec.embedding_params + spec.final_norm_params
-                        + spec.norm_params_per_layer * spec.layers)  # fmt: skip
+                        + sum(g.count * g.kind.norm_params for g in spec.layer_groups))  # fmt: skip
     # train.reference = "copy": the frozen reference model beside the trained one.
     weights += reference_weight_bytes(spec, shape)
     # DDP on 2+ processes: the gradients are views of its buckets, alive from the load on.

@@ -29,7 +29,7 @@ the parts that depend on the model's MoE block (`ModelSpec.experts`), its dense 
 
 from __future__ import annotations
 
-from homelab_dp.planning.model_spec import Linear, ModelSpec
+from homelab_dp.planning.model_spec import LayerKind, Linear, ModelSpec
 
 ROUTED_INDEX_BYTES = 40
 """int64 sort, permutation and index tensors saved per routed slot (measured)."""
@@ -56,13 +56,21 @@ def _picked(lin: Linear, names: set[str] | None) -> bool:
 
 def adapted_experts(spec: ModelSpec, targets: str | list[str] | tuple[str, ...]) -> list[Linear]:
     """The routed experts' weights LoRA adapts: those named ("experts" names them all)."""
+    if spec.experts is None:
+        return []
+    return named_experts(spec.experts.linears, targets)
+
+
+def named_experts(
+    linears: tuple[Linear, ...], targets: str | list[str] | tuple[str, ...]
+) -> list[Linear]:
     names = _names(targets)
-    if spec.experts is None or names is None:
+    if names is None:
         return []
     if "experts" in names:
-        return list(spec.experts.linears)
+        return list(linears)
     return [
-        lin for lin in spec.experts.linears if f"experts.{lin.name.split('.')[-1]}" in names
+        lin for lin in linears if f"experts.{lin.name.split('.')[-1]}" in names
         or lin.name in names
     ]  # fmt: skip
 
@@ -76,6 +84,14 @@ def adapted(
     A MoE model also: the dense layers' MLP, the shared experts in every MoE layer and, when
     named, the routed experts (E per MoE layer)."""
     names = _names(targets)
+    if spec.blocks:  # every layer group: its linears, shared experts and named routed experts
+        out = []
+        for g in spec.blocks:
+            out += [(lin, g.count) for lin in g.kind.linears if _picked(lin, names)]
+            if g.kind.experts is not None:
+                e = g.kind.experts
+                out += [(lin, g.count * e.count) for lin in named_experts(e.linears, targets)]
+        return out
     out = [(lin, spec.layers) for lin in spec.linears if _picked(lin, names)]
     if spec.experts is None:
         return out
@@ -94,6 +110,10 @@ def lora_param_count(spec: ModelSpec, r: int, targets: str | list[str] | tuple[s
 def lora_outputs_per_layer(spec: ModelSpec, targets: str | list[str] | tuple[str, ...]) -> float:
     """Adapted ``nn.Linear``s per decoder layer, averaged over the layers: each saves its
     lora_A output (r per token). Expert adapters are folded into the weight (no such output)."""
+    if spec.blocks:
+        names = _names(targets)
+        picked = sum(g.count for g in spec.blocks for lin in g.kind.linears if _picked(lin, names))
+        return picked / max(1, spec.layers)
     experts = set(id(lin) for lin in adapted_experts(spec, targets))
     rows = [(lin, n) for lin, n in adapted(spec, targets) if id(lin) not in experts]
     return sum(n for _, n in rows) / max(1, spec.layers)
@@ -157,11 +177,14 @@ def decoder_params(spec: ModelSpec) -> int:
         - spec.lm_head_params
         - spec.final_norm_params
         - spec.vision_params
+        - spec.extra_params
     )
 
 
 def largest_layer_params(spec: ModelSpec) -> int:
     """The parameters of the largest decoder layer (a MoE layer holds all its experts)."""
+    if spec.blocks:
+        return max(g.kind.params for g in spec.blocks)
     if spec.experts is None:
         return spec.layer_params
     dense = sum(lin.params for lin in spec.dense_mlp)
@@ -172,6 +195,10 @@ def largest_quantized(spec: ModelSpec) -> int:
     """Elements of the largest weight QLoRA dequantizes for one matmul: a linear, or a fused
     expert stack ``[E, out, in]`` (dequantized whole for the grouped matmul)."""
     sizes = [lin.d_in * lin.d_out for lin in (*spec.linears, *spec.dense_mlp)]
+    for g in spec.blocks:
+        e = g.kind.experts
+        if e is not None:
+            sizes += [(e.count if e.fused else 1) * lin.d_in * lin.d_out for lin in e.linears]
     if spec.experts is not None:
         sizes += [lin.d_in * lin.d_out for lin in spec.experts.shared]
         stack = spec.experts.count if spec.experts.fused else 1
@@ -182,8 +209,51 @@ def largest_quantized(spec: ModelSpec) -> int:
 def mlp_temporaries(spec: ModelSpec) -> int:
     """Elements per token of a layer's MLP backward temporaries beyond the hidden size: two
     intermediate-wide gradients per dense MLP, per routed slot in a MoE layer."""
+    if spec.blocks:
+        return max(kind_mlp_temporaries(g.kind, spec.hidden) for g in spec.blocks)
     dense = 2 * dense_width(spec)
     if spec.experts is None:
         return dense
     routed = spec.experts.top_k * (2 * expert_width(spec) + spec.hidden)
     return max(dense if spec.dense_mlp else 0, routed)
+
+
+def _width(linears: tuple[Linear, ...], hidden: int) -> int:
+    """The intermediate width of an MLP (its down projection's input)."""
+    return max((lin.d_in for lin in linears if lin.d_out == hidden), default=0)
+
+
+def kind_mlp_bytes(
+    kind: LayerKind, hidden: int, width: int, experts_trained: bool, model_type: str = ""
+) -> float:
+    """Bytes one token saves in the MLP block(s) of one layer kind: a dense MLP's four
+    intermediate-wide tensors (gate, up, the activation, their product; two for a plain
+    up/act/down MLP), and a MoE block as `moe_mlp_bytes` says."""
+    out = 0.0
+    if kind.mlp:
+        inter = _width(kind.mlp, hidden)
+        gated = len([lin for lin in kind.mlp if lin.d_in == hidden]) >= 2 or any(
+            lin.d_out == 2 * inter for lin in kind.mlp)  # fmt: skip
+        out += (4 if gated else 2) * inter * width
+    e = kind.experts
+    if e is not None:
+        i = min(lin.d_in for lin in e.linears) if e.linears else 0
+        ins = [lin for lin in e.linears if "down" not in lin.name.rsplit(".", 1)[-1]]
+        gated = len(ins) >= 2 or any(lin.d_out == 2 * i for lin in ins)
+        # SwiGLU experts save (4, 3) intermediate-wide tensors per slot, a plain up/act/down
+        # expert (Nemotron-H's relu²) (2, 1).
+        trained, frozen = GATE_TENSORS.get(model_type, (4, 3) if gated else (2, 1))
+        wide = trained * i + 2 * hidden if experts_trained else frozen * i + hidden
+        shared = 2 * sum(lin.d_out for lin in e.shared if "down" not in lin.name.rsplit(".", 1)[-1])
+        out += e.top_k * (width * wide + ROUTED_INDEX_BYTES) + 4 * e.count + ROUTER_TOKEN_BYTES
+        out += width * shared
+    return out
+
+
+def kind_mlp_temporaries(kind: LayerKind, hidden: int) -> int:
+    """Elements per token of one layer kind's MLP backward temporaries beyond the hidden size."""
+    out = 2 * _width(kind.mlp, hidden) if kind.mlp else 0
+    e = kind.experts
+    if e is not None and e.linears:
+        out = max(out, e.top_k * (2 * min(lin.d_in for lin in e.linears) + hidden))
+    return out

@@ -78,13 +78,31 @@ def fsdp_param_tensors(spec: ModelSpec, shape: TrainShape) -> list[ParamTensor]:
     if spec.lm_head_params:
         out.append(ParamTensor(spec.lm_head_params // h, h * w, 1, full))
     norms = spec.final_norm_params + L * spec.norm_params_per_layer
+    norms += sum(g.count * g.kind.norm_params for g in spec.blocks)
     if norms:
         out.append(ParamTensor(h, w, max(1, norms // h), full))
     if spec.other_params_per_layer:
         out.append(ParamTensor(spec.other_params_per_layer, w, L, full))
-    weights = [(lin, L, 1) for lin in spec.linears]
+    weights = [(lin, L, 1) for lin in spec.linears] if not spec.blocks else []
     e = spec.experts
-    if e is not None:  # a MoE model's dense layers, shared experts and fused expert stacks
+    for g in spec.blocks:  # layer groups: each kind's linears, mixer parameters and experts
+        k = g.kind
+        weights += [(lin, g.count, 1) for lin in k.linears]
+        rest = sum(m.params for m in k.mixers) + k.other_params
+        if rest:
+            out.append(ParamTensor(rest, w, g.count, full))
+        if k.experts is not None:
+            stack = k.experts.count if k.experts.fused else 1
+            weights += [
+                (lin, g.count * k.experts.count // stack, stack) for lin in k.experts.linears
+            ]
+            router = k.experts.router_params + k.experts.shared_gate_params
+            out.append(ParamTensor(max(1, router // h), h * w, g.count, full))
+    if spec.extra_params:
+        out.append(ParamTensor(max(1, spec.extra_params // h), h * w, 1, full))
+    if (
+        e is not None and not spec.blocks
+    ):  # a MoE model's dense layers, shared experts and fused expert stacks
         weights += [(lin, L - e.layers, 1) for lin in spec.dense_mlp if e.layers < L]
         weights += [(lin, e.layers, 1) for lin in e.shared]
         stack = e.count if e.fused else 1

@@ -17,7 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from homelab_dp.errors import ModelSpecError  # noqa: E402
 from homelab_dp.planning.model_spec import spec_from_config  # noqa: E402
 from homelab_dp.train.model_census import census  # noqa: E402
 
@@ -269,10 +268,14 @@ def test_census_reads_the_tree_as_the_hand_written_spec(name, tmp_path) -> None:
     assert census(tmp_path) == replace(hand, source="meta-device")
 
 
-def test_census_refuses_a_hybrid_model_naming_it(tmp_path) -> None:
-    """Jamba mixes attention and Mamba layers: one layer cannot describe it, so it is refused
-    with the file and the model_type, not planned wrongly."""
-    cfg = {**TINY, "model_type": "jamba", "num_hidden_layers": 8, "num_experts": 2}
-    _config(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ModelSpecError, match=r"config.json: model_type='jamba': .*not one kind"):
-        census(tmp_path)
+def test_census_describes_a_hybrid_model_by_its_layer_groups(tmp_path) -> None:
+    """Jamba mixes attention and Mamba layers (issue 36): once refused, now described layer
+    kind by layer kind, its count equal to transformers' own on the meta device."""
+    cfg = _config({**TINY, "model_type": "jamba", "num_hidden_layers": 8, "num_experts": 2})
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    spec = census(tmp_path)
+    assert spec.params == sum(p.numel() for p in model.parameters())
+    assert spec.mixer_counts == {"mamba": 7, "attention": 1}
+    assert spec.state_layers == 7 and spec.blocks

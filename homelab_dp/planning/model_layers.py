@@ -1,0 +1,177 @@
+"""The parts of a decoder layer (issue 36): linears, the MoE block, token mixers, layer kinds and
+groups of equal layers (pure dataclasses; `planning.model_spec.ModelSpec` holds them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer inside a decoder block (repeated in every layer)."""
+
+    name: str
+    d_in: int
+    d_out: int
+    bias: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.d_in * self.d_out + (self.d_out if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The Mixture-of-Experts block of a model's MoE layers (one instance describes them all)."""
+
+    count: int
+    """Routed experts per MoE layer (``num_experts``, ``num_local_experts``, ``n_routed_experts``)."""
+    top_k: int
+    """Routed experts each token goes through (``num_experts_per_tok``)."""
+    linears: tuple[Linear, ...]
+    """One routed expert's projections as 2-D shapes (gate/up, possibly fused, and down)."""
+    layers: int
+    """How many decoder layers are MoE; the others run `ModelSpec.dense_mlp`."""
+    fused: bool = True
+    """The experts are stored as 3-D tensors ``[count, ...]`` (transformers 5), not as
+    ``nn.Linear``: peft reaches them through ``target_parameters`` and bitsandbytes cannot."""
+    router_params: int = 0
+    """The router's weight (and bias) per MoE layer: kept 16-bit, frozen under LoRA."""
+    shared: tuple[Linear, ...] = ()
+    """Shared experts' linears (``nn.Linear``), run for every token in every MoE layer."""
+    shared_gate_params: int = 0
+    """A shared expert's own gate per MoE layer (Qwen2-MoE's ``shared_expert_gate``)."""
+    aux_loss_coef: float = 0.0
+    """The router's load-balancing loss weight (``router_aux_loss_coef``; 0: none is added)."""
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        return sum(lin.params for lin in self.linears)
+
+    @property
+    def shared_params(self) -> int:
+        """Shared experts, their gate and the router: what every token uses in a MoE layer."""
+        return sum(lin.params for lin in self.shared) + self.shared_gate_params + self.router_params
+
+    @property
+    def layer_params(self) -> int:
+        """Every parameter of one MoE layer's MLP block."""
+        return self.count * self.expert_params + self.shared_params
+
+    @property
+    def active_layer_params(self) -> int:
+        """The parameters one token uses in a MoE layer's MLP block (top-k experts)."""
+        return self.top_k * self.expert_params + self.shared_params
+
+
+MIXER_KINDS = (
+    "attention", "sliding_attention", "chunked_attention", "mla", "gated_attention",
+    "linear_attention", "mamba2", "mamba", "short_conv", "recurrent",
+)  # fmt: skip
+"""Token mixers a decoder layer may hold. ``attention``: full causal softmax attention;
+``sliding_attention`` / ``chunked_attention``: limited to a window or a chunk; ``mla``:
+multi-head latent attention (DeepSeek); ``gated_attention``: attention whose output is gated by a
+sigmoid of the input (Qwen3-Next, Qwen3.5); ``linear_attention``: Gated DeltaNet (a recurrent
+state per head, a short causal convolution); ``mamba2`` / ``mamba``: selective state-space
+(Mamba-2, Mamba-1); ``short_conv``: LFM2's gated short convolution; ``recurrent``: any other
+recurrent mixer (RWKV, xLSTM, RG-LRU), planned with a generic activation estimate."""
+ATTENTION_KINDS = frozenset({"attention", "sliding_attention", "chunked_attention", "mla",
+                             "gated_attention"})  # fmt: skip
+STATE_KINDS = frozenset({"linear_attention", "mamba2", "mamba", "short_conv", "recurrent"})
+"""Mixers that carry a recurrent (or convolution) state from token to token: a packed block must
+not carry it across a sample boundary."""
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One token mixer of a decoder layer (a layer may hold two side by side: Falcon-H1)."""
+
+    kind: str
+    """One of `MIXER_KINDS`."""
+    linears: tuple[Linear, ...]
+    """Its ``nn.Linear`` projections (names relative to the decoder layer)."""
+    params: int = 0
+    """Its parameters outside the linears: convolution weights, ``A_log``, ``dt_bias``, ``D``,
+    its inner norms, q/k norms, attention sinks."""
+    dims: tuple[tuple[str, int], ...] = ()
+    """Sizes the memory and FLOPs models read, by name: attention ``heads``, ``kv_heads``,
+    ``head_dim``, ``window``; Gated DeltaNet ``k_heads``, ``v_heads``, ``k_dim``, ``v_dim``,
+    ``conv_kernel``; Mamba-2 ``heads``, ``head_dim``, ``state``, ``groups``, ``conv_kernel``,
+    ``inner``; short convolution ``conv_kernel``, ``width``."""
+
+    def dim(self, name: str, default: int = 0) -> int:
+        """The size ``name`` of `dims` (``default`` when not given)."""
+        return next((v for k, v in self.dims if k == name), default)
+
+    @property
+    def total_params(self) -> int:
+        """Linears and the rest."""
+        return sum(lin.params for lin in self.linears) + self.params
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One kind of decoder layer: its mixer(s), its MLP (dense, MoE or none) and the rest."""
+
+    mixers: tuple[Mixer, ...]
+    """() for a layer that is only an MLP (Nemotron-H's MLP and MoE blocks); two for
+    attention and Mamba-2 side by side (Falcon-H1)."""
+    mlp: tuple[Linear, ...] = ()
+    """A dense MLP's linears (empty in a MoE layer, or a mixer-only layer)."""
+    experts: Experts | None = None
+    """The MoE block (its ``layers`` field is not used here: the group's count says it)."""
+    norm_params: int = 0
+    """The layer's own norms."""
+    other_linears: tuple[Linear, ...] = ()
+    """Any other ``nn.Linear`` of the layer (Gemma 4's per-layer input gate and projection)."""
+    other_params: int = 0
+    """Any other parameter of the layer (a layer scalar, norms inside the MLP)."""
+
+    @property
+    def mixer(self) -> str:
+        """The kind of the layer's mixer: one of `MIXER_KINDS`, ``"a+b"`` for two side by
+        side, ``"none"`` for an MLP-only layer."""
+        return "+".join(m.kind for m in self.mixers) or "none"
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        """Every ``nn.Linear`` of the layer but the routed experts and the router."""
+        shared = self.experts.shared if self.experts else ()
+        return (*(lin for m in self.mixers for lin in m.linears), *self.mlp, *shared,
+                *self.other_linears)  # fmt: skip
+
+    @property
+    def params(self) -> int:
+        """Every parameter of one such layer (every expert counted)."""
+        moe = self.experts.layer_params if self.experts else 0
+        return (sum(m.total_params for m in self.mixers) + sum(lin.params for lin in self.mlp)
+                + moe + self.norm_params + sum(lin.params for lin in self.other_linears)
+                + self.other_params)  # fmt: skip
+
+    @property
+    def active_params(self) -> int:
+        """The parameters a token goes through (top-k of the routed experts)."""
+        if self.experts is None:
+            return self.params
+        e = self.experts
+        return self.params - (e.count - e.top_k) * e.expert_params
+
+    @property
+    def quantizable_params(self) -> int:
+        """What 4-bit QLoRA quantizes: the linears, shared and routed experts (not the router)."""
+        routed = self.experts.count * self.experts.expert_params if self.experts else 0
+        return sum(lin.params for lin in self.linears) + routed
+
+    @property
+    def carries_state(self) -> bool:
+        """A mixer carries a recurrent or convolution state from token to token."""
+        return any(m.kind in STATE_KINDS for m in self.mixers)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """``count`` decoder layers of one kind (equal layers grouped wherever they sit)."""
+
+    kind: LayerKind
+    count: int

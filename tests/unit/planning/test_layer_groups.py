@@ -1,0 +1,186 @@
+"""A model is a list of layers (issue 36): the census of the 2026 families against transformers.
+
+Tiny configs of the nine families the issue names are built by transformers' own config classes,
+instantiated on the meta device, and planned through the census (`train.model_census`, the path
+`plan` takes for them): the parameter count must equal the meta model's, parameter for parameter;
+the active count must equal it minus the routed experts a token skips (counted from the model's
+own expert tensors); the layers per mixer kind must follow the config's layer pattern.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+
+from homelab_dp.planning.model_spec import spec_to_dict  # noqa: E402
+from homelab_dp.planning.spec_document import spec_from_dict  # noqa: E402
+from homelab_dp.train.model_census import census  # noqa: E402
+
+T = {"hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+     "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 256}  # fmt: skip
+GDN = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+       "linear_value_head_dim": 16}  # fmt: skip
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+LIN, FULL, SLIDE = "linear_attention", "full_attention", "sliding_attention"
+
+# model_type: (config fields, expected layers per mixer kind)
+FAMILIES = {
+    "qwen3_5_text": ({**T, **GDN, "num_hidden_layers": 4}, {"linear_attention": 3, "gated_attention": 1}),
+    "qwen3_5_moe_text": ({**T, **GDN, **MOE, "shared_expert_intermediate_size": 48,
+                          "num_hidden_layers": 4}, {"linear_attention": 3, "gated_attention": 1}),
+    "qwen3_next": ({**T, **GDN, **MOE, "shared_expert_intermediate_size": 48, "num_hidden_layers": 8,
+                    "mlp_only_layers": [0]}, {"linear_attention": 6, "gated_attention": 2}),
+    "nemotron_h": ({**T, "num_hidden_layers": 6, "hybrid_override_pattern": "M-M*EM",
+                    "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "moe_shared_expert_intermediate_size": 48}, {"mamba2": 3, "none": 2, "attention": 1}),
+    "falcon_h1": ({**T, "num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_head": 16,
+                   "mamba_d_ssm": 64, "mamba_d_state": 16}, {"attention+mamba2": 3}),
+    "granitemoehybrid": ({**T, "num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "mamba"],
+                          "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
+                          "num_local_experts": 4, "num_experts_per_tok": 2}, {"mamba2": 3, "attention": 1}),
+    "lfm2": ({**T, "num_hidden_layers": 5, "full_attn_idxs": [1, 3]}, {"short_conv": 3, "attention": 2}),
+    "ernie4_5_moe": ({**T, "num_hidden_layers": 4, "moe_num_experts": 8, "moe_k": 2,
+                      "moe_intermediate_size": 32, "moe_layer_start_index": 1}, {"attention": 4}),
+    "gemma4_text": ({**T, "num_hidden_layers": 6, "layer_types": [SLIDE, FULL] * 3, "global_head_dim": 32,
+                     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 128,
+                     "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                     "moe_intermediate_size": 16, "num_kv_shared_layers": 2},
+                    {"sliding_attention": 3, "attention": 3}),
+}  # fmt: skip
+
+
+def _meta_model(cfg):
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _inactive(model, top_k: int) -> int:
+    """Parameters of the routed experts a token skips, from the model's own tensors: in each
+    MoE block (E, ...) expert stacks, (E - top_k) / E of them."""
+    out = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name and p.dim() == 3:
+            out += p.numel() * (p.shape[0] - top_k) // p.shape[0]
+    return out
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_census_counts_every_parameter_of_the_2026_families(model_type, tmp_path):
+    fields, mixers = FAMILIES[model_type]
+    cfg = CONFIG_MAPPING[model_type](**fields)
+    model = _meta_model(cfg)
+    truth = sum(p.numel() for p in model.parameters())
+    cfg.save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    assert spec.params == truth
+    top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k_experts", None)
+    top_k = top_k or getattr(cfg, "moe_k", None) or 0
+    assert spec.active_params == truth - (_inactive(model, top_k) if top_k else 0)
+    assert spec.mixer_counts == mixers
+    assert spec.layers == sum(g.count for g in spec.layer_groups) == cfg.num_hidden_layers
+    # The spec travels as JSON (the census child, the cache) and comes back the same.
+    again = spec_from_dict(json.loads(json.dumps(spec_to_dict(spec))))
+    assert again == spec and again.params == truth
+
+
+def test_hybrid_layers_say_what_carries_a_recurrent_state(tmp_path):
+    fields, _ = FAMILIES["qwen3_5_text"]
+    CONFIG_MAPPING["qwen3_5_text"](**fields).save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    assert (spec.state_layers, spec.attention_layers) == (3, 1)
+    gdn = next(m for g in spec.layer_groups for m in g.kind.mixers if m.kind == "linear_attention")
+    assert (gdn.dim("k_heads"), gdn.dim("v_heads"), gdn.dim("k_dim"), gdn.dim("v_dim")) == (
+        2,
+        4,
+        16,
+        16,
+    )
+    assert gdn.dim("conv_kernel") == 4
+
+
+def test_moe_with_dense_first_layers_has_both_groups(tmp_path):
+    fields, _ = FAMILIES["ernie4_5_moe"]
+    CONFIG_MAPPING["ernie4_5_moe"](**fields).save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    moe = [g for g in spec.layer_groups if g.kind.experts is not None]
+    dense = [g for g in spec.layer_groups if g.kind.experts is None]
+    assert [g.count for g in moe] == [3] and [g.count for g in dense] == [1]
+    assert moe[0].kind.experts.count == 8 and moe[0].kind.experts.top_k == 2
+    assert spec.experts is not None and spec.experts.layers == 3
+
+
+# --- activations per layer kind, against the bytes autograd saves on the CPU -----------------
+
+WIDE = {"hidden_size": 256, "vocab_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 32, "intermediate_size": 512, "max_position_embeddings": 4096}  # fmt: skip
+MEASURED_FAMILIES = {
+    "qwen3_5_text": {**WIDE, "num_hidden_layers": 4, "linear_num_key_heads": 4,
+                     "linear_num_value_heads": 8, "linear_key_head_dim": 32,
+                     "linear_value_head_dim": 32},
+    "nemotron_h": {**WIDE, "num_hidden_layers": 4, "hybrid_override_pattern": "M-*E",
+                   "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 64,
+                   "n_groups": 1, "chunk_size": 128, "n_routed_experts": 8,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                   "moe_shared_expert_intermediate_size": 256},
+    "lfm2": {**WIDE, "num_hidden_layers": 2, "full_attn_idxs": [1]},
+}  # fmt: skip
+
+
+def _saved_per_token(model, index: int, seq: int) -> float:
+    """Bytes per token autograd saves in decoder layer ``index`` (weights left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.update(args=args, kwargs=kwargs)
+        raise StopIteration
+
+    layer = model.model.layers[index]
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    with pytest.raises(StopIteration):
+        model(input_ids=torch.randint(0, model.config.vocab_size, (1, seq)))
+    handle.remove()
+    args = [a.detach().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() else a
+            for a in captured["args"]]  # fmt: skip
+    kwargs = dict(captured["kwargs"])
+    if "hidden_states" in kwargs:
+        kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(*args, **kwargs)
+    return sum(seen.values()) / seq
+
+
+@pytest.mark.parametrize("model_type", sorted(MEASURED_FAMILIES))
+def test_planned_activations_per_layer_kind_match_what_autograd_saves(model_type, tmp_path):
+    """Every layer kind of Qwen3.5 (Gated DeltaNet, gated attention), Nemotron-H (Mamba-2,
+    attention, MLP, MoE) and LFM2 (short convolution, attention with q/k norms): the plan's
+    bytes per token within 5% of what the torch reference path saves (fp32, full fine-tune)."""
+    from homelab_dp.planning.memory.layer_kinds import kind_activation_bytes
+    from homelab_dp.train.model_census import layer_groups
+
+    torch.manual_seed(0)
+    cfg = CONFIG_MAPPING[model_type](**MEASURED_FAMILIES[model_type])
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().train()
+    cfg.save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    for group, ids in layer_groups(model, cfg):
+        measured = _saved_per_token(model, ids[0], 256)
+        planned = kind_activation_bytes(
+            spec, group.kind, 4, experts_trained=True, frozen_norms=False
+        )
+        assert planned == pytest.approx(measured, rel=0.05), group.kind.mixer
