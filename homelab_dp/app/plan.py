@@ -38,7 +38,7 @@ from homelab_dp.planning.memory.memory_calibration import (
 )
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.planner import Plan, plan, with_host
-from homelab_dp.planning.recurrent_packing import packing_decision, recurrent_kinds
+from homelab_dp.planning.recurrent_packing import model_recurrent_kinds, packing_decision
 from homelab_dp.planning.sample_cost import sample_plan
 from homelab_dp.planning.speed_calibration import ComputeRate, SpeedStore
 from homelab_dp.planning.speed_plan import with_predictions
@@ -309,7 +309,8 @@ def make_plan(
         folder, trust_remote_code=preset.model.trust_remote_code, text_only=preset.model.text_only
     )
     # Recurrent layers (Gated DeltaNet, Mamba-2, short convolutions): planned and run unpacked.
-    packing = packing_decision(preset.data.pack, recurrent_kinds(_config(folder)), spec.model_type)
+    kinds = model_recurrent_kinds(spec, _config(folder))
+    packing = packing_decision(preset.data.pack, kinds, spec.model_type)
     if packing.pack != preset.data.pack:
         preset = replace(preset, data=replace(preset.data, pack=packing.pack))
     hardware, report = select_hardware(preset, gpus)

@@ -28,8 +28,10 @@ optimizer step grouped by length, so padding stays small (`homelab_dp.train` doe
 same rule). The worker's packing check (`homelab_dp.train.packing_check`) stays the guard for
 whatever reaches it packed.
 
-The layer kinds come from the model's ``config.json`` (`recurrent_kinds`), the same reading
-the plan's model spec makes of its layers.
+The plan reads the layer kinds from the model spec's layers (`spec_recurrent_kinds`, the
+census of the model transformers builds), the worker from ``config.json`` (`recurrent_kinds`);
+tests/unit/train/test_recurrent_packing_models.py checks that both name the families whose
+packed blocks leak.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from homelab_dp.planning.model_spec import STATE_KINDS, ModelSpec
 
 RECURRENT_KINDS = frozenset({
     "linear_attention", "mamba", "mamba2", "conv", "short_conv", "recurrent", "hybrid", "rwkv",
@@ -93,6 +97,20 @@ def recurrent_kinds(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     ):
         kinds.add("conv")
     return tuple(sorted(kinds))
+
+
+def spec_recurrent_kinds(spec: ModelSpec) -> tuple[str, ...]:
+    """The mixer kinds of the model spec's layers that carry a state (`STATE_KINDS`: Gated
+    DeltaNet's ``linear_attention``, ``mamba2``, ``short_conv``, ...), sorted."""
+    return tuple(sorted({m.kind for g in spec.layer_groups for m in g.kind.mixers
+                         if m.kind in STATE_KINDS}))  # fmt: skip
+
+
+def model_recurrent_kinds(spec: ModelSpec, cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The plan's reading: the spec's layer kinds (`spec_recurrent_kinds`), or where the spec
+    describes none (a spec written by hand for an attention family), config.json's
+    (`recurrent_kinds`, which the worker reads too)."""
+    return spec_recurrent_kinds(spec) or recurrent_kinds(cfg)
 
 
 @dataclass(frozen=True)

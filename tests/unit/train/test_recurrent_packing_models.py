@@ -19,8 +19,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from homelab_dp.planning.recurrent_packing import packing_decision, recurrent_kinds
+from homelab_dp.planning.model_spec import STATE_KINDS
+from homelab_dp.planning.recurrent_packing import (
+    RECURRENT_KINDS,
+    model_recurrent_kinds,
+    packing_decision,
+    recurrent_kinds,
+)
 from homelab_dp.train.length_groups import group_by_length, trimmed_width
+from homelab_dp.train.model_census import any_model_spec
 from homelab_dp.train.packed_attention import register
 from homelab_dp.train.packing_check import check_packing
 from tests.tiny_hybrids import FAMILIES
@@ -45,10 +52,11 @@ def test_the_rule_turns_packing_off_exactly_where_a_packed_block_leaks(
     check = check_packing(model, device=torch.device("cpu"), dtype="fp64",
                           model_type=model_type, vocab_size=model.config.vocab_size)  # fmt: skip
     raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    kinds = recurrent_kinds(raw)  # what the plan reads
+    kinds = recurrent_kinds(raw)
     assert kinds == recurrent_kinds(model.config.to_dict())  # what the worker reads
-    decision = packing_decision(True, kinds, model_type)
-    assert decision.pack == check.exact, (kinds, check)
+    planned = model_recurrent_kinds(any_model_spec(folder), raw)  # what the plan reads
+    for read in (kinds, planned):
+        assert packing_decision(True, read, model_type).pack == check.exact, (read, check)
     if not check.exact:  # a real leak, far beyond fp64 rounding
         assert check.max_diff > 1e-6
 
@@ -86,3 +94,7 @@ def test_grouping_keeps_a_steps_blocks_and_sorts_them_longest_first() -> None:
     assert lengths[grouped].tolist() == sorted(lengths.tolist(), reverse=True)
     assert trimmed_width(torch.tensor([4, 0]), lengths) == 7
     assert trimmed_width(torch.tensor([], dtype=torch.long), lengths) == 1
+
+
+def test_every_state_kind_of_the_model_spec_turns_packing_off() -> None:
+    assert STATE_KINDS <= RECURRENT_KINDS
