@@ -44,6 +44,8 @@ TARGETS = {  # the hardware each shipped preset's header names
     "gpt-oss-20b-lora-2x24gb": "2x24GiB",
     "tiny-dpo": None,
     "llama3-8b-dpo-qlora-2x24gb": "2x24GiB",
+    "qwen3.5-27b-qlora-2x24gb": "2x24GiB",
+    "qwen3.5-35b-a3b-qlora-2x24gb": "2x24GiB",
 }
 
 
