@@ -8,8 +8,9 @@ batch), in fp64 on the torch reference kernels. One module-scoped set of runs se
 claim: the loss falls; 1 and 2 processes agree to fp64 rounding (the same micro-batches: the
 step's samples grouped by length, unpacked, as the plan trains these models); a run stopped
 after step 2 and resumed ends on the uninterrupted run's weights; `eval` of the Qwen3.5 result
-equals `eval` of its merged export. A tiny falcon_h1 goes through `homelab-dp run` itself: the
-plan turns packing off and says why, and LoRA launches past what peft refuses on Mamba.
+equals `eval` of its merged export. Tiny falcon_h1, qwen3_5_moe_text, lfm2 and gemma4_text go
+through `homelab-dp run` itself: the plan turns packing off for the recurrent ones and says why
+(and keeps it, checked, for Gemma 4), and LoRA launches (past what peft refuses on Mamba).
 """
 
 from __future__ import annotations
@@ -131,22 +132,36 @@ def test_the_result_evaluates_as_its_export(
     assert trained < base - 0.05, (trained, base)
 
 
-def test_a_mamba_hybrid_runs_from_the_cli_unpacked_with_lora(
-    runs: Runs, tiny_hybrid: Callable[[str], Path]
+CLI_FAMILIES = {
+    # model_type: (packed as asked?, the plan's recurrent kind, a module LoRA adapts, one it must not)
+    "falcon_h1": (False, "mamba2", "mamba.in_proj", "out_proj"),
+    "qwen3_5_moe_text": (False, "linear_attention", "linear_attn.in_proj_qkv", "experts"),
+    "lfm2": (False, "short_conv", "conv.in_proj", "conv.conv"),
+    "gemma4_text": (True, "", "self_attn.q_proj", "router"),
+}
+
+
+@pytest.mark.parametrize("family", list(CLI_FAMILIES))
+def test_a_family_runs_from_the_cli_with_lora(
+    family: str, runs: Runs, tiny_hybrid: Callable[[str], Path]
 ) -> None:
-    """falcon_h1 asked packed (the demo preset packs): the plan unpacks it and says why, and
-    LoRA launches (peft used to refuse its Mamba out_proj at launch)."""
-    model = tiny_hybrid("falcon_h1")
-    rd = run_detached("tiny-demo", "--gpus", "cpu:1", "--set", f"model.path={model}",
+    """`homelab-dp run` of the demo preset (which packs) on the tiny model: the plan turns
+    packing off for a recurrent family and says why, keeps it (checked on the real model) for an
+    attention-only one, and LoRA launches and trains (peft used to refuse falcon_h1's Mamba
+    out_proj at launch)."""
+    packed, kind, adapted, never = CLI_FAMILIES[family]
+    rd = run_detached("tiny-demo", "--gpus", "cpu:1", "--set", f"model.path={tiny_hybrid(family)}",
                       "--set", f"data.path={runs.data}", "--set", "data.seq_len=32",
                       "--set", "train.method=lora", "--set", "train.max_steps=2",
                       "--set", "train.micro_batch=2", "--set", "train.grad_accum=1",
                       guard_s=600)  # fmt: skip
     spec = read_run_spec(rd)
-    assert spec.preset.data.pack is False and spec.resolved.method == "lora"
+    assert spec.preset.data.pack is packed and spec.resolved.method == "lora"
     reasons = spec.plan["reasons"]
-    assert any(r.startswith("Packing off") and "mamba2" in r for r in reasons), reasons
+    off = [r for r in reasons if r.startswith("Packing off")]
+    assert (off and kind in off[0]) if not packed else not off, reasons
+    assert events(rd, "start")[-1]["packing"] == ("exact" if packed else "off")
     steps = events(rd, "step")
     assert [e["step"] for e in steps] == [1, 2]
     names = list(final_weights(rd))
-    assert any("mamba.in_proj" in n for n in names) and not any("out_proj" in n for n in names)
+    assert any(adapted in n for n in names) and not any(f".{never}." in n for n in names), names
