@@ -165,3 +165,19 @@ def test_a_family_runs_from_the_cli_with_lora(
     assert [e["step"] for e in steps] == [1, 2]
     names = list(final_weights(rd))
     assert any(adapted in n for n in names) and not any(f".{never}." in n for n in names), names
+
+
+def test_qlora_of_a_mamba_hybrid_keeps_out_proj_16_bit_under_fsdp(
+    runs: Runs, tiny_hybrid: Callable[[str], Path]
+) -> None:
+    """QLoRA streamed under FSDP2 on 2 processes: every linear NF4 but lm_head and Mamba's
+    out_proj (mamba-ssm's fused kernel reads its weight), as the worker logs."""
+    rd = run_detached("tiny-demo", "--gpus", "cpu:2", "--set", f"model.path={tiny_hybrid('falcon_h1')}",
+                      "--set", f"data.path={runs.data}", "--set", "data.seq_len=32",
+                      "--set", "train.method=qlora", "--set", "train.distribution=fsdp-full",
+                      "--set", "train.max_steps=2", "--set", "train.micro_batch=1",
+                      "--set", "train.grad_accum=2", guard_s=600)  # fmt: skip
+    assert [e["step"] for e in events(rd, "step")] == [1, 2]
+    log = "\n".join(p.read_text(encoding="utf-8") for p in (rd / "logs").glob("*.log"))
+    assert "QLoRA: 16 linears in NF4, 3 kept 16-bit (lm_head, out_proj ×2)" in log
+    assert not any("out_proj" in n for n in final_weights(rd))
