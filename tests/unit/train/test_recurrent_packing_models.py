@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from homelab_dp.errors import HomelabError
 from homelab_dp.planning.model_spec import STATE_KINDS
 from homelab_dp.planning.recurrent_packing import (
     RECURRENT_KINDS,
@@ -29,7 +30,7 @@ from homelab_dp.planning.recurrent_packing import (
 from homelab_dp.train.length_groups import group_by_length, trimmed_width
 from homelab_dp.train.model_census import any_model_spec
 from homelab_dp.train.packed_attention import register
-from homelab_dp.train.packing_check import check_packing
+from homelab_dp.train.packing_check import check_packing, require_exact_packing
 from tests.tiny_hybrids import FAMILIES
 
 
@@ -57,8 +58,11 @@ def test_the_rule_turns_packing_off_exactly_where_a_packed_block_leaks(
     planned = model_recurrent_kinds(any_model_spec(folder), raw)  # what the plan reads
     for read in (kinds, planned):
         assert packing_decision(True, read, model_type).pack == check.exact, (read, check)
-    if not check.exact:  # a real leak, far beyond fp64 rounding
+    if not check.exact:  # a real leak, far beyond fp64 rounding; the guard refuses it
         assert check.max_diff > 1e-6
+        with pytest.raises(HomelabError, match="recurrent layer's state") as err:
+            require_exact_packing(check)
+        assert "data.pack = false" in (err.value.hint or "")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1"])
