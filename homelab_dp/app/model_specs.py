@@ -21,13 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.errors import ModelSpecError
-from homelab_dp.planning.model_spec import (
-    ModelSpec,
-    hand_written_spec,
-    read_config_bytes,
-    read_regular_file,
-    spec_to_dict,
-)
+from homelab_dp.planning.model_config import read_config_bytes, read_regular_file
+from homelab_dp.planning.model_spec import ModelSpec, hand_written_spec, spec_to_dict
 from homelab_dp.planning.spec_document import spec_from_dict
 from homelab_dp.runs.folder.run_index import data_home, ensure_private_dir
 

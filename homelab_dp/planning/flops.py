@@ -69,7 +69,9 @@ def linear_matmul_params(spec: ModelSpec) -> int:
             out += g.count * _weights(k.linears)
             if k.experts is not None:
                 e = k.experts
-                out += g.count * (e.top_k * _weights(e.linears) + e.count * spec.hidden)
+                # the routed experts at top-k, the router, a shared expert's own gate
+                route = e.top_k * _weights(e.linears) + e.count * spec.hidden + e.shared_gate_params
+                out += g.count * route
         return out
     out = spec.layers * _weights(spec.linears) + spec.vocab * spec.hidden
     e = spec.experts

@@ -64,9 +64,9 @@ CONFIG_FLOATS = ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                  "router_aux_loss_coef", "aux_loss_alpha", "logits_scaling",
                  "final_logit_softcapping", "attn_logit_softcapping")  # fmt: skip
 """Numbers a config.json states that the planner reads: a number (not a string), finite."""
-PER_LAYER_INTS = frozenset({"intermediate_size", "num_key_value_heads", "num_attention_heads",
-                            "head_dim", "sliding_window"})  # fmt: skip
-"""Sizes a family may give per layer, as a list (Gemma 3n's intermediate_size)."""
+LAYER_COUNTS = frozenset({"num_hidden_layers", "n_layer", "num_layers"})
+"""Sizes that are one number, never a list (a list of sizes is allowed elsewhere: Gemma 3n's
+per-layer intermediate_size, ERNIE-VL's per-modality experts)."""
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "top_k_experts", "moe_k", "moe_topk")
 LAYER_LISTS = ("layer_types", "layers_block_type", "mlp_only_layers", "full_attn_idxs",
@@ -109,7 +109,7 @@ def check_config_sizes(cfg: dict[str, Any], source: str, where: str = "") -> Non
         value = cfg.get(name)
         if value is None:
             continue
-        if isinstance(value, list) and name in PER_LAYER_INTS:  # one size per layer (Gemma 3n)
+        if isinstance(value, list) and name not in LAYER_COUNTS:  # per layer or per modality
             if len(value) > MAX_LAYERS or not all(
                 isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in value
             ):
@@ -127,8 +127,8 @@ def check_config_sizes(cfg: dict[str, Any], source: str, where: str = "") -> Non
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                   or not -1e6 <= value <= 1e6):  # fmt: skip
             raise _config_error(source, where + name, f"must be a number, got {str(value)[:40]!r}")
-    count = next((cfg[n] for n in EXPERT_COUNTS if cfg.get(n) is not None), None)
-    top_k = next((n for n in TOP_K_FIELDS if cfg.get(n) is not None), None)
+    count = next((cfg[n] for n in EXPERT_COUNTS if isinstance(cfg.get(n), int)), None)
+    top_k = next((n for n in TOP_K_FIELDS if isinstance(cfg.get(n), int)), None)
     zero = cfg.get("zero_expert_num") if isinstance(cfg.get("zero_expert_num"), int) else 0
     if count is not None and top_k is not None and cfg[top_k] > count + max(0, zero):
         raise _config_error(source, where + top_k, f"{cfg[top_k]} is above the {count} experts")
@@ -157,7 +157,7 @@ def check_config_sizes(cfg: dict[str, Any], source: str, where: str = "") -> Non
     pattern = cfg.get("hybrid_override_pattern")
     if pattern is not None and (not isinstance(pattern, str) or len(pattern) > MAX_LAYERS):
         raise _config_error(source, where + "hybrid_override_pattern", "must be a short string")
-    hidden = next((cfg[n] for n in ("hidden_size", "n_embd") if cfg.get(n) is not None), None)
+    hidden = next((cfg[n] for n in ("hidden_size", "n_embd") if isinstance(cfg.get(n), int)), None)
     heads = next(
         (cfg[n] for n in ("num_attention_heads", "n_head") if cfg.get(n) is not None), None
     )

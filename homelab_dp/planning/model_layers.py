@@ -83,6 +83,19 @@ STATE_KINDS = frozenset({"linear_attention", "mamba2", "mamba", "short_conv", "r
 not carry it across a sample boundary."""
 
 
+PEFT_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+"""Model types on which peft (0.21) refuses LoRA on any module named in `PEFT_MAMBA_REFUSED`
+(``_check_lora_target_modules_mamba``: the fused Mamba kernels read those weights directly)."""
+PEFT_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+
+
+def lora_can_adapt(model_type: str, linear_name: str) -> bool:
+    """Whether peft lets LoRA adapt the linear ``linear_name`` of a ``model_type`` model."""
+    return not (
+        model_type in PEFT_MAMBA_TYPES and linear_name.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED
+    )
+
+
 @dataclass(frozen=True)
 class Mixer:
     """One token mixer of a decoder layer (a layer may hold two side by side: Falcon-H1)."""

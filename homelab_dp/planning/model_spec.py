@@ -19,12 +19,9 @@ from typing import Any
 from homelab_dp.errors import ModelSpecError
 
 # Re-exported: the layer types and the config reader are part of this module's interface.
+from homelab_dp.planning.model_config import CONFIG_INTS
 from homelab_dp.planning.model_config import MAX_LAYERS as MAX_LAYERS
-from homelab_dp.planning.model_config import MAX_SIZE as MAX_SIZE
-from homelab_dp.planning.model_config import check_config_sizes as check_config_sizes
 from homelab_dp.planning.model_config import read_config as read_config
-from homelab_dp.planning.model_config import read_config_bytes as read_config_bytes
-from homelab_dp.planning.model_config import read_regular_file as read_regular_file
 from homelab_dp.planning.model_layers import ATTENTION_KINDS as ATTENTION_KINDS
 from homelab_dp.planning.model_layers import MIXER_KINDS as MIXER_KINDS
 from homelab_dp.planning.model_layers import STATE_KINDS as STATE_KINDS
@@ -33,6 +30,7 @@ from homelab_dp.planning.model_layers import LayerGroup as LayerGroup
 from homelab_dp.planning.model_layers import LayerKind as LayerKind
 from homelab_dp.planning.model_layers import Linear as Linear
 from homelab_dp.planning.model_layers import Mixer as Mixer
+from homelab_dp.planning.model_layers import lora_can_adapt as lora_can_adapt
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 DENSE_FAMILIES = ("gemma3_text", "gemma3", "olmo2", "granite", "smollm3", "glm4")
@@ -46,6 +44,11 @@ ENCODER_ONLY = frozenset({
     "big_bird", "roc_bert", "roberta-prelayernorm", "modernbert", "deberta", "deberta-v2",
     "distilbert", "albert", "mpnet", "nomic_bert", "jina_bert",
 })  # fmt: skip
+NOT_CAUSAL = {
+    "xlm": "a cross-lingual masked language model (its causal head is a side mode)",
+    "xlnet": "a permutation language model (two-stream attention)",
+}
+"""Language models transformers builds as causal LMs that were not trained left to right."""
 SEQ2SEQ = frozenset({
     "t5", "mt5", "umt5", "longt5", "bart", "mbart", "pegasus", "pegasus_x", "marian",
     "blenderbot", "blenderbot-small", "led", "plbart", "bigbird_pegasus", "prophetnet",
@@ -244,7 +247,8 @@ class ModelSpec:
             return sum(
                 g.count * r * (lin.d_in + lin.d_out)
                 for g in self.blocks for lin in g.kind.linears
-                if names is None or lin.name in names or lin.name.split(".")[-1] in names
+                if (names is None or lin.name in names or lin.name.split(".")[-1] in names)
+                and lora_can_adapt(self.model_type, lin.name)
             )  # fmt: skip
         chosen = self.lora_targets(targets)
         return self.layers * sum(r * (lin.d_in + lin.d_out) for lin in chosen)
@@ -258,15 +262,20 @@ class ModelSpec:
             lin for lin in self.linears if lin.name.split(".")[-1] in names or lin.name in names
         ]
 
-    def summary(self) -> dict[str, int]:
-        """The `model` block of `plan --json` (without trainable_params)."""
-        return {
+    def summary(self) -> dict[str, Any]:
+        """The `model` block of `plan --json` (without trainable_params); a model of layer
+        groups adds its layers per mixer kind and how many carry a recurrent state."""
+        out: dict[str, Any] = {
             "params": self.params,
             "active_params": self.active_params,
             "layers": self.layers,
             "hidden": self.hidden,
             "vocab": self.vocab,
         }
+        if self.blocks:
+            out["layers_by_kind"] = self.mixer_counts
+            out["state_layers"] = self.state_layers
+        return out
 
 
 def check_decoder(cfg: dict[str, Any], source: str, *, trust_remote_code: bool = False) -> str:
@@ -282,6 +291,11 @@ def check_decoder(cfg: dict[str, Any], source: str, *, trust_remote_code: bool =
     if model_type in ENCODER_ONLY:
         raise ModelSpecError(
             f"{source}: model_type={model_type!r} is an encoder-only model", hint=DECODER_HINT
+        )
+    if model_type in NOT_CAUSAL:
+        raise ModelSpecError(
+            f"{source}: model_type={model_type!r} is {NOT_CAUSAL[model_type]}, not a causal decoder",
+            hint=DECODER_HINT,
         )
     if cfg.get("is_encoder_decoder") or model_type in SEQ2SEQ:
         raise ModelSpecError(
@@ -328,6 +342,12 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
             f"{source}: unknown architecture model_type={model_type or None!r} "
             f"(architectures={cfg.get('architectures')})",
             hint=f"supported families: {known}",
+        )
+    listed = next((n for n in CONFIG_INTS if isinstance(cfg.get(n), list)), None)
+    if listed is not None:  # the hand-written families take one number per size
+        raise ModelSpecError(
+            f"{source}: {listed}: must be one integer for model_type={model_type!r}, got a list",
+            hint="config.json must be the model's published Hugging Face config; re-download it",
         )
     if model_type == "gpt2":
         return _gpt2(cfg, source)

@@ -210,6 +210,8 @@ def model_reasons(spec: ModelSpec, method: str) -> list[str]:
         kept = ["embeddings", "lm_head", "norms"]
         if e is not None:
             kept.insert(0, "the router")
+        if any(m.params for g in spec.blocks for m in g.kind.mixers):
+            kept.append("the mixers' convolutions and state parameters (A_log, dt, D)")
         if spec.vision_params:
             kept.append("the vision tower")
         rest = spec.params - spec.quantizable_params

@@ -231,3 +231,23 @@ def test_the_census_child_runs_under_an_address_space_cap(tmp_path, monkeypatch)
     with pytest.raises(ModelSpecError, match=r"config.json.*(outgrew|census failed)"):
         model_specs.run_census(folder, trust_remote_code=False, text_only=False)
     assert model_specs.CENSUS_TIMEOUT_S < 600
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {**LLAMA, "hidden_size": [64, 64]},
+        {**LLAMA, "num_attention_heads": [4, 4], "head_dim": 16},
+        {**MOE, "num_experts": [8, 8], "num_experts_per_tok": [2]},
+        {**LLAMA, "num_hidden_layers": [2, 2]},
+    ],
+)  # fmt: skip
+def test_lists_where_one_size_is_expected_never_crash_the_checks(cfg, tmp_path, capsys) -> None:
+    """Per-layer and per-modality size lists are legal in some families; where the planner
+    needs one number, a list is refused naming the field, never a TypeError."""
+    folder = _write_raw(tmp_path, json.dumps(cfg))
+    line = _plan_refuses(capsys, folder)
+    assert any(
+        f in line
+        for f in ("hidden_size", "num_attention_heads", "num_experts", "num_hidden_layers")
+    )

@@ -29,6 +29,7 @@ the parts that depend on the model's MoE block (`ModelSpec.experts`), its dense 
 
 from __future__ import annotations
 
+from homelab_dp.planning.model_layers import lora_can_adapt
 from homelab_dp.planning.model_spec import LayerKind, Linear, ModelSpec
 
 ROUTED_INDEX_BYTES = 40
@@ -87,7 +88,10 @@ def adapted(
     if spec.blocks:  # every layer group: its linears, shared experts and named routed experts
         out = []
         for g in spec.blocks:
-            out += [(lin, g.count) for lin in g.kind.linears if _picked(lin, names)]
+            out += [
+                (lin, g.count) for lin in g.kind.linears
+                if _picked(lin, names) and lora_can_adapt(spec.model_type, lin.name)
+            ]  # fmt: skip
             if g.kind.experts is not None:
                 e = g.kind.experts
                 out += [(lin, g.count * e.count) for lin in named_experts(e.linears, targets)]
@@ -112,7 +116,10 @@ def lora_outputs_per_layer(spec: ModelSpec, targets: str | list[str] | tuple[str
     lora_A output (r per token). Expert adapters are folded into the weight (no such output)."""
     if spec.blocks:
         names = _names(targets)
-        picked = sum(g.count for g in spec.blocks for lin in g.kind.linears if _picked(lin, names))
+        picked = sum(
+            g.count for g in spec.blocks for lin in g.kind.linears
+            if _picked(lin, names) and lora_can_adapt(spec.model_type, lin.name)
+        )  # fmt: skip
         return picked / max(1, spec.layers)
     experts = set(id(lin) for lin in adapted_experts(spec, targets))
     rows = [(lin, n) for lin, n in adapted(spec, targets) if id(lin) not in experts]

@@ -51,7 +51,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "model folder without tokenizer": (["run", str(PRESETS / "no-tokenizer.toml")],
                                        "models/no-tokenizer: no tokenizer"),
     "unknown architecture": (["run", str(OLD / "unknown-arch.toml")],
-                             "unknown-arch/config.json: model_type='mamba' is not a transformer decoder"),
+                             "unknown-arch/config.json: model_type='no_such_arch' is unknown to transformers"),
     "missing dataset": (["run", str(PRESETS / "missing-data.toml")],
                         "data.path: " + str(ROOT / "no/such/data.jsonl") + " does not exist"),
     "empty dataset": (["run", str(PRESETS / "empty-data.toml")], "empty.jsonl: the file is empty"),

@@ -173,7 +173,7 @@ BAD_PRESETS = {
     "zero-size": "data.seq_len: must be at least 1",
     "negative-size": "train.grad_accum: must be at least 1",
     "missing-model": "model.path",
-    "unknown-arch": "model_type='mamba' is not a transformer decoder",
+    "unknown-arch": "model_type='no_such_arch' is unknown to transformers",
     "too-many-cpu-procs": "hardware.nproc: 4096 processes",
 }
 

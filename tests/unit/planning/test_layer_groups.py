@@ -184,3 +184,76 @@ def test_planned_activations_per_layer_kind_match_what_autograd_saves(model_type
             spec, group.kind, 4, experts_trained=True, frozen_norms=False
         )
         assert planned == pytest.approx(measured, rel=0.05), group.kind.mixer
+
+
+# ERNIE 4.5 MoE and Qwen3-Next left out: peft 0.21 turns a target naming their shared experts'
+# linears into adapters on the fused routed experts (a training-side matter, issue 36 item 4).
+PEFT_CHECKED = sorted(set(FAMILIES) - {"ernie4_5_moe", "qwen3_next"})
+
+
+@pytest.mark.parametrize("model_type", PEFT_CHECKED)
+def test_planned_lora_parameters_equal_peft_s_on_every_layer_kind(model_type, tmp_path):
+    """LoRA on every decoder linear the plan counts for "all-linear" (Mamba's out_proj left out:
+    peft refuses it on Mamba families): peft's trainable count equals the plan's."""
+    peft = pytest.importorskip("peft")
+    from homelab_dp.planning.memory.moe_memory import lora_param_count
+    from homelab_dp.planning.model_layers import lora_can_adapt
+    from homelab_dp.train.model_census import layer_groups
+
+    fields, _ = FAMILIES[model_type]
+    cfg = CONFIG_MAPPING[model_type](**fields)
+    cfg.save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    prefix = next(n for n, m in model.named_modules() if m is model.model.layers)
+    targets = [
+        f"{prefix}.{i}.{lin.name}"
+        for group, ids in layer_groups(model, cfg) for i in ids for lin in group.kind.linears
+        if lora_can_adapt(spec.model_type, lin.name)
+    ]  # fmt: skip
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert trainable == lora_param_count(spec, 4, "all-linear") == spec.lora_params(4)
+
+
+def test_serving_keeps_keys_and_values_of_attention_layers_and_the_state_of_the_others(tmp_path):
+    """Qwen3.5: the KV cache grows with the context in its one attention layer only; each Gated
+    DeltaNet layer keeps a fixed state (value heads × d_k × d_v) and its convolution window."""
+    from homelab_dp.planning.serve_plan import kv_cache_bytes
+
+    fields, _ = FAMILIES["qwen3_5_text"]
+    CONFIG_MAPPING["qwen3_5_text"](**fields).save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    kv = 2 * 2 * 16  # keys and values, 2 KV heads of 16, per token, in the 1 attention layer
+    conv = 2 * 2 * 16 + 4 * 16  # q, k (2 heads of 16) and v (4 heads of 16) through the conv
+    state = 4 * 16 * 16 + (4 - 1) * conv  # per Gated DeltaNet layer, whatever the context
+    for context in (128, 4096):
+        assert kv_cache_bytes(spec, context, 3, 2) == 3 * 2 * (kv * context + 3 * state)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "nemotron_h", "falcon_h1", "lfm2"])
+def test_flops_count_the_weights_a_token_multiplies_by_in_every_layer_kind(model_type, tmp_path):
+    """The time model's N (`linear_matmul_params`): every nn.Linear weight of the decoder layers
+    (a routed expert stack at top-k of E, the router), and lm_head — counted here from the meta
+    model's own modules."""
+    from homelab_dp.planning.flops import linear_matmul_params
+
+    fields, _ = FAMILIES[model_type]
+    cfg = CONFIG_MAPPING[model_type](**fields)
+    model = _meta_model(cfg)
+    cfg.save_pretrained(tmp_path)
+    spec = census(tmp_path)
+    top_k = getattr(cfg, "num_experts_per_tok", None) or 0
+    expected = spec.vocab * spec.hidden  # lm_head multiplies by the vocabulary, tied or not
+    for module in model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            expected += module.in_features * module.out_features
+    for name, p in model.model.layers.named_parameters():
+        if ".experts." in f".{name}" and p.dim() == 3:
+            expected += p.numel() * top_k // p.shape[0]
+        elif p.dim() == 2 and name.endswith("gate.weight") and p.shape[1] == spec.hidden:
+            parent = model.model.layers.get_submodule(name.rsplit(".", 1)[0])
+            if not isinstance(parent, torch.nn.Linear):  # a router kept as a bare weight
+                expected += p.numel()
+    assert linear_matmul_params(spec) == expected
