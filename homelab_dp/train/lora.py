@@ -41,6 +41,7 @@ from torch import nn
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.peft_targets import exact_targets
+from homelab_dp.planning.model_layers import PEFT_MAMBA_REFUSED, PEFT_MAMBA_TYPES, lora_can_adapt
 
 
 def prepare_frozen_base(
@@ -160,20 +161,18 @@ def is_outside_text(name: str) -> bool:
     return any(part in _NOT_TEXT for part in name.split("."))
 
 
-PEFT_MAMBA_MODEL_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+PEFT_MAMBA_MODEL_TYPES = PEFT_MAMBA_TYPES
 """The ``model_type``s on which peft refuses LoRA on `PEFT_MAMBA_REFUSED` (peft 0.21,
-``tuners_utils._check_lora_target_modules_mamba``): their Mamba mixers hand ``out_proj``'s
+``tuners_utils._check_lora_target_modules_mamba``; the plan's LoRA count uses the same rule,
+`homelab_dp.planning.model_layers.lora_can_adapt`): their Mamba mixers hand ``out_proj``'s
 weight to the fused mamba-ssm kernel, which would skip an adapter's forward."""
-PEFT_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
-"""Module names (the last part of the dotted name) peft refuses on `PEFT_MAMBA_MODEL_TYPES`,
-wherever they are in the model (an attention layer's ``out_proj`` too)."""
 
 
 def peft_refuses(model_type: str, name: str) -> bool:
     """Whether peft refuses a LoRA adapter on the module called ``name`` (dotted or not) of a
     ``model_type`` model: its last name part is ``out_proj`` or ``conv1d`` on a Mamba-based
     family (`PEFT_MAMBA_MODEL_TYPES`), exactly as peft decides at ``get_peft_model``."""
-    return model_type in PEFT_MAMBA_MODEL_TYPES and name.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED
+    return not lora_can_adapt(model_type, name)
 
 
 def _model_type(model: nn.Module) -> str:
