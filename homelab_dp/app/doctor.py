@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from homelab_dp.planning.memory.layer_kinds import KERNELS, installed_kernels
 from homelab_dp.probe.hardware import (
     BF16_MIN_CAPABILITY,
     GiB,
@@ -274,6 +275,7 @@ def gather(report: HardwareReport | None = None) -> Facts:
         disk=disk_facts(runs_root()),
         shm_bytes=shm_bytes(),
         nofile=nofile_limit(),
+        kernels=frozenset(installed_kernels()),
     )
 
 
@@ -520,6 +522,30 @@ def check_bitsandbytes(f: Facts) -> Check:
     return Check(name, "ok", f"{version}, CUDA kernels loaded")
 
 
+def check_kernels(f: Facts) -> Check:
+    """The fast kernels of linear-attention and state-space layers (Qwen3.5 and Qwen3-Next's
+    Gated DeltaNet, Nemotron-H / Falcon-H1 / Granite-4's Mamba-2, LFM2's short convolution).
+    Without them those layers run transformers' torch reference path: correct, slower. Attention
+    models are not affected, so a missing kernel is said, not warned about."""
+    name = "state-space kernels"
+    if not f.report.gpus:
+        return Check(name, "skip", f"{no_gpu(f.report)}; the fast kernels run on CUDA only")
+    missing = [(kind, pkg, slow) for kind, (pkg, module, slow) in KERNELS.items()
+               if module not in f.kernels]  # fmt: skip
+    if not missing:
+        return Check(name, "ok", "flash-linear-attention, mamba-ssm and causal-conv1d installed")
+    slow = ", ".join(f"{kind.replace('_', ' ')} about {factor:g}x" for kind, _, factor in missing)
+    pkgs = " and ".join(sorted({pkg for _, pkg, _ in missing}))
+    return Check(
+        name,
+        "ok",
+        f"{pkgs} not installed: a hybrid model's layers run the torch reference path ({slow} "
+        "slower per mixer); attention-only models are not affected",
+        "pip install 'homelab-dp[kernels]' before training Qwen3.5, Qwen3-Next, Nemotron-H or "
+        "Falcon-H1 on this machine",
+    )
+
+
 def check_disk(f: Facts) -> Check:
     d = f.disk
     if d is None:
@@ -592,6 +618,7 @@ def run_checks(f: Facts) -> list[Check]:
         check_nccl(f),
         *check_links(f),
         check_bitsandbytes(f),
+        check_kernels(f),
         check_disk(f),
         check_ram(f),
         check_shm(f),

@@ -90,6 +90,9 @@ class Facts:
     """Size of /dev/shm; None where there is none."""
     nofile: tuple[int, int] | None = None
     """RLIMIT_NOFILE (soft, hard); -1 is unlimited; None where it cannot be read."""
+    kernels: frozenset[str] = frozenset()
+    """The fast CUDA kernels of linear-attention and state-space layers installed, by module
+    (fla, mamba_ssm, causal_conv1d; `planning.memory.layer_kinds.KERNELS`)."""
 
 
 def _ask_torch() -> TorchFacts:

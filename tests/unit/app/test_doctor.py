@@ -26,6 +26,7 @@ GPU_CHECKS = (
     "nccl",
     "peer-to-peer",
     "bitsandbytes",
+    "state-space kernels",
 )
 HOST_CHECKS = ("disk", "host RAM", "/dev/shm", "open files")
 CPU_TORCH = TorchFacts("2.13.0+cpu")
@@ -79,6 +80,7 @@ def test_turing_pair_trains_in_fp16_and_warns_about_peer_to_peer() -> None:
         "nccl": "ok",
         "GPU 0↔1 link": "warn",
         "bitsandbytes": "ok",
+        "state-space kernels": "ok",
         "disk": "ok",
         "host RAM": "ok",
         "/dev/shm": "ok",
@@ -106,7 +108,7 @@ def test_ampere_pair_on_nvlink_is_all_ok() -> None:
     assert found["GPU 0↔1 link"].detail == "NVLink ×4 (same CPU)"
     assert found["GPU 1 compute"].detail == "RTX A6000: compute capability 8.6, bf16 supported"
     assert found["torch sees the cards"].detail == "2 GPUs: RTX A6000, RTX A6000"
-    assert summary(checks) == "12 ok: ready"
+    assert summary(checks) == "13 ok: ready"
 
 
 def test_mixed_pair_fp16_for_both_and_torch_numbering_fastest_first_is_still_the_same_cards() -> (
@@ -378,3 +380,20 @@ def test_torch_is_asked_in_a_child_so_the_front_end_never_holds_cuda() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == [True, False]
+
+
+def test_state_space_kernels_say_which_are_missing_and_how_much_slower() -> None:
+    """On a GPU machine without flash-linear-attention and mamba-ssm, doctor says that hybrid
+    models' layers run the reference path and how much slower, without failing the machine."""
+    report = recorded("2x2080ti")
+    torch = cuda_torch(RTX_2080TI, RTX_2080TI)
+    none = by_name(doctor.run_checks(replace(facts(report, torch), kernels=frozenset())))
+    check = none["state-space kernels"]
+    assert check.status == "ok" and "not installed" in check.detail
+    assert "linear attention about 8x" in check.detail and "mamba2 about 10x" in check.detail
+    assert "homelab-dp[kernels]" in check.hint
+    every = frozenset({"fla", "mamba_ssm", "causal_conv1d"})
+    full = by_name(doctor.run_checks(replace(facts(report, torch), kernels=every)))
+    assert (
+        "installed" in full["state-space kernels"].detail and not full["state-space kernels"].hint
+    )
