@@ -6,7 +6,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +159,19 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         rc = int(exc.code)
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The folder of a tiny random model of a 2026 family by ``model_type``
+    (`tests.tiny_hybrids`), built on first use, once per session."""
+    from tests.tiny_hybrids import build_tiny
+
+    built: dict[str, Path] = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in built:
+            built[model_type] = build_tiny(model_type, tmp_path_factory.mktemp(model_type))
+        return built[model_type]
+
+    return get

@@ -40,6 +40,7 @@ from homelab_dp.planning.memory.memory_calibration import (
 )
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.planner import Plan, plan, with_host
+from homelab_dp.planning.recurrent_packing import model_recurrent_kinds, packing_decision
 from homelab_dp.planning.sample_cost import sample_plan
 from homelab_dp.planning.speed_calibration import ComputeRate, SpeedStore
 from homelab_dp.planning.speed_plan import with_predictions
@@ -318,13 +319,17 @@ def make_plan(
 
     link = parse_network(network) if network else None  # bad input fails before the probe
     check_bench_tasks(preset)  # they run after training: an error then would be too late
+    folder = config_folder(preset.model.path, preset.model.revision, fetch=fetch)
     spec = model_spec(
-        config_folder(preset.model.path, preset.model.revision, fetch=fetch),
-        trust_remote_code=preset.model.trust_remote_code,
-        text_only=preset.model.text_only,
+        folder, trust_remote_code=preset.model.trust_remote_code, text_only=preset.model.text_only
     )
     if preset.train.method != "full":  # a name that picks nothing fails in rank 0: refuse it now
         check_lora_targets(spec, preset.lora.target_modules, preset.source)
+    # Recurrent layers (Gated DeltaNet, Mamba-2, short convolutions): planned and run unpacked.
+    kinds = model_recurrent_kinds(spec, _config(folder))
+    packing = packing_decision(preset.data.pack, kinds, spec.model_type)
+    if packing.pack != preset.data.pack:
+        preset = replace(preset, data=replace(preset.data, pack=packing.pack))
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
     make = plan_largest_micro_batch if find_micro_batch else plan
@@ -333,7 +338,20 @@ def make_plan(
     )
     link = link or plan_link(hardware, report, measure=measure_link)
     planned = predict_speed(planned, preset, link)
+    if packing.reason:  # after the line that names the model
+        planned = replace(planned, reasons=(*planned.reasons[:1], packing.reason,
+                                            *planned.reasons[1:]))  # fmt: skip
     return Planned(preset, spec, hardware, planned, report, link)
+
+
+def _config(folder: str | Path) -> dict[str, Any]:
+    """The folder's config.json as read for the plan ({} when it is not a JSON object: the
+    model spec has already said what is wrong with it)."""
+    try:
+        data = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def plan_link(hw: PlanHardware, report: HardwareReport | None, *, measure: bool) -> LinkSpeed:

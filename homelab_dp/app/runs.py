@@ -309,6 +309,7 @@ class RunController:
         check_reporters(preset)  # a logger not installed: before the plan
         check_run_gpus(gpus)
         planned = make_plan(preset, gpus)
+        preset = planned.preset  # data.pack off for a model with recurrent layers
         if gpus:  # cpu:N — check the count against this machine's cores
             cpu_hardware(planned.hardware.world_size, planned.hardware.min_memory, "run")
         hw = planned.hardware

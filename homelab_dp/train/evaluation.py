@@ -67,7 +67,8 @@ from homelab_dp import json_safe
 from homelab_dp.data.blocks import IGNORE_INDEX, Block, build_blocks
 from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works, quantize_experts
+from homelab_dp.nf4_quantization import folder_model_type, nf4_config, nf4_works, quantize_experts
+from homelab_dp.peft_targets import exact_targets
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
@@ -192,7 +193,7 @@ def load_model(
         "use_safetensors": True,
     }
     if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
-        kwargs["quantization_config"] = nf4_config(dtype)
+        kwargs["quantization_config"] = nf4_config(dtype, model_type=folder_model_type(base))
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     if base_kind == "nf4":  # bitsandbytes converts nn.Linear only: the fused experts as trained
@@ -200,7 +201,8 @@ def load_model(
     if job["base_path"]:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, job["model_path"])
+        with exact_targets(job["model_path"]):
+            model = PeftModel.from_pretrained(model, job["model_path"])
     if base_kind != "nf4":  # placed by device_map otherwise
         model.to(device)
     watch_positions(model)  # packed eval blocks of a family like gpt-oss (`packed_attention`)

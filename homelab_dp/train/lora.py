@@ -40,6 +40,8 @@ import torch
 from torch import nn
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.peft_targets import exact_targets
+from homelab_dp.planning.model_layers import PEFT_MAMBA_REFUSED, PEFT_MAMBA_TYPES, lora_can_adapt
 
 
 def prepare_frozen_base(
@@ -117,7 +119,8 @@ def add_lora(model: nn.Module, lora: Any) -> nn.Module:
         target_parameters=parameters or None,
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    with exact_targets():  # the modules named, not peft's v4 expert renaming
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     _drop_input_grad_hook(model)  # peft adds it to a checkpointed model that is not quantized
     return peft_model
 
@@ -158,6 +161,24 @@ def is_outside_text(name: str) -> bool:
     return any(part in _NOT_TEXT for part in name.split("."))
 
 
+PEFT_MAMBA_MODEL_TYPES = PEFT_MAMBA_TYPES
+"""The ``model_type``s on which peft refuses LoRA on `PEFT_MAMBA_REFUSED` (peft 0.21,
+``tuners_utils._check_lora_target_modules_mamba``; the plan's LoRA count uses the same rule,
+`homelab_dp.planning.model_layers.lora_can_adapt`): their Mamba mixers hand ``out_proj``'s
+weight to the fused mamba-ssm kernel, which would skip an adapter's forward."""
+
+
+def peft_refuses(model_type: str, name: str) -> bool:
+    """Whether peft refuses a LoRA adapter on the module called ``name`` (dotted or not) of a
+    ``model_type`` model: its last name part is ``out_proj`` or ``conv1d`` on a Mamba-based
+    family (`PEFT_MAMBA_MODEL_TYPES`), exactly as peft decides at ``get_peft_model``."""
+    return not lora_can_adapt(model_type, name)
+
+
+def _model_type(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", "") or "")
+
+
 def _linear(module: nn.Module) -> bool:
     """A plain or 4-bit linear layer (what peft's "all-linear" adapts)."""
     if isinstance(module, nn.Linear):
@@ -170,11 +191,18 @@ def lora_targets(
 ) -> tuple[str | list[str], list[str]]:
     """peft's ``(target_modules, target_parameters)`` for the preset's ``lora.target_modules``.
 
-    A dense text model keeps what the preset says. On a MoE model or a multimodal wrapper
-    "all-linear" becomes the explicit list of linears peft would adapt minus the routers
-    (`is_router`), the routed experts (`is_experts`), the output layer and anything outside the
-    language model (`_NOT_TEXT`): peft's own "all-linear" adapts the routers and, for some
-    families, adds the fused experts by itself. Naming "experts" (or "experts.gate_up_proj" /
+    A dense text model keeps what the preset says. On a MoE model, a multimodal wrapper or a
+    Mamba-based family (`PEFT_MAMBA_MODEL_TYPES`) "all-linear" becomes the explicit list of
+    linears peft would adapt minus the routers (`is_router`, and the linears inside one), the
+    routed experts (`is_experts`), the output layer, anything outside the language model
+    (`_NOT_TEXT`) and what peft refuses (`peft_refuses`: Mamba's ``out_proj``): peft's own
+    "all-linear" adapts the routers, for some families adds the fused experts by itself, and
+    on Mamba-based families fails on ``out_proj``. Never adapted, being no linears: the
+    convolutions (``conv1d``, LFM2's short ``conv``), ``A_log``, ``dt_bias``, ``D`` and the
+    norms; Gated DeltaNet's projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_a``,
+    ``in_proj_b``, ``out_proj``), Mamba-2's ``in_proj`` and LFM2's ``in_proj``/``out_proj`` are.
+    A list naming a module peft refuses is a HomelabError, before anything is loaded onto a
+    card. Naming "experts" (or "experts.gate_up_proj" /
     "experts.down_proj") in a list adds the fused 3-D expert weights as ``target_parameters``
     (every ``nn.Parameter`` of 3 dimensions directly on an experts module, or the one named);
     a ModuleList of expert MLPs gets its linears as modules instead.
@@ -184,8 +212,17 @@ def lora_targets(
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     wanted = [n for n in names if n in EXPERT_TARGETS]
     rest = [n for n in names if n not in EXPERT_TARGETS]
+    model_type = _model_type(model)
+    refused = [n for n in rest if peft_refuses(model_type, n)]
+    if refused:
+        raise HomelabError(
+            f"lora.target_modules names {refused[0]!r}, which peft refuses on a Mamba-based "
+            f"model (model_type {model_type!r}: no LoRA on {sorted(PEFT_MAMBA_REFUSED)})",
+            hint="leave it out of lora.target_modules, or use 'all-linear' (which skips it)",
+        )
     multimodal = any(is_outside_text(n) for n, _ in model.named_modules())
-    if not wanted and not (rest == ["all-linear"] and (multimodal or is_moe(model))):
+    mamba = model_type in PEFT_MAMBA_MODEL_TYPES
+    if not wanted and not (rest == ["all-linear"] and (multimodal or mamba or is_moe(model))):
         return target_modules, []
     output = getattr(model, "get_output_embeddings", lambda: None)()
     modules: list[str] = []
@@ -197,10 +234,12 @@ def lora_targets(
                 if param.ndim == 3 and any(w in ("experts", f"experts.{pname}") for w in wanted):
                     parameters.append(f"{name}.{pname}")
             inside_experts.add(name + ".")
+    routers = tuple(n + "." for n, m in model.named_modules() if n and is_router(n, m))
     for name, module in model.named_modules():
         if not _linear(module) or module is output or is_router(name, module):
             continue
-        if is_outside_text(name):
+        # A router's own linear (Gemma 4's ``router.proj``), peft's refusals, the vision tower.
+        if name.startswith(routers) or peft_refuses(model_type, name) or is_outside_text(name):
             continue
         expert = any(name.startswith(prefix) for prefix in inside_experts)
         # A ModuleList of expert MLPs gets its linears when the experts are named.
@@ -284,3 +323,33 @@ def param_dtypes(model: nn.Module) -> dict[torch.dtype, int]:
     for p in model.parameters():
         out[p.dtype] = out.get(p.dtype, 0) + p.numel() * p.element_size()
     return out
+
+
+def nf4_split(model: nn.Module) -> tuple[list[str], list[str]]:
+    """QLoRA's base, which linears are 4-bit and which bitsandbytes left 16-bit:
+    ``(quantized, kept)``, module names (LoRA's own A and B matrices and the base layers peft
+    wraps counted once, by the wrapped name). Fused expert stacks are not linears (see
+    `train.quantized_experts`)."""
+    quantized: list[str] = []
+    kept: list[str] = []
+    for name, module in model.named_modules():
+        if ".lora_" in name or name.endswith(".base_layer"):
+            continue
+        base = getattr(module, "base_layer", module)
+        if type(base).__name__ in ("Linear4bit", "Linear8bitLt"):
+            quantized.append(name)
+        elif isinstance(base, nn.Linear):
+            kept.append(name)
+    return quantized, kept
+
+
+def nf4_report(model: nn.Module) -> str:
+    """One line for the worker's log: how many linears QLoRA quantized and which it kept
+    16-bit, by their last name part (``out_proj ×2, lm_head``)."""
+    quantized, kept = nf4_split(model)
+    counts: dict[str, int] = {}
+    for name in kept:
+        leaf = name.rsplit(".", 1)[-1]
+        counts[leaf] = counts.get(leaf, 0) + 1
+    names = ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(counts.items()))
+    return f"QLoRA: {len(quantized)} linears in NF4, {len(kept)} kept 16-bit ({names or 'none'})"

@@ -148,6 +148,7 @@ def require_exact_packing(check: PackingCheck) -> None:
     raise HomelabError(
         f"data.pack = true is not exact on this model (model_type {check.model_type!r}): a "
         f"packed block's logits differ from its samples run one by one by {check.max_diff:.3g} "
-        f"(tolerance {check.tolerance:.3g}), so samples would attend to each other",
+        f"(tolerance {check.tolerance:.3g}), so samples would see each other (attention "
+        "across samples, or a recurrent layer's state carried from one into the next)",
         hint="set data.pack = false (padded rows, one sample each), e.g. --set data.pack=false",
     )

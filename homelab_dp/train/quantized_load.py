@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from homelab_dp.train.lora import (
     add_lora,
     disable_cpu_bf16_repack,
     is_adapter,
+    nf4_report,
     prepare_frozen_base,
 )
 from homelab_dp.train.model_census import any_model_spec
@@ -66,6 +68,9 @@ from homelab_dp.train.trainable_model import (
 )
 
 _DDP_HINT = "set train.distribution = 'ddp' (QLoRA then loads the whole 4-bit model on each rank)"
+
+
+log = logging.getLogger(__name__)
 
 
 def has_routed_experts(preset: Preset) -> bool:
@@ -97,8 +102,8 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
             "train.method = 'lora'",
         )
     remote = preset.model.trust_remote_code
-    qconfig = nf4_config(compute, storage=compute)
     config = AutoConfig.from_pretrained(preset.model.path, trust_remote_code=remote)
+    qconfig = nf4_config(compute, storage=compute, model_type=str(config.model_type))
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed
         model = AutoModelForCausalLM.from_config(
             config, dtype=compute, trust_remote_code=remote,
@@ -128,6 +133,7 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
     model = add_lora(model, preset.lora)  # on meta too: no draws; `stream_weights` fills them
     if resolved.device == "cpu":
         disable_cpu_bf16_repack(model)
+    log.info(nf4_report(model))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     stream = functools.partial(
         stream_weights, folder=Path(preset.model.path), seed=preset.train.seed, compute=compute

@@ -29,6 +29,7 @@ from homelab_dp.data.blocks import IGNORE_INDEX
 from homelab_dp.data.eval_split import load_train_eval
 from homelab_dp.data.preference_blocks import load_preference_train_eval
 from homelab_dp.errors import HomelabError, RunStateError
+from homelab_dp.planning.recurrent_packing import packing_decision, recurrent_kinds
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
 from homelab_dp.runs.run_spec import RunSpec
@@ -160,6 +161,9 @@ class Data:
     """Pairs left out because chosen and rejected were the same tokens (`data.preference_blocks`)."""
     prompts: Any = None
     """GRPO: `Prompts` (each block is one prompt), else None."""
+    grouped: bool = False
+    """Unpacked rows of a model with recurrent layers: each step's blocks grouped by length and
+    each micro-batch cut to its longest sample (`train.length_groups`)."""
 
 
 @dataclass
@@ -214,7 +218,10 @@ def load_data(preset: Preset, rank: Rank) -> Data:
         order=SampleOrder(len(blocks), train.seed),
         total_steps=total_steps,
         eval=eval_blocks(split.eval, bool(preset.data.pack)) if split.eval else None,
-    )
+        grouped=not preset.data.pack and packing_decision(
+            False, recurrent_kinds(config.to_dict()), str(config.model_type)
+        ).group_by_length,
+    )  # fmt: skip
 
 
 def _load_pairs(preset: Preset, rank: Rank, tokenizer: Any, limit: int | None) -> Data:

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, quantize_experts
+from homelab_dp.nf4_quantization import folder_model_type, nf4_config, quantize_experts
+from homelab_dp.peft_targets import exact_targets
 from homelab_dp.planning.attention_rule import has_sinks
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
@@ -46,6 +47,7 @@ from homelab_dp.train.lora import (
     add_lora,
     disable_cpu_bf16_repack,
     is_outside_text,
+    nf4_report,
     prepare_frozen_base,
     seed_adapters,
 )
@@ -152,7 +154,9 @@ def load_model(
         **text_only_load(preset),
     }
     if method == "qlora":
-        kwargs["quantization_config"] = nf4_config(compute)
+        kwargs["quantization_config"] = nf4_config(
+            compute, model_type=folder_model_type(preset.model.path)
+        )
         kwargs["dtype"] = compute  # what is not 4-bit (embeddings, lm_head, norms)
         kwargs["device_map"] = {"": device}
     elif method == "lora":
@@ -209,6 +213,8 @@ def load_model(
         seed_adapters(model, preset.train.seed)
     if method == "qlora" and device.type == "cpu":
         disable_cpu_bf16_repack(model)
+    if method == "qlora":  # what bitsandbytes quantized, what it kept 16-bit (and why: lora)
+        log.info(nf4_report(model))
     layers = decoder_layers(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return LoadedModel(model, method != "full", params, trainable, layers)
@@ -231,7 +237,8 @@ def merge_start_adapter(model: nn.Module, adapter: Path) -> nn.Module:
             f"model.adapter {adapter}: no adapter_model.safetensors",
             hint="point model.path at the LoRA run itself (its id) or at a merged model",
         )
-    merged = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    with exact_targets(adapter):
+        merged = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
     return merged.merge_and_unload()
 
 
@@ -583,7 +590,8 @@ def merge_adapter(
     start = start_adapter(preset)
     if start is not None:  # the model this run started from: the base with the earlier adapter
         base = merge_start_adapter(base, start)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with exact_targets(adapter_dir):
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(str(tmp))

@@ -57,6 +57,7 @@ from homelab_dp.train.checkpoints import mark_best, save_checkpoint, save_result
 from homelab_dp.train.comm_timing import comm_event_fields
 from homelab_dp.train.divergence import SkippedSteps, check_loss, require_finite_weights
 from homelab_dp.train.evaluation import Validator
+from homelab_dp.train.length_groups import group_by_length
 from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.packed_attention import take_route_counts
 from homelab_dp.train.rank_setup import SetUp
@@ -213,6 +214,8 @@ class Trainer:
             # tokens), counted on the host; this rank's micro-batches are slices of them.
             first = step * r.effective
             whole = torch.tensor(d.order.blocks(first, r.effective))
+            if d.grouped:  # unpacked rows of a recurrent model: similar lengths together
+                whole = group_by_length(whole, d.real_tokens)
             micro_idx = [
                 whole[s.start - first : s.stop - first]
                 for s in rank_slices(step, r.micro, r.world, r.accum, r.rank)

@@ -15,7 +15,15 @@ import homelab_dp
 PACKAGE = Path(homelab_dp.__file__).parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "errors", "vocabulary", "json_safe", "safe_files", "nf4_quantization"),
+    (
+        "__init__",
+        "errors",
+        "vocabulary",
+        "json_safe",
+        "safe_files",
+        "nf4_quantization",
+        "peft_targets",
+    ),
     ("hub", "probe"),
     ("presets", "data"),
     ("planning", "runs"),

@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works, quantize_experts
+from homelab_dp.nf4_quantization import folder_model_type, nf4_config, nf4_works, quantize_experts
+from homelab_dp.peft_targets import exact_targets
 from homelab_dp.planning.attention_rule import inference_attention
 from homelab_dp.runs.model_ref import ModelRef, refuse_pickle_only
 
@@ -183,7 +184,9 @@ def load_for_inference(
     if attention is not None:  # attention sinks kept (`planning.attention_rule`)
         kwargs["attn_implementation"] = attention
     if base == "nf4":
-        kwargs["quantization_config"] = nf4_config(dtype)
+        kwargs["quantization_config"] = nf4_config(
+            dtype, model_type=folder_model_type(ref.config_path)
+        )
         kwargs["device_map"] = {"": dev}  # quantized as it is placed on the device
     try:
         tokenizer = load_tokenizer(ref)
@@ -195,7 +198,8 @@ def load_for_inference(
         if ref.is_adapter:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, ref.path)
+            with exact_targets(ref.path):
+                model = PeftModel.from_pretrained(model, ref.path)
             # Merging into 4-bit weights would round the update away: on NF4 the adapter
             # layers stay in the model (the transformers model peft injected them into, whose
             # forward generation calls as any other).
@@ -246,7 +250,8 @@ def load_merged(
         if adapter is not None:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+            with exact_targets(adapter):
+                model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - whatever the reason, these folders do not load
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise HomelabError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from homelab_dp.train.length_groups import trimmed_width
 from homelab_dp.train.loss import token_loss_sum
 from homelab_dp.train.speed import to_device
 
@@ -42,11 +43,14 @@ class SftObjective:
         dev = rank.device
         # Packed blocks go without a mask: the positions restart at each sample and
         # transformers masks attention to within each one from them.
-        mask = None if data.packed else to_device(data.mask[idx], dev)
+        # Unpacked rows of a recurrent model: cut to the longest sample (padding ends a row).
+        width = trimmed_width(idx, data.real_tokens) if getattr(data, "grouped", False) else None
+        mask = None if data.packed else to_device(data.mask[idx, :width], dev)
         scale = rank.world / max(float(counts[0]), 1.0)
         loss = micro_step(
-            model.strategy, to_device(data.input_ids[idx], dev), mask, data.labels[idx], scale,
-            positions=to_device(data.positions[idx], dev), autocast=model.autocast,
+            model.strategy, to_device(data.input_ids[idx, :width], dev), mask,
+            data.labels[idx, :width], scale,
+            positions=to_device(data.positions[idx, :width], dev), autocast=model.autocast,
             loss_dtype=model.loss_dtype, scaler=model.scaler, probe=probe,
             loss_head=model.loss_head, flat=model.flat_batches,
         )  # fmt: skip

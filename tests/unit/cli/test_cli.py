@@ -46,6 +46,8 @@ TARGETS = {  # the hardware each shipped preset's header names
     "tiny-grpo": None,
     "qwen3-8b-grpo-qlora-2x24gb": "2x24GiB",
     "llama3-8b-dpo-qlora-2x24gb": "2x24GiB",
+    "qwen3.5-27b-qlora-2x24gb": "2x24GiB",
+    "qwen3.5-35b-a3b-qlora-2x24gb": "2x24GiB",
 }
 
 

@@ -204,7 +204,8 @@ def test_reasons_say_experts_qlora_16_bit_and_pre_quantized() -> None:
 @pytest.mark.parametrize(
     ("preset", "method", "distribution", "offload"),
     [("qwen3-30b-a3b-qlora-2x24gb", "qlora", "ddp", "none"),
-     ("gpt-oss-20b-lora-2x24gb", "lora", "fsdp-full", "params")],
+     ("gpt-oss-20b-lora-2x24gb", "lora", "fsdp-full", "params"),
+     ("qwen3.5-35b-a3b-qlora-2x24gb", "qlora", "fsdp-full", "none")],
 )  # fmt: skip
 def test_moe_presets_fit_the_cards_they_name(
     preset: str, method: str, distribution: str, offload: str, in_repo: Path,
