@@ -143,10 +143,10 @@ def _check(experts: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         outs.append(out.detach())
         grads.append(x.grad)
     # The forward is bit for bit the same; the input gradient sums each token's top-k
-    # contributions in another order (one gather's backward instead of one per expert).
-    if not torch.equal(outs[0], outs[1]) or not torch.allclose(
-        grads[0], grads[1], rtol=1e-5, atol=1e-7
-    ):
+    # contributions in another order (one gather's backward instead of one per expert): equal
+    # up to a few roundings of the dtype, relative to the largest gradient.
+    bound = 4 * torch.finfo(grads[0].dtype).eps * grads[0].abs().max()
+    if not torch.equal(outs[0], outs[1]) or (grads[0] - grads[1]).abs().max() > bound:
         raise SystemExit("before and after differ: not timing a changed result")
 
 

@@ -26,10 +26,13 @@ Biases stay 16-bit parameters. The experts' forward is transformers' own dispatc
 (``config._experts_implementation``): `quantize_experts` registers ``homelab_nf4`` in
 ``ALL_EXPERTS_FUNCTIONS``, which runs the same math as transformers' grouped implementation
 (gate, activation, routing weights, the deterministic per-token sum) but dequantizes only the
-experts the micro-batch routes to, in the compute dtype. The matmul is a custom autograd
-function that saves nothing: like bitsandbytes' ``MatMul4Bit`` it dequantizes the expert again
-in backward, so no dequantized weight outlives its matmul, and the frozen weights get no
-gradient while the input does (LoRA upstream needs it).
+experts the micro-batch routes to, in the compute dtype, a group of them per bitsandbytes call
+(`dequant_group_size`: as many as 1 Mi values hold, at least one; the plan counts the group).
+The rows are gathered once a layer in expert order and each expert's matmul reads its slice.
+The matmul is a custom autograd function that saves nothing: like bitsandbytes' ``MatMul4Bit``
+it dequantizes each group again in backward, so no dequantized weight outlives its matmul, and
+the frozen weights get no gradient while the input does (LoRA upstream needs it). One host
+sync a layer remains (the per-expert row counts; `nf4_experts_forward` says why).
 """
 
 from __future__ import annotations
