@@ -26,10 +26,13 @@ Biases stay 16-bit parameters. The experts' forward is transformers' own dispatc
 (``config._experts_implementation``): `quantize_experts` registers ``homelab_nf4`` in
 ``ALL_EXPERTS_FUNCTIONS``, which runs the same math as transformers' grouped implementation
 (gate, activation, routing weights, the deterministic per-token sum) but dequantizes only the
-experts the micro-batch routes to, in the compute dtype. The matmul is a custom autograd
-function that saves nothing: like bitsandbytes' ``MatMul4Bit`` it dequantizes the expert again
-in backward, so no dequantized weight outlives its matmul, and the frozen weights get no
-gradient while the input does (LoRA upstream needs it).
+experts the micro-batch routes to, in the compute dtype, a group of them per bitsandbytes call
+(`dequant_group_size`: as many as 1 Mi values hold, at least one; the plan counts the group).
+The rows are gathered once a layer in expert order and each expert's matmul reads its slice.
+The matmul is a custom autograd function that saves nothing: like bitsandbytes' ``MatMul4Bit``
+it dequantizes each group again in backward, so no dequantized weight outlives its matmul, and
+the frozen weights get no gradient while the input does (LoRA upstream needs it). One host
+sync a layer remains (the per-expert row counts; `nf4_experts_forward` says why).
 """
 
 from __future__ import annotations
@@ -332,17 +335,104 @@ def dequantize_experts(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-class _Nf4ExpertLinear(torch.autograd.Function):
-    """``x @ W_e^T`` (``x @ W_e`` when transposed) for one NF4 expert; saves no weight: the
-    expert is dequantized again in backward, as bitsandbytes' ``MatMul4Bit`` does."""
+DEQUANT_GROUP_ELEMENTS = 1 << 20
+"""Elements of routed experts' weights dequantized together in one call (at least one expert):
+1 Mi values, 2 MiB in bf16. Measured on the CPU (`benchmarks/nf4_experts.py`, docs/benchmarks.md):
+groups of 1 Mi values ran a layer fastest, 512 Ki and 2 Mi slower, 16 Mi slower than one expert
+at a time (the group no longer stays in cache). Experts as large as Qwen3-30B-A3B's (3 Mi
+values) are dequantized one at a time as before; small experts, whose per-call overhead
+dominates, in groups. The plan counts the same
+(`homelab_dp.planning.memory.moe_memory.DEQUANT_GROUP_ELEMENTS`, a test keeps them equal)."""
+
+
+def dequant_group_size(module: nn.Module, name: str) -> int:
+    """How many of ``module``'s experts `nf4_experts_forward` dequantizes ``name`` of at once:
+    as many as `DEQUANT_GROUP_ELEMENTS` holds, at least one, at most all of them. One where a
+    row of the weight does not fill whole absmax blocks: bitsandbytes' CPU kernel then gives a
+    concatenation of experts other values than each expert alone (measured: rows of 48)."""
+    (rows, cols), _ = module.nf4_shapes[name]
+    n = rows * cols
+    if cols % NF4_BLOCKSIZE:
+        return 1
+    experts = module.get_parameter(f"{name}_nf4").shape[0]
+    return max(1, min(experts, DEQUANT_GROUP_ELEMENTS // n))
+
+
+def dequantize_expert_group(module: nn.Module, name: str, experts: list[int]) -> torch.Tensor:
+    """Experts ``experts``' weights ``name`` as one ``[k, A, B]`` tensor in the compute dtype,
+    bit for bit what `dequantize_expert` gives each, in one bitsandbytes call: their packed
+    codes and block scales are gathered and concatenated (each expert's values fill whole
+    64-value blocks: `dequant_group_size`), the double quantization of the scales undone here
+    as bitsandbytes undoes it (``code2[absmax] * absmax2 + offset``, float32)."""
+    import bitsandbytes.functional as bnbf
+    from bitsandbytes.functional import QuantState
+
+    if len(experts) == 1 and dequant_group_size(module, name) == 1:
+        return dequantize_expert(module, name, experts[0]).unsqueeze(0)
+    s = nf4_settings()
+    shape, dtype = module.nf4_shapes[name]
+    packed_all = module.get_parameter(f"{name}_nf4")
+    idx = torch.tensor(experts, device=packed_all.device)
+    packed = packed_all.index_select(0, idx).view(torch.uint8)
+    codes = getattr(module, f"{name}_absmax").index_select(0, idx)  # [k, blocks] uint8
+    absmax2 = getattr(module, f"{name}_absmax2").index_select(0, idx)  # [k, blocks2]
+    offset = getattr(module, f"{name}_offset").index_select(0, idx)  # [k]
+    scales2 = absmax2.repeat_interleave(s["nested_blocksize"], dim=1)[:, : codes.shape[1]]
+    absmax = getattr(module, f"{name}_code2")[codes.long()] * scales2 + offset.unsqueeze(1)
+    state = QuantState(
+        absmax=absmax.reshape(-1),
+        shape=torch.Size((len(experts), *shape)),
+        code=getattr(module, f"{name}_code"),
+        blocksize=s["blocksize"],
+        quant_type=s["quant_type"],
+        dtype=dtype,
+    )
+    return bnbf.dequantize_4bit(packed.reshape(-1, 1), state)
+
+
+def _groups(module: nn.Module, name: str, counts: list[int]) -> list[tuple[list[int], list[int]]]:
+    """The routed experts (``counts[e] > 0``) in dequantization groups, each with the start
+    row of every expert's rows in the expert-sorted order (and the group's end)."""
+    size = dequant_group_size(module, name)
+    groups: list[tuple[list[int], list[int]]] = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        if not groups or len(groups[-1][0]) == size:
+            groups.append(([], [start]))
+        groups[-1][0].append(e)
+        start += n
+        groups[-1][1].append(start)
+    return groups
+
+
+class _Nf4GroupedLinear(torch.autograd.Function):
+    """``x_e @ W_e^T`` (``x_e @ W_e`` when transposed) for the rows ``x_e`` of each routed
+    expert ``e`` (``x`` sorted by expert), the routed experts dequantized a group at a time
+    (`dequant_group_size`). Saves no weight: each group is dequantized again in backward, as
+    bitsandbytes' ``MatMul4Bit`` does, and at most one group is held dequantized at a time.
+    The row counts come from the host (the one sync of the layer, in its forward only)."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, module: nn.Module, name: str, expert: int, transposed: bool
+        ctx: Any,
+        x: torch.Tensor,
+        module: nn.Module,
+        name: str,
+        groups: list[tuple[list[int], list[int]]],
+        transposed: bool,
     ) -> torch.Tensor:
-        ctx.module, ctx.name, ctx.expert, ctx.transposed = module, name, expert, transposed
-        w = dequantize_expert(module, name, expert)
-        return x @ w if transposed else x @ w.t()
+        ctx.module, ctx.name, ctx.groups, ctx.transposed = module, name, groups, transposed
+        (rows, cols), _ = module.nf4_shapes[name]
+        out = x.new_empty(x.shape[0], cols if transposed else rows)
+        for experts, bounds in groups:
+            w = dequantize_expert_group(module, name, experts)
+            for j in range(len(experts)):
+                a, b = bounds[j], bounds[j + 1]
+                torch.mm(x[a:b], w[j] if transposed else w[j].t(), out=out[a:b])
+            del w  # one group held at a time
+        return out
 
     @staticmethod
     def backward(
@@ -350,15 +440,27 @@ class _Nf4ExpertLinear(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        w = dequantize_expert(ctx.module, ctx.name, ctx.expert)
-        return (grad @ w.t() if ctx.transposed else grad @ w), None, None, None, None
+        (rows, cols), _ = ctx.module.nf4_shapes[ctx.name]
+        grad_x = grad.new_empty(grad.shape[0], rows if ctx.transposed else cols)
+        for experts, bounds in ctx.groups:
+            w = dequantize_expert_group(ctx.module, ctx.name, experts)
+            for j in range(len(experts)):
+                a, b = bounds[j], bounds[j + 1]
+                g = grad[a:b]
+                torch.mm(g, w[j].t() if ctx.transposed else w[j], out=grad_x[a:b])
+            del w
+        return grad_x, None, None, None, None
 
 
-def _linear(module: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-    """One expert's projection ``name`` (and its bias, kept 16-bit) of the rows ``x``."""
-    out = _Nf4ExpertLinear.apply(x, module, name, expert, module.is_transposed)
+def _linear(
+    module: nn.Module, name: str, counts: list[int], ids: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts' projection ``name`` of the expert-sorted rows ``x`` (``counts`` of
+    them per expert, ``ids`` each row's expert), and their biases (kept 16-bit), one gather."""
+    groups = _groups(module, name, counts)
+    out = _Nf4GroupedLinear.apply(x, module, name, groups, module.is_transposed)
     if module.has_bias:
-        out = out + module.get_parameter(f"{name}_bias")[expert]
+        out = out + module.get_parameter(f"{name}_bias")[ids]
     return out
 
 
@@ -369,7 +471,15 @@ def nf4_experts_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """transformers' experts forward (the grouped implementation's math) on NF4 experts:
-    only the experts some token is routed to are dequantized, one at a time."""
+    only the experts some token is routed to are dequantized, a group at a time
+    (`dequant_group_size`).
+
+    One host sync per layer (the per-expert row counts, ``bincount().tolist()``): which experts
+    to dequantize and which rows each multiplies are data-dependent, and launching a matmul per
+    routed expert needs them on the host; a grouped matmul with device offsets would need the
+    whole stack dequantized (the memory the plan does not count), and one sync per step is not
+    possible since each layer's routing depends on the previous layer's output. Backward reuses
+    the counts (no sync); recompute under activation checkpointing syncs once more."""
     num_tokens, hidden_dim = hidden_states.shape
     num_top_k = top_k_index.size(-1)
     compute = self.nf4_compute_dtype
@@ -377,25 +487,23 @@ def nf4_experts_forward(
     expert_ids = top_k_index.reshape(-1)  # (S,), S = tokens x top-k
     sorted_ids, perm = torch.sort(expert_ids, stable=True)
     counts = torch.bincount(sorted_ids, minlength=self.num_experts).tolist()  # one host sync
+    routed = sum(counts[: self.num_experts])  # sorted: sentinels (no expert) come last
+    counts = counts[: self.num_experts]
     first = "gate_up_proj" if self.has_gate else "up_proj"
-    outs, start = [], 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = perm[start : start + n]
-        start += n
-        if e >= self.num_experts:  # a sentinel (no expert): contributes nothing
-            outs.append(x.new_zeros(n, hidden_dim))
-            continue
-        h = _linear(self, first, e, x[rows // num_top_k])
+    if routed:
+        ids = sorted_ids[:routed]
+        h = _linear(self, first, counts, ids, x[perm[:routed] // num_top_k])
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        h = _linear(self, "down_proj", e, h)
+        h = _linear(self, "down_proj", counts, ids, h)
         if self.has_post_expert_norm:
             h = self.post_expert_norm(h)
-        outs.append(h)
-    if not outs:
+    else:
+        h = x.new_zeros(0, hidden_dim)
+    if routed < perm.numel():
+        h = torch.cat([h, h.new_zeros(perm.numel() - routed, hidden_dim)])
+    if not routed:
         return torch.zeros_like(hidden_states)
-    grouped = torch.cat(outs) * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(compute)
+    grouped = h * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(compute)
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
     out = grouped[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)

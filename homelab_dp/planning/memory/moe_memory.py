@@ -25,7 +25,8 @@ the parts that depend on the model's MoE block (`ModelSpec.experts`), its dense 
   intermediate-wide tensors more per slot (`GATE_TENSORS`, measured the same way).
 * The sizes of one decoder layer (`largest_layer_params`) and of the largest tensor a QLoRA
   load reads whole (`largest_quantized`: a MoE layer's fused stack) and of the weight a matmul
-  holds dequantized (`largest_dequantized`: one expert at a time).
+  holds dequantized (`largest_dequantized`: a group of routed experts at a time, one expert
+  where an expert fills the group).
 """
 
 from __future__ import annotations
@@ -214,14 +215,29 @@ def largest_quantized(spec: ModelSpec) -> int:
     return max(sizes, default=0)
 
 
+DEQUANT_GROUP_ELEMENTS = 1 << 20
+"""Values of routed experts' weights the NF4 experts dequantize together in one call, at least
+one expert (`homelab_dp.nf4_quantization.DEQUANT_GROUP_ELEMENTS`: a test keeps them equal)."""
+
+
+def dequantized_group(count: int, expert_elements: int) -> int:
+    """Elements a group of routed experts holds dequantized at once: as many experts of
+    ``expert_elements`` values as `DEQUANT_GROUP_ELEMENTS` holds, at least one, at most
+    ``count``."""
+    return expert_elements * max(1, min(count, DEQUANT_GROUP_ELEMENTS // max(expert_elements, 1)))
+
+
 def largest_dequantized(spec: ModelSpec) -> int:
-    """Elements of the largest weight a QLoRA matmul holds dequantized: a linear, or one routed
-    expert's weight (the NF4 experts, `homelab_dp.nf4_quantization.nf4_experts_forward`,
-    dequantize one expert at a time, again in backward, never the fused stack whole; the load
+    """Elements of the largest weight a QLoRA matmul holds dequantized: a linear, or one group
+    of routed experts' weights (the NF4 experts, `homelab_dp.nf4_quantization.nf4_experts_forward`,
+    dequantize the routed experts a group at a time, again in backward: `dequantized_group`,
+    one expert where an expert alone fills the group; never the fused stack whole; the load
     does read the stack whole, `largest_quantized`)."""
     sizes = [lin.d_in * lin.d_out for lin in (*spec.linears, *spec.dense_mlp)]
     if spec.experts is not None:
-        sizes += [lin.d_in * lin.d_out for lin in (*spec.experts.shared, *spec.experts.linears)]
+        sizes += [lin.d_in * lin.d_out for lin in spec.experts.shared]
+        count = spec.experts.count if spec.experts.fused else 1
+        sizes += [dequantized_group(count, lin.d_in * lin.d_out) for lin in spec.experts.linears]
     return max(sizes, default=0)
 
 

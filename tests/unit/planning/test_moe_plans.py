@@ -294,3 +294,21 @@ def test_qlora_budgets_one_dequantized_expert_not_the_stack() -> None:
     dense = max(lin.d_in * lin.d_out for lin in (*spec.linears, *spec.dense_mlp, *e.shared))
     assert largest_dequantized(spec) == max(one_expert, dense)
     assert largest_quantized(spec) == e.count * one_expert  # what the load reads whole
+
+
+def test_qlora_budgets_the_group_of_small_experts_dequantized_together() -> None:
+    """Issue 32, point 7: the NF4 experts dequantize small routed experts a group at a time
+    (`nf4_quantization.dequant_group_size`), so the plan's dequantized buffer is the group:
+    here all 8 experts' 64 x 64 gate_up (32768 values), more than the largest dense linear
+    (64 x 96), where one expert at a time was counted before (6144, the dense MLP)."""
+    from homelab_dp.planning.memory.moe_memory import (
+        DEQUANT_GROUP_ELEMENTS,
+        dequantized_group,
+        largest_dequantized,
+    )
+
+    assert EXPERTS.fused and largest_dequantized(MOE) == 8 * H * 2 * I_EXPERT
+    # A group never holds more than the budget unless one expert alone does.
+    assert dequantized_group(128, 3 * DEQUANT_GROUP_ELEMENTS) == 3 * DEQUANT_GROUP_ELEMENTS
+    assert dequantized_group(4096, 1000) == 1000 * (DEQUANT_GROUP_ELEMENTS // 1000)
+    assert dequantized_group(128, 1000) == 128 * 1000  # at most every expert

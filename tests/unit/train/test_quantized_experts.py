@@ -23,9 +23,13 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from homelab_dp import nf4_quantization
 from homelab_dp.nf4_quantization import (
+    DEQUANT_GROUP_ELEMENTS,
     EXPERTS_IMPLEMENTATION,
+    dequant_group_size,
     dequantize_expert,
+    dequantize_expert_group,
     dequantize_experts,
     is_fused_experts,
     quantize_experts,
@@ -138,10 +142,54 @@ def test_only_routed_experts_are_dequantized_and_again_in_backward(
     monkeypatch.setattr(bnbf, "dequantize_4bit", counting)
     x = model.get_input_embeddings()(torch.tensor([[3]])).detach().requires_grad_()
     out = model(inputs_embeds=x).logits
-    # One token: 2 experts a layer, gate_up and down each, 2 layers.
-    assert calls.count((96, 64)) == 4 and calls.count((64, 48)) == 4 and len(calls) == 8
+    # One token: 2 experts a layer, 2 layers. gate_up's rows (64 values) fill whole absmax
+    # blocks: both routed experts in one call (issue 32, point 7: before, one call each);
+    # down's rows (48) do not: one expert a call.
+    assert calls.count((2, 96, 64)) == 2 and calls.count((64, 48)) == 4 and len(calls) == 6
     out.sum().backward()
-    assert len(calls) == 16  # dequantized again, nothing kept from the forward
+    assert len(calls) == 12  # dequantized again, nothing kept from the forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_of_experts_is_dequantized_in_one_call_bit_for_bit(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, point 7: routed experts' packed codes and scales gathered and dequantized as
+    one tensor give each expert exactly what it gives alone, in one bitsandbytes call, and the
+    group holds no more than the budget the plan counts."""
+    model = _model("qwen3_moe")  # gate_up [8, 96, 64]: rows of 64 values
+    quantize_experts(model, dtype)
+    experts = _experts(model)[0]
+    assert dequant_group_size(experts, "gate_up_proj") == 8
+    assert dequant_group_size(experts, "down_proj") == 1  # rows of 48: one at a time
+    calls: list[tuple[int, ...]] = []
+    real = bnbf.dequantize_4bit
+
+    def counting(a: torch.Tensor, state: object) -> torch.Tensor:
+        calls.append(tuple(state.shape))
+        return real(a, state)
+
+    monkeypatch.setattr(bnbf, "dequantize_4bit", counting)
+    group = dequantize_expert_group(experts, "gate_up_proj", [1, 4, 7])
+    assert calls == [(3, 96, 64)] and group.dtype == dtype
+    for j, e in enumerate([1, 4, 7]):
+        assert torch.equal(group[j], dequantize_expert(experts, "gate_up_proj", e))
+    # Large experts: the budget of values dequantized together, at least one expert.
+    monkeypatch.setattr(nf4_quantization, "DEQUANT_GROUP_ELEMENTS", 3 * 96 * 64)
+    assert dequant_group_size(experts, "gate_up_proj") == 3
+    monkeypatch.setattr(nf4_quantization, "DEQUANT_GROUP_ELEMENTS", 100)
+    assert dequant_group_size(experts, "gate_up_proj") == 1
+
+
+def test_the_plan_counts_the_group_the_code_dequantizes() -> None:
+    from homelab_dp.planning.memory import moe_memory
+
+    assert moe_memory.DEQUANT_GROUP_ELEMENTS == DEQUANT_GROUP_ELEMENTS
+    model = _model("qwen3_moe")
+    quantize_experts(model, torch.float32)
+    module = _experts(model)[0]
+    size = dequant_group_size(module, "gate_up_proj")
+    assert moe_memory.dequantized_group(8, 96 * 64) == size * 96 * 64
 
 
 def test_packed_storage_is_half_a_byte_a_value_plus_the_statistics() -> None:
