@@ -6,7 +6,7 @@ kernels, on a GPU), runs one decoder layer of each kind forward on ``seq`` token
 ``torch.autograd.graph.saved_tensors_hooks``, and sums the distinct storages autograd saves for
 backward (the weights left out). It prints bytes per token measured, the per-kind model
 (`homelab_dp.planning.memory.layer_kinds.kind_activation_bytes`, full fine-tune, fp32) and
-their ratio; the mixers' ratios are the fit `STATE_KIND_FIT` records.
+their ratio; the mixers' ratios are the fits `STATE_KIND_FIT` and `MAMBA_FIT` record.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,36 +47,18 @@ import torch
 from torch import nn
 from transformers import BitsAndBytesConfig
 
-FUSED_OUT_PROJ_MODEL_TYPES = frozenset({
-    "mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h", "bamba", "granitemoehybrid",
-    "zamba2",
-})  # fmt: skip
-"""Families whose Mamba mixer hands ``out_proj.weight`` itself to mamba-ssm's fused kernel
-(``mamba_split_conv1d_scan_combined(..., outproj_weight=self.out_proj.weight)`` in transformers
-5.25's modeling code) when that kernel is installed: a packed 4-bit weight there would be read as
-if it were the 16-bit matrix, so QLoRA keeps it 16-bit (peft refuses LoRA on it too)."""
-NF4_DEFAULT_SKIPS = ("lm_head",)
-"""What bitsandbytes leaves 16-bit by default (the output layer); named again whenever a family
-adds its own skips, which replace transformers' default list."""
-
-
-def nf4_skip_modules(model_type: str) -> list[str] | None:
-    """The module names QLoRA keeps 16-bit beside the defaults on a ``model_type`` model (None:
-    transformers' defaults only): Mamba's ``out_proj`` on `FUSED_OUT_PROJ_MODEL_TYPES`. The
-    convolutions, ``A_log``, ``dt_bias``, ``D``, norms and embeddings are no linears and stay
-    16-bit anyway."""
-    if model_type in FUSED_OUT_PROJ_MODEL_TYPES:
-        return [*NF4_DEFAULT_SKIPS, "out_proj"]
-    return None
-
 
 def nf4_config(
-    compute: torch.dtype, storage: torch.dtype | None = None, *, model_type: str = ""
+    compute: torch.dtype,
+    storage: torch.dtype | None = None,
+    *,
+    skip_modules: Sequence[str] | None = None,
 ) -> BitsAndBytesConfig:
     """QLoRA's quantization: NF4 with double quantization, computing in ``compute``; packed
     weights stored as ``storage`` (uint8 by default; the compute dtype under FSDP2, so that it
-    shards them as parameters of that dtype). ``model_type``: the family, for what it keeps
-    16-bit (`nf4_skip_modules`); the worker and the replicas pass the same, so a QLoRA result is
+    shards them as parameters of that dtype). ``skip_modules``: what the family keeps 16-bit
+    (``planning.model_layers.nf4_skip_modules(model_type)``, the rule the plan counts by; None:
+    transformers' defaults); the worker and the replicas pass the same, so a QLoRA result is
     evaluated and served on the base it was trained on."""
     return BitsAndBytesConfig(
         load_in_4bit=True,
@@ -83,7 +66,7 @@ def nf4_config(
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute,
         bnb_4bit_quant_storage=storage or torch.uint8,
-        llm_int8_skip_modules=nf4_skip_modules(model_type),
+        llm_int8_skip_modules=list(skip_modules) if skip_modules is not None else None,
     )
 
 

@@ -96,6 +96,37 @@ def lora_can_adapt(model_type: str, linear_name: str) -> bool:
     )
 
 
+NF4_FUSED_OUT_PROJ_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h", "bamba", "granitemoehybrid",
+    "zamba2",
+})  # fmt: skip
+"""Families whose Mamba mixer hands ``out_proj.weight`` itself to mamba-ssm's fused kernel
+(``mamba_split_conv1d_scan_combined(..., outproj_weight=self.out_proj.weight)`` in transformers
+5.25's modeling code) when that kernel is installed: a packed 4-bit weight there would be read as
+if it were the 16-bit matrix, so QLoRA keeps it 16-bit (peft refuses LoRA on it too)."""
+NF4_DEFAULT_SKIPS = ("lm_head",)
+"""What bitsandbytes leaves 16-bit by default (the output layer); named again whenever a family
+adds its own skips, which replace transformers' default list."""
+NF4_FUSED_OUT_PROJ = "out_proj"
+
+
+def nf4_skip_modules(model_type: str) -> list[str] | None:
+    """The module names QLoRA keeps 16-bit beside the defaults on a ``model_type`` model (None:
+    transformers' defaults only): Mamba's ``out_proj`` on `NF4_FUSED_OUT_PROJ_TYPES`. The
+    convolutions, ``A_log``, ``dt_bias``, ``D``, norms and embeddings are no linears and stay
+    16-bit anyway. The worker passes this list to bitsandbytes (``llm_int8_skip_modules``) and
+    the plan counts by it (`nf4_keeps_16bit`): one rule for both."""
+    if model_type in NF4_FUSED_OUT_PROJ_TYPES:
+        return [*NF4_DEFAULT_SKIPS, NF4_FUSED_OUT_PROJ]
+    return None
+
+
+def nf4_keeps_16bit(model_type: str, linear_name: str) -> bool:
+    """Whether QLoRA leaves the decoder linear ``linear_name`` of a ``model_type`` model 16-bit:
+    transformers' suffix match of `nf4_skip_modules` (``module_name.endswith(pattern)``)."""
+    return any(linear_name.endswith(key) for key in nf4_skip_modules(model_type) or ())
+
+
 @dataclass(frozen=True)
 class Mixer:
     """One token mixer of a decoder layer (a layer may hold two side by side: Falcon-H1)."""
@@ -170,11 +201,17 @@ class LayerKind:
         e = self.experts
         return self.params - (e.count - e.top_k) * e.expert_params
 
-    @property
-    def quantizable_params(self) -> int:
-        """What 4-bit QLoRA quantizes: the linears, shared and routed experts (not the router)."""
+    def quantized_params(self, model_type: str) -> int:
+        """What 4-bit QLoRA quantizes in one such layer of a ``model_type`` model: the linears
+        but those it keeps 16-bit (`nf4_keeps_16bit`: Mamba's ``out_proj``), shared and routed
+        experts (not the router)."""
         routed = self.experts.count * self.experts.expert_params if self.experts else 0
-        return sum(lin.params for lin in self.linears) + routed
+        kept = sum(lin.params for lin in self.nf4_kept(model_type))
+        return sum(lin.params for lin in self.linears) - kept + routed
+
+    def nf4_kept(self, model_type: str) -> tuple[Linear, ...]:
+        """The linears QLoRA keeps 16-bit in one such layer of a ``model_type`` model."""
+        return tuple(lin for lin in self.linears if nf4_keeps_16bit(model_type, lin.name))
 
     @property
     def carries_state(self) -> bool:

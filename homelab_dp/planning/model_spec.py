@@ -229,9 +229,11 @@ class ModelSpec:
     @property
     def quantizable_params(self) -> int:
         """Parameters that 4-bit QLoRA quantizes: the decoder's linear layers and, in a MoE
-        model, the dense MLPs, shared experts and routed experts (the router stays 16-bit)."""
+        model, the dense MLPs, shared experts and routed experts (the router stays 16-bit).
+        What the family keeps 16-bit is left out (`model_layers.nf4_keeps_16bit`: Mamba's
+        ``out_proj`` on the families whose fused kernel reads it), as the worker loads it."""
         if self.blocks:
-            return sum(g.count * g.kind.quantizable_params for g in self.blocks)
+            return sum(g.count * g.kind.quantized_params(self.model_type) for g in self.blocks)
         if self.experts is None:
             return self.layers * self.linear_params_per_layer
         shared = sum(lin.params for lin in self.experts.shared)

@@ -212,6 +212,12 @@ def model_reasons(spec: ModelSpec, method: str) -> list[str]:
         kept = ["embeddings", "lm_head", "norms"]
         if e is not None:
             kept.insert(0, "the router")
+        fused = sum(g.count * len(g.kind.nf4_kept(spec.model_type)) for g in spec.blocks)
+        if fused:  # `model_layers.nf4_skip_modules`, as the worker loads it
+            kept.append(
+                f"Mamba's out_proj in {fused} layer{'s' if fused > 1 else ''}, which the fused "
+                "mamba-ssm kernel reads as a 16-bit matrix"
+            )
         if any(m.params for g in spec.blocks for m in g.kind.mixers):
             kept.append("the mixers' convolutions and state parameters (A_log, dt, D)")
         if spec.vision_params:

@@ -69,6 +69,7 @@ from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import HomelabError
 from homelab_dp.nf4_quantization import folder_model_type, nf4_config, nf4_works, quantize_experts
 from homelab_dp.peft_targets import exact_targets
+from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
@@ -193,7 +194,9 @@ def load_model(
         "use_safetensors": True,
     }
     if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
-        kwargs["quantization_config"] = nf4_config(dtype, model_type=folder_model_type(base))
+        kwargs["quantization_config"] = nf4_config(
+            dtype, skip_modules=nf4_skip_modules(folder_model_type(base))
+        )
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     if base_kind == "nf4":  # bitsandbytes converts nn.Linear only: the fused experts as trained

@@ -39,9 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from homelab_dp.errors import HomelabError
+from homelab_dp.errors import HomelabError, ModelSpecError
 from homelab_dp.peft_targets import exact_targets
 from homelab_dp.planning.model_layers import PEFT_MAMBA_REFUSED, PEFT_MAMBA_TYPES, lora_can_adapt
+from homelab_dp.train.layer_census import _decoder_layers
 
 
 def prepare_frozen_base(
@@ -127,9 +128,10 @@ def add_lora(model: nn.Module, lora: Any) -> nn.Module:
 
 EXPERT_TARGETS = ("experts", "experts.gate_up_proj", "experts.down_proj")
 """Names in ``lora.target_modules`` that ask for adapters on a MoE model's routed experts."""
-_ROUTER_NAME = re.compile(r"(^|[._])(gate|router)$")
-"""A linear named ``gate``, ``router``, ``shared_expert_gate``, ...: a router, never adapted
-(``gate_proj``, a dense MLP's input, does not match)."""
+_ROUTER_NAME = re.compile(r"(^|\.)(gate|router)$|(^|[._])(expert_gate|router_gate)$")
+"""A linear named ``gate``, ``router``, ``shared_expert_gate``, ``router_gate``: a router,
+never adapted (``gate_proj``, a dense MLP's input, does not match, nor does a projection that
+merely ends in ``_gate``: Gemma 4's ``per_layer_input_gate``, MiniMax's ``output_gate``)."""
 _NOT_TEXT = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "audio_tower")
 """Submodules of a multimodal wrapper that are not its language model: frozen, never adapted."""
 
@@ -186,6 +188,15 @@ def _linear(module: nn.Module) -> bool:
     return type(module).__name__ in ("Linear4bit", "Linear8bitLt")
 
 
+def _layers_prefix(model: nn.Module) -> str:
+    """``"<name of the decoder layers' ModuleList>."`` ("" when the model has none)."""
+    try:
+        name, _ = _decoder_layers(model)
+    except ModelSpecError:
+        return ""
+    return name + "."
+
+
 def lora_targets(
     model: nn.Module, target_modules: str | list[str]
 ) -> tuple[str | list[str], list[str]]:
@@ -194,7 +205,7 @@ def lora_targets(
     A dense text model keeps what the preset says. On a MoE model, a multimodal wrapper or a
     Mamba-based family (`PEFT_MAMBA_MODEL_TYPES`) "all-linear" becomes the explicit list of
     linears peft would adapt minus the routers (`is_router`, and the linears inside one), the
-    routed experts (`is_experts`), the output layer, anything outside the language model
+    routed experts (`is_experts`), the output layer and any linear outside the decoder layers (the plan counts theirs), anything outside the language model
     (`_NOT_TEXT`) and what peft refuses (`peft_refuses`: Mamba's ``out_proj``): peft's own
     "all-linear" adapts the routers, for some families adds the fused experts by itself, and
     on Mamba-based families fails on ``out_proj``. Never adapted, being no linears: the
@@ -235,8 +246,13 @@ def lora_targets(
                     parameters.append(f"{name}.{pname}")
             inside_experts.add(name + ".")
     routers = tuple(n + "." for n, m in model.named_modules() if n and is_router(n, m))
+    layers = _layers_prefix(model)
     for name, module in model.named_modules():
         if not _linear(module) or module is output or is_router(name, module):
+            continue
+        # The decoder layers' linears, as the plan counts them (not a model-level projection:
+        # Gemma 4's per_layer_model_projection of the embeddings into the per-layer inputs).
+        if layers and not name.startswith(layers):
             continue
         # A router's own linear (Gemma 4's ``router.proj``), peft's refusals, the vision tower.
         if name.startswith(routers) or peft_refuses(model_type, name) or is_outside_text(name):

@@ -48,6 +48,7 @@ from homelab_dp.nf4_quantization import (
     pack_experts_on_meta,
     quantize_expert_tensor,
 )
+from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation
@@ -103,7 +104,9 @@ def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> A
         )
     remote = preset.model.trust_remote_code
     config = AutoConfig.from_pretrained(preset.model.path, trust_remote_code=remote)
-    qconfig = nf4_config(compute, storage=compute, model_type=str(config.model_type))
+    qconfig = nf4_config(
+        compute, storage=compute, skip_modules=nf4_skip_modules(str(config.model_type))
+    )
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed
         model = AutoModelForCausalLM.from_config(
             config, dtype=compute, trust_remote_code=remote,

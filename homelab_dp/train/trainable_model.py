@@ -40,6 +40,7 @@ from homelab_dp.errors import HomelabError
 from homelab_dp.nf4_quantization import folder_model_type, nf4_config, quantize_experts
 from homelab_dp.peft_targets import exact_targets
 from homelab_dp.planning.attention_rule import has_sinks
+from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.attention import attention_implementation, local_capability
@@ -155,7 +156,7 @@ def load_model(
     }
     if method == "qlora":
         kwargs["quantization_config"] = nf4_config(
-            compute, model_type=folder_model_type(preset.model.path)
+            compute, skip_modules=nf4_skip_modules(folder_model_type(preset.model.path))
         )
         kwargs["dtype"] = compute  # what is not 4-bit (embeddings, lm_head, norms)
         kwargs["device_map"] = {"": device}

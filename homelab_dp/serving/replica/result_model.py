@@ -55,6 +55,7 @@ from homelab_dp.errors import HomelabError
 from homelab_dp.nf4_quantization import folder_model_type, nf4_config, nf4_works, quantize_experts
 from homelab_dp.peft_targets import exact_targets
 from homelab_dp.planning.attention_rule import inference_attention
+from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.runs.model_ref import ModelRef, refuse_pickle_only
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ def load_for_inference(
         kwargs["attn_implementation"] = attention
     if base == "nf4":
         kwargs["quantization_config"] = nf4_config(
-            dtype, model_type=folder_model_type(ref.config_path)
+            dtype, skip_modules=nf4_skip_modules(folder_model_type(ref.config_path))
         )
         kwargs["device_map"] = {"": dev}  # quantized as it is placed on the device
     try:

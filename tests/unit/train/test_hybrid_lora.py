@@ -20,7 +20,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import nf4_config, nf4_works
+from homelab_dp.nf4_quantization import is_fused_experts, nf4_config, nf4_works
+from homelab_dp.planning.model_layers import nf4_skip_modules
+from homelab_dp.planning.plan_reasons import model_reasons
 from homelab_dp.train.lora import (
     PEFT_MAMBA_MODEL_TYPES,
     add_lora,
@@ -31,6 +33,7 @@ from homelab_dp.train.lora import (
     peft_refuses,
     prepare_frozen_base,
 )
+from homelab_dp.train.model_census import census
 from tests.tiny_hybrids import FAMILIES
 
 LORA = SimpleNamespace(r=4, alpha=8, dropout=0.0, target_modules="all-linear")
@@ -151,7 +154,7 @@ def test_qlora_quantizes_what_bitsandbytes_can_and_keeps_mamba_out_proj(
 ) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         tiny_hybrid(model_type), dtype=torch.float32, device_map={"": "cpu"},
-        quantization_config=nf4_config(torch.float32, model_type=model_type),
+        quantization_config=nf4_config(torch.float32, skip_modules=nf4_skip_modules(model_type)),
     )  # fmt: skip
     quantized, kept = nf4_split(model)
     mamba = model_type in PEFT_MAMBA_MODEL_TYPES
@@ -196,3 +199,37 @@ def test_an_adapter_loads_back_on_the_modules_it_was_trained_on(
     assert torch.allclose(loaded(input_ids=ids).logits, trained, atol=1e-6)
     renamed = PeftModel.from_pretrained(_load(folder), tmp_path / "adapter")  # without it
     assert sorted(_adapted(renamed)) != sorted(_adapted(peft_model))
+
+
+@pytest.mark.skipif(not nf4_works("cpu"), reason="bitsandbytes has no NF4 on this CPU")
+@pytest.mark.parametrize("model_type", ["falcon_h1", "nemotron_h"])
+def test_the_plan_counts_in_4_bit_exactly_what_the_worker_quantizes(
+    model_type: str, tiny_hybrid: Callable[[str], Path]
+) -> None:
+    """The plan's 4-bit parameters (`ModelSpec.quantizable_params`) are the worker's: every
+    ``Linear4bit`` weight and every fused expert stack `quantize_experts` packs, loaded as
+    `train.trainable_model.load_model` loads a QLoRA base; Mamba's ``out_proj`` is 16-bit on
+    both sides (one rule, `planning.model_layers.nf4_skip_modules`), and the plan says so."""
+    folder = tiny_hybrid(model_type)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, device_map={"": "cpu"},
+        quantization_config=nf4_config(torch.float32, skip_modules=nf4_skip_modules(model_type)),
+    )  # fmt: skip
+    linear4 = sum(
+        m.in_features * m.out_features + (m.bias.numel() if m.bias is not None else 0)
+        for m in model.modules()
+        if type(m).__name__ == "Linear4bit"
+    )
+    fused = sum(
+        p.numel() for m in model.modules() if is_fused_experts(m) for p in m.parameters()
+    )  # packed by quantize_experts, as the worker does next
+    spec = census(folder)
+    kept = sum(
+        m.in_features * m.out_features for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and type(m).__name__ != "Linear4bit"
+        and n.endswith("out_proj")
+    )  # fmt: skip
+    assert kept > 0
+    assert spec.quantizable_params == linear4 + fused
+    reasons = " ".join(model_reasons(spec, "qlora"))
+    assert "Mamba's out_proj" in reasons and "16-bit" in reasons
