@@ -9,7 +9,9 @@ own expert tensors); the layers per mixer kind must follow the config's layer pa
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -118,51 +120,22 @@ def test_moe_with_dense_first_layers_has_both_groups(tmp_path):
 
 # --- activations per layer kind, against the bytes autograd saves on the CPU -----------------
 
-WIDE = {"hidden_size": 256, "vocab_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "head_dim": 32, "intermediate_size": 512, "max_position_embeddings": 4096}  # fmt: skip
+# The measurement is benchmarks/layer_kinds.py's own (its table in docs/models.md), so the
+# test and the benchmark measure alike; the test takes three of its families.
+_bench_spec = importlib.util.spec_from_file_location(
+    "layer_kinds_bench", Path(__file__).resolve().parents[3] / "benchmarks" / "layer_kinds.py"
+)
+assert _bench_spec and _bench_spec.loader
+layer_kinds_bench = importlib.util.module_from_spec(_bench_spec)
+_bench_spec.loader.exec_module(layer_kinds_bench)
 MEASURED_FAMILIES = {
-    "qwen3_5_text": {**WIDE, "num_hidden_layers": 4, "linear_num_key_heads": 4,
-                     "linear_num_value_heads": 8, "linear_key_head_dim": 32,
-                     "linear_value_head_dim": 32},
-    "nemotron_h": {**WIDE, "num_hidden_layers": 4, "hybrid_override_pattern": "M-*E",
-                   "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 64,
-                   "n_groups": 1, "chunk_size": 128, "n_routed_experts": 8,
-                   "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-                   "moe_shared_expert_intermediate_size": 256},
-    "lfm2": {**WIDE, "num_hidden_layers": 2, "full_attn_idxs": [1]},
-}  # fmt: skip
+    name: layer_kinds_bench.FAMILIES[name] for name in ("qwen3_5_text", "nemotron_h", "lfm2")
+}
 
 
 def _saved_per_token(model, index: int, seq: int) -> float:
     """Bytes per token autograd saves in decoder layer ``index`` (weights left out)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    captured = {}
-
-    def grab(module, args, kwargs):
-        captured.update(args=args, kwargs=kwargs)
-        raise StopIteration
-
-    layer = model.model.layers[index]
-    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
-    with pytest.raises(StopIteration):
-        model(input_ids=torch.randint(0, model.config.vocab_size, (1, seq)))
-    handle.remove()
-    args = [a.detach().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() else a
-            for a in captured["args"]]  # fmt: skip
-    kwargs = dict(captured["kwargs"])
-    if "hidden_states" in kwargs:
-        kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(*args, **kwargs)
-    return sum(seen.values()) / seq
+    return layer_kinds_bench.saved_bytes(model, index, seq) / seq
 
 
 @pytest.mark.parametrize("model_type", sorted(MEASURED_FAMILIES))
