@@ -170,6 +170,16 @@ class TrainSection:
     """Keep the activations saved for backward in pinned host RAM (copied back as backward
     needs them): for long contexts. With activation checkpointing only each layer's input is
     saved, and offloaded. auto: the planner turns it on only when nothing else fits."""
+    tiled_mlp: Literal["auto", "on", "off"] = "auto"
+    """Compute each decoder layer's MLP in tiles along the sequence, each tile recomputed in
+    backward, so the MLP's intermediate activation is one tile's, not the whole sequence's
+    (exact: the same loss and gradients). auto: the planner turns it on when the sequence is
+    long enough for it to matter | on | off."""
+    sequence_parallel: Literal["auto"] | int = 1
+    """Split every sequence over this many ranks (Ulysses-style all-to-all over attention
+    heads); the world is data ranks × sequence ranks. 1: off | N: a divisor of the world size,
+    the sequence length and the attention heads | auto: the planner splits a sequence only
+    when it does not fit one card."""
     seed: int = 42
     """Seeds the model init of adapters, dropout and the global sample order."""
     checkpoint_every: int = 0
@@ -501,6 +511,9 @@ def _cross_checks(preset: Preset, data: dict[str, Any]) -> list[str]:
     if train.method == "qlora" and train.distribution == "zero1":
         problems.append("train.distribution: qlora runs under ddp, fsdp-grad-op or fsdp-full "
                         "(ZeRO-1 shards only the adapters' tiny optimizer state), got 'zero1'")  # fmt: skip
+    sp = train.sequence_parallel
+    if isinstance(sp, int) and not isinstance(sp, bool) and sp < 1:
+        problems.append(f'train.sequence_parallel: must be at least 1 (1: off) or "auto", got {sp}')
     if train.offload in ("optimizer", "params"):
         if train.distribution in ("ddp", "zero1"):
             problems.append(f"train.offload = {train.offload!r} needs FSDP: set train.distribution "
