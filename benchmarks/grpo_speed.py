@@ -74,12 +74,11 @@ def predicted(plan_doc: dict[str, Any]) -> dict[str, Any]:
     """The plan's figures for the same columns."""
     pred = plan_doc["predicted"]
     grpo = plan_doc["grpo"]
-    decode = pred["assumptions"]["decode_layer_seconds"]["value"] * plan_doc["model"]["layers"]
     return {
         "generated_tokens_per_s": pred["generated_tokens_per_s"],
         "steps_per_min": 60.0 / pred["step_seconds"],
         "generation_share": pred["generation_share"],
-        "decode_ms_per_step": 1e3 * decode,
+        "decode_ms_per_step": 1e3 * pred["generation_decode_step_seconds"],
         "engine": grpo["engine"],
     }
 

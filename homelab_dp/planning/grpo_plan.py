@@ -65,6 +65,7 @@ from homelab_dp.planning.memory.grpo_memory import kv_cache_bytes
 from homelab_dp.planning.memory.objective_memory import preference_head_bytes
 from homelab_dp.planning.memory.train_shape import TrainShape, compute_width
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.speed_calibration import CPU_THREAD_SCALING
 from homelab_dp.presets.preset import Preset
 from homelab_dp.probe.hardware import PlanHardware, format_bytes
 
@@ -87,10 +88,14 @@ dual-channel DDR4/DDR5 reaches 20–60 GB/s with every core streaming; eager dec
 less). Irrelevant for the tiny models the CPU path trains, whose decode is bound by
 `CPU_DECODE_LAYER_S`."""
 CPU_DECODE_LAYER_S = 1.8e-3
-"""Fixed seconds per decoder layer of one decode step of a CPU process, sampling included
-(Python, dispatch, small kernels). Measured on the 2-core development machine:
-``python benchmarks/grpo_speed.py`` (tiny-grpo, 4 layers: 7.3 ms a decode step on 1 process,
-docs/grpo.md); a busier or slower machine is slower."""
+"""Fixed seconds per decoder layer of one decode step of a CPU process with
+`CPU_DECODE_THREADS` threads, sampling included (Python, dispatch, small kernels). Measured on
+the 2-core development machine: ``python benchmarks/grpo_speed.py`` (tiny-grpo, 4 layers:
+7.7 ms a decode step on 1 process, docs/grpo.md); a busier or slower machine is slower."""
+CPU_DECODE_THREADS = 2
+"""The threads of the process `CPU_DECODE_LAYER_S` was measured with; a process with fewer
+is slower as the time model's compute is (`homelab_dp.planning.speed_calibration.
+CPU_THREAD_SCALING`: the square root of the threads)."""
 SAMPLER_FP32_COPIES = 4
 """fp32 tensors of vocabulary size per row while sampling a token (`sample_next`: the
 scores, the probabilities, top-p's sorted copy and its cumulative sum)."""
@@ -298,19 +303,30 @@ def decode_bandwidth(hw: PlanHardware, world_size: int) -> tuple[float, str]:
             f"{CUDA_DECODE_BANDWIDTH_SHARE:.0%} assumed")  # fmt: skip
 
 
+def decode_layer_seconds(kind: str, threads: int | None) -> float:
+    """The fixed cost of one layer of a decode step: `CUDA_DECODE_LAYER_S`, or on the CPU
+    `CPU_DECODE_LAYER_S` scaled to ``threads`` threads a process."""
+    if kind != "cpu":
+        return CUDA_DECODE_LAYER_S
+    return CPU_DECODE_LAYER_S * (CPU_DECODE_THREADS / max(1, threads or CPU_DECODE_THREADS)) ** (
+        CPU_THREAD_SCALING
+    )
+
+
 def generation_time(
-    spec: ModelSpec, preset: Preset, shape: TrainShape, hw: PlanHardware, flops_per_s: float
-) -> GrpoTime:
+    spec: ModelSpec, preset: Preset, shape: TrainShape, hw: PlanHardware, flops_per_s: float,
+    threads: int | None = None,
+) -> GrpoTime:  # fmt: skip
     """One rank's generation seconds in a step of ``shape`` (see the module docstring);
     ``flops_per_s``: the time model's achieved rate of the slowest device (the prompts'
-    forwards)."""
+    forwards); ``threads``: a CPU process's threads."""
     gens, prompt, completion, per_micro = geometry(preset, shape)
     groups = per_micro * shape.grad_accum
     w = compute_width(shape)
     weights = decode_weight_bytes(spec, shape)
     kv_mean = kv_cache_bytes(spec, gens, prompt + completion // 2, w)
     bandwidth, source = decode_bandwidth(hw, shape.world_size)
-    layer_s = CPU_DECODE_LAYER_S if hw.kind == "cpu" else CUDA_DECODE_LAYER_S
+    layer_s = decode_layer_seconds(hw.kind, threads)
     fixed = spec.layers * layer_s
     step = (weights + kv_mean) / bandwidth + fixed
     prompt_flops = no_grad_forward_flops_per_token(spec, attention_span=causal_span(prompt))
@@ -323,6 +339,14 @@ def generation_time(
                     layer_seconds=layer_s, prompt_seconds=groups * prompt_s)  # fmt: skip
 
 
+def _time_of(spec: ModelSpec, preset: Preset, shape: TrainShape, hw: PlanHardware,
+             pred: Any) -> GrpoTime:  # fmt: skip
+    """`generation_time` at the prediction's achieved rate and threads."""
+    flops = float((pred.assumptions.get("achieved_flops_per_s") or {}).get("value") or 0.0)
+    threads = pred.assumptions.get("threads_per_process")
+    return generation_time(spec, preset, shape, hw, flops, threads if hw.kind == "cpu" else None)
+
+
 def with_generation(
     spec: ModelSpec, preset: Preset, shape: TrainShape, hw: PlanHardware, pred: Any
 ) -> Any:
@@ -331,8 +355,7 @@ def with_generation(
     and the speedup over one device follow (one device would generate every rank's
     prompts), and ``generation_seconds``, ``generation_share``, ``generation_engine`` and
     ``generated_tokens_per_s`` say it."""
-    flops = float((pred.assumptions.get("achieved_flops_per_s") or {}).get("value") or 0.0)
-    t = generation_time(spec, preset, shape, hw, flops)
+    t = _time_of(spec, preset, shape, hw, pred)
     step = pred.step_seconds + t.seconds
     one_alone = (pred.tokens_per_step * pred.speedup_vs_one_device / pred.tokens_per_s
                  if pred.tokens_per_s else 0.0)  # fmt: skip
@@ -352,6 +375,7 @@ def with_generation(
                    generation_seconds=t.seconds,
                    generation_share=t.seconds / step if step else 0.0,
                    generation_engine=engine_of(preset),
+                   generation_decode_step_seconds=t.seconds_per_decode_step,
                    generated_tokens_per_s=(t.generated_tokens * shape.world_size / t.seconds
                                            if t.seconds else 0.0))  # fmt: skip
 
@@ -360,8 +384,7 @@ def generation_words(spec: ModelSpec, preset: Preset, shape: TrainShape, hw: Pla
                      pred: Any) -> str:  # fmt: skip
     """The speed advice's sentence on generation: its share of a step, the engine, and what
     bounds it."""
-    flops = float((pred.assumptions.get("achieved_flops_per_s") or {}).get("value") or 0.0)
-    t = generation_time(spec, preset, shape, hw, flops)
+    t = _time_of(spec, preset, shape, hw, pred)
     gens = preset.grpo.generations
     bound = (t.weight_bytes + t.kv_bytes) / t.bandwidth
     why = ("memory bandwidth" if bound > t.layer_seconds * spec.layers

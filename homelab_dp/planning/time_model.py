@@ -238,6 +238,8 @@ class Prediction:
     """GRPO: what generates ("transformers"); None for other objectives."""
     generated_tokens_per_s: float = 0.0
     """GRPO: tokens generated a second while generating, every rank together, at full length."""
+    generation_decode_step_seconds: float = 0.0
+    """GRPO: one decode step of a group (all its rows), the prompt's forward left out."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

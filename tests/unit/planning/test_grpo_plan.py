@@ -193,3 +193,18 @@ def test_the_plan_says_generations_share_and_engine_in_text_and_json(
     rc, text, err = run_cli(capsys, "plan", "qwen3-8b-grpo-qlora-2x24gb", "--gpus", "2x24GiB")
     assert rc == 0, err
     assert "GRPO generation ≈" in text and "generation peaks at" in " ".join(text.split())
+
+
+def test_a_cpu_decode_step_costs_its_layers_at_the_measured_rate_scaled_by_threads() -> None:
+    assert grpo_plan.decode_layer_seconds("cpu", 2) == pytest.approx(1.8e-3)
+    assert grpo_plan.decode_layer_seconds("cpu", 1) == pytest.approx(1.8e-3 * 2**0.5)
+    assert grpo_plan.decode_layer_seconds("cuda", None) == pytest.approx(1e-3)
+    tiny = replace(LLAMA3_8B, layers=4)
+    preset = _preset(generations=4, max_completion_tokens=16, seq_len=32, accum=1)
+    hw = parse_gpus_spec("cpu:2", 64 * GiB)
+    shape = train_shape(preset, hw, "lora", "ddp", False)
+    t = grpo_plan.generation_time(tiny, preset, shape, hw, flops_per_s=1e30, threads=1)
+    # fp32 weights read at 10 GB/s shared by 2 processes, plus 4 layers × 1.8 ms × √2
+    weights = grpo_plan.decode_weight_bytes(tiny, shape)
+    kv = 4 * (32 + 8) * 4 * 8 * 128 * 2 * 4  # 4 rows × 40 tokens × 4 layers × K,V fp32
+    assert t.seconds_per_decode_step == pytest.approx((weights + kv) / 5e9 + 4 * 1.8e-3 * 2**0.5)
