@@ -265,6 +265,68 @@ PEAK_DENSE_16BIT_TFLOPS: dict[tuple[str, ...], float] = {
 }
 """GPU name words → dense 16-bit tensor TFLOPS with fp32 accumulate (one card)."""
 
+# Peak memory bandwidth in GB/s (10^9 bytes/s) of each card of the peak table, from NVIDIA's
+# datasheets and product pages (the figure the vendor publishes, memory clock × bus width):
+# what bounds decoding, where every new token reads the weights and the KV cache once
+# (`homelab_dp.planning.grpo_plan`). Same keys as `PEAK_DENSE_16BIT_TFLOPS`; an A100 or A800
+# without "80GB" in its name is taken as the 40 GB card (the lower figure).
+MEMORY_BANDWIDTH_GBPS: dict[tuple[str, ...], float] = {
+    ("b200",): 8000.0,  # HGX B200: 8 TB/s a GPU
+    ("gb200",): 8000.0,  # GB200 NVL72: 8 TB/s a GPU
+    ("b100",): 8000.0,  # HGX B100: 8 TB/s a GPU
+    ("gh200",): 4000.0,  # GH200 96 GB HBM3 (the 144 GB HBM3e part: 4.9 TB/s)
+    ("h200",): 4800.0,  # H200 SXM, HBM3e
+    ("h200", "nvl"): 4800.0,
+    ("h100",): 3350.0,  # H100 SXM5 80 GB HBM3
+    ("h100", "sxm"): 3350.0,
+    ("h100", "pcie"): 2000.0,  # HBM2e
+    ("h100", "nvl"): 3900.0,
+    ("h800",): 3350.0,
+    ("h800", "pcie"): 2000.0,
+    ("a100",): 1555.0,  # 40 GB (SXM4 and PCIe)
+    ("a100", "sxm4", "80gb"): 2039.0,
+    ("a100", "80gb", "pcie"): 1935.0,
+    ("a30",): 933.0,
+    ("a800",): 1555.0,  # 40 GB PCIe
+    ("a800", "sxm4", "80gb"): 2039.0,
+    ("a800", "80gb", "pcie"): 1935.0,
+    ("a40",): 696.0,
+    ("a6000",): 768.0,
+    ("a5000",): 768.0,
+    ("a4000",): 448.0,
+    ("l40s",): 864.0,
+    ("l40",): 864.0,
+    ("l4",): 300.0,
+    ("rtx", "6000", "ada"): 960.0,
+    ("rtx", "5090"): 1792.0,
+    ("rtx", "5080"): 960.0,
+    ("rtx", "5070", "ti"): 896.0,
+    ("rtx", "5070"): 672.0,
+    ("rtx", "5060", "ti"): 448.0,
+    ("rtx", "5060"): 448.0,
+    ("rtx", "4090"): 1008.0,
+    ("rtx", "4080"): 716.8,
+    ("rtx", "4070", "ti"): 504.2,
+    ("rtx", "4070"): 504.2,
+    ("rtx", "4060", "ti"): 288.0,
+    ("rtx", "3090", "ti"): 1008.0,
+    ("rtx", "3090"): 936.2,
+    ("rtx", "3080", "ti"): 912.4,
+    ("rtx", "3080"): 760.3,  # 10 GB (the 12 GB card: 912)
+    ("rtx", "3070"): 448.0,
+    ("rtx", "3060"): 360.0,  # 12 GB
+    ("titan", "rtx"): 672.0,
+    ("rtx", "2080", "ti"): 616.0,
+    ("t4",): 320.0,
+    ("v100",): 900.0,  # SXM2 (32 GB SXM3: 900 too)
+    ("v100", "pcie"): 900.0,
+    ("v100s",): 1134.0,
+    ("p100",): 732.0,  # SXM2 and PCIe 16 GB
+    ("p100", "pcie"): 732.0,
+    ("p40",): 347.0,
+}
+"""GPU name words → peak memory bandwidth, GB/s (one card)."""
+
 VARIANT_WORDS = frozenset({"ti", "super", "d", "laptop", "mobile", "max", "q"})
 """A word right after a matched model that makes it another card (RTX 4090 D, 4080 SUPER, a
 laptop part): that card is unknown unless the table names it."""
@@ -299,6 +361,20 @@ def mig_share(gpu_name: str) -> float:
     return min(int(m.group(1)), total) / total
 
 
+def _lookup(table: dict[tuple[str, ...], float], gpu_name: str) -> float | None:
+    """The entry of ``table`` for ``gpu_name``: the longest key whose words occur whole and in
+    order, not followed by a variant word; None when none does."""
+    words = _words(gpu_name)
+    best: tuple[int, float] | None = None
+    for key, value in table.items():
+        end = _match_end(words, key)
+        if end is None or (end < len(words) and words[end] in VARIANT_WORDS):
+            continue
+        if best is None or len(key) > best[0]:
+            best = (len(key), value)
+    return None if best is None else best[1]
+
+
 def peak_flops(gpu_name: str) -> float | None:
     """The dense 16-bit peak (FLOP/s, one card) of an NVML/torch GPU name; None when unknown.
 
@@ -307,15 +383,16 @@ def peak_flops(gpu_name: str) -> float | None:
     count, so an unlisted variant is None rather than the wrong card's peak. A MIG instance
     (``… MIG 3g.40gb``) has its share of the card's compute slices (`mig_share`).
     """
-    words = _words(gpu_name)
-    best: tuple[int, float] | None = None
-    for key, tflops in PEAK_DENSE_16BIT_TFLOPS.items():
-        end = _match_end(words, key)
-        if end is None or (end < len(words) and words[end] in VARIANT_WORDS):
-            continue
-        if best is None or len(key) > best[0]:
-            best = (len(key), tflops)
-    return None if best is None else best[1] * 1e12 * mig_share(gpu_name)
+    tflops = _lookup(PEAK_DENSE_16BIT_TFLOPS, gpu_name)
+    return None if tflops is None else tflops * 1e12 * mig_share(gpu_name)
+
+
+def memory_bandwidth(gpu_name: str) -> float | None:
+    """The card's peak memory bandwidth (bytes/s) of an NVML/torch GPU name, matched as
+    `peak_flops` matches (`MEMORY_BANDWIDTH_GBPS`); None when unknown. A MIG instance has
+    its share of the card's memory slices, taken as its share of the compute slices."""
+    gbps = _lookup(MEMORY_BANDWIDTH_GBPS, gpu_name)
+    return None if gbps is None else gbps * 1e9 * mig_share(gpu_name)
 
 
 def mfu(

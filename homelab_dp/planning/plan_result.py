@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from homelab_dp.planning.memory.device_memory import Budget, assumed_overhead
 from homelab_dp.planning.memory.host_memory import HostBudget
@@ -21,6 +21,9 @@ from homelab_dp.planning.objective_cost import ObjectiveCost
 from homelab_dp.planning.plan_reasons import LrAdvice
 from homelab_dp.planning.time_model import Prediction
 from homelab_dp.probe.hardware import PlanHardware
+
+if TYPE_CHECKING:
+    from homelab_dp.planning.grpo_plan import GrpoMemory
 
 
 def accumulation_for(effective: int, micro: int, world: int) -> int:
@@ -173,6 +176,9 @@ class Plan:
     objective: ObjectiveCost | None = None
     """What a preference objective (dpo, orpo, kto) costs in the chosen option: the resolved
     reference, the rows of a micro-batch, the extra no-grad forwards (None for sft)."""
+    grpo: GrpoMemory | None = None
+    """What GRPO adds to a rank's memory in the chosen option (`homelab_dp.planning.grpo_plan`;
+    its time is in the prediction's ``generation_*`` fields); None for other objectives."""
     speed_advice: tuple[str, ...] = ()
     """What the time model says of the chosen option's speed and scaling, in words
     (`homelab_dp.planning.speed_plan`); `plan --json` lists it after `advice`."""
@@ -253,7 +259,18 @@ class Plan:
             "host": self.host.to_json() if self.host else None,
             "predicted": pred.to_json() if (pred := self.chosen.predicted) else None,
             "objective": self.objective.to_json() if self.objective else None,
+            "grpo": self._grpo_json(),
         }
+
+    def _grpo_json(self) -> dict[str, Any] | None:
+        """GRPO's memory and generation time in the chosen option, None for other objectives."""
+        if self.grpo is None:
+            return None
+        pred = self.chosen.predicted
+        timing = {"generation_seconds": pred.generation_seconds,
+                  "generation_share": pred.generation_share,
+                  "generated_tokens_per_s": pred.generated_tokens_per_s} if pred else {}  # fmt: skip
+        return {**self.grpo.to_json(), **timing}
 
     def _calibration_json(self) -> dict[str, Any]:
         """Which numbers are measured on this hardware and which are estimated or assumed."""

@@ -63,13 +63,13 @@ from dataclasses import replace
 from typing import Any
 
 from homelab_dp.errors import PresetError
+from homelab_dp.planning import grpo_plan
 from homelab_dp.planning.attention_rule import (
     FLASH_MIN_CAPABILITY,
     choose_attention,
     flash_attn_version,
 )
 from homelab_dp.planning.memory.device_memory import TrainShape, budget, logits_bytes
-from homelab_dp.planning.memory.grpo_memory import kv_cache_bytes
 from homelab_dp.planning.memory.host_memory import HostBudget, host_budget
 from homelab_dp.planning.memory.memory_calibration import (
     HardwareCalibration,
@@ -375,6 +375,8 @@ def evaluate(
     overhead = calibration.overhead if calibration else None
     shape = train_shape(preset, hw, method, dist, ckpt, **kw)
     b = budget(spec, shape, overhead)
+    if shape.objective == "grpo":  # generation, the reference forward, old log-probabilities
+        b = grpo_plan.grpo_budget(spec, preset, shape, b, overhead)
     ok, note = supported(method, dist, hw, shape.dtype, shape.offload)
     fits = ok and b.total <= hw.budget(SAFETY_MARGIN)
     cost = offload_cost(spec, shape, b, hw)
@@ -551,14 +553,20 @@ def plan(
         shape = _shape_of(preset, hw, best_effort)
         objective = plan_objective(spec, preset, hw, best_effort)
         reasons += objective_reasons(objective, logits_bytes(spec, shape))
+    grpo = None
     if preset.train.objective == "grpo":
-        reasons.append(grpo_reason(spec, preset, dtype))
+        shape = _shape_of(preset, hw, best_effort)
+        grpo = grpo_plan.grpo_memory(spec, preset, shape)
+        reasons.append(grpo_plan.memory_reason(spec, preset, shape, best_effort.budget))
     reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:
         advice = tuple(
             fit_advice(spec, preset, hw, best_effort, evaluate, SAFETY_MARGIN, calibration)
         )
+        if grpo is not None:  # which GRPO knob helps, each planned
+            advice = (*grpo_plan.knob_advice(spec, preset, hw, best_effort, evaluate,
+                                             hw.budget(SAFETY_MARGIN), calibration), *advice)  # fmt: skip
     idle = None
     if hw.limited(SAFETY_MARGIN):  # others hold memory: what would the same cards idle take?
         idle = plan(spec, preset, hw.idle(), calibration, host_available=host_available).chosen
@@ -588,21 +596,8 @@ def plan(
         measured=measured,
         idle=idle,
         objective=objective,
+        grpo=grpo,
     )
-
-
-def grpo_reason(spec: ModelSpec, preset: Preset, dtype: str) -> str:
-    """Which engine generates GRPO's completions, and its KV cache
-    (`homelab_dp.planning.memory.grpo_memory`)."""
-    g = preset.grpo
-    tokens = preset.data.seq_len + g.max_completion_tokens
-    kv = kv_cache_bytes(spec, g.generations, tokens, 4 if dtype == "fp32" else 2)
-    return (f"GRPO: each rank generates its prompts' completions with transformers (the weights "
-            f"being trained{', adapters on' if preset.train.method != 'full' else ''}), one "
-            f"prompt's {g.generations} at a time: a KV cache of {g.generations} × "
-            f"({preset.data.seq_len} + {g.max_completion_tokens}) tokens = "
-            f"{kv / 2**20:,.0f} MiB, freed before the training forward; decoding is bound by "
-            "memory bandwidth (every new token reads the weights once).")  # fmt: skip
 
 
 def _shape_of(preset: Preset, hw: PlanHardware, c: Candidate) -> TrainShape:

@@ -306,15 +306,17 @@ def record_speed(
     out, so the record is the compute rate alone; without them the exposed communication the
     plan predicted is taken out instead (at most half the step; one process has none).
     Nothing is recorded for a plan of hardware that is not
-    here (no fingerprint), a plan made before the time model (no ``predicted`` block), or a
-    speed that is not finite and positive.
+    here (no fingerprint), a plan made before the time model (no ``predicted`` block), a GRPO
+    run (its tokens/s includes generation, which is not compute: `planning.grpo_plan` prices
+    it apart), or a speed that is not finite and positive.
     """
     fp = (plan_doc.get("calibration") or {}).get("fingerprint")
     predicted = plan_doc.get("predicted") or {}
     assumed = predicted.get("assumptions") or {}
     per_token = predicted.get("flops_per_token")
     if (
-        not fp
+        predicted.get("generation_engine")
+        or not fp
         or not per_token
         or not tokens_per_s
         or not math.isfinite(tokens_per_s)

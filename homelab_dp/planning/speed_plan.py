@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from homelab_dp.planning import grpo_plan
 from homelab_dp.planning.links import LinkSpeed
 from homelab_dp.planning.plan_result import Candidate, Plan
 from homelab_dp.planning.planner import supported, train_shape
@@ -49,8 +50,11 @@ def predict_candidate(
                         offload_activations=c.offload_activations)  # fmt: skip
     off = c.offload_cost.pcie_seconds_per_step if c.offload_cost else 0.0
     off *= (grad_accum or p.grad_accum) / p.grad_accum if c.offload_activations else 1.0
-    return predict(p.spec, shape, p.hardware, link=link,
+    pred = predict(p.spec, shape, p.hardware, link=link,
                    rate=rate_of(c.method, c.activation_checkpointing), offload_seconds=off)  # fmt: skip
+    if shape.objective == "grpo":  # the step's generation (`planning.grpo_plan`)
+        pred = grpo_plan.with_generation(p.spec, preset, shape, p.hardware, pred)
+    return pred
 
 
 def with_predictions(p: Plan, preset: Preset, link: LinkSpeed, rate_of: RateOf) -> Plan:
@@ -60,7 +64,14 @@ def with_predictions(p: Plan, preset: Preset, link: LinkSpeed, rate_of: RateOf) 
         replace(c, predicted=predict_candidate(p, preset, c, link, rate_of)) for c in p.candidates
     )
     out = replace(p, chosen=chosen, candidates=cands)
-    return replace(out, speed_advice=tuple(speed_advice(out, preset, link, rate_of)))
+    advice = speed_advice(out, preset, link, rate_of)
+    if chosen.predicted is not None and chosen.predicted.generation_engine:
+        shape = train_shape(preset, p.hardware, chosen.method, chosen.distribution,
+                            chosen.activation_checkpointing, micro_batch=p.micro_batch,
+                            grad_accum=p.grad_accum, seq_len=p.seq_len)  # fmt: skip
+        advice.insert(0, grpo_plan.generation_words(p.spec, preset, shape, p.hardware,
+                                                    chosen.predicted))  # fmt: skip
+    return replace(out, speed_advice=tuple(advice))
 
 
 def _times(x: float) -> str:

@@ -229,6 +229,17 @@ class Prediction:
     """peak_flops, achieved_factor (CUDA) or achieved_flops_per_s (CPU), link: each with its
     value and "source" (table | measured | calibrated | given), and threads_per_process on
     the CPU."""
+    generation_seconds: float = 0.0
+    """GRPO: one rank's generation in the step, within ``step_seconds``
+    (`homelab_dp.planning.grpo_plan.with_generation`); 0 for other objectives."""
+    generation_share: float = 0.0
+    """GRPO: generation's share of ``step_seconds`` (0..1)."""
+    generation_engine: str | None = None
+    """GRPO: what generates ("transformers"); None for other objectives."""
+    generated_tokens_per_s: float = 0.0
+    """GRPO: tokens generated a second while generating, every rank together, at full length."""
+    generation_decode_step_seconds: float = 0.0
+    """GRPO: one decode step of a group (all its rows), the prompt's forward left out."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

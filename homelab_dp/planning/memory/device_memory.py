@@ -633,6 +633,14 @@ def _offload(spec: ModelSpec, shape: TrainShape, s: dict[str, float]) -> dict[st
     return out
 
 
+def device_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
+    """The model states of ``shape`` on the device once its offload is applied (bytes):
+    ``weights``, ``grads``, ``opt``, ``buffers``, ``resident`` (DDP's buckets),
+    ``accum_grads``, ``step_temp``, ``trainable``, ``shard``, ``host``, ``pcie``. What
+    `budget` starts from; GRPO's generation phase (`homelab_dp.planning.grpo_plan`) too."""
+    return _offload(spec, shape, _model_states(spec, shape))
+
+
 def _inside_backward(
     spec: ModelSpec, shape: TrainShape, s: dict[str, float]
 ) -> tuple[float, float]:
