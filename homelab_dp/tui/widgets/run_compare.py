@@ -1,7 +1,7 @@
 """The Runs screen's comparison: `runs compare`'s document (`app.compare.compare`) as a table,
-one row a run, best eval loss first (the settings that differ, eval losses, rewards of
-preference runs, scores, speed,
-memory, energy, duration), and each run's last sample for the same prompt side by side."""
+one row a run, best eval loss first (GRPO runs alone: highest reward first; the settings that
+differ, eval losses, rewards of preference runs, a GRPO run's reward and completion length,
+scores, speed, memory, energy, duration), and each run's last sample for the same prompt side by side."""
 
 from __future__ import annotations
 
