@@ -1,8 +1,10 @@
-"""`homelab-dp runs compare`: runs side by side, ranked by eval loss.
+"""`homelab-dp runs compare`: runs side by side, ranked by eval loss (GRPO runs, which have
+none: by their final mean reward, highest first).
 
 For each run: the preset settings that differ between the runs (flattened ``section.key``),
 final and best eval loss, a preference run's final reward accuracy and margin (of its last
-logged step and of its last eval), benchmark scores (``<run>/bench.json``, written by `homelab-dp
+logged step and of its last eval), a GRPO run's final mean reward, its spread and the
+completions' mean length (of its last logged step), benchmark scores (``<run>/bench.json``, written by `homelab-dp
 bench`), tokens/s, MFU, peak memory, energy, duration, and its last ``sample`` event for each
 prompt. Everything is read from the run folders (any run, any state); nothing is started.
 The TUI's Runs view calls the same function.
@@ -77,6 +79,9 @@ def run_entry(run_dir: Path) -> dict[str, Any]:
         "reward_margin": figures.get("reward_margin"),
         "eval_reward_accuracy": last.reward_accuracy if last else None,
         "eval_reward_margin": last.reward_margin if last else None,
+        "reward": figures.get("reward"),
+        "reward_std": figures.get("reward_std"),
+        "completion_length": figures.get("completion_length"),
         "scores": read_bench(run_dir),
         "tokens_per_s": view.tokens_per_s,
         "mfu": view.mfu,
@@ -93,20 +98,35 @@ def _rank_key(entry: dict[str, Any]) -> tuple[int, float, str]:
     return (0 if ok else 1, loss if ok else 0.0, entry["run_id"])
 
 
+def _reward_key(entry: dict[str, Any]) -> tuple[int, float, str]:
+    reward = entry.get("reward")
+    ok = reward is not None and math.isfinite(reward)
+    return (0 if ok else 1, -reward if ok else 0.0, entry["run_id"])
+
+
+def sort_order(entries: list[dict[str, Any]]) -> str:
+    """``eval_loss``, or ``reward`` when no run has an eval loss and one has a GRPO reward."""
+    if any(e["eval_loss"] is not None for e in entries):
+        return "eval_loss"
+    return "reward" if any(e.get("reward") is not None for e in entries) else "eval_loss"
+
+
 def rank(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """The comparison document (`runs compare --json`) from run entries: sorted by final eval
-    loss (runs without one last), ``settings`` cut to the keys whose values differ, and the
-    prompt every run has a sample for (the first such prompt of the first run)."""
+    loss (runs without one last; `sort_order`: by final reward, highest first, when only GRPO
+    runs have figures), ``settings`` cut to the keys whose values differ, and the prompt every
+    run has a sample for (the first such prompt of the first run)."""
     keys = sorted({k for e in entries for k in e["settings"]} - set(IGNORED))
     differ = [k for k in keys
               if len({json.dumps(e["settings"].get(k), sort_keys=True) for e in entries}) > 1]  # fmt: skip
-    ordered = sorted(entries, key=_rank_key)
+    order = sort_order(entries)
+    ordered = sorted(entries, key=_reward_key if order == "reward" else _rank_key)
     common = [p for p in (ordered[0]["samples"] if ordered else {})
               if all(p in e["samples"] for e in ordered)]  # fmt: skip
     runs = []
     for place, e in enumerate(ordered, start=1):
         runs.append({**e, "rank": place, "settings": {k: e["settings"].get(k) for k in differ}})
-    return {"sorted_by": "eval_loss", "differ": differ,
+    return {"sorted_by": order, "differ": differ,
             "sample_prompt": common[0] if common else None, "runs": runs}  # fmt: skip
 
 

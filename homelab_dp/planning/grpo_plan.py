@@ -356,13 +356,15 @@ def with_generation(
     prompts), and ``generation_seconds``, ``generation_share``, ``generation_engine`` and
     ``generated_tokens_per_s`` say it."""
     t = _time_of(spec, preset, shape, hw, pred)
-    step = pred.step_seconds + t.seconds
+    # With iterations = μ a batch is generated once and trained on μ steps: a step's mean share.
+    gen = t.seconds / max(1, preset.grpo.iterations)
+    step = pred.step_seconds + gen
     one_alone = (pred.tokens_per_step * pred.speedup_vs_one_device / pred.tokens_per_s
                  if pred.tokens_per_s else 0.0)  # fmt: skip
-    one_alone += t.seconds * shape.world_size
+    one_alone += gen * shape.world_size
     speedup = one_alone / step if step else 0.0
     parts = {"compute": pred.compute_seconds, "communication": pred.exposed_comm_seconds,
-             "offload": pred.offload_seconds, "generation": t.seconds}  # fmt: skip
+             "offload": pred.offload_seconds, "generation": gen}  # fmt: skip
     assumptions = {**pred.assumptions, "decode_bandwidth": {
         "value": t.bandwidth, "source": "table" if hw.kind == "cuda" else "assumed",
         "words": t.bandwidth_source}, "decode_layer_seconds": {
@@ -372,8 +374,8 @@ def with_generation(
                    tokens_per_s=pred.tokens_per_step / step if step else 0.0,
                    speedup_vs_one_device=speedup, scaling_efficiency=speedup / shape.world_size,
                    bottleneck=max(parts, key=lambda k: parts[k]), assumptions=assumptions,
-                   generation_seconds=t.seconds,
-                   generation_share=t.seconds / step if step else 0.0,
+                   generation_seconds=gen,
+                   generation_share=gen / step if step else 0.0,
                    generation_engine=engine_of(preset),
                    generation_decode_step_seconds=t.seconds_per_decode_step,
                    generated_tokens_per_s=(t.generated_tokens * shape.world_size / t.seconds

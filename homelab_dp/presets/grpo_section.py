@@ -54,8 +54,10 @@ class GrpoSection:
     """Advantage = reward − its group's mean, divided by: group (the group's standard
     deviation) | batch (the whole batch's standard deviation) | none (not divided)."""
     iterations: int = 1
-    """Optimizer passes over each generated batch (above 1 the loss would use the importance
-    ratio to the policy that generated it); this version runs 1 only."""
+    """Optimizer steps on each generated batch (TRL's num_iterations): above 1, the batch's
+    generating policy's log-probabilities are computed once, and the later steps' importance
+    ratio to it is clipped by epsilon / epsilon_high; an epoch then takes iterations × the
+    steps."""
     rewards: list[str] = field(default_factory=list)
     """Reward functions, summed with reward_weights: exact_answer (1 when the completion's last
     number, or its \\boxed{} answer, equals the data's "answer" column, else 0) |
@@ -100,13 +102,11 @@ def grpo_checks(preset: Any) -> list[str]:
     if not 0 < g.epsilon < 1:
         out.append(f"grpo.epsilon: must be above 0 and below 1 (0.2 is usual), got {g.epsilon}")
     t = preset.train
-    if g.iterations > 1:
-        out.append(f"grpo.iterations: this version makes one optimizer pass over each generated "
-                   f"batch (the importance-ratio loss is there, the loop's reuse of a batch is "
-                   f"not yet), got {g.iterations}: set grpo.iterations = 1")  # fmt: skip
     if t.distribution not in ("auto", "ddp"):
         out.append(f"train.distribution: GRPO runs under ddp (each rank decodes its own prompts "
-                   f"with unsharded weights), got {t.distribution!r}")  # fmt: skip
+                   f"with unsharded weights; see docs/grpo.md), got {t.distribution!r}: set "
+                   f"train.distribution = 'ddp', with train.method = 'qlora' or 'lora' to keep "
+                   f"each card's copy small")  # fmt: skip
     d = preset.data
     if d.eval_path or d.eval_fraction > 0:
         out.append("data.eval_path / data.eval_fraction: GRPO has no held-out evaluation yet "

@@ -54,21 +54,33 @@ def _clip(text: str) -> str:
 
 def rewards_text(run: dict[str, Any]) -> str | None:
     """A preference run's final reward accuracy and margin, and its last eval's: "accuracy
-    0.875, margin 0.500; eval accuracy 0.750, margin 0.375" (None: the run has neither)."""
+    0.875, margin 0.500; eval accuracy 0.750, margin 0.375"; a GRPO run's final mean reward:
+    "reward 0.750 ± 0.250, completion 4.1 tokens" (None: the run has none of them)."""
     parts = []
     for prefix, word in (("", ""), ("eval_", "eval ")):
         acc, margin = run.get(f"{prefix}reward_accuracy"), run.get(f"{prefix}reward_margin")
         if acc is not None or margin is not None:
             parts.append(f"{word}accuracy {_num(acc, '.3f')}, margin {_num(margin, '.3f')}")
+    if run.get("reward") is not None:  # GRPO
+        spread = run.get("reward_std")
+        text = f"reward {run['reward']:.3f}" + (f" ± {spread:.3f}" if spread is not None else "")
+        if run.get("completion_length") is not None:
+            text += f", completion {run['completion_length']:.1f} tokens"
+        parts.append(text)
     return "; ".join(parts) or None
 
 
+def order_text(doc: dict[str, Any]) -> str:
+    """How the runs are ranked: "best eval loss first" or (GRPO) "highest reward first"."""
+    return "highest reward first" if doc.get("sorted_by") == "reward" else "best eval loss first"
+
+
 def compare_lines(doc: dict[str, Any]) -> list[str]:
-    """`runs compare`: one block a run, best eval loss first."""
+    """`runs compare`: one block a run, best eval loss (GRPO: highest reward) first."""
     runs = doc["runs"]
     if not runs:
         return ["no runs to compare"]
-    out = [f"{len(runs)} runs, best eval loss first; settings that differ: "
+    out = [f"{len(runs)} runs, {order_text(doc)}; settings that differ: "
            + (", ".join(doc["differ"]) or "none")]  # fmt: skip
     head = f"{'#':>2} {'eval loss':>9} {'best':>9} {'tok/s':>8} {'MFU':>6} {'peak mem':>10} {'energy':>9} {'time':>7}  run"  # fmt: skip
     out.append(head)

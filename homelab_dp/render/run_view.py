@@ -17,6 +17,7 @@ from rich.text import Text
 
 from homelab_dp.probe.hardware import format_bytes
 from homelab_dp.render.text import duration, gauge, memory_gauge, mfu_text, num
+from homelab_dp.runs.folder.rollouts import Rollouts
 from homelab_dp.runs.run_view import DeviceView, RunView
 
 STATUS_STYLE = {
@@ -45,6 +46,12 @@ def objective_text(figures: dict[str, Any] | None) -> str | None:
                      + (f" ± {spread:.3f}" if spread is not None else ""))  # fmt: skip
         if figures.get("completion_length") is not None:
             parts.append(f"completion {figures['completion_length']:.1f} tokens")
+        if figures.get("clipped"):  # iterations > 1: the later passes' ratio
+            parts.append(f"clipped {100 * figures['clipped']:.1f}%")
+        if figures.get("kl") is not None:
+            parts.append(f"KL {figures['kl']:.4f}")
+        if figures.get("generation_s"):
+            parts.append(f"generation {figures['generation_s']:.1f} s")
     if figures.get("reward_accuracy") is not None:
         parts.append(f"reward accuracy {figures['reward_accuracy']:.3f}")
     if figures.get("reward_margin") is not None:
@@ -208,6 +215,32 @@ def samples_text(view: RunView, back: int = 0) -> Text:
         out.append("prompt ", style="dim").append(clip(e.prompt, 200) + "\n")
         out.append("answer ", style="dim").append(clip(e.text, 400) or "(empty)", style="cyan")
         out.append(f"  {e.tokens} tokens, {e.seconds:.1f} s\n", style="dim")
+    return out
+
+
+ROLLOUTS_SHOWN = 8
+"""The Monitor's completions panel shows this many of the latest step's completions."""
+
+
+def rollouts_text(rollouts: Rollouts | None, shown: int = ROLLOUTS_SHOWN) -> Text:
+    """The Monitor's completions panel (GRPO): the latest generating step's first ``shown``
+    completions in prompt order, each with its total reward and each function's."""
+    out = Text()
+    if rollouts is None or not rollouts.rows:
+        return out
+    rows = rollouts.rows
+    out.append(f"completions at step {rollouts.step} ({len(rows)} in all)\n", style="bold")
+    for row in rows[:shown]:
+        reward = row.get("reward")
+        each = row.get("rewards") or {}
+        parts = ", ".join(f"{name} {num(v, '.3f')}" for name, v in each.items())
+        out.append(f"prompt {row.get('prompt_index', '?')} ", style="dim")
+        out.append(f"reward {num(reward, '.3f')}", style="bold")
+        out.append(f" ({parts})  " if parts else "  ", style="dim")
+        out.append(clip(str(row.get("completion", "")), 200) or "(empty)", style="cyan")
+        out.append("\n")
+    if len(rows) > shown:
+        out.append(f"… {len(rows) - shown} more in {rollouts.path}", style="dim")
     return out
 
 

@@ -49,9 +49,15 @@ OBJECTIVE_FIGURES = (
 )  # fmt: skip
 """A preference objective's figures (`runs.run_events.StepEvent`): DPO/KTO rewards, ORPO's nll
 and log odds; step and eval events carry the same names, None for objectives without them."""
-STEP_FIGURES = (*OBJECTIVE_FIGURES, "reward", "reward_std", "completion_length", "clipped", "kl")
-"""The objective figures of step events: the preference ones and GRPO's (the mean reward, its
-spread, the completions' mean length, the clipped share and the KL)."""
+GRPO_FIGURES = (
+    "reward", "reward_std", "completion_length", "completion_length_min",
+    "completion_length_max", "completion_truncated", "clipped", "kl", "generation_s",
+)  # fmt: skip
+"""GRPO's step figures (`runs.run_events.StepEvent`): the mean reward and its spread, the
+completions' length (mean, min, max, share cut at the limit), the clipped share, the KL and the
+seconds spent generating; each reward function's mean is ``reward_<name>`` beside them."""
+STEP_FIGURES = (*OBJECTIVE_FIGURES, *GRPO_FIGURES)
+"""The objective figures of step events: the preference ones and GRPO's."""
 SCALING_STEPS = 5
 """Live scaling is the median over this many logged steps that measured their communication:
 one step alone swings with a warm-up, a checkpoint or a busy neighbour."""
@@ -296,12 +302,12 @@ class RunView:
         return [v for _, v in self.figures.get(name, ())]
 
     def objective_doc(self) -> dict[str, float] | None:
-        """The latest value of each preference figure a step gave, as ``status --json``'s
-        ``objective_figures`` (None: the run logs none, as SFT)."""
+        """The latest value of each objective figure a step gave (GRPO's ``reward_<name>``
+        included), as ``status --json``'s ``objective_figures`` (None: the run logs none, as
+        SFT)."""
         if not self.figures:
             return None
-        return {name: self.figures[name][-1][1] for name in STEP_FIGURES
-                if self.figures.get(name)}  # fmt: skip
+        return {name: series[-1][1] for name, series in self.figures.items() if series}
 
     @property
     def scaling(self) -> Scaling | None:
@@ -436,6 +442,7 @@ class RunView:
         self.mfu = None if e.mfu is None else float(e.mfu)  # each step says whether it is known
         # Converted before anything is appended: a damaged line leaves the view as it was.
         figures = {n: float(getattr(e, n)) for n in STEP_FIGURES if getattr(e, n) is not None}
+        figures.update({f"reward_{n}": float(v) for n, v in e.reward_functions.items()})
         timing = None
         if e.step_time_s is not None and e.compute_seconds is not None:
             comm = None if e.comm_seconds is None else float(e.comm_seconds)

@@ -296,7 +296,9 @@ def _load_prompts(preset: Preset, rank: Rank, tokenizer: Any) -> Data:
         input_ids[i, : len(row)] = torch.tensor(row)
         mask[i, : len(row)] = 1
     train = preset.train
-    total_steps = train.max_steps or max(1, math.ceil(train.epochs * n / rank.effective))
+    # grpo.iterations optimizer steps on each batch of prompts (`GrpoObjective.repeat`)
+    batches = max(1, math.ceil(train.epochs * n / rank.effective)) * int(preset.grpo.iterations)
+    total_steps = train.max_steps or batches
     return Data(
         tokenizer=tokenizer, input_ids=input_ids, labels=torch.zeros_like(input_ids),
         mask=mask, positions=torch.arange(width)[None, :].expand(n, -1).contiguous(),
@@ -453,6 +455,8 @@ class Position:
     last_loss: float | None = None
     eval_state: dict[str, Any] | None = None
     """The checkpoint's validation record (`train.evaluation.Validator.state`)."""
+    objective_state: dict[str, Any] | None = None
+    """What the objective saved with the checkpoint (GRPO: the batch its next step reuses)."""
 
 
 def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Position:
@@ -481,9 +485,8 @@ def resume_position(run_dir: Path, rank: Rank, model: Model, events: Any) -> Pos
     if model.scaler is not None and state.get("scaler"):
         model.scaler.load_state_dict(state["scaler"])
     log.info("resumed from %s at step %d", path, start_step)
-    return Position(
-        start_step, int(state["tokens"]), str(path), state.get("loss"), state.get("eval")
-    )
+    return Position(start_step, int(state["tokens"]), str(path), state.get("loss"),
+                    state.get("eval"), state.get("objective"))  # fmt: skip
 
 
 def _agree_on_checkpoint(path: Path | None, device: Any) -> None:
@@ -553,6 +556,9 @@ def set_up(spec: RunSpec, run_dir: Path, events: Any, resume: bool) -> SetUp:
     position = resume_position(run_dir, rank, model, events) if resume else Position()
     objective = objective_for(spec.preset, method=spec.resolved.method, reference=reference,
                               run_dir=run_dir, start_step=position.start_step)  # fmt: skip
+    restore = getattr(objective, "restore_state", None)
+    if restore is not None:
+        restore(position.objective_state, rank.device)
     return SetUp(rank, data, model, position, memory, objective, kind)
 
 

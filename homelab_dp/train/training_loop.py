@@ -212,13 +212,15 @@ class Trainer:
             # Every rank's blocks of this step, from the shared order: the loss's denominators
             # (the objective's units: SFT's target tokens, pairs, ...) and the throughput (real
             # tokens), counted on the host; this rank's micro-batches are slices of them.
-            first = step * r.effective
+            # An objective may train several steps on one batch (GRPO's iterations: `repeat`).
+            at = step // getattr(self.objective, "repeat", 1)
+            first = at * r.effective
             whole = torch.tensor(d.order.blocks(first, r.effective))
             if d.grouped:  # unpacked rows of a recurrent model: similar lengths together
                 whole = group_by_length(whole, d.real_tokens)
             micro_idx = [
                 whole[s.start - first : s.stop - first]
-                for s in rank_slices(step, r.micro, r.world, r.accum, r.rank)
+                for s in rank_slices(at, r.micro, r.world, r.accum, r.rank)
             ]
             counts = self.units[whole].sum(0).tolist()
             tokens = int(d.real_tokens[whole].sum())
@@ -361,7 +363,7 @@ class Trainer:
 
         # Never a checkpoint of inf/NaN weights: the last good one stays the newest.
         require_finite_weights(m.strategy.inner, step, r.device)
-        position = step * r.effective
+        position = -(-step // getattr(self.objective, "repeat", 1)) * r.effective  # data used
         state = {
             "step": step, "epoch": position // n_blocks, "offset": position % n_blocks,
             "samples": position, "tokens": self.tokens, "effective_batch": r.effective,
@@ -371,6 +373,8 @@ class Trainer:
             "scaler": m.scaler.state_dict() if m.scaler is not None else None,
             "eval": self.validator.state() if self.validator is not None else None,
         }  # fmt: skip
+        saved = getattr(self.objective, "checkpoint_state", None)  # GRPO: a batch to reuse
+        state["objective"] = saved(r) if saved is not None else None
         with self.guard.beating(step, CHECKPOINT):  # a long write is not a stall
             path = save_checkpoint(self.run_dir / "checkpoints", step, m.strategy, m.optimizer,
                                    state, keep=self.train.keep_checkpoints)  # fmt: skip

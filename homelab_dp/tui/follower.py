@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from homelab_dp.app.runs import RunController
+from homelab_dp.runs.folder.rollouts import Rollouts, latest_rollouts
 from homelab_dp.runs.folder.run_state import current_state
 from homelab_dp.runs.run_view import RunView
 
@@ -34,6 +35,8 @@ class Snapshot:
     log_seq: int
     """How many log lines were read in all, so a reader can tell which lines are new."""
     log_files: tuple[str, ...]
+    rollouts: Rollouts | None = None
+    """GRPO: the latest generating step's completions and rewards (``rollouts/``)."""
 
 
 def copy_view(view: RunView) -> RunView:
@@ -121,6 +124,8 @@ class RunPoller:
         self._logs = LogTail(self.run_dir / "logs")
         self._status: tuple[str | None, str | None] | None = None
         self.events_read = 0
+        self.rollouts: Rollouts | None = None
+        """The latest rollouts read (read again after a step event)."""
 
     def poll(self) -> Snapshot | None:
         """Fold what is new; a snapshot when anything changed, else None."""
@@ -128,6 +133,8 @@ class RunPoller:
         for event in events:
             self.view.apply(event)
         self.events_read += len(events)
+        if self.events_read == len(events) or any(e.get("type") == "step" for e in events):
+            self.rollouts = latest_rollouts(self.run_dir)  # a new step may have written one
         new_lines = self._logs.read()
         state = current_state(self.run_dir)
         status = (state.get("status"), state.get("reason"))
@@ -146,4 +153,5 @@ class RunPoller:
             log_lines=tuple(self._logs.lines),
             log_seq=self._logs.seq,
             log_files=self._logs.files,
+            rollouts=self.rollouts,
         )

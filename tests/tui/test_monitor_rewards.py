@@ -1,7 +1,8 @@
-"""The Monitor of a preference run and of a run's scaling (recorded events, no launch): reward
-accuracy and margin charted beside the loss for DPO (ORPO: nll and log odds), with the latest
-eval's value; the speed line with the measured scaling, the communication share and the plan's
-prediction; none of it for the recorded SFT run, planned before the time model."""
+"""The Monitor of a preference run, a GRPO run and a run's scaling (recorded events, no launch):
+reward accuracy and margin charted beside the loss for DPO (ORPO: nll and log odds), with the
+latest eval's value; GRPO's reward and its latest completions (the newest rollouts file, none
+with rollouts off); the speed line with the measured scaling, the communication share and the
+plan's prediction; none of it for the recorded SFT run, planned before the time model."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from textual.widgets import Static
 
 from homelab_dp.app.runs import RunController
 from homelab_dp.tui.widgets.chart import Chart
-from tests.tui.conftest import RUN_ID, copy_run, open_monitor, plain, shows_snapshot
+from tests.tui.conftest import RUN_ID, copy_run, open_monitor, plain, shows_snapshot, wait_for
 
 DPO = [(41, 0.5, 0.0), (42, 0.625, 0.25), (43, 0.875, 0.5)]
 
@@ -81,3 +82,45 @@ async def test_an_sft_run_without_a_prediction_shows_neither(controller: RunCont
         assert not app.screen.query_one("#objective-charts").display
         assert not app.screen.query_one("#speed", Static).display
         assert app.screen.query_one("#chart-loss", Chart).display
+
+
+def write_rollouts(run_dir: Path, step: int, rewards: list[float]) -> None:
+    folder = run_dir / "rollouts"
+    folder.mkdir(exist_ok=True)
+    rows = [{"prompt_index": 10 + k // 2, "completion": f"answer {step}.{k}\nsecond line",
+             "reward": r, "rewards": {"length": r}} for k, r in enumerate(rewards)]  # fmt: skip
+    (folder / f"step-{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+async def test_a_grpo_run_shows_its_latest_completions_as_they_come(runs_root: Path) -> None:
+    """The completions panel follows the newest rollouts file, read again after each step
+    event: the first 8 completions with their rewards, how many more and where."""
+    run_dir = copy_run(runs_root, "20250301-111500-grpo-0001", status="completed")
+    append(run_dir, step(41, reward=0.25, reward_std=0.5, reward_length=0.25,
+                         completion_length=12.0, clipped=0.0))  # fmt: skip
+    write_rollouts(run_dir, 41, [0.0, 0.5])
+    controller = RunController(runs_root)
+    async with open_monitor(controller, run_dir.name, follow_interval=0.02) as (app, pilot, _):
+        await wait_for(pilot, lambda: app.screen.shown is not None, what="a snapshot")
+        screen = app.screen
+        assert screen.query_one("#chart-reward", Chart).values == [0.25]
+        assert screen.query_one("#rollouts", Static).display
+        text = plain(app, "#rollouts")
+        assert "completions at step 41 (2 in all)" in text and "more in" not in text
+        assert "prompt 10 reward 0.500 (length 0.500)  answer 41.1 ⏎ second line" in text
+        write_rollouts(run_dir, 42, [k / 10 for k in range(10)])
+        append(run_dir, step(42, reward=0.45, reward_std=0.3, completion_length=6.0))
+        await wait_for(pilot, lambda: "step 42" in plain(app, "#rollouts"), what="step 42")
+        text = plain(app, "#rollouts")
+        assert "completions at step 42 (10 in all)" in text and "answer 42.7" in text
+        assert "answer 42.8" not in text and "… 2 more in " in text
+        assert "step-000042.jsonl" in text
+        assert screen.query_one("#chart-reward", Chart).values == [0.25, 0.45]
+
+
+async def test_a_grpo_run_without_rollouts_shows_no_completions(runs_root: Path) -> None:
+    run_dir = copy_run(runs_root, "20250301-111500-grpo-0002", status="completed")
+    append(run_dir, step(41, reward=0.5, reward_std=0.5, completion_length=3.0))
+    async with open_monitor(RunController(runs_root), run_dir.name, shows_snapshot) as (app, _, _):
+        assert app.screen.query_one("#chart-reward", Chart).values == [0.5]
+        assert not app.screen.query_one("#rollouts", Static).display

@@ -12,7 +12,18 @@ must agree on before the first micro-step:
    (`grpo_losses.advantages`, ``scale_rewards = "batch"`` over the whole batch), the loss's
    denominator (dapo: the batch's completion tokens) and the event's figures are the same on
    every rank and for any world size;
-4. rank 0 writes ``rollouts/step-NNNNNN.jsonl`` (each prompt index, completion and reward).
+4. rank 0 writes ``rollouts/step-NNNNNN.jsonl`` (each prompt index, completion and reward);
+5. with ``grpo.iterations`` μ > 1, computes the generating policy's log-probabilities of every
+   completion token once (no grad, the micro-batches' own rows), the "old" policy of the
+   importance ratio.
+
+With μ > 1 the loop trains μ optimizer steps on each batch of prompts (`repeat`: it repeats the
+batch's data position, as TRL's ``num_iterations``); steps ``g + 1 .. g + μ − 1`` after the
+generating step ``g`` reuse its completions, advantages and old log-probabilities, so their
+ratio ``π/π_old`` moves away from 1 and is clipped by ``epsilon``/``epsilon_high``. A checkpoint
+written inside such a run of steps carries the batch (`checkpoint_state`, in ``trainer.json``,
+gathered from every rank and keyed by prompt: any world size resumes it; `restore_state`), so
+a resumed run is exact.
 
 `micro_step` then runs the policy over the micro-batch's completions (prompt + completion
 rows, right-padded), takes the completion tokens' log-probabilities and backpropagates the
@@ -30,10 +41,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from homelab_dp.errors import RunStateError
 from homelab_dp.presets.reward_specs import reward_specs
+from homelab_dp.runs.folder.rollouts import rollout_path
 from homelab_dp.train.metrics import all_gather_flat
 from homelab_dp.train.objectives.dpo import backward
-from homelab_dp.train.objectives.grpo_generation import generate_group, prompt_generator
+from homelab_dp.train.objectives.grpo_generation import (
+    Group,
+    generate_group,
+    prompt_generator,
+)
 from homelab_dp.train.objectives.grpo_losses import (
     advantages,
     loss_denominator,
@@ -46,14 +63,6 @@ from homelab_dp.train.sample_answers import _eos_ids, evaluating
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-ROLLOUTS = "rollouts"
-"""The run folder's rollouts folder."""
-
-
-def rollout_path(run_dir: Path, step: int) -> Path:
-    """``<run>/rollouts/step-NNNNNN.jsonl`` of optimizer step ``step`` (1-based)."""
-    return run_dir / ROLLOUTS / f"step-{step:06d}.jsonl"
 
 
 class GrpoObjective:
@@ -75,6 +84,46 @@ class GrpoObjective:
         """This step's rollouts of this rank's prompts, by prompt (block) index."""
         self.den = 1.0
         self.figures: dict[str, float | None] = {}
+        self.repeat = int(self.g.iterations)
+        """Optimizer steps the loop trains on each batch of prompts (``grpo.iterations``)."""
+
+    def checkpoint_state(self, rank: Any) -> dict[str, Any] | None:
+        """What a checkpoint after the current step needs to resume exactly (a collective):
+        the batch being reused (every rank's prompts, gathered), or None at a batch's end."""
+        import torch.distributed as dist
+
+        if self.repeat == 1 or self.step % self.repeat == 0:
+            return None
+        mine = {
+            str(i): {"ids": e["group"].ids.tolist(), "mask": e["group"].mask.tolist(),
+                     "truncated": e["group"].truncated.tolist(),
+                     "advantage": e["advantage"].tolist(), "old": e["old"].tolist()}
+            for i, e in self.batch.items()
+        }  # fmt: skip
+        gathered: list[Any] = [None] * rank.world
+        dist.all_gather_object(gathered, mine)
+        prompts = {k: v for part in gathered for k, v in part.items()}
+        return {"step": self.step, "den": self.den, "figures": self.figures, "prompts": prompts}
+
+    def restore_state(self, state: dict[str, Any] | None, device: Any) -> None:
+        """Take back the batch a checkpoint written inside a run of reused steps saved."""
+        if not state:
+            return
+        if int(state["step"]) != self.step:
+            raise RunStateError(f"the checkpoint's GRPO batch is of step {state['step']}, the "
+                                f"run resumes after step {self.step}",
+                                hint="resume from the run's own checkpoints")  # fmt: skip
+        self.den = float(state["den"])
+        self.figures = dict(state["figures"])
+        for key, e in state["prompts"].items():
+            group = Group(torch.tensor(e["ids"], dtype=torch.long, device=device),
+                          torch.tensor(e["mask"], dtype=torch.long, device=device),
+                          torch.tensor(e["truncated"], dtype=torch.bool, device=device))  # fmt: skip
+            self.batch[int(key)] = {
+                "group": group,
+                "advantage": torch.tensor(e["advantage"], dtype=torch.float64),
+                "old": torch.tensor(e["old"], dtype=torch.float64, device=device),
+            }
 
     def units(self, data: Any) -> torch.Tensor:
         """One prompt per block, ``[n_blocks, 1]``."""
@@ -89,6 +138,13 @@ class GrpoObjective:
         mine = [int(i) for idx in micro_idx for i in idx.tolist()]
         step = self.step
         self.step += 1
+        if step % self.repeat:  # a later pass over the batch generated at step − step % μ
+            if any(i not in self.batch for i in mine):
+                raise RunStateError(f"GRPO step {step + 1} reuses a batch this process does "
+                                    "not hold (a checkpoint without it)",
+                                    hint="resume from a checkpoint written by this version")  # fmt: skip
+            self.figures = {**self.figures, "generation_s": 0.0}
+            return
         inner = model.strategy.inner
         eos = _eos_ids(data.tokenizer, inner)
         pad = data.tokenizer.pad_token_id
@@ -137,9 +193,27 @@ class GrpoObjective:
         for k in range(0, n_completions, g.generations):
             by_prompt[int(whole[k, 0])] = adv[k : k + g.generations]
         self.batch = {i: {"group": groups[i], "advantage": by_prompt[i]} for i in mine}
+        if self.repeat > 1:
+            self._old_logps(model, data, micro_idx, dev)
         self._figures(whole, gen_s)
         if g.rollouts and self.run_dir is not None:
             self._write_rollouts(step + 1, rank, mine, texts, scores, total, index)
+
+    def _old_logps(self, model: Any, data: Any, micro_idx: list[Any], device: Any) -> None:
+        """The generating policy's log-probabilities of each completion token, per prompt
+        ``[generations, its completion width]``: the rows and forward of `micro_step` (train
+        mode, the same micro-batches), without gradient."""
+        with torch.no_grad():
+            for idx in micro_idx:
+                ids, mask, positions, comp, _, starts = self._rows(data, idx, device)
+                logps = self._token_logps(model.strategy.inner, ids, mask, positions, comp,
+                                          starts, model.autocast, model.loss_dtype)  # fmt: skip
+                row = 0
+                for i in idx.tolist():
+                    group = self.batch[int(i)]["group"]
+                    n, width = group.ids.shape
+                    self.batch[int(i)]["old"] = logps[row : row + n, :width].clone()
+                    row += n
 
     def _score_together(self, prompts: list[Any], texts: list[str], columns: dict[str, list[Any]],
                         index: list[int], rank: Any) -> list[list[float]]:  # fmt: skip
@@ -205,13 +279,19 @@ class GrpoObjective:
         ids, mask, positions, comp, adv, start = self._rows(data, idx, rank.device)
         logps = self._token_logps(model.strategy.model, ids, mask, positions, comp, start,
                                   model.autocast, model.loss_dtype)  # fmt: skip
+        old = None
+        if self.repeat > 1:  # the generating policy's, padded to this micro-batch's width
+            width_c = comp.shape[1]
+            old = torch.cat([F.pad(self.batch[int(i)]["old"],
+                                   (0, width_c - self.batch[int(i)]["old"].shape[1]))
+                             for i in idx.tolist()]).to(logps.dtype)  # fmt: skip
         ref = None
         if self.g.beta > 0:
             inner = model.strategy.inner
             with torch.no_grad(), inner.disable_adapter():
                 ref = self._token_logps(inner, ids, mask, positions, comp, start,
                                         model.autocast, model.loss_dtype)  # fmt: skip
-        terms = token_losses(logps, adv, ref_logps=ref, epsilon=self.g.epsilon,
+        terms = token_losses(logps, adv, old_logps=old, ref_logps=ref, epsilon=self.g.epsilon,
                              epsilon_high=self.g.epsilon_high, beta=self.g.beta)  # fmt: skip
         total = loss_sum(terms.loss, comp, self.g.loss)
         if probe is not None:

@@ -19,6 +19,11 @@ counts, e.g. SFT: target tokens; DPO: pairs; ORPO: pairs and the chosen answers'
 KTO: completions, desirable and undesirable ones; GRPO: prompts (its `begin_step` generates and
 scores their completions and agrees on the batch's advantages). A new objective is a new module
 here and a line in `objective_for`: the loop stays as it is.
+
+Optional, read with ``getattr`` (GRPO's ``iterations``): ``repeat``, the optimizer steps the
+loop trains on each batch of data (1 when absent); ``checkpoint_state(rank)``, a collective
+every rank calls before a checkpoint, its JSON-able answer saved in ``trainer.json`` under
+``objective``; ``restore_state(state, device)``, given that back on resume (None: none saved).
 """
 
 from __future__ import annotations

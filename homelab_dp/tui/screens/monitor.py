@@ -2,7 +2,7 @@
 evaluates; under them, for a preference run, reward accuracy and margin, or ORPO's nll and log
 odds), accumulation, speed (measured scaling, the communication share, predicted against
 measured), devices, stragglers, samples (the latest answers beside their prompts; s steps back
-through earlier ones), log."""
+through earlier ones), GRPO's latest completions with their rewards (from ``rollouts/``), log."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from homelab_dp.render.run_view import (
     accum_text,
     devices_text,
     head_text,
+    rollouts_text,
     sample_steps,
     samples_text,
     speed_text,
@@ -95,6 +96,7 @@ class MonitorScreen(Screen[None]):
             yield Static(id="devices", classes="panel")
             yield Static(id="stragglers")
             yield Static(id="samples", classes="panel")
+            yield Static(id="rollouts", classes="panel")
             yield Log(id="log", max_lines=500, auto_scroll=True)
         yield Footer()
 
@@ -103,6 +105,7 @@ class MonitorScreen(Screen[None]):
         self.query_one("#devices").border_title = "devices"
         self.query_one("#log").border_title = "log"
         self.query_one("#samples").border_title = "samples"
+        self.query_one("#rollouts").border_title = "completions"
         self.show(self.following.snapshot)
 
     def on_screen_resume(self) -> None:
@@ -114,7 +117,7 @@ class MonitorScreen(Screen[None]):
         """Repaint every panel from one snapshot (None: nothing followed yet)."""
         self.shown = snapshot
         parts = ("#charts", "#objective-charts", "#accum", "#speed", "#devices", "#stragglers",
-                 "#samples", "#log")  # fmt: skip
+                 "#samples", "#rollouts", "#log")  # fmt: skip
         for selector in parts:
             self.query_one(selector).display = snapshot is not None
         head = self.query_one("#mon-head", Static)
@@ -142,6 +145,9 @@ class MonitorScreen(Screen[None]):
         stragglers.update(stragglers_text(view))
         stragglers.display = bool(view.stragglers)
         self._show_samples()
+        rollouts = self.query_one("#rollouts", Static)
+        rollouts.display = snapshot.rollouts is not None and bool(snapshot.rollouts.rows)
+        rollouts.update(rollouts_text(snapshot.rollouts))
         self._show_log(snapshot)
 
     def _show_objective(self, view: RunView) -> None:

@@ -1,7 +1,7 @@
 """The Runs screen's comparison: `runs compare`'s document (`app.compare.compare`) as a table,
-one row a run, best eval loss first (the settings that differ, eval losses, rewards of
-preference runs, scores, speed,
-memory, energy, duration), and each run's last sample for the same prompt side by side."""
+one row a run, best eval loss first (GRPO runs alone: highest reward first; the settings that
+differ, eval losses, rewards of preference runs, a GRPO run's reward and completion length,
+scores, speed, memory, energy, duration), and each run's last sample for the same prompt side by side."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Static
 
 from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.render.compare import order_text
 from homelab_dp.render.text import duration
 
 FIXED = ("#", "run", "status")
@@ -20,6 +21,24 @@ FIGURES = ("eval loss", "best (step)", "tok/s", "MFU", "peak mem", "energy", "ti
 REWARDS = ("reward acc", "margin")
 """Columns of the final reward accuracy and margin, only when a run of the comparison has them
 (a preference run); the last eval's in brackets."""
+
+
+GRPO = ("reward", "completion")
+"""Columns of a GRPO run's final mean reward (± its spread) and completion length, only when a
+run of the comparison has them."""
+
+
+def has_grpo(doc: dict[str, Any]) -> bool:
+    """Whether any run of the comparison has a GRPO reward."""
+    return any(run.get("reward") is not None for run in doc["runs"])
+
+
+def _grpo(run: dict[str, Any]) -> tuple[str, str]:
+    reward, spread, length = run.get("reward"), run.get("reward_std"), run.get("completion_length")
+    text = "–" if reward is None else f"{reward:.3f}"
+    if reward is not None and spread is not None:
+        text += f" ± {spread:.3f}"
+    return text, "–" if length is None else f"{length:.1f}"
 
 
 def has_rewards(doc: dict[str, Any]) -> bool:
@@ -62,7 +81,9 @@ def compare_columns(doc: dict[str, Any]) -> list[str]:
     """The table's headers: rank, run, status, each differing setting, the figures (with the
     rewards of preference runs), then each benchmark score."""
     rewards = REWARDS if has_rewards(doc) else ()
-    return [*FIXED, *doc["differ"], *FIGURES[:2], *rewards, *FIGURES[2:], *score_keys(doc)]
+    grpo = GRPO if has_grpo(doc) else ()
+    return [*FIXED, *doc["differ"], *FIGURES[:2], *rewards, *grpo, *FIGURES[2:],
+            *score_keys(doc)]  # fmt: skip
 
 
 def _loss(value: float | None) -> str:
@@ -73,6 +94,7 @@ def compare_rows(doc: dict[str, Any]) -> list[list[str]]:
     """One row of cells a run, in the document's order (ranked by final eval loss)."""
     scores = score_keys(doc)
     rewards = has_rewards(doc)
+    grpo = has_grpo(doc)
     rows = []
     for r in doc["runs"]:
         best = _loss(r["best_eval_loss"])
@@ -88,6 +110,7 @@ def compare_rows(doc: dict[str, Any]) -> list[list[str]]:
                 _loss(r["eval_loss"]),
                 best,
                 *((_reward(r, "reward_accuracy"), _reward(r, "reward_margin")) if rewards else ()),
+                *(_grpo(r) if grpo else ()),
                 "–" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
                 "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
                 "–" if r["peak_memory_bytes"] is None else format_bytes(r["peak_memory_bytes"]),
@@ -105,7 +128,7 @@ def compare_rows(doc: dict[str, Any]) -> list[list[str]]:
 def head_text(doc: dict[str, Any]) -> str:
     """The line above the table: how many runs, the order, the settings that differ."""
     differ = ", ".join(doc["differ"]) or "none"
-    return f"{len(doc['runs'])} runs, best eval loss first; settings that differ: {differ}"
+    return f"{len(doc['runs'])} runs, {order_text(doc)}; settings that differ: {differ}"
 
 
 def sample_title(run: dict[str, Any], prompt: str) -> str:

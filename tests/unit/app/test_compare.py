@@ -91,7 +91,8 @@ def test_compare_a_sweep_and_the_json_keys(runs: Path, capsys: pytest.CaptureFix
     assert set(doc["runs"][0]) == {
         "rank", "run_id", "path", "status", "sweep_id", "settings", "eval_loss",
         "best_eval_loss", "best_step", "loss", "steps", "objective", "reward_accuracy",
-        "reward_margin", "eval_reward_accuracy", "eval_reward_margin", "scores", "tokens_per_s", "mfu",
+        "reward_margin", "eval_reward_accuracy", "eval_reward_margin", "reward", "reward_std",
+        "completion_length", "scores", "tokens_per_s", "mfu",
         "peak_memory_bytes", "energy_wh", "duration_s", "samples",
     }  # fmt: skip
     rc, out, _ = run_cli(capsys, "--runs", str(runs), "runs", "--sweep", "sweep-x", "--json")

@@ -54,3 +54,38 @@ def test_sft_runs_alone_have_no_reward_columns(tmp_path: Path) -> None:
     assert "reward acc" not in compare_columns(doc)
     assert all(len(row) == len(compare_columns(doc)) for row in compare_rows(doc))
     assert not any("rewards:" in line for line in compare_lines(doc))
+
+
+def grpo_events(run_dir: Path, rewards: list[float]) -> None:
+    lines = [{"type": "step", "step": 40 + i, "total_steps": 50, "loss": 0.1, "world_size": 2,
+              "reward": r, "reward_std": 0.25, "reward_length": r, "completion_length": 4.5,
+              "clipped": 0.0} for i, r in enumerate(rewards, start=1)]  # fmt: skip
+    with (run_dir / "events.jsonl").open("a") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+
+
+def test_compare_ranks_grpo_runs_by_their_final_reward(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    grpo_events(recorded_run(root, "grpo-a", lr=1e-5, evals=[]), [0.9, 0.5])
+    grpo_events(recorded_run(root, "grpo-b", lr=1e-4, evals=[]), [0.1, 0.75])
+    recorded_run(root, "sft-c", lr=3e-4, evals=[])
+    doc = compare(make_controller(root), ["grpo-a", "grpo-b", "sft-c"])
+    assert doc["sorted_by"] == "reward"  # no run has an eval loss: the highest final reward
+    assert [r["run_id"] for r in doc["runs"]] == ["grpo-b", "grpo-a", "sft-c"]
+    b = doc["runs"][0]
+    assert (b["reward"], b["reward_std"], b["completion_length"]) == (0.75, 0.25, 4.5)
+    lines = compare_lines(doc)
+    assert lines[0].startswith("3 runs, highest reward first")
+    assert "   rewards: reward 0.750 ± 0.250, completion 4.5 tokens" in lines
+    heads, rows = compare_columns(doc), compare_rows(doc)
+    at = heads.index("reward")
+    assert heads[at : at + 2] == ["reward", "completion"] and "reward acc" not in heads
+    cells = {row[1]: row[at : at + 2] for row in rows}
+    assert cells == {"grpo-b": ["0.750 ± 0.250", "4.5"], "grpo-a": ["0.500 ± 0.250", "4.5"],
+                     "sft-c": ["–", "–"]}  # fmt: skip
+    # a run with an eval loss: the usual order, by eval loss
+    recorded_run(root, "sft-d", lr=1e-3, evals=[1.0])
+    doc = compare(make_controller(root), ["grpo-a", "sft-d"])
+    assert doc["sorted_by"] == "eval_loss" and doc["runs"][0]["run_id"] == "sft-d"
+    assert compare_lines(doc)[0].startswith("2 runs, best eval loss first")

@@ -208,3 +208,19 @@ def test_a_cpu_decode_step_costs_its_layers_at_the_measured_rate_scaled_by_threa
     weights = grpo_plan.decode_weight_bytes(tiny, shape)
     kv = 4 * (32 + 8) * 4 * 8 * 128 * 2 * 4  # 4 rows × 40 tokens × 4 layers × K,V fp32
     assert t.seconds_per_decode_step == pytest.approx((weights + kv) / 5e9 + 4 * 1.8e-3 * 2**0.5)
+
+
+def test_with_several_iterations_a_step_carries_its_share_of_one_generation(
+    in_repo: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """grpo.iterations = 2 generates once every two steps: the mean step holds half the
+    generation, while the decode rate (tokens/s while generating) stays."""
+    preds = {}
+    for mu in (1, 2):
+        rc, out, err = run_cli(capsys, "plan", "qwen3-8b-grpo-qlora-2x24gb", "--gpus", "2x24GiB",
+                               "--set", f"grpo.iterations={mu}", "--json")  # fmt: skip
+        assert rc == 0, err
+        preds[mu] = json.loads(out)["predicted"]
+    assert preds[2]["generation_seconds"] == pytest.approx(preds[1]["generation_seconds"] / 2)
+    assert preds[2]["generated_tokens_per_s"] == pytest.approx(preds[1]["generated_tokens_per_s"])
+    assert preds[2]["generation_share"] < preds[1]["generation_share"]

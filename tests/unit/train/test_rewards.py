@@ -168,3 +168,23 @@ def test_status_and_the_monitor_read_grpos_reward() -> None:
     assert view.series("reward") == [0.125, 0.5]  # the Monitor's chart
     assert "reward" in [figure for figure, _, _ in OBJECTIVE_CHARTS]
     assert objective_text(doc) == "reward 0.500 ± 0.250, completion 9.5 tokens"
+
+
+def test_status_shows_every_grpo_figure_of_the_latest_step() -> None:
+    view = RunView()
+    line = StepEvent(step=2, total_steps=4, loss=0.1, reward=0.5, reward_std=0.25,
+                     completion_length=9.5, completion_length_min=2.0,
+                     completion_length_max=16.0, completion_truncated=0.125, clipped=0.0625,
+                     kl=0.002, generation_s=1.5,
+                     reward_functions={"length": 0.75, "exact_answer": 0.25}).to_json()  # fmt: skip
+    view.apply(json.loads(json.dumps(line)))
+    doc = view.objective_doc()  # status --json's objective_figures
+    assert doc is not None
+    assert {k: doc[k] for k in ("reward_length", "reward_exact_answer", "completion_length_min",
+                                "completion_length_max", "completion_truncated", "clipped",
+                                "kl", "generation_s")} == {
+        "reward_length": 0.75, "reward_exact_answer": 0.25, "completion_length_min": 2.0,
+        "completion_length_max": 16.0, "completion_truncated": 0.125, "clipped": 0.0625,
+        "kl": 0.002, "generation_s": 1.5}  # fmt: skip
+    assert objective_text(doc) == ("reward 0.500 ± 0.250, completion 9.5 tokens, clipped 6.2%, "
+                                   "KL 0.0020, generation 1.5 s")  # fmt: skip
