@@ -351,6 +351,7 @@ class RunController:
             lr=p.lr.applied,
             offload=p.chosen.offload,  # type: ignore[arg-type]
             offload_activations=p.chosen.offload_activations,
+            sequence_parallel=p.sequence_parallel,
         )
         return Prepared(preset, planned, resolved, blocks, origin, warnings)
 
