@@ -162,7 +162,8 @@ def last_bucket_bytes(spec: ModelSpec, shape: TrainShape) -> float:
 def forward_flops_per_token(spec: ModelSpec, shape: TrainShape) -> float:
     """The forward pass's share of a token's FLOPs (what forward communication hides behind)."""
     fwd = 2.0 * linear_matmul_params(spec) + attention_forward_flops(
-        spec, causal_span(shape.seq_len * shape.sequence_parallel)  # a split: the whole span
+        spec,
+        causal_span(shape.seq_len * shape.sequence_parallel),  # a split: the whole span
     )
     if shape.method != "full":
         fwd += 2.0 * adapter_params_per_token(spec, shape.lora_r, lora_targets_of(shape))
