@@ -236,7 +236,7 @@ def oom_advice(resolved: Resolved, exc: BaseException) -> tuple[str, str, dict[s
     """
     micro, accum = resolved.micro_batch, resolved.grad_accum
     world, ac = resolved.world_size, resolved.activation_checkpointing
-    effective = micro * world * accum
+    effective = resolved.effective_batch  # micro × data ranks × accumulation
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     message = (f"out of memory with micro-batch {micro} × accumulation {accum} on {world} "
                f"rank(s) ({first})")  # fmt: skip
