@@ -2,15 +2,15 @@
 one rank with the whole sequence, and holds half its activations.
 
 Exactness (the real launcher: torchrun, the worker, gloo): one rank without the split and 2
-ranks with ``train.sequence_parallel = 2`` train the same tiny model (4 query heads, 1
-key/value head: the key/value head is repeated for the split) on the same packed blocks of
-2,048 tokens, samples straddling the split at token 1,024; the 2-rank run is stopped after
+ranks with ``train.sequence_parallel = 2`` (ZeRO-1) fully fine-tune the same tiny model (4
+query heads, 1 key/value head: repeated for the split) on the same packed blocks of 2,048
+tokens, samples straddling the split at token 1,024; the 2-rank run is stopped after
 step 2 and resumed. Its losses and final weights equal the uninterrupted 1-rank run's to fp64
 rounding (1e-10); its step events carry the all-to-alls in ``comm_seconds``, its start event
 the split.
 
-Memory (`homelab-dp measure` through the CLI, fp32): each rank of the split holds at most 0.6
-of one rank's activations and logits, and within 10% of what the plan says for the split.
+Memory (`homelab-dp measure` through the CLI, LoRA, fp32): each rank of the split holds at most
+0.6 of one rank's activations and logits, and within 10% of what the plan says for the split.
 """
 
 from __future__ import annotations
@@ -60,13 +60,14 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(long_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The 1-rank run, and the 2-rank split run stopped after step 2 and resumed."""
+    """The 1-rank run, and the 2-rank split run (ZeRO-1: DDP's all-reduce and a sharded
+    optimizer state to checkpoint) stopped after step 2 and resumed."""
     root = tmp_path_factory.mktemp("sp")
     common = {"micro": 1, "dtype": "fp64", "seq_len": SEQ, "pack": True, "lr": 1e-2}
     one = make_run(root, long_model, TEXT, name="one", world=1, **common)
     assert run(one, 1) == 0
     two = make_run(root, long_model, TEXT, name="split", world=2, sequence_parallel=2,
-                   train={"checkpoint_every": 1}, **common)  # fmt: skip
+                   distribution="zero1", train={"checkpoint_every": 1}, **common)  # fmt: skip
     assert run(two, 2, stop_at=2) == 0
     assert events(two, "end")[-1]["reason"] == "stopped"
     assert run(two, 2, resume=True) == 0
@@ -109,7 +110,8 @@ def test_packed_samples_straddle_the_split(runs: dict[str, Path]) -> None:
 
 def _measure(tmp: Path, name: str, model: Path, nproc: int, sp: int, capsys) -> dict:
     preset = write_preset(tmp, name, model, TEXT, seq_len=SEQ, pack=True, nproc=nproc,
-                          micro_batch=1, grad_accum=1, sequence_parallel=sp)  # fmt: skip
+                          micro_batch=1, grad_accum=1, sequence_parallel=sp,
+                          method="lora")  # fmt: skip
     assert main(["measure", str(preset), "--steps", "2", "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
