@@ -49,7 +49,9 @@ def degree_of(preset: Any) -> int:
 
 
 def kv_repeats(kv_heads: int, degree: int) -> int:
-    """How often each key/value head is repeated so that ``degree`` divides them (1: none)."""
+    """How often each key/value head is repeated so that ``degree`` divides them: 1 when it
+    already does, else ``degree / gcd(kv_heads, degree)``, which divides the query heads' group
+    size whenever ``degree`` divides the query heads (so the grouped-query mapping holds)."""
     return 1 if kv_heads % degree == 0 else degree // math.gcd(kv_heads, degree)
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from homelab_dp.planning.sequence_split import kv_repeats
 from homelab_dp.train.comm_timing import NO_COMM, CommSplit, CommTimer
 from homelab_dp.train.packed_attention import (
     PackedSegments,
@@ -66,13 +66,6 @@ class _Active:
     split: SequenceSplit
     segments: PackedSegments
     """The samples of the whole (unsplit) micro-batch."""
-
-
-def kv_repeats(kv_heads: int, degree: int) -> int:
-    """How many times each key/value head is repeated so that ``degree`` divides them: 1 when
-    it already does, else ``degree / gcd(kv_heads, degree)`` (which divides the query heads'
-    group size whenever ``degree`` divides the query heads)."""
-    return 1 if kv_heads % degree == 0 else degree // math.gcd(kv_heads, degree)
 
 
 class _Exchange(torch.autograd.Function):
