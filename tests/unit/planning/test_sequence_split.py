@@ -128,3 +128,16 @@ def test_auto_splits_only_a_sequence_that_does_not_fit_one_card() -> None:
     # one card: nothing to split over
     one = plan(LLAMA3_8B, _preset(seq_len=65536, sp="auto"), parse_gpus_spec("24GiB", 64 * GiB))
     assert one.sequence_parallel == 1
+
+
+def test_calibration_keys_of_whole_sequences_stay_as_before() -> None:
+    """A measurement stored before sequence parallelism existed still matches a plan without
+    it; a split is its own configuration."""
+    from homelab_dp.planning.memory.memory_calibration import config_key
+    from homelab_dp.planning.planner import train_shape
+
+    hw = parse_gpus_spec("2x24GiB", 64 * GiB)
+    whole = config_key({}, train_shape(_preset(sp=1), hw, "qlora", "ddp", True))["shape"]
+    halves = config_key({}, train_shape(_preset(sp=2), hw, "qlora", "ddp", True))["shape"]
+    assert "sequence_parallel" not in whole and halves["sequence_parallel"] == 2
+    assert halves["seq_len"] == whole["seq_len"] // 2
