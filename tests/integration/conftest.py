@@ -91,12 +91,13 @@ def make_run(
     measure_steps: int = 0,
     sequence_parallel: int = 1,
     pack: bool = False,
+    data_extra: dict[str, Any] | None = None,
 ) -> Path:
     """A run folder with spec.json for the given plan (what the controller would write)."""
     preset = preset_from_dict(
         {
             "model": {"path": str(model)},
-            "data": {"path": str(data), "seq_len": seq_len, "pack": pack},
+            "data": {"path": str(data), "seq_len": seq_len, "pack": pack, **(data_extra or {})},
             "train": {
                 "method": method,
                 "distribution": distribution,

@@ -63,7 +63,14 @@ def runs(long_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     """The 1-rank run, and the 2-rank split run (ZeRO-1: DDP's all-reduce and a sharded
     optimizer state to checkpoint) stopped after step 2 and resumed."""
     root = tmp_path_factory.mktemp("sp")
-    common = {"micro": 1, "dtype": "fp64", "seq_len": SEQ, "pack": True, "lr": 1e-2}
+    common = {
+        "micro": 1,
+        "dtype": "fp64",
+        "seq_len": SEQ,
+        "pack": True,
+        "lr": 1e-2,
+        "data_extra": {"eval_fraction": 0.2},
+    }  # evaluated after the last step
     one = make_run(root, long_model, TEXT, name="one", world=1, **common)
     assert run(one, 1) == 0
     two = make_run(root, long_model, TEXT, name="split", world=2, sequence_parallel=2,
@@ -83,6 +90,9 @@ def test_split_run_equals_one_rank(runs: dict[str, Path]) -> None:
         assert abs(losses_two[step] - loss) < TOL, (step, loss, losses_two[step])
     assert max_abs_diff(final_weights(one), final_weights(two)) < TOL
     assert events(two, "end")[-1]["reason"] == "completed"
+    (eval_one,), (eval_two,) = events(one, "eval"), events(two, "eval")  # split as well
+    assert eval_one["step"] == eval_two["step"] == 3 and eval_one["tokens"] == eval_two["tokens"]
+    assert abs(eval_one["loss"] - eval_two["loss"]) < TOL
     starts = events(two, "start")
     assert [e["sequence_parallel"] for e in starts] == [2, 2]
     assert [e["start_step"] for e in starts] == [0, 2]
