@@ -141,3 +141,13 @@ def test_calibration_keys_of_whole_sequences_stay_as_before() -> None:
     halves = config_key({}, train_shape(_preset(sp=2), hw, "qlora", "ddp", True))["shape"]
     assert "sequence_parallel" not in whole and halves["sequence_parallel"] == 2
     assert halves["seq_len"] == whole["seq_len"] // 2
+
+
+def test_the_plan_head_line_counts_the_data_ranks() -> None:
+    from homelab_dp.render.plan import data_ranks, split_words
+
+    hw = parse_gpus_spec("2x24GiB", 64 * GiB)
+    t = plan(LLAMA3_8B, _preset(seq_len=32768, sp=2), hw).to_json()["training"]
+    assert data_ranks(t) == "1 data rank(s) of 2 device(s)" and split_words(t) == " split over 2"
+    t = plan(LLAMA3_8B, _preset(seq_len=32768, sp=1), hw).to_json()["training"]
+    assert data_ranks(t) == "2 device(s)" and split_words(t) == ""
