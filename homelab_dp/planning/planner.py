@@ -668,10 +668,10 @@ def plan_largest_micro_batch(
     checkpointing off before on, offload only after every option without it); the first that
     fits at some micro-batch takes its largest.
     """
+    if split.requested(preset) == "auto":  # the degree the tree picks at the preset's batch
+        preset = split.with_degree(preset, plan(spec, preset, hw, calibration).sequence_parallel)
     t = preset.train
-    data_world = hw.world_size // split.degree_of(
-        preset
-    )  # a split sequence: its ranks share blocks
+    data_world = hw.world_size // split.degree_of(preset)  # a split's ranks share blocks
     requested = t.micro_batch * data_world * t.grad_accum
     limit = hw.budget(SAFETY_MARGIN)  # on local cards others use: what is free, less a margin
     fit: Fit | None = None

@@ -151,3 +151,12 @@ def test_the_plan_head_line_counts_the_data_ranks() -> None:
     assert data_ranks(t) == "1 data rank(s) of 2 device(s)" and split_words(t) == " split over 2"
     t = plan(LLAMA3_8B, _preset(seq_len=32768, sp=1), hw).to_json()["training"]
     assert data_ranks(t) == "2 device(s)" and split_words(t) == ""
+
+
+def test_the_micro_batch_finder_takes_the_degree_auto_picks() -> None:
+    from homelab_dp.planning.planner import plan_largest_micro_batch
+
+    hw = parse_gpus_spec("2x24GiB", 64 * GiB)
+    found = plan_largest_micro_batch(LLAMA3_8B, _preset(seq_len=65536, sp="auto"), hw)
+    assert found.sequence_parallel == 2 and found.fits and found.fit is not None
+    assert found.fit.world_size == 1  # one data rank: the two cards hold one sequence
