@@ -129,6 +129,10 @@ def init_distributed(spec: RunSpec) -> Rank:
     if world % degree:
         raise HomelabError(f"train.sequence_parallel = {degree} does not divide the {world} "
                            "processes", hint=f"run with a multiple of {degree} processes")  # fmt: skip
+    if degree > 1 and spec.preset.train.objective != "sft":  # the plan refuses it too
+        raise HomelabError(f"train.sequence_parallel = {degree} splits SFT sequences only, not "
+                           f"train.objective = {spec.preset.train.objective!r}",
+                           hint="set train.sequence_parallel = 1")  # fmt: skip
     if world != resolved.world_size:
         # Keep the effective batch (and so the data position and schedule) of the plan.
         data_world = world // degree
