@@ -42,6 +42,7 @@ from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.planner import Plan, plan, with_host
 from homelab_dp.planning.recurrent_packing import model_recurrent_kinds, packing_decision
 from homelab_dp.planning.sample_cost import sample_plan
+from homelab_dp.planning.sequence_split import with_degree
 from homelab_dp.planning.speed_calibration import ComputeRate, SpeedStore
 from homelab_dp.planning.speed_plan import with_predictions
 from homelab_dp.planning.time_model import cpu_threads
@@ -333,9 +334,11 @@ def make_plan(
     hardware, report = select_hardware(preset, gpus)
     calibration = hardware_calibration(hardware, report)
     make = plan_largest_micro_batch if find_micro_batch else plan
-    planned = with_host(
-        make(spec, preset, hardware, calibration), preset, host_available(gpus, hardware, report)
-    )
+    made = make(spec, preset, hardware, calibration)
+    # train.sequence_parallel = "auto" resolved by the plan: everything after (the host RAM,
+    # the speed, the run's spec) takes the degree it chose.
+    preset = with_degree(preset, made.sequence_parallel)
+    planned = with_host(made, preset, host_available(gpus, hardware, report))
     link = link or plan_link(hardware, report, measure=measure_link)
     planned = predict_speed(planned, preset, link)
     if packing.reason:  # after the line that names the model

@@ -334,7 +334,9 @@ class RunController:
         planned = replace(planned, preset=preset)
         check_model_folder(preset)
         ws = p.world_size * nnodes  # multi-node: every node runs the same devices
-        blocks, share, warnings = check_data(preset, planned.spec.max_positions, ws, p.micro_batch)
+        data_ranks = ws // p.sequence_parallel  # a split sequence's ranks share its blocks
+        blocks, share, warnings = check_data(preset, planned.spec.max_positions, data_ranks,
+                                             p.micro_batch)  # fmt: skip
         # The plan chose with every token taken as a target; the run records its estimate for
         # this data (the chunked loss keeps only target rows), which `measure` compares.
         planned = replace(planned, plan=with_target_share(planned, share))
@@ -351,6 +353,7 @@ class RunController:
             lr=p.lr.applied,
             offload=p.chosen.offload,  # type: ignore[arg-type]
             offload_activations=p.chosen.offload_activations,
+            sequence_parallel=p.sequence_parallel,
         )
         return Prepared(preset, planned, resolved, blocks, origin, warnings)
 

@@ -162,10 +162,11 @@ def precompute_seconds(
 
 def sequence_len(shape: TrainShape) -> int:
     """Tokens of one sequence of ``shape``'s forward (the attention span's length): a packed
-    preference row holds a pair's two sequences, each attending only to itself."""
+    preference row holds a pair's two sequences, each attending only to itself. A sequence split
+    over ranks (``sequence_parallel``) attends over all of it, not one rank's share."""
     if shape.objective in PREFERENCE_OBJECTIVES and shape.packed:
         return max(1, shape.seq_len // SEQUENCES_PER_SAMPLE)
-    return shape.seq_len
+    return shape.seq_len * shape.sequence_parallel
 
 
 def shape_flops_factor(spec: ModelSpec, shape: TrainShape) -> float:

@@ -182,6 +182,8 @@ class Plan:
     speed_advice: tuple[str, ...] = ()
     """What the time model says of the chosen option's speed and scaling, in words
     (`homelab_dp.planning.speed_plan`); `plan --json` lists it after `advice`."""
+    sequence_parallel: int = 1
+    """Ranks every sequence is split over (1: whole sequences; `planning.sequence_split`)."""
 
     @property
     def fits(self) -> bool:
@@ -201,7 +203,10 @@ class Plan:
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.world_size * self.grad_accum
+        """Samples per optimizer step: only the data ranks (world / sequence-parallel degree)
+        take blocks of their own."""
+        data_world = max(1, self.world_size // max(1, self.sequence_parallel))
+        return self.micro_batch * data_world * self.grad_accum
 
     def to_json(self) -> dict[str, Any]:
         """The `plan --json` document.
@@ -235,6 +240,7 @@ class Plan:
                 "world_size": self.world_size,
                 "effective_batch": self.effective_batch,
                 "seq_len": self.seq_len,
+                "sequence_parallel": self.sequence_parallel,
                 "activation_checkpointing": self.chosen.activation_checkpointing,
                 "dtype": self.dtype,
             },

@@ -64,6 +64,7 @@ from typing import Any
 
 from homelab_dp.errors import PresetError
 from homelab_dp.planning import grpo_plan
+from homelab_dp.planning import sequence_split as split
 from homelab_dp.planning.attention_rule import (
     FLASH_MIN_CAPABILITY,
     choose_attention,
@@ -302,8 +303,9 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
     targets = preset.lora.target_modules
     dtype = resolve_dtype(preset, hw)
     t = preset.train
+    degree = split.degree_of(preset)  # a split sequence: each rank holds seq_len / degree
     rows, row_len = forward_rows(kw.get("micro_batch", t.micro_batch),
-                                 kw.get("seq_len", preset.data.seq_len),
+                                 split.split_len(kw.get("seq_len", preset.data.seq_len), degree),
                                  packed=preset.data.pack, objective=t.objective)  # fmt: skip
     share = kw.get("target_share", 1.0)
     if t.objective == "grpo":  # a prompt's completions: rows of prompt + completion tokens,
@@ -335,6 +337,7 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         offload_activations=kw.get("offload_activations", False),
         objective=t.objective,
         reference=resolve_reference(t.objective, t.reference, method),  # type: ignore[arg-type]
+        sequence_parallel=degree,
     )
 
 
@@ -515,6 +518,9 @@ def plan(
     check_fp16_sharding(preset, hw, dtype)
     check_offload(preset, hw, dtype)
     check_expert_adapters(spec, preset)
+    split.check_split(spec, preset, hw.world_size)  # a sequence too long for one card: split
+    preset, split_line = split.choose_degree(spec, preset, hw.world_size, lambda p: (
+        split.params_on_cards(_decide(spec, p, hw, dtype, calibration, host_available)[0])))  # fmt: skip
     # Memory other processes hold is waited for (`run --queue`), never offloaded around: offload
     # is tried only when the same cards, idle, would not hold the run without it either.
     offload = (
@@ -540,7 +546,7 @@ def plan(
             candidates.append(fitting[0] if fitting else options[-1])
     if _option_key(best_effort) not in {_option_key(c) for c in candidates}:
         candidates.append(best_effort)
-    lr = lr_advice(preset, hw.world_size)
+    lr = lr_advice(preset, hw.world_size // split.degree_of(preset))  # the data ranks' batch
     later = chosen is not None and all(chosen is not c for c in first)
     reasons = choice_reasons(spec, preset, hw, best_effort, first if later else tried, dtype,
                              SAFETY_MARGIN, only_offload=later)  # fmt: skip
@@ -558,6 +564,7 @@ def plan(
         shape = _shape_of(preset, hw, best_effort)
         grpo = grpo_plan.grpo_memory(spec, preset, shape)
         reasons.append(grpo_plan.memory_reason(spec, preset, shape, best_effort.budget))
+    reasons += [split_line] if split_line else []
     reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:
@@ -597,6 +604,7 @@ def plan(
         idle=idle,
         objective=objective,
         grpo=grpo,
+        sequence_parallel=split.degree_of(preset),
     )
 
 
@@ -655,8 +663,11 @@ def plan_largest_micro_batch(
     checkpointing off before on, offload only after every option without it); the first that
     fits at some micro-batch takes its largest.
     """
+    if split.requested(preset) == "auto":  # the degree the tree picks at the preset's batch
+        preset = split.with_degree(preset, plan(spec, preset, hw, calibration).sequence_parallel)
     t = preset.train
-    requested = t.micro_batch * hw.world_size * t.grad_accum
+    data_world = hw.world_size // split.degree_of(preset)  # a split's ranks share blocks
+    requested = t.micro_batch * data_world * t.grad_accum
     limit = hw.budget(SAFETY_MARGIN)  # on local cards others use: what is free, less a margin
     fit: Fit | None = None
     dtype = resolve_dtype(preset, hw)
@@ -674,7 +685,7 @@ def plan_largest_micro_batch(
                                 grad_accum=accum, offload=o, offload_activations=a)  # fmt: skip
                 return cand.budget.total
 
-            found = search_micro_batch(total, limit, requested, hw.world_size)
+            found = search_micro_batch(total, limit, requested, data_world)
             fit = fit or found  # the first option's answer stands when none fits
             if found.fits:
                 fit = found

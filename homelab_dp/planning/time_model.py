@@ -54,6 +54,7 @@ from homelab_dp.planning.memory.train_shape import (
 )
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.objective_cost import sequence_len, shape_flops_factor
+from homelab_dp.planning.sequence_split import all_to_all_bytes
 from homelab_dp.planning.speed_calibration import ComputeRate
 from homelab_dp.probe.hardware import PlanHardware
 
@@ -106,6 +107,7 @@ def comm_parts(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
     ring = (n - 1) / n
     grads = trainable_params(spec, shape) * 4.0
     layers = max(1, spec.layers)
+    split = _sequence_exchange(spec, shape)
     if shape.distribution in ("ddp", "zero1"):
         buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
         out = [CommPart("all-reduce", 2 * ring * grads, False, "backward",
@@ -113,7 +115,7 @@ def comm_parts(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
         if shape.distribution == "zero1":
             out.append(CommPart("all-gather (after the step)", ring * spec.params * 4.0, False,
                                 "none", 1.0, 1))  # fmt: skip
-        return out
+        return out + split
     passes = (2 if shape.distribution == "fsdp-full" else 1) * shape.grad_accum
     if shape.method == "qlora":
         # the memory model's bytes: packed 4-bit weights, the 16-bit rest and the adapters
@@ -125,7 +127,21 @@ def comm_parts(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
     if shape.distribution == "fsdp-full":
         out.append(CommPart("all-gather (backward)", gather, True, "backward", 1 / layers, layers))
     out.append(CommPart("reduce-scatter", ring * grads, False, "backward", 1 / layers, layers))
-    return out
+    return out + split
+
+
+def _sequence_exchange(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
+    """Sequence parallelism's all-to-alls (`homelab_dp.planning.sequence_split`): every
+    micro-step, on the compute stream (nothing hides them), four per attention layer and pass."""
+    degree = shape.sequence_parallel
+    if degree <= 1:
+        return []
+    per_micro = all_to_all_bytes(spec, degree=degree, micro_batch=shape.micro_batch,
+                                 local_len=shape.seq_len, width=compute_width(shape),
+                                 checkpointing=shape.activation_checkpointing)  # fmt: skip
+    passes = 3 if shape.activation_checkpointing else 2
+    return [CommPart("all-to-all (sequence)", per_micro * shape.grad_accum, True, "none", 1.0,
+                     4 * passes * max(1, spec.layers))]  # fmt: skip
 
 
 def last_bucket_bytes(spec: ModelSpec, shape: TrainShape) -> float:
@@ -146,7 +162,8 @@ def last_bucket_bytes(spec: ModelSpec, shape: TrainShape) -> float:
 def forward_flops_per_token(spec: ModelSpec, shape: TrainShape) -> float:
     """The forward pass's share of a token's FLOPs (what forward communication hides behind)."""
     fwd = 2.0 * linear_matmul_params(spec) + attention_forward_flops(
-        spec, causal_span(shape.seq_len)
+        spec,
+        causal_span(shape.seq_len * shape.sequence_parallel),  # a split: the whole span
     )
     if shape.method != "full":
         fwd += 2.0 * adapter_params_per_token(spec, shape.lora_r, lora_targets_of(shape))

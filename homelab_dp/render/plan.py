@@ -74,8 +74,9 @@ def render_plan(
         f"{ok}  {PLAIN[j['method']]} · {PLAIN[j['distribution']]}{ck}\n"
         f"model {count(j['model']['params'])} params{active_words(j['model'])} "
         f"({count(j['model']['trainable_params'])} trainable) · "
-        f"micro-batch {t['micro_batch']} × {t['world_size']} device(s) × accumulation "
-        f"{t['grad_accum']} = effective batch {t['effective_batch']} · seq_len {t['seq_len']} · "
+        f"micro-batch {t['micro_batch']} × {data_ranks(t)} × accumulation "
+        f"{t['grad_accum']} = effective batch {t['effective_batch']} · seq_len {t['seq_len']}"
+        f"{split_words(t)} · "
         f"{t['dtype']} · lr {j['lr']['applied']:.3g}"
     )
     per = j["per_device_bytes"]
@@ -414,3 +415,15 @@ def speed_text(plan: Plan) -> Text | None:
     for line in plan.speed_advice:
         out.append(f"\n• {line}")
     return out
+
+
+def data_ranks(t: dict[str, Any]) -> str:
+    """The head line's devices: the data ranks, those a split sequence spans said apart."""
+    n, sp = int(t["world_size"]), int(t.get("sequence_parallel") or 1)
+    return f"{n} device(s)" if sp <= 1 else f"{n // sp} data rank(s) of {sp} device(s)"
+
+
+def split_words(t: dict[str, Any]) -> str:
+    """ " split over N" after seq_len when a sequence spans N devices."""
+    sp = int(t.get("sequence_parallel") or 1)
+    return f" split over {sp}" if sp > 1 else ""

@@ -135,6 +135,13 @@ def _predicted_exposed(v: RunView) -> float | None:
 
 
 # ---------------------------------------------------------------------- the CLI's plain log
+def split_text(degree: int) -> str:
+    """The start line's words for sequence parallelism ("" for whole sequences)."""
+    if degree <= 1:
+        return ""
+    return f", every sequence split over {degree} ranks (all-to-all in comm)"
+
+
 def step_line(v: RunView) -> str:
     """One line for a logged step (then, where the run has them, its objective's figures and
     the measured scaling)."""
@@ -143,9 +150,11 @@ def step_line(v: RunView) -> str:
     line = (
         f"step {v.step}/{v.total_steps} loss {num(v.loss, '.4f')}{arrow} lr {num(v.lr, '.2e')} "
         f"tok/s {num(v.tokens_per_s)} samples/s {num(v.samples_per_s, ',.1f')} "
-        f"{mfu_text(v.mfu)} eta {duration(v.eta_s, clock=True)} | batch {v.micro_batch}×{v.world_size}×"
-        f"{v.grad_accum}={v.effective_batch}"
+        f"{mfu_text(v.mfu)} eta {duration(v.eta_s, clock=True)} | batch {v.micro_batch}×"
+        f"{v.world_size // max(1, v.sequence_parallel)}×{v.grad_accum}={v.effective_batch}"
     )
+    if v.sequence_parallel > 1:  # the data ranks take blocks; each sequence spans the split
+        line += f" (sequence ×{v.sequence_parallel})"
     extra = [objective_text(v.objective_doc()), scaling_text(_scaling_doc(v))]
     return " | ".join([line, *(e for e in extra if e)])
 
@@ -272,6 +281,7 @@ def event_line(e: dict[str, Any], v: RunView) -> str | None:
         evals = f", evaluating {n} block{'s' if n != 1 else ''} {when}" if n else ""
         attention = f", attention {e['attention']}" if e.get("attention") else ""
         packing = f", packing {e['packing']}" if e.get("packing") else ""
+        packing += split_text(int(e.get("sequence_parallel") or 1))
         objective = ""
         if e.get("objective") and e.get("objective") != "sft":
             ref = f" (reference: {e['reference']})" if e.get("reference") else ""
@@ -384,6 +394,8 @@ def head_text(view: RunView, width: int = 30) -> Text:
     out.append(view.status, style=STATUS_STYLE.get(view.status, "bold"))
     if view.method:  # a visible separator: whitespace alone vanishes in some SVG renderings
         out.append(f" · {view.method} · {view.distribution} · world {view.world_size}")
+        if view.sequence_parallel > 1:
+            out.append(f" · sequence split ×{view.sequence_parallel}")
     out.append("\n")
     frac = view.step / view.total_steps if view.total_steps else None
     out.append("step ").append_text(gauge(frac, width, "green"))

@@ -95,6 +95,9 @@ class StartEvent(Event):
     (one packed block gave its samples' logits), "off" (data.pack = false)."""
     packing_error: float | None = None
     """The check's largest logit difference, packed against one by one (None: not checked)."""
+    sequence_parallel: int = 1
+    """Ranks every sequence is split over (`homelab_dp.train.sequence_parallel`; 1: whole
+    sequences); the all-to-alls' seconds are in each step event's ``comm_seconds``."""
 
 
 @dataclass(kw_only=True)

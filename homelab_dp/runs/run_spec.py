@@ -50,10 +50,18 @@ class Resolved:
     """What FSDP keeps in host RAM (none | optimizer | params); none in specs written before."""
     offload_activations: bool = False
     """Saved activations in host RAM (`homelab_dp.train.activation_offload`)."""
+    sequence_parallel: int = 1
+    """Ranks per sequence (`homelab_dp.train.sequence_parallel`; 1: off): the world is data
+    ranks × this, and only the data ranks take blocks of their own."""
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: the world size over the sequence-parallel degree."""
+        return max(1, self.world_size // max(1, self.sequence_parallel))
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.world_size * self.grad_accum
+        return self.micro_batch * self.data_world * self.grad_accum
 
 
 @dataclass(frozen=True)

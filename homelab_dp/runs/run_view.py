@@ -181,6 +181,8 @@ class RunView:
     micro_step: int = 0
     """Micro-steps done in the current optimizer step (0..grad_accum)."""
     world_size: int = 1
+    sequence_parallel: int = 1
+    """Ranks every sequence is split over (1: whole sequences), as the start event says."""
     effective_batch: int = 0
     tokens: int = 0
     rank_step_times_s: list[float] = field(default_factory=list)
@@ -409,8 +411,8 @@ class RunView:
     def _on_start(self, e: StartEvent, given: Set[str]) -> None:
         self.status = "running"
         self._take(e, ("run_id", "method", "distribution", "total_steps", "world_size",
-                       "micro_batch", "grad_accum", "effective_batch", "objective"),
-                   given)  # fmt: skip
+                       "micro_batch", "grad_accum", "effective_batch", "objective",
+                       "sequence_parallel"), given)  # fmt: skip
         # New processes (a resume may even have another world size): scaling measured afresh.
         self.timings = deque(maxlen=SCALING_STEPS)
         if isinstance(e.estimate, dict) and e.estimate.get("total") is not None:  # per device
@@ -554,6 +556,7 @@ def new_view(run_dir: Path) -> RunView:
         method=spec.resolved.method,
         distribution=spec.resolved.distribution,
         world_size=spec.resolved.world_size,
+        sequence_parallel=spec.resolved.sequence_parallel,
         per_kwh=float(spec.preset.cost.per_kwh or 0.0),
         currency=str(spec.preset.cost.currency or ""),
         estimate_bytes=spec.planned_bytes.get("total"),
@@ -591,6 +594,7 @@ def summarize(run_dir: Path, view: RunView, state: dict[str, Any]) -> dict[str, 
         "method": view.method,
         "distribution": view.distribution,
         "world_size": view.world_size,
+        "sequence_parallel": view.sequence_parallel,
         "step": view.step,
         "total_steps": view.total_steps,
         "loss": view.loss,

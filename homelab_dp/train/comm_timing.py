@@ -113,7 +113,8 @@ def blocking_split(intervals: Sequence[tuple[float, float, str]], on_cuda: bool)
 class CommTimer:
     """The collectives of this rank's optimizer steps: marks per collective, no host sync.
 
-    ``kind`` is "ddp" (overlapped buckets) or "fsdp" (FSDP2's collectives); on CUDA the marks
+    ``kind`` is "ddp" (overlapped buckets), "fsdp" (FSDP2's collectives) or "blocking" (the
+    all-to-alls of sequence parallelism, every second exposed); on CUDA the marks
     are CUDA events, elsewhere `time.perf_counter` readings. A timer whose ``kind`` is "none"
     (one process: nothing to communicate) reads `NO_COMM`.
     """
@@ -188,6 +189,9 @@ class CommTimer:
             times = [(float(s), float(e), k) for s, e, k in records]
         if self.kind == "ddp":
             return overlapped_split([(s, e) for s, e, _ in times])
+        if self.kind == "blocking":  # on the compute stream (sequence parallelism's all-to-alls)
+            comm = union_seconds([(s, e) for s, e, _ in times])
+            return CommSplit(comm, comm, len(times))
         return blocking_split(times, self.on_cuda)
 
 

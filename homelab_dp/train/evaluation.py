@@ -391,12 +391,15 @@ def evaluate(
     loss_dtype: torch.dtype = torch.float32,
     loss_head: Any = None,
     flat: bool = False,
+    split: Any = None,
 ) -> EvalResult:
     """The loss over ``blocks`` on ``world`` ranks (call it on every rank; all get the result).
 
     ``model`` is what the forward runs (a strategy's wrapped model, or the bare model);
     ``loss_head`` is the `train.loss.ChunkedLossHead` installed in it, or None for full
     cross-entropy; ``flat`` sends a packed micro-batch as one row (FlashAttention varlen).
+    ``split`` (`train.sequence_parallel.SequenceSplit`): each sequence group takes its data
+    rank's blocks and each rank its slice of every sequence, as in training.
     """
 
     t0 = time.perf_counter()
@@ -404,16 +407,24 @@ def evaluate(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = real = 0
+    mine = (rank, world) if split is None else (split.data_rank, split.data_world)
     try:
-        for idx in rank_batches(blocks.n_blocks, rank, world, micro):
+        for idx in rank_batches(blocks.n_blocks, *mine, micro):
             if idx:
                 labels = blocks.labels[idx]
             else:  # this rank has no block left: the first block, every label ignored
                 idx = [0]
                 labels = torch.full_like(blocks.labels[idx], IGNORE_INDEX)
-            input_ids = to_device(blocks.input_ids[idx], device)
-            positions = to_device(blocks.positions[idx], device)
-            mask = None if blocks.packed else to_device(blocks.mask[idx], device)
+            ids, pos, real_mask = blocks.input_ids[idx], blocks.positions[idx], blocks.mask[idx]
+            mask = None if blocks.packed else to_device(real_mask, device)
+            scope: Any = contextlib.nullcontext()
+            if split is not None:  # this rank's slice; attention sees the whole sequences
+                scope = split.active(pos, None if blocks.packed else real_mask)
+                ids, pos, labels, real_mask = (
+                    split.local(t) for t in (ids, pos, labels, real_mask)
+                )
+                mask = None
+            input_ids, positions = to_device(ids, device), to_device(pos, device)
             if flat:
                 input_ids, positions, labels = (
                     t.reshape(1, -1) for t in (input_ids, positions, labels)
@@ -422,7 +433,7 @@ def evaluate(
             targets = (
                 loss_head.targets(labels) if loss_head is not None else contextlib.nullcontext()
             )
-            with autocast(), targets:
+            with autocast(), targets, scope:
                 out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                             use_cache=False).logits  # fmt: skip
             if loss_head is None:
@@ -430,7 +441,7 @@ def evaluate(
             if n_targets:
                 loss_sum += token_loss_sum(out, labels, loss_dtype, loss_head).double()
                 tokens += n_targets
-                real += int(blocks.mask[idx].sum())
+                real += int(real_mask.sum())
             del out
     finally:
         model.train(was_training)
@@ -554,6 +565,7 @@ class Validator:
                 model.strategy.model, self.blocks, rank=rank.rank, world=rank.world,
                 micro=rank.micro, device=rank.device, autocast=model.autocast,
                 loss_dtype=model.loss_dtype, loss_head=model.loss_head, flat=model.flat_batches,
+                split=getattr(rank, "split", None),
             )  # fmt: skip
 
     def record(self, step: int, result: Any) -> Verdict:

@@ -236,7 +236,7 @@ def oom_advice(resolved: Resolved, exc: BaseException) -> tuple[str, str, dict[s
     """
     micro, accum = resolved.micro_batch, resolved.grad_accum
     world, ac = resolved.world_size, resolved.activation_checkpointing
-    effective = micro * world * accum
+    effective = resolved.effective_batch  # micro × data ranks × accumulation
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     message = (f"out of memory with micro-batch {micro} × accumulation {accum} on {world} "
                f"rank(s) ({first})")  # fmt: skip
@@ -254,5 +254,6 @@ def oom_advice(resolved: Resolved, exc: BaseException) -> tuple[str, str, dict[s
                     "activation_checkpointing": True, "effective_batch": effective}  # fmt: skip
         return message, "set train.activation_checkpointing = true" + retry, proposal
     hint = ("micro-batch 1 with activation checkpointing does not fit: use lora or qlora, "
-            "fsdp-full, a shorter data.seq_len or more devices (see `homelab-dp plan`)")  # fmt: skip
+            "fsdp-full, a shorter data.seq_len, more devices, or the sequence split over "
+            "them (train.sequence_parallel; see `homelab-dp plan`)")  # fmt: skip
     return message, hint, None

@@ -52,6 +52,7 @@ from homelab_dp.train.objectives.reference_choice import reference_kind
 from homelab_dp.train.packed_attention import watch_positions
 from homelab_dp.train.packing_check import check_model
 from homelab_dp.train.quantized_load import build_on_meta, has_routed_experts
+from homelab_dp.train.sequence_parallel import CombinedTimer, SequenceSplit, install
 from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
 from homelab_dp.train.strategy import (
     SampleOrder,
@@ -86,6 +87,18 @@ class Rank:
     micro: int
     accum: int
     effective: int
+    split: Any = None
+    """`train.sequence_parallel.SequenceSplit` when sequences are split over ranks, else None."""
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's share of the blocks: its own rank, or its sequence group's."""
+        return self.rank if self.split is None else self.split.data_rank
+
+    @property
+    def data_world(self) -> int:
+        """Ranks that take blocks of their own (the world over the sequence-parallel degree)."""
+        return self.world if self.split is None else self.split.data_world
 
 
 def init_distributed(spec: RunSpec) -> Rank:
@@ -112,18 +125,31 @@ def init_distributed(spec: RunSpec) -> Rank:
     dist.init_process_group(backend, **kwargs)
     world = dist.get_world_size()
     micro, effective, accum = resolved.micro_batch, resolved.effective_batch, resolved.grad_accum
+    degree = resolved.sequence_parallel
+    if world % degree:
+        raise HomelabError(f"train.sequence_parallel = {degree} does not divide the {world} "
+                           "processes", hint=f"run with a multiple of {degree} processes")  # fmt: skip
+    if degree > 1 and spec.preset.train.objective != "sft":  # the plan refuses it too
+        raise HomelabError(f"train.sequence_parallel = {degree} splits SFT sequences only, not "
+                           f"train.objective = {spec.preset.train.objective!r}",
+                           hint="set train.sequence_parallel = 1")  # fmt: skip
     if world != resolved.world_size:
         # Keep the effective batch (and so the data position and schedule) of the plan.
-        if effective % (micro * world):
+        data_world = world // degree
+        if effective % (micro * data_world):
             raise HomelabError(
                 f"{world} processes cannot keep the planned effective batch "
                 f"{effective} with micro-batch {micro}",
                 hint=f"run with {resolved.world_size} processes",
             )
-        accum = effective // (micro * world)
+        accum = effective // (micro * data_world)
         log.warning("world size %d (planned %d): gradient accumulation %d keeps batch %d",
                     world, resolved.world_size, accum, effective)  # fmt: skip
-    return Rank(device, dist.get_rank(), world, micro, accum, effective)
+    split = SequenceSplit.create(degree, device) if degree > 1 else None
+    if split is not None:
+        log.info("sequence parallelism: every sequence split over %d ranks (%d data ranks)",
+                 degree, split.data_world)  # fmt: skip
+    return Rank(device, dist.get_rank(), world, micro, accum, effective, split)
 
 
 @dataclass
@@ -192,7 +218,7 @@ def load_data(preset: Preset, rank: Rank) -> Data:
     if preset.train.objective == "grpo":
         return _load_prompts(preset, rank, tokenizer)
     split = load_train_eval(preset.data, tokenizer, seed=preset.train.seed, seq_len_limit=limit,
-                            min_blocks=rank.world * rank.micro)  # fmt: skip
+                            min_blocks=rank.data_world * rank.micro)  # fmt: skip
     # hit: read what the preflight wrote; built: tokenized here (the cache was missing)
     names = ("train", "eval")[: len(split.cache)]
     log.info(
@@ -376,7 +402,11 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     copied = None
     if not sharded and reference_kind(spec.preset, resolved.method) == "copy":
         copied = frozen_copy(loaded.model)  # before the wrapper: no DDP hooks on the copy
+    if rank.split is not None:  # before the wrapper: attention split in the micro-steps
+        install(loaded.model)
     strategy = wrap_model(loaded, resolved, device, grad_accum=rank.accum)
+    if rank.split is not None:  # the all-to-alls' seconds join the step's comm_seconds
+        strategy.comm = CombinedTimer(strategy.comm, rank.split.timer)
     packing = None
     if spec.preset.data.pack:  # exact on this model, or refused before the first step
         packing = check_model(
@@ -409,7 +439,7 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
         device.type, resolved.dtype, capability=card_capability(device),
         model_type=str(getattr(loaded.model.config, "model_type", "")),
     )  # fmt: skip
-    flat = attention == "flash_attention_2"
+    flat = attention == "flash_attention_2" and rank.split is None
     return Model(loaded, strategy, optimizer, scheduler, master_dtype(resolved), scaler, autocast,
                  loss_head=loss_head, flat_batches=flat and spec.preset.data.pack,
                  attention=attention, attention_reason=why, packing=packing,
@@ -601,4 +631,5 @@ def start_event(spec: RunSpec, s: SetUp) -> StartEvent:
         packing=s.model.packing.verdict if s.model.packing is not None else "off",
         packing_error=s.model.packing.max_diff if s.model.packing is not None else None,
         objective=spec.preset.train.objective, reference=s.reference,
+        sequence_parallel=rank.split.degree if rank.split is not None else 1,
     )  # fmt: skip

@@ -220,7 +220,7 @@ class Trainer:
                 whole = group_by_length(whole, d.real_tokens)
             micro_idx = [
                 whole[s.start - first : s.stop - first]
-                for s in rank_slices(at, r.micro, r.world, r.accum, r.rank)
+                for s in rank_slices(at, r.micro, r.data_world, r.accum, r.data_rank)
             ]
             counts = self.units[whole].sum(0).tolist()
             tokens = int(d.real_tokens[whole].sum())

@@ -89,12 +89,15 @@ def make_run(
     offload: str = "none",
     offload_activations: bool = False,
     measure_steps: int = 0,
+    sequence_parallel: int = 1,
+    pack: bool = False,
+    data_extra: dict[str, Any] | None = None,
 ) -> Path:
     """A run folder with spec.json for the given plan (what the controller would write)."""
     preset = preset_from_dict(
         {
             "model": {"path": str(model)},
-            "data": {"path": str(data), "seq_len": seq_len, "pack": False},
+            "data": {"path": str(data), "seq_len": seq_len, "pack": pack, **(data_extra or {})},
             "train": {
                 "method": method,
                 "distribution": distribution,
@@ -103,6 +106,7 @@ def make_run(
                 "max_steps": 3,
                 "lr": lr,
                 "seed": 7,
+                "sequence_parallel": sequence_parallel,
                 **(train or {}),
             },
             "lora": {"r": 4, "alpha": 8},
@@ -121,6 +125,7 @@ def make_run(
         lr=lr,
         offload=offload,  # type: ignore[arg-type]
         offload_activations=offload_activations,
+        sequence_parallel=sequence_parallel,
     )
     rdzv = rendezvous or Rendezvous()
     launch = Launch(nproc_per_node=world // rdzv.nnodes, rendezvous=rdzv)

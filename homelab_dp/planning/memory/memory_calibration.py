@@ -138,7 +138,9 @@ def config_key(model: dict[str, Any], shape: TrainShape) -> dict[str, Any]:
     """What makes two measurements comparable: the model's sizes and the training shape."""
     keep = ("model_type", "params", "layers", "hidden", "vocab")
     # The data's target share refines an estimate; it does not make another configuration.
-    shape_key = {k: v for k, v in asdict(shape).items() if k != "target_share"}
+    # Whole sequences (sequence_parallel 1) stay out: what was measured before it still matches.
+    shape_key = {k: v for k, v in asdict(shape).items()
+                 if k != "target_share" and (k, v) != ("sequence_parallel", 1)}  # fmt: skip
     return {"model": {k: model.get(k) for k in keep}, "shape": shape_key}
 
 

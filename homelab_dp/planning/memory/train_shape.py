@@ -71,6 +71,9 @@ class TrainShape:
     """The resolved `train.reference` (none: sft and orpo have no reference): adapters (a no-grad
     forward of the base, adapters disabled), precompute (nothing on the device but cached
     log-probabilities), copy (a frozen copy of the weights on every device)."""
+    sequence_parallel: int = 1
+    """Ranks every sequence is split over (`homelab_dp.planning.sequence_split`); ``seq_len`` is
+    then one rank's share, ``seq_len / sequence_parallel`` tokens."""
 
 
 def preference(shape: TrainShape) -> bool:

@@ -47,13 +47,21 @@ class SftObjective:
         width = trimmed_width(idx, data.real_tokens) if getattr(data, "grouped", False) else None
         mask = None if data.packed else to_device(data.mask[idx, :width], dev)
         scale = rank.world / max(float(counts[0]), 1.0)
-        loss = micro_step(
-            model.strategy, to_device(data.input_ids[idx, :width], dev), mask,
-            data.labels[idx, :width], scale,
-            positions=to_device(data.positions[idx, :width], dev), autocast=model.autocast,
-            loss_dtype=model.loss_dtype, scaler=model.scaler, probe=probe,
-            loss_head=model.loss_head, flat=model.flat_batches,
-        )  # fmt: skip
+        ids, labels, positions = (data.input_ids[idx, :width], data.labels[idx, :width],
+                                  data.positions[idx, :width])  # fmt: skip
+        split = getattr(rank, "split", None)
+        split_context: Any = contextlib.nullcontext()
+        if split is not None:  # this rank's slice of every sequence; attention sees them whole
+            split_context = split.active(positions, mask)
+            ids, labels, positions, mask = (split.local(ids), split.local(labels),
+                                            split.local(positions), None)  # fmt: skip
+        with split_context:
+            loss = micro_step(
+                model.strategy, to_device(ids, dev), mask, labels, scale,
+                positions=to_device(positions, dev), autocast=model.autocast,
+                loss_dtype=model.loss_dtype, scaler=model.scaler, probe=probe,
+                loss_head=model.loss_head, flat=model.flat_batches,
+            )  # fmt: skip
         return loss.reshape(1)
 
     def fields(self, sums: Sequence[float], counts: Sequence[float]) -> dict[str, float | None]:

@@ -96,6 +96,13 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["run", "tiny-demo", "--set", "train.offload=optimizer", "--set",
          "train.optimizer=adamw8bit"],
         "train.offload = 'optimizer' steps AdamW in host memory: set train.optimizer = 'adamw'"),
+    "a sequence split above the world size": (
+        ["run", "tiny-demo", "--gpus", "cpu:2", "--set", "train.sequence_parallel=4"],
+        "train.sequence_parallel = 4 is above the world size (2 processes)"),
+    "a sequence split that does not divide the sequence": (
+        ["run", "tiny-demo", "--gpus", "cpu:2", "--set", "train.sequence_parallel=2",
+         "--set", "data.seq_len=255"],
+        "train.sequence_parallel = 2 does not divide data.seq_len = 255"),
 }  # fmt: skip
 
 
