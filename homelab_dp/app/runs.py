@@ -351,6 +351,7 @@ class RunController:
             lr=p.lr.applied,
             offload=p.chosen.offload,  # type: ignore[arg-type]
             offload_activations=p.chosen.offload_activations,
+            tiled_mlp=p.chosen.tiled_mlp,
         )
         return Prepared(preset, planned, resolved, blocks, origin, warnings)
 

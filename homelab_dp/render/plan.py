@@ -14,6 +14,7 @@ from homelab_dp.planning.memory.device_memory import COMPONENTS
 from homelab_dp.planning.memory.offload_cost import ASSUMED_MFU, offload_words, seconds
 from homelab_dp.planning.plan_reasons import PLAIN, count, holders
 from homelab_dp.planning.planner import SAFETY_MARGIN, Plan
+from homelab_dp.planning.seq_len_finder import SeqLenFinder
 from homelab_dp.probe.hardware import PlanHardware, format_bytes
 from homelab_dp.render.preset_results import expected_text
 from homelab_dp.render.text import duration
@@ -150,12 +151,24 @@ def render_plan(
         blocks.append(Text(f"micro-batch finder: {f['micro_batch']} × accumulation "
                            f"{f['grad_accum']} = effective batch {f['effective_batch']}"
                            + ("" if f["exact"] else f" (asked {f['requested_effective_batch']})")))  # fmt: skip
+    if plan.seq_len_finder is not None:
+        blocks.append(seq_len_text(plan.seq_len_finder))
     if (line := expected_text(expected)) is not None:
         blocks.append(line)
     if samples:
         blocks.append(Text(samples_text(samples)))
     blocks.append(Text(_provenance(j), style="dim"))
     return Group(*blocks)
+
+
+def seq_len_text(finder: SeqLenFinder) -> Text:
+    """`plan --find-seq-len`'s lines: the longest data.seq_len, then one line per candidate."""
+    out = Text()
+    out.append(f"sequence-length finder: {finder.max_seq_len:,} tokens", style="bold")
+    out.append(f" at micro-batch {finder.micro_batch} (the plan is for {finder.planned_seq_len:,})")
+    for line in finder.candidate_lines():
+        out.append(f"\n  {line}")
+    return out
 
 
 def held_text(hw: PlanHardware) -> Text | None:

@@ -50,6 +50,9 @@ class Resolved:
     """What FSDP keeps in host RAM (none | optimizer | params); none in specs written before."""
     offload_activations: bool = False
     """Saved activations in host RAM (`homelab_dp.train.activation_offload`)."""
+    tiled_mlp: bool = False
+    """Each decoder layer's MLP in tiles along the sequence (`homelab_dp.train.tiled_mlp`):
+    the planner's decision for `train.tiled_mlp`; False in specs written before."""
 
     @property
     def effective_batch(self) -> int:

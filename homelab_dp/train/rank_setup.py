@@ -34,6 +34,7 @@ from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
 from homelab_dp.runs.run_spec import RunSpec
 from homelab_dp.train.activation_offload import ActivationOffload
+from homelab_dp.train.tiled_mlp import tile_mlps
 from homelab_dp.train.attention import attention_choice
 from homelab_dp.train.checkpoints import find_usable, load_checkpoint
 from homelab_dp.train.evaluation import EvalBlocks, eval_blocks
@@ -364,6 +365,10 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     else:
         loaded = load_model(spec.preset, resolved, device, sharded=sharded)
     _count_loaded(memory, loaded)
+    if resolved.tiled_mlp:  # the planner's decision (`planning.memory.tiled_mlp`)
+        hidden = int(loaded.model.config.get_text_config().hidden_size)
+        n = tile_mlps(loaded.decoder_layers, hidden)
+        log.info("train.tiled_mlp: %d decoder layers' MLPs in tiles of ~%d tokens", n, hidden)
     # homelab_packed finds a packed block's samples from the forward's position_ids, also in a
     # family whose forward keeps them from the mask builder (gpt-oss).
     watch_positions(loaded.model)

@@ -87,6 +87,12 @@ from homelab_dp.planning.memory.pinned_memory import (
     pinned_bytes,
     rounding,
 )
+from homelab_dp.planning.memory.tiled_mlp import (
+    mlp_lora_outputs,
+    mlp_tile_tokens,
+    mlp_trainable_params,
+    tiles_mlp,
+)
 from homelab_dp.planning.memory.train_shape import (
     TrainShape,
     attention_masked,
@@ -219,7 +225,7 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         rest = 2 * attn + 2 * kvd
         if spec.model_type == "phi3":
             rest += attn + kvd  # the fused qkv output stays alive beside the rotated q and k
-        mlp = mlp_bytes_per_layer(spec, w, experts_trained)
+        mlp = tiled_mlp_saved(spec, shape, mlp_bytes_per_layer(spec, w, experts_trained))
         out = (24 * h if w == 4 else 28 * h) + w * rest + mlp + small
         if shape.method != "full":
             out -= 2 * 4 * h  # frozen norm weights: the normalised input is not saved
@@ -233,8 +239,33 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         # sequence it scales q and k as views of c_attn's output, which then stays alive.
         out += 3 * a * shape.seq_len * w + (2 * h * w if shape.micro_batch == 1 else 0)
     if shape.method != "full":
-        out += lora_outputs_per_layer(spec, lora_targets_of(shape)) * shape.lora_r * w  # lora_A
+        adapters = lora_outputs_per_layer(spec, lora_targets_of(shape))
+        if tiles_mlp(spec, shape):  # the MLP's adapters save inside the tiles only
+            adapters -= mlp_lora_outputs(spec, shape)
+        out += adapters * shape.lora_r * w  # lora_A
     return out
+
+
+def tiled_mlp_saved(spec: ModelSpec, shape: TrainShape, mlp: float) -> float:
+    """The MLP's saved bytes per token, ``mlp`` untiled: 0 with a tiled MLP (`train.tiled_mlp`,
+    `homelab_dp.planning.memory.tiled_mlp`), whose tiles save nothing but the MLP's input (the
+    norm's output, counted with the layer) and are recomputed one at a time in backward."""
+    return 0.0 if tiles_mlp(spec, shape) else mlp
+
+
+def mlp_tile_bytes(spec: ModelSpec, shape: TrainShape) -> float:
+    """Bytes one tile of a tiled MLP holds in backward: its recomputed intermediate tensors and
+    adapters' outputs, the intermediate-wide gradients of its backward, and the tile's input
+    gradient (0 when the MLP is not tiled: the untiled intermediate is per token)."""
+    if not tiles_mlp(spec, shape):
+        return 0.0
+    w = compute_width(shape)
+    tile = mlp_tile_tokens(shape.micro_batch * shape.seq_len, spec.hidden)
+    trained = shape.method == "full"
+    per_token = mlp_bytes_per_layer(spec, w, trained) + mlp_temporaries(spec) * w
+    per_token += mlp_lora_outputs(spec, shape) * shape.lora_r * w + spec.hidden * w
+    # The MLP's parameter gradients, summed over the tiles: the running sum and this tile's.
+    return per_token * tile + 2 * 4 * mlp_trainable_params(spec, shape)
 
 
 def outer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
@@ -369,7 +400,7 @@ def pinned_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
         extra = (attn + kvd) if spec.model_type == "phi3" else 0
         routed = spec.experts.top_k * expert_width(spec) if spec.experts else inter
         trained = shape.method == "full" or bool(adapted_experts(spec, lora_targets_of(shape)))
-        mlp = mlp_bytes_per_layer(spec, w, trained)
+        mlp = tiled_mlp_saved(spec, shape, mlp_bytes_per_layer(spec, w, trained))
         parts = [(routed, mlp), (attn, (2 * attn + extra) * w), (kvd, 2 * kvd * w)]
         if _masked(spec, shape):
             parts.append((shape.seq_len, shape.seq_len * w))
@@ -653,6 +684,8 @@ def _inside_backward(
     saved = spec.hidden * res * tokens if shape.activation_checkpointing else layer
     outer = activation_bytes(spec, shape) - spec.layers * saved
     temps = (spec.hidden + mlp_temporaries(spec)) * tokens * w
+    if tiles_mlp(spec, shape):  # one tile's MLP at a time, beside the whole input gradient
+        temps = 2 * spec.hidden * tokens * w + mlp_tile_bytes(spec, shape)
     if shape.method == "full":
         head = (spec.lm_head_params or spec.embedding_params) * 4 / (n if fsdp else 1)
         per_layer = decoder_params(spec) / spec.layers * 4 / (n if fsdp else 1)

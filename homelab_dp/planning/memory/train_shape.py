@@ -71,6 +71,11 @@ class TrainShape:
     """The resolved `train.reference` (none: sft and orpo have no reference): adapters (a no-grad
     forward of the base, adapters disabled), precompute (nothing on the device but cached
     log-probabilities), copy (a frozen copy of the weights on every device)."""
+    tiled_mlp: bool = False
+    """`train.tiled_mlp` as planned: each decoder layer's MLP computed in tiles along the
+    sequence, recomputed in backward (`homelab_dp.planning.memory.tiled_mlp`): its intermediate
+    tensors are one tile's, not the micro-batch's. Ignored for a model whose MLPs stay untiled
+    (`tiled_mlp_refusal`)."""
 
 
 def preference(shape: TrainShape) -> bool:
