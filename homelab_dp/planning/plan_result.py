@@ -126,7 +126,7 @@ class Candidate:
     None until predicted, and for an option the worker cannot train here."""
     tiled_mlp: bool = False
     """Each decoder layer's MLP in tiles along the sequence (`train.tiled_mlp`,
-    `homelab_dp.planning.memory.tiled_mlp`): what the run resolves it to."""
+    `homelab_dp.planning.memory.mlp_tiles`): what the run resolves it to."""
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -18,7 +18,7 @@ Decision tree (a pinned method, distribution or offload in the preset is respect
 
 Within each option activation checkpointing is tried off first, then on (when the preset says
 "auto"), because it costs about a third more compute but no communication; with
-`train.tiled_mlp` "auto" the same again with the MLP tiled (`planning.memory.tiled_mlp`),
+`train.tiled_mlp` "auto" the same again with the MLP tiled (`planning.memory.mlp_tiles`),
 only where nothing untiled fits: the MLP intermediate is what limits. Mixed cards are
 limited by the smallest. When nothing fits, the plan says what would.
 
@@ -73,9 +73,9 @@ from homelab_dp.planning.memory.memory_calibration import (
     config_key,
     measured_reasons,
 )
+from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_options, tiles_mlp
 from homelab_dp.planning.memory.objective_memory import forward_rows
 from homelab_dp.planning.memory.offload_cost import offload_cost
-from homelab_dp.planning.memory.tiled_mlp import tiled_mlp_options, tiles_mlp
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.objective_cost import (
     REFERENCE_OBJECTIVES,
@@ -379,7 +379,16 @@ def evaluate(
     fits = ok and b.total <= hw.budget(SAFETY_MARGIN)
     cost = offload_cost(spec, shape, b, hw)
     return Candidate(
-        method, dist, ckpt, b, fits, ok, note, shape.offload, shape.offload_activations, cost,
+        method,
+        dist,
+        ckpt,
+        b,
+        fits,
+        ok,
+        note,
+        shape.offload,
+        shape.offload_activations,
+        cost,
         tiled_mlp=tiles_mlp(spec, shape),
     )
 
@@ -472,7 +481,15 @@ def _decide(spec, preset, hw, dtype, calibration, host_available, *, offload: bo
                 continue  # a later stage lists only what could be chosen
             for ck, tm in settings:
                 c = evaluate(
-                    spec, preset, hw, m, d, ck, calibration, offload=o, offload_activations=a,
+                    spec,
+                    preset,
+                    hw,
+                    m,
+                    d,
+                    ck,
+                    calibration,
+                    offload=o,
+                    offload_activations=a,
                     tiled_mlp=tm,
                 )
                 tried.append(c)

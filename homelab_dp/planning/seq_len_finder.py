@@ -31,16 +31,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from homelab_dp.planning.memory.device_memory import (
-    _masked,
+    EAGER_ATTENTION_TYPES,
     kv_repeated,
     layer_activation_bytes,
     loss_head_bytes,
-    mlp_tile_bytes,
 )
+from homelab_dp.planning.memory.mlp_tiles import mlp_tile_bytes, tiles_mlp
 from homelab_dp.planning.memory.moe_memory import adapted_experts, mlp_bytes_per_layer
-from homelab_dp.planning.memory.tiled_mlp import mlp_lora_outputs, tiled_mlp_refusal, tiles_mlp
 from homelab_dp.planning.memory.train_shape import (
     TrainShape,
+    attention_masked,
     compute_width,
     is_fsdp,
     lora_targets_of,
@@ -52,7 +52,9 @@ MAX_SEQ_LEN = 1 << 22
 """The longest length searched (4M tokens): beyond any model's positions today."""
 
 
-def search_seq_len(fits: Callable[[int], bool], *, granule: int = 1, high: int = MAX_SEQ_LEN) -> int:
+def search_seq_len(
+    fits: Callable[[int], bool], *, granule: int = 1, high: int = MAX_SEQ_LEN
+) -> int:
     """The longest multiple of ``granule`` up to ``high`` with ``fits(length)``, 0 when not even
     ``granule`` fits. ``fits`` must be monotone (true up to some length, false beyond)."""
     if granule < 1 or high < granule:
@@ -107,13 +109,14 @@ def limit_parts(spec: ModelSpec, shape: TrainShape, activations: int) -> dict[st
         parts["other"] = activations
         return parts
     h, attn, kvd = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    if _masked(spec, shape) or kv_repeated(spec, shape):
+    masked = attention_masked(shape) or spec.model_type in EAGER_ATTENTION_TYPES
+    if masked or kv_repeated(spec, shape):
         kvd = attn
     trained = shape.method == "full" or bool(adapted_experts(spec, lora_targets_of(shape)))
     layer = {
         "attention": (2 * attn) * w + 4 * (2 + spec.heads),
         "kv": 2 * kvd * w,
-        "mask": shape.seq_len * w if _masked(spec, shape) else 0,
+        "mask": shape.seq_len * w if masked else 0,
         "mlp": 0 if tiles_mlp(spec, shape) else mlp_bytes_per_layer(spec, w, trained),
         "residual": (24 * h if w == 4 else 28 * h) - (8 * h if shape.method != "full" else 0),
     }
@@ -268,16 +271,3 @@ class SeqLenFinder:
             "candidates": [c.to_json() for c in self.candidates],
             "lifts": [lift.to_json() for lift in self.lifts],
         }
-
-
-__all__ = [
-    "MAX_SEQ_LEN",
-    "PART_WORDS",
-    "Lift",
-    "SeqLenFinder",
-    "SeqLenFit",
-    "limit_parts",
-    "search_seq_len",
-    "tiled_mlp_refusal",
-    "mlp_lora_outputs",
-]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from homelab_dp.planning.memory.memory_calibration import HardwareCalibration
-from homelab_dp.planning.memory.tiled_mlp import tiled_mlp_refusal
+from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_refusal
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.plan_result import SAFETY_MARGIN, Candidate
 from homelab_dp.planning.planner import (

@@ -45,8 +45,8 @@ from homelab_dp.planning.flops import (
     peak_flops,
 )
 from homelab_dp.planning.links import NO_LINK, LinkSpeed
-from homelab_dp.planning.memory.tiled_mlp import mlp_forward_flops_per_token
 from homelab_dp.planning.memory.device_memory import comm_bytes_per_step
+from homelab_dp.planning.memory.mlp_tiles import mlp_forward_flops_per_token
 from homelab_dp.planning.memory.train_shape import (
     TrainShape,
     compute_width,

@@ -70,6 +70,7 @@ def render_plan(
     t = j["training"]
     ok = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
     ck = ", activation checkpointing" if t["activation_checkpointing"] else ""
+    ck += ", tiled MLP" if j.get("tiled_mlp") else ""
     ck += f", offload {off}" if (off := offload_label(j)) else ""
     head = (
         f"{ok}  {PLAIN[j['method']]} · {PLAIN[j['distribution']]}{ck}\n"

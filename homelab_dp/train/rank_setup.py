@@ -34,7 +34,6 @@ from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
 from homelab_dp.runs.run_spec import RunSpec
 from homelab_dp.train.activation_offload import ActivationOffload
-from homelab_dp.train.tiled_mlp import tile_mlps
 from homelab_dp.train.attention import attention_choice
 from homelab_dp.train.checkpoints import find_usable, load_checkpoint
 from homelab_dp.train.evaluation import EvalBlocks, eval_blocks
@@ -61,6 +60,7 @@ from homelab_dp.train.strategy import (
     set_lr_for_step,
     wrap_model,
 )
+from homelab_dp.train.tiled_mlp import tile_mlps
 from homelab_dp.train.trainable_model import (
     card_capability,
     compute_dtype,
@@ -365,7 +365,7 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     else:
         loaded = load_model(spec.preset, resolved, device, sharded=sharded)
     _count_loaded(memory, loaded)
-    if resolved.tiled_mlp:  # the planner's decision (`planning.memory.tiled_mlp`)
+    if resolved.tiled_mlp:  # the planner's decision (`planning.memory.mlp_tiles`)
         hidden = int(loaded.model.config.get_text_config().hidden_size)
         n = tile_mlps(loaded.decoder_layers, hidden)
         log.info("train.tiled_mlp: %d decoder layers' MLPs in tiles of ~%d tokens", n, hidden)

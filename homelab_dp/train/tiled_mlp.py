@@ -18,7 +18,7 @@ sees the random state the forward saw (LoRA's dropout masks repeat), and the aut
 Works with LoRA/QLoRA adapters inside the MLP (they are the MLP's trainable parameters) and
 with activation checkpointing on or off (the checkpoint's recompute runs the tiled forward
 again). A MoE block (``experts``) is left untiled, as the planner says
-(`homelab_dp.planning.memory.tiled_mlp.tiled_mlp_refusal`).
+(`homelab_dp.planning.memory.mlp_tiles.tiled_mlp_refusal`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from homelab_dp.planning.memory.tiled_mlp import mlp_tiles
+from homelab_dp.planning.memory.mlp_tiles import mlp_tiles
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,7 +73,8 @@ class TiledMLPFunction(torch.autograd.Function):
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, device)
             row = 0
-            for xt, gt in zip(flat.tensor_split(ctx.tiles), grads.tensor_split(ctx.tiles)):
+            tiles = zip(flat.tensor_split(ctx.tiles), grads.tensor_split(ctx.tiles), strict=True)
+            for xt, gt in tiles:
                 xt = xt.detach().requires_grad_(want_x)
                 with torch.enable_grad(), torch.autocast(device.type, dtype, enabled=enabled):
                     out = ctx.mlp(xt)

@@ -64,6 +64,12 @@ from dataclasses import asdict, dataclass, field
 
 from homelab_dp.planning.attention_rule import PACKED_ATTENTION, packed_kernel
 from homelab_dp.planning.memory.layer_kinds import blocks_activation_bytes
+from homelab_dp.planning.memory.mlp_tiles import (
+    mlp_lora_outputs,
+    mlp_tile_bytes,
+    tiled_mlp_saved,
+    tiles_mlp,
+)
 from homelab_dp.planning.memory.moe_memory import (
     adapted_experts,
     decoder_params,
@@ -86,12 +92,6 @@ from homelab_dp.planning.memory.pinned_memory import (
     host_adamw_pinned_bytes,
     pinned_bytes,
     rounding,
-)
-from homelab_dp.planning.memory.tiled_mlp import (
-    mlp_lora_outputs,
-    mlp_tile_tokens,
-    mlp_trainable_params,
-    tiles_mlp,
 )
 from homelab_dp.planning.memory.train_shape import (
     TrainShape,
@@ -244,28 +244,6 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
             adapters -= mlp_lora_outputs(spec, shape)
         out += adapters * shape.lora_r * w  # lora_A
     return out
-
-
-def tiled_mlp_saved(spec: ModelSpec, shape: TrainShape, mlp: float) -> float:
-    """The MLP's saved bytes per token, ``mlp`` untiled: 0 with a tiled MLP (`train.tiled_mlp`,
-    `homelab_dp.planning.memory.tiled_mlp`), whose tiles save nothing but the MLP's input (the
-    norm's output, counted with the layer) and are recomputed one at a time in backward."""
-    return 0.0 if tiles_mlp(spec, shape) else mlp
-
-
-def mlp_tile_bytes(spec: ModelSpec, shape: TrainShape) -> float:
-    """Bytes one tile of a tiled MLP holds in backward: its recomputed intermediate tensors and
-    adapters' outputs, the intermediate-wide gradients of its backward, and the tile's input
-    gradient (0 when the MLP is not tiled: the untiled intermediate is per token)."""
-    if not tiles_mlp(spec, shape):
-        return 0.0
-    w = compute_width(shape)
-    tile = mlp_tile_tokens(shape.micro_batch * shape.seq_len, spec.hidden)
-    trained = shape.method == "full"
-    per_token = mlp_bytes_per_layer(spec, w, trained) + mlp_temporaries(spec) * w
-    per_token += mlp_lora_outputs(spec, shape) * shape.lora_r * w + spec.hidden * w
-    # The MLP's parameter gradients, summed over the tiles: the running sum and this tile's.
-    return per_token * tile + 2 * 4 * mlp_trainable_params(spec, shape)
 
 
 def outer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:

@@ -73,7 +73,7 @@ class TrainShape:
     log-probabilities), copy (a frozen copy of the weights on every device)."""
     tiled_mlp: bool = False
     """`train.tiled_mlp` as planned: each decoder layer's MLP computed in tiles along the
-    sequence, recomputed in backward (`homelab_dp.planning.memory.tiled_mlp`): its intermediate
+    sequence, recomputed in backward (`homelab_dp.planning.memory.mlp_tiles`): its intermediate
     tensors are one tile's, not the micro-batch's. Ignored for a model whose MLPs stay untiled
     (`tiled_mlp_refusal`)."""
 

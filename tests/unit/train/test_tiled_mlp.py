@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from homelab_dp.planning.memory.device_memory import TrainShape, budget
-from homelab_dp.planning.memory.tiled_mlp import mlp_tile_tokens, mlp_tiles
+from homelab_dp.planning.memory.mlp_tiles import mlp_tile_tokens, mlp_tiles
 from homelab_dp.planning.model_spec import load_model_spec
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 
-from homelab_dp.planning.memory.moe_memory import adapted
-from homelab_dp.planning.memory.train_shape import TrainShape, lora_targets_of
+from homelab_dp.planning.memory.moe_memory import adapted, mlp_bytes_per_layer, mlp_temporaries
+from homelab_dp.planning.memory.train_shape import TrainShape, compute_width, lora_targets_of
 from homelab_dp.planning.model_spec import ModelSpec
 
 MLP_LINEAR_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2")
@@ -67,8 +67,10 @@ def mlp_tile_tokens(tokens: int, hidden: int) -> int:
 
 
 def tiles_mlp(spec: ModelSpec, shape: TrainShape) -> bool:
-    """Whether ``shape`` runs ``spec``'s MLPs tiled (asked for, and the model's MLPs can be)."""
-    return shape.tiled_mlp and not tiled_mlp_refusal(spec)
+    """Whether ``shape`` runs ``spec``'s MLPs tiled: asked for, the model's MLPs can be, and a
+    micro-batch makes two tiles or more (with one the worker runs the MLP as it is)."""
+    tokens = shape.micro_batch * shape.seq_len
+    return shape.tiled_mlp and not tiled_mlp_refusal(spec) and mlp_tiles(tokens, spec.hidden) > 1
 
 
 def _is_mlp(name: str) -> bool:
@@ -79,7 +81,11 @@ def _mlp_adapted(spec: ModelSpec, shape: TrainShape) -> list:
     if shape.method == "full":
         return []
     dense = set(spec.linears)
-    return [lin for lin, _ in adapted(spec, lora_targets_of(shape)) if lin in dense and _is_mlp(lin.name)]
+    return [
+        lin
+        for lin, _ in adapted(spec, lora_targets_of(shape))
+        if lin in dense and _is_mlp(lin.name)
+    ]
 
 
 def mlp_lora_outputs(spec: ModelSpec, shape: TrainShape) -> int:
@@ -94,7 +100,9 @@ def mlp_forward_flops_per_token(spec: ModelSpec, shape: TrainShape) -> float:
     if not tiles_mlp(spec, shape):
         return 0.0
     per_layer = 2.0 * sum(lin.d_in * lin.d_out for lin in spec.linears if _is_mlp(lin.name))
-    per_layer += sum(2.0 * shape.lora_r * (lin.d_in + lin.d_out) for lin in _mlp_adapted(spec, shape))
+    per_layer += sum(
+        2.0 * shape.lora_r * (lin.d_in + lin.d_out) for lin in _mlp_adapted(spec, shape)
+    )
     return per_layer * spec.layers
 
 
@@ -104,3 +112,25 @@ def mlp_trainable_params(spec: ModelSpec, shape: TrainShape) -> int:
     if shape.method == "full":
         return sum(lin.params for lin in spec.linears if _is_mlp(lin.name))
     return sum(shape.lora_r * (lin.d_in + lin.d_out) for lin in _mlp_adapted(spec, shape))
+
+
+def tiled_mlp_saved(spec: ModelSpec, shape: TrainShape, mlp: float) -> float:
+    """The MLP's saved bytes per token, ``mlp`` untiled: 0 with a tiled MLP (`train.tiled_mlp`,
+    `homelab_dp.planning.memory.mlp_tiles`), whose tiles save nothing but the MLP's input (the
+    norm's output, counted with the layer) and are recomputed one at a time in backward."""
+    return 0.0 if tiles_mlp(spec, shape) else mlp
+
+
+def mlp_tile_bytes(spec: ModelSpec, shape: TrainShape) -> float:
+    """Bytes one tile of a tiled MLP holds in backward: its recomputed intermediate tensors and
+    adapters' outputs, the intermediate-wide gradients of its backward, and the tile's input
+    gradient (0 when the MLP is not tiled: the untiled intermediate is per token)."""
+    if not tiles_mlp(spec, shape):
+        return 0.0
+    w = compute_width(shape)
+    tile = mlp_tile_tokens(shape.micro_batch * shape.seq_len, spec.hidden)
+    trained = shape.method == "full"
+    per_token = mlp_bytes_per_layer(spec, w, trained) + mlp_temporaries(spec) * w
+    per_token += mlp_lora_outputs(spec, shape) * shape.lora_r * w + spec.hidden * w
+    # The MLP's parameter gradients, summed over the tiles: the running sum and this tile's.
+    return per_token * tile + 2 * 4 * mlp_trainable_params(spec, shape)
