@@ -28,8 +28,8 @@ scaling) are `homelab_dp.planning.plan_reasons`; the checks of what a preset may
 module decides and budgets.
 
 The micro-batch search (pure arithmetic over a budget function): the largest micro-batch that
-fits, the effective batch kept. The preset asks for an effective batch E = micro × world × accumulation. For a micro-batch m the
-accumulation is ceil(E / (m × world)), so the effective batch stays E when m × world divides E and
+fits, the effective batch kept. The preset asks for an effective batch E = micro × world ×
+accumulation. For a micro-batch m the accumulation is ceil(E / (m × world)), so the effective batch stays E when m × world divides E and
 becomes the next multiple above it otherwise. By default only micro-batches that keep E exactly
 are chosen (the learning rate, the schedule, the data position of checkpoints and the OOM retry
 all assume it); a larger micro-batch that fits only by rounding E up is named in the plan, and
@@ -378,19 +378,8 @@ def evaluate(
     ok, note = supported(method, dist, hw, shape.dtype, shape.offload)
     fits = ok and b.total <= hw.budget(SAFETY_MARGIN)
     cost = offload_cost(spec, shape, b, hw)
-    return Candidate(
-        method,
-        dist,
-        ckpt,
-        b,
-        fits,
-        ok,
-        note,
-        shape.offload,
-        shape.offload_activations,
-        cost,
-        tiled_mlp=tiles_mlp(spec, shape),
-    )
+    return Candidate(method, dist, ckpt, b, fits, ok, note, shape.offload,
+                     shape.offload_activations, cost, tiled_mlp=tiles_mlp(spec, shape))  # fmt: skip
 
 
 def checkpointing_options(preset: Preset) -> tuple[bool, ...]:
@@ -480,18 +469,8 @@ def _decide(spec, preset, hw, dtype, calibration, host_available, *, offload: bo
             if i and not supported(m, d, hw, dtype, o)[0]:
                 continue  # a later stage lists only what could be chosen
             for ck, tm in settings:
-                c = evaluate(
-                    spec,
-                    preset,
-                    hw,
-                    m,
-                    d,
-                    ck,
-                    calibration,
-                    offload=o,
-                    offload_activations=a,
-                    tiled_mlp=tm,
-                )
+                c = evaluate(spec, preset, hw, m, d, ck, calibration, offload=o,
+                             offload_activations=a, tiled_mlp=tm)  # fmt: skip
                 tried.append(c)
                 need = _host_short(spec, preset, hw, c, host_available) if c.fits else None
                 if need is not None:

@@ -49,7 +49,8 @@ from homelab_dp.planning.memory.train_shape import (
 from homelab_dp.planning.model_spec import ModelSpec
 
 MAX_SEQ_LEN = 1 << 22
-"""The longest length searched (4M tokens): beyond any model's positions today."""
+"""The longest length searched (4M tokens) when the model's positions are not known; else
+its ``max_position_embeddings`` (a run refuses a longer `data.seq_len`)."""
 
 
 def search_seq_len(
@@ -90,6 +91,7 @@ PART_WORDS = {
     "residual": "the residual stream and the norms",
     "lora": "LoRA's adapter outputs",
     "logits": "the logits of the loss head",
+    "positions": "the model's max_position_embeddings (the card would hold more)",
     "other": "the rest (embeddings, the batch, backward temporaries, other layer kinds)",
 }
 """What each part of `limit_parts` is, in the plan's words."""
@@ -242,16 +244,16 @@ class SeqLenFinder:
                 "usable)."
             )
         out = [head]
-        if c.limited_by:
+        if c.limited_by == "positions":
+            out.append(
+                f"What limits it: the model's {self.max_positions:,} positions "
+                "(max_position_embeddings; a run refuses a longer data.seq_len), not the memory."
+            )
+        elif c.limited_by:
             total = sum(v for _, v in c.parts) or 1
             top = ", ".join(f"{PART_WORDS[k]} {v / 2**30:.2f} GiB ({100 * v / total:.0f}%)"
                             for k, v in c.parts[:3])  # fmt: skip
             out.append(f"What limits it one token further: {top}.")
-        if self.max_positions and c.max_seq_len > self.max_positions:
-            out.append(
-                f"The model's config allows {self.max_positions:,} positions: beyond that the "
-                "memory fits but the model was not trained for it (RoPE scaling)."
-            )
         for lift in self.lifts:
             more = f": {lift.max_seq_len:,} tokens" if lift.max_seq_len is not None else ""
             out.append(f"Would lift it: {lift.setting} ({lift.words}){more}.")

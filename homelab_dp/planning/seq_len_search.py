@@ -23,6 +23,7 @@ from homelab_dp.planning.planner import (
     supported,
 )
 from homelab_dp.planning.seq_len_finder import (
+    MAX_SEQ_LEN,
     Lift,
     SeqLenFinder,
     SeqLenFit,
@@ -80,15 +81,22 @@ def longest(
     fits on ``hw``, with the option chosen there and what limits it one granule further."""
     limit = hw.budget(SAFETY_MARGIN)
     t = preset.train
+    high = spec.max_positions or MAX_SEQ_LEN  # a run refuses a longer data.seq_len
     best = search_seq_len(
-        lambda n: tree_choice(spec, _at(preset, n), hw, calibration) is not None, granule=granule
-    )
+        lambda n: tree_choice(spec, _at(preset, n), hw, calibration) is not None,
+        granule=granule, high=max(granule, high),
+    )  # fmt: skip
     c = tree_choice(spec, _at(preset, max(best, granule)), hw, calibration) if best else None
     method = c.method if c else (t.method if t.method != "auto" else "qlora")
     dist = c.distribution if c else (t.distribution if t.distribution != "auto" else "ddp")
     if c is None:
         ok = supported(method, dist, hw, resolve_dtype(preset, hw))[0]
         return SeqLenFit(method, dist, 0, supported=ok, limit_bytes=limit)
+    if best + granule > high:  # the model's positions end before the memory does
+        return SeqLenFit(
+            c.method, c.distribution, best, True, c.activation_checkpointing, c.tiled_mlp,
+            c.offload, c.offload_activations, c.budget.total, limit, "positions",
+        )  # fmt: skip
     over = _at(preset, best + granule)
     past = evaluate(spec, over, hw, c.method, c.distribution, c.activation_checkpointing,
                     calibration, offload=c.offload, offload_activations=c.offload_activations,

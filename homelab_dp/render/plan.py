@@ -376,6 +376,8 @@ def render_planned(planned: Planned) -> Group:
         parts.append(Text(samples_text(samples)))
     if (speed := speed_text(planned.plan)) is not None:
         parts.append(speed)
+    if planned.plan.seq_len_finder is not None:
+        parts.append(seq_len_text(planned.plan.seq_len_finder))
     return Group(*parts, candidates_block(planned), Text(), reasons_block(planned))
 
 

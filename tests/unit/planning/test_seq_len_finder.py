@@ -5,6 +5,7 @@ makes the run fit (pure, microseconds a budget)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_tiles_follow_alsts_rule() -> None:
     assert mlp_tiles(4097, 4096) == 2 and mlp_tile_tokens(4097, 4096) == 2049
 
 
-@pytest.mark.parametrize("model", ["meta-llama-3.1-8b", "qwen3-8b"])
+@pytest.mark.parametrize("model", ["meta-llama-3.1-8b", "qwen3-8b-yarn-128k"])
 def test_the_goal_80k_tokens_on_one_24_gib_card(model: str) -> None:
     """Llama-3.1-8B and Qwen3-8B QLoRA, rank 32, micro-batch 1: at least 80K tokens on one
     24 GiB card (docs/big-models.md), with the tiled MLP and the offloaded checkpoints the
@@ -114,6 +115,16 @@ def test_the_budget_prices_one_tile_not_the_sequence() -> None:
     assert 0.95 * saved < peak < saved
 
 
+def test_the_models_positions_cap_the_answer() -> None:
+    """Qwen3-8B's published config stops at 40,960 positions: the card would hold more, but a
+    run refuses a longer data.seq_len, so the finder says 40,960 and why."""
+    spec = load_model_spec(CONFIGS / "qwen3-8b")
+    found = find_seq_len(spec, _long("qwen3-8b"), ONE_24)
+    assert found.max_seq_len == spec.max_positions == 40960
+    assert found.chosen.limited_by == "positions"
+    assert any("40,960 positions" in r for r in found.reasons())
+
+
 def test_moe_mlps_stay_untiled() -> None:
     spec = load_model_spec(CONFIGS / "qwen3-30b-a3b")
     assert "MoE" in tiled_mlp_refusal(spec)
@@ -136,3 +147,21 @@ def test_plan_command_finds_the_seq_len(in_repo, capsys) -> None:
     assert "sequence-length finder:" in text and "lora · ddp:" in text
     assert main(["plan", "tiny-demo", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["seq_len_finder"] is None
+
+
+def test_the_run_spec_records_the_decision(in_repo) -> None:
+    """The worker tiles only what the planner decided (`Resolved.tiled_mlp`, read by
+    `train.rank_setup`): on for the demo at 2 × 512 tokens (8 tiles of 128) when asked, off when
+    not, and never for a micro-batch of one tile."""
+    from homelab_dp.app.runs import make_controller
+    from homelab_dp.runs.run_spec import Resolved
+
+    controller = make_controller()
+    sets = ["data.seq_len=512", "train.micro_batch=2", 'train.method="lora"']
+    on = controller.prepare("tiny-demo", overrides=[*sets, 'train.tiled_mlp="on"']).resolved
+    off = controller.prepare("tiny-demo", overrides=[*sets, 'train.tiled_mlp="off"']).resolved
+    short = controller.prepare(
+        "tiny-demo", overrides=["data.seq_len=64", "train.micro_batch=1", 'train.tiled_mlp="on"']
+    ).resolved
+    assert on.tiled_mlp and not off.tiled_mlp and not short.tiled_mlp
+    assert Resolved(**asdict(on)) == on  # spec.json's "resolved" block reads back
