@@ -165,3 +165,17 @@ def test_the_run_spec_records_the_decision(in_repo) -> None:
     ).resolved
     assert on.tiled_mlp and not off.tiled_mlp and not short.tiled_mlp
     assert Resolved(**asdict(on)) == on  # spec.json's "resolved" block reads back
+
+
+def test_the_time_model_prices_the_recompute() -> None:
+    """A tiled MLP runs each layer's MLP forward once more (with its adapters): 2 FLOPs a
+    weight of gate, up and down, and of their rank-32 adapters, per token and layer."""
+    from homelab_dp.planning.time_model import step_flops_per_token
+
+    spec = load_model_spec(CONFIGS / "meta-llama-3.1-8b")
+    preset = _long("meta-llama-3.1-8b", 8192)
+    flops = [step_flops_per_token(spec, train_shape(preset, ONE_24, "qlora", "ddp", True,
+                                                    tiled_mlp=t)) for t in (False, True)]  # fmt: skip
+    mlp = 3 * 4096 * 14336
+    adapters = 3 * 32 * (4096 + 14336)
+    assert flops[1] - flops[0] == pytest.approx(32 * 2 * (mlp + adapters), rel=1e-12)

@@ -21,6 +21,7 @@ from homelab_dp.planning.memory.mlp_tiles import mlp_tile_tokens, mlp_tiles
 from homelab_dp.planning.model_spec import load_model_spec
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
+from homelab_dp.train.activation_offload import ActivationOffload
 from homelab_dp.train.loss import install_loss_head
 from homelab_dp.train.memtrack import LiveTensors
 from homelab_dp.train.tiled_mlp import tile_mlp, tile_mlps
@@ -50,17 +51,23 @@ def _untile(layers: list[nn.Module]) -> None:
 
 
 def _step(
-    model: nn.Module, head: object, seq_len: int = S, *, measure: bool = False
+    model: nn.Module,
+    head: object,
+    seq_len: int = S,
+    *,
+    measure: bool = False,
+    offload: bool = False,
 ) -> tuple[float, dict[str, torch.Tensor], int]:
     """(loss, every trainable gradient, live tensor peak of the backward: 0 unless
-    ``measure``)."""
+    ``measure``); ``offload``: the saved activations through `ActivationOffload`'s hooks."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 2048, (B, seq_len), generator=g)
     pos = torch.arange(seq_len).repeat(B, 1)
     live = LiveTensors()
     live.track(model.parameters(), "weights")
     with live if measure else contextlib.nullcontext():
-        with head.targets(ids):  # type: ignore[attr-defined]
+        hooks = ActivationOffload(model, pin=False).context() if offload else torch.enable_grad()
+        with head.targets(ids), hooks:  # type: ignore[attr-defined]
             loss = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         live.reset_peak()
         loss.backward()
@@ -94,6 +101,8 @@ def measured(request: pytest.FixtureRequest) -> Iterator[dict]:
     out["fp64"] = _step(model, head)
     tile_mlps(layers, 128)
     out["fp64_tiled"] = _step(model, head)
+    # offloaded activations too (with checkpointing: the layer inputs) through the hooks
+    out["fp64_tiled_offloaded"] = _step(model, head, offload=True)
     yield out
 
 
@@ -104,6 +113,15 @@ def test_the_same_loss_and_gradients_in_fp64(measured: dict) -> None:
     for name, g in grads.items():
         diff = (g - tiled_grads[name]).abs().max().item()
         assert diff <= 1e-12 * max(1.0, g.abs().max().item()), (name, diff)
+
+
+def test_tiled_with_offloaded_activations_is_bitwise_tiled(measured: dict) -> None:
+    (loss, grads, _), (off_loss, off_grads, _) = (
+        measured["fp64_tiled"],
+        measured["fp64_tiled_offloaded"],
+    )
+    assert loss == off_loss and grads.keys() == off_grads.keys()
+    assert all(torch.equal(g, off_grads[n]) for n, g in grads.items())
 
 
 def test_the_peak_it_removes_is_the_planned_one(measured: dict) -> None:
