@@ -73,7 +73,7 @@ from homelab_dp.planning.memory.memory_calibration import (
     config_key,
     measured_reasons,
 )
-from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_options, tiles_mlp
+from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_options, tiled_mlp_refusal, tiles_mlp
 from homelab_dp.planning.memory.objective_memory import forward_rows
 from homelab_dp.planning.memory.offload_cost import offload_cost
 from homelab_dp.planning.model_spec import ModelSpec
@@ -557,6 +557,8 @@ def plan(
         reasons += objective_reasons(objective, logits_bytes(spec, shape))
     if preset.train.objective == "grpo":
         reasons.append(grpo_reason(spec, preset, dtype))
+    if preset.train.tiled_mlp == "on" and (why := tiled_mlp_refusal(spec)):
+        reasons.append(f"train.tiled_mlp = 'on': {why}; the MLPs run as they are.")
     reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:

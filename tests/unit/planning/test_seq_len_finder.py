@@ -129,8 +129,9 @@ def test_moe_mlps_stay_untiled() -> None:
     spec = load_model_spec(CONFIGS / "qwen3-30b-a3b")
     assert "MoE" in tiled_mlp_refusal(spec)
     preset = _long("qwen3-30b-a3b", 4096, tiled_mlp="on")
-    c = plan(spec, preset, parse_gpus_spec("2x24GiB", 64 * GiB)).chosen
-    assert not c.tiled_mlp
+    p = plan(spec, preset, parse_gpus_spec("2x24GiB", 64 * GiB))
+    assert not p.chosen.tiled_mlp and not any(c.tiled_mlp for c in p.candidates)
+    assert any(r.startswith("train.tiled_mlp = 'on': a MoE model") for r in p.reasons)
 
 
 def test_plan_command_finds_the_seq_len(in_repo, capsys) -> None:
