@@ -136,9 +136,9 @@ def test_the_peak_it_removes_is_the_planned_one(measured: dict) -> None:
 
 def test_qlora_adapters_inside_the_mlp_get_the_same_gradients() -> None:
     model, layers, head = _load("qlora", False)
-    loss, grads, _ = _step(model, head, 256)
-    tile_mlps(layers, 128)
-    tiled_loss, tiled_grads, _ = _step(model, head, 256)
+    loss, grads, _ = _step(model, head, 128)
+    tile_mlps(layers, 32)  # 4 tiles of 32 tokens: the 4-bit CPU matmuls are slow
+    tiled_loss, tiled_grads, _ = _step(model, head, 128)
     assert abs(loss - tiled_loss) <= 1e-6 * abs(loss)
     mlp = [n for n in grads if ".mlp." in n and "lora_" in n]
     assert mlp and grads.keys() == tiled_grads.keys()
