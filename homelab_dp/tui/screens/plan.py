@@ -41,7 +41,7 @@ class PlanScreen(Screen[None]):
 
     BINDINGS = [
         Binding("escape", "blur", "Leave field", show=False),
-        Binding("ctrl+l", "find_seq_len", "Longest seq_len"),
+        Binding("ctrl+l", "find_seq_len", "Longest seq_len", show=False),
     ]
     AUTO_FOCUS = "#preset"
 
@@ -177,6 +177,8 @@ class PlanScreen(Screen[None]):
             text = "The preset to plan; the fields below start from its values."
         else:
             text = f"{key}: {_docs().get(key, '')}" if key else ""
+            if key == "data.seq_len":
+                text += " ctrl+l: the longest that fits (plan --find-seq-len)."
         self.query_one("#field-help", Static).update(Text(text, style="italic"))
 
     def action_blur(self) -> None:
