@@ -297,6 +297,7 @@ def make_plan(
     gpus: str | None = None,
     *,
     find_micro_batch: bool = False,
+    find_seq_len: bool = False,
     fetch: bool = True,
     network: str | None = None,
     measure_link: bool = False,
@@ -308,8 +309,10 @@ def make_plan(
 
     What `homelab-dp measure` stored for this hardware corrects the overhead terms and is shown
     beside the estimate. ``find_micro_batch``: the largest micro-batch that fits, accumulation
-    keeping the preset's effective batch (`homelab_dp.planning.planner`). The plan's host RAM is
-    checked against this machine's (`host_available`).
+    keeping the preset's effective batch (`homelab_dp.planning.planner`). ``find_seq_len``: the
+    longest data.seq_len that fits, for the preset's choice and every candidate, what limits it
+    and what would lift it (`homelab_dp.planning.seq_len_search`), in the plan's reasons and its
+    ``seq_len_finder``. The plan's host RAM is checked against this machine's (`host_available`).
 
     The time model predicts every option's step time and scaling (`predict_speed`):
     ``network`` (``--network``) prices communication over that Ethernet between machines;
@@ -339,6 +342,12 @@ def make_plan(
     # the speed, the run's spec) takes the degree it chose.
     preset = with_degree(preset, made.sequence_parallel)
     planned = with_host(made, preset, host_available(gpus, hardware, report))
+    if find_seq_len:
+        from homelab_dp.planning.seq_len_search import find_seq_len as seq_len_search
+
+        found = seq_len_search(spec, preset, hardware, calibration)
+        planned = replace(planned, seq_len_finder=found,
+                          reasons=(*planned.reasons, *found.reasons()))  # fmt: skip
     link = link or plan_link(hardware, report, measure=measure_link)
     planned = predict_speed(planned, preset, link)
     if packing.reason:  # after the line that names the model
@@ -421,7 +430,8 @@ def with_target_share(planned: Planned, share: float) -> Plan:
     refined = evaluate(planned.spec, planned.preset, planned.hardware, c.method, c.distribution,
                        c.activation_checkpointing, p.calibration, micro_batch=p.micro_batch,
                        grad_accum=p.grad_accum, seq_len=p.seq_len, target_share=share,
-                       offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
+                       offload=c.offload, offload_activations=c.offload_activations,
+                       tiled_mlp=c.tiled_mlp)  # fmt: skip
     return replace(p, chosen=replace(c, budget=refined.budget))
 
 

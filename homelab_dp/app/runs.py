@@ -354,6 +354,7 @@ class RunController:
             offload=p.chosen.offload,  # type: ignore[arg-type]
             offload_activations=p.chosen.offload_activations,
             sequence_parallel=p.sequence_parallel,
+            tiled_mlp=p.chosen.tiled_mlp,
         )
         return Prepared(preset, planned, resolved, blocks, origin, warnings)
 

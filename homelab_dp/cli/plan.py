@@ -53,6 +53,12 @@ def register(sub: Any) -> None:
         action="store_true",
         help="the largest micro-batch that fits; accumulation keeps the effective batch",
     )
+    p.add_argument(
+        "--find-seq-len",
+        action="store_true",
+        help="the longest data.seq_len that fits (the preset's choice and every candidate), "
+        "what limits it and what would lift it",
+    )
     p.set_defaults(func=cmd_plan)
 
 
@@ -91,7 +97,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         preset = open_preset(args.preset, overrides)
     # measure_link: on the CPU, gloo's bandwidth is measured once per host (then cached)
     planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch,
-                        network=args.network, measure_link=True)  # fmt: skip
+                        find_seq_len=args.find_seq_len, network=args.network,
+                        measure_link=True)  # fmt: skip
     # What the preset's recorded runs say (`runs.preset_results`): expected duration and energy.
     expected = expected_runs(planned)
     samples = planned_samples(planned, expected)  # train.sample_every: what they add

@@ -295,6 +295,7 @@ def objective_reasons(cost: ObjectiveCost, logits_bytes: int) -> list[str]:
 
 def _describe(c: Option) -> str:
     ck = " with activation checkpointing" if c.activation_checkpointing else ""
+    ck += " and the MLP in tiles along the sequence" if getattr(c, "tiled_mlp", False) else ""
     off = offload_words(c.offload, c.offload_activations)
     return f"{PLAIN[c.method]} with {PLAIN[c.distribution]}{ck}" + (f", {off}" if off else "")
 

@@ -19,6 +19,7 @@ from homelab_dp.planning.memory.offload_cost import OffloadCost
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.objective_cost import ObjectiveCost
 from homelab_dp.planning.plan_reasons import LrAdvice
+from homelab_dp.planning.seq_len_finder import SeqLenFinder
 from homelab_dp.planning.time_model import Prediction
 from homelab_dp.probe.hardware import PlanHardware
 
@@ -126,6 +127,9 @@ class Candidate:
     predicted: Prediction | None = None
     """The time model's step seconds, tokens/s and scaling (`homelab_dp.planning.speed_plan`);
     None until predicted, and for an option the worker cannot train here."""
+    tiled_mlp: bool = False
+    """Each decoder layer's MLP in tiles along the sequence (`train.tiled_mlp`,
+    `homelab_dp.planning.memory.mlp_tiles`): what the run resolves it to."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,6 +147,7 @@ class Candidate:
             "offload_activations": self.offload_activations,
             "offload_cost": self.offload_cost.to_json() if self.offload_cost else None,
             "predicted": self.predicted.to_json() if self.predicted else None,
+            "tiled_mlp": self.tiled_mlp,
         }
 
 
@@ -179,6 +184,9 @@ class Plan:
     grpo: GrpoMemory | None = None
     """What GRPO adds to a rank's memory in the chosen option (`homelab_dp.planning.grpo_plan`;
     its time is in the prediction's ``generation_*`` fields); None for other objectives."""
+    seq_len_finder: SeqLenFinder | None = None
+    """`plan --find-seq-len`'s answer: the longest data.seq_len that fits, per candidate, what
+    limits it and what would lift it (`homelab_dp.planning.seq_len_finder`); None: not asked."""
     speed_advice: tuple[str, ...] = ()
     """What the time model says of the chosen option's speed and scaling, in words
     (`homelab_dp.planning.speed_plan`); `plan --json` lists it after `advice`."""
@@ -254,6 +262,7 @@ class Plan:
             "comm_bytes_per_step": b.comm_bytes_per_step,
             "offload": self.chosen.offload,
             "offload_activations": self.chosen.offload_activations,
+            "tiled_mlp": self.chosen.tiled_mlp,
             "offload_cost": cost.to_json() if (cost := self.chosen.offload_cost) else None,
             "lr": self.lr.to_json(),
             "candidates": [c.to_json() for c in self.candidates],
@@ -262,6 +271,7 @@ class Plan:
             "assumptions": list(self.assumptions),
             "calibration": self._calibration_json(),
             "micro_batch_finder": self.fit.to_json() if self.fit else None,
+            "seq_len_finder": f.to_json() if (f := self.seq_len_finder) else None,
             "host": self.host.to_json() if self.host else None,
             "predicted": pred.to_json() if (pred := self.chosen.predicted) else None,
             "objective": self.objective.to_json() if self.objective else None,

@@ -17,7 +17,9 @@ Decision tree (a pinned method, distribution or offload in the preset is respect
    cost).
 
 Within each option activation checkpointing is tried off first, then on (when the preset says
-"auto"), because it costs about a third more compute but no communication. Mixed cards are
+"auto"), because it costs about a third more compute but no communication; with
+`train.tiled_mlp` "auto" the same again with the MLP tiled (`planning.memory.mlp_tiles`),
+only where nothing untiled fits: the MLP intermediate is what limits. Mixed cards are
 limited by the smallest. When nothing fits, the plan says what would.
 
 The words (the reasons for the choice, the advice when nothing fits, the learning-rate
@@ -25,12 +27,9 @@ scaling) are `homelab_dp.planning.plan_reasons`; the checks of what a preset may
 `homelab_dp.planning.planner`; the answer's types and JSON `homelab_dp.planning.plan_result`. This
 module decides and budgets.
 
-The micro-batch search: the largest micro-batch that fits, the effective batch kept.
-
-Pure arithmetic over a budget function; `homelab_dp.planning.planner` applies it to the planner.
-
-The preset asks for an effective batch E = micro × world × accumulation. For a micro-batch m the
-accumulation is ceil(E / (m × world)), so the effective batch stays E when m × world divides E and
+The micro-batch search (pure arithmetic over a budget function): the largest micro-batch that
+fits, the effective batch kept. The preset asks for an effective batch E = micro × world ×
+accumulation. For a micro-batch m the accumulation is ceil(E / (m × world)), so the effective batch stays E when m × world divides E and
 becomes the next multiple above it otherwise. By default only micro-batches that keep E exactly
 are chosen (the learning rate, the schedule, the data position of checkpoints and the OOM retry
 all assume it); a larger micro-batch that fits only by rounding E up is named in the plan, and
@@ -46,10 +45,8 @@ with (`attention_path`), and the pinned choices the planned hardware cannot trai
 (`check_fp16_sharding`), and offload without FSDP (`check_offload`). Each refusal is a
 `PresetError` naming the field, with a hint (the CLI prints ``error:`` and ``hint:``, exit 2).
 
-`plan --find-micro-batch`: the plan at the largest micro-batch that fits, effective batch kept.
-
-The search itself is `homelab_dp.planning.planner.search_micro_batch`; this applies it to every option
-of the decision tree in order (`homelab_dp.planning.planner`).
+`plan --find-micro-batch`: the plan at the largest micro-batch that fits, effective batch kept
+(`search_micro_batch` applied to every option of the decision tree in order).
 
 The plan's host-RAM step: the ``host`` block of a plan, and what to say when the machine cannot
 hold the run although its cards can (pure; the model is `homelab_dp.planning.memory.host_memory`).
@@ -77,6 +74,7 @@ from homelab_dp.planning.memory.memory_calibration import (
     config_key,
     measured_reasons,
 )
+from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_options, tiled_mlp_refusal, tiles_mlp
 from homelab_dp.planning.memory.objective_memory import forward_rows
 from homelab_dp.planning.memory.offload_cost import offload_cost
 from homelab_dp.planning.model_spec import ModelSpec
@@ -338,6 +336,7 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
         objective=t.objective,
         reference=resolve_reference(t.objective, t.reference, method),  # type: ignore[arg-type]
         sequence_parallel=degree,
+        tiled_mlp=kw.get("tiled_mlp", False),
     )
 
 
@@ -371,7 +370,8 @@ def evaluate(
     **kw: Any,
 ) -> Candidate:
     """Budget one (method, distribution, checkpointing) option on ``hw``, with the offload
-    ``kw`` names (``offload``, ``offload_activations``; none by default) and what it costs.
+    ``kw`` names (``offload``, ``offload_activations``; none by default) and what it costs,
+    and ``tiled_mlp`` (False by default; only where the model's MLPs can be tiled).
 
     A calibration of this hardware replaces the assumed overhead terms with measured ones.
     """
@@ -383,14 +383,19 @@ def evaluate(
     ok, note = supported(method, dist, hw, shape.dtype, shape.offload)
     fits = ok and b.total <= hw.budget(SAFETY_MARGIN)
     cost = offload_cost(spec, shape, b, hw)
-    return Candidate(
-        method, dist, ckpt, b, fits, ok, note, shape.offload, shape.offload_activations, cost
-    )
+    return Candidate(method, dist, ckpt, b, fits, ok, note, shape.offload,
+                     shape.offload_activations, cost, tiled_mlp=tiles_mlp(spec, shape))  # fmt: skip
 
 
 def checkpointing_options(preset: Preset) -> tuple[bool, ...]:
     setting = preset.train.activation_checkpointing
     return (False, True) if setting == "auto" else (bool(setting),)
+
+
+def option_settings(spec: ModelSpec, preset: Preset) -> list[tuple[bool, bool]]:
+    """(checkpointing, tiled MLP) in the tree's order for one option: untiled first."""
+    tiles = tiled_mlp_options(spec, preset.train.tiled_mlp)
+    return [(ck, tm) for tm in tiles for ck in checkpointing_options(preset)]
 
 
 def allowed_options(preset: Preset) -> list[tuple[str, str]]:
@@ -458,7 +463,7 @@ def _decide(spec, preset, hw, dtype, calibration, host_available, *, offload: bo
     with checkpointing off then on; the fitting one that moves the fewest bytes over PCIe per
     step wins (without offload: the first that fits). ``offload`` False: the first stage only
     (what the preset pins, else nothing offloaded)."""
-    ckpts = checkpointing_options(preset)
+    settings = option_settings(spec, preset)
     tried: list[Candidate] = []
     first: list[Candidate] = []
     short: list[tuple[Candidate, int]] = []
@@ -468,10 +473,9 @@ def _decide(spec, preset, hw, dtype, calibration, host_available, *, offload: bo
         for m, d, o, a in stage:
             if i and not supported(m, d, hw, dtype, o)[0]:
                 continue  # a later stage lists only what could be chosen
-            for ck in ckpts:
-                c = evaluate(
-                    spec, preset, hw, m, d, ck, calibration, offload=o, offload_activations=a
-                )
+            for ck, tm in settings:
+                c = evaluate(spec, preset, hw, m, d, ck, calibration, offload=o,
+                             offload_activations=a, tiled_mlp=tm)  # fmt: skip
                 tried.append(c)
                 need = _host_short(spec, preset, hw, c, host_available) if c.fits else None
                 if need is not None:
@@ -493,8 +497,7 @@ def _host_short(spec, preset, hw, c: Candidate, available: int | None) -> int | 
     (and None when the machine's RAM is not known)."""
     if available is None or not offloading(c):
         return None
-    shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing,
-                        offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
+    shape = _shape_of(preset, hw, c)
     host = host_budget(spec, shape, c.budget, merge=preset.train.merge, available=available)
     return None if host.fits else host.total_bytes
 
@@ -535,13 +538,14 @@ def plan(
     best_effort = chosen or min(usable, key=lambda c: c.budget.total, default=tried[-1])
     # Every candidate, each with the checkpointing setting the plan would use for it, under the
     # first stage's offload; and the chosen one, when it offloads more.
-    ckpts = checkpointing_options(preset)
+    settings = option_settings(spec, preset)
     off, acts = offload_stages(preset, hw)[0][0]
     candidates = []
     for method in METHODS:
         for dist in DISTRIBUTIONS:
             options = [evaluate(spec, preset, hw, method, dist, c, calibration, offload=off,
-                                offload_activations=acts) for c in ckpts]  # fmt: skip
+                                offload_activations=acts, tiled_mlp=tm)
+                       for c, tm in settings]  # fmt: skip
             fitting = [c for c in options if c.fits]
             candidates.append(fitting[0] if fitting else options[-1])
     if _option_key(best_effort) not in {_option_key(c) for c in candidates}:
@@ -565,6 +569,8 @@ def plan(
         grpo = grpo_plan.grpo_memory(spec, preset, shape)
         reasons.append(grpo_plan.memory_reason(spec, preset, shape, best_effort.budget))
     reasons += [split_line] if split_line else []
+    if preset.train.tiled_mlp == "on" and (why := tiled_mlp_refusal(spec)):
+        reasons.append(f"train.tiled_mlp = 'on': {why}; the MLPs run as they are.")
     reasons = [*hw.notes, *reasons]  # what choosing the devices decided (a MIG slice) comes first
     advice: tuple[str, ...] = ()
     if not chosen:
@@ -610,7 +616,8 @@ def plan(
 
 def _shape_of(preset: Preset, hw: PlanHardware, c: Candidate) -> TrainShape:
     return train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing,
-                       offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
+                       offload=c.offload, offload_activations=c.offload_activations,
+                       tiled_mlp=c.tiled_mlp)  # fmt: skip
 
 
 def plan_objective(
@@ -627,8 +634,9 @@ def plan_objective(
                           seq_len=preset.data.seq_len, lora_r=lora.r, lora_targets=targets)  # fmt: skip
 
 
-def _option_key(c: Candidate) -> tuple[str, str, bool, str, bool]:
-    return (c.method, c.distribution, c.activation_checkpointing, c.offload, c.offload_activations)
+def _option_key(c: Candidate) -> tuple[str, str, bool, str, bool, bool]:
+    return (c.method, c.distribution, c.activation_checkpointing, c.offload, c.offload_activations,
+            c.tiled_mlp)  # fmt: skip
 
 
 def _model_key(spec: ModelSpec) -> dict[str, Any]:
@@ -638,8 +646,7 @@ def _model_key(spec: ModelSpec) -> dict[str, Any]:
 def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candidate) -> dict:
     """The calibration key of candidate ``c`` (what `homelab-dp measure` stores). Offload that
     is off stays out of the key, so what was measured before offload existed still matches."""
-    shape = train_shape(preset, hw, c.method, c.distribution, c.activation_checkpointing,
-                        offload=c.offload, offload_activations=c.offload_activations)  # fmt: skip
+    shape = _shape_of(preset, hw, c)
     key = config_key(_model_key(spec), shape)
     if shape.objective == "sft":  # what was measured before the objectives existed still matches
         key["shape"].pop("objective", None)
@@ -648,6 +655,8 @@ def measurement_key(spec: ModelSpec, preset: Preset, hw: PlanHardware, c: Candid
         key["shape"].pop("offload", None)
     if not shape.offload_activations:
         key["shape"].pop("offload_activations", None)
+    if not shape.tiled_mlp:  # what was measured before tiled MLPs existed still matches
+        key["shape"].pop("tiled_mlp", None)
     return key
 
 
@@ -675,14 +684,15 @@ def plan_largest_micro_batch(
     for method, dist, off, acts in options:
         if not supported(method, dist, hw, dtype, off)[0]:
             continue
-        for ckpt in checkpointing_options(preset):
+        for ckpt, tiled in option_settings(spec, preset):
 
             def total(
                 micro: int, accum: int, m: str = method, d: str = dist, c: bool = ckpt,
-                o: str = off, a: bool = acts,
+                o: str = off, a: bool = acts, tm: bool = tiled,
             ) -> int:  # fmt: skip
                 cand = evaluate(spec, preset, hw, m, d, c, calibration, micro_batch=micro,
-                                grad_accum=accum, offload=o, offload_activations=a)  # fmt: skip
+                                grad_accum=accum, offload=o, offload_activations=a,
+                                tiled_mlp=tm)  # fmt: skip
                 return cand.budget.total
 
             found = search_micro_batch(total, limit, requested, data_world)
@@ -741,7 +751,8 @@ def with_host(p: Plan, preset: Preset, available: int | None) -> Plan:
 def _host(p: Plan, preset: Preset, c: Candidate, available: int | None) -> HostBudget:
     shape = train_shape(preset, p.hardware, c.method, c.distribution, c.activation_checkpointing,
                         micro_batch=p.micro_batch, grad_accum=p.grad_accum, offload=c.offload,
-                        offload_activations=c.offload_activations)  # fmt: skip
+                        offload_activations=c.offload_activations,
+                        tiled_mlp=c.tiled_mlp)  # fmt: skip
     return host_budget(p.spec, shape, c.budget, merge=preset.train.merge, available=available)
 
 

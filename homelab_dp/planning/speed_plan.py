@@ -47,7 +47,8 @@ def predict_candidate(
     shape = train_shape(preset, p.hardware, c.method, c.distribution, c.activation_checkpointing,
                         micro_batch=p.micro_batch, grad_accum=grad_accum or p.grad_accum,
                         seq_len=p.seq_len, offload=c.offload,
-                        offload_activations=c.offload_activations)  # fmt: skip
+                        offload_activations=c.offload_activations,
+                        tiled_mlp=c.tiled_mlp)  # fmt: skip
     off = c.offload_cost.pcie_seconds_per_step if c.offload_cost else 0.0
     off *= (grad_accum or p.grad_accum) / p.grad_accum if c.offload_activations else 1.0
     pred = predict(p.spec, shape, p.hardware, link=link,

@@ -46,6 +46,7 @@ from homelab_dp.planning.flops import (
 )
 from homelab_dp.planning.links import NO_LINK, LinkSpeed
 from homelab_dp.planning.memory.device_memory import comm_bytes_per_step
+from homelab_dp.planning.memory.mlp_tiles import mlp_forward_flops_per_token
 from homelab_dp.planning.memory.train_shape import (
     TrainShape,
     compute_width,
@@ -183,6 +184,7 @@ def step_flops_per_token(spec: ModelSpec, shape: TrainShape) -> float:
         lora_r=shape.lora_r,
         lora_targets=lora_targets_of(shape),
     )
+    per_token += mlp_forward_flops_per_token(spec, shape)  # a tiled MLP's recompute
     if shape.objective == "sft":
         return per_token
     return per_token * shape_flops_factor(spec, shape)

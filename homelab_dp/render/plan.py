@@ -14,6 +14,7 @@ from homelab_dp.planning.memory.device_memory import COMPONENTS
 from homelab_dp.planning.memory.offload_cost import ASSUMED_MFU, offload_words, seconds
 from homelab_dp.planning.plan_reasons import PLAIN, count, holders
 from homelab_dp.planning.planner import SAFETY_MARGIN, Plan
+from homelab_dp.planning.seq_len_finder import SeqLenFinder
 from homelab_dp.probe.hardware import PlanHardware, format_bytes
 from homelab_dp.render.preset_results import expected_text
 from homelab_dp.render.text import duration
@@ -69,6 +70,7 @@ def render_plan(
     t = j["training"]
     ok = "[bold green]FITS[/]" if plan.fits else "[bold red]DOES NOT FIT[/]"
     ck = ", activation checkpointing" if t["activation_checkpointing"] else ""
+    ck += ", tiled MLP" if j.get("tiled_mlp") else ""
     ck += f", offload {off}" if (off := offload_label(j)) else ""
     head = (
         f"{ok}  {PLAIN[j['method']]} · {PLAIN[j['distribution']]}{ck}\n"
@@ -151,12 +153,24 @@ def render_plan(
         blocks.append(Text(f"micro-batch finder: {f['micro_batch']} × accumulation "
                            f"{f['grad_accum']} = effective batch {f['effective_batch']}"
                            + ("" if f["exact"] else f" (asked {f['requested_effective_batch']})")))  # fmt: skip
+    if plan.seq_len_finder is not None:
+        blocks.append(seq_len_text(plan.seq_len_finder))
     if (line := expected_text(expected)) is not None:
         blocks.append(line)
     if samples:
         blocks.append(Text(samples_text(samples)))
     blocks.append(Text(_provenance(j), style="dim"))
     return Group(*blocks)
+
+
+def seq_len_text(finder: SeqLenFinder) -> Text:
+    """`plan --find-seq-len`'s lines: the longest data.seq_len, then one line per candidate."""
+    out = Text()
+    out.append(f"sequence-length finder: {finder.max_seq_len:,} tokens", style="bold")
+    out.append(f" at micro-batch {finder.micro_batch} (the plan is for {finder.planned_seq_len:,})")
+    for line in finder.candidate_lines():
+        out.append(f"\n  {line}")
+    return out
 
 
 def held_text(hw: PlanHardware) -> Text | None:
@@ -363,6 +377,8 @@ def render_planned(planned: Planned) -> Group:
         parts.append(Text(samples_text(samples)))
     if (speed := speed_text(planned.plan)) is not None:
         parts.append(speed)
+    if planned.plan.seq_len_finder is not None:
+        parts.append(seq_len_text(planned.plan.seq_len_finder))
     return Group(*parts, candidates_block(planned), Text(), reasons_block(planned))
 
 

@@ -54,6 +54,10 @@ class Resolved:
     """Ranks per sequence (`homelab_dp.train.sequence_parallel`; 1: off): the world is data
     ranks × this, and only the data ranks take blocks of their own."""
 
+    tiled_mlp: bool = False
+    """Each decoder layer's MLP in tiles along the sequence (`homelab_dp.train.tiled_mlp`):
+    the planner's decision for `train.tiled_mlp`; False in specs written before."""
+
     @property
     def data_world(self) -> int:
         """Data-parallel ranks: the world size over the sequence-parallel degree."""

@@ -61,6 +61,7 @@ from homelab_dp.train.strategy import (
     set_lr_for_step,
     wrap_model,
 )
+from homelab_dp.train.tiled_mlp import tile_mlps
 from homelab_dp.train.trainable_model import (
     card_capability,
     compute_dtype,
@@ -392,6 +393,10 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     else:
         loaded = load_model(spec.preset, resolved, device, sharded=sharded)
     _count_loaded(memory, loaded)
+    if resolved.tiled_mlp:  # the planner's decision (`planning.memory.mlp_tiles`)
+        hidden = int(loaded.model.config.get_text_config().hidden_size)
+        n = tile_mlps(loaded.decoder_layers, hidden)
+        log.info("train.tiled_mlp: %d decoder layers' MLPs in tiles of ~%d tokens", n, hidden)
     # homelab_packed finds a packed block's samples from the forward's position_ids, also in a
     # family whose forward keeps them from the mask builder (gpt-oss).
     watch_positions(loaded.model)

@@ -124,10 +124,12 @@ class Session:
         """The preset with the overrides applied and paths resolved. Raises HomelabError."""
         return open_preset(self.preset_name, self.overrides())
 
-    def plan(self, *, fetch: bool = True) -> Planned:
+    def plan(self, *, fetch: bool = True, find_seq_len: bool = False) -> Planned:
         """Plan the current choices (fast: no torch). A model given by Hugging Face id is
         planned from its config.json: the cached one, else downloaded when ``fetch`` (one small
-        file; never while typing). Raises HomelabError."""
+        file; never while typing). ``find_seq_len``: with `plan --find-seq-len`'s answer (the
+        longest data.seq_len; a second or two, so only when asked). Raises HomelabError."""
         self.planned = None  # a failed re-plan must not leave the old plan looking current
-        self.planned = make_plan(self.open(), self.gpus.strip() or None, fetch=fetch)
+        self.planned = make_plan(self.open(), self.gpus.strip() or None, fetch=fetch,
+                                 find_seq_len=find_seq_len)  # fmt: skip
         return self.planned

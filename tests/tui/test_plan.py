@@ -149,3 +149,18 @@ async def test_serving_the_result_under_the_plan(controller: RunController) -> N
         text = plain(app, "#serve-view")
         assert "DOES NOT FIT ONE CARD" in text
         assert "Replicas cannot help a model that does not fit one card" in text
+
+
+@pytest.mark.usefixtures("gpus_2x3090")
+async def test_ctrl_l_finds_the_longest_seq_len(controller: RunController) -> None:
+    """The Plan screen shows `plan --find-seq-len`'s answer when asked (a second or two of
+    budgets, so never on each keystroke), the same words as the CLI's."""
+    async with open_app(controller, mode="plan", preset=SMOLLM) as (app, pilot, _):
+        assert "sequence-length finder" not in plain(app, "#plan-view")
+        app.set_focus(None)
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: "sequence-length finder" in plain(app, "#plan-view"))
+        found = app.session.planned.plan.seq_len_finder
+        assert found is not None and found.max_seq_len > 2048
+        text = plain(app, "#plan-view")
+        assert f"{found.max_seq_len:,} tokens" in text and "lora · ddp:" in text

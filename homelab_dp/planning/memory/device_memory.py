@@ -64,6 +64,12 @@ from dataclasses import asdict, dataclass, field
 
 from homelab_dp.planning.attention_rule import PACKED_ATTENTION, packed_kernel
 from homelab_dp.planning.memory.layer_kinds import blocks_activation_bytes
+from homelab_dp.planning.memory.mlp_tiles import (
+    mlp_lora_outputs,
+    mlp_tile_bytes,
+    tiled_mlp_saved,
+    tiles_mlp,
+)
 from homelab_dp.planning.memory.moe_memory import (
     adapted_experts,
     decoder_params,
@@ -219,7 +225,7 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         rest = 2 * attn + 2 * kvd
         if spec.model_type == "phi3":
             rest += attn + kvd  # the fused qkv output stays alive beside the rotated q and k
-        mlp = mlp_bytes_per_layer(spec, w, experts_trained)
+        mlp = tiled_mlp_saved(spec, shape, mlp_bytes_per_layer(spec, w, experts_trained))
         out = (24 * h if w == 4 else 28 * h) + w * rest + mlp + small
         if shape.method != "full":
             out -= 2 * 4 * h  # frozen norm weights: the normalised input is not saved
@@ -233,7 +239,10 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         # sequence it scales q and k as views of c_attn's output, which then stays alive.
         out += 3 * a * shape.seq_len * w + (2 * h * w if shape.micro_batch == 1 else 0)
     if shape.method != "full":
-        out += lora_outputs_per_layer(spec, lora_targets_of(shape)) * shape.lora_r * w  # lora_A
+        adapters = lora_outputs_per_layer(spec, lora_targets_of(shape))
+        if tiles_mlp(spec, shape):  # the MLP's adapters save inside the tiles only
+            adapters -= mlp_lora_outputs(spec, shape)
+        out += adapters * shape.lora_r * w  # lora_A
     return out
 
 
@@ -369,7 +378,7 @@ def pinned_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
         extra = (attn + kvd) if spec.model_type == "phi3" else 0
         routed = spec.experts.top_k * expert_width(spec) if spec.experts else inter
         trained = shape.method == "full" or bool(adapted_experts(spec, lora_targets_of(shape)))
-        mlp = mlp_bytes_per_layer(spec, w, trained)
+        mlp = tiled_mlp_saved(spec, shape, mlp_bytes_per_layer(spec, w, trained))
         parts = [(routed, mlp), (attn, (2 * attn + extra) * w), (kvd, 2 * kvd * w)]
         if _masked(spec, shape):
             parts.append((shape.seq_len, shape.seq_len * w))
@@ -661,6 +670,8 @@ def _inside_backward(
     saved = spec.hidden * res * tokens if shape.activation_checkpointing else layer
     outer = activation_bytes(spec, shape) - spec.layers * saved
     temps = (spec.hidden + mlp_temporaries(spec)) * tokens * w
+    if tiles_mlp(spec, shape):  # one tile's MLP at a time, beside the whole input gradient
+        temps = 2 * spec.hidden * tokens * w + mlp_tile_bytes(spec, shape)
     if shape.method == "full":
         head = (spec.lm_head_params or spec.embedding_params) * 4 / (n if fsdp else 1)
         per_layer = decoder_params(spec) / spec.layers * 4 / (n if fsdp else 1)

@@ -74,6 +74,11 @@ class TrainShape:
     sequence_parallel: int = 1
     """Ranks every sequence is split over (`homelab_dp.planning.sequence_split`); ``seq_len`` is
     then one rank's share, ``seq_len / sequence_parallel`` tokens."""
+    tiled_mlp: bool = False
+    """`train.tiled_mlp` as planned: each decoder layer's MLP computed in tiles along the
+    sequence, recomputed in backward (`homelab_dp.planning.memory.mlp_tiles`): its intermediate
+    tensors are one tile's, not the micro-batch's. Ignored for a model whose MLPs stay untiled
+    (`tiled_mlp_refusal`)."""
 
 
 def preference(shape: TrainShape) -> bool:

@@ -39,7 +39,10 @@ def _docs() -> dict[str, str]:
 class PlanScreen(Screen[None]):
     """Preset and field editors on the left, the plan on the right; re-planned on every change."""
 
-    BINDINGS = [Binding("escape", "blur", "Leave field", show=False)]
+    BINDINGS = [
+        Binding("escape", "blur", "Leave field", show=False),
+        Binding("ctrl+l", "find_seq_len", "Longest seq_len", show=False),
+    ]
     AUTO_FOCUS = "#preset"
 
     def __init__(self, session: Session) -> None:
@@ -174,16 +177,23 @@ class PlanScreen(Screen[None]):
             text = "The preset to plan; the fields below start from its values."
         else:
             text = f"{key}: {_docs().get(key, '')}" if key else ""
+            if key == "data.seq_len":
+                text += " ctrl+l: the longest that fits (plan --find-seq-len)."
         self.query_one("#field-help", Static).update(Text(text, style="italic"))
 
     def action_blur(self) -> None:
         """Leave the field, so that number keys switch screens again."""
         self.set_focus(None)
 
+    def action_find_seq_len(self) -> None:
+        """Plan once more with the longest data.seq_len that fits (`plan --find-seq-len`)."""
+        self.replan(find_seq_len=True)
+
     # ------------------------------------------------------------------ planning
-    def replan(self, fetch: bool = True) -> None:
+    def replan(self, fetch: bool = True, *, find_seq_len: bool = False) -> None:
         """Plan the session's choices (milliseconds: no torch) and show the result. ``fetch``:
-        a model id's config.json may be downloaded (not while typing: Enter fetches it)."""
+        a model id's config.json may be downloaded (not while typing: Enter fetches it).
+        ``find_seq_len`` (ctrl+l): with the sequence-length finder's answer."""
         if self._timer is not None:
             self._timer.stop()
             self._timer = None
@@ -194,7 +204,7 @@ class PlanScreen(Screen[None]):
             view.update("No preset found: put one in ./presets or save one from Launch.")
             return
         try:
-            planned = self.session.plan(fetch=fetch)
+            planned = self.session.plan(fetch=fetch, find_seq_len=find_seq_len)
         except NotCachedError as exc:
             hint = "press Enter in the model field to download its config.json" if not fetch else ""
             self._show_error(HomelabError(exc.message, hint or exc.hint))

@@ -99,9 +99,10 @@ def test_plan_grows_the_micro_batch_and_keeps_the_effective_batch() -> None:
 
 def test_plan_shrinks_the_micro_batch_when_the_preset_does_not_fit() -> None:
     spec, hw = spec_from_config(LLAMA3_8B), parse_gpus_spec("2x24GiB", 64 * GiB)
-    # Without offload (with it, QLoRA-FSDP full offloading its parameters fits at 16).
+    # Without offload (with it, QLoRA-FSDP full offloading its parameters fits at 16) and
+    # without the tiled MLP (with it, 16 × 2,048 tokens in 8 tiles fit).
     preset = _preset(micro_batch=16, grad_accum=2, method="qlora", seq_len=2048, offload="none",
-                     offload_activations=False)  # fmt: skip
+                     offload_activations=False, tiled_mlp="off")  # fmt: skip
     assert not plan(spec, preset, hw).fits
     p = plan_finder(spec, preset, hw)
     assert p.fits and p.micro_batch < 16
