@@ -54,8 +54,7 @@ hold the run although its cards can (pure; the model is `homelab_dp.planning.mem
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -77,6 +76,7 @@ from homelab_dp.planning.memory.memory_calibration import (
 from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_options, tiled_mlp_refusal, tiles_mlp
 from homelab_dp.planning.memory.objective_memory import forward_rows
 from homelab_dp.planning.memory.offload_cost import offload_cost
+from homelab_dp.planning.micro_batch_search import search_micro_batch
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.objective_cost import (
     REFERENCE_OBJECTIVES,
@@ -96,7 +96,7 @@ from homelab_dp.planning.plan_reasons import (
     objective_reasons,
     overhead_terms,
 )
-from homelab_dp.planning.plan_result import SAFETY_MARGIN, Candidate, Fit, Plan, accumulation_for
+from homelab_dp.planning.plan_result import SAFETY_MARGIN, Candidate, Fit, Plan
 from homelab_dp.presets.preset import Preset
 from homelab_dp.probe.hardware import (
     BF16_MIN_CAPABILITY,
@@ -105,55 +105,6 @@ from homelab_dp.probe.hardware import (
     format_capability,
 )
 from homelab_dp.vocabulary import DISTRIBUTIONS, METHODS, SHARDED
-
-MAX_CANDIDATES = 4096
-"""Micro-batches tried at most (an effective batch larger than this per device is unusual)."""
-
-
-def search_micro_batch(
-    total_for: Callable[[int, int], int],
-    limit: float,
-    requested_effective: int,
-    world_size: int,
-    max_micro: int | None = None,
-    exact: bool = True,
-) -> Fit:
-    """The largest micro-batch m with ``total_for(m, accumulation) <= limit``.
-
-    ``exact``: only micro-batches whose accumulation reaches E exactly (m × world divides E).
-
-    ``total_for(micro, grad_accum)`` is the per-device total of the plan with those values.
-    Micro-batches beyond ceil(E / world) are not tried: one optimizer step would then hold more
-    than the preset's effective batch. Without any that fits, the answer is micro-batch 1 with
-    ``fits`` false.
-    """
-    if requested_effective < 1 or world_size < 1:
-        raise ValueError("the effective batch and the world size must be positive")
-    top = math.ceil(requested_effective / world_size)
-    top = min(top, max_micro or top, MAX_CANDIDATES)
-    tried: list[tuple[int, int, bool]] = []
-    best: tuple[int, int, int] | None = None
-    larger: int | None = None
-    for micro in range(1, top + 1):
-        accum = accumulation_for(requested_effective, micro, world_size)
-        total = int(total_for(micro, accum))
-        ok = total <= limit
-        tried.append((micro, total, ok))
-        if ok and exact and micro * world_size * accum != requested_effective:
-            larger = micro
-        elif ok:
-            best, larger = (micro, accum, total), None
-    if best is None:
-        micro, total, _ = tried[0]
-        accum = accumulation_for(requested_effective, 1, world_size)
-        return Fit(
-            1, accum, world_size, requested_effective, total, int(limit), False, tuple(tried)
-        )
-    micro, accum, total = best
-    return Fit(
-        micro, accum, world_size, requested_effective, total, int(limit), True, tuple(tried), larger
-    )
-
 
 FP16_SHARDING_NOTE = (
     "FSDP needs bf16: the worker scales the fp16 loss (GradScaler) under DDP and ZeRO-1 only"

@@ -1,6 +1,6 @@
 """`plan --find-seq-len`: the longest `data.seq_len` that fits, what limits it, what would lift it.
 
-Pure arithmetic over the memory model, as `homelab_dp.planning.planner.search_micro_batch` is for
+Pure arithmetic over the memory model, as `homelab_dp.planning.micro_batch_search.search_micro_batch` is for
 the micro-batch. For a fixed option the per-device bytes grow with the sequence length (every
 activation and the loss head are per token; the weights and the optimizer state are not), so the
 longest length that fits is found by doubling until it does not fit and then bisecting, token by

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from homelab_dp.planning.micro_batch_search import search_micro_batch
 from homelab_dp.planning.model_spec import spec_from_config
 from homelab_dp.planning.planner import (
     SAFETY_MARGIN,
     accumulation_for,
     evaluate,
     plan,
-    search_micro_batch,
 )
 from homelab_dp.planning.planner import plan_largest_micro_batch as plan_finder
 from homelab_dp.presets.preset import preset_from_dict
