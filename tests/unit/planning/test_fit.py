@@ -6,9 +6,9 @@ import pytest
 
 from homelab_dp.planning.micro_batch_search import search_micro_batch
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_result import accumulation_for
 from homelab_dp.planning.planner import (
     SAFETY_MARGIN,
-    accumulation_for,
     evaluate,
     plan,
 )

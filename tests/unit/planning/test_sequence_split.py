@@ -81,8 +81,9 @@ def test_all_to_all_bytes_count_q_k_v_and_the_output_per_layer_and_pass() -> Non
 
 def test_the_split_halves_per_rank_activations_and_adds_the_all_to_all() -> None:
     hw = parse_gpus_spec("2x24GiB", 64 * GiB)
-    whole = plan(LLAMA3_8B, _preset(seq_len=32768, sp=1), hw)
-    halves = plan(LLAMA3_8B, _preset(seq_len=32768, sp=2), hw)
+    # the MLP untiled in both: the split alone halves each rank's tokens
+    whole = plan(LLAMA3_8B, _preset(seq_len=32768, sp=1, tiled_mlp="off"), hw)
+    halves = plan(LLAMA3_8B, _preset(seq_len=32768, sp=2, tiled_mlp="off"), hw)
     assert halves.sequence_parallel == 2 and whole.sequence_parallel == 1
     c_whole = next(c for c in whole.candidates if (c.method, c.distribution,
                    c.activation_checkpointing) == ("qlora", "ddp", True))  # fmt: skip
@@ -119,14 +120,15 @@ def test_auto_splits_only_a_sequence_that_does_not_fit_one_card() -> None:
     hw = parse_gpus_spec("2x24GiB", 64 * GiB)
     short = plan(LLAMA3_8B, _preset(seq_len=16384, sp="auto"), hw)
     assert short.sequence_parallel == 1 and short.fits
-    # 64K tokens: whole, not without offloading; split over the two cards, it fits
-    whole = plan(LLAMA3_8B, _preset(seq_len=65536, sp=1), hw)
-    assert not whole.fits or whole.chosen.offload != "none" or whole.chosen.offload_activations
-    long = plan(LLAMA3_8B, _preset(seq_len=65536, sp="auto"), hw)
+    # 128K tokens: whole, not even with the MLP tiled and the checkpoints offloaded (one card
+    # holds about 100K); split over the two cards, it fits
+    whole = plan(LLAMA3_8B, _preset(seq_len=131072, sp=1), hw)
+    assert not whole.fits or whole.chosen.offload != "none"
+    long = plan(LLAMA3_8B, _preset(seq_len=131072, sp="auto"), hw)
     assert long.sequence_parallel == 2 and long.fits and long.chosen.offload != "params"
     assert any("auto split it (before offloading the parameters)" in r for r in long.reasons)
     # one card: nothing to split over
-    one = plan(LLAMA3_8B, _preset(seq_len=65536, sp="auto"), parse_gpus_spec("24GiB", 64 * GiB))
+    one = plan(LLAMA3_8B, _preset(seq_len=131072, sp="auto"), parse_gpus_spec("24GiB", 64 * GiB))
     assert one.sequence_parallel == 1
 
 
@@ -157,6 +159,6 @@ def test_the_micro_batch_finder_takes_the_degree_auto_picks() -> None:
     from homelab_dp.planning.planner import plan_largest_micro_batch
 
     hw = parse_gpus_spec("2x24GiB", 64 * GiB)
-    found = plan_largest_micro_batch(LLAMA3_8B, _preset(seq_len=65536, sp="auto"), hw)
+    found = plan_largest_micro_batch(LLAMA3_8B, _preset(seq_len=131072, sp="auto"), hw)
     assert found.sequence_parallel == 2 and found.fits and found.fit is not None
     assert found.fit.world_size == 1  # one data rank: the two cards hold one sequence
