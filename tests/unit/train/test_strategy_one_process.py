@@ -94,3 +94,64 @@ def test_to_device_pins_and_copies_without_blocking_on_cuda() -> None:
     torch.cuda.synchronize(dev)
     assert torch.equal(out.cpu(), before)
     assert to_device(out, dev) is out  # already there
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's value into Python (a host sync on a GPU)."""
+
+    READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_adamw_is_fused_reads_nothing_back_and_matches_the_reference(tmp_path: Path) -> None:
+    """Issue 33: the CPU's AdamW was the foreach one, which reads every parameter's step count
+    with ``.item()`` each step; the fused kernel reads none and updates as torch's reference
+    (single-tensor) AdamW does, to fp32 rounding."""
+    with single_rank_group(tmp_path):
+        preset, resolved, loaded = _build(tmp_path, "ddp")
+        strategy = wrap_model(loaded, resolved, torch.device("cpu"))
+        optimizer = build_optimizer(strategy, preset.train, resolved.lr, torch.device("cpu"))
+        assert all(g["fused"] is True for g in optimizer.param_groups)
+        start = {id(p): p.detach().clone() for g in optimizer.param_groups for p in g["params"]}
+        copies = {k: v.clone().requires_grad_() for k, v in start.items()}
+        ref_opt = torch.optim.AdamW(
+            [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach")},
+              "params": [copies[id(p)] for p in g["params"]]} for g in optimizer.param_groups],
+            foreach=False,
+        )  # fmt: skip
+        pairs = [(p, copies[id(p)]) for g in optimizer.param_groups for p in g["params"]]
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p, r in pairs:
+                p.grad = torch.randn(p.shape, generator=gen)
+                r.grad = p.grad.clone()
+            with _HostReads() as reads:
+                optimizer.step()
+            ref_opt.step()
+            assert reads.count == 0
+        moved = max(float((p - start[id(p)]).abs().max()) for p, _ in pairs)
+        differ = max(float((p - r).abs().max()) for p, r in pairs)
+        assert moved > 1e-3 and differ < 1e-6  # 3 steps of lr 1e-3 move weights by ~3e-3
+
+
+def test_sample_order_indices_slice_each_epoch_as_the_position_by_position_order() -> None:
+    """Issue 33: a step's blocks are slices of the epoch permutations (one tensor, no read per
+    position), the same blocks position p // n, p % n names, across epoch boundaries too."""
+    from homelab_dp.train.strategy import SampleOrder
+
+    order, fresh = SampleOrder(7, 3), SampleOrder(7, 3)
+    for start in range(0, 24, 5):
+        for count in (0, 1, 6, 7, 8, 15):
+            want = [int(fresh.perm(p // 7)[p % 7]) for p in range(start, start + count)]
+            got = order.indices(start, count)
+            assert got.dtype == torch.long and got.tolist() == want
+            assert order.blocks(start, count) == want
+    assert sorted(order.indices(14, 7).tolist()) == list(range(7))  # one whole epoch
+    assert order.indices(14, 7).tolist() != order.indices(7, 7).tolist()  # reshuffled
