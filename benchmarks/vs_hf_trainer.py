@@ -1,12 +1,14 @@
 """Real (non-pad) tokens/s of homelab-dp against Hugging Face Trainer at its best.
 
     python benchmarks/vs_hf_trainer.py [--repeats 3] [--steps 20] [--seq-len 512] [--json]
-    python benchmarks/vs_hf_trainer.py --only-ours --trees old=/tmp/base,new=. --repeats 5
+    python benchmarks/vs_hf_trainer.py --only-ours
+    python benchmarks/vs_hf_trainer.py --trees old=/tmp/base,new=. --repeats 5
 
-``--only-ours`` runs homelab-dp alone (no HF set-up); ``--trees NAME=PATH,...`` (homelab-dp
-alone too) runs it from each of several source trees (``PYTHONPATH=PATH``; e.g. a ``git archive`` of an older
-commit), interleaved repeat by repeat, as sides ``homelab-dp[NAME]``: an A/B of two versions of
-the code on the same data, model and machine load, and each tree's median over the first's.
+``--only-ours`` runs homelab-dp alone (no HF set-up). ``--trees NAME=PATH,...`` (homelab-dp
+alone too) runs it from each of several source trees (``PYTHONPATH=PATH``; e.g. a
+``git archive`` of an older commit), interleaved repeat by repeat, as sides
+``homelab-dp[NAME]``: an A/B of two versions of the code on the same data, model and machine
+load, with each tree's median over the first's.
 
 The same model, the same ragged instruction data, a full fine-tune with AdamW, 2 processes on
 the CPU (gloo, OMP_NUM_THREADS = cores / processes), against every way a careful user would run
