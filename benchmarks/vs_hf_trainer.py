@@ -1,6 +1,14 @@
 """Real (non-pad) tokens/s of homelab-dp against Hugging Face Trainer at its best.
 
     python benchmarks/vs_hf_trainer.py [--repeats 3] [--steps 20] [--seq-len 512] [--json]
+    python benchmarks/vs_hf_trainer.py --only-ours
+    python benchmarks/vs_hf_trainer.py --trees old=/tmp/base,new=. --repeats 5
+
+``--only-ours`` runs homelab-dp alone (no HF set-up). ``--trees NAME=PATH,...`` (homelab-dp
+alone too) runs it from each of several source trees (``PYTHONPATH=PATH``; e.g. a
+``git archive`` of an older commit), interleaved repeat by repeat, as sides
+``homelab-dp[NAME]``: an A/B of two versions of the code on the same data, model and machine
+load, with each tree's median over the first's.
 
 The same model, the same ragged instruction data, a full fine-tune with AdamW, 2 processes on
 the CPU (gloo, OMP_NUM_THREADS = cores / processes), against every way a careful user would run
@@ -218,11 +226,17 @@ def warmup(steps: int) -> int:
     return max(1, steps // 10)
 
 
-def run_homelab(tmp: Path, model: Path, data: Path, a: argparse.Namespace) -> dict[str, Any]:
-    """Run the preset through the CLI and read its figures from events.jsonl."""
+def run_homelab(
+    tmp: Path, model: Path, data: Path, a: argparse.Namespace, tree: Path | None = None,
+    side: str = "homelab-dp",
+) -> dict[str, Any]:  # fmt: skip
+    """Run the preset through the CLI and read its figures from events.jsonl; ``tree``: the
+    source tree to run homelab-dp from (``PYTHONPATH``), the inherited one when None."""
     preset = tmp / "vs-hf.toml"
     preset.write_text(preset_toml(model, data, a), encoding="utf-8")
     env = {**os.environ, "HOMELAB_DP_RUNS": str(tmp / "runs"), "XDG_DATA_HOME": str(tmp)}
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     env.pop("HOMELAB_DP_FAULT", None)
     cmd = [str(EXE), "run", str(preset), "--gpus", f"cpu:{a.nproc}", "--json"]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -236,7 +250,7 @@ def run_homelab(tmp: Path, model: Path, data: Path, a: argparse.Namespace) -> di
     steps = [e for e in events if e["type"] == "step"]
     last = steps[-1]
     return {
-        "side": "homelab-dp",
+        "side": side,
         "steps": last["step"],
         "real_tokens": last["tokens"],
         "padded_tokens": last["step"] * start["tokens_per_step"],
@@ -359,13 +373,13 @@ def hf_batch(lengths: list[int], micro: int, seq_len: int) -> int:
     return max(1, round(micro * seq_len / (sum(lengths) / len(lengths))))
 
 
-def summarize(runs: list[dict]) -> dict[str, dict[str, Any]]:
+def summarize(runs: list[dict], ours_side: str = "homelab-dp") -> dict[str, dict[str, Any]]:
     """Per side, in first-seen order: the real tokens/s of each repeat, their median, min and
-    max, and homelab-dp's median over that side's median (``ratio``)."""
+    max, and ``ours_side``'s median over that side's median (``ratio``)."""
     sides: dict[str, list[float]] = {}
     for r in runs:
         sides.setdefault(r["side"], []).append(r["real_tokens"] / r["wall_s"])
-    ours = statistics.median(sides["homelab-dp"])
+    ours = statistics.median(sides[ours_side])
     return {
         side: {"tokens_per_s": rates, "median": statistics.median(rates), "min": min(rates),
                "max": max(rates), "ratio": ours / statistics.median(rates)}
@@ -403,6 +417,34 @@ def table(runs: list[dict], header: str) -> str:
     return "\n".join(lines)
 
 
+def parse_trees(text: str) -> dict[str, Path]:
+    """``--trees``: ``NAME=PATH,...`` in order (each PATH a source tree holding homelab_dp)."""
+    trees: dict[str, Path] = {}
+    for item in (x for x in text.split(",") if x):
+        name, sep, path = item.partition("=")
+        folder = Path(path).expanduser().resolve()
+        if not sep or not name or name in trees or not (folder / "homelab_dp").is_dir():
+            raise SystemExit(f"--trees: {item!r} is not NAME=PATH with PATH/homelab_dp a folder "
+                             "(names unique)")  # fmt: skip
+        trees[name] = folder
+    return trees
+
+
+def tree_table(runs: list[dict], header: str) -> str:
+    """The A/B table of ``--trees``: median and min–max real tokens/s and mean step time per
+    tree, each tree's median over the first's."""
+    first = runs[0]["side"]
+    summary = summarize(runs, first)
+    lines = [header, f"{'side':<22} {'runs':>4} {'median tok/s':>12} {'min-max tok/s':>15} "
+             f"{'ms/step':>8} {'vs first':>8}"]  # fmt: skip
+    for side, s in summary.items():
+        ms = statistics.median(r["wall_s"] / r["steps"] * 1000
+                               for r in runs if r["side"] == side)  # fmt: skip
+        lines.append(f"{side:<22} {len(s['tokens_per_s']):>4} {s['median']:>12.0f} "
+                     f"{s['min']:>7.0f}-{s['max']:<7.0f} {ms:>8.1f} {1 / s['ratio']:>7.3f}x")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side")
@@ -420,6 +462,12 @@ def main() -> None:
     parser.add_argument("--max-words", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only-ours", action="store_true", help="homelab-dp alone, no HF run")
+    parser.add_argument(
+        "--trees",
+        default="",
+        help="NAME=PATH,...: homelab-dp from each source tree, interleaved (A/B)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.add_argument("--hf-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -436,15 +484,19 @@ def main() -> None:
         params = build_model(model, args.seed)
         lengths = [len(ids) for ids, _ in tokenized(data, model, args.seq_len)]
         batch = hf_batch(lengths, args.micro, args.seq_len)
-        setups = [x for x in args.setups.split(",") if x]
+        trees = parse_trees(args.trees)
+        ours = [f"homelab-dp[{n}]" for n in trees] or ["homelab-dp"]
+        alone = args.only_ours or bool(trees)  # an A/B of trees runs homelab-dp alone
+        setups = [] if alone else [x for x in args.setups.split(",") if x]
         unknown = [x for x in setups if x not in HF_SETUPS]
-        if unknown or "hf-defaults" not in setups:
+        if not alone and (unknown or "hf-defaults" not in setups):
             raise SystemExit(f"--setups: {', '.join(unknown) or 'hf-defaults missing'}; "
                              f"choose among {', '.join(HF_SETUPS)} (hf-defaults included)")  # fmt: skip
         runs: list[dict] = []
         for repeat in range(args.repeats):  # interleaved: ours, then each HF set-up
-            for side in ("homelab-dp", *setups):
-                r = (run_homelab(tmp, model, data, args) if side == "homelab-dp"
+            for side in (*ours, *setups):
+                tree = trees.get(side[len("homelab-dp[") : -1]) if trees else None
+                r = (run_homelab(tmp, model, data, args, tree, side) if side in ours
                      else run_hf(tmp, model, data, args, batch, side))  # fmt: skip
                 r["repeat"] = repeat
                 r["tokens_per_s"] = r["real_tokens"] / r["wall_s"]
@@ -452,6 +504,18 @@ def main() -> None:
                 print(f"repeat {repeat + 1}/{args.repeats} {side}: {r['tokens_per_s']:.0f} real "
                       "tok/s", file=sys.stderr, flush=True)  # fmt: skip
     ordered = sorted(lengths)
+    header = (f"LLaMA {params / 1e6:.1f}M params, full fine-tune, {args.nproc} CPU processes "
+              f"(gloo), {args.steps} steps, seq_len {args.seq_len}, accum {args.accum}, "
+              f"{args.repeats} interleaved repeats; {len(lengths)} samples of "
+              f"{sum(lengths) / len(lengths):.0f} tokens on average (median "
+              f"{ordered[len(ordered) // 2]}, max {ordered[-1]}); "
+              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")  # fmt: skip
+    if not setups:  # homelab-dp alone (one tree or several)
+        if args.json:
+            print(json.dumps({"summary": summarize(runs, ours[0]), "runs": runs}))
+        else:
+            print(tree_table(runs, header))
+        return
     summary = summarize(runs)
     facts = {
         "params": params, "samples": len(lengths), "seq_len": args.seq_len, "steps": args.steps,
@@ -466,12 +530,6 @@ def main() -> None:
     if args.json:
         print(json.dumps({**facts, "summary": summary, "runs": runs}))
         return
-    header = (f"LLaMA {params / 1e6:.1f}M params, full fine-tune, {args.nproc} CPU processes "
-              f"(gloo), {args.steps} steps, seq_len {args.seq_len}, accum {args.accum}, "
-              f"{args.repeats} interleaved repeats; {len(lengths)} samples of "
-              f"{facts['mean_sample_tokens']:.0f} tokens on average (median "
-              f"{facts['median_sample_tokens']}, max {facts['max_sample_tokens']}); "
-              f"{os.cpu_count()} CPUs, load average {facts['load_average']:.1f} at the end")  # fmt: skip
     print(table(runs, header))
 
 

@@ -3,7 +3,7 @@
 Each case writes a seeded random model of a tiny config to a temporary folder and then runs what
 the worker runs, through the worker's functions: ``load_model`` (train mode, activation
 checkpointing), ``install_loss_head`` (chunked cross-entropy), ``wrap_model`` (DDP on a
-one-process gloo group: no wrapper), ``build_optimizer`` (foreach AdamW on the CPU),
+one-process gloo group: no wrapper), ``build_optimizer`` (fused AdamW on the CPU),
 ``build_scheduler``, ``micro_step`` (the token-summed loss, scaled; host labels) inside
 ``Strategy.accumulate`` and ``optimizer_step`` (clipping, update, zero_grad). Packed cases are
 real packed blocks (`data.blocks.build_blocks` on synthetic samples of random lengths: positions

@@ -294,12 +294,17 @@ def _param_groups(strategy: Strategy, weight_decay: float) -> list[dict[str, Any
 def build_optimizer(
     strategy: Strategy, train: TrainSection, lr: float, device: torch.device
 ) -> torch.optim.Optimizer:
-    """AdamW (fused on CUDA, foreach on CPU), bitsandbytes 8-bit AdamW, or SGD with momentum.
+    """AdamW (fused), bitsandbytes 8-bit AdamW, or SGD with momentum.
 
+    AdamW is torch's fused kernel on CUDA and on the CPU alike: one pass over each parameter and
+    no host read of the step count (the foreach path reads every parameter's step with
+    ``.item()`` and makes a pass per elementwise op; on the CPU, 4.2M fp32 parameters: 15.8 →
+    2.9 ms of CPU time a step, benchmarks/step_profile.py's figures in docs/benchmarks.md).
     ``zero1`` wraps the same optimizer class in ``ZeroRedundancyOptimizer`` (on 2+ processes).
     Offload (FSDP2): with "params" the shards are in host memory, so AdamW is the CPU's
-    (foreach); with "optimizer" it is `train.host_optimizer.HostAdamW`, whose state and step
-    are in host memory while the shards stay on the card.
+    (foreach, as for sharded host tensors before); with "optimizer" it is
+    `train.host_optimizer.HostAdamW`, whose state and step are in host memory while the shards
+    stay on the card.
     """
     kwargs: dict[str, Any] = {"lr": lr}
     if strategy.offload != "none" and train.optimizer != "adamw":
@@ -312,8 +317,8 @@ def build_optimizer(
         return HostAdamW(_param_groups(strategy, train.weight_decay), lr=lr)
     if train.optimizer == "adamw":
         cls: type = torch.optim.AdamW
-        on_card = device.type == "cuda" and strategy.offload != "params"
-        kwargs.update(fused=True) if on_card else kwargs.update(foreach=True)
+        fused = strategy.offload != "params"
+        kwargs.update(fused=True) if fused else kwargs.update(foreach=True)
     elif train.optimizer == "adamw8bit":
         import bitsandbytes as bnb
 
@@ -397,12 +402,22 @@ class SampleOrder:
             self._perms = {epoch: torch.randperm(self.n, generator=gen)}  # keep one epoch
         return self._perms[epoch]
 
+    def indices(self, start: int, count: int) -> torch.Tensor:
+        """Block indices at stream positions [start, start + count), a 1-D int64 tensor: a
+        slice of each epoch's permutation the range touches, no read per position."""
+        pieces, p, end = [], start, start + count
+        while p < end:
+            epoch, at = divmod(p, self.n)
+            take = min(end - p, self.n - at)
+            pieces.append(self.perm(epoch)[at : at + take])
+            p += take
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+
     def blocks(self, start: int, count: int) -> list[int]:
         """Block indices at stream positions [start, start + count)."""
-        out = []
-        for p in range(start, start + count):
-            out.append(int(self.perm(p // self.n)[p % self.n]))
-        return out
+        return self.indices(start, count).tolist()
 
 
 def rank_slices(step: int, micro: int, world: int, accum: int, rank: int) -> list[range]:

@@ -123,6 +123,7 @@ class Trainer:
         self, spec: RunSpec, run_dir: Path, s: SetUp, events: Any, stop: StopFlag, guard: Any,
         t_start: float,
     ) -> None:  # fmt: skip
+        import torch
 
         self.spec, self.run_dir, self.events, self.stop = spec, run_dir, events, stop
         self.guard = guard
@@ -138,6 +139,11 @@ class Trainer:
         """`train.objectives.objective.Objective`: units, micro-step loss and event fields."""
         self.units = self.objective.units(self.data)
         """The objective's unit counts per block, ``[n_blocks, U]`` (SFT: target tokens)."""
+        self.step_counts = torch.cat(
+            [self.units, self.data.real_tokens.to(torch.float64)[:, None]], dim=1
+        )
+        """``units`` and the real tokens per block side by side (float64: whole numbers below
+        2^53 sum exactly), so a step's counts are one sum and one read to the host."""
         self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.rank.device)
         self.votes = StopVotes()
@@ -215,15 +221,15 @@ class Trainer:
             # An objective may train several steps on one batch (GRPO's iterations: `repeat`).
             at = step // getattr(self.objective, "repeat", 1)
             first = at * r.effective
-            whole = torch.tensor(d.order.blocks(first, r.effective))
+            whole = d.order.indices(first, r.effective)
             if d.grouped:  # unpacked rows of a recurrent model: similar lengths together
                 whole = group_by_length(whole, d.real_tokens)
             micro_idx = [
                 whole[s.start - first : s.stop - first]
                 for s in rank_slices(at, r.micro, r.data_world, r.accum, r.data_rank)
             ]
-            counts = self.units[whole].sum(0).tolist()
-            tokens = int(d.real_tokens[whole].sum())
+            *counts, real = self.step_counts[whole].sum(0).tolist()
+            tokens = int(real)
             obj = self.objective
             obj.begin_step(m, d, r, micro_idx)
             sums = torch.zeros(len(obj.metrics), dtype=torch.float64, device=dev)

@@ -3,8 +3,8 @@
 Two gloo ranks on the CPU (spawned processes, the project's own load, wrap, optimizer and
 micro-step) train the demo model for three steps under the live-tensor probe. The baseline is
 the same run wrapped as DDP wraps by default (its reducer keeps a second, flat copy of the
-gradients); the lean run must peak one trainable-gradient copy lower, and its gradients must
-tile DDP's buckets exactly. Training equivalence (N ranks == one process) is
+gradients); the lean run's optimizer step must hold one trainable-gradient copy less, its
+peak must be lower, and its gradients must tile DDP's buckets exactly. Training equivalence (N ranks == one process) is
 `test_equivalence.py`'s; resume across strategies and world sizes is `test_resume.py`'s.
 """
 
@@ -177,11 +177,12 @@ def test_two_ranks_grads_are_bucket_views_and_the_peak_drops_by_one_gradient_cop
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b))
     grad = lean[0]["trainable_bytes"]
     for a, b in zip(lean, default, strict=True):
-        # The peak (AdamW's step: weights, gradients, state, one temporary) drops by exactly
-        # the reducer's second copy of the gradients; the backward pass peaks lower too.
-        assert abs(b["peak_bytes"] - a["peak_bytes"] - grad) <= 0.01 * grad
+        # AdamW's step (weights, gradients, m and v; fused: no temporary) drops by exactly the
+        # reducer's second copy of the gradients; the run's peak (backward's, with m and v
+        # alive from the first step) drops too, by at most that copy; backward peaks lower.
         opt = b["phases"]["optimizer"]["peak_bytes"] - a["phases"]["optimizer"]["peak_bytes"]
         assert abs(opt - grad) <= 0.01 * grad
+        assert 0 < b["peak_bytes"] - a["peak_bytes"] <= 1.01 * grad
         assert a["phases"]["backward"]["peak_bytes"] < b["phases"]["backward"]["peak_bytes"]
         # DDP's one bucket rebuild (second or third forward) leaves no second copy behind.
         fwd = a["phases"]["forward"]["peak_bytes"] - b["phases"]["forward"]["peak_bytes"]

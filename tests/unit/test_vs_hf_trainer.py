@@ -95,3 +95,23 @@ def test_medians_min_max_and_the_ratio_to_the_best_hf_setup() -> None:
     )
     text = bench.table(runs, "header")
     assert "best HF set-up (hf-group-by-length): x1.25" in text
+
+
+def test_trees_ab_table_gives_each_trees_median_over_the_first_and_ms_per_step(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "old" / "homelab_dp").mkdir(parents=True)
+    trees = bench.parse_trees(f"old={tmp_path / 'old'},new={ROOT}")
+    assert trees == {"old": (tmp_path / "old").resolve(), "new": ROOT}
+    for bad in ("old", f"x={tmp_path}", f"a={ROOT},a={ROOT}"):  # no path, no homelab_dp, twice
+        with pytest.raises(SystemExit):
+            bench.parse_trees(bad)
+    runs = []
+    for old, new in ((1000, 1100), (900, 1000), (1100, 1300)):  # tokens in 2 s of 10 steps
+        runs += [{**_run("homelab-dp[old]", 2 * old, 2.0), "steps": 10},
+                 {**_run("homelab-dp[new]", 2 * new, 2.0), "steps": 10}]  # fmt: skip
+    summary = bench.summarize(runs, "homelab-dp[old]")
+    assert summary["homelab-dp[new]"]["median"] == 1100
+    lines = bench.tree_table(runs, "header").splitlines()
+    new_row = next(line for line in lines if line.startswith("homelab-dp[new]"))
+    assert new_row.split()[-2:] == ["200.0", "1.100x"]  # 2 s / 10 steps; 1100 / 1000

@@ -14,7 +14,7 @@ is the peak (`Budget.phases`, `Budget.peak_phase`):
   freed but the lm_head gradient, with activation checkpointing one recomputed layer, and the
   MLP's backward temporaries are alive, and (c) its end (every gradient; a tied embedding's
   second one).
-* ``optimizer``: weights, every gradient, the optimizer state and foreach AdamW's temporaries.
+* ``optimizer``: weights, every gradient and the optimizer state (fused AdamW: no temporaries).
 * ``load``: the weights (and DDP's buckets) before the first step. (``forward`` is the peak
   only at DDP's bucket rebuild with accumulation, see below.)
 
@@ -595,9 +595,9 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
     weights += reference_weight_bytes(spec, shape)
     # DDP on 2+ processes: the gradients are views of its buckets, alive from the load on.
     resident = trainable * 4 if ddp_buckets(shape) else 0.0
-    # foreach AdamW (the CPU) makes one temporary per parameter (sqrt of v); fused AdamW none.
-    local = trainable / (1 if shape.distribution == "ddp" or shape.method == "lora" else n)
-    step_temp = local * 4 if shape.optimizer == "adamw" and shape.device == "cpu" else 0.0
+    # AdamW is fused on the CPU and CUDA alike (`train.strategy.build_optimizer`): no
+    # temporary per parameter (foreach AdamW's sqrt of v, the CPU's until issue 33).
+    step_temp = 0.0
     # Accumulated gradients (unless resident); FSDP2 keeps them unsharded while sync is off.
     accum = shape.grad_accum > 1 and not resident
     accum_grads = (trainable * 4 if fsdp else grads) if accum else 0.0

@@ -1,5 +1,6 @@
-"""ddp and zero1 on one process: no DDP wrapper, no reducer, the plain optimizer; and
-`batches.to_device`. Training results on one process are `test_equivalence.py`'s references."""
+"""ddp and zero1 on one process: no DDP wrapper, no reducer, the plain optimizer (fused AdamW: no
+host read in its step); `batches.to_device`; the sample order's slices. Training results on
+one process are `test_equivalence.py`'s references."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def test_one_process_has_no_wrapper_and_accumulates_plainly(
         _loss(strategy.model, b).backward()
         for got, p in zip(accumulated, strategy.trainable, strict=True):
             assert torch.equal(got, p.grad)
+        _fused_step_checks(optimizer)  # the CPU's AdamW: fused, no host read (issue 33)
 
 
 def test_the_per_forward_buffer_broadcast_is_switched_off_by_this_torchs_name() -> None:
@@ -94,3 +96,60 @@ def test_to_device_pins_and_copies_without_blocking_on_cuda() -> None:
     torch.cuda.synchronize(dev)
     assert torch.equal(out.cpu(), before)
     assert to_device(out, dev) is out  # already there
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's value into Python (a host sync on a GPU)."""
+
+    READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def _fused_step_checks(optimizer: torch.optim.Optimizer) -> None:
+    """Issue 33: the CPU's AdamW was the foreach one, which reads every parameter's step count
+    with ``.item()`` each step; the fused kernel reads none and updates as torch's reference
+    (single-tensor) AdamW does, to fp32 rounding."""
+    assert all(g["fused"] is True for g in optimizer.param_groups)
+    start = {id(p): p.detach().clone() for g in optimizer.param_groups for p in g["params"]}
+    copies = {k: v.clone().requires_grad_() for k, v in start.items()}
+    ref_opt = torch.optim.AdamW(
+        [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach")},
+          "params": [copies[id(p)] for p in g["params"]]} for g in optimizer.param_groups],
+        foreach=False,
+    )  # fmt: skip
+    pairs = [(p, copies[id(p)]) for g in optimizer.param_groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p, r in pairs:
+            p.grad = torch.randn(p.shape, generator=gen)
+            r.grad = p.grad.clone()
+        with _HostReads() as reads:
+            optimizer.step()
+        ref_opt.step()
+        assert reads.count == 0
+    moved = max(float((p - start[id(p)]).abs().max()) for p, _ in pairs)
+    differ = max(float((p - r).abs().max()) for p, r in pairs)
+    assert moved > 1e-3 and differ < 1e-6  # 3 steps of lr 1e-3 move weights by ~3e-3
+
+
+def test_sample_order_indices_slice_each_epoch_as_the_position_by_position_order() -> None:
+    """Issue 33: a step's blocks are slices of the epoch permutations (one tensor, no read per
+    position), the same blocks position p // n, p % n names, across epoch boundaries too."""
+    from homelab_dp.train.strategy import SampleOrder
+
+    order, fresh = SampleOrder(7, 3), SampleOrder(7, 3)
+    for start in range(0, 24, 5):
+        for count in (0, 1, 6, 7, 8, 15):
+            want = [int(fresh.perm(p // 7)[p % 7]) for p in range(start, start + count)]
+            got = order.indices(start, count)
+            assert got.dtype == torch.long and got.tolist() == want
+            assert order.blocks(start, count) == want
+    assert sorted(order.indices(14, 7).tolist()) == list(range(7))  # one whole epoch
+    assert order.indices(14, 7).tolist() != order.indices(7, 7).tolist()  # reshuffled
