@@ -390,8 +390,9 @@ def layer_kind(
             experts = _moe_block(child_name, child, hidden, top_k, aux)
             continue
         linears = _prefixed(child_name, child)
-        if not linears and (_is_norm(child_name) or "norm" in type(child).__name__.lower()):
-            # (a child with linears is no norm: DBRX's ``norm_attn_norm`` holds the attention)
+        norm_like = (not linears and _is_norm(child_name)) or "norm" in type(child).__name__.lower()
+        holds_attention = any(_is_attention(n) for n, _ in child.named_children())
+        if norm_like and not holds_attention:  # DBRX's norm_attn_norm holds the attention
             norms += total
             continue
         kind = _mixer_kind(child_name, child)
