@@ -73,3 +73,27 @@ def test_attention_dropout_scores_are_counted_per_sample_once_the_data_is_read()
     saved = layer_activation_bytes(spec, read)
     assert layer_activation_bytes(spec, unread) - saved == 3 * 4 * (256 - span) * 4
     assert layer_activation_bytes(spec, masked) == layer_activation_bytes(spec, unread)
+
+
+def test_a_run_records_its_estimate_for_the_samples_of_its_data(tmp_path) -> None:
+    """`app.plan.with_target_share`, as a run prepares (`app.runs.check_data` gives the span):
+    a packed GPT-2 on the CPU is budgeted for its samples' attention, not seq_len's."""
+    import json
+
+    from homelab_dp.app.plan import make_plan, with_target_share
+
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 1200,
+        "n_embd": 96, "n_layer": 4, "n_head": 4, "n_positions": 512}))  # fmt: skip
+    preset = preset_from_dict({"model": {"path": str(model)},
+                               "data": {"path": "d", "seq_len": 256},
+                               "train": {"method": "full", "micro_batch": 2}})  # fmt: skip
+    planned = make_plan(preset, "cpu:1:16GiB", fetch=False)
+    chosen = planned.plan.chosen
+    assert chosen.budget.activations > 0 and planned.plan.seq_len == 256
+    assert with_target_share(planned, 1.0, 0.0) is planned.plan  # nothing known: unchanged
+    read = with_target_share(planned, 1.0, 64.0).chosen.budget
+    saved = 4 * 3 * 4 * (256 - 64) * 4 * 2 * 256  # layers × 3 × heads × keys × fp32 × tokens
+    assert chosen.budget.tensors - read.tensors == saved
