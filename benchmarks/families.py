@@ -8,13 +8,15 @@ folder, plans it as `plan` does (the hand-written spec from config.json, else th
 itself instantiates on the meta device. Status: ``exact`` (a hand-written family, counted from
 config.json alone), ``derived`` (the census: layer groups from the module tree), ``refused``
 (with the reason: not a causal language model, or a config transformers itself rejects), or
-``MISMATCH`` (a bug). The table goes to docs/models.md.
+``MISMATCH`` (a bug), or ``not checked`` (transformers needs a library not installed here, named).
+The table goes to docs/models.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,11 +46,41 @@ SMALL = {
     "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "moe_topk": 2,
     "zero_expert_num": 2, "moe_k": 2,
 }  # fmt: skip
+_SMALL_TEXT = {k: SMALL[k] for k in (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "num_hidden_layers", "vocab_size", "max_position_embeddings",
+)}  # fmt: skip
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
+        "indexer_compress_ratio": 4, "hc_lowrank": 16}  # fmt: skip
 OVERRIDES = {
     "deepseek_v2": {"num_experts_per_tok": 2},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "conv"], "num_dense_layers": 1},
-}
-"""Fields a family's default config leaves None that its released configs set."""
+    # RoPE given per layer type, as its released configs give it.
+    "cohere_compass_text": {"rope_parameters": {"full_attention": _ROPE,
+                                                "sliding_attention": _ROPE}},
+    # Attention and MoE sizes live in sub-configs; rope_theta in attn_config.
+    "dbrx": {"n_heads": 4, "n_layers": 2, "max_seq_len": 256,
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+             "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2}},
+    "dots1": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+              "first_k_dense_replace": 1},
+    # Gemma 4's assistant (MTP drafter): every layer reads the KV of the target model's layers.
+    "gemma4_assistant": {"text_config": {
+        **_SMALL_TEXT, "global_head_dim": 32, "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": 0, "enable_moe_block": False, "use_double_wide_mlp": False,
+    }},
+    # The QSA indexer of the indexed-attention layers has no defaults.
+    "qwen4_exp_text": _QSA,
+    "qwen4_exp": {"text_config": {
+        **_SMALL_TEXT, **_QSA, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "num_experts": 8, "num_experts_per_tok": 2, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    }},
+    "reformer": {"is_decoder": True},  # its causal LM head requires it
+}  # fmt: skip
+"""Fields a family's default config leaves unset (or set for another use) that its released
+configs set."""
 
 
 def tiny_config(model_type: str, **overrides):
@@ -56,8 +88,13 @@ def tiny_config(model_type: str, **overrides):
     ``overrides``; when transformers rejects the shrunk sizes, only fewer layers; else the
     defaults (cheap on the meta device either way)."""
     cls = CONFIG_MAPPING[model_type]
-    base = cls()
-    fields = base.to_dict()
+    fields: dict = {}
+    for kw in ({}, overrides):  # some defaults do not validate alone (gemma4_assistant)
+        try:
+            fields = cls(**kw).to_dict()
+            break
+        except Exception:  # noqa: BLE001 - the tries below report why
+            continue
     tries = [
         {k: v for k, v in SMALL.items() if fields.get(k) is not None},
         {k: v for k, v in {**SMALL, "rope_theta": 10000.0}.items() if k in fields},
@@ -82,14 +119,31 @@ def meta_count(cfg) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def unbuildable(model_type: str, exc: Exception, **overrides) -> dict:
+    """Status and reason of a family no tiny config of which transformers builds: what `plan`
+    says of its config.json (the census child's own answer), or the library it needs."""
+    try:
+        cls = CONFIG_MAPPING[model_type]
+        with tempfile.TemporaryDirectory() as tmp:
+            cls(**overrides).save_pretrained(tmp)
+            out = subprocess.run([sys.executable, "-m", "homelab_dp.train.model_census", tmp],
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+        answer = json.loads(out.stdout.strip().splitlines()[-1])
+    except Exception:  # noqa: BLE001 - no config.json to plan either
+        why = " ".join(str(exc).split())[:160]
+        return {"status": "not checked", "reason": f"no config builds here: {why}"}
+    reason = " ".join(answer["error"].split(": ", 1)[-1].split())[:200]
+    status = "not checked" if answer.get("missing_library") else "refused"
+    return {"status": status, "reason": reason}
+
+
 def check(model_type: str, **overrides) -> dict:
     """Plan the tiny ``model_type`` and compare with transformers' own count."""
     row = {"family": model_type}
     try:
         cfg = tiny_config(model_type, **overrides)
     except Exception as exc:  # noqa: BLE001
-        why = " ".join(str(exc).split())[:120]
-        return {**row, "status": "not checked", "reason": f"no tiny config builds here: {why}"}
+        return {**row, **unbuildable(model_type, exc, **overrides)}
     truth = meta_count(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)

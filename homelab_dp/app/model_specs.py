@@ -27,8 +27,9 @@ from homelab_dp.planning.spec_document import spec_from_dict
 from homelab_dp.runs.folder.run_index import data_home, ensure_private_dir
 
 CACHE_FOLDER = "model-specs"
-CACHE_FORMAT = 2
-"""Bumped when the spec's fields change (2: layer groups), so an older entry is derived again."""
+CACHE_FORMAT = 3
+"""Bumped when the spec's fields change (2: layer groups, 3: `ModelSpec.outer_quantized`), so an
+older entry is derived again."""
 CENSUS_TIMEOUT_S = 180
 """A meta-device build takes seconds even for 100B-class models (a cold start of torch and
 transformers included, on a busy machine under a minute); this ends a hung child."""

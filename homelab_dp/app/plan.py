@@ -418,20 +418,22 @@ def predict_speed(p: Plan, preset: Preset, link: LinkSpeed) -> Plan:
     return with_predictions(p, preset, link, rate_of)
 
 
-def with_target_share(planned: Planned, share: float) -> Plan:
+def with_target_share(planned: Planned, share: float, span: float = 0.0) -> Plan:
     """The plan with its chosen option budgeted for data whose blocks are at most ``share``
-    targets (`TrainShape.target_share`); the choice itself stays the one made for any data."""
+    targets (`TrainShape.target_share`) and attend over ``span`` keys a token
+    (`TrainShape.attention_span`; 0: unknown); the choice itself stays the one made for any
+    data."""
     from homelab_dp.planning.planner import evaluate
 
     p = planned.plan
     c = p.chosen
-    if share >= 1.0:
+    if share >= 1.0 and not 0 < span < p.seq_len:
         return p
     refined = evaluate(planned.spec, planned.preset, planned.hardware, c.method, c.distribution,
                        c.activation_checkpointing, p.calibration, micro_batch=p.micro_batch,
-                       grad_accum=p.grad_accum, seq_len=p.seq_len, target_share=share,
-                       offload=c.offload, offload_activations=c.offload_activations,
-                       tiled_mlp=c.tiled_mlp)  # fmt: skip
+                       grad_accum=p.grad_accum, seq_len=p.seq_len, target_share=min(1.0, share),
+                       attention_span=span, offload=c.offload,
+                       offload_activations=c.offload_activations, tiled_mlp=c.tiled_mlp)  # fmt: skip
     return replace(p, chosen=replace(c, budget=refined.budget))
 
 

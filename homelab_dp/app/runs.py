@@ -146,15 +146,18 @@ def load_tokenizer(preset: Preset) -> Any:
 
 def check_data(
     preset: Preset, max_positions: int, world_size: int, micro_batch: int
-) -> tuple[int, float, tuple[str, ...]]:
+) -> tuple[int, float, float, tuple[str, ...]]:
     """Load and validate the dataset as the worker will; returns the number of training blocks
     (after any held-out split, `homelab_dp.data.eval_split`), the largest share of a block's
-    tokens that are targets (what the chunked loss keeps) and warnings for the user (identical
-    preference pairs, left out). The eval data (data.eval_path or data.eval_fraction) is
+    tokens that are targets (what the chunked loss keeps), the blocks' attention span
+    (`homelab_dp.data.blocks.attention_span`: the keys a token attends over in the fullest row;
+    0, unknown, for pairs and prompts) and warnings for the user (identical preference pairs,
+    left out). The eval data (data.eval_path or data.eval_fraction) is
     checked the same way: an error names its file and line or row. Preference objectives
     (dpo, orpo, kto) read pairs (`homelab_dp.data.preference_blocks`). The tokenized samples go
     into the token cache (`homelab_dp.data.token_cache`), where every rank of the run reads
     them instead of tokenizing again."""
+    from homelab_dp.data.blocks import attention_span
     from homelab_dp.data.eval_split import load_train_eval
     from homelab_dp.data.preference_blocks import identical_warning, load_preference_train_eval
     from homelab_dp.data.sample_prompts import read_sample_prompts
@@ -173,7 +176,7 @@ def check_data(
 
         prompts = read_prompts(preset.data.path, preset.data.split, preset.data.columns)
         completion = preset.grpo.max_completion_tokens  # the loss reads completion tokens only
-        return len(prompts), completion / (preset.data.seq_len + completion), ()
+        return len(prompts), completion / (preset.data.seq_len + completion), 0.0, ()
     if preset.train.objective in PREFERENCE_OBJECTIVES:
         pairs = load_preference_train_eval(
             preset.data,
@@ -185,7 +188,7 @@ def check_data(
         )
         warning = identical_warning(pairs.identical, pairs.label)
         share = max(b.num_targets / (len(b.input_ids) * b.row_len) for b in pairs.train)
-        return len(pairs.train), share, (warning,) if warning else ()
+        return len(pairs.train), share, 0.0, (warning,) if warning else ()
     data = load_train_eval(
         preset.data,
         tokenizer,
@@ -195,7 +198,8 @@ def check_data(
     )
     blocks = data.train
     seq_len = max(1, int(preset.data.seq_len))
-    return len(blocks), max(b.num_targets for b in blocks) / seq_len, ()
+    share = max(b.num_targets for b in blocks) / seq_len
+    return len(blocks), share, attention_span(blocks), ()
 
 
 STOP_TIMEOUT_S = 120.0
@@ -335,11 +339,12 @@ class RunController:
         check_model_folder(preset)
         ws = p.world_size * nnodes  # multi-node: every node runs the same devices
         data_ranks = ws // p.sequence_parallel  # a split sequence's ranks share its blocks
-        blocks, share, warnings = check_data(preset, planned.spec.max_positions, data_ranks,
-                                             p.micro_batch)  # fmt: skip
-        # The plan chose with every token taken as a target; the run records its estimate for
-        # this data (the chunked loss keeps only target rows), which `measure` compares.
-        planned = replace(planned, plan=with_target_share(planned, share))
+        blocks, share, span, warnings = check_data(preset, planned.spec.max_positions, data_ranks,
+                                                   p.micro_batch)  # fmt: skip
+        # The plan chose with every token taken as a target and every sample seq_len long; the
+        # run records its estimate for this data (the chunked loss keeps only target rows, each
+        # sample attends to itself alone), which `measure` compares.
+        planned = replace(planned, plan=with_target_share(planned, share, span))
         p = planned.plan
         resolved = Resolved(
             method=p.chosen.method,  # type: ignore[arg-type]

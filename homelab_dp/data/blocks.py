@@ -164,6 +164,23 @@ def _packed_block(pieces: Sequence[Piece], seq_len: int, pad_id: int) -> Block:
     )
 
 
+def attention_span(blocks: Sequence[Block]) -> float:
+    """Keys a token attends over in the fullest block (`TrainShape.attention_span`): the largest
+    Σ L² / seq_len over the blocks, L the lengths of a block's segments as the packed attention
+    splits them (a new segment where positions restart or the padding begins). 0 for none."""
+    best = 0
+    for b in blocks:
+        total, run = 0, 0
+        for i, pos in enumerate(b.position_ids):
+            starts = i > 0 and (pos == 0 or b.attention_mask[i] != b.attention_mask[i - 1])
+            if starts:
+                total += run * run
+                run = 0
+            run += 1
+        best = max(best, (total + run * run) / max(1, len(b.position_ids)))
+    return float(best)
+
+
 def build_blocks(
     examples: Sequence[Example], seq_len: int, pack: bool, pad_id: int, *, split: bool = False
 ) -> list[Block]:

@@ -19,6 +19,11 @@ class Linear:
     def params(self) -> int:
         return self.d_in * self.d_out + (self.d_out if self.bias else 0)
 
+    @property
+    def weights(self) -> int:
+        """The weight matrix alone (what QLoRA quantizes; a bias stays 16-bit)."""
+        return self.d_in * self.d_out
+
 
 @dataclass(frozen=True)
 class Experts:
@@ -48,6 +53,11 @@ class Experts:
     def expert_params(self) -> int:
         """Parameters of one routed expert."""
         return sum(lin.params for lin in self.linears)
+
+    @property
+    def expert_weights(self) -> int:
+        """One routed expert's weight matrices (what QLoRA quantizes; biases stay 16-bit)."""
+        return sum(lin.weights for lin in self.linears)
 
     @property
     def shared_params(self) -> int:
@@ -104,27 +114,52 @@ NF4_FUSED_OUT_PROJ_TYPES = frozenset({
 (``mamba_split_conv1d_scan_combined(..., outproj_weight=self.out_proj.weight)`` in transformers
 5.25's modeling code) when that kernel is installed: a packed 4-bit weight there would be read as
 if it were the 16-bit matrix, so QLoRA keeps it 16-bit (peft refuses LoRA on it too)."""
-NF4_DEFAULT_SKIPS = ("lm_head",)
-"""What bitsandbytes leaves 16-bit by default (the output layer); named again whenever a family
-adds its own skips, which replace transformers' default list."""
+NF4_DEFAULT_SKIPS = ("lm_head", "embed_out", "output_projection")
+"""The output layer, which QLoRA keeps 16-bit, by the names decoders give it (``embed_out``:
+GPT-NeoX-Japanese, ``output_projection``: BioGPT). Named explicitly because any skip list given
+to bitsandbytes replaces transformers' own detection (`get_keys_to_not_convert`)."""
+NF4_ROUTER_SKIPS = (
+    ".gate", ".router", ".router.proj", ".router.layer", ".router.classifier", "expert_gate",
+    "router_gate",
+)  # fmt: skip
+"""Routers kept 16-bit wherever they are an ``nn.Linear`` (a pure suffix match on the full
+module name, as transformers matches ``llm_int8_skip_modules``): ``mlp.gate`` / ``.router``
+(AFMoE, Llama 4, PhiMoE), a router's own projection (Gemma 4's ``router.proj``, DBRX's
+``router.layer``, LongCat's ``router.classifier``), the Qwen MoE families'
+``shared_expert_gate``. The plan counts a router 16-bit (`Experts.router_params`,
+`Experts.shared_gate_params`); most transformers 5 routers are no ``nn.Linear`` at all, and
+a 4-bit router would change which experts a token takes. Not ``per_layer_input_gate`` or
+``gate_proj``: those are ordinary projections, quantized."""
 NF4_FUSED_OUT_PROJ = "out_proj"
 
 
-def nf4_skip_modules(model_type: str) -> list[str] | None:
-    """The module names QLoRA keeps 16-bit beside the defaults on a ``model_type`` model (None:
-    transformers' defaults only): Mamba's ``out_proj`` on `NF4_FUSED_OUT_PROJ_TYPES`. The
+def nf4_skip_modules(model_type: str) -> list[str]:
+    """The module names QLoRA keeps 16-bit on a ``model_type`` model, the one rule both sides
+    use: the worker passes it to bitsandbytes (``llm_int8_skip_modules``, in every QLoRA load,
+    eval, chat and serving) and the plan counts by it (`nf4_keeps_16bit`). The output layer
+    (`NF4_DEFAULT_SKIPS`), routers (`NF4_ROUTER_SKIPS`) and, on `NF4_FUSED_OUT_PROJ_TYPES`,
+    Mamba's ``out_proj``. Every other ``nn.Linear``, inside the decoder layers or outside them
+    (Gemma 4's ``per_layer_model_projection``, a vision tower's linears), is quantized. The
     convolutions, ``A_log``, ``dt_bias``, ``D``, norms and embeddings are no linears and stay
-    16-bit anyway. The worker passes this list to bitsandbytes (``llm_int8_skip_modules``) and
-    the plan counts by it (`nf4_keeps_16bit`): one rule for both."""
+    16-bit anyway."""
+    out = [*NF4_DEFAULT_SKIPS, *NF4_ROUTER_SKIPS]
     if model_type in NF4_FUSED_OUT_PROJ_TYPES:
-        return [*NF4_DEFAULT_SKIPS, NF4_FUSED_OUT_PROJ]
-    return None
+        out.append(NF4_FUSED_OUT_PROJ)
+    return out
 
 
 def nf4_keeps_16bit(model_type: str, linear_name: str) -> bool:
-    """Whether QLoRA leaves the decoder linear ``linear_name`` of a ``model_type`` model 16-bit:
-    transformers' suffix match of `nf4_skip_modules` (``module_name.endswith(pattern)``)."""
-    return any(linear_name.endswith(key) for key in nf4_skip_modules(model_type) or ())
+    """Whether QLoRA leaves the linear ``linear_name`` of a ``model_type`` model 16-bit:
+    transformers' suffix match of `nf4_skip_modules` (``module_name.endswith(pattern)``). The
+    name may be relative to a decoder layer (``mlp.gate``) or the full module name."""
+    name = f".{linear_name}"
+    return any(name.endswith(key) for key in nf4_skip_modules(model_type))
+
+
+def nf4_weights(model_type: str, linears: tuple[Linear, ...]) -> int:
+    """The weights of ``linears`` that QLoRA quantizes on a ``model_type`` model (those
+    `nf4_keeps_16bit` keeps and every bias stay 16-bit)."""
+    return sum(lin.weights for lin in linears if not nf4_keeps_16bit(model_type, lin.name))
 
 
 @dataclass(frozen=True)
@@ -202,12 +237,11 @@ class LayerKind:
         return self.params - (e.count - e.top_k) * e.expert_params
 
     def quantized_params(self, model_type: str) -> int:
-        """What 4-bit QLoRA quantizes in one such layer of a ``model_type`` model: the linears
-        but those it keeps 16-bit (`nf4_keeps_16bit`: Mamba's ``out_proj``), shared and routed
-        experts (not the router)."""
-        routed = self.experts.count * self.experts.expert_params if self.experts else 0
-        kept = sum(lin.params for lin in self.nf4_kept(model_type))
-        return sum(lin.params for lin in self.linears) - kept + routed
+        """What 4-bit QLoRA quantizes in one such layer of a ``model_type`` model: the weights
+        of the linears but those it keeps 16-bit (`nf4_keeps_16bit`: Mamba's ``out_proj``),
+        of shared and routed experts (not the router); biases stay 16-bit."""
+        routed = self.experts.count * self.experts.expert_weights if self.experts else 0
+        return nf4_weights(model_type, self.linears) + routed
 
     def nf4_kept(self, model_type: str) -> tuple[Linear, ...]:
         """The linears QLoRA keeps 16-bit in one such layer of a ``model_type`` model."""

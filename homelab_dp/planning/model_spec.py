@@ -31,6 +31,8 @@ from homelab_dp.planning.model_layers import LayerKind as LayerKind
 from homelab_dp.planning.model_layers import Linear as Linear
 from homelab_dp.planning.model_layers import Mixer as Mixer
 from homelab_dp.planning.model_layers import lora_can_adapt as lora_can_adapt
+from homelab_dp.planning.model_layers import nf4_weights
+from homelab_dp.planning.vision_towers import SIGLIP, siglip_linear_weights, siglip_params
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 DENSE_FAMILIES = ("gemma3_text", "gemma3", "olmo2", "granite", "smollm3", "glm4")
@@ -121,6 +123,12 @@ class ModelSpec:
     embeddings and projection, a shared transformer block): counted in `params`, frozen
     weights to the memory model. ``mtp_layers_not_built`` (a count, not parameters): MTP heads in
     the checkpoint that transformers does not build and training does not use."""
+
+    outer_quantized: int = 0
+    """Weights of the ``nn.Linear`` modules outside the decoder layers that QLoRA quantizes
+    (Gemma 4's ``per_layer_model_projection``, a vision tower's linears; not the output layer
+    nor what `model_layers.nf4_skip_modules` keeps): counted by the census on the built model,
+    already inside `params` (`extras`, `final_norm_params`, `vision_params`)."""
 
     @property
     def layer_groups(self) -> tuple[LayerGroup, ...]:
@@ -228,17 +236,22 @@ class ModelSpec:
 
     @property
     def quantizable_params(self) -> int:
-        """Parameters that 4-bit QLoRA quantizes: the decoder's linear layers and, in a MoE
-        model, the dense MLPs, shared experts and routed experts (the router stays 16-bit).
-        What the family keeps 16-bit is left out (`model_layers.nf4_keeps_16bit`: Mamba's
-        ``out_proj`` on the families whose fused kernel reads it), as the worker loads it."""
+        """Parameters that 4-bit QLoRA quantizes: the weights of the decoder's linear layers
+        and, in a MoE model, of the dense MLPs, shared experts and routed experts, plus the
+        linears outside the layers that it quantizes (`outer_quantized`). What the family keeps
+        16-bit is left out (`model_layers.nf4_skip_modules`, the rule the worker loads by:
+        routers, Mamba's ``out_proj`` on the families whose fused kernel reads it), and so are
+        biases (bitsandbytes keeps them 16-bit)."""
         if self.blocks:
-            return sum(g.count * g.kind.quantized_params(self.model_type) for g in self.blocks)
-        if self.experts is None:
-            return self.layers * self.linear_params_per_layer
-        shared = sum(lin.params for lin in self.experts.shared)
-        per_moe_layer = self.experts.count * self.experts.expert_params + shared
-        return self.layers * self.linear_params_per_layer + self._mlp_params(per_moe_layer)
+            inner = sum(g.count * g.kind.quantized_params(self.model_type) for g in self.blocks)
+            return inner + self.outer_quantized
+        mt, e = self.model_type, self.experts
+        inner = self.layers * nf4_weights(mt, self.linears)
+        if e is not None:
+            moe = e.count * e.expert_weights + nf4_weights(mt, e.shared)
+            dense = (self.layers - self.moe_layers) * nf4_weights(mt, self.dense_mlp)
+            inner += self.moe_layers * moe + dense
+        return inner + self.outer_quantized
 
     def lora_params(self, r: int, targets: str | list[str] = "all-linear") -> int:
         """Trainable LoRA parameters of a dense model: r·(d_in + d_out) per adapted linear, in
@@ -736,22 +749,6 @@ def _deepseek_v2(cfg: dict[str, Any], source: str) -> ModelSpec:
     )  # fmt: skip
 
 
-# SigLIP's vision config defaults (transformers 5), for a wrapper's vision_config.
-_SIGLIP = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-           "image_size": 224, "patch_size": 16, "num_channels": 3, "vision_use_head": True}  # fmt: skip
-
-
-def _siglip_params(vision: dict[str, Any]) -> int:
-    """A SigLIP vision tower: patch and position embeddings, encoder layers, post-norm, head."""
-    v = {**_SIGLIP, **{k: val for k, val in vision.items() if val is not None}}
-    d, i, p = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"])
-    embed = v["num_channels"] * p * p * d + d + (int(v["image_size"]) // p) ** 2 * d
-    mlp = d * i + i + i * d + d
-    layer = 2 * 2 * d + 4 * (d * d + d) + mlp
-    head = (d + 3 * d * d + 3 * d + d * d + d + 2 * d + mlp) if v["vision_use_head"] else 0
-    return embed + int(v["num_hidden_layers"]) * layer + 2 * d + head
-
-
 def _gemma3_wrapper(cfg: dict[str, Any], source: str) -> ModelSpec:
     """Gemma 3 with its SigLIP tower (Gemma3ForConditionalGeneration): the text model's spec
     plus the vision tower and the projector in `vision_params`."""
@@ -768,9 +765,10 @@ def _gemma3_wrapper(cfg: dict[str, Any], source: str) -> ModelSpec:
         text.setdefault(name, value)  # Gemma3TextConfig's defaults
     spec = _dense(text, "gemma3_text", source)
     vision = cfg.get("vision_config") or {}
-    vision_h = int(vision.get("hidden_size") or _SIGLIP["hidden_size"])
+    vision_h = int(vision.get("hidden_size") or SIGLIP["hidden_size"])
     projector = vision_h * spec.hidden + vision_h  # projection weight and its soft-embedding norm
-    return replace(spec, model_type="gemma3", vision_params=_siglip_params(vision) + projector)  # fmt: skip
+    return replace(spec, model_type="gemma3", vision_params=siglip_params(vision) + projector,
+                   outer_quantized=siglip_linear_weights(vision))  # fmt: skip
 
 
 def hand_written_spec(

@@ -282,6 +282,7 @@ def train_shape(preset: Preset, hw: PlanHardware, method: str, dist: str, ckpt: 
             for c in (d.compute_capability for d in hw.devices)
         ),  # fmt: skip
         target_share=share,
+        attention_span=kw.get("attention_span", 0.0),
         offload=kw.get("offload", "none"),
         offload_activations=kw.get("offload_activations", False),
         objective=t.objective,

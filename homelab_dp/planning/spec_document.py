@@ -138,7 +138,7 @@ def spec_from_dict(data: Any) -> ModelSpec:
             for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
                          "vocab", "max_positions", "embedding_params", "lm_head_params",
                          "norm_params_per_layer", "final_norm_params", "other_params_per_layer",
-                         "sliding_window", "sliding_layers", "vision_params")}  # fmt: skip
+                         "sliding_window", "sliding_layers", "vision_params", "outer_quantized")}  # fmt: skip
     floats = {name: _float(d.get(name, 0.0), name, 1.0)
               for name in ("attention_dropout", "hidden_dropout", "embedding_dropout")}  # fmt: skip
     blocks = tuple(

@@ -16,6 +16,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from homelab_dp.errors import ModelSpecError
+from homelab_dp.planning.model_layers import nf4_keeps_16bit
 from homelab_dp.planning.model_spec import (
     ATTENTION_KINDS,
     DECODER_HINT,
@@ -29,16 +30,40 @@ from homelab_dp.planning.model_spec import (
 
 TOP_K_NAMES = (
     "num_experts_per_tok", "top_k_experts", "moe_topk", "top_k", "num_selected_experts", "moe_k",
+    "moe_top_k",
 )  # fmt: skip
 UNEVEN_HINT = (
     "the planner describes a model by one decoder layer (and its MoE or dense variant); "
     "hybrid attention/state-space or per-layer-sized models are not planned yet"
 )
-AUX_NAMES = ("router_aux_loss_coef", "aux_loss_alpha", "router_aux_loss_factor")
+AUX_NAMES = ("router_aux_loss_coef", "aux_loss_alpha", "router_aux_loss_factor", "moe_loss_weight")
+SUB_CONFIGS = ("ffn_config",)
+"""Sub-configs that hold a family's MoE settings (DBRX's ``ffn_config.moe_top_k`` and
+``moe_loss_weight``), read by `_attr` where the config itself does not set a name."""
 
 
 def _numel(params: list[nn.Parameter]) -> int:
     return sum(p.numel() for p in params)
+
+
+def outer_quantized(model: nn.Module, layers: nn.ModuleList) -> int:
+    """The weights QLoRA quantizes outside the decoder layers: every module bitsandbytes
+    converts (exactly ``nn.Linear``, or GPT-2's ``Conv1D``, as transformers'
+    ``replace_with_bnb_linear`` picks them) that is not the output layer, not in a decoder
+    layer and not kept 16-bit by `model_layers.nf4_skip_modules` (matched on its full name,
+    as the worker's load matches it): Gemma 4's ``per_layer_model_projection``, a vision
+    tower's linears."""
+    model_type = str(getattr(model.config, "model_type", ""))
+    inside = {id(m) for m in layers.modules()}
+    head = model.get_output_embeddings()
+    total = 0
+    for name, module in model.named_modules():
+        if id(module) in inside or module is head:
+            continue
+        converted = type(module) is nn.Linear or isinstance(module, Conv1D)
+        if converted and not nf4_keeps_16bit(model_type, name):
+            total += module.weight.numel()
+    return total
 
 
 def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -61,14 +86,16 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def _attr(config: Any, *names: str, default: Any = None) -> Any:
     """The first of ``names`` the config sets (a per-layer attribute Gemma 4 refuses to give
-    globally counts as unset)."""
-    for name in names:
-        try:
-            value = getattr(config, name, None)
-        except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
-            value = None
-        if value is not None:
-            return value
+    globally counts as unset), else the first a sub-config of `SUB_CONFIGS` sets."""
+    subs = [getattr(config, s, None) for s in SUB_CONFIGS]
+    for holder in (config, *(s for s in subs if s is not None and not isinstance(s, dict))):
+        for name in names:
+            try:
+                value = getattr(holder, name, None)
+            except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+                value = None
+            if value is not None:
+                return value
     return default
 
 
@@ -142,6 +169,8 @@ def _mixer_kind(child_name: str, module: nn.Module) -> str | None:
     cls = type(module).__name__.lower()
     if "mlp" in cls or any(w in child_name.lower() for w in ("mlp", "ffn", "feed_forward")):
         return None  # an MLP, whatever its class says (RecurrentGemmaMlp)
+    if "residual" in cls or "hyper_connection" in child_name.lower():
+        return None  # a residual's gate named after its branch (Qwen4-Exp's attn_hyper_connection)
     names = {n.rsplit(".", 1)[-1] for n, _ in module.named_parameters()}
     a_log = next((p for n, p in module.named_parameters() if n.endswith("A_log")), None)
     if "deltanet" in cls or "gated_delta" in cls:
@@ -246,6 +275,10 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
         experts = [
             lin for n, lin in unfused.items() if n.split("experts.")[1].split(".")[0] == first
         ]
+    stacked = _stacked_2d(module, biases, hidden) if not experts and not unfused else None
+    if stacked is not None:  # DBRX: each expert's rows stacked in a 2-D parameter
+        count, experts = stacked
+        biases = {}
     for bias_name, width in biases.items():
         for i, lin in enumerate(experts):
             if bias_name.startswith(lin.name) and lin.d_out == width and not lin.bias:
@@ -275,6 +308,29 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
         count=count, top_k=top_k, linears=tuple(experts), layers=0, fused=fused,
         router_params=router, shared=shared, shared_gate_params=shared_gate, aux_loss_coef=aux,
     )  # fmt: skip
+
+
+def _stacked_2d(
+    module: nn.Module, params: dict[str, int], hidden: int
+) -> tuple[int, list[Linear]] | None:
+    """Routed experts stored as 2-D parameters ``[count × width, hidden]`` (DBRX's ``w1``,
+    ``v1``, ``w2``), the count from the experts module's ``num_experts``: (count, one expert's
+    linears), or None where the block's experts are not stored so."""
+    found = [m for n, m in module.named_modules() if n.rsplit(".", 1)[-1] == "experts"]
+    count = int(getattr(found[0], "num_experts", 0) or 0) if found else 0
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if ".experts." in f".{n}"}
+    if not count or not params:
+        return None
+    out: list[Linear] = []
+    for name in params:
+        rel = name.split(".experts.", 1)[-1] if ".experts." in name else name
+        shape = next((v for k, v in shapes.items() if name.endswith(k) or k.endswith(rel)), None)
+        if shape is None or shape[1] != hidden or shape[0] % count:
+            return None
+        width = shape[0] // count
+        down = name.rsplit(".", 1)[-1] in ("w2", "down_proj")
+        out.append(Linear(name, width, hidden) if down else Linear(name, hidden, width))
+    return count, out
 
 
 def layer_kind(
@@ -334,7 +390,9 @@ def layer_kind(
             experts = _moe_block(child_name, child, hidden, top_k, aux)
             continue
         linears = _prefixed(child_name, child)
-        if not linears and _is_norm(child_name) or "norm" in type(child).__name__.lower():
+        norm_like = (not linears and _is_norm(child_name)) or "norm" in type(child).__name__.lower()
+        holds_attention = any(_is_attention(n) for n, _ in child.named_children())
+        if norm_like and not holds_attention:  # DBRX's norm_attn_norm holds the attention
             norms += total
             continue
         kind = _mixer_kind(child_name, child)
@@ -503,5 +561,5 @@ def describe_groups(
         sliding_layers=sliding if window else 0, vision_params=vision,
         quantization=None if quant is None else str(quant),
         full_logits=softcap is not None or float(scale or 1.0) != 1.0,
-        blocks=blocks, extras=out_extras,
+        blocks=blocks, extras=out_extras, outer_quantized=outer_quantized(model, layers),
     )  # fmt: skip

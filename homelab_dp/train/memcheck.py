@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp import json_safe
-from homelab_dp.data.blocks import Example, build_blocks
+from homelab_dp.data.blocks import Block, Example, attention_span, build_blocks
 from homelab_dp.planning.attention_rule import choose_attention
 from homelab_dp.planning.memory.device_memory import Budget, TrainShape, budget
 from homelab_dp.planning.model_spec import spec_from_config
@@ -180,20 +180,28 @@ class Result:
         return (self.estimate.tensors - self.measured) / self.measured
 
 
-def shape_of(case: Case) -> TrainShape:
-    """The planner's shape for a case (what `plan` would budget)."""
+def shape_of(case: Case, span: float = 0.0) -> TrainShape:
+    """The planner's shape for a case (what `plan` would budget; ``span``: the data's
+    `TrainShape.attention_span`, 0 before the data is read)."""
     return TrainShape(
         method=case.method,  # type: ignore[arg-type]
         lora_r=LORA_R, distribution="ddp", world_size=1, device="cpu", dtype="fp32",
         micro_batch=case.micro_batch, seq_len=case.seq_len, grad_accum=case.grad_accum,
         activation_checkpointing=case.activation_checkpointing, optimizer="adamw",
         packed=not case.padded, attention=choose_attention("cpu", "fp32")[0],
+        attention_span=span,
     )  # fmt: skip
 
 
-def estimate(case: Case) -> Budget:
-    """The planner's budget for a case."""
-    return budget(spec_from_config(family_config(case.family)), shape_of(case))
+def estimate(case: Case, steps: int = 2) -> Budget:
+    """The planner's budget for a case run for ``steps`` optimizer steps, with the data read (as
+    a run records it: the attention span of the blocks it trains on)."""
+    cfg = family_config(case.family)
+    if case.padded:  # rows of seq_len tokens, the padding in one of them
+        span = float(case.seq_len)
+    else:
+        span = attention_span(packed_rows(case, steps * case.grad_accum, int(cfg["vocab_size"])))
+    return budget(spec_from_config(cfg), shape_of(case, span))
 
 
 @contextlib.contextmanager
@@ -216,9 +224,20 @@ def packed_batches(case: Case, count: int, vocab: int, seed: int = 1) -> tuple[A
     (count, micro_batch, seq_len). Samples of random lengths (an eighth to a half of seq_len,
     every token a target) packed by `build_blocks`: the fullest blocks, and the last micro-batch
     ends with the emptiest one."""
-    import random
-
     import torch
+
+    rows = packed_rows(case, count, vocab, seed)
+    shape = (count, case.micro_batch, case.seq_len)
+    ids, labels, positions = (
+        torch.tensor([getattr(b, f) for b in rows]).reshape(shape)
+        for f in ("input_ids", "labels", "position_ids")
+    )
+    return ids, labels, positions
+
+
+def packed_rows(case: Case, count: int, vocab: int, seed: int = 1) -> list[Block]:
+    """The blocks of `packed_batches`, in order (``count × micro_batch`` of them)."""
+    import random
 
     rng, need = random.Random(seed), count * case.micro_batch
     examples: list[Example] = []
@@ -232,13 +251,7 @@ def packed_batches(case: Case, count: int, vocab: int, seed: int = 1) -> tuple[A
     # The fullest blocks (the planner counts every token as a target), and one with a padding
     # run of its own.
     blocks.sort(key=lambda b: -b.num_targets)
-    rows = blocks[: need - 1] + [blocks[-1]]
-    shape = (count, case.micro_batch, case.seq_len)
-    ids, labels, positions = (
-        torch.tensor([getattr(b, f) for b in rows]).reshape(shape)
-        for f in ("input_ids", "labels", "position_ids")
-    )
-    return ids, labels, positions
+    return blocks[: need - 1] + [blocks[-1]]
 
 
 def _write_model(cfg: dict[str, Any], folder: Path) -> None:
@@ -324,7 +337,9 @@ def measure_case(case: Case, steps: int = 3) -> Result:
             finally:
                 probe.stop()
     out = probe.to_json()
-    return Result(case, estimate(case), int(out["peak_bytes"]), out["peak_phase"], out["phases"])
+    return Result(
+        case, estimate(case, steps), int(out["peak_bytes"]), out["peak_phase"], out["phases"]
+    )
 
 
 def table(results: list[Result]) -> str:

@@ -52,6 +52,7 @@ from homelab_dp.train.layer_census import (
     describe_groups,
     hidden_size,
     layer_groups,
+    outer_quantized,
 )
 
 
@@ -306,6 +307,7 @@ def _describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> Mod
         sliding_layers=sliding if window else 0, vision_params=vision,
         quantization=None if quant is None else str(quant),
         full_logits=softcap is not None or float(scale or 1.0) != 1.0,
+        outer_quantized=outer_quantized(model, layers),
     )  # fmt: skip
 
 
@@ -329,6 +331,13 @@ def main(argv: list[str]) -> int:
         message = f"{source}: transformers cannot build model_type={model_type!r} from it: {exc}"
         hint = "check config.json against the model's published one"
         print(json.dumps({"error": " ".join(message.split()), "hint": hint}))
+        return 2
+    except ImportError as exc:  # a library the family's modules need (Gemma 3n's timm)
+        source = Path(folder) / "config.json"
+        message = f"{source}: transformers needs a library it cannot import to build it: {exc}"
+        hint = "install the library it names, or set model.text_only = true for a multimodal model"
+        print(json.dumps({"error": " ".join(message.split()), "hint": hint,
+                          "missing_library": True}))  # fmt: skip
         return 2
     out = spec_to_dict(spec)
     out["transformers"] = transformers.__version__

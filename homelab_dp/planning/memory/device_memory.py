@@ -95,6 +95,7 @@ from homelab_dp.planning.memory.pinned_memory import (
 )
 from homelab_dp.planning.memory.train_shape import (
     TrainShape,
+    attended_keys,
     attention_masked,
     compute_width,
     ddp_buckets,
@@ -235,9 +236,10 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
             out += 4 * h * 4  # post-attention and post-MLP norms keep their input and output
     if cpu and spec.attention_dropout > 0:
         # SDPA has no fused CPU kernel with dropout: the math kernel keeps the softmax, the
-        # dropout mask and the dropped probabilities, each heads × seq per token. With one
+        # dropout mask and the dropped probabilities, each heads × the keys a token attends
+        # (the whole row under SDPA's mask, its own sample under homelab_packed). With one
         # sequence it scales q and k as views of c_attn's output, which then stays alive.
-        out += 3 * a * shape.seq_len * w + (2 * h * w if shape.micro_batch == 1 else 0)
+        out += 3 * a * attended_keys(shape) * w + (2 * h * w if shape.micro_batch == 1 else 0)
     if shape.method != "full":
         adapters = lora_outputs_per_layer(spec, lora_targets_of(shape))
         if tiles_mlp(spec, shape):  # the MLP's adapters save inside the tiles only

@@ -56,6 +56,12 @@ class TrainShape:
     target_share: float = 1.0
     """Largest share of a block's tokens that are targets (the chunked loss keeps only those);
     1.0, an upper bound, until the data has been read."""
+    attention_span: float = 0.0
+    """Keys a token attends over in the data's fullest row, Σ L² / seq_len over the row's
+    segments (`homelab_dp.data.blocks.attention_span`): homelab_packed and FlashAttention attend
+    each sample alone, so a row of samples of lengths L keeps Σ L² attention scores where the
+    math kernel keeps any (attention dropout on the CPU), not seq_len². 0, read as seq_len (an
+    upper bound), until the data has been read."""
     offload: Offload = "none"
     """`train.offload` as planned: none | optimizer (AdamW's state in host RAM, the step on the
     CPU) | params (FSDP2's CPUOffloadPolicy: sharded weights, gradients and optimizer state in
@@ -105,6 +111,15 @@ def attention_masked(shape: TrainShape) -> bool:
     """Whether attention gets a b·s² mask: SDPA on padded and on packed batches alike
     (homelab_packed and FlashAttention attend each sample without one)."""
     return shape.attention == "sdpa"
+
+
+def attended_keys(shape: TrainShape) -> float:
+    """Keys a token attends over, on average, in the fullest row: `TrainShape.attention_span`
+    where each sample is attended alone and the data has been read, else ``seq_len`` (SDPA's
+    masked route attends the whole row)."""
+    if attention_masked(shape) or shape.attention_span <= 0:
+        return float(shape.seq_len)
+    return min(float(shape.seq_len), shape.attention_span)
 
 
 def ddp_buckets(shape: TrainShape) -> bool:

@@ -257,15 +257,16 @@ def test_a_cache_hit_loads_no_tokenizer(tmp_path: Path, monkeypatch) -> None:
         "from homelab_dp.presets.preset import preset_from_dict\n"
         "from homelab_dp.app.runs import check_data\n"
         f"preset = preset_from_dict(json.loads({json.dumps(json.dumps(doc))}))\n"
-        "blocks, share, warnings = check_data(preset, 128, 2, 2)\n"
-        "print(json.dumps([blocks, share, 'transformers' in sys.modules]))\n"
+        "blocks, share, span, warnings = check_data(preset, 128, 2, 2)\n"
+        "print(json.dumps([blocks, share, 'transformers' in sys.modules, span]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                            check=True, cwd=tmp_path) for _ in range(2)]  # fmt: skip
     first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert first[2] and not second[2]  # tokenized with transformers, then read without it
-    assert first[:2] == second[:2]
+    assert first[:2] == second[:2] and first[3] == second[3]
+    assert 0 < first[3] <= 64  # keys a token attends over: at most the block's 64 tokens
     (entry,) = [p for p in token_cache.cache_root().iterdir() if p.is_dir()]
     assert [u["use"] for u in token_cache.uses(entry)] == ["built", "hit"]
 

@@ -9,6 +9,7 @@ trains a LoRA step on the torch reference path in fp32 and fp64. QLoRA keeps Mam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,9 +21,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.nf4_quantization import is_fused_experts, nf4_config, nf4_works
+from homelab_dp.nf4_quantization import is_fused_experts, nf4_works
 from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.planning.plan_reasons import model_reasons
+from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.lora import (
     PEFT_MAMBA_MODEL_TYPES,
     add_lora,
@@ -34,6 +37,7 @@ from homelab_dp.train.lora import (
     prepare_frozen_base,
 )
 from homelab_dp.train.model_census import census
+from homelab_dp.train.trainable_model import load_model
 from tests.tiny_hybrids import FAMILIES
 
 LORA = SimpleNamespace(r=4, alpha=8, dropout=0.0, target_modules="all-linear")
@@ -147,31 +151,6 @@ def test_a_lora_step_trains_on_the_reference_path(
     assert float(after) < float(out.loss)  # one step down the gradient lowers this loss
 
 
-@pytest.mark.skipif(not nf4_works("cpu"), reason="bitsandbytes has no NF4 on this CPU")
-@pytest.mark.parametrize("model_type", ["falcon_h1", "nemotron_h", "qwen3_5_text"])
-def test_qlora_quantizes_what_bitsandbytes_can_and_keeps_mamba_out_proj(
-    model_type: str, tiny_hybrid: Callable[[str], Path]
-) -> None:
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_hybrid(model_type), dtype=torch.float32, device_map={"": "cpu"},
-        quantization_config=nf4_config(torch.float32, skip_modules=nf4_skip_modules(model_type)),
-    )  # fmt: skip
-    quantized, kept = nf4_split(model)
-    mamba = model_type in PEFT_MAMBA_MODEL_TYPES
-    out_proj = [n for n in kept if n.endswith("out_proj")]
-    assert "lm_head" in kept and bool(out_proj) == mamba
-    assert set(kept) == {"lm_head", *out_proj}
-    assert any(n.endswith(("in_proj", "in_proj_qkv")) for n in quantized)
-    assert f"{len(quantized)} linears in NF4" in nf4_report(model)
-    model.train()
-    peft_model = add_lora(prepare_frozen_base(model, gradient_checkpointing=False), LORA)
-    ids = torch.randint(3, 2000, (1, 16), generator=torch.Generator().manual_seed(0))
-    loss = peft_model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    assert torch.isfinite(loss)
-    assert all(p.grad is not None for n, p in peft_model.named_parameters() if ".lora_B." in n)
-
-
 def test_an_adapter_loads_back_on_the_modules_it_was_trained_on(
     tiny_hybrid: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -201,35 +180,75 @@ def test_an_adapter_loads_back_on_the_modules_it_was_trained_on(
     assert sorted(_adapted(renamed)) != sorted(_adapted(peft_model))
 
 
+def _qlora_load(folder: Path) -> nn.Module:
+    """The QLoRA base as the worker loads it (`train.trainable_model.load_model`, adapters on)."""
+    preset = preset_from_dict({"model": {"path": str(folder)}, "data": {"path": "unused.jsonl"},
+                               "train": {"method": "qlora"}})  # fmt: skip
+    resolved = Resolved(method="qlora", distribution="ddp", activation_checkpointing=False,  # type: ignore[arg-type]
+                        device="cpu", world_size=1, dtype="fp32", micro_batch=1, grad_accum=1,
+                        lr=1e-3)  # fmt: skip
+    return load_model(preset, resolved, torch.device("cpu")).model
+
+
+def _nf4_weights(model: nn.Module) -> tuple[int, dict[str, int]]:
+    """What the loaded model holds in NF4, by logical size: every bitsandbytes ``Linear4bit``
+    weight and every fused expert stack `quantize_experts` packed; and those outside the
+    decoder layers by name."""
+    import bitsandbytes as bnb
+
+    linear4 = {n: m.in_features * m.out_features for n, m in model.named_modules()
+               if isinstance(m, bnb.nn.Linear4bit)}  # fmt: skip
+    fused = sum(
+        math.prod(p.nf4_logical_shape)
+        for m in model.modules() if is_fused_experts(m)
+        for name, p in m.named_parameters(recurse=False) if name.endswith("_nf4")
+    )  # fmt: skip
+    outside = {n.removeprefix("base_model.model."): k for n, k in linear4.items()
+               if ".layers." not in n}  # fmt: skip
+    return sum(linear4.values()) + fused, outside
+
+
+OUTSIDE_NF4 = {"gemma4_text": {"model.per_layer_model_projection"}}
+"""Linears outside the decoder layers that QLoRA quantizes (every other family: none)."""
+
+
 @pytest.mark.skipif(not nf4_works("cpu"), reason="bitsandbytes has no NF4 on this CPU")
-@pytest.mark.parametrize("model_type", ["falcon_h1", "nemotron_h"])
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_the_plan_counts_in_4_bit_exactly_what_the_worker_quantizes(
     model_type: str, tiny_hybrid: Callable[[str], Path]
 ) -> None:
-    """The plan's 4-bit parameters (`ModelSpec.quantizable_params`) are the worker's: every
-    ``Linear4bit`` weight and every fused expert stack `quantize_experts` packs, loaded as
-    `train.trainable_model.load_model` loads a QLoRA base; Mamba's ``out_proj`` is 16-bit on
-    both sides (one rule, `planning.model_layers.nf4_skip_modules`), and the plan says so."""
+    """The plan's 4-bit parameters (`ModelSpec.quantizable_params`, from the census the planner
+    runs) are what the worker's own QLoRA load puts in NF4: every ``Linear4bit`` weight, every
+    fused expert stack, and the linears outside the decoder layers (Gemma 4's
+    ``per_layer_model_projection``). Routers (Gemma 4's ``router.proj``, Qwen's
+    ``shared_expert_gate``), Mamba's ``out_proj`` (mamba-ssm's fused kernel reads its weight)
+    and lm_head stay 16-bit on both sides: one rule, `planning.model_layers.nf4_skip_modules`;
+    the plan says so. The 4-bit base trains a step with its adapters."""
     folder = tiny_hybrid(model_type)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, device_map={"": "cpu"},
-        quantization_config=nf4_config(torch.float32, skip_modules=nf4_skip_modules(model_type)),
-    )  # fmt: skip
-    linear4 = sum(
-        m.in_features * m.out_features + (m.bias.numel() if m.bias is not None else 0)
-        for m in model.modules()
-        if type(m).__name__ == "Linear4bit"
-    )
-    fused = sum(
-        p.numel() for m in model.modules() if is_fused_experts(m) for p in m.parameters()
-    )  # packed by quantize_experts, as the worker does next
+    model = _qlora_load(folder)
+    in_nf4, outside = _nf4_weights(model)
     spec = census(folder)
-    kept = sum(
-        m.in_features * m.out_features for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and type(m).__name__ != "Linear4bit"
-        and n.endswith("out_proj")
-    )  # fmt: skip
-    assert kept > 0
-    assert spec.quantizable_params == linear4 + fused
+    assert spec.quantizable_params == in_nf4
+    assert set(outside) == OUTSIDE_NF4.get(model_type, set())
+    assert spec.outer_quantized == sum(outside.values())
+    quantized, kept = nf4_split(model)
+    rule = nf4_skip_modules(model_type)
+    for name in kept:  # the 16-bit linears are those the rule names, and only those
+        assert any(f".{name}".endswith(k) for k in rule), name
+    assert not [n for n in quantized if any(f".{n}".endswith(k) for k in rule)]
+    assert "base_model.model.lm_head" in kept
+    assert any(n.endswith(("in_proj", "in_proj_qkv", "q_proj")) for n in quantized)
+    assert f"{len(quantized)} linears in NF4" in nf4_report(model)
+    routers = [n for n, m in model.named_modules() if type(m) is nn.Linear and is_router(n, m)]
+    assert all(n in kept for n in routers), routers
     reasons = " ".join(model_reasons(spec, "qlora"))
-    assert "Mamba's out_proj" in reasons and "16-bit" in reasons
+    assert "16-bit" in reasons
+    mamba = model_type in PEFT_MAMBA_MODEL_TYPES
+    assert any(n.endswith("out_proj") for n in kept) == mamba
+    assert ("Mamba's out_proj" in reasons) == mamba
+    # The 4-bit base trains: a finite loss and a gradient on every adapter's B matrix.
+    ids = torch.randint(3, 2000, (1, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".lora_B." in n)
