@@ -49,6 +49,7 @@ TARGETS = {  # the hardware each shipped preset's header names
     "qwen3.5-27b-qlora-2x24gb": "2x24GiB",
     "qwen3.5-35b-a3b-qlora-2x24gb": "2x24GiB",
     "llama3-8b-qlora-64k-1x24gb": "1x24GiB",
+    "llama3-8b-qlora-128k-2x24gb": "2x24GiB",
 }
 
 
