@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from homelab_dp.planning import sequence_split as split
 from homelab_dp.planning.memory.memory_calibration import HardwareCalibration
 from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_refusal
 from homelab_dp.planning.model_spec import ModelSpec
@@ -124,7 +125,8 @@ def lifts(
 ) -> list[Lift]:
     """What one more setting would give the chosen method and distribution: the MLP tiled, the
     checkpoints (saved layer inputs) offloaded to host RAM, QLoRA, each with its longest length;
-    and a second card splitting the sequence (`train.sequence_parallel`), in words."""
+    and a split of each sequence over two cards (`train.sequence_parallel = 2`): computed on
+    two or more cards, in words on one."""
     t = preset.train
     base = _pinned(preset, method=chosen.method, distribution=chosen.distribution)
     out: list[Lift] = []
@@ -147,7 +149,15 @@ def lifts(
     if chosen.method != "qlora" and t.method in ("auto", chosen.method):
         lift('train.method = "qlora"', "a 4-bit base: the weights' bytes go to activations",
              _pinned(base, method="qlora"))  # fmt: skip
-    if hw.kind == "cuda" and t.sequence_parallel == 1:
+    splits = t.sequence_parallel == 1 and split.unsplittable_reason(spec) is None
+    if splits and hw.world_size >= 2 and spec.heads % 2 == 0:
+        # Two of the cards hold one sequence: the longest length a split of 2 fits, computed.
+        n = longest(spec, _pinned(base, sequence_parallel=2), hw, calibration,
+                    granule=2 * granule).max_seq_len  # fmt: skip
+        if n > chosen.max_seq_len:
+            out.append(Lift("train.sequence_parallel = 2", "each sequence split over two cards "
+                            "(attention over the whole sequence for half the heads each)", n))  # fmt: skip
+    elif splits and hw.kind == "cuda" and hw.world_size == 1:
         out.append(Lift("a second card with train.sequence_parallel = 2", "each sequence split "
                         "over both cards: each holds half of every activation", None))  # fmt: skip
     return out

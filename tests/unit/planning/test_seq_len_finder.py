@@ -180,3 +180,18 @@ def test_the_time_model_prices_the_recompute() -> None:
     mlp = 3 * 4096 * 14336
     adapters = 3 * 32 * (4096 + 14336)
     assert flops[1] - flops[0] == pytest.approx(32 * 2 * (mlp + adapters), rel=1e-12)
+
+
+def test_on_two_cards_a_split_lifts_it_to_the_models_positions() -> None:
+    """Two 24 GiB cards: one card's longest (~97K for Qwen3-8B with YaRN) is lifted by
+    `train.sequence_parallel = 2`, computed, up to the model's 131,072 positions; the 2-card
+    preset shipped at that length plans it split and fitting."""
+    two = parse_gpus_spec("2x24GiB", 64 * GiB)
+    spec = load_model_spec(CONFIGS / "qwen3-8b-yarn-128k")
+    found = find_seq_len(spec, _long("qwen3-8b-yarn-128k"), two)
+    split = {lift.setting: lift.max_seq_len for lift in found.lifts}
+    assert 80_000 <= found.max_seq_len < 131_072
+    assert split["train.sequence_parallel = 2"] == 131_072 == spec.max_positions
+    shipped = open_preset("llama3-8b-qlora-128k-2x24gb")
+    planned = plan(load_model_spec(CONFIGS / "meta-llama-3.1-8b"), shipped, two)
+    assert planned.fits and planned.sequence_parallel == 2 and planned.seq_len == 131_072
