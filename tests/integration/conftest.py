@@ -89,12 +89,14 @@ def make_run(
     offload: str = "none",
     offload_activations: bool = False,
     measure_steps: int = 0,
+    data_extra: dict[str, Any] | None = None,
 ) -> Path:
-    """A run folder with spec.json for the given plan (what the controller would write)."""
+    """A run folder with spec.json for the given plan (what the controller would write);
+    ``data_extra``: more [data] keys (``eval_path``, ...)."""
     preset = preset_from_dict(
         {
             "model": {"path": str(model)},
-            "data": {"path": str(data), "seq_len": seq_len, "pack": False},
+            "data": {"path": str(data), "seq_len": seq_len, "pack": False, **(data_extra or {})},
             "train": {
                 "method": method,
                 "distribution": distribution,
