@@ -141,7 +141,9 @@ def test_the_result_evaluates_as_its_export(
         return float(json.loads(out)["loss"])
 
     (final,) = [e for e in events(two, "eval") if e["step"] == STEPS]
-    assert [e["loss"] for e in events(one, "eval")] == pytest.approx([final["loss"]], rel=1e-9)
+    # 1e-6: Nemotron-H's Mamba-2 scans in fp32 even in an fp64 run, and the ranks split the
+    # eval rows otherwise than one process does
+    assert [e["loss"] for e in events(one, "eval")] == pytest.approx([final["loss"]], rel=1e-6)
     merged = tmp_path / "merged"
     rc, _, err = run_cli(capsys, "export", str(two), "--format", "merged", "--out", str(merged),
                          "--json")  # fmt: skip
