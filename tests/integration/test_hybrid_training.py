@@ -16,7 +16,7 @@ fine-tune. `eval` of the result equals `eval` of its merged export and beats the
 `homelab-dp measure` of each family (one process, 2 steps, the family's method) is within 10%
 of the plan, per phase too; the same launch is the CLI path's check of the plan: a preset that
 packs gets packing turned off, with the reason, for the families with recurrent layers, and kept
-(checked on the real model) for Gemma 4. A QLoRA launch of falcon_h1 under FSDP2 keeps Mamba's
+(checked on the real model) for ERNIE 4.5 and Gemma 4. A QLoRA launch of falcon_h1 under FSDP2 keeps Mamba's
 out_proj 16-bit.
 """
 
@@ -59,12 +59,10 @@ FAMILIES = {
     "ernie4_5_moe": ("full", "", ()),
     "gemma4_text": ("lora", "self_attn.q_proj", ("router", "experts")),
 }
-PACKED = {"gemma4_text"}
-"""The families whose plan keeps packing (no layer carries a state); the others' plan turns it
-off and names the kind of their recurrent layers."""
 RECURRENT = {"qwen3_5_text": "linear_attention", "qwen3_5_moe_text": "linear_attention",
-             "nemotron_h": "mamba2", "falcon_h1": "mamba2", "lfm2": "short_conv",
-             "ernie4_5_moe": ""}  # fmt: skip
+             "nemotron_h": "mamba2", "falcon_h1": "mamba2", "lfm2": "short_conv"}  # fmt: skip
+"""The families with layers that carry a state: the plan turns packing off and names their
+kind; it keeps packing for the others (ernie4_5_moe, gemma4_text), checked by the worker."""
 
 
 class Runs:
@@ -166,8 +164,8 @@ def test_measure_agrees_with_the_plan_which_packs_as_the_layers_allow(
 ) -> None:
     """`homelab-dp measure` of a preset that packs, on data longer than seq_len (every row
     full): within 10% of the plan overall and in the forward and backward phases; the plan
-    turned packing off for a recurrent family and says why, and kept it for Gemma 4, where the
-    worker checked it on the real model."""
+    turned packing off for a recurrent family and says why, and kept it for the others, where
+    the worker checked it on the real model."""
     data = tmp_path / "long.jsonl"
     rows = [{"instruction": "Count on.", "input": str(i), "output": " ".join(map(str, range(i, i + 60)))}
             for i in range(8)]  # fmt: skip
@@ -185,7 +183,7 @@ def test_measure_agrees_with_the_plan_which_packs_as_the_layers_allow(
         got = rank["phases"][phase]["peak_bytes"]
         assert abs(est["phases"][phase] - got) / got <= BOUND, (phase, est["phases"][phase], got)
     run_dir = Path(out["run_dir"])
-    packed = family in PACKED
+    packed = family not in RECURRENT
     assert read_run_spec(run_dir).preset.data.pack is packed
     off = [r for r in read_run_spec(run_dir).plan["reasons"] if r.startswith("Packing off")]
     assert (not off) if packed else (len(off) == 1 and RECURRENT[family] in off[0]), off
