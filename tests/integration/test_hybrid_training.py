@@ -11,13 +11,14 @@ step's samples grouped by length, unpacked, as the plan trains these models), an
 resume is exact. The loss falls; LoRA adapts the families' own projections (Gated DeltaNet's,
 Mamba-2's in_proj, the short convolution's) and never what peft refuses or what must stay
 frozen (Mamba's out_proj, convolutions, routers, routed experts); ernie4_5_moe is a full
-fine-tune. `eval` of the result equals `eval` of its merged export and beats the base model.
+fine-tune. The runs evaluate their result at the last step (1 and 2 processes agree); `eval`
+of the merged export says the same, and the result beats the base model.
 
 `homelab-dp measure` of each family (one process, 2 steps, the family's method) is within 10%
 of the plan, per phase too; the same launch is the CLI path's check of the plan: a preset that
-packs gets packing turned off, with the reason, for the families with recurrent layers, and kept
-(checked on the real model) for ERNIE 4.5 and Gemma 4. A QLoRA launch of falcon_h1 under FSDP2 keeps Mamba's
-out_proj 16-bit.
+packs gets packing turned off, with the reason, for the families with recurrent layers, and
+kept (checked on the real model) for ERNIE 4.5 and Gemma 4. A QLoRA launch of falcon_h1 under
+FSDP2 keeps Mamba's out_proj 16-bit.
 """
 
 from __future__ import annotations
