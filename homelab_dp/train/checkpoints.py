@@ -518,6 +518,28 @@ def mark_best(root: Path, step: int, loss: float, keep: int) -> Path:
     return path
 
 
+def _flat_keys(prefix: str, value: Any) -> list[str]:
+    """DCP's flattened keys of one nested state entry (``optim.<name>.step``, ...)."""
+    if isinstance(value, dict):
+        return [k for key, v in value.items() for k in _flat_keys(f"{prefix}.{key}", v)]
+    return [prefix]
+
+
+def _keep_saved_state(state: dict[str, Any], optim_sd: dict[str, Any], saved: set[str]) -> None:
+    """Leave out of the load the optimizer state of parameters the checkpoint holds none for.
+
+    A trainable parameter that never gets a gradient (ERNIE 4.5's router
+    ``e_score_correction_bias``, which the forward uses outside autograd) never gets AdamW state
+    in a real step, so the checkpoint has none, while `_init_state` gave the fresh optimizer one:
+    DCP refused the checkpoint as missing keys. Such a parameter loads with no state, as it was
+    saved (the optimizer skips it as before: it still has no gradient). An entry the checkpoint
+    holds only part of stays, and DCP names what is missing."""
+    for name, entry in list(state["optim"].items()):
+        if not any(k in saved for k in _flat_keys(f"optim.{name}", entry)):
+            del state["optim"][name]
+            optim_sd["state"].pop(name, None)
+
+
 def load_checkpoint(
     path: Path, strategy: Strategy, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
@@ -527,8 +549,10 @@ def load_checkpoint(
     """
     rank = dist.get_rank()
     state, optim_sd = _collect(strategy, optimizer)
+    reader = HuggingFaceStorageReader(str(path))
+    _keep_saved_state(state, optim_sd, set(reader.read_metadata().state_dict_metadata))
     try:
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+        dcp.load(state, storage_reader=reader)
     except CheckpointException as exc:  # a BaseException: would escape the worker's handlers
         rank, (cause, _) = next(iter(sorted(exc.failures.items())))
         raise CheckpointError(

@@ -93,7 +93,8 @@ def make_run(
     pack: bool = False,
     data_extra: dict[str, Any] | None = None,
 ) -> Path:
-    """A run folder with spec.json for the given plan (what the controller would write)."""
+    """A run folder with spec.json for the given plan (what the controller would write);
+    ``data_extra``: more [data] keys (``eval_path``, ...)."""
     preset = preset_from_dict(
         {
             "model": {"path": str(model)},

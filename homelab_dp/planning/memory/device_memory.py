@@ -111,9 +111,12 @@ CHUNK_ELEMENTS = 1 << 24
 """Logit elements per chunk: 2^24 (64 MiB in fp32), ~128 tokens at a 128k vocabulary, 8192 at
 the demo's 2048 (a whole micro-batch)."""
 
-FULL_LOGITS_TYPES = ("gemma2",)
-"""Model types whose logits are transformed after lm_head (final_logit_softcapping), for a
-spec that does not say so itself (`ModelSpec.full_logits`)."""
+FULL_LOGITS_TYPES = ("gemma2", "gemma4_text", "falcon_h1")
+"""Model types whose forward transforms the logits after lm_head, for a spec that does not say
+so itself (`ModelSpec.full_logits`), so the worker keeps the full logits path whatever the
+config's values (`homelab_dp.train.loss.unsupported_reason` reads the forward's code): Gemma-2
+and Gemma 4's final_logit_softcapping (Gemma 4 tests it for None there), Falcon-H1's
+``lm_head_multiplier`` on the lm_head line itself."""
 
 
 EAGER_ATTENTION_TYPES = ("gpt_oss",)
@@ -234,6 +237,8 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
             out += shape.seq_len * w
         if spec.model_type == "gemma2":
             out += 4 * h * 4  # post-attention and post-MLP norms keep their input and output
+        if spec.model_type == "gemma4_text":
+            out += gemma4_layer_extra_bytes(spec, w)
     if cpu and spec.attention_dropout > 0:
         # SDPA has no fused CPU kernel with dropout: the math kernel keeps the softmax, the
         # dropout mask and the dropped probabilities, each heads × the keys a token attends
@@ -245,6 +250,28 @@ def layer_activation_bytes(spec: ModelSpec, shape: TrainShape) -> float:
         if tiles_mlp(spec, shape):  # the MLP's adapters save inside the tiles only
             adapters -= mlp_lora_outputs(spec, shape)
         out += adapters * shape.lora_r * w  # lora_A
+    return out
+
+
+def gemma4_layer_extra_bytes(spec: ModelSpec, w: int) -> float:
+    """Bytes per token a Gemma 4 decoder layer saves beyond the LLaMA form, for the uniform
+    spec (`layer_activation_bytes`): the pre- and post-feedforward norms, with the MoE block
+    the post norms of its two branches, and the per-layer input's norm, each keeping its fp32
+    input and statistics (4·h + 8); with the MoE block the dense MLP beside the experts (gate,
+    up, the activation, their product: 4·intermediate, and its input); the per-layer input's
+    gate and projection (h + 2·its width). Measured on the tiny gemma4_text (hidden 64, MoE
+    block, per-layer inputs of 8, LoRA, fp32): 7.7 to 8.2 KB per token and layer against 4.3
+    KB without these terms (`measure` was 15% under the plan), 8.0 to 8.5 KB with them."""
+    h = spec.hidden
+    widths = {lin.name: lin.d_out for lin in spec.linears}
+    moe = spec.experts is not None
+    per_layer = widths.get("per_layer_input_gate", 0)
+    norms = 2 + (2 if moe else 0) + (1 if per_layer else 0)
+    out = norms * (4.0 * h + 8)
+    if moe:
+        out += w * (4 * widths.get("mlp.gate_proj", 0) + h)
+    if per_layer:
+        out += w * (h + 2 * per_layer)
     return out
 
 
