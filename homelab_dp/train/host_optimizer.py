@@ -4,8 +4,8 @@ The card keeps the (sharded) weights and gradients; AdamW's two moments (8 bytes
 parameter, in fp32) and a host copy of the weights (4 bytes) live in host RAM, pinned on CUDA.
 Each step copies every gradient and weight to the host (into pinned buffers kept from step to
 step on CUDA; on the CPU the gradients' copies live only through the step), runs torch's own
-AdamW arithmetic there (``torch.optim.adamw.adamw``, foreach, exactly what
-``torch.optim.AdamW(foreach=True)`` computes on the CPU) and copies the updated weights back:
+AdamW arithmetic there (``torch.optim.adamw.adamw``, fused, exactly what
+``torch.optim.AdamW(fused=True)`` computes on the CPU) and copies the updated weights back:
 12 bytes a trainable parameter cross PCIe per step, and the card saves the 8 bytes of state
 per parameter.
 
@@ -128,7 +128,7 @@ class HostAdamW(torch.optim.Optimizer):
                 torch.cuda.current_stream().synchronize()  # the copies have landed
             beta1, beta2 = group["betas"]
             adamw(
-                weights, grads, avgs, avg_sqs, [], steps, foreach=True, amsgrad=False,
+                weights, grads, avgs, avg_sqs, [], steps, fused=True, amsgrad=False,
                 beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                 eps=group["eps"], maximize=False,
             )  # fmt: skip

@@ -301,8 +301,8 @@ def build_optimizer(
     ``.item()`` and makes a pass per elementwise op; on the CPU, 4.2M fp32 parameters: 15.8 →
     2.9 ms of CPU time a step, benchmarks/step_profile.py's figures in docs/benchmarks.md).
     ``zero1`` wraps the same optimizer class in ``ZeroRedundancyOptimizer`` (on 2+ processes).
-    Offload (FSDP2): with "params" the shards are in host memory, so AdamW is the CPU's
-    (foreach, as for sharded host tensors before); with "optimizer" it is
+    Offload (FSDP2): with "params" the shards are in host memory, so AdamW is the CPU's (fused
+    too: offloading changes no bit of a step); with "optimizer" it is
     `train.host_optimizer.HostAdamW`, whose state and step are in host memory while the shards
     stay on the card.
     """
@@ -317,8 +317,7 @@ def build_optimizer(
         return HostAdamW(_param_groups(strategy, train.weight_decay), lr=lr)
     if train.optimizer == "adamw":
         cls: type = torch.optim.AdamW
-        fused = strategy.offload != "params"
-        kwargs.update(fused=True) if fused else kwargs.update(foreach=True)
+        kwargs.update(fused=True)
     elif train.optimizer == "adamw8bit":
         import bitsandbytes as bnb
 

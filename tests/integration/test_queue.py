@@ -201,8 +201,12 @@ def test_a_queued_run_is_planned_on_idle_cards_and_waits_for_their_memory(
     card) does not fit now; queued, it is planned on the cards idle and waits for card 1."""
     recording = Path(__file__).parents[1] / "data" / "nvml" / "2x3090-busy.json"
     monkeypatch.setenv("HOMELAB_DP_FAKE_NVML", str(recording))
-    overrides = ["hardware.devices=auto", "train.activation_checkpointing=false",
-                 "train.distribution=ddp"]  # fmt: skip
+    overrides = [
+        "hardware.devices=auto",
+        "train.activation_checkpointing=false",
+        "train.distribution=ddp",
+        "train.tiled_mlp=off",
+    ]  # a tiled MLP would fit now
     planned = make_plan(open_preset("qwen2-0.5b-full-ddp", overrides))
     assert not planned.plan.fits and planned.plan.fits_when_idle
     queued = on_idle_cards(planned, None)
