@@ -43,13 +43,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The integration tests' runs and the TUI sessions are one xdist group (`--dist loadgroup`
-    in pyproject): they take one worker, one at a time, in order; the unit and security tests go
-    to whichever worker is free (in practice, the other, which would otherwise idle for the last
-    third of the session: the serial group is the suite's critical path)."""
-    free = {Path(__file__).parent / "unit", Path(__file__).parent / "security"}
+    """Everything but the unit tests is one xdist group (`--dist loadgroup` in pyproject): the
+    integration tests' runs, servers and TUI sessions take one worker, one at a time, in order;
+    the unit tests go to whichever worker is free (in practice, the other)."""
+    unit = Path(__file__).parent / "unit"
     for item in items:
-        if not free & set(item.path.parents):
+        if unit not in item.path.parents:
             item.add_marker(pytest.mark.xdist_group("one-at-a-time"))
 
 

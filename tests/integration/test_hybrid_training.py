@@ -130,7 +130,7 @@ def test_the_result_evaluates_as_its_export(
     """The runs evaluate their result on the training data at the last step (the validation
     `eval` shares, `train.evaluation.evaluate`); `eval` of the merged export says the same, and
     both beat the base model (step 1's loss: the base model on every sample). For Qwen3.5
-    `eval` of the run folder itself (its adapter on the base) and of the base model too."""
+    `eval` of the run folder itself (its adapter on the base) too."""
     one, two = runs[family]["1"], runs[family]["2"]
 
     def loss(model: Path) -> float:
@@ -151,9 +151,8 @@ def test_the_result_evaluates_as_its_export(
     assert abs(trained - exported) < 1e-6 * trained, (trained, exported)
     base = events(two, "step")[0]["loss"]
     assert trained < base - 0.05, (trained, base)
-    if family == "qwen3_5_text":
+    if family == "qwen3_5_text":  # `eval` of the run folder itself: its adapter on the base
         assert abs(loss(two) - exported) < 1e-6 * exported
-        assert trained < loss(runs.models(family)) - 0.05
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -50,7 +50,7 @@ def test_each_kind_of_state_is_one_flat_buffer() -> None:
 def test_steps_are_torchs_adamw() -> None:
     mine, ref = _params(), _params()
     opt = HostAdamW(mine, lr=1e-2, weight_decay=0.1)
-    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=True)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(3):
         _grads(mine, step)
         _grads(ref, step)
