@@ -16,10 +16,9 @@ from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_refusal
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.plan_result import SAFETY_MARGIN, Candidate
 from homelab_dp.planning.planner import (
+    _decide,
     _shape_of,
     evaluate,
-    option_settings,
-    option_stages,
     resolve_dtype,
     supported,
 )
@@ -49,25 +48,8 @@ def tree_choice(
     """The option the decision tree chooses for ``preset`` on ``hw``, or None when nothing fits:
     stage by stage (offload only after every option without it), the options in order, each
     setting (checkpointing, tiled MLP) in order; in the first stage with a fit, the one moving
-    the fewest bytes over PCIe (`homelab_dp.planning.planner`'s rule, host RAM not checked)."""
-    dtype = resolve_dtype(preset, hw)
-    settings = option_settings(spec, preset)
-    for stage in option_stages(preset, hw):
-        fitting = []
-        for m, d, o, a in stage:
-            if not supported(m, d, hw, dtype, o)[0]:
-                continue
-            for ck, tm in settings:
-                c = evaluate(spec, preset, hw, m, d, ck, calibration, offload=o,
-                             offload_activations=a, tiled_mlp=tm)  # fmt: skip
-                if c.fits:
-                    fitting.append(c)
-                    break
-            if fitting and fitting[-1].budget.pcie_bytes_per_step == 0:
-                break
-        if fitting:
-            return min(fitting, key=lambda c: c.budget.pcie_bytes_per_step)
-    return None
+    the fewest bytes over PCIe: the planner's own `_decide`, host RAM not checked."""
+    return _decide(spec, preset, hw, resolve_dtype(preset, hw), calibration, None)[0]
 
 
 def longest(
