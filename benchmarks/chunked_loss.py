@@ -4,9 +4,9 @@
                                       [--hidden 128] [--bf16] [--repeats 3] [--max-full-gib 4]
 
 "full" is the worker's old path: ``F.linear`` to all logits, ``F.cross_entropy`` on their fp32
-copy (reduction sum). "chunked" is `homelab_dp.train.loss.chunked_cross_entropy`. Peak extra
+copy (reduction sum). "chunked" is `homelab_dp.train.model.loss.chunked_cross_entropy`. Peak extra
 bytes are live tensor bytes above the inputs (hidden states, weight, labels), measured with
-`homelab_dp.train.memtrack.LiveTensors` over forward and backward, in a run of their own; the
+`homelab_dp.train.loop.memtrack.LiveTensors` over forward and backward, in a run of their own; the
 time is the median of ``--repeats`` untracked runs. ``--bf16`` runs under CPU bf16 autocast,
 the shape of the CUDA bf16 path (16-bit logits, fp32 loss). "model" is `chunk_peak_bytes`'s
 bound (saved + the larger of forward and backward). A full run whose three fp32 logit tensors
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from homelab_dp.planning.memory.device_memory import chunk_peak_bytes, chunk_tokens
-from homelab_dp.train.loss import chunked_cross_entropy
-from homelab_dp.train.memtrack import LiveTensors
+from homelab_dp.train.loop.memtrack import LiveTensors
+from homelab_dp.train.model.loss import chunked_cross_entropy
 
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

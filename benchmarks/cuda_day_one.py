@@ -5,10 +5,10 @@
 Each check runs the project's own code on the card and says what it found (`benchmarks/gpu_validate.py`
 runs this script as one of its rows; ``--device cpu`` tests the script itself):
 
-- **attention**: the kernel the worker would load with on this card (`train.attention`) and why:
+- **attention**: the kernel the worker would load with on this card (`train.model.attention`) and why:
   FlashAttention-2 only with flash-attn 2.x and compute capability 8.0+, else SDPA.
 - **packing**: one packed block against its samples run one by one, in the card's 16-bit dtype,
-  with that attention (`train.packing_check`): the largest logit difference and the tolerance.
+  with that attention (`train.model.packing_check`): the largest logit difference and the tolerance.
 - **inference dtypes**: the model loaded for eval/chat/serve in 16-bit (`serving.replica.result_model`): the
   dtype of every rotary ``inv_freq`` buffer (fp32 expected) and of the weights.
 - **one bad row fails alone**: the serving engine on the card with a batch of four requests, two
@@ -16,7 +16,7 @@ runs this script as one of its rows; ``--device cpu`` tests the script itself):
   equal the same requests decoded alone.
 - **pinned host memory, activation offload**: HostAdamW's pinned bytes against the plan's host
   line for them (`planning.memory.pinned_memory`: torch's caching host allocator rounds each block up to a
-  power of two); `train.activation_offload` on a small MLP: weights kept on the card,
+  power of two); `train.parallelism.activation_offload` on a small MLP: weights kept on the card,
   activations moved, gradients bitwise those without offload.
 - **device order**: a replica named by NVML index gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and torch
   in a child with that environment sees the card NVML calls index 0.
@@ -66,8 +66,8 @@ def check_attention_and_packing(model: Path, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from homelab_dp.train.attention import attention_choice
-    from homelab_dp.train.packing_check import check_model
+    from homelab_dp.train.model.attention import attention_choice
+    from homelab_dp.train.model.packing_check import check_model
 
     dtype = half(device)
     impl, why = attention_choice(device, dtype)
@@ -127,8 +127,8 @@ def check_pinned_and_offload(
     import torch
 
     from homelab_dp.planning.memory.pinned_memory import host_adamw_pinned_bytes
-    from homelab_dp.train.activation_offload import ActivationOffload
-    from homelab_dp.train.host_optimizer import HostAdamW
+    from homelab_dp.train.parallelism.activation_offload import ActivationOffload
+    from homelab_dp.train.parallelism.host_optimizer import HostAdamW
 
     cuda = device == "cuda"
 
@@ -257,7 +257,11 @@ def check_packed_attention(device: str) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from homelab_dp.train.packed_attention import PACKED_ATTENTION, register, take_route_counts
+    from homelab_dp.train.model.packed_attention import (
+        PACKED_ATTENTION,
+        register,
+        take_route_counts,
+    )
 
     register()
     cuda = device == "cuda"

@@ -4,7 +4,7 @@
 ``CONFIG_MAPPING``: for each model_type that ``AutoModelForCausalLM`` can build it makes a tiny
 config (the config class's defaults with the sizes shrunk, `tiny_config`), writes it to a
 folder, plans it as `plan` does (the hand-written spec from config.json, else the census of
-`homelab_dp.train.model_census`) and compares the parameter count with the model transformers
+`homelab_dp.train.model.model_census`) and compares the parameter count with the model transformers
 itself instantiates on the meta device. Status: ``exact`` (a hand-written family, counted from
 config.json alone), ``derived`` (the census: layer groups from the module tree), ``refused``
 (with the reason: not a causal language model, or a config transformers itself rejects), or
@@ -29,7 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.model_spec import SUPPORTED, hand_written_spec
-from homelab_dp.train.model_census import census
+from homelab_dp.train.model.model_census import census
 
 SMALL = {
     "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
@@ -126,7 +126,7 @@ def unbuildable(model_type: str, exc: Exception, **overrides) -> dict:
         cls = CONFIG_MAPPING[model_type]
         with tempfile.TemporaryDirectory() as tmp:
             cls(**overrides).save_pretrained(tmp)
-            out = subprocess.run([sys.executable, "-m", "homelab_dp.train.model_census", tmp],
+            out = subprocess.run([sys.executable, "-m", "homelab_dp.train.model.model_census", tmp],
                                  capture_output=True, text=True, timeout=300)  # fmt: skip
         answer = json.loads(out.stdout.strip().splitlines()[-1])
     except Exception:  # noqa: BLE001 - no config.json to plan either

@@ -21,7 +21,7 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from homelab_dp.planning.memory.layer_kinds import kind_activation_bytes, mixer_elements
-from homelab_dp.train.model_census import census, layer_groups
+from homelab_dp.train.model.model_census import census, layer_groups
 
 H = {"hidden_size": 256, "vocab_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
      "head_dim": 32, "intermediate_size": 512, "max_position_embeddings": 4096}  # fmt: skip

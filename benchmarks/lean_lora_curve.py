@@ -43,7 +43,7 @@ def _setup(method: str, steps: int) -> tuple[Any, Any, Any]:
     """The demo preset for ``method``, its Resolved (one CPU process), and its data."""
     from homelab_dp.presets.preset import load_preset
     from homelab_dp.runs.run_spec import Resolved
-    from homelab_dp.train.rank_setup import Rank, load_data
+    from homelab_dp.train.loop.rank_setup import Rank, load_data
 
     preset = load_preset(ROOT / "presets" / "tiny-demo.toml")
     model = replace(preset.model, path=str(ROOT / preset.model.path))
@@ -92,17 +92,17 @@ def train_curve(method: str, variant: str, steps: int) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; the loss of each, parameter bytes and the first adapter."""
     import torch
 
-    from homelab_dp.train.lora import param_bytes
-    from homelab_dp.train.memcheck import single_rank_group
+    from homelab_dp.measure.memcheck import single_rank_group
+    from homelab_dp.train.loop.training_loop import optimizer_step
+    from homelab_dp.train.model.lora import param_bytes
+    from homelab_dp.train.model.trainable_model import load_model
     from homelab_dp.train.objectives.sft import micro_step
-    from homelab_dp.train.strategy import (
+    from homelab_dp.train.parallelism.strategy import (
         build_optimizer,
         build_scheduler,
         rank_slices,
         wrap_model,
     )
-    from homelab_dp.train.trainable_model import load_model
-    from homelab_dp.train.training_loop import optimizer_step
 
     preset, resolved, d = _setup(method, steps)
     cpu = torch.device("cpu")

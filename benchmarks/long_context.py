@@ -3,14 +3,14 @@
     python benchmarks/long_context.py [--seq-lens 512 1024 2048 4096] [--steps 3]
                                       [--method lora] [--json OUT.json] [--sequence-parallel 2]
 
-One CPU process (the worker's own pieces, in this process: `train.trainable_model.load_model`,
+One CPU process (the worker's own pieces, in this process: `train.model.trainable_model.load_model`,
 the chunked loss head, AdamW over the trainable parameters), the tiny demo model
 (assets/models/tiny-llama), micro-batch 1, activation checkpointing off. For each length, the
 median time of ``--steps`` optimizer steps (after one warm-up step) with the MLP untiled and
-tiled (`train.tiled_mlp`, `homelab_dp.train.tiled_mlp`), as tokens/s, beside what `homelab-dp
+tiled (`train.tiled_mlp`, `homelab_dp.train.model.tiled_mlp`), as tokens/s, beside what `homelab-dp
 plan` predicts for the same run on one CPU process (`plan --json`'s ``predicted.tokens_per_s``:
 the time model, at this machine's measured rate when `homelab-dp measure` recorded one, else the
-stated default) and the live-tensor peak of the step's backward (`train.memtrack.LiveTensors`,
+stated default) and the live-tensor peak of the step's backward (`train.loop.memtrack.LiveTensors`,
 one tracked step) beside the plan's.
 
 With ``--sequence-parallel 2`` each length is also run for real through the console script
@@ -48,10 +48,10 @@ import torch
 from homelab_dp.app.plan import make_plan
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.loss import install_loss_head
-from homelab_dp.train.memtrack import LiveTensors
-from homelab_dp.train.tiled_mlp import tile_mlps
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.loop.memtrack import LiveTensors
+from homelab_dp.train.model.loss import install_loss_head
+from homelab_dp.train.model.tiled_mlp import tile_mlps
+from homelab_dp.train.model.trainable_model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "models" / "tiny-llama"

@@ -8,7 +8,7 @@ with LoRA, the experts frozen), GPT-2
 (dropout 0.1, hence SDPA's math kernel on the CPU); activation checkpointing off and
 on; five micro-batch × seq_len shapes, one with accumulation; padded batches. Full fine-tune in
 fp32 with DDP on a one-process gloo group and foreach AdamW — the worker's own functions
-(`homelab_dp.train.memcheck`). Each case prints the planner's predicted peak of tensor memory
+(`homelab_dp.measure.memcheck`). Each case prints the planner's predicted peak of tensor memory
 (weights + gradients + optimizer + activations + logits + buffers), the measured peak over the
 steps, the error (estimate − measured) / measured and the phase of each peak. Exits 1 when a
 case is off by more than 10%. ``--held-out`` runs the held-out grid after it (families and
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from homelab_dp.train.memcheck import (  # noqa: E402
+from homelab_dp.measure.memcheck import (  # noqa: E402
     GRID,
     HELD_OUT_GRID,
     measure_case,

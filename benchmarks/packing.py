@@ -11,7 +11,7 @@ unit test bounds the 100k case only as a liveness guard; this is where the figur
 ``--attention``: one attention layer's forward and backward (8 query and 4 key/value heads of
 32, fp32, on this machine's device, one thread) over packed rows of seeded long-tailed sample
 lengths (log-uniform 20 to 450 tokens): the masked route transformers' SDPA takes for packed
-blocks (a (b, 1, s, s) mask, key/value heads repeated) and `train.packed_attention`'s; the
+blocks (a (b, 1, s, s) mask, key/value heads repeated) and `train.model.packed_attention`'s; the
 median milliseconds and the bytes saved for backward of each.
 """
 
@@ -49,7 +49,7 @@ def attention(batch: int, seq_len: int, repeats: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from homelab_dp.train.packed_attention import PackedSegments, packed_attention_forward
+    from homelab_dp.train.model.packed_attention import PackedSegments, packed_attention_forward
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -6,7 +6,7 @@
 FSDP2 across cards needs two of them (NCCL takes one rank per card), and `homelab-dp` plans
 sharding only on two or more devices; this checks the CUDA half of QLoRA-FSDP on a machine with
 one card, in one process (a process group of one): the worker's own set-up
-(`homelab_dp.train.rank_setup.build_model`: the streamed 4-bit load, ``fully_shard`` with the
+(`homelab_dp.train.loop.rank_setup.build_model`: the streamed 4-bit load, ``fully_shard`` with the
 compute-dtype quant storage and mixed precision, ``CPUOffloadPolicy`` in pinned memory, the
 host-stepping AdamW, the activation offload hooks) and its own micro and optimizer steps, on the same seeded
 batches. For each configuration it reports the loss of every step (the largest difference from
@@ -83,9 +83,9 @@ def _estimate(model: Path, spec: Any) -> int:
 def _one(model: Path, device: Any, name: str, spec: Any, batches: list[Any]) -> dict[str, Any]:
     import torch
 
+    from homelab_dp.train.loop.rank_setup import Rank, build_model
+    from homelab_dp.train.loop.training_loop import optimizer_step
     from homelab_dp.train.objectives.sft import micro_step
-    from homelab_dp.train.rank_setup import Rank, build_model
-    from homelab_dp.train.training_loop import optimizer_step
 
     cuda = device.type == "cuda"
     if cuda:

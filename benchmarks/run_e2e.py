@@ -9,7 +9,7 @@ Every run is the shipped tiny-demo preset (2 CPU processes, gloo) in a temporary
   run (whole command)     `homelab-dp run tiny-demo --set train.max_steps=N --json`, start to exit
   first step event        from the same command's start to its first ``step`` line
   stop (the command)      `homelab-dp stop RUN` on a detached run past step 2, start to exit
-  fault → final state     an injected fault (``HOMELAB_DP_FAULT``, `homelab_dp.train.rank_guard`) on
+  fault → final state     an injected fault (``HOMELAB_DP_FAULT``, `homelab_dp.train.loop.rank_guard`) on
                           rank 1 at step 3, from the moment it fired to the final state written:
                           SIGKILL (a crash), SIGSTOP (a hang; ``train.watchdog_s = 4``), out of
                           memory — what `tests/integration/test_faults.py` guards

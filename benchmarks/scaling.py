@@ -26,7 +26,7 @@ steady_speed`: the median of the step events after step 3). OpenMP waits passive
   the speedup of 2 processes over the 1-process run of the same accumulation, predicted (the
   plan's ``speedup_vs_one_device``) and measured (2-process tokens/s ÷ 1-process tokens/s); the
   measured share of the step spent waiting on communication (step events' ``compute_seconds``,
-  `homelab_dp.train.comm_timing`; "-" when the worker did not log it).
+  `homelab_dp.train.parallelism.comm_timing`; "-" when the worker did not log it).
 
 On a GPU host ``--devices cuda`` runs the points on cards 0 and 0,1 (``--gpus``), still fp32.
 """

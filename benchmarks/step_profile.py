@@ -47,7 +47,7 @@ def child(run_dir: Path, out: Path) -> None:
     import torch
     from torch.overrides import TorchFunctionMode
 
-    from homelab_dp.train import worker
+    from homelab_dp.train.loop import worker
 
     reads: collections.Counter[str] = collections.Counter()
     calls = [0]

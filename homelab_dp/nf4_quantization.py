@@ -265,7 +265,7 @@ def _quantize_weight(
 def pack_experts_on_meta(model: nn.Module, compute: torch.dtype, storage: torch.dtype) -> int:
     """`quantize_experts` for a model on the meta device: every fused 3-D weight replaced by
     empty (meta) NF4 storage of the shapes quantization will give, for FSDP2 to shard before
-    the values come (`train.quantized_load.stream_weights`). Returns the values to come."""
+    the values come (`train.model.quantized_load.stream_weights`). Returns the values to come."""
     register_experts_implementation()
     total = 0
     for module in model.modules():

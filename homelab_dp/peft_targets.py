@@ -11,7 +11,7 @@ dense MLP of a MoE model's first layers and its shared experts: an explicit list
 adapted every routed expert instead, which "all-linear" never asks for (`train.lora`).
 
 `exact_targets` skips that rewrite where the adapter names transformers 5 modules already: a
-config whose targets are full dotted module names (the lists `train.lora.lora_targets` writes;
+config whose targets are full dotted module names (the lists `train.model.lora.lora_targets` writes;
 peft saves them as bare names), or, when loading an adapter folder, one whose every LoRA weight
 sits on a module this model has (an adapter trained on transformers 4 has its experts' weights
 on ``experts.N.w1`` and the like, which transformers 5 no longer builds: it is converted as peft

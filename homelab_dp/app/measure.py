@@ -3,7 +3,7 @@
 The preset is prepared exactly as `homelab-dp run` prepares it (preflight, plan, data), then run
 under torchrun through the launcher from a run folder whose spec.json carries
 ``"measure_steps": N`` (``train.max_steps = N``, no checkpoints). The worker probes every step
-from before the model load (`homelab_dp.train.memtrack`): peak live tensor bytes on the CPU,
+from before the model load (`homelab_dp.train.loop.memtrack`): peak live tensor bytes on the CPU,
 ``max_memory_allocated`` / ``max_memory_reserved`` on CUDA, per phase (load, forward, backward,
 optimizer), and writes one ``memory`` event with every rank's figures. The result is shown beside
 the plan's estimate and stored in the calibration file for this hardware, so later plans show the
@@ -139,7 +139,7 @@ def measure(
 def _record_speed(run_dir: Path, plan_doc: dict[str, Any], run_id: str) -> Path | None:
     """Record the measure run's speed for the time model
     (`homelab_dp.planning.speed_calibration`): later plans on this machine price compute at it.
-    The median of the steps after the tracked ones (`train.memtrack.MEASURED_STEPS`: tracking
+    The median of the steps after the tracked ones (`train.loop.memtrack.MEASURED_STEPS`: tracking
     every tensor slows a CPU step by a third), else of the steps after the first: one step
     alone varies by tens of percent on a shared CPU."""
     events = _events(run_dir)

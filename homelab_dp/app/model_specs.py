@@ -1,8 +1,8 @@
 """The ModelSpec of any model folder: the hand-written families from config.json, every other
 decoder from transformers' module tree in a child process, remembered by config hash.
 
-The front ends never import torch: the census (`train/model_census.py`) runs as
-``python -m homelab_dp.train.model_census DIR`` and its JSON answer is cached in
+The front ends never import torch: the census (`train/model/model_census.py`) runs as
+``python -m homelab_dp.train.model.model_census DIR`` and its JSON answer is cached in
 ``<data home>/model-specs/<sha256>.json`` (private, written atomically), keyed by the bytes of
 config.json, the installed transformers version and the flags, so a second `plan` reads it.
 """
@@ -122,9 +122,9 @@ def _discard(path: Path) -> None:
 
 
 def run_census(folder: Path, *, trust_remote_code: bool, text_only: bool) -> dict[str, Any]:
-    """``python -m homelab_dp.train.model_census`` on ``folder``: its JSON answer, or its refusal
+    """``python -m homelab_dp.train.model.model_census`` on ``folder``: its JSON answer, or its refusal
     as ModelSpecError. Offline: the child never reaches the Hub."""
-    argv = [sys.executable, "-m", "homelab_dp.train.model_census", str(folder)]
+    argv = [sys.executable, "-m", "homelab_dp.train.model.model_census", str(folder)]
     argv += ["--trust-remote-code"] * trust_remote_code + ["--text-only"] * text_only
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     try:

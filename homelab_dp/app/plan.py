@@ -382,7 +382,7 @@ GLOO_TIMEOUT_S = 30.0
 
 def gloo_measurement(measure: bool) -> dict[str, Any] | None:
     """This host's cached gloo bandwidth; when absent and ``measure``, measured once in a child
-    process (`homelab_dp.train.gloo_bandwidth`: torch stays out of this process) and cached.
+    process (`homelab_dp.train.parallelism.gloo_bandwidth`: torch stays out of this process) and cached.
     None when neither: the time model then states its default."""
     host, version = socket.gethostname(), torch_version()
     cached = read_cached_gloo(host, version)
@@ -390,7 +390,7 @@ def gloo_measurement(measure: bool) -> dict[str, Any] | None:
         return cached
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "homelab_dp.train.gloo_bandwidth"],
+            [sys.executable, "-m", "homelab_dp.train.parallelism.gloo_bandwidth"],
             capture_output=True, text=True, timeout=GLOO_TIMEOUT_S, check=False,
         )  # fmt: skip
         lines = done.stdout.strip().splitlines()

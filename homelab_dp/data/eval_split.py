@@ -9,7 +9,7 @@ sample is ever trained on. The training blocks are then built from the remaining
 the eval blocks from the held-out ones, with the same ``seq_len`` and ``pack``.
 
 Used by the preflight (`homelab_dp.app.runs.check_data`: the training blocks it counts are
-those left after the split) and by every rank of the worker (`homelab_dp.train.rank_setup`).
+those left after the split) and by every rank of the worker (`homelab_dp.train.loop.rank_setup`).
 """
 
 from __future__ import annotations

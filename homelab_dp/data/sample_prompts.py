@@ -3,7 +3,7 @@
 ``data.sample_prompts`` is a list of strings, or a file: ``.txt`` (one prompt per line, blank
 lines skipped) or ``.jsonl`` (a ``"prompt"`` string per line). The preflight calls
 `read_sample_prompts` so a bad file is an error naming the file and line before anything
-starts; every rank of the worker reads the same list again (`homelab_dp.train.sample_answers`).
+starts; every rank of the worker reads the same list again (`homelab_dp.train.loop.sample_answers`).
 """
 
 from __future__ import annotations

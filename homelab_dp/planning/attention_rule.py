@@ -1,10 +1,10 @@
 """Which attention kernel a run loads with, and whether packing is proven ahead (pure).
 
 One rule for the plan (`homelab_dp.planning.plan_reasons`) and the worker
-(`homelab_dp.train.attention`): FlashAttention-2 (``"flash_attention_2"``) only on CUDA, in
+(`homelab_dp.train.model.attention`): FlashAttention-2 (``"flash_attention_2"``) only on CUDA, in
 bf16/fp16, when every card is compute capability 8.0 (Ampere) or newer and the installed
 ``flash-attn`` distribution is a 2.x release; otherwise ``"homelab_packed"``
-(`homelab_dp.train.packed_attention`): each sample of a packed block attends alone, through
+(`homelab_dp.train.model.packed_attention`): each sample of a packed block attends alone, through
 torch's ``varlen_attn`` on a CUDA card of compute capability 8.0+ in bf16/fp16, else SDPA on
 each sample's slice (the CPU: FlexAttention has no backward there); no block-diagonal mask and
 no repeated key/value heads either way, and any other mask goes to SDPA unchanged. The FA2 kernels refuse older cards
@@ -30,7 +30,7 @@ FLASH_MIN_CAPABILITY = (8, 0)
 FLASH_DTYPES = ("bf16", "fp16")
 """FlashAttention's kernels take half precision only."""
 PACKED_ATTENTION = "homelab_packed"
-"""The ``attn_implementation`` of `homelab_dp.train.packed_attention` (registered by the worker)."""
+"""The ``attn_implementation`` of `homelab_dp.train.model.packed_attention` (registered by the worker)."""
 FLASH_DISTRIBUTION = "flash-attn"
 """The PyPI distribution of FlashAttention-2 (``pip install flash-attn``)."""
 
@@ -83,7 +83,7 @@ def packed_kernel(
     sinks: bool = False,
 ) -> str:
     """The route ``homelab_packed`` takes on packed segments, one rule for the worker
-    (`homelab_dp.train.packed_attention`) and the plan's memory count:
+    (`homelab_dp.train.model.packed_attention`) and the plan's memory count:
 
     - ``"varlen"``: torch's ``varlen_attn`` (FlashAttention) over the flattened tokens: CUDA,
       bf16/fp16 (the dtype the attention computes in, autocast's), compute capability 8.0+, a
@@ -225,7 +225,7 @@ PACKING_PROVEN_FAMILIES = frozenset({
 (`transformers.masking_utils`), which turns the restarts of a packed block into a
 block-diagonal mask; tests/unit/train/test_attention.py proves llama and gpt2 on the CPU. Another
 family, or a model's own code (``trust_remote_code``), may attend across the samples of a
-packed block: the worker checks it before training (`homelab_dp.train.packing_check`)."""
+packed block: the worker checks it before training (`homelab_dp.train.model.packing_check`)."""
 
 
 def attention_reason(

@@ -16,7 +16,7 @@ direction, in bytes a second, at the share of the line rate NCCL's bus bandwidth
 - between machines (`--network 10GbE|25GbE|100GbE|<Gbit/s>`): the network's line rate at
   `NETWORK_EFFICIENCY`;
 - on the CPU: gloo between processes on this host, measured once per host and torch version
-  (`homelab_dp.train.gloo_bandwidth`) and cached here (`read_cached_gloo`, `write_cached_gloo`).
+  (`homelab_dp.train.parallelism.gloo_bandwidth`) and cached here (`read_cached_gloo`, `write_cached_gloo`).
 """
 
 from __future__ import annotations

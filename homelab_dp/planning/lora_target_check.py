@@ -21,7 +21,7 @@ OUTSIDE_BLOCKS = ("lm_head", "embed_tokens", "embed_out", "wte", "wpe", "output"
 """Module names outside the decoder blocks that peft adapts when named (not counted by the
 planner, which plans the decoder's adapters)."""
 EXPERTS = ("experts", "experts.gate_up_proj", "experts.down_proj")
-"""The names that ask for a MoE model's routed experts (`train.lora.EXPERT_TARGETS`)."""
+"""The names that ask for a MoE model's routed experts (`train.model.lora.EXPERT_TARGETS`)."""
 
 
 def _picks(spec: ModelSpec, name: str) -> bool:

@@ -5,7 +5,7 @@ Gemma3 (text and the vision wrapper), OLMo2, Granite, SmolLM3, GLM-4, Phi-3 and 
 Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss and DeepSeek-V2. The counts
 match instantiating the model through transformers 5 on the meta device, parameter for
 parameter (the tests check it). Other decoders are derived from transformers' module tree
-(`train/model_census.py`, read back by `planning.spec_document.spec_from_dict`). The layer
+(`train/model/model_census.py`, read back by `planning.spec_document.spec_from_dict`). The layer
 types are in `planning.model_layers`, the reading and checking of config.json in
 `planning.model_config`.
 """

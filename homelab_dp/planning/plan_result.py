@@ -121,7 +121,7 @@ class Candidate:
     offload: str = "none"
     """`train.offload` of this option: none | optimizer | params (what the run resolves to)."""
     offload_activations: bool = False
-    """Saved activations in pinned host RAM (`homelab_dp.train.activation_offload`)."""
+    """Saved activations in pinned host RAM (`homelab_dp.train.parallelism.activation_offload`)."""
     offload_cost: OffloadCost | None = None
     """Host RAM, PCIe traffic and expected slowdown of the offload; None when none."""
     predicted: Prediction | None = None

@@ -165,7 +165,7 @@ def check_fp16_sharding(preset: Preset, hw: PlanHardware, dtype: str) -> None:
 
 
 EXPERT_TARGET_NAMES = ("experts", "experts.gate_up_proj", "experts.down_proj")
-"""``lora.target_modules`` entries that name routed experts (`homelab_dp.train.lora`)."""
+"""``lora.target_modules`` entries that name routed experts (`homelab_dp.train.model.lora`)."""
 
 
 def names_experts(preset: Preset) -> bool:

@@ -25,7 +25,7 @@ What transformers 5.25 does with sample boundaries on these layers (its modeling
 So packing is turned off before launch for every model with such a layer (`packing_decision`):
 one sample per row, each micro-batch cut to its longest sample and the samples of each
 optimizer step grouped by length, so padding stays small (`homelab_dp.train` does both, from the
-same rule). The worker's packing check (`homelab_dp.train.packing_check`) stays the guard for
+same rule). The worker's packing check (`homelab_dp.train.model.packing_check`) stays the guard for
 whatever reaches it packed.
 
 The plan reads the layer kinds from the model spec's layers (`spec_recurrent_kinds`, the

@@ -1,6 +1,6 @@
 """What samples while training add to a run's time (``train.sample_every``; pure, stdlib).
 
-The worker answers every sample prompt at each sampling round (`homelab_dp.train.sample_answers`): the
+The worker answers every sample prompt at each sampling round (`homelab_dp.train.loop.sample_answers`): the
 prompt once through the model, then one forward per new token with a KV cache. Its cost:
 
     seconds = rounds × prompts × (prompt tokens + max new tokens) × forward FLOPs per token

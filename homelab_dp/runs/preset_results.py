@@ -25,7 +25,7 @@ the newest of them differs.
 
 A record also keeps the run's speed in the steady state beside what its plan predicted
 (`steady_speed`: the medians of the step events after the first `STEADY_AFTER` steps — tokens/s,
-step time, and with several processes the communication it waited on, `train.comm_timing`),
+step time, and with several processes the communication it waited on, `train.parallelism.comm_timing`),
 so a plan can be checked against what the run then did; the keeper hands the same figures to
 the time model's calibration (`homelab_dp.planning.speed_calibration.record_speed`).
 

@@ -91,12 +91,12 @@ class StartEvent(Event):
     attention_reason: str = ""
     """Why that kernel (`homelab_dp.planning.attention_rule`): the card, the dtype, flash-attn."""
     packing: str = ""
-    """``data.pack``'s check on the real model (`homelab_dp.train.packing_check`): "exact"
+    """``data.pack``'s check on the real model (`homelab_dp.train.model.packing_check`): "exact"
     (one packed block gave its samples' logits), "off" (data.pack = false)."""
     packing_error: float | None = None
     """The check's largest logit difference, packed against one by one (None: not checked)."""
     sequence_parallel: int = 1
-    """Ranks every sequence is split over (`homelab_dp.train.sequence_parallel`; 1: whole
+    """Ranks every sequence is split over (`homelab_dp.train.parallelism.sequence_parallel`; 1: whole
     sequences); the all-to-alls' seconds are in each step event's ``comm_seconds``."""
 
 

@@ -25,7 +25,7 @@ RUN_SPEC_VERSION = 2
 
 
 MEASURED_STEPS = 3
-"""Steps a `homelab-dp measure` run tracks memory on the CPU (`train.memtrack`): the optimizer
+"""Steps a `homelab-dp measure` run tracks memory on the CPU (`train.loop.memtrack`): the optimizer
 state exists after the first, DDP rebuilds its buckets in the second, the third is steady;
 later steps run untracked, at full speed, and give the speed `measure` records."""
 
@@ -49,13 +49,13 @@ class Resolved:
     offload: Offload = "none"
     """What FSDP keeps in host RAM (none | optimizer | params); none in specs written before."""
     offload_activations: bool = False
-    """Saved activations in host RAM (`homelab_dp.train.activation_offload`)."""
+    """Saved activations in host RAM (`homelab_dp.train.parallelism.activation_offload`)."""
     sequence_parallel: int = 1
-    """Ranks per sequence (`homelab_dp.train.sequence_parallel`; 1: off): the world is data
+    """Ranks per sequence (`homelab_dp.train.parallelism.sequence_parallel`; 1: off): the world is data
     ranks × this, and only the data ranks take blocks of their own."""
 
     tiled_mlp: bool = False
-    """Each decoder layer's MLP in tiles along the sequence (`homelab_dp.train.tiled_mlp`):
+    """Each decoder layer's MLP in tiles along the sequence (`homelab_dp.train.model.tiled_mlp`):
     the planner's decision for `train.tiled_mlp`; False in specs written before."""
 
     @property

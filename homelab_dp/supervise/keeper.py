@@ -7,7 +7,7 @@ waits for torchrun, and writes the final status with the reason. It guarantees t
 
 - **No orphans.** When the torchrun agent dies (even by SIGKILL) its workers — which run in
   sessions of their own — are stopped gracefully (they checkpoint), then killed after a grace
-  period. (The workers also notice by themselves: `homelab_dp.train.rank_guard`.)
+  period. (The workers also notice by themselves: `homelab_dp.train.loop.rank_guard`.)
 - **No hang.** A watchdog (`homelab_dp.supervise.watchdog`, limit ``train.watchdog_s``) ends a run
   whose ranks all stopped making progress, naming the rank that stalled. A rank that dies is
   seen by torchrun at once, and its peers' collectives fail on the closed connection or after
@@ -104,7 +104,7 @@ class Keeper:
             children = psutil.Process(self.agent.pid).children(recursive=False)
         except psutil.NoSuchProcess:
             return list(read_state(self.run_dir).get("pids", {}).get("workers") or [])
-        return [c.pid for c in children if "homelab_dp.train.worker" in " ".join(_cmdline(c))]
+        return [c.pid for c in children if "homelab_dp.train.loop.worker" in " ".join(_cmdline(c))]
 
     def request_stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         """Graceful stop: every worker gets SIGTERM; the ranks agree, checkpoint and exit."""

@@ -26,7 +26,7 @@ from homelab_dp.probe.visible_gpus import cuda_device_env
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.run_spec import Rendezvous, RunSpec
 
-WORKER_MODULE = "homelab_dp.train.worker"
+WORKER_MODULE = "homelab_dp.train.loop.worker"
 AGENT_MODULE = (
     "homelab_dp.supervise.torchrun_agent"  # torchrun's main, its stores on loopback (single node)
 )

@@ -17,7 +17,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 def resume_step(run_dir: Path) -> int:
     """The step a resume of this run continues from: its newest complete checkpoint's
-    (``checkpoints/step-N`` with its COMPLETE marker, the layout of `homelab_dp.train.checkpoints`;
+    (``checkpoints/step-N`` with its COMPLETE marker, the layout of `homelab_dp.train.loop.checkpoints`;
     the worker also checks the shards and falls back to an older one if they are damaged), or 0
     when it has none and starts again from step 1 (its earlier steps are trained again)."""
     steps = []

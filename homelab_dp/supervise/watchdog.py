@@ -2,7 +2,7 @@
 
 Every rank writes ``logs/heartbeats/rank-R.json`` — ``{rank, pid, step, micro, phase, time}`` —
 when it starts a micro-step, and every second or so while it is in a long phase (a checkpoint,
-saving the result, merging an adapter) or waits for another rank's (`homelab_dp.train.rank_guard`;
+saving the result, merging an adapter) or waits for another rank's (`homelab_dp.train.loop.rank_guard`;
 the phases: `homelab_dp.runs.folder.heartbeats`). The keeper polls them and judges each rank:
 
 - a rank in ``train`` makes progress when it starts another micro-step;

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from homelab_dp.cli.main import main
 from homelab_dp.runs.folder.run_state import alive_pids, read_state
 from homelab_dp.runs.preset_results import read_results
-from homelab_dp.train.rank_guard import FAULT_ENV
+from homelab_dp.train.loop.rank_guard import FAULT_ENV
 from tests.conftest import write_preset
 from tests.integration.conftest import held_workers
 
@@ -112,7 +112,7 @@ def test_attach_kill_follower_stop_and_resume(
     env: dict[str, str], tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
     """`stop` must find the run still going. Rather than racing the run, both ranks hold still
-    at the start of step 2 (an injected SIGSTOP, `homelab_dp.train.rank_guard`) until the stop
+    at the start of step 2 (an injected SIGSTOP, `homelab_dp.train.loop.rank_guard`) until the stop
     request is pending on them; then they go on and take it at that step's end. The resume
     trains the rest, to STOP_STEPS."""
     data = data_dir / "ragged-64.jsonl"

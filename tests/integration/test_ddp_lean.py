@@ -71,10 +71,10 @@ def _train(root: Path, rank: int, world: int, lean: bool, accum: int) -> dict[st
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from homelab_dp.train.memtrack import MemoryProbe, model_state
+    from homelab_dp.train.loop.memtrack import MemoryProbe, model_state
+    from homelab_dp.train.model.trainable_model import load_model
     from homelab_dp.train.objectives.sft import micro_step
-    from homelab_dp.train.strategy import Strategy, build_optimizer, wrap_model
-    from homelab_dp.train.trainable_model import load_model
+    from homelab_dp.train.parallelism.strategy import Strategy, build_optimizer, wrap_model
 
     preset, resolved, device = _preset(root, accum), _resolved(world, accum), torch.device("cpu")
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def _train(root: Path, rank: int, world: int, lean: bool, accum: int) -> dict[st
                 x = ids[step, k].clone()
                 micro_step(strategy, x, None, x.clone(), scale, autocast=contextlib.nullcontext,
                            loss_dtype=torch.float32, probe=probe)  # fmt: skip
-        # As `train.training_loop.optimizer_step` does, with the strategy's zero_grad.
+        # As `train.loop.training_loop.optimizer_step` does, with the strategy's zero_grad.
         strategy.clip_grad_norm(1.0)
         optimizer.step()
         strategy.zero_grad(optimizer)

@@ -1,6 +1,6 @@
 """A run that diverges (a finite but absurd learning rate) ends with a clear error, exit 1 and
 state failed, keeping its last good checkpoint and writing none of non-finite weights
-(`homelab_dp.train.divergence`; issue 28, class 7). One real run: torchrun, gloo, 2 CPU
+(`homelab_dp.train.loop.divergence`; issue 28, class 7). One real run: torchrun, gloo, 2 CPU
 processes, through the controller and the keeper."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.app.runs import make_controller
-from homelab_dp.train.checkpoints import check_checkpoint, find_usable
+from homelab_dp.train.loop.checkpoints import check_checkpoint, find_usable
 from tests.conftest import write_preset
 from tests.integration.conftest import events
 from tests.integration.test_faults import start, wait_done

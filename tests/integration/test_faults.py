@@ -5,7 +5,7 @@ checkpoint, resume is exact (bitwise equal to an uninterrupted run), and nothing
 left running. Every test ends by checking that no process recorded in state.json is alive.
 
 Faults come from outside (signals sent by the test) or from ``HOMELAB_DP_FAULT``
-(`homelab_dp.train.rank_guard`), which fires once per run folder at an exact step — "mid-step" means
+(`homelab_dp.train.loop.rank_guard`), which fires once per run folder at an exact step — "mid-step" means
 at the start of a micro-step, after the step's first all-reduce. Each test measures how long
 the outcome took and records it (`record`): printed, and appended as a JSON line to
 ``$HOMELAB_DP_RELIABILITY_LOG`` when set — docs/RELIABILITY.md's table comes from that log.
@@ -34,8 +34,8 @@ from homelab_dp.runs.folder.heartbeats import read_heartbeats
 from homelab_dp.runs.folder.jsonl_tail import JsonlTail
 from homelab_dp.runs.folder.run_state import ACTIVE, alive_pids, current_state, read_state
 from homelab_dp.runs.run_spec import Rendezvous
-from homelab_dp.train.checkpoints import check_checkpoint, find_usable
-from homelab_dp.train.rank_guard import FAULT_ENV
+from homelab_dp.train.loop.checkpoints import check_checkpoint, find_usable
+from homelab_dp.train.loop.rank_guard import FAULT_ENV
 from tests.conftest import default_sigint, write_preset
 from tests.integration.conftest import bitwise_equal, copy_run, events, final_weights
 from tests.integration.test_controller import EXE, cli

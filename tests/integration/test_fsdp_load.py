@@ -1,7 +1,7 @@
 """FSDP2 loads one copy of the model: rank 0 reads it, every other rank only ever holds shards.
 
 Measured with the worker's own memory probe (a measure run: live tensor bytes from before the
-model is loaded, `train.memtrack`), on 2 CPU ranks under torchrun. DDP is the baseline: each of
+model is loaded, `train.loop.memtrack`), on 2 CPU ranks under torchrun. DDP is the baseline: each of
 its ranks holds the whole model. Under FSDP rank 1's load peak is its half of the weights, and
 rank 0's is the copy it reads (freed tensor by tensor as it is sent) plus its own shard of the
 tensor in flight. What is loaded is checked by training: here a tied lm_head (Qwen2-style) and

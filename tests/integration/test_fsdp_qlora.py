@@ -77,7 +77,7 @@ def test_a_stopped_run_with_optimizer_and_activations_offloaded_resumes_bit_for_
     reference: Path, tiny_model: Path, data_dir: Path, tmp_path: Path
 ) -> None:
     """The optimizer state in host memory (`HostAdamW`) goes through the DCP checkpoint and
-    back, and the saved activations through host memory (``train.activation_offload``) every micro-step;
+    back, and the saved activations through host memory (``train.parallelism.activation_offload``) every micro-step;
     the result equals that of the uninterrupted run, which offloaded nothing."""
     rd = make_run(tmp_path, tiny_model, data_dir / "ragged-16.jsonl", name="off-optimizer",
                   distribution="fsdp-full", train=STEPS, offload="optimizer",

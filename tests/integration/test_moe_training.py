@@ -110,7 +110,7 @@ def _run_pair(family: str, root: Path, data: Path) -> dict[str, Path]:
 PACKED = ("gpt_oss",)
 """Families trained on packed blocks (data.pack = true, the default) here: gpt-oss, whose
 forward keeps position_ids from the mask builder and whose sinks no fused kernel takes
-(`train.packed_attention`)."""
+(`train.model.packed_attention`)."""
 
 
 class Runs:

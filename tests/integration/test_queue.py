@@ -2,7 +2,7 @@
 a start without --queue refused, two queued runs that start in order after it; a queued run
 whose keeper died, resumed into the queue again and stopped there (no run started).
 
-The first run's rank holds still at step 2 (an injected SIGSTOP, `homelab_dp.train.rank_guard`) while
+The first run's rank holds still at step 2 (an injected SIGSTOP, `homelab_dp.train.loop.rank_guard`) while
 the others are queued and inspected, so nothing races the run; it goes on once they are.
 """
 
@@ -31,7 +31,7 @@ from homelab_dp.runs.folder.run_state import (
     update_state,
 )
 from homelab_dp.runs.run_queue import Devices, Other, free_memory, waiting
-from homelab_dp.train.rank_guard import FAULT_ENV
+from homelab_dp.train.loop.rank_guard import FAULT_ENV
 from tests.conftest import write_preset
 from tests.integration.conftest import held_workers, make_run
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.train.checkpoints import check_checkpoint
+from homelab_dp.train.loop.checkpoints import check_checkpoint
 from tests.integration.conftest import (
     bitwise_equal,
     copy_run,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.runs.folder.run_state import alive_pids, read_state
-from homelab_dp.train.rank_guard import FAULT_ENV
+from homelab_dp.train.loop.rank_guard import FAULT_ENV
 from tests.conftest import DATA, write_preset
 from tests.integration.conftest import held_workers
 

@@ -1,4 +1,4 @@
-"""Samples while training, end to end: torchrun, gloo, 2 CPU processes (`train.sample_answers`).
+"""Samples while training, end to end: torchrun, gloo, 2 CPU processes (`train.loop.sample_answers`).
 
 One demo fine-tune with ``train.sample_every = 2`` and a checkpoint every 2 steps, and the same
 run with ``sample_every = "off"``:

@@ -13,7 +13,7 @@ import pytest
 
 from homelab_dp.runs.run_spec import Rendezvous
 from homelab_dp.supervise.launcher import launch, torchrun_command
-from homelab_dp.train.checkpoints import check_checkpoint
+from homelab_dp.train.loop.checkpoints import check_checkpoint
 from tests.integration.conftest import events, make_run
 
 
@@ -61,7 +61,7 @@ def test_sigterm_stops_gracefully(target: str, tiny_model: Path, data_dir: Path,
 def test_worker_refuses_to_run_without_a_launcher(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
-        [sys.executable, "-m", "homelab_dp.train.worker", str(tmp_path)],
+        [sys.executable, "-m", "homelab_dp.train.loop.worker", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -81,7 +81,7 @@ def test_torchrun_command_single_node_is_loopback(tmp_path: Path) -> None:
     endpoint = next(a for a in cmd if a.startswith("--rdzv-endpoint="))
     assert endpoint.startswith("--rdzv-endpoint=127.0.0.1:")
     assert cmd[cmd.index("--log-dir") + 1] == str(tmp_path / "run-1" / "logs")
-    assert cmd[-3:] == ["-m", "homelab_dp.train.worker", str(tmp_path / "run-1")]
+    assert cmd[-3:] == ["-m", "homelab_dp.train.loop.worker", str(tmp_path / "run-1")]
     rdzv = Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.2", master_port=29500)
     multi = torchrun_command(tmp_path / "r", 4, rdzv, resume=True)
     assert "--rdzv-endpoint=10.0.0.2:29500" in multi and "--node-rank=1" in multi

@@ -145,7 +145,7 @@ def test_a_config_json_that_is_not_a_plain_file_is_not_read(kind, tmp_path, caps
 def derived(tmp_path, monkeypatch):
     """A derived family's folder, the census counted (run in this process: the child's own
     function, to keep the test quick) and its cache entry's path."""
-    from homelab_dp.train.model_census import census
+    from homelab_dp.train.model.model_census import census
 
     folder = _write_raw(tmp_path, json.dumps(QWEN35))
     calls: list[Path] = []

@@ -272,8 +272,8 @@ from pathlib import Path
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.train.checkpoints import CheckpointError, save_result
-from homelab_dp.train.strategy import Strategy
+from homelab_dp.train.loop.checkpoints import CheckpointError, save_result
+from homelab_dp.train.parallelism.strategy import Strategy
 
 run_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{run_dir / 'pg'}", rank=0, world_size=1)

@@ -24,7 +24,7 @@ from homelab_dp.errors import HomelabError, PresetError
 from homelab_dp.planning.lora_target_check import check_lora_targets, known_targets
 from homelab_dp.planning.model_spec import hand_written_spec
 from homelab_dp.presets.preset_store import open_preset
-from homelab_dp.train.lora import lora_targets
+from homelab_dp.train.model.lora import lora_targets
 from tests.conftest import DATA, ROOT, run_cli
 from tests.integration.conftest import DEMO_MODEL
 

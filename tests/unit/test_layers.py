@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("presets", "data"),
     ("planning", "runs"),
     ("train", "supervise", "serving", "serving.front", "serving.replica"),
+    ("measure",),
     ("app",),
     ("render",),
     ("tui",),

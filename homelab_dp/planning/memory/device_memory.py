@@ -44,7 +44,7 @@ many bytes this rank pins (`Budget.offload_host_bytes`) and moves over PCIe per 
 
 Bytes of the loss head: chunked cross-entropy or full logits (pure arithmetic, no torch).
 
-The worker replaces lm_head by `homelab_dp.train.loss.ChunkedLossHead` for every model whose
+The worker replaces lm_head by `homelab_dp.train.model.loss.ChunkedLossHead` for every model whose
 logits are not changed after lm_head (`unsupported_reason`); Gemma-2's final logit softcapping
 keeps the full logits path. The chunk size and the bytes of `train.loss`'s chunked
 cross-entropy are defined here, in pure arithmetic, and the worker uses the same chunk size;
@@ -114,7 +114,7 @@ the demo's 2048 (a whole micro-batch)."""
 FULL_LOGITS_TYPES = ("gemma2", "gemma4_text", "falcon_h1")
 """Model types whose forward transforms the logits after lm_head, for a spec that does not say
 so itself (`ModelSpec.full_logits`), so the worker keeps the full logits path whatever the
-config's values (`homelab_dp.train.loss.unsupported_reason` reads the forward's code): Gemma-2
+config's values (`homelab_dp.train.model.loss.unsupported_reason` reads the forward's code): Gemma-2
 and Gemma 4's final_logit_softcapping (Gemma 4 tests it for None there), Falcon-H1's
 ``lm_head_multiplier`` on the lm_head line itself."""
 
@@ -142,7 +142,7 @@ def kv_repeated(spec: ModelSpec, shape: TrainShape) -> bool:
 def _masked(spec: ModelSpec, shape: TrainShape) -> bool:
     """Whether attention allocates a b·s² mask and repeated key/value heads: SDPA's route
     (`attention_masked`) and eager attention do; ``homelab_packed`` (each sample alone,
-    `train.packed_attention`) and FlashAttention-2 do not."""
+    `train.model.packed_attention`) and FlashAttention-2 do not."""
     return attention_masked(shape) or spec.model_type in EAGER_ATTENTION_TYPES
 
 
@@ -164,7 +164,7 @@ def chunk_peak_bytes(
     """Bytes the chunked loss holds beyond its inputs: ``saved`` from its forward to its backward,
     and the extra at the forward's and the backward's peaks (on top of ``saved``).
 
-    The terms are listed in `homelab_dp.train.loss`'s docstring. ``tokens``: the micro-batch's
+    The terms are listed in `homelab_dp.train.model.loss`'s docstring. ``tokens``: the micro-batch's
     tokens; ``compute_bytes``: the matmul element size (2 under bf16/fp16, 4 in fp32, 8 in fp64);
     ``weight_bytes`` / ``hidden_bytes`` those of lm_head's weight and of the hidden states,
     ``weight_grad`` False when the weight is frozen. ``targets`` (default: ``tokens``) are the
@@ -345,7 +345,7 @@ def moved_activation_bytes(spec: ModelSpec, shape: TrainShape) -> int:
     """Bytes ``train.offload_activations`` sends to host memory each micro-step (each comes back
     once in backward): the activations saved for backward (`activation_bytes`) and the loss
     head's saved tensors; weights, buffers and autocast's weight casts stay on the card
-    (`homelab_dp.train.activation_offload`)."""
+    (`homelab_dp.train.parallelism.activation_offload`)."""
     return int(activation_bytes(spec, shape) + sum(loss_head_saved(spec, shape)))
 
 
@@ -602,7 +602,7 @@ def _model_states(spec: ModelSpec, shape: TrainShape) -> dict[str, float]:
     weights += reference_weight_bytes(spec, shape)
     # DDP on 2+ processes: the gradients are views of its buckets, alive from the load on.
     resident = trainable * 4 if ddp_buckets(shape) else 0.0
-    # AdamW is fused on the CPU and CUDA alike (`train.strategy.build_optimizer`): no
+    # AdamW is fused on the CPU and CUDA alike (`train.parallelism.strategy.build_optimizer`): no
     # temporary per parameter (foreach AdamW's sqrt of v, the CPU's until issue 33).
     step_temp = 0.0
     # Accumulated gradients (unless resident); FSDP2 keeps them unsharded while sync is off.
@@ -709,7 +709,7 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     """The per-device memory budget of ``shape`` for the model ``spec``.
 
     Offload (`TrainShape.offload`, `offload_activations`, CUDA only) moves state to pinned host
-    memory (`_offload`); with the activations offloaded (`train.activation_offload`) every
+    memory (`_offload`); with the activations offloaded (`train.parallelism.activation_offload`) every
     saved activation, the loss head's included, goes to the host as it is saved (weights stay):
     about one decoder layer's is on the card, plus the loss head, and 2 × the moved bytes
     (`moved_activation_bytes`) cross PCIe per micro-step; the host pins them each rounded to a
@@ -754,7 +754,7 @@ def budget(spec: ModelSpec, shape: TrainShape, overhead: Overhead | None = None)
     rebuild = base + 2 * s["resident"] + 24 * tokens if rebuilds else 0
     load = s["weights"] + s["resident"]
     if shape.method == "qlora" and is_fsdp(shape):
-        # Rank 0 streams the checkpoint (`train.quantized_load`): beside its shards, the tensor
+        # Rank 0 streams the checkpoint (`train.model.quantized_load`): beside its shards, the tensor
         # in hand in the compute dtype (the largest: an embedding, lm_head or a linear).
         largest = max(spec.embedding_params, spec.lm_head_params, largest_quantized(spec))
         load += largest * (compute_width(shape) if shape.device == "cuda" else 4)

@@ -2,7 +2,7 @@
 
 ALST's idea (Arctic Long Sequence Training, TiledMLP): the MLP of a dense decoder layer is
 applied token by token, so it may be applied to slices of the sequence one after another. The
-worker's `homelab_dp.train.tiled_mlp` runs each tile under ``no_grad`` in the forward (nothing of
+worker's `homelab_dp.train.model.tiled_mlp` runs each tile under ``no_grad`` in the forward (nothing of
 the MLP is saved but its input) and recomputes each tile with grad in the backward, one tile at
 a time, so the MLP's intermediate tensors (gate, up, the activation, their product; and their
 gradients) exist for one tile, never for the whole sequence. Exact: the same loss and gradients

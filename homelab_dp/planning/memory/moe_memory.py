@@ -15,7 +15,7 @@ the parts that depend on the model's MoE block (`ModelSpec.experts`), its dense 
   (`merged_expert_bytes`). The router is never adapted.
 * Activations of routed tokens (`moe_mlp_bytes`), as transformers' default experts
   implementation (``grouped_mm``, `transformers.integrations.moe`) saves them, measured on the
-  CPU with `homelab_dp.train.memtrack.LiveTensors` (tiny qwen3_moe, fp32 and bf16, E, top-k and
+  CPU with `homelab_dp.train.loop.memtrack.LiveTensors` (tiny qwen3_moe, fp32 and bf16, E, top-k and
   the expert width varied one at a time): per token the router's fp32 softmax (4·E bytes) and
   4 bytes; per routed slot (top-k of them per token) the int64 sort and index tensors (40
   bytes) and, with the experts trained (full fine-tune or adapted), the gathered hidden state,

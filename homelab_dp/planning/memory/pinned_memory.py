@@ -5,7 +5,7 @@ torch's caching host allocator (``at::CachingHostAllocator``, behind ``pin_memor
 power of two (``pinned_max_round_threshold_mb`` unset: no limit) and keeps the block cached for
 reuse: a 1.05 GB shard pins 2 GiB. What each offload pins, as `homelab_dp.train` allocates it:
 
-* ``train.offload = "optimizer"`` (`train.host_optimizer.HostAdamW`): one flat buffer per kind
+* ``train.offload = "optimizer"`` (`train.parallelism.host_optimizer.HostAdamW`): one flat buffer per kind
   (the weights' copy, the gradients' copy, AdamW's two moments), each of this rank's trainable
   bytes, rounded once per kind (`host_adamw_pinned_bytes`).
 * ``train.offload = "params"`` (FSDP2's ``CPUOffloadPolicy``): every parameter's padded shard is
@@ -13,7 +13,7 @@ reuse: a 1.05 GB shard pins 2 GiB. What each offload pins, as `homelab_dp.train`
   shard arrives through a non-blocking copy into pinned memory: each rounds on its own
   (`fsdp_offload_pinned_bytes`). The optimizer state (torch's AdamW on the host shards) is
   ordinary host memory, not rounded.
-* ``train.offload_activations`` (`train.activation_offload`): every saved activation is pinned on
+* ``train.offload_activations`` (`train.parallelism.activation_offload`): every saved activation is pinned on
   its own (`homelab_dp.planning.memory.device_memory.pinned_activation_bytes`).
 
 PCIe traffic is not rounded: only the tensors' own bytes cross the link.

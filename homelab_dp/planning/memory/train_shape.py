@@ -47,7 +47,7 @@ class TrainShape:
     packed: bool = True
     """data.pack: whole samples per row, positions restarting (no mask); else padded rows."""
     attention: Literal["sdpa", "homelab_packed", "flash_attention_2"] = "sdpa"
-    """`train.attention`'s kernel: SDPA gets a mask on packed batches too (and repeats GQA's
+    """`train.model.attention`'s kernel: SDPA gets a mask on packed batches too (and repeats GQA's
     key/value heads); homelab_packed (each sample alone) and FlashAttention neither."""
     old_cards: bool = False
     """A planned card is below compute capability 8.0 (no FlashAttention kernels there):
@@ -67,7 +67,7 @@ class TrainShape:
     CPU) | params (FSDP2's CPUOffloadPolicy: sharded weights, gradients and optimizer state in
     pinned host RAM). FSDP only; on the CPU it moves nothing (the device is host RAM)."""
     offload_activations: bool = False
-    """The activations saved for backward in pinned host RAM (`train.activation_offload`:
+    """The activations saved for backward in pinned host RAM (`train.parallelism.activation_offload`:
     weights, buffers and tensors under 1 KiB stay on the card)."""
     objective: Objective = "sft"
     """`train.objective`. For dpo/orpo/kto ``micro_batch`` and ``seq_len`` are the forward's rows

@@ -6,7 +6,7 @@ must agree on before the first micro-step:
 
 1. every rank generates the group of each of its own prompts (its micro-batches' blocks) with
    the weights it trains (`train.objectives.grpo_generation`: exact on 1 or N processes);
-2. scores them (`train.reward_functions.Rewards`, user functions in a process of their own);
+2. scores them (`train.objectives.reward_functions.Rewards`, user functions in a process of their own);
 3. all-gathers every rank's per-completion figures (reward totals and each reward, lengths,
    truncation), so every rank has the whole batch in the global prompt order: the advantages
    (`grpo_losses.advantages`, ``scale_rewards = "batch"`` over the whole batch), the loss's
@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from homelab_dp.errors import RunStateError
 from homelab_dp.presets.reward_specs import reward_specs
 from homelab_dp.runs.folder.rollouts import rollout_path
-from homelab_dp.train.metrics import all_gather_flat
+from homelab_dp.train.loop.metrics import all_gather_flat
+from homelab_dp.train.loop.sample_answers import _eos_ids, evaluating
 from homelab_dp.train.objectives.dpo import backward
 from homelab_dp.train.objectives.grpo_generation import (
     Group,
@@ -58,8 +59,7 @@ from homelab_dp.train.objectives.grpo_losses import (
     masked_sum,
     token_losses,
 )
-from homelab_dp.train.reward_functions import RewardError, Rewards
-from homelab_dp.train.sample_answers import _eos_ids, evaluating
+from homelab_dp.train.objectives.reward_functions import RewardError, Rewards
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from homelab_dp.train.sample_answers import _forward_kwargs
+from homelab_dp.train.loop.sample_answers import _forward_kwargs
 
 ENGINES = ("transformers",)
 """The generation engines this version has."""
@@ -92,7 +92,7 @@ def generate_group(
     generator: torch.Generator, device: Any, autocast: Any = contextlib.nullcontext,
 ) -> Group:  # fmt: skip
     """``generations`` completions of ``prompt`` (token ids) by ``model`` as it is (call it in
-    eval mode: `homelab_dp.train.sample_answers.evaluating`)."""
+    eval mode: `homelab_dp.train.loop.sample_answers.evaluating`)."""
     extra = _forward_kwargs(model)
     ids = torch.tensor([prompt] * generations, dtype=torch.long, device=device)
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)

@@ -1,6 +1,6 @@
 """The objective seam: what the training loop asks of an objective, and which one a run uses.
 
-The loop (`train.training_loop.Trainer`) never branches on the objective's name. For every
+The loop (`train.loop.training_loop.Trainer`) never branches on the objective's name. For every
 optimizer step it sums the objective's per-block unit counts over every rank's blocks of the
 step (``Data.units[whole].sum(0)``: counted on the host from the shared sample order, no
 collective), then asks the objective
@@ -54,7 +54,7 @@ class Objective(Protocol):
     """Names of the metric sums `micro_step` returns, in order."""
 
     def units(self, data: Any) -> torch.Tensor:
-        """Per-block unit counts, ``[n_blocks, U]`` float64 (`train.rank_setup.Data`)."""
+        """Per-block unit counts, ``[n_blocks, U]`` float64 (`train.loop.rank_setup.Data`)."""
         ...
 
     def begin_step(self, model: Any, data: Any, rank: Any, micro_idx: list[Any]) -> None:
@@ -75,7 +75,7 @@ class Objective(Protocol):
 
 class PairEvaluation(Protocol):
     """What a preference objective adds for the in-training evaluation of held-out pairs
-    (`train.evaluation.evaluate_pairs`); SFT's eval is the token loss (`train.evaluation`)."""
+    (`train.evaluation.evaluation.evaluate_pairs`); SFT's eval is the token loss (`train.evaluation.evaluation`)."""
 
     def eval_units(self, pairs: Any) -> torch.Tensor:
         """Per-block unit counts of `train.objectives.pair_batch.PairData`, as `units`."""

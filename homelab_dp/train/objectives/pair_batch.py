@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from homelab_dp.train.loop.speed import to_device
 from homelab_dp.train.objectives.preference_losses import IGNORE_INDEX, sequence_log_probs
-from homelab_dp.train.speed import to_device
 
 
 @dataclass

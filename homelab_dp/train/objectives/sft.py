@@ -2,7 +2,7 @@
 
 The unit is the target token: a step's loss is the sum of token losses over the whole
 effective batch divided by its target tokens, so N ranks × micro m equals one process with
-micro N·m, or with accumulation, on any data (`train.training_loop`'s exactness).
+micro N·m, or with accumulation, on any data (`train.loop.training_loop`'s exactness).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from homelab_dp.train.length_groups import trimmed_width
-from homelab_dp.train.loss import token_loss_sum
-from homelab_dp.train.speed import to_device
+from homelab_dp.train.loop.length_groups import trimmed_width
+from homelab_dp.train.loop.speed import to_device
+from homelab_dp.train.model.loss import token_loss_sum
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -77,7 +77,7 @@ def micro_step(
     """Forward, loss and backward of one micro-batch; returns the detached sum of token losses.
 
     The loss is the sum of token cross-entropies times ``scale`` (world / global target tokens).
-    With ``loss_head`` (`train.loss.ChunkedLossHead`) the model's forward returns that sum,
+    With ``loss_head`` (`train.model.loss.ChunkedLossHead`) the model's forward returns that sum,
     computed chunk by chunk without full logits; ``labels`` may stay on the host (the head
     finds the target rows there without a device sync). Without it the logits are not kept
     past the loss: holding them would keep one more batch × seq_len × vocab tensor alive

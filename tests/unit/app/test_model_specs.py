@@ -17,7 +17,7 @@ from homelab_dp.app import model_specs
 from homelab_dp.app.model_specs import cache_path, model_spec
 from homelab_dp.errors import ModelSpecError
 from homelab_dp.planning.model_spec import spec_from_config, spec_to_dict
-from homelab_dp.train.model_census import census
+from homelab_dp.train.model.model_census import census
 from tests.conftest import run_cli
 from tests.unit.planning.test_model_families import PUBLISHED, _config, _meta_count
 

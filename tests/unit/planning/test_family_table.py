@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from homelab_dp.train import model_census  # noqa: E402
+from homelab_dp.train.model import model_census  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "families_bench", Path(__file__).resolve().parents[3] / "benchmarks" / "families.py"

@@ -1,7 +1,7 @@
 """A model is a list of layers (issue 36): the census of the 2026 families against transformers.
 
 Tiny configs of the nine families the issue names are built by transformers' own config classes,
-instantiated on the meta device, and planned through the census (`train.model_census`, the path
+instantiated on the meta device, and planned through the census (`train.model.model_census`, the path
 `plan` takes for them): the parameter count must equal the meta model's, parameter for parameter;
 the active count must equal it minus the routed experts a token skips (counted from the model's
 own expert tensors); the layers per mixer kind must follow the config's layer pattern.
@@ -22,7 +22,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: 
 
 from homelab_dp.planning.model_spec import spec_to_dict  # noqa: E402
 from homelab_dp.planning.spec_document import spec_from_dict  # noqa: E402
-from homelab_dp.train.model_census import census  # noqa: E402
+from homelab_dp.train.model.model_census import census  # noqa: E402
 
 T = {"hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
      "head_dim": 16, "intermediate_size": 96, "max_position_embeddings": 256}  # fmt: skip
@@ -144,7 +144,7 @@ def test_planned_activations_per_layer_kind_match_what_autograd_saves(model_type
     attention, MLP, MoE) and LFM2 (short convolution, attention with q/k norms): the plan's
     bytes per token within 5% of what the torch reference path saves (fp32, full fine-tune)."""
     from homelab_dp.planning.memory.layer_kinds import kind_activation_bytes
-    from homelab_dp.train.model_census import layer_groups
+    from homelab_dp.train.model.model_census import layer_groups
 
     torch.manual_seed(0)
     cfg = CONFIG_MAPPING[model_type](**MEASURED_FAMILIES[model_type])
@@ -161,7 +161,7 @@ def test_planned_activations_per_layer_kind_match_what_autograd_saves(model_type
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_planned_lora_parameters_equal_peft_s_on_every_layer_kind(model_type, tmp_path):
-    """The worker's "all-linear" LoRA (`train.lora.add_lora`, through peft) on every family:
+    """The worker's "all-linear" LoRA (`train.model.lora.add_lora`, through peft) on every family:
     its trainable count equals the plan's. Every decoder linear the plan counts is adapted
     (Mamba's out_proj left out: peft refuses it on Mamba families; Gemma 4's
     ``per_layer_input_gate`` is no router) and nothing else (no router, no model-level linear:
@@ -169,7 +169,7 @@ def test_planned_lora_parameters_equal_peft_s_on_every_layer_kind(model_type, tm
     from types import SimpleNamespace
 
     from homelab_dp.planning.memory.moe_memory import lora_param_count
-    from homelab_dp.train.lora import add_lora
+    from homelab_dp.train.model.lora import add_lora
 
     fields, _ = FAMILIES[model_type]
     cfg = CONFIG_MAPPING[model_type](**fields)

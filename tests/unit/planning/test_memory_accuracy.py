@@ -4,7 +4,7 @@ A few cases of `benchmarks/memory_accuracy.py`'s grid, one per kind of peak: the
 backward (logits), inside backward (a recomputed layer, small vocabulary), the end of backward
 (a tied embedding's second gradient), the optimizer phase (checked alone: fused AdamW makes
 no temporary, so it no longer peaks), accumulation and padding. Each runs
-the worker's own step in this process (`homelab_dp.train.memcheck`). Mixture-of-Experts
+the worker's own step in this process (`homelab_dp.measure.memcheck`). Mixture-of-Experts
 (tiny Qwen3-MoE, Mixtral and gpt-oss, transformers' grouped_mm experts): every expert's weights,
 gradients and AdamW state and the routed tokens' activations within 5%.
 """
@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from homelab_dp.train.memcheck import (  # noqa: E402
+from homelab_dp.measure.memcheck import (  # noqa: E402
     FAMILIES,
     GRID,
     HELD_OUT_FAMILIES,
@@ -24,7 +24,7 @@ from homelab_dp.train.memcheck import (  # noqa: E402
     estimate,
     measure_case,
 )
-from homelab_dp.train.memtrack import LiveTensors, MemoryProbe  # noqa: E402
+from homelab_dp.train.loop.memtrack import LiveTensors, MemoryProbe  # noqa: E402
 
 BOUND = 0.10
 MOE_BOUND = 0.05

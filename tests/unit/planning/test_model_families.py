@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from homelab_dp.planning.model_spec import spec_from_config  # noqa: E402
-from homelab_dp.train.model_census import census  # noqa: E402
+from homelab_dp.train.model.model_census import census  # noqa: E402
 
 # Published sizes (config.json of the released checkpoints, fields that change the count).
 PUBLISHED: dict[str, dict[str, Any]] = {

@@ -90,7 +90,7 @@ def test_measured_head_bytes_of_sequence_log_probs_match_the_model() -> None:
     """The plain logits path on the CPU (fp32): live tensor bytes at the loss and during its
     backward, beyond the hidden states and lm_head's weight."""
     torch = pytest.importorskip("torch")
-    from homelab_dp.train.memtrack import LiveTensors
+    from homelab_dp.train.loop.memtrack import LiveTensors
     from homelab_dp.train.objectives.preference_losses import sequence_log_probs
 
     spec = spec_from_config({**PUBLISHED["SmolLM-135M"][0], "vocab_size": 2048})

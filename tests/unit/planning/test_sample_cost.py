@@ -15,7 +15,7 @@ from homelab_dp.planning.sample_cost import (
     sample_seconds,
     sampling_rounds,
 )
-from homelab_dp.train.sample_answers import sample_due
+from homelab_dp.train.loop.sample_answers import sample_due
 from tests.unit.planning.test_model_spec import PUBLISHED
 
 LLAMA3_8B = spec_from_config(PUBLISHED["Meta-Llama-3-8B"][0])

@@ -152,7 +152,7 @@ def test_plan_command_finds_the_seq_len(in_repo, capsys) -> None:
 
 def test_the_run_spec_records_the_decision(in_repo) -> None:
     """The worker tiles only what the planner decided (`Resolved.tiled_mlp`, read by
-    `train.rank_setup`): on for the demo at 2 × 512 tokens (8 tiles of 128) when asked, off when
+    `train.loop.rank_setup`): on for the demo at 2 × 512 tokens (8 tiles of 128) when asked, off when
     not, and never for a micro-batch of one tile."""
     from homelab_dp.app.runs import make_controller
     from homelab_dp.runs.run_spec import Resolved

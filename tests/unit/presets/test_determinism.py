@@ -61,7 +61,7 @@ def test_the_spec_carries_the_field_and_an_older_spec_reads_as_off() -> None:
 def test_set_determinism_turns_the_torch_switches_on(monkeypatch) -> None:
     import torch
 
-    from homelab_dp.train.rank_setup import set_determinism
+    from homelab_dp.train.loop.rank_setup import set_determinism
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so restored afterwards
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")

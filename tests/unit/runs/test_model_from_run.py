@@ -1,6 +1,6 @@
 """A preset's model.path naming a run (id, unique prefix or folder): the run's result is the
 model to start from (`runs.model_ref.with_local_model`, `config_folder`), and a LoRA adapter
-is merged into its base as the model loads (`train.trainable_model.merge_start_adapter`)."""
+is merged into its base as the model loads (`train.model.trainable_model.merge_start_adapter`)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_the_start_adapter_is_merged_into_the_loaded_base(tmp_path: Path) -> Non
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from homelab_dp.train.trainable_model import merge_start_adapter
+    from homelab_dp.train.model.trainable_model import merge_start_adapter
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float64)

@@ -18,8 +18,8 @@ from homelab_dp.runs.folder.heartbeats import heartbeat_dir, write_heartbeat
 from homelab_dp.runs.folder.run_state import torchrun_root_cause
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.supervise.watchdog import Watchdog, describe_stall
-from homelab_dp.train.checkpoints import check_checkpoint, check_shard
-from homelab_dp.train.rank_guard import oom_advice
+from homelab_dp.train.loop.checkpoints import check_checkpoint, check_shard
+from homelab_dp.train.loop.rank_guard import oom_advice
 
 
 def _resolved(micro: int, accum: int, ac: bool = False, world: int = 2) -> Resolved:
@@ -95,7 +95,7 @@ def test_the_stalled_rank_is_the_stopped_one_else_the_one_behind(tmp_path: Path)
         sleeper.wait()
 
 
-SUMMARY = """homelab_dp.train.worker FAILED
+SUMMARY = """homelab_dp.train.loop.worker FAILED
 -------------------------------------------------------
 Failures:
 [1]:
@@ -120,7 +120,7 @@ def test_root_cause_is_the_first_failure_not_its_echo() -> None:
     assert torchrun_root_cause("no summary") is None
 
 
-ABORT_OBSERVED_FIRST = """homelab_dp.train.worker FAILED
+ABORT_OBSERVED_FIRST = """homelab_dp.train.loop.worker FAILED
 -------------------------------------------------------
 Failures:
 [1]:

@@ -1,6 +1,6 @@
-"""`train.activation_offload`: the saved-tensor hooks move activations to the host, never weights.
+"""`train.parallelism.activation_offload`: the saved-tensor hooks move activations to the host, never weights.
 
-On the tiny LLaMA as the worker loads it (`train.trainable_model.load_model`, the chunked loss head
+On the tiny LLaMA as the worker loads it (`train.model.trainable_model.load_model`, the chunked loss head
 installed): ``torch.autograd.graph.save_on_cpu`` copies every saved tensor, the frozen base
 weights and lm_head among them; `ActivationOffload` keeps those on their device and moves the
 rest, with bitwise the same training.
@@ -13,8 +13,8 @@ from torch import nn
 
 from homelab_dp.planning.memory.device_memory import TrainShape, budget, moved_activation_bytes
 from homelab_dp.planning.model_spec import load_model_spec
-from homelab_dp.train.activation_offload import MIN_OFFLOAD_BYTES, ActivationOffload
-from homelab_dp.train.loss import install_loss_head
+from homelab_dp.train.model.loss import install_loss_head
+from homelab_dp.train.parallelism.activation_offload import MIN_OFFLOAD_BYTES, ActivationOffload
 from tests.conftest import ROOT
 from tests.unit.train.test_lean_dtypes import CONFIG, HIDDEN, LAYERS, VOCAB, _load
 

@@ -14,7 +14,7 @@ import pytest
 
 from homelab_dp.data.blocks import IGNORE_INDEX, Block, Example, build_blocks
 from homelab_dp.planning.attention_rule import choose_attention, is_flash_attn_2
-from homelab_dp.train.attention import (
+from homelab_dp.train.model.attention import (
     attention_choice,
     attention_implementation,
     flash_attn_available,

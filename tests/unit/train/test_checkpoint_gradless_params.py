@@ -3,7 +3,7 @@
 ERNIE 4.5's MoE router keeps ``e_score_correction_bias`` as a parameter the forward uses
 outside autograd: a real AdamW step gives it no state, so the checkpoint holds none, and the
 load used to fail on its missing ``optim.….step`` (found by the 2-process stop and resume of the
-tiny ernie4_5_moe in tests/integration/test_hybrid_training.py). The real `train.checkpoints`
+tiny ernie4_5_moe in tests/integration/test_hybrid_training.py). The real `train.loop.checkpoints`
 on one process (DCP in a one-rank gloo group), the tiny ernie4_5_moe of `tests.tiny_hybrids`.
 """
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from homelab_dp.measure.memcheck import single_rank_group
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.checkpoints import load_checkpoint, save_checkpoint
-from homelab_dp.train.memcheck import single_rank_group
-from homelab_dp.train.strategy import build_optimizer, wrap_model
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.loop.checkpoints import load_checkpoint, save_checkpoint
+from homelab_dp.train.model.trainable_model import load_model
+from homelab_dp.train.parallelism.strategy import build_optimizer, wrap_model
 
 
 def _step(strategy: object, optimizer: torch.optim.Optimizer, seed: int) -> None:

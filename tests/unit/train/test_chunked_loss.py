@@ -1,4 +1,4 @@
-"""Chunked cross-entropy (train/loss.py): the same loss and gradients as full cross-entropy,
+"""Chunked cross-entropy (train/model/loss.py): the same loss and gradients as full cross-entropy,
 installed in place of lm_head without changing parameters, names or tying, and far less memory.
 """
 
@@ -14,14 +14,14 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from homelab_dp.planning.memory.device_memory import chunk_peak_bytes, chunk_tokens  # noqa: E402
-from homelab_dp.train.loss import (  # noqa: E402
+from homelab_dp.train.loop.memtrack import LiveTensors  # noqa: E402
+from homelab_dp.train.model.loss import (  # noqa: E402
     ChunkedLossHead,
     chunked_cross_entropy,
     install_loss_head,
     token_loss_sum,
     unsupported_reason,
 )
-from homelab_dp.train.memtrack import LiveTensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "assets" / "models" / "tiny-llama"

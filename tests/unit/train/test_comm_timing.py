@@ -1,7 +1,7 @@
-"""The communication timer (`train.comm_timing`): its arithmetic, and on two real gloo processes
+"""The communication timer (`train.parallelism.comm_timing`): its arithmetic, and on two real gloo processes
 DDP's hooked all-reduce (the same gradients as DDP's built-in one, every bucket timed, nothing on
 a ``no_sync`` micro-step) and FSDP2's timed gathers and reduce-scatters, read through the step
-log's one all-gather (`train.metrics.RankStats`)."""
+log's one all-gather (`train.loop.metrics.RankStats`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.comm_timing import (
+from homelab_dp.train.loop.metrics import RankStats
+from homelab_dp.train.model.trainable_model import load_model
+from homelab_dp.train.parallelism.comm_timing import (
     ALL_GATHER,
     NO_COMM,
     REDUCE_SCATTER,
@@ -28,9 +30,7 @@ from homelab_dp.train.comm_timing import (
     overlapped_split,
     union_seconds,
 )
-from homelab_dp.train.metrics import RankStats
-from homelab_dp.train.strategy import build_optimizer, wrap_model
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.parallelism.strategy import build_optimizer, wrap_model
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"

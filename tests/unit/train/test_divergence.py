@@ -1,4 +1,4 @@
-"""A diverging run ends (`homelab_dp.train.divergence`): the fp16 GradScaler's skipped steps
+"""A diverging run ends (`homelab_dp.train.loop.divergence`): the fp16 GradScaler's skipped steps
 counted with torch's real GradScaler (on the CPU), the loss and weight checks on real tensors.
 The run itself ending with an error and its last good checkpoint: tests/integration/
 test_divergence.py."""
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from homelab_dp.train.divergence import (
+from homelab_dp.train.loop.divergence import (
     SKIP_LIMIT,
     NonFiniteError,
     SkippedSteps,

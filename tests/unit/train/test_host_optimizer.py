@@ -1,4 +1,4 @@
-"""`train.host_optimizer.HostAdamW`: one flat host buffer per kind of state, AdamW's steps.
+"""`train.parallelism.host_optimizer.HostAdamW`: one flat host buffer per kind of state, AdamW's steps.
 
 torch's caching host allocator rounds each pinned allocation up to a power of two; the state is
 one buffer per kind (each parameter's tensor a view), so it rounds once per kind, as the planner
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from homelab_dp.train.host_optimizer import HostAdamW
+from homelab_dp.train.parallelism.host_optimizer import HostAdamW
 
 SHAPES = [(64, 48), (48,), (3, 5, 7), (1000,)]
 

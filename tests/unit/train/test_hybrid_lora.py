@@ -28,7 +28,7 @@ from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.planning.plan_reasons import model_reasons
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.lora import (
+from homelab_dp.train.model.lora import (
     PEFT_MAMBA_MODEL_TYPES,
     add_lora,
     is_router,
@@ -38,9 +38,9 @@ from homelab_dp.train.lora import (
     peft_refuses,
     prepare_frozen_base,
 )
-from homelab_dp.train.loss import unsupported_reason
-from homelab_dp.train.model_census import census
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.model.loss import unsupported_reason
+from homelab_dp.train.model.model_census import census
+from homelab_dp.train.model.trainable_model import load_model
 from tests.tiny_hybrids import FAMILIES
 
 LORA = SimpleNamespace(r=4, alpha=8, dropout=0.0, target_modules="all-linear")
@@ -225,7 +225,7 @@ def test_an_adapter_loads_back_on_the_modules_it_was_trained_on(
 
 
 def _qlora_load(folder: Path) -> nn.Module:
-    """The QLoRA base as the worker loads it (`train.trainable_model.load_model`, adapters on)."""
+    """The QLoRA base as the worker loads it (`train.model.trainable_model.load_model`, adapters on)."""
     preset = preset_from_dict({"model": {"path": str(folder)}, "data": {"path": "unused.jsonl"},
                                "train": {"method": "qlora"}})  # fmt: skip
     resolved = Resolved(method="qlora", distribution="ddp", activation_checkpointing=False,  # type: ignore[arg-type]

@@ -14,8 +14,8 @@ import torch
 
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.lora import param_bytes
-from homelab_dp.train.trainable_model import LoadedModel, load_model
+from homelab_dp.train.model.lora import param_bytes
+from homelab_dp.train.model.trainable_model import LoadedModel, load_model
 from tests.conftest import ROOT
 
 TINY = ROOT / "assets" / "models" / "tiny-llama"
@@ -147,7 +147,7 @@ def _residual_outliers(model: torch.nn.Module) -> None:
 def test_fp16_keeps_embeddings_and_norms_in_fp32(method: str) -> None:
     import bitsandbytes as bnb
 
-    from homelab_dp.train.lora import is_norm
+    from homelab_dp.train.model.lora import is_norm
 
     model = _load(method, torch.float16).model
     base = model.get_base_model()

@@ -15,11 +15,15 @@ import transformers as tf
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.lora import add_lora, lora_targets, prepare_frozen_base
-from homelab_dp.train.loss import install_loss_head, router_aux_coef, unsupported_reason
+from homelab_dp.train.model.lora import add_lora, lora_targets, prepare_frozen_base
+from homelab_dp.train.model.loss import install_loss_head, router_aux_coef, unsupported_reason
+from homelab_dp.train.model.trainable_model import (
+    LoadedModel,
+    decoder_layers,
+    experts_implementation,
+)
 from homelab_dp.train.objectives.sft import micro_step
-from homelab_dp.train.strategy import is_unfused_moe, wrap_model
-from homelab_dp.train.trainable_model import LoadedModel, decoder_layers, experts_implementation
+from homelab_dp.train.parallelism.strategy import is_unfused_moe, wrap_model
 
 COMMON = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, head_dim=8, max_position_embeddings=64,

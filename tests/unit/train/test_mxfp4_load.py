@@ -21,8 +21,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from homelab_dp.app.model_specs import model_spec
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.quantized_load import _Checkpoint
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.model.quantized_load import _Checkpoint
+from homelab_dp.train.model.trainable_model import load_model
 
 E, H, W = 4, 64, 32  # experts, hidden, expert width (both multiples of the 32-value block)
 PROJ = ("gate_up_proj", "down_proj")

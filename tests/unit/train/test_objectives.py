@@ -118,7 +118,7 @@ class Loaded:
 
 @dataclass
 class Model:
-    """What the objectives read of `train.rank_setup.Model` (no wrapper: one process)."""
+    """What the objectives read of `train.loop.rank_setup.Model` (no wrapper: one process)."""
 
     strategy: Strategy
     loaded: Loaded

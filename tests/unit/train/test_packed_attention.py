@@ -1,4 +1,4 @@
-"""homelab_packed (`homelab_dp.train.packed_attention`): exact, lean, every family by registry.
+"""homelab_packed (`homelab_dp.train.model.packed_attention`): exact, lean, every family by registry.
 
 Packed blocks through ``attn_implementation="homelab_packed"`` give each sample the logits and
 the gradients it gets alone; the attention runs per sample without a mask or repeated
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from homelab_dp.planning.attention_rule import PACKED_ATTENTION, choose_attention, packed_route
-from homelab_dp.train.attention import attention_implementation
-from homelab_dp.train.packed_attention import (
+from homelab_dp.train.model.attention import attention_implementation
+from homelab_dp.train.model.packed_attention import (
     PackedSegments,
     packed_mask,
     register,
@@ -227,7 +227,7 @@ def test_the_repeat_kv_route_gives_sdpa_full_heads_and_the_same_result(monkeypat
     """``sdpa-repeat-kv`` (run here on the CPU through SDPA's per-sample loop, as on a card
     below 8.0): each sample's key/value heads repeated, no ``enable_gqa``, exactly the GQA
     result."""
-    from homelab_dp.train import packed_attention as pa
+    from homelab_dp.train.model import packed_attention as pa
 
     q, k, v, seg = qkv()
     shared = pa._per_sample(q, k, v, seg, scale=None, dropout=0.0, window=5, causal=True)
@@ -248,7 +248,7 @@ def test_the_repeat_kv_route_gives_sdpa_full_heads_and_the_same_result(monkeypat
 def test_the_forward_casts_to_autocast_dtype_and_counts_its_route() -> None:
     """Under autocast RoPE hands fp32 q/k/v: the attention computes in autocast's dtype (the
     dtype the route is chosen by), and the route that ran is counted."""
-    from homelab_dp.train.packed_attention import packed_attention_forward, take_route_counts
+    from homelab_dp.train.model.packed_attention import packed_attention_forward, take_route_counts
 
     q, k, v, seg = qkv(torch.float32)
     module = torch.nn.Module()
@@ -265,7 +265,7 @@ def test_the_forward_casts_to_autocast_dtype_and_counts_its_route() -> None:
 
 
 def test_the_varlen_signature_is_read_once_per_process(monkeypatch) -> None:
-    from homelab_dp.train import packed_attention as pa
+    from homelab_dp.train.model import packed_attention as pa
 
     seen = []
     signature = pa.inspect.signature
@@ -306,7 +306,7 @@ def test_varlen_takes_the_scale_on_every_allowed_torch(monkeypatch, fn) -> None:
     scale (Gemma's query_pre_attn_scalar, ...) is applied either way."""
     import inspect
 
-    from homelab_dp.train import packed_attention as pa
+    from homelab_dp.train.model import packed_attention as pa
 
     names = frozenset(inspect.signature(fn).parameters)
     monkeypatch.setattr(pa, "_varlen_call", lambda: (fn, names))
@@ -347,7 +347,7 @@ def test_gpt_oss_packed_keeps_its_sinks_and_equals_each_sample_alone() -> None:
     """homelab_packed adds gpt-oss's sink logit in each sample's softmax and finds the samples
     from the forward's position_ids (gpt-oss keeps them from the mask builder): logits and
     gradients equal its own eager attention on each sample alone."""
-    from homelab_dp.train.packed_attention import take_route_counts, watch_positions
+    from homelab_dp.train.model.packed_attention import take_route_counts, watch_positions
 
     eager = tiny_gpt_oss("eager")
     packed = watch_positions(tiny_gpt_oss(PACKED_ATTENTION))

@@ -1,4 +1,4 @@
-"""data.pack's check on the real model (`homelab_dp.train.packing_check`): a packed block of
+"""data.pack's check on the real model (`homelab_dp.train.model.packing_check`): a packed block of
 three samples against the same samples one by one.
 
 The demo model (LLaMA, sdpa and eager) passes; a model whose forward drops ``position_ids`` — as
@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from homelab_dp.errors import HomelabError
-from homelab_dp.train.packing_check import (
+from homelab_dp.train.model.packing_check import (
     SAMPLE_LENGTHS,
     check_model,
     check_packing,
@@ -66,7 +66,7 @@ def test_a_model_that_drops_position_ids_is_refused():
 def test_only_the_later_samples_differ_when_attention_crosses():
     """The check sees attention across samples, not a difference of kernels: the first sample
     is alone in its prefix either way, so its logits agree even in the contaminated model."""
-    from homelab_dp.train.packing_check import _logits, sample_ids
+    from homelab_dp.train.model.packing_check import _logits, sample_ids
 
     model = PositionsDroppedLlama.from_pretrained(MODEL, dtype=torch.float32).eval()
     samples = sample_ids(256)
@@ -81,7 +81,7 @@ def test_only_the_later_samples_differ_when_attention_crosses():
 
 
 def test_nan_logits_never_pass():
-    from homelab_dp.train.packing_check import PackingCheck
+    from homelab_dp.train.model.packing_check import PackingCheck
 
     with pytest.raises(HomelabError):
         require_exact_packing(PackingCheck("differs", float("nan"), 1e-4, "llama"))

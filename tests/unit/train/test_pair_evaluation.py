@@ -12,7 +12,7 @@ import torch
 
 from homelab_dp.data.preference_blocks import load_pairs, pair_blocks_of
 from homelab_dp.presets.preset import DataSection
-from homelab_dp.train.pair_evaluation import evaluate_pairs, pair_tensors
+from homelab_dp.train.evaluation.pair_evaluation import evaluate_pairs, pair_tensors
 from tests.conftest import ROOT
 
 TINY = ROOT / "assets" / "models" / "tiny-llama"

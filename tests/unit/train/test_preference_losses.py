@@ -225,7 +225,7 @@ SEQ_LEN = 10
 def tiny_fp64():
     from transformers import AutoModelForCausalLM
 
-    from homelab_dp.train.attention import attention_implementation
+    from homelab_dp.train.model.attention import attention_implementation
 
     model = AutoModelForCausalLM.from_pretrained(
         TINY, dtype=torch.float64, attn_implementation=attention_implementation("cpu", "fp32")

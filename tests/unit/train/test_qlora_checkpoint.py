@@ -1,6 +1,6 @@
 """A DDP QLoRA checkpoint holds the adapters and their optimizer state, not the frozen 4-bit
 quantization state (bitsandbytes' ``weight.absmax``, ``quant_map``, ``nested_*``,
-``quant_state.*``), and resumes from them: the real `train.checkpoints` on one process (DCP's
+``quant_state.*``), and resumes from them: the real `train.loop.checkpoints` on one process (DCP's
 safetensors writer in a one-rank gloo group), the tiny LLaMA quantized by bitsandbytes on the CPU.
 """
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from homelab_dp.measure.memcheck import single_rank_group
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.checkpoints import load_checkpoint, save_checkpoint, shard_files
-from homelab_dp.train.memcheck import single_rank_group
-from homelab_dp.train.strategy import build_optimizer, wrap_model
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.loop.checkpoints import load_checkpoint, save_checkpoint, shard_files
+from homelab_dp.train.model.trainable_model import load_model
+from homelab_dp.train.parallelism.strategy import build_optimizer, wrap_model
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"

@@ -269,7 +269,7 @@ def test_the_fsdp_streamed_load_quantizes_the_experts_as_quantize_experts_does(
 
     from homelab_dp.presets.preset import load_preset
     from homelab_dp.runs.run_spec import Resolved
-    from homelab_dp.train.quantized_load import build_on_meta
+    from homelab_dp.train.model.quantized_load import build_on_meta
 
     model = _model(family)
     model.save_pretrained(tmp_path / "model")

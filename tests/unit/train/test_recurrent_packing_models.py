@@ -27,10 +27,10 @@ from homelab_dp.planning.recurrent_packing import (
     packing_decision,
     recurrent_kinds,
 )
-from homelab_dp.train.length_groups import group_by_length, trimmed_width
-from homelab_dp.train.model_census import any_model_spec
-from homelab_dp.train.packed_attention import register
-from homelab_dp.train.packing_check import check_packing, require_exact_packing
+from homelab_dp.train.loop.length_groups import group_by_length, trimmed_width
+from homelab_dp.train.model.model_census import any_model_spec
+from homelab_dp.train.model.packed_attention import register
+from homelab_dp.train.model.packing_check import check_packing, require_exact_packing
 from tests.tiny_hybrids import FAMILIES
 
 

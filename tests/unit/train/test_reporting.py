@@ -1,4 +1,4 @@
-"""Rank 0's loggers (`homelab_dp.train.reporting`), in process: the TensorBoard event files read
+"""Rank 0's loggers (`homelab_dp.train.loop.reporting`), in process: the TensorBoard event files read
 back with TensorBoard's own reader hold the figures of the events written, a resumed run
 continues the same curves, ``report_to = []`` writes no folder, a failing logger becomes one
 warning and training goes on, and a logger that is not installed is refused by ``run`` before
@@ -23,8 +23,8 @@ from homelab_dp.cli.main import main
 from homelab_dp.presets.preset import LogSection, Preset
 from homelab_dp.runs.run_events import EndEvent, EvalEvent, SampleEvent, StepEvent, WarningEvent
 from homelab_dp.runs.run_spec import Launch, Resolved, RunSpec
-from homelab_dp.train.metrics import EventLog
-from homelab_dp.train.reporting import (
+from homelab_dp.train.loop.metrics import EventLog
+from homelab_dp.train.loop.reporting import (
     DeviceSamples,
     Reporting,
     TensorBoardBackend,

@@ -1,4 +1,4 @@
-"""The figures new in step and eval events reach every logger (`train.reporting`): a DPO/KTO run's
+"""The figures new in step and eval events reach every logger (`train.loop.reporting`): a DPO/KTO run's
 rewards, an ORPO run's nll and log odds, each step's measured communication and compute
 seconds; a field that is None (another objective, one process) is left out, never logged as 0."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from homelab_dp.runs.run_events import EvalEvent, StepEvent
-from homelab_dp.train.reporting import eval_scalars, step_scalars
+from homelab_dp.train.loop.reporting import eval_scalars, step_scalars
 
 DPO = {"rewards_chosen": 0.25, "rewards_rejected": -0.5, "reward_margin": 0.75,
        "reward_accuracy": 0.875}  # fmt: skip

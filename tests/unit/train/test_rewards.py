@@ -15,8 +15,8 @@ from homelab_dp.presets.reward_specs import reward_specs
 from homelab_dp.render.run_view import objective_text
 from homelab_dp.runs.run_events import StepEvent, parse_event
 from homelab_dp.runs.run_view import RunView
-from homelab_dp.train.reporting import step_scalars
-from homelab_dp.train.reward_functions import RewardError, Rewards, final_answer
+from homelab_dp.train.loop.reporting import step_scalars
+from homelab_dp.train.objectives.reward_functions import RewardError, Rewards, final_answer
 from homelab_dp.tui.screens.monitor import OBJECTIVE_CHARTS
 
 

@@ -1,4 +1,4 @@
-"""Samples while training without processes (`train.sample_answers`, `data.sample_prompts`): when,
+"""Samples while training without processes (`train.loop.sample_answers`, `data.sample_prompts`): when,
 which prompts, that generation leaves the random states and module modes as they were, and that
 the KV-cache decoding is what transformers' generate does. The run:
 tests/integration/test_samples.py."""
@@ -18,8 +18,8 @@ from homelab_dp.data.sample_prompts import read_sample_prompts
 from homelab_dp.data.tokenize import format_instruction, tokenize_records
 from homelab_dp.errors import DataError
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.train.evaluation import eval_blocks
-from homelab_dp.train.sample_answers import (
+from homelab_dp.train.evaluation.evaluation import eval_blocks
+from homelab_dp.train.loop.sample_answers import (
     Sampler,
     choose_prompts,
     data_prompt_ids,

@@ -1,4 +1,4 @@
-"""The split attention of `homelab_dp.train.sequence_parallel` on two gloo ranks: the same
+"""The split attention of `homelab_dp.train.parallelism.sequence_parallel` on two gloo ranks: the same
 output and gradients as one attention over the whole sequence, per sample.
 
 Two spawned processes (gloo, no model, no launcher) each hold half of a packed row of 24
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from homelab_dp.train.comm_timing import CommSplit, CommTimer
-from homelab_dp.train.packed_attention import PackedSegments, packed_attention_forward
-from homelab_dp.train.sequence_parallel import (
+from homelab_dp.train.model.packed_attention import PackedSegments, packed_attention_forward
+from homelab_dp.train.parallelism.comm_timing import CommSplit, CommTimer
+from homelab_dp.train.parallelism.sequence_parallel import (
     CombinedTimer,
     SequenceSplit,
     kv_repeats,

@@ -11,12 +11,16 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from homelab_dp.measure.memcheck import single_rank_group
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.memcheck import single_rank_group
-from homelab_dp.train.speed import to_device
-from homelab_dp.train.strategy import _no_forward_buffer_sync, build_optimizer, wrap_model
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.loop.speed import to_device
+from homelab_dp.train.model.trainable_model import load_model
+from homelab_dp.train.parallelism.strategy import (
+    _no_forward_buffer_sync,
+    build_optimizer,
+    wrap_model,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -142,7 +146,7 @@ def _fused_step_checks(optimizer: torch.optim.Optimizer) -> None:
 def test_sample_order_indices_slice_each_epoch_as_the_position_by_position_order() -> None:
     """Issue 33: a step's blocks are slices of the epoch permutations (one tensor, no read per
     position), the same blocks position p // n, p % n names, across epoch boundaries too."""
-    from homelab_dp.train.strategy import SampleOrder
+    from homelab_dp.train.parallelism.strategy import SampleOrder
 
     order, fresh = SampleOrder(7, 3), SampleOrder(7, 3)
     for start in range(0, 24, 5):

@@ -16,8 +16,8 @@ from homelab_dp.app.model_specs import model_spec
 from homelab_dp.errors import HomelabError
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.quantized_load import build_on_meta
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.model.quantized_load import build_on_meta
+from homelab_dp.train.model.trainable_model import load_model
 
 
 @pytest.fixture(scope="module")

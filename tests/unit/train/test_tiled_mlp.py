@@ -1,7 +1,7 @@
 """`train.tiled_mlp`: the MLP in tiles along the sequence, exact, and the peak it removes as planned.
 
-On the tiny LLaMA as the worker loads it (`train.trainable_model.load_model`, the chunked loss
-head installed), one model per case: first in fp32 the live tensor bytes (`train.memtrack`'s
+On the tiny LLaMA as the worker loads it (`train.model.trainable_model.load_model`, the chunked loss
+head installed), one model per case: first in fp32 the live tensor bytes (`train.loop.memtrack`'s
 `LiveTensors`, what `homelab-dp measure` counts) of a forward and backward untiled and tiled
 against the memory model's budget of both, then in fp64 the loss and every gradient, untiled and
 tiled, to 1e-12.
@@ -21,11 +21,11 @@ from homelab_dp.planning.memory.mlp_tiles import mlp_tile_tokens, mlp_tiles
 from homelab_dp.planning.model_spec import load_model_spec
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.activation_offload import ActivationOffload
-from homelab_dp.train.loss import install_loss_head
-from homelab_dp.train.memtrack import LiveTensors
-from homelab_dp.train.tiled_mlp import tile_mlp, tile_mlps
-from homelab_dp.train.trainable_model import load_model
+from homelab_dp.train.loop.memtrack import LiveTensors
+from homelab_dp.train.model.loss import install_loss_head
+from homelab_dp.train.model.tiled_mlp import tile_mlp, tile_mlps
+from homelab_dp.train.model.trainable_model import load_model
+from homelab_dp.train.parallelism.activation_offload import ActivationOffload
 from tests.conftest import ROOT
 
 TINY = ROOT / "assets" / "models" / "tiny-llama"

@@ -1,7 +1,7 @@
 """Rank 0's curves where users look: TensorBoard event files in the run folder, W&B, MLflow.
 
 ``[log] report_to`` names the loggers (default ``["tensorboard"]``; ``[]`` for none). They are
-fed from rank 0's event stream: `train.metrics.EventLog` hands each event it writes to
+fed from rank 0's event stream: `train.loop.metrics.EventLog` hands each event it writes to
 `Reporting.event`, so the curves hold exactly the figures of ``events.jsonl``:
 
 - a ``step`` event: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
@@ -16,7 +16,7 @@ fed from rank 0's event stream: `train.metrics.EventLog` hands each event it wri
   the rank's RSS and CPU %), at the first logged step the newest sample taken while loading;
 - an ``eval`` event: ``eval/loss``, ``eval/perplexity``, and the objective's figures as in a
   step (``eval/reward_accuracy``…; then a flush);
-- ``sample`` events (answers while training, `train.sample_answers`): gathered until the
+- ``sample`` events (answers while training, `train.loop.sample_answers`): gathered until the
   step's last, then one table at that step: TensorBoard text ``samples`` (a Markdown table: prompt, answer,
   tokens, seconds), a W&B table ``samples`` (every row so far: W&B tables are immutable),
   an MLflow text artifact ``samples/step-NNNNNN.md``;

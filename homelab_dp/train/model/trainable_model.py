@@ -43,8 +43,8 @@ from homelab_dp.planning.attention_rule import has_sinks
 from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.attention import attention_implementation, local_capability
-from homelab_dp.train.lora import (
+from homelab_dp.train.model.attention import attention_implementation, local_capability
+from homelab_dp.train.model.lora import (
     add_lora,
     disable_cpu_bf16_repack,
     is_outside_text,
@@ -87,7 +87,7 @@ class LoadedModel:
     materializer: Any = None
     """Sharded load: what fills the shards after ``fully_shard`` (``fn(loaded, device)``);
     None: `materialize` from ``source``. QLoRA streams from the folder
-    (`train.quantized_load.stream_weights`)."""
+    (`train.model.quantized_load.stream_weights`)."""
 
 
 def compute_dtype(resolved: Resolved) -> torch.dtype:
@@ -131,7 +131,7 @@ def load_model(
 
     ``sharded`` (FSDP2, an initialised process group): build it on the meta device, rank 0 also
     loading the real weights on the CPU (see the module docstring). Not for QLoRA: under FSDP2
-    it is built by `train.quantized_load.build_on_meta` (streamed, quantized as it is read).
+    it is built by `train.model.quantized_load.build_on_meta` (streamed, quantized as it is read).
     ``compute`` (tests and benchmarks only, not with ``sharded``): the LoRA/QLoRA base's dtype
     instead of `compute_dtype` (bf16 on the CPU, to see what a CUDA run holds).
     """
@@ -512,7 +512,7 @@ def text_only_load(preset: Preset) -> dict[str, Any]:
 
 def freeze_non_text(model: nn.Module) -> int:
     """Freeze the parts of a multimodal wrapper outside its language model (vision tower,
-    projector: `train.lora.is_outside_text`), which text data never trains; how many parameters.
+    projector: `train.model.lora.is_outside_text`), which text data never trains; how many parameters.
     0 for a text-only model."""
     n = 0
     for name, param in model.named_parameters():

@@ -1,6 +1,6 @@
 """The CPU's link between training processes: gloo all-reduce bandwidth and latency on this host.
 
-``python -m homelab_dp.train.gloo_bandwidth`` forks two processes that join a gloo process
+``python -m homelab_dp.train.parallelism.gloo_bandwidth`` forks two processes that join a gloo process
 group through a file store in a private temporary folder (no port is opened), time all-reduces
 of a few sizes, and print one JSON line: ``{"bytes_per_s", "latency_s", "world_size",
 "sizes": {bytes: seconds}, "seconds"}``. ``bytes_per_s`` is what each process sends a second

@@ -3,7 +3,7 @@ mixer(s) (attention of every kind, Gated DeltaNet, Mamba, short convolution, oth
 mixers), its dense MLP or MoE block (routed experts, router, shared experts) and its norms,
 then equal layers grouped (`layer_groups`) and the whole model described by its groups
 (`describe_groups`, a `ModelSpec` with `blocks`). Parameters several layers share (Zamba's
-shared block) are counted once, outside the layers. `train.model_census` runs it.
+shared block) are counted once, outside the layers. `train.model.model_census` runs it.
 """
 
 from __future__ import annotations

@@ -10,15 +10,15 @@
   ``reshard_after_forward=False`` (gradients and optimizer state sharded, ZeRO-2-like).
 - ``fsdp-full``: the same with ``reshard_after_forward=True`` (parameters sharded too, ZeRO-3-like).
   Both take the model as ``load_model(sharded=True)`` built it, on the meta device, and shard it
-  before any weight exists; `train.trainable_model.materialize` then sends each rank its shards from rank 0
-  (QLoRA: `train.quantized_load.stream_weights` reads, quantizes and sends them tensor by tensor,
+  before any weight exists; `train.model.trainable_model.materialize` then sends each rank its shards from rank 0
+  (QLoRA: `train.model.quantized_load.stream_weights` reads, quantizes and sends them tensor by tensor,
   the 4-bit weights being parameters in the compute dtype that FSDP2 shards like any other).
 - Offload, FSDP2 only (``Resolved.offload``): "params" is FSDP2's ``CPUOffloadPolicy`` (shards,
   gradients in pinned host memory, each shard rounded up to a power of two by torch's caching
   host allocator, and optimizer state in host memory; AdamW steps on the CPU); "optimizer" keeps
   the shards on the card and the optimizer state and step in host memory
-  (`train.host_optimizer.HostAdamW`). Activations: `train.rank_setup` wraps the forward in
-  `train.activation_offload.ActivationOffload`'s saved-tensor hooks
+  (`train.parallelism.host_optimizer.HostAdamW`). Activations: `train.loop.rank_setup` wraps the forward in
+  `train.parallelism.activation_offload.ActivationOffload`'s saved-tensor hooks
   (``Resolved.offload_activations``).
 
 Every strategy averages gradients over ranks, so the worker multiplies its globally normalised
@@ -43,11 +43,11 @@ from torch.nn.parallel import DistributedDataParallel
 from homelab_dp.errors import HomelabError
 from homelab_dp.presets.preset import TrainSection
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.comm_timing import CommTimer, attach_ddp, attach_fsdp
-from homelab_dp.train.host_optimizer import HostAdamW
-from homelab_dp.train.lora import is_experts
-from homelab_dp.train.loss import router_aux_coef
-from homelab_dp.train.trainable_model import LoadedModel, compute_dtype, materialize
+from homelab_dp.train.model.lora import is_experts
+from homelab_dp.train.model.loss import router_aux_coef
+from homelab_dp.train.model.trainable_model import LoadedModel, compute_dtype, materialize
+from homelab_dp.train.parallelism.comm_timing import CommTimer, attach_ddp, attach_fsdp
+from homelab_dp.train.parallelism.host_optimizer import HostAdamW
 from homelab_dp.vocabulary import SHARDED
 
 
@@ -68,14 +68,14 @@ class Strategy:
     offload: str = "none"
     """What lives in host memory (`Resolved.offload`): none | optimizer | params."""
     aux_coef: float = 0.0
-    """The MoE router's auxiliary-loss weight (`train.loss.router_aux_coef`): 0 for a dense
+    """The MoE router's auxiliary-loss weight (`train.model.loss.router_aux_coef`): 0 for a dense
     model or one whose config does not ask for the aux loss; else every forward returns the
-    router logits and `train.training_loop.micro_step` adds ``aux_coef`` × the aux loss."""
+    router logits and `train.loop.training_loop.micro_step` adds ``aux_coef`` × the aux loss."""
     aux_sum: torch.Tensor | None = None
     """The unweighted aux losses of this rank's micro-steps since `take_aux_loss` (detached)."""
     aux_count: int = 0
     comm: CommTimer = field(default_factory=lambda: CommTimer("none", torch.device("cpu")))
-    """Times the gradient communication of each optimizer step (`train.comm_timing`): DDP's
+    """Times the gradient communication of each optimizer step (`train.parallelism.comm_timing`): DDP's
     bucket all-reduces or FSDP2's gathers and reduce-scatters; reads nothing on one process.
     Its step ends in `zero_grad`; the step log reads it (``comm.read()``)."""
 
@@ -213,7 +213,7 @@ def wrap_model(
             find_unused_parameters=unfused,
         )
         # Before the first backward: DDP's own all-reduce, each bucket's launch and completion
-        # marked (`train.comm_timing`), read only on logged steps.
+        # marked (`train.parallelism.comm_timing`), read only on logged steps.
         timer = attach_ddp(wrapped, device)
         return Strategy(kind, wrapped, model, _trainable(model), accum, aux_coef=aux, comm=timer)
     if kind not in SHARDED:
@@ -245,7 +245,7 @@ def wrap_model(
     if loaded.on_meta:  # built on meta (`load_model(sharded=True)`): rank 0 sends the shards
         fill = loaded.materializer or materialize
         fill(loaded, device, host_shards=resolved.offload == "params")
-    # torch's default gathers and reduce-scatters, marked around each call (`train.comm_timing`).
+    # torch's default gathers and reduce-scatters, marked around each call (`train.parallelism.comm_timing`).
     timer = attach_fsdp([*loaded.decoder_layers, model], device)
     return Strategy(kind, model, model, _trainable(model), accum, offload=resolved.offload,
                     aux_coef=aux, comm=timer)  # fmt: skip
@@ -303,7 +303,7 @@ def build_optimizer(
     ``zero1`` wraps the same optimizer class in ``ZeroRedundancyOptimizer`` (on 2+ processes).
     Offload (FSDP2): with "params" the shards are in host memory, so AdamW is the CPU's (fused
     too: offloading changes no bit of a step); with "optimizer" it is
-    `train.host_optimizer.HostAdamW`, whose state and step are in host memory while the shards
+    `train.parallelism.host_optimizer.HostAdamW`, whose state and step are in host memory while the shards
     stay on the card.
     """
     kwargs: dict[str, Any] = {"lr": lr}

@@ -3,7 +3,7 @@
 Registered in transformers' attention-function registry (`AttentionInterface`) and its
 mask registry (`AttentionMaskInterface`) under ``PACKED_ATTENTION`` ("homelab_packed"), so
 every family whose forward goes through the registries (llama, qwen, mistral, gemma, gpt2, …)
-gets it by ``attn_implementation="homelab_packed"`` (`train.attention`).
+gets it by ``attn_implementation="homelab_packed"`` (`train.model.attention`).
 
 **The mask step** (`packed_mask`, once per forward, shared by the layers): where SDPA's mask
 builder materializes a ``(batch, 1, seq, seq)`` block-diagonal mask for a packed block, this

@@ -114,7 +114,7 @@ def data_prompt_ids(
 
 
 def choose_prompts(sample_prompts: str | list[str], data: Any) -> list[SamplePrompt]:
-    """The run's prompts (see the module docstring); ``data`` is `train.rank_setup.Data`."""
+    """The run's prompts (see the module docstring); ``data`` is `train.loop.rank_setup.Data`."""
     tok = data.tokenizer
     given = read_sample_prompts(sample_prompts)
     if given:
@@ -211,7 +211,7 @@ class Sampler:
     """One rank's prompts and the generation of their answers at a step."""
 
     def __init__(self, preset: Any, data: Any, model: Any, rank: Any) -> None:
-        """``model`` is `train.rank_setup.Model`, ``rank`` `train.rank_setup.Rank`."""
+        """``model`` is `train.loop.rank_setup.Model`, ``rank`` `train.loop.rank_setup.Rank`."""
         self.train = preset.train
         self.tokenizer = data.tokenizer
         self.model, self.rank = model, rank

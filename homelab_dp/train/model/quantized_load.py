@@ -13,7 +13,7 @@ scatters each rank its rows; the quantization state (absmax, the double-quantiza
 statistics), which is no parameter, is broadcast whole. So host RAM holds one 16-bit tensor at
 a time, rank 0's card one tensor and its packed copy beside its shards, and every rank ends with
 only its shards. The quantized values are bit for bit those ``from_pretrained`` makes (the same
-bitsandbytes call on the same values), and the adapters are `train.lora.adapter_init`'s, as on
+bitsandbytes call on the same values), and the adapters are `train.model.lora.adapter_init`'s, as on
 the whole-model path, so QLoRA under FSDP2 learns what QLoRA under DDP learns.
 
 Mixture-of-Experts: the fused 3-D expert weights (``experts.gate_up_proj``/``down_proj``),
@@ -51,8 +51,8 @@ from homelab_dp.nf4_quantization import (
 from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.attention import attention_implementation
-from homelab_dp.train.lora import (
+from homelab_dp.train.model.attention import attention_implementation
+from homelab_dp.train.model.lora import (
     adapter_init,
     add_lora,
     disable_cpu_bf16_repack,
@@ -60,8 +60,8 @@ from homelab_dp.train.lora import (
     nf4_report,
     prepare_frozen_base,
 )
-from homelab_dp.train.model_census import any_model_spec
-from homelab_dp.train.trainable_model import (
+from homelab_dp.train.model.model_census import any_model_spec
+from homelab_dp.train.model.trainable_model import (
     LoadedModel,
     check_materialized,
     decoder_layers,
@@ -88,7 +88,7 @@ def has_routed_experts(preset: Preset) -> bool:
 def build_on_meta(preset: Preset, resolved: Resolved, compute: torch.dtype) -> Any:
     """The QLoRA model without weights, ready for ``fully_shard`` (see the module docstring).
 
-    Returns a `train.trainable_model.LoadedModel` whose ``materializer`` is `stream_weights`.
+    Returns a `train.model.trainable_model.LoadedModel` whose ``materializer`` is `stream_weights`.
     """
     import bitsandbytes as bnb
     from accelerate import init_empty_weights
@@ -247,7 +247,7 @@ def stream_weights(
     """Fill the sharded meta QLoRA model from ``folder`` (a collective; after ``fully_shard``).
 
     Rank 0 makes each parameter's full value (read and cast; a 4-bit weight quantized on
-    ``device``; an adapter from `adapter_init`) and `train.trainable_model.receive` scatters it; each
+    ``device``; an adapter from `adapter_init`) and `train.model.trainable_model.receive` scatters it; each
     ``Linear4bit`` gets the quantization state rank 0 made, broadcast (it stays on ``device``:
     the matmul dequantizes there). ``host_shards`` (``train.offload = "params"``): each shard
     goes to pinned host memory as it arrives. Raises `HomelabError` for a tensor the folder

@@ -2,7 +2,7 @@
 
 Every optimizer step's collectives are timed where they are launched, with no host sync on a
 step that is not logged: the records of a step are closed at its end (`CommTimer.end_step`, from
-`train.strategy.Strategy.zero_grad`) and turned into seconds only when the step log asks
+`train.parallelism.strategy.Strategy.zero_grad`) and turned into seconds only when the step log asks
 (`CommTimer.read`), by which time the log has synchronised the device anyway.
 
 - **DDP / ZeRO-1** (`ddp_comm_hook`): a comm hook that runs DDP's own default all-reduce
@@ -260,7 +260,7 @@ def attach_fsdp(modules: Sequence[Any], device: torch.device) -> CommTimer:
 
 
 def comm_event_fields(rows: Sequence[Sequence[float]], world: int) -> dict[str, float | None]:
-    """The step event's ``comm_seconds`` and ``compute_seconds`` from `train.metrics.RankStats`
+    """The step event's ``comm_seconds`` and ``compute_seconds`` from `train.loop.metrics.RankStats`
     rows (``[*sums, step_time_s, peak, comm_s, exposed_s]``): means over ranks; None for both
     with one process (nothing was communicated, and the step time says the rest)."""
     if world <= 1 or not rows:

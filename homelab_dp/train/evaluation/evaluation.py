@@ -1,13 +1,13 @@
 """The evaluation worker: one process per rank, started by torchrun (never by hand).
 
-    torchrun … -m homelab_dp.train.evaluation JOB_FILE
+    torchrun … -m homelab_dp.train.evaluation.evaluation JOB_FILE
 
 `homelab_dp.app.evaluate` writes JOB_FILE (its module docstring lists the keys) and starts
 torchrun. Each rank joins the group (gloo on the CPU, nccl on ``cuda:LOCAL_RANK``), tokenizes
 the data with the data pipeline (one sample per row, truncated to ``seq_len``: the front end
 checked the same), loads the model — a full folder, or a base with its PEFT adapter on top (no
 merge) — puts the chunked loss head in place of lm_head (no full logits; full cross-entropy
-where the model changes its logits after lm_head) and runs `train.evaluation.evaluate` on each
+where the model changes its logits after lm_head) and runs `train.evaluation.evaluation.evaluate` on each
 group of samples of about one length (`length_groups`: less padding computed, the same sums).
 Rank 0 writes the result as JSON to ``result_path``.
 
@@ -36,11 +36,11 @@ Validation while training: when to evaluate, the best eval loss, and early stopp
 
 The eval data (``data.eval_path`` or the held-out ``data.eval_fraction``, `homelab_dp.data.eval_split`)
 is evaluated every ``train.eval_every`` optimizer steps and at the last step, on every rank
-(`homelab_dp.train.evaluation.evaluate`: each rank a shard, the token-weighted sums all-reduced),
+(`homelab_dp.train.evaluation.evaluation.evaluate`: each rank a shard, the token-weighted sums all-reduced),
 so every rank holds the same loss and takes the same decisions without another collective:
 whether this is the best loss so far (``train.keep_best`` then keeps its checkpoint) and
 whether the loss has gone ``train.early_stopping_patience`` evaluations without improving (the
-run then ends as early_stopped: a completed run, result saved). The loop (`train.training_loop`) acts on
+run then ends as early_stopped: a completed run, result saved). The loop (`train.loop.training_loop`) acts on
 the decisions; the state (best loss and step, evaluations since) travels in each checkpoint, so
 a resumed run decides as an uninterrupted one would.
 """
@@ -73,11 +73,11 @@ from homelab_dp.planning.model_layers import nf4_skip_modules
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.runs.folder.heartbeats import EVALUATING
 from homelab_dp.runs.run_events import EvalEvent
-from homelab_dp.train.attention import attention_implementation
-from homelab_dp.train.lora import disable_cpu_bf16_repack
-from homelab_dp.train.loss import install_loss_head, token_loss_sum, unsupported_reason
-from homelab_dp.train.packed_attention import watch_positions
-from homelab_dp.train.speed import to_device
+from homelab_dp.train.loop.speed import to_device
+from homelab_dp.train.model.attention import attention_implementation
+from homelab_dp.train.model.lora import disable_cpu_bf16_repack
+from homelab_dp.train.model.loss import install_loss_head, token_loss_sum, unsupported_reason
+from homelab_dp.train.model.packed_attention import watch_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -193,7 +193,7 @@ def load_model(
         ),
         "use_safetensors": True,
     }
-    if base_kind == "nf4":  # as `train.trainable_model.load_model` loads a QLoRA base
+    if base_kind == "nf4":  # as `train.model.trainable_model.load_model` loads a QLoRA base
         kwargs["quantization_config"] = nf4_config(
             dtype, skip_modules=nf4_skip_modules(folder_model_type(base))
         )
@@ -273,7 +273,7 @@ def run_worker(
     hint: str,
 ) -> int:  # fmt: skip
     """One rank of an eval job under torchrun (the SFT eval here, the pair eval in
-    `train.pair_evaluation`): read the JOB_FILE, run ``run_job`` on it, rank 0 writes its
+    `train.evaluation.pair_evaluation`): read the JOB_FILE, run ``run_job`` on it, rank 0 writes its
     result; a bad input or a crash is written to the job's error folder, named by rank, and
     becomes the exit code. ``what`` and ``hint`` word the refusal of a call outside torchrun."""
     args = sys.argv[1:] if argv is None else argv
@@ -396,9 +396,9 @@ def evaluate(
     """The loss over ``blocks`` on ``world`` ranks (call it on every rank; all get the result).
 
     ``model`` is what the forward runs (a strategy's wrapped model, or the bare model);
-    ``loss_head`` is the `train.loss.ChunkedLossHead` installed in it, or None for full
+    ``loss_head`` is the `train.model.loss.ChunkedLossHead` installed in it, or None for full
     cross-entropy; ``flat`` sends a packed micro-batch as one row (FlashAttention varlen).
-    ``split`` (`train.sequence_parallel.SequenceSplit`): each sequence group takes its data
+    ``split`` (`train.parallelism.sequence_parallel.SequenceSplit`): each sequence group takes its data
     rank's blocks and each rank its slice of every sequence, as in training.
     """
 
@@ -537,7 +537,7 @@ class Validator:
         self, blocks: Any, every: int, patience: int, *, objective: Any = None, pairs: Any = None
     ) -> None:
         self.blocks = blocks
-        """`train.evaluation.EvalBlocks`: every rank holds all of them and evaluates its share."""
+        """`train.evaluation.evaluation.EvalBlocks`: every rank holds all of them and evaluates its share."""
         self.objective = objective
         """With ``pairs``: the `train.objectives.objective.Objective` whose loss is evaluated."""
         self.pairs = pairs

@@ -1,7 +1,7 @@
 """``data.pack = true`` proven on the real model before training, or refused.
 
 A packed block holds several samples, each with positions restarting at 0, and no attention
-mask (`homelab_dp.train.attention`). It is exact only when the model's forward hands those
+mask (`homelab_dp.train.model.attention`). It is exact only when the model's forward hands those
 ``position_ids`` to transformers' mask builder (which then keeps attention within each sample)
 or takes FlashAttention-2's one-row varlen route. A family with its own mask code, a forward
 that drops ``position_ids``, or a model's own code (``trust_remote_code``) silently lets every
@@ -121,7 +121,7 @@ def check_packing(
 
 
 def loop_autocast(device: torch.device, dtype: str, fsdp: bool) -> Callable[[], Any]:
-    """The forward context the loop will use (`train.rank_setup.build_model`): autocast to bf16/fp16
+    """The forward context the loop will use (`train.loop.rank_setup.build_model`): autocast to bf16/fp16
     on CUDA without FSDP2 (whose MixedPrecisionPolicy casts), else none."""
     if getattr(device, "type", device) != "cuda" or dtype not in ("bf16", "fp16") or fsdp:
         return contextlib.nullcontext

@@ -31,12 +31,12 @@ from homelab_dp.planning.memory.device_memory import Budget, TrainShape, budget
 from homelab_dp.planning.model_spec import spec_from_config
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.loss import install_loss_head
-from homelab_dp.train.memtrack import MemoryProbe, model_state
+from homelab_dp.train.loop.memtrack import MemoryProbe, model_state
+from homelab_dp.train.loop.training_loop import optimizer_step
+from homelab_dp.train.model.loss import install_loss_head
+from homelab_dp.train.model.trainable_model import load_model
 from homelab_dp.train.objectives.sft import micro_step
-from homelab_dp.train.strategy import build_optimizer, build_scheduler, wrap_model
-from homelab_dp.train.trainable_model import load_model
-from homelab_dp.train.training_loop import optimizer_step
+from homelab_dp.train.parallelism.strategy import build_optimizer, build_scheduler, wrap_model
 
 FAMILIES: dict[str, dict[str, Any]] = {
     # LLaMA-style with grouped-query attention, untied lm_head.

@@ -42,7 +42,7 @@ from torch import nn
 from homelab_dp.errors import HomelabError, ModelSpecError
 from homelab_dp.peft_targets import exact_targets
 from homelab_dp.planning.model_layers import PEFT_MAMBA_REFUSED, PEFT_MAMBA_TYPES, lora_can_adapt
-from homelab_dp.train.layer_census import _decoder_layers
+from homelab_dp.train.model.layer_census import _decoder_layers
 
 
 def prepare_frozen_base(
@@ -281,7 +281,7 @@ def adapter_init(name: str, shape: tuple[int, ...] | torch.Size, seed: int) -> t
     peft's default init — ``lora_A`` Kaiming-uniform with a = √5, ``lora_B`` zero, so the adapted
     model starts equal to its base — drawn from a generator seeded by ``seed`` (train.seed) and
     the parameter's name alone. QLoRA adapters are made so on every path: a model loaded whole
-    (DDP) and one filled shard by shard (FSDP2, `train.quantized_load`) start from the same
+    (DDP) and one filled shard by shard (FSDP2, `train.model.quantized_load`) start from the same
     adapters, whatever the load drew from the global generator before them.
     """
     value = torch.empty(tuple(shape), dtype=torch.float32)

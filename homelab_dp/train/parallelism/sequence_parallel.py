@@ -9,7 +9,7 @@ own positions, norms, the MLP, the chunked loss over the slice's targets). Atten
 the whole sequence; before it one all-to-all within the sequence group turns each of q, k, v
 from ``(batch, heads, seq/N, head_dim)`` into ``(batch, heads/N, seq, head_dim)`` (this rank's
 group of heads over the whole sequence), attention runs per sample over the full sequence
-(`train.packed_attention`'s per-sample kernels, the samples found from the whole block's
+(`train.model.packed_attention`'s per-sample kernels, the samples found from the whole block's
 positions, so a packed sample that straddles the split stays one sample), and a second
 all-to-all turns the output back to ``(batch, seq/N, heads, head_dim)``. Where a model has
 fewer key/value heads than N (or a count N does not divide), each key/value head is repeated
@@ -43,13 +43,13 @@ import torch
 import torch.distributed as dist
 
 from homelab_dp.planning.sequence_split import kv_repeats
-from homelab_dp.train.comm_timing import NO_COMM, CommSplit, CommTimer
-from homelab_dp.train.packed_attention import (
+from homelab_dp.train.model.packed_attention import (
     PackedSegments,
     packed_attention_forward,
     packed_mask,
     segments_from_starts,
 )
+from homelab_dp.train.parallelism.comm_timing import NO_COMM, CommSplit, CommTimer
 
 SPLIT_ATTENTION = "homelab_seq_split"
 """The ``attn_implementation`` name of the split attention (`install`)."""
@@ -229,7 +229,7 @@ def install(model: torch.nn.Module) -> None:
 
 class CombinedTimer:
     """The strategy's gradient-communication timer and the split's all-to-all timer as one
-    (`train.strategy.Strategy.comm`): the step's ``comm_seconds`` and exposed seconds are their
+    (`train.parallelism.strategy.Strategy.comm`): the step's ``comm_seconds`` and exposed seconds are their
     sums (the all-to-alls block the rank: all of their time is exposed)."""
 
     def __init__(self, grads: CommTimer, exchange: CommTimer) -> None:

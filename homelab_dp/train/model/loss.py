@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from homelab_dp.planning.memory.device_memory import chunk_tokens
-from homelab_dp.train.speed import to_device
+from homelab_dp.train.loop.speed import to_device
 
 IGNORE_INDEX = -100
 _SOFTCAP_KEYS = ("final_logit_softcapping", "logit_softcapping", "logit_softcap")
@@ -282,7 +282,7 @@ def router_aux_coef(model: nn.Module) -> float:
     transformers' MoE CausalLMs (Qwen3-MoE, Mixtral, gpt-oss, ...) add
     ``router_aux_loss_coef × aux_loss`` to their loss only when the config sets
     ``output_router_logits`` and labels are passed; the worker computes its own loss (the
-    chunked head), so it adds the term itself (`train.training_loop.micro_step`). 0 where the
+    chunked head), so it adds the term itself (`train.loop.training_loop.micro_step`). 0 where the
     config does not ask for it, the weight is not positive, or the forward takes no
     ``output_router_logits``."""
     base = _base(model)

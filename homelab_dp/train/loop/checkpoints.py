@@ -67,9 +67,9 @@ from torch.distributed.checkpoint.state_dict import (
 from homelab_dp.errors import HomelabError
 from homelab_dp.runs.folder.heartbeats import MERGING
 from homelab_dp.runs.folder.run_folder import write_json_atomic
-from homelab_dp.train.rank_guard import inject_slow_result, inject_write_fault
-from homelab_dp.train.strategy import Strategy
-from homelab_dp.train.trainable_model import merge_adapter, save_adapter, save_full_model
+from homelab_dp.train.loop.rank_guard import inject_slow_result, inject_write_fault
+from homelab_dp.train.model.trainable_model import merge_adapter, save_adapter, save_full_model
+from homelab_dp.train.parallelism.strategy import Strategy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -376,7 +376,7 @@ def result_write_error(
 
 
 class _GuardedWriter(HuggingFaceStorageWriter):
-    """DCP's safetensors writer with the test-only write faults of `homelab_dp.train.rank_guard`."""
+    """DCP's safetensors writer with the test-only write faults of `homelab_dp.train.loop.rank_guard`."""
 
     def __init__(self, path: Path, run_dir: Path, step: int) -> None:
         super().__init__(str(path), save_distributed=True)

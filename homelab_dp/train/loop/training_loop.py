@@ -16,19 +16,19 @@ read at the start of the next, so it never waits on the GPU: a stop lands at the
 after the signal at the latest. ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) votes to stop at
 boundary k, so the run stops once exactly k optimizer steps are done.
 
-Validation (`train.evaluation`): with eval data, every rank evaluates it every
+Validation (`train.evaluation.evaluation`): with eval data, every rank evaluates it every
 ``train.eval_every`` steps and at the last (rank 0 writes an ``eval`` event); a new best loss
-with ``train.keep_best`` gets its checkpoint kept (`train.checkpoints.mark_best`), and
+with ``train.keep_best`` gets its checkpoint kept (`train.loop.checkpoints.mark_best`), and
 ``train.early_stopping_patience`` evaluations without one end the run as "early_stopped": a
 completed run before its last step, checkpoint and result saved.
 
-Safety (`train.rank_guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
+Safety (`train.loop.rank_guard`): every micro-step writes the rank's heartbeat for the keeper's watchdog
 and checks that the torchrun agent is still its parent (if not, the rank stops gracefully). A
 checkpoint beats on a timer while it is written; the result is written (and merged) by rank 0 in
 a thread while every rank beats and meets the others in a short all-reduce each second, so a
 save or merge of any length is neither a stall nor a collective timeout.
 
-Divergence (`train.divergence`): a logged loss that is not finite, non-finite weights before a
+Divergence (`train.loop.divergence`): a logged loss that is not finite, non-finite weights before a
 checkpoint, or `SKIP_LIMIT` fp16 steps in a row skipped by the GradScaler end the run with an
 ``error`` event (exit 1), its last good checkpoint kept.
 """
@@ -53,19 +53,19 @@ from homelab_dp.runs.run_events import (
 )
 from homelab_dp.runs.run_spec import RunSpec
 from homelab_dp.runs.run_view import StragglerDetector
-from homelab_dp.train.checkpoints import mark_best, save_checkpoint, save_result
-from homelab_dp.train.comm_timing import comm_event_fields
-from homelab_dp.train.divergence import SkippedSteps, check_loss, require_finite_weights
-from homelab_dp.train.evaluation import Validator
-from homelab_dp.train.length_groups import group_by_length
-from homelab_dp.train.metrics import RankStats, StepFlops, peak_memory_kind
-from homelab_dp.train.packed_attention import take_route_counts
-from homelab_dp.train.rank_setup import SetUp
-from homelab_dp.train.sample_answers import Sampler
-from homelab_dp.train.strategy import rank_slices
+from homelab_dp.train.evaluation.evaluation import Validator
+from homelab_dp.train.loop.checkpoints import mark_best, save_checkpoint, save_result
+from homelab_dp.train.loop.divergence import SkippedSteps, check_loss, require_finite_weights
+from homelab_dp.train.loop.length_groups import group_by_length
+from homelab_dp.train.loop.metrics import RankStats, StepFlops, peak_memory_kind
+from homelab_dp.train.loop.rank_setup import SetUp
+from homelab_dp.train.loop.sample_answers import Sampler
+from homelab_dp.train.model.packed_attention import take_route_counts
+from homelab_dp.train.parallelism.comm_timing import comm_event_fields
+from homelab_dp.train.parallelism.strategy import rank_slices
 
 if TYPE_CHECKING:  # torch stays out of the worker's import until it is set up
-    from homelab_dp.train.divergence import SkippedSteps
+    from homelab_dp.train.loop.divergence import SkippedSteps
 
 STOP_AT_ENV = "HOMELAB_DP_STOP_AT_STEP"
 
@@ -127,7 +127,7 @@ class Trainer:
 
         self.spec, self.run_dir, self.events, self.stop = spec, run_dir, events, stop
         self.guard = guard
-        """`train.rank_guard.RankGuard`: heartbeats and the orphan check."""
+        """`train.loop.rank_guard.RankGuard`: heartbeats and the orphan check."""
         self.t_start = t_start
         self.train = spec.preset.train
         self.rank, self.data, self.model, self.memory = s.rank, s.data, s.model, s.memory
@@ -156,7 +156,7 @@ class Trainer:
         """Whether a step event carried ``attention_routes`` (the first of this launch does)."""
 
         self.skips = SkippedSteps()
-        """fp16: the GradScaler's consecutive skipped steps (`train.divergence`)."""
+        """fp16: the GradScaler's consecutive skipped steps (`train.loop.divergence`)."""
         """The step of the checkpoint written last by this run (none is written twice)."""
         self.validator = None
         if self.data.eval is not None and not self.memory.measuring:
@@ -169,7 +169,7 @@ class Trainer:
             )
             self.validator.restore(s.position.eval_state)
         self.sampler = None
-        """`train.sample_answers.Sampler`: answers to the sample prompts (``train.sample_every``)."""
+        """`train.loop.sample_answers.Sampler`: answers to the sample prompts (``train.sample_every``)."""
         if self.train.sample_every != "off" and not self.memory.measuring:
             self.sampler = Sampler(spec.preset, self.data, self.model, self.rank)
 
@@ -284,7 +284,7 @@ class Trainer:
         return "completed", step
 
     def _validate(self, step: int) -> Any:
-        """Evaluate (every rank) and write the ``eval`` event; the `train.evaluation.Verdict`
+        """Evaluate (every rank) and write the ``eval`` event; the `train.evaluation.evaluation.Verdict`
         (best so far, early stop). Every rank has the same loss, so every rank decides alike."""
         v = self.validator
         assert v is not None
@@ -395,7 +395,7 @@ def optimizer_step(
     """Unscale (fp16), clip, update, advance the schedule, free the gradients; the grad norm.
 
     ``skips`` counts the scaler's consecutive skipped steps (fp16) and ends the run at its
-    limit (`train.divergence.SkippedSteps`); ``step`` is the optimizer step (1-based)."""
+    limit (`train.loop.divergence.SkippedSteps`); ``step`` is the optimizer step (1-based)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = strategy.clip_grad_norm(max_grad_norm)

@@ -19,8 +19,8 @@ from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.flops import causal_span, flops_per_token, mfu, peak_flops
 from homelab_dp.runs.run_events import Event
-from homelab_dp.train.comm_timing import NO_COMM, CommSplit
-from homelab_dp.train.model_census import any_model_spec
+from homelab_dp.train.model.model_census import any_model_spec
+from homelab_dp.train.parallelism.comm_timing import NO_COMM, CommSplit
 
 if TYPE_CHECKING:
     from homelab_dp.runs.run_spec import RunSpec
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class EventLog:
     """Appends events to ``events.jsonl``; a no-op on ranks other than 0 unless ``force``.
 
-    ``sink`` (rank 0: `train.reporting.Reporting`, the run's loggers) also gets every event
+    ``sink`` (rank 0: `train.loop.reporting.Reporting`, the run's loggers) also gets every event
     written, so TensorBoard & co. show exactly the figures of the file."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
@@ -90,7 +90,7 @@ def all_gather_flat(out: torch.Tensor, mine: torch.Tensor) -> None:
 
 class RankStats:
     """The one all-gather per logged step: every rank's metric sums, step time, peak memory and
-    gradient communication (`train.comm_timing.CommSplit`)."""
+    gradient communication (`train.parallelism.comm_timing.CommSplit`)."""
 
     TAIL = 4
     """Columns after the sums: step_time_s, peak_memory_bytes, comm_s, exposed_comm_s."""

@@ -1,6 +1,6 @@
 """A ModelSpec for any decoder transformers can build, from its module tree on the meta device.
 
-``python -m homelab_dp.train.model_census DIR [--trust-remote-code] [--text-only]`` prints one
+``python -m homelab_dp.train.model.model_census DIR [--trust-remote-code] [--text-only]`` prints one
 JSON line: the spec (`planning.model_spec.spec_to_dict`), or ``{"error": ..., "hint": ...}``
 with exit code 2 for a model that cannot be planned. The front ends run it as a child process
 (`app/model_specs.py`) so they never import torch; the worker may call `census` in-process.
@@ -37,7 +37,7 @@ from homelab_dp.planning.model_spec import (
     read_config,
     spec_to_dict,
 )
-from homelab_dp.train.layer_census import (
+from homelab_dp.train.model.layer_census import (
     AUX_NAMES,
     TOP_K_NAMES,
     UNEVEN_HINT,

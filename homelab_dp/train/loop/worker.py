@@ -1,32 +1,32 @@
 """The training worker: one process per rank, started by torchrun (never by hand).
 
-    python -m torch.distributed.run --nproc-per-node N ... -m homelab_dp.train.worker RUN_DIR [--resume]
+    python -m torch.distributed.run --nproc-per-node N ... -m homelab_dp.train.loop.worker RUN_DIR [--resume]
 
 It reads ``RUN_DIR/spec.json`` only (a `homelab_dp.runs.run_spec.RunSpec`); `homelab_dp.supervise.launcher` builds
 the torchrun command. gloo on the CPU (fp32), nccl on CUDA (``cuda:LOCAL_RANK``, bf16/fp16 autocast
 over fp32 master weights, or FSDP2 mixed precision).
 
-A rank sets itself up (`train.rank_setup`: the process group, the data, the model, the resume point),
-writes the ``start`` event and trains (`train.training_loop`: the steps, checkpoints, the result and the
+A rank sets itself up (`train.loop.rank_setup`: the process group, the data, the model, the resume point),
+writes the ``start`` event and trains (`train.loop.training_loop`: the steps, checkpoints, the result and the
 ``end`` event). This module is the entry point around them: the arguments, the refusal to run
 outside a launcher, the error event of a failed rank and the exit code.
 
 ``--resume`` (or ``"resume": true`` in spec.json) continues from the newest complete checkpoint
 (from scratch, with a warning, when there is none). SIGTERM or SIGINT stops the run gracefully at
-the next optimizer-step boundary, with a checkpoint (`train.training_loop.StopFlag`).
+the next optimizer-step boundary, with a checkpoint (`train.loop.training_loop.StopFlag`).
 
 Exit codes: 0 completed or stopped on request (the ``end`` event's reason tells which; torchrun
 turns any other worker code into a failure); 1 the run failed (an ``error`` event names the rank);
 2 bad input (spec, data, model folder), or not started by a launcher.
 
 Environment: ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) acts as if a stop were requested once k
-optimizer steps are done; ``HOMELAB_DP_FAULT`` (tests only) injects faults (`train.rank_guard`). A
+optimizer steps are done; ``HOMELAB_DP_FAULT`` (tests only) injects faults (`train.loop.rank_guard`). A
 spec may set ``"collective_timeout_s"`` (default 60 on CPU, 600 on CUDA; the controller copies
 ``train.collective_timeout_s``). ``resolved.dtype = "fp64"`` is accepted on the CPU for
 exactness tests.
 
 Out of memory ends the rank with an ``error`` event that proposes a smaller micro-batch with more
-accumulation (same effective batch) or activation checkpointing (`train.rank_guard.oom_advice`).
+accumulation (same effective batch) or activation checkpointing (`train.loop.rank_guard.oom_advice`).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from homelab_dp.errors import HomelabError
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.run_events import ErrorEvent
 from homelab_dp.runs.run_spec import RunSpec
-from homelab_dp.train.metrics import EventLog
-from homelab_dp.train.rank_guard import RankGuard, oom_advice
-from homelab_dp.train.rank_setup import set_up, start_event
-from homelab_dp.train.reporting import open_reporting
-from homelab_dp.train.training_loop import StopFlag, Trainer
+from homelab_dp.train.loop.metrics import EventLog
+from homelab_dp.train.loop.rank_guard import RankGuard, oom_advice
+from homelab_dp.train.loop.rank_setup import set_up, start_event
+from homelab_dp.train.loop.reporting import open_reporting
+from homelab_dp.train.loop.training_loop import StopFlag, Trainer
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -58,7 +58,7 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one rank; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m homelab_dp.train.worker")
+    parser = argparse.ArgumentParser(prog="python -m homelab_dp.train.loop.worker")
     parser.add_argument("run_dir", type=Path, help="the run folder holding spec.json")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     args = parser.parse_args(argv)

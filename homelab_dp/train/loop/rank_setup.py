@@ -6,7 +6,7 @@ same order: the process group, the model wrapper's broadcast, on resume the newe
 agreement and the checkpoint load, then the gather of every rank's pid.
 
 Exactness starts here: the global sample order is a permutation of the blocks seeded by
-``train.seed`` and the epoch only (`train.strategy.SampleOrder`), every rank seeds the model
+``train.seed`` and the epoch only (`train.parallelism.strategy.SampleOrder`), every rank seeds the model
 init identically (identical LoRA init without a broadcast), and a world size other than the
 plan's keeps the planned effective batch by changing the accumulation.
 """
@@ -33,13 +33,24 @@ from homelab_dp.planning.recurrent_packing import packing_decision, recurrent_ki
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
 from homelab_dp.runs.run_spec import RunSpec
-from homelab_dp.train.activation_offload import ActivationOffload
-from homelab_dp.train.attention import attention_choice
-from homelab_dp.train.checkpoints import find_usable, load_checkpoint
-from homelab_dp.train.evaluation import EvalBlocks, eval_blocks
-from homelab_dp.train.loss import install_loss_head, unsupported_reason
-from homelab_dp.train.memtrack import WorkerMemory
-from homelab_dp.train.metrics import all_gather_flat, peak_memory_kind
+from homelab_dp.train.evaluation.evaluation import EvalBlocks, eval_blocks
+from homelab_dp.train.loop.checkpoints import find_usable, load_checkpoint
+from homelab_dp.train.loop.memtrack import WorkerMemory
+from homelab_dp.train.loop.metrics import all_gather_flat, peak_memory_kind
+from homelab_dp.train.loop.speed import compile_layers, compile_wanted, enable_tf32
+from homelab_dp.train.model.attention import attention_choice
+from homelab_dp.train.model.loss import install_loss_head, unsupported_reason
+from homelab_dp.train.model.packed_attention import watch_positions
+from homelab_dp.train.model.packing_check import check_model
+from homelab_dp.train.model.quantized_load import build_on_meta, has_routed_experts
+from homelab_dp.train.model.tiled_mlp import tile_mlps
+from homelab_dp.train.model.trainable_model import (
+    card_capability,
+    compute_dtype,
+    load_model,
+    load_tokenizer,
+    master_dtype,
+)
 from homelab_dp.train.objectives.objective import objective_for
 from homelab_dp.train.objectives.pair_batch import pair_data
 from homelab_dp.train.objectives.reference import (
@@ -49,25 +60,14 @@ from homelab_dp.train.objectives.reference import (
     reference_key,
 )
 from homelab_dp.train.objectives.reference_choice import reference_kind
-from homelab_dp.train.packed_attention import watch_positions
-from homelab_dp.train.packing_check import check_model
-from homelab_dp.train.quantized_load import build_on_meta, has_routed_experts
-from homelab_dp.train.sequence_parallel import CombinedTimer, SequenceSplit, install
-from homelab_dp.train.speed import compile_layers, compile_wanted, enable_tf32
-from homelab_dp.train.strategy import (
+from homelab_dp.train.parallelism.activation_offload import ActivationOffload
+from homelab_dp.train.parallelism.sequence_parallel import CombinedTimer, SequenceSplit, install
+from homelab_dp.train.parallelism.strategy import (
     SampleOrder,
     build_optimizer,
     build_scheduler,
     set_lr_for_step,
     wrap_model,
-)
-from homelab_dp.train.tiled_mlp import tile_mlps
-from homelab_dp.train.trainable_model import (
-    card_capability,
-    compute_dtype,
-    load_model,
-    load_tokenizer,
-    master_dtype,
 )
 from homelab_dp.vocabulary import PREFERENCE_OBJECTIVES, SHARDED
 
@@ -89,7 +89,7 @@ class Rank:
     accum: int
     effective: int
     split: Any = None
-    """`train.sequence_parallel.SequenceSplit` when sequences are split over ranks, else None."""
+    """`train.parallelism.sequence_parallel.SequenceSplit` when sequences are split over ranks, else None."""
 
     @property
     def data_rank(self) -> int:
@@ -174,10 +174,10 @@ class Data:
     fmt: str
     """The data format, ``auto`` resolved (the start event records it)."""
     order: Any
-    """The seeded global sample order (`train.strategy.SampleOrder`)."""
+    """The seeded global sample order (`train.parallelism.strategy.SampleOrder`)."""
     total_steps: int
     eval: Any = None
-    """`train.evaluation.EvalBlocks` of the eval data (`data.eval_split`), or None without any;
+    """`train.evaluation.evaluation.EvalBlocks` of the eval data (`data.eval_split`), or None without any;
     for preference data its rows (the sample prompts come from them)."""
     pairs: Any = None
     """Preference data (dpo, orpo, kto): `train.objectives.pair_batch.PairData` of the training
@@ -190,7 +190,7 @@ class Data:
     """GRPO: `Prompts` (each block is one prompt), else None."""
     grouped: bool = False
     """Unpacked rows of a model with recurrent layers: each step's blocks grouped by length and
-    each micro-batch cut to its longest sample (`train.length_groups`)."""
+    each micro-batch cut to its longest sample (`train.loop.length_groups`)."""
 
 
 @dataclass
@@ -340,9 +340,9 @@ class Model:
     """What trains: the model in its strategy, the optimizer, the schedule and the precision."""
 
     loaded: Any
-    """`train.trainable_model.LoadedModel`: the module, its parameter counts, whether it is PEFT."""
+    """`train.model.trainable_model.LoadedModel`: the module, its parameter counts, whether it is PEFT."""
     strategy: Any
-    """`train.strategy.Strategy`: DDP, ZeRO-1 or FSDP2 around the model."""
+    """`train.parallelism.strategy.Strategy`: DDP, ZeRO-1 or FSDP2 around the model."""
     optimizer: Any
     scheduler: Any
     loss_dtype: Any
@@ -351,17 +351,17 @@ class Model:
     autocast: Any
     """A context factory: ``torch.autocast`` for bf16/fp16 on CUDA without FSDP2, else a no-op."""
     loss_head: Any = None
-    """`train.loss.ChunkedLossHead` in place of lm_head (no full logits), or None where the model
+    """`train.model.loss.ChunkedLossHead` in place of lm_head (no full logits), or None where the model
     transforms its logits after lm_head (the full cross-entropy then)."""
     flat_batches: bool = False
     """FlashAttention's varlen route: transformers reads the sample boundaries from the positions
     only in a batch of one row, so a packed micro-batch goes in as one row of all its tokens."""
     attention: str = "sdpa"
-    """The ``attn_implementation`` the model loaded with (`train.attention`)."""
+    """The ``attn_implementation`` the model loaded with (`train.model.attention`)."""
     attention_reason: str = ""
     """Why that kernel, for the start event."""
     packing: Any = None
-    """`train.packing_check.PackingCheck` of data.pack = true on this model, or None."""
+    """`train.model.packing_check.PackingCheck` of data.pack = true on this model, or None."""
     reference_copy: Any = None
     """``train.reference = "copy"``: the frozen starting model (not with FSDP2), else None."""
 
@@ -369,7 +369,7 @@ class Model:
 def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None) -> Model:
     """Load the model, wrap it in its strategy, build the optimizer, schedule and precision.
 
-    ``memory`` (`train.memtrack.WorkerMemory`): a measure run counts the loaded weights from the
+    ``memory`` (`train.loop.memtrack.WorkerMemory`): a measure run counts the loaded weights from the
     moment they exist (`_count_loaded`).
     """
     import torch
@@ -454,7 +454,7 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
 def _offloading(autocast: Any, model: Any, *, pin: bool) -> Any:
     """``train.offload_activations``: the forward's context also sends the activations saved for
     backward to (pinned) host memory, brought back as backward needs it; weights, buffers and
-    small tensors stay (`train.activation_offload.ActivationOffload`)."""
+    small tensors stay (`train.parallelism.activation_offload.ActivationOffload`)."""
 
     offload = ActivationOffload(model, pin=pin)
 
@@ -489,7 +489,7 @@ class Position:
     resumed_from: str | None = None
     last_loss: float | None = None
     eval_state: dict[str, Any] | None = None
-    """The checkpoint's validation record (`train.evaluation.Validator.state`)."""
+    """The checkpoint's validation record (`train.evaluation.evaluation.Validator.state`)."""
     objective_state: dict[str, Any] | None = None
     """What the objective saved with the checkpoint (GRPO: the batch its next step reuses)."""
 
@@ -541,14 +541,14 @@ def _agree_on_checkpoint(path: Path | None, device: Any) -> None:
 
 @dataclass
 class SetUp:
-    """Everything `set_up` made, handed to the loop (`train.training_loop.Trainer`)."""
+    """Everything `set_up` made, handed to the loop (`train.loop.training_loop.Trainer`)."""
 
     rank: Rank
     data: Data
     model: Model
     position: Position
     memory: Any
-    """`train.memtrack.WorkerMemory`: probes the memory of the set-up and of chosen steps."""
+    """`train.loop.memtrack.WorkerMemory`: probes the memory of the set-up and of chosen steps."""
     objective: Any = None
     """`train.objectives.objective.Objective`: what the loop asks for units, loss and metrics."""
     reference: str | None = None

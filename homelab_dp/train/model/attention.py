@@ -4,7 +4,7 @@ Packed blocks (`homelab_dp.data.blocks`, pack = true) hold several samples, each
 restarting at 0; the worker passes those ``position_ids`` and no ``attention_mask``, and the
 attention keeps each sample to itself by one of these routes:
 
-- **homelab_packed** (the default; `homelab_dp.train.packed_attention`, registered in
+- **homelab_packed** (the default; `homelab_dp.train.model.packed_attention`, registered in
   transformers' attention and mask registries, so every family that uses them gets it): the
   mask step reads where the samples start (transformers' own mask function on adjacent tokens)
   and the attention runs per sample: torch's ``varlen_attn`` on a CUDA card of compute
@@ -86,7 +86,7 @@ def attention_choice(
         device_type, dtype_name, capabilities, flash_attn_version(), sinks=has_sinks(model_type)
     )
     if name == PACKED_ATTENTION:
-        from homelab_dp.train.packed_attention import register
+        from homelab_dp.train.model.packed_attention import register
 
         register()  # before any model loads with it (workers, eval, the streamed QLoRA load)
     return name, why

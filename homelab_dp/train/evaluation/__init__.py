@@ -1,0 +1,1 @@
+"""Evaluation as its own process: the in-run validator and the eval workers."""
