@@ -63,6 +63,7 @@ from homelab_dp import json_safe, safe_files
 from homelab_dp.data import tokenize
 from homelab_dp.data.records import LAYOUTS
 from homelab_dp.data.tokenize import Example, PairExample
+from homelab_dp.user_files.paths import cache_home
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -105,8 +106,7 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".ms
 
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/homelab-dp/tokens`` (``~/.cache/homelab-dp/tokens`` by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "homelab-dp" / "tokens"
+    return cache_home() / "tokens"
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
