@@ -29,15 +29,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from homelab_dp.planning.flops import peak_flops
-from homelab_dp.user_files.fingerprint_store import (
-    Check,
-    FingerprintStore,
-    StoredRecord,
-    is_int,
-    is_number,
-    is_scalar_map,
-    is_text,
-)
+from homelab_dp.user_files import fingerprint_store as fs
+from homelab_dp.user_files.fingerprint_store import FingerprintStore, StoredRecord
 from homelab_dp.user_files.paths import data_home
 
 DEFAULT_GPU_FACTOR = 0.35
@@ -73,23 +66,23 @@ MAX_RATE = 1e18
 MAX_COUNT = 2**20
 """The largest world size or thread count a record may hold."""
 
-RECORD_CHECKS: dict[str, Check] = {
-    "fingerprint": lambda v: is_text(v) and bool(v),
+RECORD_CHECKS: dict[str, fs.Check] = {
+    "fingerprint": lambda v: fs.is_text(v) and bool(v),
     "kind": lambda v: v in ("cuda", "cpu"),
-    "model": is_scalar_map,
-    "method": is_text,
-    "distribution": is_text,
+    "model": fs.is_scalar_map,
+    "method": fs.is_text,
+    "distribution": fs.is_text,
     "activation_checkpointing": lambda v: type(v) is bool,
-    "world_size": is_int(1, MAX_COUNT),
-    "device": is_text,
-    "tokens_per_s": is_number(0, MAX_RATE, above=True),
-    "flops_per_token": is_number(0, MAX_RATE, above=True),
-    "flops_per_s": is_number(0, MAX_RATE, above=True),
-    "threads": is_int(1, MAX_COUNT, optional=True),
-    "peak_flops": is_number(0, MAX_RATE, above=True, optional=True),
-    "source": is_text,
-    "run_id": is_text,
-    "time": is_number(0, 1e12),
+    "world_size": fs.is_int(1, MAX_COUNT),
+    "device": fs.is_text,
+    "tokens_per_s": fs.is_number(0, MAX_RATE, above=True),
+    "flops_per_token": fs.is_number(0, MAX_RATE, above=True),
+    "flops_per_s": fs.is_number(0, MAX_RATE, above=True),
+    "threads": fs.is_int(1, MAX_COUNT, optional=True),
+    "peak_flops": fs.is_number(0, MAX_RATE, above=True, optional=True),
+    "source": fs.is_text,
+    "run_id": fs.is_text,
+    "time": fs.is_number(0, 1e12),
 }
 """What each field of a stored record must be: a rate is finite and positive (a negative one
 would predict negative tokens/s; `SpeedRecord.problem` checks them)."""
@@ -100,7 +93,7 @@ class SpeedRecord(StoredRecord):
     """One measured run's compute rate on one machine; a record of the speed file
     (`SpeedStore`)."""
 
-    CHECKS: ClassVar[dict[str, Check]] = RECORD_CHECKS
+    CHECKS: ClassVar[dict[str, fs.Check]] = RECORD_CHECKS
 
     fingerprint: str
     """The hardware fingerprint (`homelab_dp.planning.memory.memory_calibration.fingerprint`)."""
@@ -304,7 +297,7 @@ def record_speed(
         per_device *= step / compute
     device = str(predicted.get("pace_device") or "")
     threads = assumed.get("threads_per_process") if kind == "cpu" else None
-    if not is_number(0, MAX_RATE, above=True)(per_device):
+    if not fs.is_number(0, MAX_RATE, above=True)(per_device):
         return None  # a figure no record may hold (a plan's FLOPs per token not finite)
     record = SpeedRecord(
         fingerprint=str(fp),
