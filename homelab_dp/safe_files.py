@@ -1,6 +1,5 @@
 """Input that may be damaged or hostile: JSON text parsed without a traceback, a regular file
-read only, never more than a bound; and a file written whole, private, whatever sat at its
-temporary name.
+read only, never more than a bound.
 
 Every reader of JSON from outside (data files, prompts, caches) goes through `parse`: whatever
 the text holds, it returns a value or raises `BadJson` (a ValueError) with one short reason,
@@ -16,10 +15,7 @@ for a writer forever), a file of gigabytes. `read_regular` opens the path withou
 too. Every refusal is a `FileRefused`, an `OSError`: a caller that treats an unreadable file as
 missing already handles it. `read_json` adds the UTF-8 decoding and `parse`.
 
-`write_private` writes a file atomically (a temporary name in the same folder, renamed over the
-path): the temporary name is removed first and created exclusively without following a link, so
-a FIFO or a symlink left there cannot make the write wait or land elsewhere, and a failed write
-leaves no temporary file behind.
+Writing such a file whole and private is `homelab_dp.user_files.private_write`'s.
 
 Pure standard library (the bottom layer).
 """
@@ -143,22 +139,3 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a file"
-
-
-def write_private(path: Path | str, data: bytes, mode: int = 0o600) -> Path:
-    """Write ``data`` to ``path`` atomically, the file ``mode`` (private by default), the folder
-    made ``0700`` when it is missing. Raises OSError (nothing left at the temporary name)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # whatever sat there: a FIFO, a link, a torn write
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path

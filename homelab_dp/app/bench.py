@@ -81,6 +81,7 @@ from homelab_dp.errors import HardwareSpecError, HomelabError
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model, resolve_model_arg
 from homelab_dp.supervise.launcher import torchrun_command
+from homelab_dp.user_files.private_write import write_whole
 
 BENCH_MODULE = "homelab_dp.app.bench"
 BENCH_FILE = "bench.json"
@@ -235,9 +236,7 @@ def store_result(path: Path, doc: dict[str, Any]) -> None:
         for key in ("tasks", "samples"):
             if isinstance(old.get(key), dict):
                 merged[key] = {**old[key], **doc[key]}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_whole(path, json.dumps(merged, indent=2) + "\n")
 
 
 def read_bench(run_dir: Path, base: bool = False) -> dict[str, Any] | None:

@@ -24,7 +24,8 @@ from homelab_dp.errors import ModelSpecError
 from homelab_dp.planning.model_config import read_config_bytes, read_regular_file
 from homelab_dp.planning.model_spec import ModelSpec, hand_written_spec, spec_to_dict
 from homelab_dp.planning.spec_document import spec_from_dict
-from homelab_dp.runs.folder.run_index import data_home, ensure_private_dir
+from homelab_dp.user_files.paths import data_home
+from homelab_dp.user_files.private_write import write_private
 
 CACHE_FOLDER = "model-specs"
 CACHE_FORMAT = 3
@@ -86,7 +87,8 @@ def _derived(folder: Path, *, trust_remote_code: bool, text_only: bool) -> Model
         return spec
     data = run_census(folder, trust_remote_code=trust_remote_code, text_only=text_only)
     spec = spec_from_dict(data)
-    _write_private(path, {"key": key, "spec": spec_to_dict(spec)})
+    with contextlib.suppress(OSError):  # not written: the next plan only runs another census
+        write_private(path, json.dumps({"key": key, "spec": spec_to_dict(spec)}))
     return spec
 
 
@@ -167,16 +169,3 @@ def _cap_memory() -> None:
     """In the census child, before it starts: cap its address space (`CENSUS_MEMORY_BYTES`)."""
     with contextlib.suppress(ValueError, OSError):  # a lower hard limit already applies
         resource.setrlimit(resource.RLIMIT_AS, (CENSUS_MEMORY_BYTES, CENSUS_MEMORY_BYTES))
-
-
-def _write_private(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON readable by the user alone (0600 in a 0700 folder), atomically."""
-    try:
-        ensure_private_dir(path.parent)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
-    except OSError:
-        return  # a cache that cannot be written only costs the next plan another census

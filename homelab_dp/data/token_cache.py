@@ -63,6 +63,8 @@ from homelab_dp import json_safe, safe_files
 from homelab_dp.data import tokenize
 from homelab_dp.data.records import LAYOUTS
 from homelab_dp.data.tokenize import Example, PairExample
+from homelab_dp.user_files.paths import cache_home
+from homelab_dp.user_files.private_write import replacing
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -105,8 +107,7 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".ms
 
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/homelab-dp/tokens`` (``~/.cache/homelab-dp/tokens`` by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "homelab-dp" / "tokens"
+    return cache_home() / "tokens"
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -299,14 +300,12 @@ def write(key: str, examples: Sequence[Example], fmt: str, about: str, pad_id: i
     meta["digest"] = _digest(table, ("input_ids", "labels"))
     table = table.replace_schema_metadata(meta)
     schema = table.schema
-    tmp = folder / f".{FILE}.{os.getpid()}.tmp"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        with replacing(folder / FILE) as sink, pa.ipc.new_file(sink, schema) as writer:
             writer.write_table(table, max_chunksize=4096)
-        os.replace(tmp, folder / FILE)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass  # not cached: tokenized again next time
     return folder
 
 
@@ -352,14 +351,12 @@ def write_pairs(key: str, pairs: Sequence[PairExample], fmt: str, about: str, pa
     meta["digest"] = _digest(table, PAIR_COLUMNS)
     table = table.replace_schema_metadata(meta)
     schema = table.schema
-    tmp = folder / f".{PAIRS_FILE}.{os.getpid()}.tmp"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        with replacing(folder / PAIRS_FILE) as sink, pa.ipc.new_file(sink, schema) as writer:
             writer.write_table(table, max_chunksize=4096)
-        os.replace(tmp, folder / PAIRS_FILE)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass  # not cached: tokenized again next time
     return folder
 
 

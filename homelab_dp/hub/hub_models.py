@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.errors import ModelSpecError
+from homelab_dp.user_files.paths import xdg_cache
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
 """What a full snapshot downloads: config, weight index and tokenizer JSON files, safetensors,
@@ -81,10 +82,8 @@ def hub_cache() -> Path:
     folder = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
     if folder:
         return Path(folder).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
-    )
-    return Path(home).expanduser() / "hub"
+    home = os.environ.get("HF_HOME")
+    return (Path(home).expanduser() if home else xdg_cache() / "huggingface") / "hub"
 
 
 def hub_offline() -> bool:

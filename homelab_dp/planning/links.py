@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from homelab_dp import safe_files
 from homelab_dp.errors import HardwareSpecError
 from homelab_dp.probe.hardware import GpuLink, PlanHardware, pcie_bytes_per_s
+from homelab_dp.user_files.paths import cache_home, ensure_private_dir
+from homelab_dp.user_files.private_write import read_back, write_private
 
 NVLINK_GB_PER_LINK: dict[tuple[int, int], tuple[str, float]] = {
     (6, 0): ("NVLink 1", 20.0),  # P100
@@ -224,20 +225,15 @@ def gloo_cache_path(host: str, torch_version: str | None) -> Path:
     """The cache file of one host and torch version: ``$XDG_CACHE_HOME/homelab-dp/links/``
     (``~/.cache`` by default), beside the token cache. A measurement can always be made again,
     so it is a cache, not data: every data home on the host (a test's, a user's) shares it."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     name = f"gloo-{_safe(host)}-torch-{_safe(torch_version or 'none')}.json"
-    return base / "homelab-dp" / "links" / name
+    return cache_home() / "links" / name
 
 
 def read_cached_gloo(host: str, torch_version: str | None) -> dict[str, Any] | None:
     """The cached gloo measurement of this host, or None (absent, unreadable, or not a
     measurement: `gloo_doc_ok`; the plan then measures again). Only a regular file of at most
     64 KiB is read (a FIFO or a link to ``/dev/zero`` there is no measurement)."""
-    path = gloo_cache_path(host, torch_version)
-    try:
-        doc = safe_files.read_json(path, 64 * 1024)
-    except (OSError, ValueError):
-        return None
+    doc = read_back(gloo_cache_path(host, torch_version), 64 * 1024).doc
     return doc if gloo_doc_ok(doc) else None
 
 
@@ -256,6 +252,5 @@ def gloo_doc_ok(doc: Any) -> bool:
 def write_cached_gloo(host: str, torch_version: str | None, doc: dict[str, Any]) -> Path:
     """Cache a gloo measurement: a 0600 file in a 0700 folder, written atomically."""
     path = gloo_cache_path(host, torch_version)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
-    return safe_files.write_private(path, json.dumps(doc).encode())
+    os.chmod(ensure_private_dir(path.parent), 0o700)  # one that lost its mode too
+    return write_private(path, json.dumps(doc))

@@ -12,37 +12,26 @@ What is stored is the compute rate alone: with several processes the exposed com
 taken out of the step first (the run's ``compute_seconds`` when it measured them), so that the
 time model adds communication once, its own way.
 
-The file is ``$XDG_DATA_HOME/homelab-dp/speed.json`` (private to the user); nothing here imports
-torch. It is not trusted: only a regular file of bounded size is read, and every record is checked
-(`record_problem`: types, ranges, finite and positive rates); one that does not pass is left
-out, said in `SpeedStore.problem`, and gone from the file the next time it is written.
+The file is ``$XDG_DATA_HOME/homelab-dp/speed.json`` (private to the user), a
+`homelab_dp.user_files.fingerprint_store.FingerprintStore` as the memory calibration's is;
+nothing here imports torch. It is not trusted: only a regular file of bounded size is read, and
+every record is checked (`SpeedRecord.problem`: types, ranges, finite and positive rates); one
+that does not pass is left out, said in `SpeedStore.problem`, and gone from the file the next
+time it is written.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from homelab_dp import json_safe, safe_files
 from homelab_dp.planning.flops import peak_flops
-from homelab_dp.planning.memory.memory_calibration import (
-    Check,
-    data_dir,
-    field_problem,
-    is_int,
-    is_number,
-    is_scalar_map,
-    is_text,
-    read_records,
-    required_fields,
-)
-
-FILE_VERSION = 1
-KEEP_PER_FINGERPRINT = 50
-"""Older records of a fingerprint are dropped beyond this many."""
+from homelab_dp.user_files import fingerprint_store as fs
+from homelab_dp.user_files.fingerprint_store import FingerprintStore, StoredRecord
+from homelab_dp.user_files.paths import data_home
 
 DEFAULT_GPU_FACTOR = 0.35
 """Achieved share of a card's dense 16-bit peak before anything is measured: what fine-tunes of
@@ -65,16 +54,46 @@ spends most of its time outside large matmuls); one `homelab-dp measure` replace
 
 def speed_path() -> Path:
     """``$XDG_DATA_HOME/homelab-dp/speed.json``."""
-    return data_dir() / "speed.json"
+    return data_home() / "speed.json"
 
 
 MODEL_KEYS = ("model_type", "params", "layers", "hidden", "vocab")
 """What of the plan's ``model`` block makes two records the same model."""
 
 
+MAX_RATE = 1e18
+"""The largest FLOP/s, FLOPs per token or tokens/s a record may hold (a card peaks near 1e15)."""
+MAX_COUNT = 2**20
+"""The largest world size or thread count a record may hold."""
+
+RECORD_CHECKS: dict[str, fs.Check] = {
+    "fingerprint": lambda v: fs.is_text(v) and bool(v),
+    "kind": lambda v: v in ("cuda", "cpu"),
+    "model": fs.is_scalar_map,
+    "method": fs.is_text,
+    "distribution": fs.is_text,
+    "activation_checkpointing": lambda v: type(v) is bool,
+    "world_size": fs.is_int(1, MAX_COUNT),
+    "device": fs.is_text,
+    "tokens_per_s": fs.is_number(0, MAX_RATE, above=True),
+    "flops_per_token": fs.is_number(0, MAX_RATE, above=True),
+    "flops_per_s": fs.is_number(0, MAX_RATE, above=True),
+    "threads": fs.is_int(1, MAX_COUNT, optional=True),
+    "peak_flops": fs.is_number(0, MAX_RATE, above=True, optional=True),
+    "source": fs.is_text,
+    "run_id": fs.is_text,
+    "time": fs.is_number(0, 1e12),
+}
+"""What each field of a stored record must be: a rate is finite and positive (a negative one
+would predict negative tokens/s; `SpeedRecord.problem` checks them)."""
+
+
 @dataclass(frozen=True)
-class SpeedRecord:
-    """One measured run's compute rate on one machine."""
+class SpeedRecord(StoredRecord):
+    """One measured run's compute rate on one machine; a record of the speed file
+    (`SpeedStore`)."""
+
+    CHECKS: ClassVar[dict[str, fs.Check]] = RECORD_CHECKS
 
     fingerprint: str
     """The hardware fingerprint (`homelab_dp.planning.memory.memory_calibration.fingerprint`)."""
@@ -112,51 +131,6 @@ class SpeedRecord:
     def flops_per_thread(self) -> float | None:
         """CPU: achieved model FLOP/s per thread, else None."""
         return self.flops_per_s / self.threads if self.threads else None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> SpeedRecord:
-        """The record of ``doc``; ValueError when `record_problem` finds one."""
-        problem = record_problem(doc)
-        if problem:
-            raise ValueError(problem)
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in doc.items() if k in names})
-
-
-MAX_RATE = 1e18
-"""The largest FLOP/s, FLOPs per token or tokens/s a record may hold (a card peaks near 1e15)."""
-MAX_COUNT = 2**20
-"""The largest world size or thread count a record may hold."""
-
-RECORD_CHECKS: dict[str, Check] = {
-    "fingerprint": lambda v: is_text(v) and bool(v),
-    "kind": lambda v: v in ("cuda", "cpu"),
-    "model": is_scalar_map,
-    "method": is_text,
-    "distribution": is_text,
-    "activation_checkpointing": lambda v: type(v) is bool,
-    "world_size": is_int(1, MAX_COUNT),
-    "device": is_text,
-    "tokens_per_s": is_number(0, MAX_RATE, above=True),
-    "flops_per_token": is_number(0, MAX_RATE, above=True),
-    "flops_per_s": is_number(0, MAX_RATE, above=True),
-    "threads": is_int(1, MAX_COUNT, optional=True),
-    "peak_flops": is_number(0, MAX_RATE, above=True, optional=True),
-    "source": is_text,
-    "run_id": is_text,
-    "time": is_number(0, 1e12),
-}
-"""What each field of a stored record must be: a rate is finite and positive (a negative one
-would predict negative tokens/s)."""
-
-
-def record_problem(doc: Any) -> str | None:
-    """Why ``doc`` is no speed record (a field missing, of the wrong type, out of range or not
-    finite), or None when it is one."""
-    return field_problem(doc, RECORD_CHECKS, required_fields(SpeedRecord))
 
 
 @dataclass(frozen=True)
@@ -197,28 +171,13 @@ def default_rate(kind: str) -> ComputeRate:
                        "measure` calibrates it)")  # fmt: skip
 
 
-class SpeedStore:
-    """The speed file: records of every fingerprint seen on this account."""
+class SpeedStore(FingerprintStore[SpeedRecord]):
+    """The speed file: records of every fingerprint seen on this account (its ``problem``:
+    what could not be read, see `FingerprintStore`); the oldest of a fingerprint go beyond
+    `homelab_dp.user_files.fingerprint_store.KEEP_PER_FINGERPRINT`."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or speed_path()
-        self.records: list[SpeedRecord] = []
-        self.problem: str | None = None
-        """Why the file, or some of its records, could not be read (what could not is left
-        out, and gone from the file at the next `save`)."""
-        self.records, self.problem = read_records(self.path, "records", SpeedRecord.from_json)
-
-    def add(self, r: SpeedRecord) -> None:
-        """Keep ``r``; beyond `KEEP_PER_FINGERPRINT` records of its fingerprint the oldest go."""
-        keep = [*self.records, r]
-        same = sorted((x for x in keep if x.fingerprint == r.fingerprint), key=lambda x: x.time)
-        drop = {id(x) for x in same[:-KEEP_PER_FINGERPRINT]}
-        self.records = [x for x in keep if id(x) not in drop]
-
-    def save(self) -> Path:
-        """Write the file atomically, private to the user."""
-        doc = {"version": FILE_VERSION, "records": [r.to_json() for r in self.records]}
-        return safe_files.write_private(self.path, (json_safe.dumps(doc, indent=1) + "\n").encode())
+        super().__init__(path or speed_path(), "records", SpeedRecord)
 
     def rate_for(
         self, fingerprint: str | None, kind: str, model: dict[str, Any], method: str,
@@ -232,8 +191,9 @@ class SpeedStore:
         ``threads`` threads per process comes first within its tier: a thread's speed depends on
         how many share the process (the per-thread figure is only extrapolated across counts).
         """
-        mine = [r for r in self.records if fingerprint and r.fingerprint == fingerprint]
-        mine = [r for r in mine if (r.factor if kind == "cuda" else r.flops_per_thread)]
+        mine = [
+            r for r in self.of(fingerprint) if (r.factor if kind == "cuda" else r.flops_per_thread)
+        ]
         if not mine:
             return default_rate(kind)
         key = {k: model.get(k) for k in MODEL_KEYS}
@@ -337,7 +297,7 @@ def record_speed(
         per_device *= step / compute
     device = str(predicted.get("pace_device") or "")
     threads = assumed.get("threads_per_process") if kind == "cpu" else None
-    if not is_number(0, MAX_RATE, above=True)(per_device):
+    if not fs.is_number(0, MAX_RATE, above=True)(per_device):
         return None  # a figure no record may hold (a plan's FLOPs per token not finite)
     record = SpeedRecord(
         fingerprint=str(fp),

@@ -14,6 +14,8 @@ from pathlib import Path
 from homelab_dp.errors import PresetError
 from homelab_dp.hub.hub_models import looks_like_hub_id
 from homelab_dp.presets.preset import Preset, apply_overrides, load_preset
+from homelab_dp.user_files.paths import config_home
+from homelab_dp.user_files.private_write import write_whole
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_PRESETS = PROJECT_ROOT / "presets"
@@ -21,8 +23,7 @@ SHIPPED_PRESETS = PROJECT_ROOT / "presets"
 
 def user_presets_dir() -> Path:
     """Where `presets save` writes: $XDG_CONFIG_HOME/homelab-dp/presets."""
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "homelab-dp" / "presets"
+    return config_home() / "presets"
 
 
 def search_dirs() -> list[Path]:
@@ -174,7 +175,4 @@ def save_preset(name: str, preset: Preset, *, force: bool = False) -> Path:
             f"presets save: {path} already exists", hint="choose another name or pass --force"
         )
     header = f"homelab-dp run {name}\n\nSaved from {preset.source or 'the TUI'}."
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(preset_toml(preset, header), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_whole(path, preset_toml(preset, header))

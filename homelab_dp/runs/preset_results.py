@@ -62,9 +62,9 @@ from homelab_dp.probe import nvml
 from homelab_dp.probe.hardware import HardwareReport
 from homelab_dp.runs.folder.jsonl_tail import read_all
 from homelab_dp.runs.folder.run_folder import read_run_spec
-from homelab_dp.runs.folder.run_index import data_home, ensure_private_dir
 from homelab_dp.runs.folder.run_state import current_state
 from homelab_dp.runs.run_view import summarize, view_of
+from homelab_dp.user_files.paths import data_home, ensure_private_dir
 
 RECORD_VERSION = 1
 STEADY_AFTER = 3

@@ -32,7 +32,7 @@ from typing import Any
 
 import tomllib
 
-from homelab_dp.runs.folder.run_index import data_home
+from homelab_dp.user_files.paths import data_home
 
 CONFIG_NAME = "config.toml"
 """The user's config file in the per-user data folder (``[notify] command = "..."``)."""

@@ -31,7 +31,6 @@ from homelab_dp.data.tokenize import Example, PairExample
 from homelab_dp.planning.links import read_cached_gloo, write_cached_gloo
 from homelab_dp.planning.memory.device_memory import assumed_overhead
 from homelab_dp.planning.memory.memory_calibration import (
-    MAX_FILE_BYTES,
     CalibrationStore,
     Measurement,
     config_key,
@@ -40,6 +39,8 @@ from homelab_dp.planning.memory.memory_calibration import (
 from homelab_dp.planning.memory.train_shape import TrainShape
 from homelab_dp.planning.speed_calibration import MODEL_KEYS, SpeedRecord, SpeedStore, record_speed
 from homelab_dp.presets.preset import preset_from_dict
+from homelab_dp.user_files import private_write
+from homelab_dp.user_files.fingerprint_store import MAX_FILE_BYTES
 
 from ..conftest import ROOT
 
@@ -314,7 +315,7 @@ def test_the_shared_writer_is_not_led_by_what_sits_at_its_temporary_name(
         os.mkfifo(tmp)  # an open for writing would wait for a reader forever
     else:
         tmp.symlink_to(victim)  # a write through it would land in another file
-    safe_files.write_private(path, b'{"records": []}\n')
+    private_write.write_private(path, b'{"records": []}\n')
     assert path.read_bytes() == b'{"records": []}\n' and path.stat().st_mode & 0o777 == 0o600
     assert victim.read_text() == "keep" and not tmp.exists() and not tmp.is_symlink()
 

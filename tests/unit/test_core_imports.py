@@ -15,7 +15,7 @@ import pytest
 import homelab_dp
 
 PACKAGE = Path(homelab_dp.__file__).parent
-PURE_PARTS = ("presets", "planning", "runs", "data", "hub", "serving/front")
+PURE_PARTS = ("presets", "planning", "runs", "data", "hub", "serving/front", "user_files")
 PURE_MODULES = ("probe/hardware.py", "errors.py", "vocabulary.py", "json_safe.py", "safe_files.py")
 
 

@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "nf4_quantization",
         "peft_targets",
     ),
+    ("user_files",),
     ("hub", "probe"),
     ("presets", "data"),
     ("planning", "runs"),

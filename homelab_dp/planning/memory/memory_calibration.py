@@ -12,98 +12,44 @@ device's used memory on CUDA). Later plans on the same hardware:
   runtime, and with measurements of different sizes a line ``runtime + fraction × tensors`` is
   fitted to them.
 
-The file is ``$XDG_DATA_HOME/homelab-dp/calibration.json`` (``~/.local/share`` by default). It is
-not trusted: only a regular file of at most `MAX_FILE_BYTES` is read (a FIFO or a link to
-``/dev/zero`` there is ignored), and every measurement is checked (`measurement_problem`: types,
-ranges, finite numbers); one that does not pass is left out, said in `CalibrationStore.problem`,
-and gone from the file the next time it is written. A
-fingerprint is the device kind, the GPU model (or the CPU model), the driver and torch's version
+The file is ``$XDG_DATA_HOME/homelab-dp/calibration.json`` (``~/.local/share`` by default), a
+`homelab_dp.user_files.fingerprint_store.FingerprintStore` as the speed calibration's is. It is
+not trusted: only a regular file of bounded size is read (a FIFO or a link to ``/dev/zero``
+there is ignored), and every measurement is checked (`Measurement.problem`: types, ranges,
+finite numbers); one that does not pass is left out, said in `CalibrationStore.problem`, and
+gone from the file the next time it is written. A fingerprint is the device kind, the GPU model (or the CPU model), the driver and torch's version
 — read from package metadata, so that nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import MISSING, asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from homelab_dp import json_safe, safe_files
 from homelab_dp.planning.memory.device_memory import COMPONENTS, Budget, Overhead, TrainShape
 from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.user_files.fingerprint_store import (
+    KEEP_PER_FINGERPRINT,
+    Check,
+    FingerprintStore,
+    StoredRecord,
+    is_int,
+    is_number,
+    is_scalar_map,
+    is_text,
+)
+from homelab_dp.user_files.paths import data_home
 
-FILE_VERSION = 1
-KEEP_PER_FINGERPRINT = 50
-"""Older measurements of a fingerprint are dropped beyond this many."""
-MAX_FILE_BYTES = 16 * 2**20
-"""The largest calibration (or speed) file read: far more than `KEEP_PER_FINGERPRINT` records of
-hundreds of fingerprints; a larger one is not ours and is ignored."""
 MAX_BYTES = 2**62
 """The largest byte count a record may hold (anything above is no measurement)."""
-MAX_TEXT = 1000
-"""The longest string a record may hold."""
-
-Check = Callable[[Any], bool]
-
-
-def is_text(value: Any) -> bool:
-    """A string of at most `MAX_TEXT` characters."""
-    return isinstance(value, str) and len(value) <= MAX_TEXT
-
-
-def is_int(lo: int, hi: int, optional: bool = False) -> Check:
-    """A check: an integer (not a bool) in [lo, hi] (or None, when ``optional``)."""
-    return lambda v: (optional and v is None) or (type(v) is int and lo <= v <= hi)
-
-
-def is_number(lo: float, hi: float, *, above: bool = False, optional: bool = False) -> Check:
-    """A check: a finite number (not a bool) in [lo, hi], or (lo, hi] with ``above`` (or None,
-    when ``optional``)."""
-
-    def check(v: Any) -> bool:
-        if optional and v is None:
-            return True
-        if type(v) not in (int, float) or not math.isfinite(v):
-            return False
-        return (v > lo if above else v >= lo) and v <= hi
-
-    return check
-
-
-def is_scalar_map(value: Any) -> bool:
-    """A JSON object of strings to strings, numbers, booleans or nulls (a model or shape key)."""
-    return isinstance(value, dict) and all(
-        is_text(k) and (v is None or is_text(v) or type(v) in (int, bool)
-                        or (type(v) is float and math.isfinite(v)))
-        for k, v in value.items()
-    )  # fmt: skip
-
-
-def field_problem(doc: Any, checks: dict[str, Check], required: Iterable[str]) -> str | None:
-    """Why ``doc`` is not a record of ``checks`` (a field missing or failing its check), or
-    None. Fields not in ``checks`` are ignored (a newer version's)."""
-    if not isinstance(doc, dict):
-        return "not an object"
-    for name in required:
-        if name not in doc:
-            return f"{name!r} missing"
-    for name, check in checks.items():
-        if name in doc and not check(doc[name]):
-            return f"{name!r} is {str(doc[name])[:40]!r}"
-    return None
-
-
-def data_dir() -> Path:
-    """``$XDG_DATA_HOME/homelab-dp`` (``~/.local/share/homelab-dp`` when unset)."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "homelab-dp"
 
 
 def calibration_path() -> Path:
-    return data_dir() / "calibration.json"
+    """``$XDG_DATA_HOME/homelab-dp/calibration.json``."""
+    return data_home() / "calibration.json"
 
 
 def torch_version() -> str | None:
@@ -144,47 +90,6 @@ def config_key(model: dict[str, Any], shape: TrainShape) -> dict[str, Any]:
     return {"model": {k: model.get(k) for k in keep}, "shape": shape_key}
 
 
-@dataclass(frozen=True)
-class Measurement:
-    """One configuration measured on one machine (the largest figure over its ranks)."""
-
-    fingerprint: str
-    key: dict[str, Any]
-    kind: str
-    """"live_tensor_bytes" (CPU) or "cuda_max_allocated"."""
-    estimate_tensor_bytes: int
-    estimate_peak_phase: str
-    measured_tensor_bytes: int
-    measured_peak_phase: str
-    estimate_phases: dict[str, int] = field(default_factory=dict)
-    measured_phases: dict[str, int] = field(default_factory=dict)
-    process_peak_bytes: int | None = None
-    """CPU: the resident-set peak; CUDA: ``max_memory_reserved``."""
-    runtime_bytes: int | None = None
-    """CUDA only: device memory in use beyond the caching allocator (context, NCCL)."""
-    time: float = 0.0
-    run_id: str = ""
-
-    @property
-    def error(self) -> float:
-        """(estimate − measured) / measured: positive when the plan over-estimates."""
-        return (self.estimate_tensor_bytes - self.measured_tensor_bytes) / max(
-            self.measured_tensor_bytes, 1
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Measurement:
-        """The measurement of ``doc``; ValueError when `measurement_problem` finds one."""
-        problem = measurement_problem(doc)
-        if problem:
-            raise ValueError(problem)
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in doc.items() if k in names})
-
-
 def _is_phases(value: Any) -> bool:
     return isinstance(value, dict) and all(
         is_text(k) and type(v) is int and 0 <= v <= MAX_BYTES for k, v in value.items()
@@ -215,49 +120,39 @@ MEASUREMENT_CHECKS: dict[str, Check] = {
     "time": is_number(0, 1e12),
     "run_id": is_text,
 }
-"""What each field of a stored measurement must be."""
+"""What each field of a stored measurement must be (`Measurement.problem` checks them)."""
 
 
-def measurement_problem(doc: Any) -> str | None:
-    """Why ``doc`` is no measurement (a field missing, of the wrong type, out of range or not
-    finite), or None when it is one."""
-    return field_problem(doc, MEASUREMENT_CHECKS, required_fields(Measurement))
+@dataclass(frozen=True)
+class Measurement(StoredRecord):
+    """One configuration measured on one machine (the largest figure over its ranks); a
+    record of the calibration file (`CalibrationStore`)."""
 
+    CHECKS: ClassVar[dict[str, Check]] = MEASUREMENT_CHECKS
 
-def required_fields(cls: Any) -> list[str]:
-    """The fields of dataclass ``cls`` without a default."""
-    fields = cls.__dataclass_fields__.values()
-    return [f.name for f in fields if f.default is MISSING and f.default_factory is MISSING]
+    fingerprint: str
+    key: dict[str, Any]
+    kind: str
+    """"live_tensor_bytes" (CPU) or "cuda_max_allocated"."""
+    estimate_tensor_bytes: int
+    estimate_peak_phase: str
+    measured_tensor_bytes: int
+    measured_peak_phase: str
+    estimate_phases: dict[str, int] = field(default_factory=dict)
+    measured_phases: dict[str, int] = field(default_factory=dict)
+    process_peak_bytes: int | None = None
+    """CPU: the resident-set peak; CUDA: ``max_memory_reserved``."""
+    runtime_bytes: int | None = None
+    """CUDA only: device memory in use beyond the caching allocator (context, NCCL)."""
+    time: float = 0.0
+    run_id: str = ""
 
-
-def read_records(
-    path: Path, name: str, parse: Callable[[Any], Any]
-) -> tuple[list[Any], str | None]:
-    """The records under ``name`` in the JSON file ``path``, each read by ``parse`` (which
-    raises ValueError for a bad one), and what was wrong: the file unreadable (a FIFO, a device,
-    over `MAX_FILE_BYTES`, not JSON: no records), or how many records were left out and why the
-    first. A missing file is no problem."""
-    try:
-        doc = safe_files.read_json(path, MAX_FILE_BYTES)
-    except FileNotFoundError:
-        return [], None
-    except (OSError, ValueError) as exc:
-        return [], f"{path}: unreadable ({exc}); starting afresh"
-    raw = doc.get(name) if isinstance(doc, dict) else None
-    if not isinstance(raw, list):
-        return [], f"{path}: unreadable (no list of {name}); starting afresh"
-    records, bad = [], []
-    for i, item in enumerate(raw):
-        try:
-            records.append(parse(item))
-        except (ValueError, TypeError) as exc:
-            bad.append(f"{name}[{i}]: {exc}")
-    if not bad:
-        return records, None
-    return records, (
-        f"{path}: {len(bad)} of {len(raw)} {name} left out as damaged (the first, {bad[0]}); "
-        "the file is rewritten without them at the next record"
-    )
+    @property
+    def error(self) -> float:
+        """(estimate − measured) / measured: positive when the plan over-estimates."""
+        return (self.estimate_tensor_bytes - self.measured_tensor_bytes) / max(
+            self.measured_tensor_bytes, 1
+        )
 
 
 def corrected_overhead(measurements: list[Measurement], assumed: Overhead) -> Overhead:
@@ -306,43 +201,32 @@ class HardwareCalibration:
         return max(found, key=lambda m: m.time) if found else None
 
 
-class CalibrationStore:
-    """The calibration file: measurements of every fingerprint seen on this account."""
+class CalibrationStore(FingerprintStore[Measurement]):
+    """The calibration file: measurements of every fingerprint seen on this account (its
+    ``problem``: what could not be read, see `FingerprintStore`)."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or calibration_path()
-        self.measurements: list[Measurement] = []
-        self.problem: str | None = None
-        """Why the file, or some of its measurements, could not be read (what could not is
-        left out, and gone from the file at the next `save`)."""
-        self.measurements, self.problem = read_records(
-            self.path, "measurements", Measurement.from_json
-        )
+        super().__init__(path or calibration_path(), "measurements", Measurement,
+                         keep=KEEP_PER_FINGERPRINT)  # fmt: skip
+
+    @property
+    def measurements(self) -> list[Measurement]:
+        """The measurements read or added, in file order."""
+        return self.records
 
     def for_hardware(self, fp: str | None, assumed: Overhead) -> HardwareCalibration:
         """The calibration of one fingerprint (empty for None or an unknown machine)."""
         if fp is None:
             return HardwareCalibration(None)
-        mine = tuple(m for m in self.measurements if m.fingerprint == fp)
+        mine = tuple(self.of(fp))
         overhead = corrected_overhead(list(mine), assumed) if mine else None
         if overhead is not None and overhead.source == "assumed":
             overhead = None
         return HardwareCalibration(fp, mine, overhead)
 
-    def add(self, m: Measurement) -> None:
+    def add(self, m: Measurement) -> None:  # type: ignore[override]
         """Record ``m``, replacing an earlier measurement of the same configuration."""
-        keep = [x for x in self.measurements if (x.fingerprint, x.key) != (m.fingerprint, m.key)]
-        keep.append(m)
-        same = [x for x in keep if x.fingerprint == m.fingerprint]
-        if len(same) > KEEP_PER_FINGERPRINT:
-            drop = {id(x) for x in sorted(same, key=lambda x: x.time)[:-KEEP_PER_FINGERPRINT]}
-            keep = [x for x in keep if id(x) not in drop]
-        self.measurements = keep
-
-    def save(self) -> Path:
-        """Write the file atomically (private to the user)."""
-        doc = {"version": FILE_VERSION, "measurements": [m.to_json() for m in self.measurements]}
-        return safe_files.write_private(self.path, (json_safe.dumps(doc, indent=1) + "\n").encode())
+        super().add(m, replaces=lambda x: (x.fingerprint, x.key) == (m.fingerprint, m.key))
 
 
 def calibration_json(

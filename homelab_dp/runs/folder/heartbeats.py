@@ -18,11 +18,11 @@ Phases (the watchdog, `homelab_dp.supervise.watchdog`, judges progress by them):
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from homelab_dp import json_safe
+from homelab_dp.user_files.private_write import write_whole
 
 HEARTBEATS = Path("logs") / "heartbeats"
 """The heartbeat folder, relative to the run folder."""
@@ -49,10 +49,7 @@ def heartbeat_dir(run_dir: Path) -> Path:
 
 def write_heartbeat(path: Path, beat: dict[str, Any]) -> None:
     """Write one heartbeat through a temporary file and a rename (readers never see half)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(json_safe.dumps(beat))
-    os.replace(tmp, path)
+    write_whole(path, json_safe.dumps(beat))
 
 
 def read_heartbeats(run_dir: Path) -> dict[int, dict[str, Any]]:

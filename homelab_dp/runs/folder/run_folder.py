@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -16,15 +15,11 @@ from typing import Any
 
 from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError, RunStateError
-from homelab_dp.runs.folder.run_index import (
-    RUNS_ENV,
-    ensure_private_dir,
-    index_path,
-    register,
-    runs_root,
-)
+from homelab_dp.runs.folder.run_index import RUNS_ENV, index_path, register, runs_root
 from homelab_dp.runs.run_events import Event
 from homelab_dp.runs.run_spec import RunSpec
+from homelab_dp.user_files.paths import ensure_private_dir
+from homelab_dp.user_files.private_write import write_whole
 
 
 def open_runs_root(folder: str | Path, source: str = "--runs") -> Path:
@@ -110,27 +105,11 @@ def _root_source() -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file. A
-    write that fails (a full disk) leaves the old file as it was and no temporary behind, and
-    raises its OSError (naming ``path``)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json_safe.dump(data, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if exc.filename is None or Path(exc.filename) == tmp:
-            exc.filename = str(path)
-        raise
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    """Write JSON through a temporary file and a rename, so readers never see half a file
+    (`homelab_dp.user_files.private_write.write_whole`, flushed to the disk first). A write that
+    fails (a full disk) leaves the old file as it was and no temporary behind, and raises its
+    OSError (naming ``path``)."""
+    write_whole(path, json_safe.dumps(data, indent=2) + "\n", fsync=True)
 
 
 def read_run_spec(run_dir: Path) -> RunSpec:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from homelab_dp import json_safe
 from homelab_dp.errors import RunNotFoundError
+from homelab_dp.user_files.paths import data_home, ensure_private_dir
+from homelab_dp.user_files.private_write import write_whole
 
 RUNS_ENV = "HOMELAB_DP_RUNS"
 INDEX_NAME = "index.jsonl"
@@ -57,12 +59,6 @@ class IndexedRun:
     """When it was registered (Unix time), if known."""
 
 
-def data_home() -> Path:
-    """The per-user data folder: ``$XDG_DATA_HOME/homelab-dp`` (default ~/.local/share)."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base).expanduser().absolute() / "homelab-dp"
-
-
 def runs_root() -> Path:
     """The runs folder: ``$HOMELAB_DP_RUNS``, else the per-user ``data_home()/runs``."""
     env = os.environ.get(RUNS_ENV)
@@ -72,25 +68,6 @@ def runs_root() -> Path:
 def index_path() -> Path:
     """The per-user run index file."""
     return data_home() / INDEX_NAME
-
-
-def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` and any missing parents private to the user (0700); OSError if it cannot."""
-    path = path.expanduser().absolute()
-    missing = []
-    for folder in (path, *path.parents):
-        if folder.is_dir():
-            break
-        missing.append(folder)
-    for folder in reversed(missing):
-        try:
-            folder.mkdir(mode=0o700)
-        except FileExistsError:
-            if not folder.is_dir():  # a file in the way
-                raise
-            continue  # made by a concurrent process a moment ago
-        os.chmod(folder, 0o700)  # mkdir's mode is masked by the umask
-    return path
 
 
 def is_run_dir(path: Path) -> bool:
@@ -169,10 +146,7 @@ def forget_gone() -> list[IndexedRun]:
             else:  # lines it cannot read are kept as they are: forgetting is for gone runs only
                 keep.append(line)
         if gone:
-            tmp = index_path().with_name(f".{INDEX_NAME}.tmp")
-            tmp.write_bytes(b"".join(line + b"\n" for line in keep))
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, index_path())
+            write_whole(index_path(), b"".join(line + b"\n" for line in keep), mode=0o600)
     finally:
         os.close(fd)
     return list({run.path: run for run in gone}.values())  # a run indexed twice: once

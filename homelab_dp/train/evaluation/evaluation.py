@@ -78,6 +78,7 @@ from homelab_dp.train.model.attention import attention_implementation
 from homelab_dp.train.model.lora import disable_cpu_bf16_repack
 from homelab_dp.train.model.loss import install_loss_head, token_loss_sum, unsupported_reason
 from homelab_dp.train.model.packed_attention import watch_positions
+from homelab_dp.user_files.private_write import write_whole
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -263,9 +264,7 @@ def evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     """Write then rename: the front end never reads half a file."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json_safe.dumps(doc, indent=2), encoding="utf-8")
-    tmp.replace(path)
+    write_whole(path, json_safe.dumps(doc, indent=2))
 
 
 def run_worker(

@@ -60,6 +60,7 @@ from homelab_dp.train.objectives.grpo_losses import (
     token_losses,
 )
 from homelab_dp.train.objectives.reward_functions import RewardError, Rewards
+from homelab_dp.user_files.private_write import write_whole
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -266,9 +267,7 @@ class GrpoObjective:
         every = sorted((r for part in gathered for r in part), key=lambda r: r["prompt_index"])
         path = rollout_path(self.run_dir, step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in every), encoding="utf-8")
-        tmp.replace(path)
+        write_whole(path, "".join(json.dumps(r) + "\n" for r in every))
 
     def micro_step(
         self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,

@@ -36,10 +36,11 @@ from typing import Any
 import torch
 
 from homelab_dp import safe_files
-from homelab_dp.data.token_cache import cache_root
 from homelab_dp.errors import HomelabError
 from homelab_dp.train.evaluation.evaluation import rank_batches
 from homelab_dp.train.objectives.pair_batch import PairBatch, PairData, batch_of, forward_logps
+from homelab_dp.user_files.paths import cache_home
+from homelab_dp.user_files.private_write import write_private
 
 log = logging.getLogger("homelab_dp.worker")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -173,7 +174,7 @@ def reference_key(
 
 def reference_path(key: str) -> Path:
     """Where the reference of ``key`` is cached: beside the token cache."""
-    return cache_root().parent / "references" / f"{key}.safetensors"
+    return cache_home() / "references" / f"{key}.safetensors"
 
 
 def compute_table(model: Any, pairs: PairData, rank: Any) -> torch.Tensor:
@@ -320,7 +321,7 @@ def prepare_precomputed(
     if rank.rank == 0:
         meta = {"version": TABLES_VERSION, "key": key, "digest": tables_digest(out)}
         try:  # written whole under a temporary name: readers never see half a file
-            safe_files.write_private(path, save(out, metadata=meta))
+            write_private(path, save(out, metadata=meta))
         except OSError as exc:  # a cache that cannot be written: the run goes on without it
             log.warning("reference cache %s not written (%s)", path, exc)
     return "built"

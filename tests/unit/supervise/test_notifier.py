@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.runs.folder.run_index import data_home
 from homelab_dp.runs.folder.run_state import read_state
 from homelab_dp.supervise import notifier
 from homelab_dp.supervise.keeper import after_end
+from homelab_dp.user_files.paths import data_home
 from tests.conftest import DATA
 
 RECORDED = DATA / "events" / "20250301-101500-smollm2-135m-lora-7f3a"
