@@ -1,6 +1,6 @@
 """Screen 6, Chat: try a run's result, optionally beside its base model (the same prompt to both).
 
-The models run in background `serve` processes (`homelab_dp.tui.chat_server`), never in the
+The models run in background `serve` processes (`homelab_dp.app.chat_server`), never in the
 TUI's process: it stays responsive and never initialises CUDA. A model's server starts when it
 is chosen (or with the first prompt), answers stream into its pane token by token, and leaving
 the screen (or the app) stops every server.
@@ -29,7 +29,7 @@ from homelab_dp.errors import HomelabError
 from homelab_dp.probe import nvml
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg
-from homelab_dp.tui.chat_server import ChatServer, ServerFailed, stream_chat
+from homelab_dp.app.chat_server import ChatServer, ServerFailed, stream_chat
 from homelab_dp.tui.follower import Following
 from homelab_dp.tui.messages import UserError
 from homelab_dp.tui.widgets.chat_pane import ChatPane
