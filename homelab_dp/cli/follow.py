@@ -2,7 +2,7 @@
 
 To follow a run is to show it as it goes until it ends or the watcher leaves, never touching
 the run: `run` and `resume` follow the run they start unless ``--detach``, and `attach` follows
-one already going (the TUI follows one run at a time the same way, `homelab_dp.tui.follower`).
+one already going (the TUI follows one run at a time the same way, `homelab_dp.app.follow`).
 Reading what the run's files gained is tailing (`homelab_dp.runs.folder.jsonl_tail`); how the run looks is
 `homelab_dp.render.run_view`; this module is the loop between them.
 

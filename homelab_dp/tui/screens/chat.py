@@ -26,9 +26,9 @@ from textual.widgets import Checkbox, Footer, Header, Input, Label, Select, Stat
 
 from homelab_dp.app.chat_server import ChatServer, LocalServer, ServerFailed
 from homelab_dp.app.chat_session import chat_targets, server_cards
+from homelab_dp.app.follow import Following
 from homelab_dp.app.runs import RunController
 from homelab_dp.errors import HomelabError
-from homelab_dp.tui.follower import Following
 from homelab_dp.tui.messages import UserError
 from homelab_dp.tui.widgets.chat_pane import ChatPane
 

@@ -15,6 +15,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Log, Static
 
+from homelab_dp.app.follow import Following, Snapshot
 from homelab_dp.app.runs import RunController
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.run_view import (
@@ -30,7 +31,6 @@ from homelab_dp.render.run_view import (
 from homelab_dp.render.text import mfu_text
 from homelab_dp.runs.folder.run_state import LIVE
 from homelab_dp.runs.run_view import RunView
-from homelab_dp.tui.follower import Following, Snapshot
 from homelab_dp.tui.messages import UserError
 from homelab_dp.tui.screens.confirm import ConfirmScreen
 from homelab_dp.tui.widgets.chart import Chart
