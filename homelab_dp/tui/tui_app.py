@@ -18,6 +18,7 @@ from textual.binding import Binding
 from textual.worker import get_current_worker
 
 from homelab_dp.app.follow import Following, RunPoller, Snapshot
+from homelab_dp.app.presets import preset_names
 from homelab_dp.app.runs import RunController, make_controller
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.errors import error_text
@@ -28,7 +29,7 @@ from homelab_dp.tui.screens.launch import LaunchScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.plan import PlanScreen
 from homelab_dp.tui.screens.runs import RunsScreen
-from homelab_dp.tui.session import DEFAULT_PRESET, Session, preset_names
+from homelab_dp.tui.session import DEFAULT_PRESET, Session
 
 FOLLOW_INTERVAL_S = 0.25
 
