@@ -43,9 +43,11 @@ from homelab_dp.probe.hardware import HardwareReport, PlanHardware
 from homelab_dp.runs import run_queue as waiting_room
 from homelab_dp.runs.folder.jsonl_tail import RunTail, file_size
 from homelab_dp.runs.folder.run_folder import (
+    RUNS_ENV,
     append_event,
     create_run_dir,
     new_run_id,
+    open_runs_root,
     read_run_spec,
     runs_root,
     write_run_spec,
@@ -610,6 +612,26 @@ def write_error(run_dir: Path, exc: OSError, doing: str) -> HomelabError:
         if full
         else f"make {run_dir} writable, then {doing} again",
     )
+
+
+def use_runs_root(folder: str) -> None:
+    """Make ``folder`` (``--runs DIR``) the runs root of this process and of what it starts: it
+    sets $HOMELAB_DP_RUNS, which the controller and `runs.model_ref` read. The folder is created
+    0700; one that cannot be raises a HomelabError naming it, before anything starts."""
+    os.environ[RUNS_ENV] = str(open_runs_root(folder, "--runs"))
+
+
+def rendezvous_for(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> Rendezvous:
+    """The rendezvous ``--nnodes``, ``--node-rank``, ``--master-addr`` and ``--master-port`` ask
+    for, checked before anything is prepared (a taken port included). Raises HomelabError."""
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise HomelabError(
+            f"--node-rank {node_rank}: must be between 0 and --nnodes - 1 ({nnodes - 1})",
+            hint="number the machines 0, 1, … and start the same command on each",
+        )
+    rendezvous = Rendezvous(nnodes, node_rank, master_addr, master_port)
+    check_port(rendezvous)
+    return rendezvous
 
 
 def check_port(rendezvous: Rendezvous) -> None:

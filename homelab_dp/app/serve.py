@@ -1,10 +1,22 @@
-"""From a MODEL argument to a serving plan: resolve the model, choose the devices, plan, and pick
-the replicas `serve` starts (one per device that holds a copy). Imports no torch."""
+"""`homelab-dp serve`: from a MODEL argument to a serving plan (resolve the model, choose the
+devices, plan, and pick the replicas `serve` starts: one per device that holds a copy), the
+server's own checks (the API key, the host and port, the engine) and its start. Imports no torch.
+
+The API key: ``--api-key-file PATH`` (its first line; a file other users can read is
+refused) or ``$HOMELAB_DP_API_KEY``; ``--api-key KEY`` still works but is visible to every user
+in the process list, so it draws a warning on stderr. The key never reaches the replicas.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import ipaddress
 import os
+import socket
+import stat
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from homelab_dp.app.model_specs import model_spec
 from homelab_dp.app.plan import Planned
@@ -258,3 +270,169 @@ def plan_serving_result(planned: Planned) -> ServePlan:
     return plan_serving(spec, serve_devices(hw), weight_bytes_per_param=4 if dtype == "fp32" else 2,
                         context=min(DEFAULT_CONTEXT, spec.max_positions or DEFAULT_CONTEXT),
                         concurrent=DEFAULT_CONCURRENT, kind=hw.kind, adapter_bytes=adapter)  # fmt: skip
+
+
+# -- the server's own checks and its start
+
+KEY_ENV = "HOMELAB_DP_API_KEY"
+
+
+def read_key_file(path: Path) -> str:
+    """The API key in ``path`` (its first line), or an error when the file is missing, empty,
+    or readable or writable by other users."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HomelabError(
+            f"--api-key-file {path}: no such file",
+            hint="write the key on the file's first line (chmod 600 it)",
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HomelabError(
+            f"--api-key-file {path}: cannot be read ({exc})", hint="a text file, chmod 600"
+        ) from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise HomelabError(
+            f"--api-key-file {path}: other users can read or write it "
+            f"(mode {stat.S_IMODE(mode):o})",
+            hint=f"chmod 600 {path}",
+        )
+    lines = text.splitlines()
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise HomelabError(
+            f"--api-key-file {path}: the first line is empty", hint="write the key on it"
+        )
+    return key
+
+
+def api_key(key_file: Path | None, key: str | None) -> str | None:
+    """The API key: ``key_file`` (--api-key-file), ``key`` (--api-key, with a warning on
+    stderr) or $HOMELAB_DP_API_KEY."""
+    if key_file is not None and key:
+        raise HomelabError(
+            "--api-key and --api-key-file both give the key", hint="keep --api-key-file"
+        )
+    if key_file is not None:
+        return read_key_file(key_file)
+    if key:
+        sys.stderr.write(
+            "warning: --api-key is visible to every user of this machine in the process list\n"
+            f"hint: set {KEY_ENV} or use --api-key-file PATH (chmod 600) instead\n"
+        )
+        return str(key)
+    return os.environ.get(KEY_ENV) or None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is only reachable from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def check_listen(host: str, port: int, key: str | None, *, plan_only: bool) -> None:
+    """A host off loopback needs an API key (unless only the plan is asked for); the port is a
+    port. Raises HomelabError."""
+    if not plan_only and not is_loopback(host) and not key:
+        raise HomelabError(
+            f"--host {host} is reachable from other machines and there is no --api-key",
+            hint="add --api-key SECRET (clients send `Authorization: Bearer SECRET`), "
+            "or bind 127.0.0.1",
+        )
+    if not 0 <= port <= 65535:
+        raise HomelabError(f"--port {port}: not a port", hint="a number from 1 to 65535")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, or the error of a taken port / unknown host."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise HomelabError(
+            f"--host {host}: not an address of this machine ({exc.strerror})",
+            hint="use 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)",
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT, not a live listener
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise HomelabError(
+            f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})",
+            hint="another program holds that port: pick another with --port, or stop it",
+        ) from None
+    return sock
+
+
+def check_engine(engine: str, devices: list[str], gpu_memory_utilization: float | None) -> None:
+    """vLLM replicas need vllm importable and CUDA cards; transformers runs anywhere, and
+    ``gpu_memory_utilization`` is vLLM's. Raises HomelabError."""
+    if engine == "transformers":
+        if gpu_memory_utilization is not None:
+            raise HomelabError(
+                "--gpu-memory-utilization is for vLLM replicas",
+                hint="add --engine vllm, or drop --gpu-memory-utilization",
+            )
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise HomelabError(
+            "--engine vllm: vllm is not installed",
+            hint="`pip install vllm` on a machine with NVIDIA GPUs, or drop --engine "
+            "(transformers replicas work everywhere)",
+        )
+    if not any(d.startswith("cuda") for d in devices):
+        raise HomelabError(
+            "--engine vllm: vLLM replicas need CUDA GPUs, and these replicas run on the CPU",
+            hint="drop --engine (transformers replicas run on the CPU)",
+        )
+
+
+def start_serving(
+    planned: ServePlanned,
+    *,
+    host: str,
+    port: int,
+    key: str | None,
+    engine: str = "transformers",
+    max_batch: int | None = None,
+    context: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    request_timeout: float = 600.0,
+) -> int:
+    """Check the engine, bind ``host:port`` here (so nobody takes the port in between) and serve
+    the planned replicas behind the OpenAI front until it is stopped; its exit code.
+    Raises HomelabError before anything starts."""
+    check_engine(engine, [r.device for r in planned.replicas], gpu_memory_utilization)
+    sock = bind(host, port)
+    # The serving front (aiohttp) is imported only once a server starts: `serve --plan` and the
+    # TUI's plan screen, which plan through this module, never load it.
+    from homelab_dp.serving.front.openai_server import serve
+    from homelab_dp.serving.front.replica_supervisor import ReplicaLaunch
+
+    ref = planned.ref
+    launches = [
+        ReplicaLaunch(r.device, r.label, r.cuda_visible, r.threads) for r in planned.replicas
+    ]
+    return serve(
+        str((ref.run_dir or ref.path).absolute()),
+        ref.name,
+        launches,
+        host=host,
+        port=sock.getsockname()[1],
+        api_key=key,
+        max_batch=max_batch,
+        sock=sock,
+        engine=engine,
+        context=context,
+        gpu_memory_utilization=gpu_memory_utilization,
+        request_timeout=request_timeout,
+    )

@@ -4,7 +4,6 @@ printing a result."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -46,9 +45,9 @@ def use_runs_option(args: argparse.Namespace) -> None:
     folder = getattr(args, "runs", None)
     if not folder:
         return
-    from homelab_dp.runs.folder.run_folder import RUNS_ENV, open_runs_root
+    from homelab_dp.app.runs import use_runs_root
 
-    os.environ[RUNS_ENV] = str(open_runs_root(folder, "--runs"))
+    use_runs_root(folder)
 
 
 def print_json(doc: Any) -> None:

@@ -2,7 +2,7 @@
 
 To follow a run is to show it as it goes until it ends or the watcher leaves, never touching
 the run: `run` and `resume` follow the run they start unless ``--detach``, and `attach` follows
-one already going (the TUI follows one run at a time the same way, `homelab_dp.tui.follower`).
+one already going (the TUI follows one run at a time the same way, `homelab_dp.app.follow`).
 Reading what the run's files gained is tailing (`homelab_dp.runs.folder.jsonl_tail`); how the run looks is
 `homelab_dp.render.run_view`; this module is the loop between them.
 
@@ -18,11 +18,9 @@ import time
 from typing import Any, TextIO
 
 from homelab_dp import json_safe
+from homelab_dp.app.follow import RunFollower, RunView, is_live
 from homelab_dp.app.runs import RunController
 from homelab_dp.render.run_view import event_line, final_text, live_panel
-from homelab_dp.runs.folder.jsonl_tail import file_size
-from homelab_dp.runs.folder.run_state import LIVE, current_state
-from homelab_dp.runs.run_view import RunView
 from homelab_dp.vocabulary import EXIT_CODE_BY_STATUS
 
 POLL_S = 0.25
@@ -43,25 +41,19 @@ def follow(
     process may have swapped it since).
     """
     out = sys.stdout if out is None else out
-    run_dir = controller.run_dir(run_id)
-    view = controller.new_view(run_dir)
-    tail = controller.tail(run_id)
-    until = file_size(run_dir / "events.jsonl") if history_until is None else history_until
-    for event in tail.events.read(until):
-        view.apply(event)
+    run = RunFollower(controller, run_id, history_until)
+    run_dir, view = run.run_dir, run.view
     if mode == "plain" and view.step:
         sys.stderr.write(f"attached at step {view.step}/{view.total_steps}\n")
     printer = _Printer(mode, out, view)
     try:
         with printer:
             while True:
-                state = current_state(run_dir)
-                for event in tail.read():
-                    view.apply(event)
+                state = run.state()
+                for event in run.events():
                     printer.event(event)
-                if state.get("status") not in LIVE:
-                    for event in tail.read():  # drain what the end wrote
-                        view.apply(event)
+                if not is_live(state.get("status")):
+                    for event in run.events():  # drain what the end wrote
                         printer.event(event)
                     view.apply_state(state)
                     printer.final(state)

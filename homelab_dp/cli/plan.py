@@ -78,8 +78,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from homelab_dp.app.plan import make_plan, planned_samples, preset_for_model
-    from homelab_dp.presets.preset_store import open_preset
-    from homelab_dp.runs.preset_results import expected_runs
+    from homelab_dp.app.presets import expected_runs, open_preset
 
     if (args.preset is None) == (args.model is None):
         both = args.preset is not None
@@ -99,7 +98,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planned = make_plan(preset, args.gpus, find_micro_batch=args.find_micro_batch,
                         find_seq_len=args.find_seq_len, network=args.network,
                         measure_link=True)  # fmt: skip
-    # What the preset's recorded runs say (`runs.preset_results`): expected duration and energy.
+    # What the preset's recorded runs say (`app.presets`): expected duration and energy.
     expected = expected_runs(planned)
     samples = planned_samples(planned, expected)  # train.sample_every: what they add
     if args.json:

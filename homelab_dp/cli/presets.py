@@ -26,42 +26,38 @@ def register(sub: Any) -> None:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from homelab_dp.presets import preset_store
+    from homelab_dp.app import presets
 
     if args.action == "list":
-        rows = preset_store.list_presets()
+        rows = presets.preset_rows()
         if args.json:
-            print_json([{"name": n, "path": str(p)} for n, p in rows])
+            print_json([{"name": n, "path": str(p)} for n, p, _ in rows])
             return EXIT_OK
-        for name, path in rows:
-            first = preset_store.header_comment(path).splitlines()
-            print(f"{name:<24} {path}" + (f"\n{'':<24} {first[0]}" if first else ""))
+        for name, path, first in rows:
+            print(f"{name:<24} {path}" + (f"\n{'':<24} {first}" if first else ""))
         return EXIT_OK
     if args.action == "show":
         return _show(args)
     # save
-    preset = preset_store.open_preset(args.source, args.set)
-    path = preset_store.save_preset(args.name, preset, force=args.force)
+    preset = presets.open_preset(args.source, args.set)
+    path = presets.save_preset(args.name, preset, force=args.force)
     print(f"saved {path}\nrun it with: homelab-dp run {args.name}")
     return EXIT_OK
 
 
 def _show(args: argparse.Namespace) -> int:
     """The preset's text, then the recorded results of its completed runs (every run of a
-    preset of this name: `homelab_dp.runs.preset_results`)."""
-    from homelab_dp.presets import preset_store
+    preset of this name: `homelab_dp.app.presets.preset_document`)."""
+    from homelab_dp.app.presets import preset_document
     from homelab_dp.render.preset_results import results_lines
-    from homelab_dp.runs.preset_results import preset_name, read_results
 
-    path = preset_store.find_preset(args.name)
-    preset_store.load_preset(path)  # validate before showing
-    text = path.read_text(encoding="utf-8")
-    records = read_results(preset_name(path))
+    doc = preset_document(args.name)
+    text, records = doc["text"], doc["results"]
     if args.json:
-        print_json({"name": preset_name(path), "path": str(path), "text": text, "results": records})
+        print_json({**doc, "path": str(doc["path"])})
         return EXIT_OK
-    print(f"# {path}")
+    print(f"# {doc['path']}")
     print(text, end="" if text.endswith("\n") else "\n")
-    print(f"\n# Results of completed runs of {preset_name(path)} ({len(records)})")
+    print(f"\n# Results of completed runs of {doc['name']} ({len(records)})")
     print("\n".join(results_lines(records)))
     return EXIT_OK

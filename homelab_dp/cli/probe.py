@@ -16,9 +16,9 @@ def register(sub: Any) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from homelab_dp.probe import nvml
+    from homelab_dp.app.probe import probe_machine
 
-    report = nvml.probe()
+    report = probe_machine()
     if args.json:
         print_json(report.to_json())
     else:

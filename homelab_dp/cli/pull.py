@@ -12,7 +12,6 @@ import argparse
 from typing import Any
 
 from homelab_dp.cli.common import EXIT_OK, print_json
-from homelab_dp.errors import ModelSpecError
 
 
 def register(sub: Any) -> None:
@@ -26,20 +25,11 @@ def register(sub: Any) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from homelab_dp.hub.hub_models import hub_cache, looks_like_hub_id, resolve_model_id
+    from homelab_dp.app.pull import pull
 
-    if not looks_like_hub_id(args.model_id):
-        raise ModelSpecError(
-            f"pull {args.model_id}: not a Hugging Face id (org/name)",
-            hint="e.g. `homelab-dp pull Qwen/Qwen2.5-0.5B`; a local folder needs no pull",
-        )
-    snap = resolve_model_id(
-        args.model_id, args.revision, config_only=args.config_only, refresh=True
-    )
+    doc = pull(args.model_id, args.revision, config_only=args.config_only)
     if args.json:
-        print_json({"repo_id": snap.repo_id, "revision": snap.revision or "main",
-                    "commit": snap.commit, "folder": str(snap.folder),
-                    "cache": str(hub_cache()), "config_only": args.config_only})  # fmt: skip
+        print_json(doc)
     else:
-        print(snap.folder)
+        print(doc["folder"])
     return EXIT_OK

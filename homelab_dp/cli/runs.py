@@ -28,19 +28,10 @@ def _mode(args: argparse.Namespace) -> str:
 
 
 def _rendezvous(args: argparse.Namespace):
-    from homelab_dp.app.runs import check_port
-    from homelab_dp.runs.run_spec import Rendezvous
+    from homelab_dp.app.runs import rendezvous_for
 
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        from homelab_dp.errors import HomelabError
-
-        raise HomelabError(
-            f"--node-rank {args.node_rank}: must be between 0 and --nnodes - 1 ({args.nnodes - 1})",
-            hint="number the machines 0, 1, … and start the same command on each",
-        )
-    rendezvous = Rendezvous(args.nnodes, args.node_rank, args.master_addr, args.master_port)
-    check_port(rendezvous)  # a taken --master-port: a clear error before anything is prepared
-    return rendezvous
+    # a taken --master-port: a clear error before anything is prepared
+    return rendezvous_for(args.nnodes, args.node_rank, args.master_addr, args.master_port)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -119,17 +110,16 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from homelab_dp.app.follow import events_end, resumed_from
     from homelab_dp.cli.follow import follow
-    from homelab_dp.runs.folder.jsonl_tail import file_size
-    from homelab_dp.runs.folder.run_state import read_state
 
     controller = _controller()
     # Only what the resumed run writes is printed; earlier events are history.
-    history = file_size(controller.run_dir(args.run) / "events.jsonl")
+    history = events_end(controller.run_dir(args.run))
     run_id = controller.resume(
         args.run, _rendezvous(args), queue=args.queue, force=args.force, notify=args.notify
     )
-    step = read_state(controller.run_dir(run_id)).get("resume_from")
+    step = resumed_from(controller.run_dir(run_id))
     if step == 0:  # said, never silent: the steps it made are trained again
         sys.stderr.write(
             f"notice: run {run_id} has no usable checkpoint: it starts again from step 1\n"

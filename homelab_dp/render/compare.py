@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from homelab_dp.probe.hardware import format_bytes
-from homelab_dp.render.text import duration
+from homelab_dp.render.text import duration, memory
 
 SAMPLE_WIDTH = 60
 """Characters of a sample's text shown in the table (the JSON has all of it)."""
@@ -86,7 +85,7 @@ def compare_lines(doc: dict[str, Any]) -> list[str]:
     out.append(head)
     for r in runs:
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        peak = "–" if r["peak_memory_bytes"] is None else format_bytes(r["peak_memory_bytes"])
+        peak = memory(r["peak_memory_bytes"])
         energy = "–" if r["energy_wh"] is None else f"{r['energy_wh']:.2f} Wh"
         out.append(
             f"{r['rank']:>2} {_num(r['eval_loss'], '.4f'):>9} {_num(r['best_eval_loss'], '.4f'):>9}"

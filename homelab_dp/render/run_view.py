@@ -2,7 +2,7 @@
 
 Everything here reads a `RunView` (and, for the lines of a plain log, the event just folded
 into it); the following itself — tailing the run's files until it ends — belongs to the front
-ends (`homelab_dp.cli.follow`, `homelab_dp.tui.follower`).
+ends (`homelab_dp.cli.follow`, `homelab_dp.app.follow`).
 """
 
 from __future__ import annotations

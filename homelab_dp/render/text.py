@@ -7,10 +7,17 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from homelab_dp.probe.hardware import format_bytes
+
 
 def na(value: object, unit: str = "") -> str:
     """A probed figure with its unit, or ``n/a`` when the driver did not report it."""
     return "n/a" if value is None else f"{value}{unit}"
+
+
+def memory(value: int | None) -> str:
+    """A measured memory figure (``1.50 GiB``), or ``–`` when none was measured."""
+    return "–" if value is None else format_bytes(value)
 
 
 def num(value: float | None, fmt: str = ",.0f") -> str:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from textual.message import Message
 
+from homelab_dp.app.follow import Snapshot
 from homelab_dp.errors import HomelabError
-from homelab_dp.tui.follower import Snapshot
 
 
 class RunUpdated(Message):

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from homelab_dp.app.plan import Planned, make_plan
-from homelab_dp.presets.preset import Preset, load_preset
-from homelab_dp.presets.preset_store import find_preset, list_presets, open_preset
+from homelab_dp.app.presets import Preset, load_named, open_preset
 from homelab_dp.vocabulary import DISTRIBUTIONS, METHODS
 
 DEFAULT_PRESET = "tiny-demo"
@@ -69,11 +68,6 @@ def override(key: str, text: str) -> str:
     return f"{key}={json.dumps(text)}"  # a JSON string is a valid TOML basic string
 
 
-def preset_names() -> list[str]:
-    """Every preset found, by name."""
-    return [name for name, _ in list_presets()]
-
-
 @dataclass
 class Session:
     """The choices the Plan and Launch screens share."""
@@ -91,7 +85,7 @@ class Session:
 
     def load(self, name: str) -> None:
         """Choose a preset by name; forgets the edits. Raises PresetError."""
-        self.base = load_preset(find_preset(name))
+        self.base = load_named(name)
         self.preset_name = name
         self.edits.clear()
         self.planned = None

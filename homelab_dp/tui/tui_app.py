@@ -3,7 +3,7 @@
 Screens are Textual modes, so each keeps its state while another is shown. The app builds
 each with what it reads (the session, the controller, the followed run); screens ask the app
 for what concerns it as a whole by posting messages (`homelab_dp.tui.messages`): follow a run,
-show a user error. A thread worker follows the chosen run (`homelab_dp.tui.follower`) and posts
+show a user error. A thread worker follows the chosen run (`homelab_dp.app.follow`) and posts
 `RunUpdated` messages that coalesce, so a burst of events never queues up more than one
 repaint. Quitting only stops following: runs belong to their own process trees and go on.
 """
@@ -17,10 +17,11 @@ from textual.app import App
 from textual.binding import Binding
 from textual.worker import get_current_worker
 
+from homelab_dp.app.follow import Following, RunPoller, Snapshot
+from homelab_dp.app.presets import preset_names
 from homelab_dp.app.runs import RunController, make_controller
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.errors import error_text
-from homelab_dp.tui.follower import Following, RunPoller, Snapshot
 from homelab_dp.tui.messages import FollowRun, RunUpdated, UserError
 from homelab_dp.tui.screens.chat import ChatScreen
 from homelab_dp.tui.screens.hardware import HardwareScreen
@@ -28,7 +29,7 @@ from homelab_dp.tui.screens.launch import LaunchScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.plan import PlanScreen
 from homelab_dp.tui.screens.runs import RunsScreen
-from homelab_dp.tui.session import DEFAULT_PRESET, Session, preset_names
+from homelab_dp.tui.session import DEFAULT_PRESET, Session
 
 FOLLOW_INTERVAL_S = 0.25
 

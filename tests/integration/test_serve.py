@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from homelab_dp.cli.serve import is_loopback
+from homelab_dp.app.serve import is_loopback
 from homelab_dp.serving.front.openai_server import ready_line
 
 from .conftest import DEMO_MODEL, ROOT, stop_server, wait_ready

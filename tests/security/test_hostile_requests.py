@@ -303,28 +303,22 @@ def test_a_failing_batch_is_retried_row_by_row(engine: Any) -> None:
 # -- 10: the API key off the command line
 
 
-def _key_args(**kw: Any) -> Any:
-    import argparse
-
-    return argparse.Namespace(**{"api_key": None, "api_key_file": None, **kw})
-
-
 def test_the_api_key_file_is_read_and_must_be_private(tmp_path: Path, capsys: Any) -> None:
-    from homelab_dp.cli.serve import api_key
+    from homelab_dp.app.serve import api_key
     from homelab_dp.errors import HomelabError
 
     path = tmp_path / "key"
     path.write_text("s3cret\nignored\n")
     path.chmod(0o600)
-    assert api_key(_key_args(api_key_file=path)) == "s3cret"
+    assert api_key(path, None) == "s3cret"
     path.chmod(0o644)
     with pytest.raises(HomelabError, match="other users can read") as info:
-        api_key(_key_args(api_key_file=path))
+        api_key(path, None)
     assert "chmod 600" in (info.value.hint or "")
     with pytest.raises(HomelabError, match="no such file"):
-        api_key(_key_args(api_key_file=tmp_path / "missing"))
+        api_key(tmp_path / "missing", None)
     assert capsys.readouterr().err == ""
-    assert api_key(_key_args(api_key="on-the-command-line")) == "on-the-command-line"
+    assert api_key(None, "on-the-command-line") == "on-the-command-line"
     err = capsys.readouterr().err
     assert err.startswith("warning: --api-key is visible") and "HOMELAB_DP_API_KEY" in err
 

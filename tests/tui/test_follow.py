@@ -9,11 +9,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.app.follow import LogTail, RunPoller, Snapshot, copy_view
 from homelab_dp.app.runs import RunController
 from homelab_dp.runs.folder.jsonl_tail import read_all
 from homelab_dp.runs.folder.run_state import pid_alive, read_state
 from homelab_dp.runs.run_view import RunView
-from homelab_dp.tui.follower import LogTail, RunPoller, Snapshot, copy_view
 from homelab_dp.tui.messages import RunUpdated
 from tests.tui.conftest import RECORDED, RUN_ID, copy_run, open_monitor, set_state, wait_for
 from tests.tui.flood import KEY_LIVENESS_S, SWITCHES, key_latency, thousand_events, write_slowly

@@ -1,6 +1,6 @@
 """Screen 6, Chat: try a run's result, optionally beside its base model (the same prompt to both).
 
-The models run in background `serve` processes (`homelab_dp.tui.chat_server`), never in the
+The models run in background `serve` processes (`homelab_dp.app.chat_server`), never in the
 TUI's process: it stays responsive and never initialises CUDA. A model's server starts when it
 is chosen (or with the first prompt), answers stream into its pane token by token, and leaving
 the screen (or the app) stops every server.
@@ -24,31 +24,17 @@ from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.widgets import Checkbox, Footer, Header, Input, Label, Select, Static
 
+from homelab_dp.app.chat_server import ChatServer, LocalServer, ServerFailed
+from homelab_dp.app.chat_session import chat_targets, server_cards
+from homelab_dp.app.follow import Following
 from homelab_dp.app.runs import RunController
 from homelab_dp.errors import HomelabError
-from homelab_dp.probe import nvml
-from homelab_dp.runs.folder.run_folder import read_run_spec
-from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg
-from homelab_dp.tui.chat_server import ChatServer, ServerFailed, stream_chat
-from homelab_dp.tui.follower import Following
 from homelab_dp.tui.messages import UserError
 from homelab_dp.tui.widgets.chat_pane import ChatPane
 
 PANES = ("pane-model", "pane-base")
 LABELS = {"pane-model": "result", "pane-base": "base"}
 HELP = "enter: send · /reset · /system TEXT · esc, then 1-6: other screens"
-
-
-def base_model(ref: ModelRef) -> Path:
-    """What a result is compared with: an adapter's base, else the run's preset model."""
-    if ref.base is not None:
-        return ref.base
-    if ref.run_dir is not None:
-        return Path(read_run_spec(ref.run_dir).preset.model.path)
-    raise HomelabError(
-        f"{ref.name}: a model folder has no base model to compare with",
-        hint="choose a run's result to compare it with the model it was trained from",
-    )
 
 
 class ChatScreen(Screen[None]):
@@ -194,22 +180,17 @@ class ChatScreen(Screen[None]):
     # ------------------------------------------------------------------ servers
     def _targets(self) -> dict[str, str]:
         """The MODEL argument of each pane shown. Raises HomelabError."""
-        # A Hugging Face id must be in the cache: no download of a whole model in the TUI
-        ref = resolve_model_arg(self.model, self.controller.root, fetch=False)
-        # The server gets folders, not a run id: it may look for runs somewhere else.
-        panes = {"pane-model": str(ref.run_dir or ref.path)}
-        self.query_one("#pane-model", ChatPane).border_title = ref.name
-        if self.compare:
-            base = base_model(ref)
-            panes["pane-base"] = str(base)
-            self.query_one("#pane-base", ChatPane).border_title = f"base: {base.name}"
+        targets = chat_targets(self.model, self.controller.root, compare=self.compare)
+        panes = {}
+        for pane_id, (title, folder) in zip(PANES, targets, strict=False):
+            self.query_one(f"#{pane_id}", ChatPane).border_title = title
+            panes[pane_id] = folder
         return panes
 
     def _cards(self) -> list[str]:
         """The GPUs a server may use (UUID or index), none on a machine without them."""
         if self._gpus is None:
-            report = nvml.probe()
-            self._gpus = [g.uuid or str(g.index) for g in report.gpus]
+            self._gpus = server_cards()
         return self._gpus
 
     async def _ready(self, targets: dict[str, str]) -> dict[str, ChatServer]:
@@ -341,12 +322,13 @@ class ChatScreen(Screen[None]):
         self, pane_id: str, server: ChatServer, prompt: str, settings: dict[str, Any]
     ) -> None:
         pane = self.query_one(f"#{pane_id}", ChatPane)
-        system = self.query_one("#chat-system", Input).value.strip()
-        messages = pane.ask(prompt)
-        if system:
-            messages.insert(0, {"role": "system", "content": system})
+        session = pane.session
+        session.system = self.query_one("#chat-system", Input).value.strip()
+        session.temperature, session.max_tokens = settings["temperature"], settings["max_tokens"]
+        session.backend = LocalServer(server, self._http)
+        pane.ask(prompt)
         try:
-            async for piece in stream_chat(self._http, server.url, messages, **settings):
+            async for piece in session.stream(prompt):
                 pane.add(piece)
         except ServerFailed as exc:
             pane.finish(error=str(exc))

@@ -15,8 +15,7 @@ from textual.widgets import Footer, Header, Static
 from textual.worker import get_current_worker
 
 from homelab_dp.app import doctor
-from homelab_dp.probe import nvml
-from homelab_dp.probe.hardware import HardwareReport
+from homelab_dp.app.probe import HardwareReport, probe_machine
 from homelab_dp.render.doctor import checks_panel
 from homelab_dp.render.probe import (
     gpu_card,
@@ -74,7 +73,7 @@ class HardwareScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="probe")
     def _probe(self) -> None:
-        report = nvml.probe()
+        report = probe_machine()
         if not self._deliver(self.show, report):
             return
         checks = doctor.run_checks(doctor.gather(report))

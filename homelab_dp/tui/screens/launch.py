@@ -13,11 +13,11 @@ from textual.screen import Screen
 from textual.widgets import Button, Checkbox, Footer, Header, Input, Label, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from homelab_dp.app.presets import save_preset
 from homelab_dp.app.runs import RunController
 from homelab_dp.errors import HomelabError
-from homelab_dp.planning.plan_reasons import PLAIN
-from homelab_dp.presets.preset_store import save_preset
 from homelab_dp.render.errors import error_lines, error_text
+from homelab_dp.render.plan import PLAIN
 from homelab_dp.tui.messages import FollowRun, UserError
 from homelab_dp.tui.session import Session
 

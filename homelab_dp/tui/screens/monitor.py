@@ -15,6 +15,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Log, Static
 
+from homelab_dp.app.follow import Following, RunView, Snapshot, is_live
 from homelab_dp.app.runs import RunController
 from homelab_dp.errors import HomelabError
 from homelab_dp.render.run_view import (
@@ -28,9 +29,6 @@ from homelab_dp.render.run_view import (
     stragglers_text,
 )
 from homelab_dp.render.text import mfu_text
-from homelab_dp.runs.folder.run_state import LIVE
-from homelab_dp.runs.run_view import RunView
-from homelab_dp.tui.follower import Following, Snapshot
 from homelab_dp.tui.messages import UserError
 from homelab_dp.tui.screens.confirm import ConfirmScreen
 from homelab_dp.tui.widgets.chart import Chart
@@ -199,7 +197,7 @@ class MonitorScreen(Screen[None]):
         if snapshot is None:
             self.app.notify("no run followed", severity="warning")
             return
-        if snapshot.view.status not in LIVE:
+        if not is_live(snapshot.view.status):
             self.app.notify(f"run {snapshot.run_id} is {snapshot.view.status}: nothing to stop")
             return
         run_id = snapshot.run_id

@@ -13,14 +13,14 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, Label, Select, Static
 
+from homelab_dp.app.presets import field_docs, preset_names
+from homelab_dp.app.pull import NotCachedError
 from homelab_dp.app.serve import plan_serving_result
 from homelab_dp.errors import HomelabError
-from homelab_dp.hub.hub_models import NotCachedError
-from homelab_dp.presets.preset import field_docs
 from homelab_dp.render.errors import error_text
 from homelab_dp.render.plan import render_planned
 from homelab_dp.render.serve_plan import serve_plan_text
-from homelab_dp.tui.session import FIELDS, Session, preset_names
+from homelab_dp.tui.session import FIELDS, Session
 
 DEBOUNCE_S = 0.3
 GPUS_HELP = "What-if hardware: 2x24GiB, 24GiB,12GiB, 4x80GiB or cpu:2. Empty: the probed devices."

@@ -7,20 +7,28 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from homelab_dp.app.chat_session import ChatSession
+
 
 class ChatPane(VerticalScroll):
-    """A transcript (prompts and answers) and the conversation sent with the next prompt."""
+    """A transcript (prompts and answers) and its `ChatSession` (the conversation sent with the
+    next prompt)."""
 
     def __init__(self, title: str, *, id: str | None = None) -> None:
         super().__init__(id=id, classes="chat-pane")
         self.border_title = title
-        self.history: list[dict[str, str]] = []
-        """The conversation so far, as the chat API takes it (without the system prompt)."""
+        self.session = ChatSession()
+        """The conversation; the screen gives it its back end (a local server)."""
         self.answer = ""
         """The answer being streamed (or the last one)."""
         self._done = Text()
         self._note = ""
         self._streaming = False
+
+    @property
+    def history(self) -> list[dict[str, str]]:
+        """The conversation so far, as the chat API takes it (without the system prompt)."""
+        return self.session.turns
 
     def compose(self) -> ComposeResult:
         yield Static(classes="chat-transcript")
@@ -34,14 +42,12 @@ class ChatPane(VerticalScroll):
         self.query_one(".chat-transcript", Static).update(shown)
         self.scroll_end(animate=False)
 
-    def ask(self, prompt: str) -> list[dict[str, str]]:
-        """Show the prompt, start an empty answer; returns the conversation to send."""
-        self.history.append({"role": "user", "content": prompt})
+    def ask(self, prompt: str) -> None:
+        """Show the prompt, start an empty answer (the session keeps the turn)."""
         self._done.append("you ", style="bold cyan").append(f"{prompt}\n")
         self._done.append("model ", style="bold green")
         self.answer, self._note, self._streaming = "", "", True
         self._show()
-        return list(self.history)
 
     def add(self, piece: str) -> None:
         """A streamed piece of the answer."""
@@ -49,14 +55,11 @@ class ChatPane(VerticalScroll):
         self._show()
 
     def finish(self, error: str | None = None) -> None:
-        """The answer is complete (or was cut by ``error``): it joins the conversation."""
+        """The answer is complete (or was cut by ``error``; the session has dropped the turn)."""
         self._streaming = False
         self._done.append(self.answer)
         if error:
             self._done.append(f"\n[{error}]", style="bold red")
-            self.history.pop()  # a failed turn is not part of the conversation sent next
-        else:
-            self.history.append({"role": "assistant", "content": self.answer})
         self._done.append("\n\n")
         self._note = ""
         self._show()
@@ -70,7 +73,7 @@ class ChatPane(VerticalScroll):
         """Forget the conversation (``/reset``, or another model)."""
         if title is not None:
             self.border_title = title
-        self.history.clear()
+        self.session.reset()
         self.answer, self._note, self._streaming = "", "", False
         self._done = Text()
         self._show()

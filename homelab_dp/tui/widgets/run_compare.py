@@ -12,9 +12,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Static
 
-from homelab_dp.probe.hardware import format_bytes
 from homelab_dp.render.compare import order_text
-from homelab_dp.render.text import duration
+from homelab_dp.render.text import duration, memory
 
 FIXED = ("#", "run", "status")
 FIGURES = ("eval loss", "best (step)", "tok/s", "MFU", "peak mem", "energy", "time")
@@ -113,7 +112,7 @@ def compare_rows(doc: dict[str, Any]) -> list[list[str]]:
                 *(_grpo(r) if grpo else ()),
                 "–" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
                 "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
-                "–" if r["peak_memory_bytes"] is None else format_bytes(r["peak_memory_bytes"]),
+                memory(r["peak_memory_bytes"]),
                 "–" if r["energy_wh"] is None else f"{r['energy_wh']:.2f} Wh",
                 duration(r["duration_s"]),
                 *(

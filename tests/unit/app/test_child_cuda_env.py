@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.app.chat_server import ChatServer
+from homelab_dp.app.chat_session import device_env
 from homelab_dp.app.evaluate import Devices, eval_env
 from homelab_dp.app.export import cpu_child_env
-from homelab_dp.cli.chat import device_env
-from homelab_dp.tui.chat_server import ChatServer
 
 MIXED = {"PATH": "/usr/bin", "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
 """A user's environment that would number a 3090 + 2080 Ti pair fastest first."""

@@ -1,7 +1,8 @@
-"""Following a run in the TUI: a background thread polls its files and hands out snapshots.
+"""Following a run: what the CLI's `attach` and the TUI read from its folder, never touching it.
 
-To follow a run is to show it as it goes, never touching it (the CLI's `attach` does the same,
-`homelab_dp.cli.follow`); the TUI follows one run at a time, the one in `Following`. The app's
+The CLI's loop (`homelab_dp.cli.follow`) reads a `RunFollower`: the history folded into a
+`RunView`, then each poll's new events, each folded in as it is handed out, and the run's state.
+The TUI follows one run at a time, the one in `Following`: the app's
 worker thread calls `RunPoller.poll` in a loop: each poll reads what the run's files gained
 (tailing, `homelab_dp.runs.folder.jsonl_tail`), folds it into a `RunView` and, when anything changed,
 returns a `Snapshot` — a private copy, so the UI thread can read it while polling goes on.
@@ -13,20 +14,68 @@ in favour of the newest one (that is what makes the TUI's update messages safe t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from homelab_dp.app.runs import RunController
+from homelab_dp.runs.folder.jsonl_tail import file_size
 from homelab_dp.runs.folder.rollouts import Rollouts, latest_rollouts
-from homelab_dp.runs.folder.run_state import current_state
+from homelab_dp.runs.folder.run_state import LIVE, current_state, read_state
 from homelab_dp.runs.run_view import RunView
+
+__all__ = ["RunView"]  # the view a follower hands out, for the front ends' annotations
 
 LOG_LINES = 200
 
 
+def is_live(status: str | None) -> bool:
+    """Whether a run in ``status`` has not ended yet: active, or waiting in the queue."""
+    return status in LIVE
+
+
+def events_end(run_dir: Path) -> int:
+    """Where the run's events.jsonl ends now: what a follower started later counts as history."""
+    return file_size(run_dir / "events.jsonl")
+
+
+def resumed_from(run_dir: Path) -> int | None:
+    """The step a resumed run continues from, as its state says (0: from the start)."""
+    return read_state(run_dir).get("resume_from")
+
+
+class RunFollower:
+    """A run followed from the CLI (`attach`, `run`, `resume`): its view and what is new."""
+
+    def __init__(
+        self, controller: RunController, run_id: str, history_until: int | None = None
+    ) -> None:
+        """Events before byte ``history_until`` of events.jsonl (default: all there are now) are
+        history: folded into `view` at once, never handed out."""
+        self.run_dir = controller.run_dir(run_id)
+        self.view = controller.new_view(self.run_dir)
+        self._tail = controller.tail(run_id)
+        until = events_end(self.run_dir) if history_until is None else history_until
+        for event in self._tail.events.read(until):
+            self.view.apply(event)
+
+    def state(self) -> dict[str, Any]:
+        """The run's state now (state.json, a dead keeper's last word settled)."""
+        return current_state(self.run_dir)
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """The events written since the last call, each folded into `view` as it is handed out
+        (a printer reading the view sees it as of that event)."""
+        for event in self._tail.read():
+            self.view.apply(event)
+            yield event
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """The state of one followed run at one moment."""
+    """The state of one followed run at one moment: its id, its view (a copy that shares
+    nothing with the poller's), the tail of its logs and, for GRPO, its latest rollouts."""
 
     run_id: str
     view: RunView

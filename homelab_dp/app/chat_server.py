@@ -1,4 +1,5 @@
-"""A background `serve` of one model for the TUI's Chat screen, and a streamed chat request to it.
+"""A background `serve` of one model for the TUI's Chat screen, and a streamed chat request to it:
+the local-server back end of a `app.chat_session.ChatSession` (`LocalServer`).
 
 The TUI never loads torch nor initialises CUDA (it stays responsive while a run trains), so a
 model is tried through `homelab-dp serve MODEL --replicas 1` in its own process group on a free
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,22 @@ class ChatServer:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
         _LIVE.discard(self)
+
+
+@dataclass
+class LocalServer:
+    """The local-server back end of a `ChatSession`: one running `ChatServer`, asked over HTTP."""
+
+    server: ChatServer
+    http: aiohttp.ClientSession
+
+    def stream(
+        self, messages: list[dict[str, str]], *, temperature: float, max_tokens: int
+    ) -> AsyncIterator[str]:
+        """The answer to ``messages``, its text pieces as they come; ServerFailed on an error."""
+        return stream_chat(
+            self.http, self.server.url, messages, temperature=temperature, max_tokens=max_tokens
+        )
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
