@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from homelab_dp.planning.batch_shape import accumulation_for
 from homelab_dp.planning.micro_batch_search import search_micro_batch
 from homelab_dp.planning.model_spec import spec_from_config
-from homelab_dp.planning.plan_result import accumulation_for
 from homelab_dp.planning.planner import (
     SAFETY_MARGIN,
     evaluate,
