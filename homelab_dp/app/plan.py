@@ -39,6 +39,7 @@ from homelab_dp.planning.memory.memory_calibration import (
     torch_version,
 )
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_result import Fit
 from homelab_dp.planning.planner import Plan, plan, with_host
 from homelab_dp.planning.recurrent_packing import model_recurrent_kinds, packing_decision
 from homelab_dp.planning.sample_cost import sample_plan
@@ -354,6 +355,30 @@ def make_plan(
         planned = replace(planned, reasons=(*planned.reasons[:1], packing.reason,
                                             *planned.reasons[1:]))  # fmt: skip
     return Planned(preset, spec, hardware, planned, report, link)
+
+
+@dataclass(frozen=True)
+class AutoFit:
+    """``--auto-fit`` before a launch: the preset with the batch the micro-batch finder chose."""
+
+    preset: Preset
+    """The preset with `fit`'s micro-batch and accumulation (as given when nothing fits)."""
+    fit: Fit | None
+    """The finder's answer; None when no option is supported (the plan explains)."""
+
+
+def auto_fit_preset(preset: Preset, gpus: str | None = None) -> AutoFit:
+    """The largest micro-batch that fits, accumulation keeping the preset's effective batch,
+    applied to ``preset`` (`homelab_dp.planning.planner.plan_largest_micro_batch`): what
+    ``run --auto-fit`` and the TUI's auto-fit launch with. The learning rate was set for the
+    batch the preset asked, so a rounded-up batch keeps it as ``train.reference_batch``."""
+    fit = make_plan(preset, gpus, find_micro_batch=True).plan.fit
+    if fit is None or not fit.fits:
+        return AutoFit(preset, fit)  # nothing fits: the plan refuses the run with its reasons
+    train = replace(preset.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum)
+    if not fit.exact and not preset.train.reference_batch:
+        train = replace(train, reference_batch=fit.requested_effective_batch)
+    return AutoFit(replace(preset, train=train), fit)
 
 
 def _config(folder: str | Path) -> dict[str, Any]:

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.app import doctor
-from homelab_dp.app.plan import Planned, cpu_hardware, make_plan, on_idle_cards, with_target_share
+from homelab_dp.app.plan import (
+    Planned,
+    auto_fit_preset,
+    cpu_hardware,
+    make_plan,
+    on_idle_cards,
+    with_target_share,
+)
 from homelab_dp.errors import (
     HardwareSpecError,
     HomelabError,
@@ -36,6 +43,7 @@ from homelab_dp.errors import (
     RunStateError,
 )
 from homelab_dp.hub.hub_models import ModelOrigin
+from homelab_dp.planning.plan_result import Fit
 from homelab_dp.planning.planner import Plan
 from homelab_dp.presets.preset import Preset
 from homelab_dp.presets.preset_store import open_preset
@@ -238,6 +246,8 @@ class Prepared:
     """The Hugging Face id ``preset.model.path`` was given as (the path is now its snapshot)."""
     warnings: tuple[str, ...] = ()
     """What the checks found worth saying but not refusing (the front end shows them)."""
+    fit: Fit | None = None
+    """``auto_fit``'s micro-batch finder answer (None without it)."""
 
     @property
     def plan(self) -> Plan:
@@ -306,14 +316,20 @@ class RunController:
         force: bool = False,
         nnodes: int = 1,
         queue: bool = False,
+        auto_fit: bool = False,
     ) -> Prepared:
         """Preflight in this process: preset, loggers, plan, torch for a CUDA plan, model
         folder (a model id's snapshot, downloaded when missing), data. Raises HomelabError.
         ``queue``: the run will wait for its cards, so it is planned on them idle; otherwise
-        devices another run is using refuse it (unless ``force``)."""
+        devices another run is using refuse it (unless ``force``). ``auto_fit``: the run takes
+        the largest micro-batch that fits (`app.plan.auto_fit_preset`; ``Prepared.fit``: which)."""
         preset = open_preset(preset_ref, overrides)
         check_reporters(preset)  # a logger not installed: before the plan
         check_run_gpus(gpus)
+        fit = None
+        if auto_fit:
+            fitted = auto_fit_preset(preset, gpus)
+            preset, fit = fitted.preset, fitted.fit
         planned = make_plan(preset, gpus)
         preset = planned.preset  # data.pack off for a model with recurrent layers
         if gpus:  # cpu:N — check the count against this machine's cores
@@ -363,7 +379,7 @@ class RunController:
             sequence_parallel=p.sequence_parallel,
             tiled_mlp=p.chosen.tiled_mlp,
         )
-        return Prepared(preset, planned, resolved, blocks, origin, warnings)
+        return Prepared(preset, planned, resolved, blocks, origin, warnings, fit)
 
     # ------------------------------------------------------------------ starting
     def start(
@@ -379,9 +395,9 @@ class RunController:
     ) -> str:
         """Create the run folder and start its keeper in the background; return the run id.
 
-        ``auto_fit``: when a rank runs out of memory, the keeper resumes the run with the
-        worker's proposal (smaller micro-batch, more accumulation, same effective batch; or
-        activation checkpointing) by itself, up to `MAX_OOM_RETRIES` times.
+        ``auto_fit``: when a rank runs out of memory, the keeper resumes the run with
+        planning's next batch (smaller micro-batch, more accumulation, same effective batch; or
+        activation checkpointing; `planning.batch_shape`) by itself, up to `MAX_OOM_RETRIES` times.
         ``queue``: the run is created "queued" and its keeper starts it when its devices are
         free (`homelab_dp.runs.run_queue`). Otherwise a start on devices another run is using is
         refused, unless ``force``. ``sweep``: the sweep this run is a point of (`app.sweep`);

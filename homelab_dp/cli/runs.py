@@ -47,15 +47,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             "or on the CPU with --gpus cpu:N",
         )
     rendezvous = _rendezvous(args)
-    overrides = list(args.set) + (_fitted(args) if args.auto_fit else [])
     prepared = controller.prepare(
         args.preset,
-        overrides=overrides,
+        overrides=list(args.set),
         gpus=args.gpus,
         force=args.force,
         nnodes=rendezvous.nnodes,
         queue=args.queue,
+        auto_fit=args.auto_fit,
     )
+    fit = prepared.fit
+    if fit is not None and fit.fits:  # `run --auto-fit`: the micro-batch the run takes
+        print(
+            json_safe.dumps({"type": "auto_fit", **fit.to_json()}) if args.json else fit.describe()
+        )
     for warning in prepared.warnings:  # stderr: --json's stdout stays one document per line
         print(warning, file=sys.stderr)
     run_id = controller.start(
@@ -80,25 +85,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"{head} (Ctrl-C detaches; stop with: homelab-dp stop {run_id})")
     return follow(controller, run_id, _mode(args), history_until=0)
-
-
-def _fitted(args: argparse.Namespace) -> list[str]:
-    """`run --auto-fit` before launch: the micro-batch finder's choice as ``--set`` overrides."""
-    from homelab_dp.app.plan import make_plan
-    from homelab_dp.presets.preset_store import open_preset
-
-    preset = open_preset(args.preset, args.set)
-    fit = make_plan(preset, args.gpus, find_micro_batch=True).plan.fit
-    if fit is None or not fit.fits:
-        return []  # nothing fits: the plan refuses the run with its reasons
-    if args.json:
-        print(json_safe.dumps({"type": "auto_fit", **fit.to_json()}))
-    else:
-        print(fit.describe())
-    out = [f"train.micro_batch={fit.micro_batch}", f"train.grad_accum={fit.grad_accum}"]
-    if not fit.exact and not preset.train.reference_batch:  # lr scaling refers to the asked batch
-        out.append(f"train.reference_batch={fit.requested_effective_batch}")
-    return out
 
 
 def cmd_attach(args: argparse.Namespace) -> int:

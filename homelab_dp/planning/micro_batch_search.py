@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from homelab_dp.planning.plan_result import Fit, accumulation_for
+from homelab_dp.planning.batch_shape import BatchShape
+from homelab_dp.planning.plan_result import Fit
 
 MAX_CANDIDATES = 4096
 """Micro-batches tried at most (an effective batch larger than this per device is unusual)."""
@@ -41,17 +42,17 @@ def search_micro_batch(
     best: tuple[int, int, int] | None = None
     larger: int | None = None
     for micro in range(1, top + 1):
-        accum = accumulation_for(requested_effective, micro, world_size)
-        total = int(total_for(micro, accum))
+        batch = BatchShape.reaching(requested_effective, micro, world_size)
+        total = int(total_for(micro, batch.accum))
         ok = total <= limit
         tried.append((micro, total, ok))
-        if ok and exact and micro * world_size * accum != requested_effective:
+        if ok and exact and batch.effective != requested_effective:
             larger = micro
         elif ok:
-            best, larger = (micro, accum, total), None
+            best, larger = (micro, batch.accum, total), None
     if best is None:
         micro, total, _ = tried[0]
-        accum = accumulation_for(requested_effective, 1, world_size)
+        accum = BatchShape.reaching(requested_effective, 1, world_size).accum
         return Fit(
             1, accum, world_size, requested_effective, total, int(limit), False, tuple(tried)
         )

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from homelab_dp.planning.attention_rule import attention_reason, packing_reasons
+from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.planning.memory.device_memory import (
     CPU_FRAGMENTATION,
     CPU_RUNTIME_BYTES,
@@ -50,6 +51,7 @@ from homelab_dp.planning.memory.memory_calibration import HardwareCalibration
 from homelab_dp.planning.memory.offload_cost import OffloadCost, cost_words, offload_words
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.objective_cost import ObjectiveCost
+from homelab_dp.planning.sequence_split import degree_of
 from homelab_dp.presets.preset import Preset
 from homelab_dp.probe.hardware import (
     BF16_MIN_CAPABILITY,
@@ -143,7 +145,7 @@ class LrAdvice:
 def lr_advice(preset: Preset, world_size: int) -> LrAdvice:
     """Scaled learning rates when the effective batch differs from the reference batch."""
     t = preset.train
-    effective = t.micro_batch * world_size * t.grad_accum
+    effective = BatchShape(t.micro_batch, world_size, t.grad_accum).effective
     ref = t.reference_batch or effective
     ratio = effective / ref
     linear, sqrt = t.lr * ratio, t.lr * math.sqrt(ratio)
@@ -529,15 +531,15 @@ def fit_advice(
         seq //= 2
     if seq < preset.data.seq_len and fits(seq_len=seq):
         out.append(f"Shorter sequences: data.seq_len = {seq} fits (now {preset.data.seq_len}).")
-    per_device = t.micro_batch * t.grad_accum
+    asked = BatchShape.of(t.micro_batch, hw.world_size, t.grad_accum, degree_of(preset))
     for micro in range(t.micro_batch - 1, 0, -1):
-        if per_device % micro:
+        smaller = asked.with_micro(micro)
+        if smaller is None:
             continue  # the effective batch would change: the lr and schedule were set for it
         if fits(micro_batch=micro):
-            accum = math.ceil(t.micro_batch * t.grad_accum / micro)
             out.append(
                 f"Smaller micro-batch with more accumulation: train.micro_batch = {micro}, "
-                f"train.grad_accum = {accum} (effective batch {micro * hw.world_size * accum})."
+                f"train.grad_accum = {smaller.accum} (effective batch {smaller.effective})."
             )
             break
     if t.objective in ("dpo", "kto") and t.reference == "copy":

@@ -4,10 +4,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.planning.memory.device_memory import Budget, assumed_overhead
 from homelab_dp.planning.memory.host_memory import HostBudget
 from homelab_dp.planning.memory.memory_calibration import (
@@ -25,11 +25,6 @@ from homelab_dp.probe.hardware import PlanHardware
 
 if TYPE_CHECKING:
     from homelab_dp.planning.grpo_plan import GrpoMemory
-
-
-def accumulation_for(effective: int, micro: int, world: int) -> int:
-    """Accumulation steps that reach at least ``effective`` sequences per optimizer step."""
-    return max(1, math.ceil(effective / (micro * world)))
 
 
 @dataclass(frozen=True)
@@ -51,8 +46,13 @@ class Fit:
     """A larger micro-batch that fits but would round the effective batch up (exact mode)."""
 
     @property
+    def batch(self) -> BatchShape:
+        """The batch found (``world_size``: the data ranks it was searched on)."""
+        return BatchShape(self.micro_batch, self.world_size, self.grad_accum)
+
+    @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.world_size * self.grad_accum
+        return self.batch.effective
 
     @property
     def exact(self) -> bool:
@@ -77,8 +77,9 @@ class Fit:
             out += ", as the preset asked."
             if self.larger_inexact:
                 m = self.larger_inexact
-                e = m * self.world_size * accumulation_for(self.requested_effective_batch, m,
-                                                           self.world_size)  # fmt: skip
+                e = BatchShape.reaching(
+                    self.requested_effective_batch, m, self.world_size
+                ).effective
                 out += f" ({m} would fit too, but would round the effective batch up to {e}.)"
             return out
         return (
@@ -210,11 +211,16 @@ class Plan:
         return self.hardware.world_size
 
     @property
+    def batch(self) -> BatchShape:
+        """The planned batch: only the data ranks (world / sequence-parallel degree) take
+        blocks of their own."""
+        return BatchShape.of(self.micro_batch, self.world_size, self.grad_accum,
+                             self.sequence_parallel)  # fmt: skip
+
+    @property
     def effective_batch(self) -> int:
-        """Samples per optimizer step: only the data ranks (world / sequence-parallel degree)
-        take blocks of their own."""
-        data_world = max(1, self.world_size // max(1, self.sequence_parallel))
-        return self.micro_batch * data_world * self.grad_accum
+        """Samples per optimizer step (`batch`)."""
+        return self.batch.effective
 
     def to_json(self) -> dict[str, Any]:
         """The `plan --json` document.

@@ -66,6 +66,7 @@ from homelab_dp.planning.attention_rule import (
     choose_attention,
     flash_attn_version,
 )
+from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.planning.memory.device_memory import TrainShape, budget, logits_bytes
 from homelab_dp.planning.memory.host_memory import HostBudget, host_budget
 from homelab_dp.planning.memory.memory_calibration import (
@@ -627,8 +628,8 @@ def plan_largest_micro_batch(
     if split.requested(preset) == "auto":  # the degree the tree picks at the preset's batch
         preset = split.with_degree(preset, plan(spec, preset, hw, calibration).sequence_parallel)
     t = preset.train
-    data_world = hw.world_size // split.degree_of(preset)  # a split's ranks share blocks
-    requested = t.micro_batch * data_world * t.grad_accum
+    asked = BatchShape.of(t.micro_batch, hw.world_size, t.grad_accum, split.degree_of(preset))
+    data_world, requested = asked.ranks, asked.effective  # a split's ranks share blocks
     limit = hw.budget(SAFETY_MARGIN)  # on local cards others use: what is free, less a margin
     fit: Fit | None = None
     dtype = resolve_dtype(preset, hw)
@@ -713,7 +714,8 @@ def _replanned(p: Plan, preset: Preset, available: int) -> Plan:
     the micro-batch finder chose them: `homelab_dp.planning.planner`)."""
     t = preset.train
     if p.fit is not None:
-        requested = t.micro_batch * p.hardware.world_size * t.grad_accum
+        requested = BatchShape.of(t.micro_batch, p.hardware.world_size, t.grad_accum,
+                                  p.sequence_parallel).effective  # fmt: skip
         t = replace(t, micro_batch=p.micro_batch, grad_accum=p.grad_accum,
                     reference_batch=t.reference_batch or requested)  # fmt: skip
     again = plan(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from homelab_dp.planning import grpo_plan
+from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.planning.links import LinkSpeed
 from homelab_dp.planning.plan_result import Candidate, Plan
 from homelab_dp.planning.planner import supported, train_shape
@@ -103,7 +104,7 @@ def speed_advice(p: Plan, preset: Preset, link: LinkSpeed, rate_of: RateOf) -> l
         better = _better_accumulation(p, preset, link, rate_of)
         if better is not None:
             g, q = better
-            eff = g * p.micro_batch * n
+            eff = BatchShape.of(p.micro_batch, n, g, p.sequence_parallel).effective
             head += (
                 f"; grad_accum {g} brings it to {_times(q.speedup_vs_one_device)} "
                 f"(effective batch {eff}: set train.grad_accum = {g}, or lower train.micro_batch "

@@ -1,5 +1,5 @@
 """Where a relaunch of a run continues: the step of its newest usable checkpoint (a `resume`),
-and the changed batch after out-of-memory (the keeper's ``--auto-fit`` retry)."""
+and the changed batch after out-of-memory (the keeper's ``--auto-fit`` retry, asked of planning)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from homelab_dp.planning.batch_shape import BatchShape, after_out_of_memory
 from homelab_dp.runs.folder.run_folder import read_run_spec, write_run_spec
 
 MAX_OOM_RETRIES = 3
@@ -37,22 +38,26 @@ def resume_step(run_dir: Path) -> int:
 
 
 def apply_oom_proposal(run_dir: Path, failure: dict[str, Any]) -> str | None:
-    """Rewrite a run's spec with an out-of-memory proposal, ready to resume; None if there is none.
+    """After a rank ran out of memory, rewrite the run's spec with planning's next batch
+    (`homelab_dp.planning.batch_shape.after_out_of_memory`), ready to resume; None when the
+    failure was no out-of-memory or planning has nothing left to try.
 
     The effective batch is unchanged, so the resumed run continues exactly from its last
     checkpoint. Returns a one-line description of the change.
     """
-    proposal = failure.get("proposal") if failure.get("kind") == "oom" else None
-    if not proposal:
+    if failure.get("kind") != "oom":
         return None
     spec = read_run_spec(run_dir)
-    changed = spec.with_batch(int(proposal["micro_batch"]), int(proposal["grad_accum"]),
-                              bool(proposal["activation_checkpointing"]))  # fmt: skip
+    r = spec.resolved
+    batch = BatchShape.of(r.micro_batch, r.world_size, r.grad_accum, r.sequence_parallel)
+    fallback = after_out_of_memory(batch, r.activation_checkpointing)
+    if fallback is None:
+        return None
+    changed = spec.with_batch(fallback.batch.micro, fallback.batch.accum, fallback.checkpointing)
     before, after = changed.retries[-1].before, changed.retries[-1].after
     if after == before:
         return None
     write_run_spec(run_dir, changed)
     ac = ", activation checkpointing on" if after[2] and not before[2] else ""
-    effective = changed.resolved.effective_batch
     return (f"out of memory: retrying with micro-batch {after[0]} × accumulation {after[1]}"
-            f"{ac} (same effective batch {effective})")  # fmt: skip
+            f"{ac} (same effective batch {fallback.batch.effective})")  # fmt: skip

@@ -11,7 +11,9 @@ import pytest
 from textual.widgets import Input, Select
 
 from homelab_dp.app.runs import RunController
+from homelab_dp.planning.plan_result import Fit
 from homelab_dp.presets.preset_store import user_presets_dir
+from homelab_dp.probe.hardware import GiB
 from homelab_dp.tui.screens.launch import LaunchScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.plan import field_id
@@ -28,18 +30,21 @@ PREPARED = SimpleNamespace(warnings=(IDENTICAL,))
 class StubController(RunController):
     """The real controller, except that prepare/start only record what they were given."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, prepared: Any = PREPARED) -> None:
         super().__init__(root)
         self.prepared: list[dict[str, Any]] = []
+        self.started: list[dict[str, Any]] = []
         self.release = threading.Event()
+        self.answer = prepared
 
     def prepare(self, preset_ref: str, **kwargs: Any) -> Any:
         self.prepared.append({"preset": preset_ref, **kwargs})
         assert self.release.wait(10), "the test never let prepare finish"
-        return PREPARED
+        return self.answer
 
-    def start(self, prepared: Any, multinode: Any = None) -> str:
-        assert prepared is PREPARED
+    def start(self, prepared: Any, **options: Any) -> str:
+        assert prepared is self.answer
+        self.started.append(options)
         return RUN_ID  # the recorded run stands in for the new one
 
 
@@ -127,3 +132,26 @@ async def test_save_writes_a_preset_with_a_header_and_the_edits(controller: RunC
         await pilot.pause()
         assert app.session.preset_name == "my-lora"
         assert app.session.open().lora.r == 8
+
+
+@pytest.mark.usefixtures("gpus_2x3090")
+async def test_auto_fit_key_launches_with_the_found_micro_batch(runs_root: Path) -> None:
+    """The TUI's auto-fit is `run --auto-fit`: the app fits the batch in prepare, the keeper
+    retries after out-of-memory; the screen says which micro-batch the run takes."""
+    fit = Fit(micro_batch=16, grad_accum=1, world_size=2, requested_effective_batch=32,
+              total_bytes=3 * GiB, limit_bytes=4 * GiB, fits=True)  # fmt: skip
+    controller = StubController(runs_root, SimpleNamespace(warnings=(), fit=fit))
+    async with open_app(controller, mode="launch", preset="tiny-demo") as (app, pilot, notes):
+        app.screen.set_focus(None)
+        assert "--auto-fit" not in plain(app, "#launch-command")
+        await pilot.press("a")
+        await pilot.pause()
+        assert plain(app, "#launch-command").strip() == "homelab-dp run tiny-demo --auto-fit"
+        controller.release.set()
+        await pilot.press("s")
+        await wait_for(pilot, lambda: isinstance(app.screen, MonitorScreen), what="the Monitor")
+    assert controller.prepared == [
+        {"preset": "tiny-demo", "overrides": [], "gpus": None, "force": False, "auto_fit": True}
+    ]
+    assert controller.started == [{"auto_fit": True}]
+    assert any("16 is the largest micro-batch that fits" in text for text, _ in notes)

@@ -19,10 +19,6 @@ SHARED = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
 OPENS_THE_TUI = "homelab_dp.tui.tui_app"
 """What the CLI may import of the TUI: the app, to open it (`homelab-dp tui`)."""
 
-NOT_YET = {("homelab_dp.cli.runs", "homelab_dp.presets.preset_store")}
-"""`run --auto-fit` (cli/runs.py `_fitted`): its planning moves into app/ with the batch's one
-owner (issue 35 item 2); drop this line when it does."""
-
 
 def allowed(front: str, target: str) -> bool:
     """Whether a module of ``front`` ("cli" or "tui") may import the module ``target``."""
@@ -41,7 +37,7 @@ def test_cli_and_tui_import_only_app_render_and_the_shared_words() -> None:
         for module, path in mods.items()
         if module.split(".")[1:2] in (["cli"], ["tui"])
         for target in imported(module, path, set(mods))
-        if not allowed(module.split(".")[1], target) and (module, target) not in NOT_YET
+        if not allowed(module.split(".")[1], target)
     ]
     assert sorted(wrong) == []
 

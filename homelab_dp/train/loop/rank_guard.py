@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from homelab_dp.planning.batch_shape import BatchShape, out_of_memory_words
 from homelab_dp.runs.folder.heartbeats import (
     BEAT_EVERY_S,
     TRAIN,
@@ -223,37 +224,14 @@ class RankGuard:
             )
 
 
-def _smallest_factor(n: int) -> int:
-    return next(d for d in range(2, n + 1) if n % d == 0)
-
-
 def oom_advice(resolved: Resolved, exc: BaseException) -> tuple[str, str, dict[str, Any] | None]:
-    """(message, hint, proposal) for a rank that ran out of memory.
-
-    The proposal keeps the effective batch (so the run, and a resume from its checkpoint, stay
-    exact): the micro-batch divided by its smallest factor and the accumulation multiplied by
-    it; at micro-batch 1, activation checkpointing; beyond that, nothing this run can change.
-    """
-    micro, accum = resolved.micro_batch, resolved.grad_accum
-    world, ac = resolved.world_size, resolved.activation_checkpointing
-    effective = resolved.effective_batch  # micro × data ranks × accumulation
+    """(message, hint, proposal) of the error event of a rank that ran out of memory: the
+    failed batch in words, and planning's fallback (`homelab_dp.planning.batch_shape`) for the
+    person reading it. The keeper of a ``run --auto-fit`` asks planning itself."""
+    batch = BatchShape.of(resolved.micro_batch, resolved.world_size, resolved.grad_accum,
+                          resolved.sequence_parallel)  # fmt: skip
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    message = (f"out of memory with micro-batch {micro} × accumulation {accum} on {world} "
-               f"rank(s) ({first})")  # fmt: skip
-    retry = "; `homelab-dp run PRESET --auto-fit` retries with it by itself"
-    if micro > 1:
-        d = _smallest_factor(micro)
-        proposal = {"micro_batch": micro // d, "grad_accum": accum * d,
-                    "activation_checkpointing": ac, "effective_batch": effective}  # fmt: skip
-        hint = (f"set train.micro_batch = {micro // d} and train.grad_accum = {accum * d} "
-                f"(same effective batch {effective})")  # fmt: skip
-        hint += "" if ac else ", or train.activation_checkpointing = true"
-        return message, hint + retry, proposal
-    if not ac:
-        proposal = {"micro_batch": micro, "grad_accum": accum,
-                    "activation_checkpointing": True, "effective_batch": effective}  # fmt: skip
-        return message, "set train.activation_checkpointing = true" + retry, proposal
-    hint = ("micro-batch 1 with activation checkpointing does not fit: use lora or qlora, "
-            "fsdp-full, a shorter data.seq_len, more devices, or the sequence split over "
-            "them (train.sequence_parallel; see `homelab-dp plan`)")  # fmt: skip
-    return message, hint, None
+    message, hint, fallback = out_of_memory_words(
+        batch, resolved.world_size, resolved.activation_checkpointing, first
+    )
+    return message, hint, None if fallback is None else fallback.proposal()

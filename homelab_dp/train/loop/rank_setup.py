@@ -29,6 +29,7 @@ from homelab_dp.data.blocks import IGNORE_INDEX
 from homelab_dp.data.eval_split import load_train_eval
 from homelab_dp.data.preference_blocks import load_preference_train_eval
 from homelab_dp.errors import HomelabError, RunStateError
+from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.planning.recurrent_packing import packing_decision, recurrent_kinds
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
@@ -125,7 +126,6 @@ def init_distributed(spec: RunSpec) -> Rank:
         backend = "cuda:nccl,cpu:gloo"
     dist.init_process_group(backend, **kwargs)
     world = dist.get_world_size()
-    micro, effective, accum = resolved.micro_batch, resolved.effective_batch, resolved.grad_accum
     degree = resolved.sequence_parallel
     if world % degree:
         raise HomelabError(f"train.sequence_parallel = {degree} does not divide the {world} "
@@ -134,23 +134,25 @@ def init_distributed(spec: RunSpec) -> Rank:
         raise HomelabError(f"train.sequence_parallel = {degree} splits SFT sequences only, not "
                            f"train.objective = {spec.preset.train.objective!r}",
                            hint="set train.sequence_parallel = 1")  # fmt: skip
+    planned = BatchShape.of(resolved.micro_batch, resolved.world_size, resolved.grad_accum, degree)
+    batch = planned
     if world != resolved.world_size:
         # Keep the effective batch (and so the data position and schedule) of the plan.
-        data_world = world // degree
-        if effective % (micro * data_world):
+        rescaled = planned.on_ranks(world // degree)
+        if rescaled is None:
             raise HomelabError(
                 f"{world} processes cannot keep the planned effective batch "
-                f"{effective} with micro-batch {micro}",
+                f"{planned.effective} with micro-batch {planned.micro}",
                 hint=f"run with {resolved.world_size} processes",
             )
-        accum = effective // (micro * data_world)
+        batch = rescaled
         log.warning("world size %d (planned %d): gradient accumulation %d keeps batch %d",
-                    world, resolved.world_size, accum, effective)  # fmt: skip
+                    world, resolved.world_size, batch.accum, batch.effective)  # fmt: skip
     split = SequenceSplit.create(degree, device) if degree > 1 else None
     if split is not None:
         log.info("sequence parallelism: every sequence split over %d ranks (%d data ranks)",
                  degree, split.data_world)  # fmt: skip
-    return Rank(device, dist.get_rank(), world, micro, accum, effective, split)
+    return Rank(device, dist.get_rank(), world, batch.micro, batch.accum, batch.effective, split)
 
 
 @dataclass

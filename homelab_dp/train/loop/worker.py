@@ -25,8 +25,10 @@ spec may set ``"collective_timeout_s"`` (default 60 on CPU, 600 on CUDA; the con
 ``train.collective_timeout_s``). ``resolved.dtype = "fp64"`` is accepted on the CPU for
 exactness tests.
 
-Out of memory ends the rank with an ``error`` event that proposes a smaller micro-batch with more
-accumulation (same effective batch) or activation checkpointing (`train.loop.rank_guard.oom_advice`).
+Out of memory ends the rank with an ``error`` event that reports the failed batch, with
+planning's fallback (`planning.batch_shape`: a smaller micro-batch with more accumulation, same
+effective batch, or activation checkpointing) in its hint (`train.loop.rank_guard.oom_advice`);
+the keeper of a ``run --auto-fit`` asks planning for the next batch itself.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.message}\nhint: {exc.hint}", file=sys.stderr)
         return exc.exit_code
     except Exception as exc:  # any crash: tell the controller which rank, then fail
-        if _is_oom(exc):  # with what to change; `run --auto-fit` applies the proposal itself
+        if _is_oom(exc):  # the failed batch; the keeper asks planning for the next one
             message, hint, proposal = oom_advice(spec.resolved, exc)
             events.write(ErrorEvent(message=message, hint=hint, rank=rank,
                                     kind="OutOfMemoryError", proposal=proposal), force=True)  # fmt: skip

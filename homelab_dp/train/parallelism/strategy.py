@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from homelab_dp.errors import HomelabError
+from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.presets.preset import TrainSection
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.model.lora import is_experts
@@ -425,8 +426,7 @@ def rank_slices(step: int, micro: int, world: int, accum: int, rank: int) -> lis
     Micro-step k of rank r takes the ``micro`` positions from i·E + (k·W + r)·M: a fixed
     assignment, so the token-normalised loss makes the result independent of W, M and A.
     """
-    effective = micro * world * accum
-    base = step * effective
+    base = step * BatchShape(micro, world, accum).effective
     return [
         range(base + (k * world + rank) * micro, base + (k * world + rank + 1) * micro)
         for k in range(accum)

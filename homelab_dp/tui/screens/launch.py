@@ -29,6 +29,7 @@ class LaunchScreen(Screen[None]):
         Binding("s", "start", "Start"),
         Binding("u", "queue", "Queue", show=False),  # the Queue button shows it; the footer is full
         Binding("w", "save", "Save"),
+        Binding("a", "auto_fit", "Auto-fit", show=False),  # the checkbox shows it
         Binding("escape", "blur", "Leave field", show=False),
     ]
     AUTO_FOCUS = "#start"
@@ -57,6 +58,7 @@ class LaunchScreen(Screen[None]):
                 yield Button("Start run", id="start", variant="success", compact=True)
                 yield Button("Queue", id="queue", compact=True)
                 yield Checkbox("--force (start anyway)", id="force", compact=True)
+                yield Checkbox("--auto-fit", id="auto-fit", compact=True)
             yield Static(id="launch-status")
             yield Label("Save these settings as a preset", classes="section")
             with Horizontal(classes="row"):
@@ -101,7 +103,21 @@ class LaunchScreen(Screen[None]):
                 f" × {p.world_size} · effective batch {p.effective_batch} · lr {p.lr.applied:.3g}"
             )
         self.query_one("#launch-summary", Static).update(out)
-        self.query_one("#launch-command", Static).update(Text(s.command(), style="bright_black"))
+        command = s.command() + (" --auto-fit" if self._auto_fit() else "")
+        self.query_one("#launch-command", Static).update(Text(command, style="bright_black"))
+
+    def _auto_fit(self) -> bool:
+        return self.query_one("#auto-fit", Checkbox).value
+
+    def action_auto_fit(self) -> None:
+        """Auto-fit on or off: the largest micro-batch that fits, and the retry after
+        out-of-memory (`run --auto-fit`, `app.plan.auto_fit_preset`)."""
+        box = self.query_one("#auto-fit", Checkbox)
+        box.value = not box.value
+
+    @on(Checkbox.Changed, "#auto-fit")
+    def _auto_fit_changed(self) -> None:
+        self.refresh_summary()
 
     @on(Input.Changed, "#extra")
     def _extra_changed(self, event: Input.Changed) -> None:
@@ -144,22 +160,33 @@ class LaunchScreen(Screen[None]):
         force = self.query_one("#force", Checkbox).value
         s = self.session
         self.queueing = queue
-        self._launch(s.preset_name, s.overrides(), s.gpus or None, force, queue)
+        self._launch(s.preset_name, s.overrides(), s.gpus or None, force, queue, self._auto_fit())
 
     @work(thread=True, exclusive=True, group="launch", exit_on_error=False)
     def _launch(
-        self, preset: str, overrides: list[str], gpus: str | None, force: bool, queue: bool
+        self,
+        preset: str,
+        overrides: list[str],
+        gpus: str | None,
+        force: bool,
+        queue: bool,
+        auto_fit: bool,
     ) -> str:
         # --force also starts on devices another run is using; --queue waits for them instead.
-        queued = {"queue": True} if queue else {}
+        # --auto-fit: the largest micro-batch that fits, and the keeper's out-of-memory retry.
+        chosen = {k: True for k, on in (("queue", queue), ("auto_fit", auto_fit)) if on}
         prepared = self.controller.prepare(
-            preset, overrides=overrides, gpus=gpus, force=force, **queued
+            preset, overrides=overrides, gpus=gpus, force=force, **chosen
         )
         if get_current_worker().is_cancelled:  # the TUI was closed while preparing
             raise RuntimeError("launch cancelled")
+        fit = prepared.fit if auto_fit else None
+        if fit is not None and fit.fits:
+            self.app.call_from_thread(self.app.notify, fit.describe())
         for warning in prepared.warnings:
             self.app.call_from_thread(self.app.notify, warning, severity="warning")
         options = {k: True for k, on in (("queue", queue), ("force", force)) if on}
+        options |= {"auto_fit": True} if auto_fit else {}
         return self.controller.start(prepared, **options)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from homelab_dp.planning.batch_shape import accumulation_for
 from homelab_dp.planning.micro_batch_search import search_micro_batch
 from homelab_dp.planning.model_spec import spec_from_config
-from homelab_dp.planning.plan_result import accumulation_for
 from homelab_dp.planning.planner import (
     SAFETY_MARGIN,
     evaluate,
@@ -142,16 +142,16 @@ def test_plan_command_finds_the_micro_batch(in_repo, capsys) -> None:
     assert plain["micro_batch_finder"] is None and plain["training"]["micro_batch"] == 4
 
 
-def test_run_auto_fit_prepares_the_found_micro_batch(in_repo, capsys) -> None:
-    import argparse
-
+def test_run_auto_fit_prepares_the_found_micro_batch(in_repo) -> None:
+    """`run --auto-fit` and the TUI's auto-fit: one app function, planned once before the run."""
     from homelab_dp.app.runs import make_controller
-    from homelab_dp.cli.runs import _fitted
 
-    args = argparse.Namespace(preset="tiny-demo", set=["train.grad_accum=4"], gpus=None, json=False)
-    overrides = _fitted(args)
-    assert overrides == ["train.micro_batch=16", "train.grad_accum=1"]  # 4 × 2 × 4 = 32
-    assert "16 is the largest micro-batch that fits" in capsys.readouterr().out
-    prepared = make_controller().prepare("tiny-demo", overrides=args.set + overrides)
+    prepared = make_controller().prepare("tiny-demo", overrides=["train.grad_accum=4"],
+                                         auto_fit=True)  # fmt: skip
+    fit = prepared.fit
+    assert fit is not None and (fit.micro_batch, fit.grad_accum) == (16, 1)  # 4 × 2 × 4 = 32
+    assert "16 is the largest micro-batch that fits" in fit.describe()
     r = prepared.resolved
     assert (r.micro_batch, r.grad_accum, r.effective_batch) == (16, 1, 32)
+    t = prepared.preset.train  # the spec's preset says what the worker runs
+    assert (t.micro_batch, t.grad_accum, t.reference_batch) == (16, 1, 0)

@@ -162,3 +162,15 @@ def test_the_micro_batch_finder_takes_the_degree_auto_picks() -> None:
     found = plan_largest_micro_batch(LLAMA3_8B, _preset(seq_len=131072, sp="auto"), hw)
     assert found.sequence_parallel == 2 and found.fits and found.fit is not None
     assert found.fit.world_size == 1  # one data rank: the two cards hold one sequence
+
+
+def test_the_smaller_micro_batch_advice_counts_only_the_data_ranks() -> None:
+    """Two ranks on one split sequence are one data rank: the advice's effective batch is the
+    plan's (micro-batch × data ranks × accumulation), not one counted over every process."""
+    preset = _preset(micro_batch=4, grad_accum=2, method="qlora", distribution="ddp",
+                     activation_checkpointing=False, offload="none", offload_activations=False,
+                     tiled_mlp="off")  # fmt: skip
+    p = plan(LLAMA3_8B, preset, parse_gpus_spec("2x40GiB", 256 * GiB))
+    assert not p.fits and p.effective_batch == 4 * 1 * 2
+    (advice,) = [a for a in p.advice if a.startswith("Smaller micro-batch")]
+    assert advice.endswith("train.grad_accum = 8 (effective batch 8).")

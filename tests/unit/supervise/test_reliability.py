@@ -10,16 +10,22 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from homelab_dp.runs.folder.heartbeats import heartbeat_dir, write_heartbeat
+from homelab_dp.runs.folder.run_folder import create_run_dir, read_run_spec
 from homelab_dp.runs.folder.run_state import torchrun_root_cause
-from homelab_dp.runs.run_spec import Resolved
+from homelab_dp.runs.run_spec import Resolved, RunSpec
+from homelab_dp.supervise.relaunch import apply_oom_proposal
 from homelab_dp.supervise.watchdog import Watchdog, describe_stall
 from homelab_dp.train.loop.checkpoints import check_checkpoint, check_shard
 from homelab_dp.train.loop.rank_guard import oom_advice
+from tests.conftest import DATA
+
+RECORDED_V1 = DATA / "events" / "20250301-101500-smollm2-135m-lora-7f3a" / "spec.json"
 
 
 def _resolved(micro: int, accum: int, ac: bool = False, world: int = 2) -> Resolved:
@@ -47,6 +53,27 @@ def test_oom_proposal_keeps_the_effective_batch(micro, accum, ac, expected) -> N
     assert got == expected
     assert proposal["effective_batch"] == micro * 2 * accum == got[0] * 2 * got[1]
     assert "--auto-fit" in hint
+
+
+def test_the_keeper_asks_planning_for_the_next_batch_after_out_of_memory(tmp_path: Path) -> None:
+    """The worker only reports the failed step; the keeper's retry takes planning's next batch
+    from the spec (`planning.batch_shape.after_out_of_memory`), whatever the event proposed."""
+    spec = replace(RunSpec.from_json(json.loads(RECORDED_V1.read_text(encoding="utf-8"))),
+                   run_id="oom-retry")  # fmt: skip
+    run_dir = create_run_dir(spec, tmp_path)  # micro-batch 4 × 2 ranks × accumulation 4 = 32
+    report = {"kind": "oom", "rank": 1, "proposal": None}
+    assert apply_oom_proposal(run_dir, {"kind": "stall", "rank": 1}) is None
+    seen = []
+    while (change := apply_oom_proposal(run_dir, report)) is not None:
+        r = read_run_spec(run_dir).resolved
+        seen.append((r.micro_batch, r.grad_accum, r.activation_checkpointing, r.effective_batch))
+        assert (
+            read_run_spec(run_dir).resume and f"same effective batch {r.effective_batch}" in change
+        )
+    assert seen == [(2, 8, False, 32), (1, 16, False, 32), (1, 16, True, 32)]
+    assert len(read_run_spec(run_dir).retries) == 3  # nothing left: the spec is unchanged
+    t = read_run_spec(run_dir).preset.train
+    assert (t.micro_batch, t.grad_accum, t.activation_checkpointing) == (1, 16, True)
 
 
 def _beat(run_dir: Path, rank: int, step: int, micro: int, pid: int, t: float) -> None:
