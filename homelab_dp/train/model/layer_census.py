@@ -269,12 +269,7 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
         n: lin for n, lin in linears.items() if ".experts." in f".{n}." and "shared" not in n
     }
     if unfused and not experts:
-        ids = Counter(n.split("experts.")[1].split(".")[0] for n in unfused)
-        count, fused = len(ids), False
-        first = next(iter(ids))
-        experts = [
-            lin for n, lin in unfused.items() if n.split("experts.")[1].split(".")[0] == first
-        ]
+        (count, experts), fused = unfused_experts(unfused), False
     stacked = _stacked_2d(module, biases, hidden) if not experts and not unfused else None
     if stacked is not None:  # DBRX: each expert's rows stacked in a 2-D parameter
         count, experts = stacked
@@ -308,6 +303,16 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
         count=count, top_k=top_k, linears=tuple(experts), layers=0, fused=fused,
         router_params=router, shared=shared, shared_gate_params=shared_gate, aux_loss_coef=aux,
     )  # fmt: skip
+
+
+def unfused_experts(unfused: dict[str, Linear]) -> tuple[int, list[Linear]]:
+    """Per-expert nn.Linear modules (``experts.N.<linear>``, name → linear): the number of
+    experts (their distinct N) and the first expert's linears."""
+    ids = Counter(n.split("experts.")[1].split(".")[0] for n in unfused)
+    first = next(iter(ids))
+    return len(ids), [
+        lin for n, lin in unfused.items() if n.split("experts.")[1].split(".")[0] == first
+    ]
 
 
 def _stacked_2d(

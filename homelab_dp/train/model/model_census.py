@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from homelab_dp.train.model.layer_census import (
     hidden_size,
     layer_groups,
     outer_quantized,
+    unfused_experts,
 )
 
 
@@ -75,12 +75,7 @@ def _layer_parts(layer: nn.Module, hidden: int) -> dict[str, Any]:
     # Per-expert nn.Linear (unfused): experts.N.<linear>, counted by their distinct N.
     unfused = {n: lin for n, lin in _all_linears(layer).items() if ".experts." in f".{n}."}
     if unfused and not experts:
-        ids = Counter(n.split("experts.")[1].split(".")[0] for n in unfused)
-        count, fused = len(ids), False
-        first = next(iter(ids))
-        experts = [
-            lin for n, lin in unfused.items() if n.split("experts.")[1].split(".")[0] == first
-        ]
+        (count, experts), fused = unfused_experts(unfused), False
     for bias_name, width in expert_biases.items():  # fused biases join their linear
         for i, lin in enumerate(experts):
             if bias_name.startswith(lin.name) and lin.d_out == width and not lin.bias:
