@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from homelab_dp.planning.memory.moe_memory import (
     adapted,
@@ -383,15 +384,7 @@ def no_grad_forwards(objective: str, reference: str | None) -> int:
 
 
 def objective_flops_factor(
-    spec: ModelSpec,
-    *,
-    objective: str,
-    reference: str,
-    method: str,
-    activation_checkpointing: bool,
-    attention_span: float,
-    lora_r: int = 16,
-    lora_targets: str | list[str] = "all-linear",
+    spec: ModelSpec, *, objective: str, reference: str, attention_span: float, **train: Any
 ) -> float:
     """A step's model FLOPs ÷ what `flops_per_token` counts for its trained tokens (≥ 1).
 
@@ -403,13 +396,12 @@ def objective_flops_factor(
     "copy"); precompute's pass runs once before training and is priced apart
     (`homelab_dp.planning.objective_cost`). SFT and ORPO: 1.0. ``attention_span``: the mean keys
     a query attends to (`causal_span` of one sequence: a pair's sequences never attend to each
-    other).
+    other). ``train``: `flops_per_token`'s other keywords (method, activation_checkpointing,
+    lora_r, lora_targets).
     """
     forwards = no_grad_forwards(objective, reference)
     if forwards == 0:
         return 1.0
-    train = flops_per_token(spec, method=method, activation_checkpointing=activation_checkpointing,
-                            attention_span=attention_span, lora_r=lora_r,
-                            lora_targets=lora_targets)  # fmt: skip
+    train = flops_per_token(spec, attention_span=attention_span, **train)
     extra = forwards * no_grad_forward_flops_per_token(spec, attention_span=attention_span)
     return (train + extra) / train
