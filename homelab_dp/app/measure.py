@@ -12,7 +12,6 @@ measured figure and use measured overhead terms (`homelab_dp.planning.memory.mem
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from homelab_dp.planning.memory.device_memory import PHASES
 from homelab_dp.planning.memory.memory_calibration import CalibrationStore, Measurement
 from homelab_dp.planning.planner import plan_objective
 from homelab_dp.planning.speed_calibration import record_speed
+from homelab_dp.runs.folder.jsonl_tail import json_objects
 from homelab_dp.runs.preset_results import steady_speed
 from homelab_dp.runs.run_events import MemoryEvent, parse_event
 from homelab_dp.runs.run_spec import MEASURED_STEPS
@@ -156,29 +156,14 @@ def _record_speed(run_dir: Path, plan_doc: dict[str, Any], run_id: str) -> Path 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     """The run's events that parse as JSON objects."""
     path = run_dir / "events.jsonl"
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else ():
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(doc, dict):
-            out.append(doc)
-    return out
+    return json_objects(path.read_bytes().splitlines()) if path.is_file() else []
 
 
 def _memory_event(run_dir: Path) -> dict[str, Any] | None:
     """The last ``memory`` event of a measure run."""
-    path = run_dir / "events.jsonl"
-    if not path.is_file():
-        return None
     found = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        event = parse_event(doc) if isinstance(doc, dict) else None
+    for doc in _events(run_dir):
+        event = parse_event(doc)
         if isinstance(event, MemoryEvent) and event.mode == "measure":
             found = doc
     return found

@@ -38,50 +38,53 @@ from homelab_dp.train.model.trainable_model import load_model
 from homelab_dp.train.objectives.sft import micro_step
 from homelab_dp.train.parallelism.strategy import build_optimizer, build_scheduler, wrap_model
 
+
+def _decoder(
+    model_type: str,
+    architecture: str,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    *,
+    tied: bool,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A tiny decoder's config.json in the LLaMA naming (``extra``: the family's own keys)."""
+    return {"model_type": model_type, "architectures": [architecture], "vocab_size": vocab,
+            "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "max_position_embeddings": 512,
+            "tie_word_embeddings": tied, **extra}  # fmt: skip
+
+
+def _gpt2(vocab: int, hidden: int, layers: int, heads: int) -> dict[str, Any]:
+    """A tiny GPT-2's config.json (learned positions, LayerNorm, GELU, dropout 0.1, tied)."""
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
+            "n_embd": hidden, "n_layer": layers, "n_head": heads, "n_positions": 512}  # fmt: skip
+
+
 FAMILIES: dict[str, dict[str, Any]] = {
     # LLaMA-style with grouped-query attention, untied lm_head.
-    "llama-gqa": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 4096,
-        "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "tie_word_embeddings": False,
-    },
+    "llama-gqa": _decoder("llama", "LlamaForCausalLM", 4096, 128, 3, 4, 2, tied=False,
+                          intermediate_size=352),
     # Qwen2-style: tied embeddings, q/k/v biases.
-    "qwen2-tied": {
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 6000,
-        "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "tie_word_embeddings": True,
-    },
+    "qwen2-tied": _decoder("qwen2", "Qwen2ForCausalLM", 6000, 96, 2, 4, 2, tied=True,
+                           intermediate_size=256),
     # Qwen3-MoE: 8 fused experts per layer, top-2 (transformers' grouped_mm experts), q/k norms.
-    "qwen3-moe": {
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 4096,
-        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 96,
-        "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "max_position_embeddings": 512, "tie_word_embeddings": False,
-    },
+    "qwen3-moe": _decoder("qwen3_moe", "Qwen3MoeForCausalLM", 4096, 128, 3, 4, 2, tied=False,
+                          intermediate_size=256, moe_intermediate_size=96, num_experts=8,
+                          num_experts_per_tok=2, head_dim=32),
     # Mixtral: 4 experts, top-2, untied (its 4096-token sliding window is longer than any block).
-    "mixtral": {
-        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 3000,
-        "hidden_size": 96, "intermediate_size": 160, "num_local_experts": 4,
-        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": False,
-    },
+    "mixtral": _decoder("mixtral", "MixtralForCausalLM", 3000, 96, 2, 4, 2, tied=False,
+                        intermediate_size=160, num_local_experts=4, num_experts_per_tok=2),
     # gpt-oss: 4 experts with biases and the clamped gate, top-2, attention sinks, a sliding layer.
-    "gpt-oss": {
-        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 3000,
-        "hidden_size": 96, "intermediate_size": 64, "num_local_experts": 4,
-        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 24, "max_position_embeddings": 512,
-        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64,
-        "tie_word_embeddings": False,
-    },
+    "gpt-oss": _decoder("gpt_oss", "GptOssForCausalLM", 3000, 96, 2, 4, 2, tied=False,
+                        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                        head_dim=24, layer_types=["sliding_attention", "full_attention"],
+                        sliding_window=64),
     # GPT-2 (learned positions, LayerNorm, GELU, dropout 0.1 everywhere, tied lm_head).
-    "gpt2": {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 2000,
-        "n_embd": 128, "n_layer": 3, "n_head": 4, "n_positions": 512,
-    },
+    "gpt2": _gpt2(2000, 128, 3, 4),
 }  # fmt: skip
 
 
@@ -127,24 +130,13 @@ LLaMA-style families and LoRA on the MoE families (76 cases)."""
 
 HELD_OUT_FAMILIES: dict[str, dict[str, Any]] = {
     # Multi-head attention (no GQA), five heads, wider than any family of the grid.
-    "llama-mha": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 5000,
-        "hidden_size": 160, "intermediate_size": 416, "num_hidden_layers": 2,
-        "num_attention_heads": 5, "num_key_value_heads": 5, "max_position_embeddings": 512,
-        "tie_word_embeddings": False,
-    },
+    "llama-mha": _decoder("llama", "LlamaForCausalLM", 5000, 160, 2, 5, 5, tied=False,
+                          intermediate_size=416),
     # Qwen2-style, tied, three query heads per key/value head.
-    "qwen2-tied-wide": {
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 3500,
-        "hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "tie_word_embeddings": True,
-    },
+    "qwen2-tied-wide": _decoder("qwen2", "Qwen2ForCausalLM", 3500, 192, 2, 6, 2, tied=True,
+                                intermediate_size=512),
     # GPT-2 deeper and narrower, with a small vocabulary (activations outweigh the logits).
-    "gpt2-small-vocab": {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 1200,
-        "n_embd": 96, "n_layer": 4, "n_head": 4, "n_positions": 512,
-    },
+    "gpt2-small-vocab": _gpt2(1200, 96, 4, 4),
 }  # fmt: skip
 """Families the memory model's measured constants were never fitted on (issue 33 point 5)."""
 

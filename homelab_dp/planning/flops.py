@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from homelab_dp.planning.memory.moe_memory import (
     adapted,
@@ -38,6 +39,7 @@ from homelab_dp.planning.memory.moe_memory import (
     named_experts,
 )
 from homelab_dp.planning.model_spec import Linear, Mixer, ModelSpec
+from homelab_dp.vocabulary import PREFERENCE_OBJECTIVES
 
 METHODS = ("full", "lora", "qlora")
 
@@ -194,137 +196,93 @@ def flops_per_token(
     return total
 
 
-# Dense (no 2:4 sparsity) bf16/fp16 tensor-core TFLOPS with fp32 accumulate, at the boost clock,
-# from NVIDIA's datasheets and architecture whitepapers (Volta/Turing/Ampere GA100 and GA102,
-# Ada, Hopper, Blackwell RTX): the datasheet's "with sparsity" figure halved. GeForce cards
-# (and the 2080 Ti) accumulate fp32 at half their fp16-accumulate rate; training accumulates
-# in fp32, so theirs is the halved figure (RTX 4090: 330.3 fp16-acc, 165.2 fp32-acc). Workstation
-# and data-centre cards run fp32 accumulate at full rate. Pascal has no tensor cores: P100's
-# fp16 rate; P40's fp16 is 1/64 rate, so its fp32 rate (what it trains in).
+# One row a card: (dense 16-bit TFLOPS, peak memory bandwidth GB/s).
+# TFLOPS: dense (no 2:4 sparsity) bf16/fp16 tensor-core rate with fp32 accumulate, at the boost
+# clock, from NVIDIA's datasheets and architecture whitepapers (Volta/Turing/Ampere GA100 and
+# GA102, Ada, Hopper, Blackwell RTX): the datasheet's "with sparsity" figure halved. GeForce
+# cards (and the 2080 Ti) accumulate fp32 at half their fp16-accumulate rate; training
+# accumulates in fp32, so theirs is the halved figure (RTX 4090: 330.3 fp16-acc, 165.2
+# fp32-acc). Workstation and data-centre cards run fp32 accumulate at full rate. Pascal has no
+# tensor cores: P100's fp16 rate; P40's fp16 is 1/64 rate, so its fp32 rate (what it trains in).
+# Bandwidth: GB/s (10^9 bytes/s) from NVIDIA's datasheets and product pages (the figure the
+# vendor publishes, memory clock × bus width): what bounds decoding, where every new token reads
+# the weights and the KV cache once (`homelab_dp.planning.grpo_plan`); an A100 or A800 without
+# "80GB" in its name is taken as the 40 GB card (the lower figure).
 # Keys are the words of the name (lower case, "-" and "_" as spaces) that must appear in order.
-PEAK_DENSE_16BIT_TFLOPS: dict[tuple[str, ...], float] = {
+CARD_PEAKS: dict[tuple[str, ...], tuple[float, float]] = {
     # Blackwell data centre: the datasheets' sparse FP16/BF16 halved (HGX B200: 4.5 PFLOPS
     # sparse a GPU; GB200 NVL72: 5 PFLOPS sparse a GPU; HGX B100: 3.5)
-    ("b200",): 2250.0,
-    ("gb200",): 2500.0,
-    ("b100",): 1750.0,
+    ("b200",): (2250.0, 8000.0),  # memory: HGX B200: 8 TB/s a GPU
+    ("gb200",): (2500.0, 8000.0),  # memory: GB200 NVL72: 8 TB/s a GPU
+    ("b100",): (1750.0, 8000.0),  # memory: HGX B100: 8 TB/s a GPU
     # Hopper data centre
-    ("gh200",): 989.5,  # Grace Hopper: the H100 SXM5's tensor cores
-    ("h200",): 989.5,  # H200 SXM
-    ("h200", "nvl"): 835.5,
-    ("h100",): 989.5,  # "NVIDIA H100 80GB HBM3" is the SXM5 card
-    ("h100", "sxm"): 989.5,
-    ("h100", "pcie"): 756.5,
-    ("h100", "nvl"): 835.5,
-    ("h800",): 989.5,
-    ("h800", "pcie"): 756.5,
+    # Grace Hopper: the H100 SXM5's tensor cores; memory: GH200 96 GB HBM3 (the 144 GB
+    # HBM3e part: 4.9 TB/s)
+    ("gh200",): (989.5, 4000.0),
+    ("h200",): (989.5, 4800.0),  # H200 SXM; memory: H200 SXM, HBM3e
+    ("h200", "nvl"): (835.5, 4800.0),
+    ("h100",): (989.5, 3350.0),  # "NVIDIA H100 80GB HBM3" is the SXM5 card, 80 GB HBM3
+    ("h100", "sxm"): (989.5, 3350.0),
+    ("h100", "pcie"): (756.5, 2000.0),  # memory: HBM2e
+    ("h100", "nvl"): (835.5, 3900.0),
+    ("h800",): (989.5, 3350.0),
+    ("h800", "pcie"): (756.5, 2000.0),
     # Ampere data centre and workstation
-    ("a100",): 312.0,  # SXM4 and PCIe alike
-    ("a30",): 165.0,
-    ("a800",): 312.0,
-    ("a40",): 149.7,
-    ("a6000",): 154.8,  # RTX A6000
-    ("a5000",): 111.1,
-    ("a4000",): 76.7,
+    ("a100",): (312.0, 1555.0),  # SXM4 and PCIe alike; memory: 40 GB (SXM4 and PCIe)
+    ("a100", "sxm4", "80gb"): (312.0, 2039.0),  # the A100's tensor cores
+    ("a100", "80gb", "pcie"): (312.0, 1935.0),  # the A100's tensor cores
+    ("a30",): (165.0, 933.0),
+    ("a800",): (312.0, 1555.0),  # memory: 40 GB PCIe
+    ("a800", "sxm4", "80gb"): (312.0, 2039.0),  # the A800's tensor cores
+    ("a800", "80gb", "pcie"): (312.0, 1935.0),  # the A800's tensor cores
+    ("a40",): (149.7, 696.0),
+    ("a6000",): (154.8, 768.0),  # RTX A6000
+    ("a5000",): (111.1, 768.0),
+    ("a4000",): (76.7, 448.0),
     # Ada data centre and workstation
-    ("l40s",): 362.05,
-    ("l40",): 181.05,
-    ("l4",): 121.0,
-    ("rtx", "6000", "ada"): 364.2,
+    ("l40s",): (362.05, 864.0),
+    ("l40",): (181.05, 864.0),
+    ("l4",): (121.0, 300.0),
+    ("rtx", "6000", "ada"): (364.2, 960.0),
     # GeForce Blackwell (fp32 accumulate: half the fp16-accumulate figure)
-    ("rtx", "5090"): 209.5,
-    ("rtx", "5080"): 112.6,
-    ("rtx", "5070", "ti"): 87.9,
-    ("rtx", "5070"): 61.7,
-    ("rtx", "5060", "ti"): 47.4,
-    ("rtx", "5060"): 38.4,
+    ("rtx", "5090"): (209.5, 1792.0),
+    ("rtx", "5080"): (112.6, 960.0),
+    ("rtx", "5070", "ti"): (87.9, 896.0),
+    ("rtx", "5070"): (61.7, 672.0),
+    ("rtx", "5060", "ti"): (47.4, 448.0),
+    ("rtx", "5060"): (38.4, 448.0),
     # GeForce Ada
-    ("rtx", "4090"): 165.2,
-    ("rtx", "4080"): 97.5,
-    ("rtx", "4070", "ti"): 80.2,
-    ("rtx", "4070"): 58.4,
-    ("rtx", "4060", "ti"): 44.2,
+    ("rtx", "4090"): (165.2, 1008.0),
+    ("rtx", "4080"): (97.5, 716.8),
+    ("rtx", "4070", "ti"): (80.2, 504.2),
+    ("rtx", "4070"): (58.4, 504.2),
+    ("rtx", "4060", "ti"): (44.2, 288.0),
     # GeForce Ampere
-    ("rtx", "3090", "ti"): 80.0,
-    ("rtx", "3090"): 71.0,
-    ("rtx", "3080", "ti"): 68.2,
-    ("rtx", "3080"): 59.5,
-    ("rtx", "3070"): 40.6,
-    ("rtx", "3060"): 25.6,
+    ("rtx", "3090", "ti"): (80.0, 1008.0),
+    ("rtx", "3090"): (71.0, 936.2),
+    ("rtx", "3080", "ti"): (68.2, 912.4),
+    ("rtx", "3080"): (59.5, 760.3),  # memory: 10 GB (the 12 GB card: 912)
+    ("rtx", "3070"): (40.6, 448.0),
+    ("rtx", "3060"): (25.6, 360.0),  # memory: 12 GB
     # Turing and Volta (fp16: Volta/Turing have no bf16)
-    ("titan", "rtx"): 130.5,
-    ("rtx", "2080", "ti"): 53.8,
-    ("t4",): 65.0,
-    ("v100",): 125.0,  # SXM2/SXM3
-    ("v100", "pcie"): 112.0,
-    ("v100s",): 130.0,
+    ("titan", "rtx"): (130.5, 672.0),
+    ("rtx", "2080", "ti"): (53.8, 616.0),
+    ("t4",): (65.0, 320.0),
+    ("v100",): (125.0, 900.0),  # SXM2/SXM3; memory: SXM2 (32 GB SXM3: 900 too)
+    ("v100", "pcie"): (112.0, 900.0),
+    ("v100s",): (130.0, 1134.0),
     # Pascal: no tensor cores
-    ("p100",): 21.2,  # SXM2
-    ("p100", "pcie"): 18.7,
-    ("p40",): 11.76,
+    ("p100",): (21.2, 732.0),  # SXM2; memory: SXM2 and PCIe 16 GB
+    ("p100", "pcie"): (18.7, 732.0),
+    ("p40",): (11.76, 347.0),
 }
+"""GPU name words → (dense 16-bit tensor TFLOPS with fp32 accumulate, peak memory bandwidth
+GB/s), one card."""
+
+PEAK_DENSE_16BIT_TFLOPS: dict[tuple[str, ...], float] = {k: v[0] for k, v in CARD_PEAKS.items()}
 """GPU name words → dense 16-bit tensor TFLOPS with fp32 accumulate (one card)."""
 
-# Peak memory bandwidth in GB/s (10^9 bytes/s) of each card of the peak table, from NVIDIA's
-# datasheets and product pages (the figure the vendor publishes, memory clock × bus width):
-# what bounds decoding, where every new token reads the weights and the KV cache once
-# (`homelab_dp.planning.grpo_plan`). Same keys as `PEAK_DENSE_16BIT_TFLOPS`; an A100 or A800
-# without "80GB" in its name is taken as the 40 GB card (the lower figure).
-MEMORY_BANDWIDTH_GBPS: dict[tuple[str, ...], float] = {
-    ("b200",): 8000.0,  # HGX B200: 8 TB/s a GPU
-    ("gb200",): 8000.0,  # GB200 NVL72: 8 TB/s a GPU
-    ("b100",): 8000.0,  # HGX B100: 8 TB/s a GPU
-    ("gh200",): 4000.0,  # GH200 96 GB HBM3 (the 144 GB HBM3e part: 4.9 TB/s)
-    ("h200",): 4800.0,  # H200 SXM, HBM3e
-    ("h200", "nvl"): 4800.0,
-    ("h100",): 3350.0,  # H100 SXM5 80 GB HBM3
-    ("h100", "sxm"): 3350.0,
-    ("h100", "pcie"): 2000.0,  # HBM2e
-    ("h100", "nvl"): 3900.0,
-    ("h800",): 3350.0,
-    ("h800", "pcie"): 2000.0,
-    ("a100",): 1555.0,  # 40 GB (SXM4 and PCIe)
-    ("a100", "sxm4", "80gb"): 2039.0,
-    ("a100", "80gb", "pcie"): 1935.0,
-    ("a30",): 933.0,
-    ("a800",): 1555.0,  # 40 GB PCIe
-    ("a800", "sxm4", "80gb"): 2039.0,
-    ("a800", "80gb", "pcie"): 1935.0,
-    ("a40",): 696.0,
-    ("a6000",): 768.0,
-    ("a5000",): 768.0,
-    ("a4000",): 448.0,
-    ("l40s",): 864.0,
-    ("l40",): 864.0,
-    ("l4",): 300.0,
-    ("rtx", "6000", "ada"): 960.0,
-    ("rtx", "5090"): 1792.0,
-    ("rtx", "5080"): 960.0,
-    ("rtx", "5070", "ti"): 896.0,
-    ("rtx", "5070"): 672.0,
-    ("rtx", "5060", "ti"): 448.0,
-    ("rtx", "5060"): 448.0,
-    ("rtx", "4090"): 1008.0,
-    ("rtx", "4080"): 716.8,
-    ("rtx", "4070", "ti"): 504.2,
-    ("rtx", "4070"): 504.2,
-    ("rtx", "4060", "ti"): 288.0,
-    ("rtx", "3090", "ti"): 1008.0,
-    ("rtx", "3090"): 936.2,
-    ("rtx", "3080", "ti"): 912.4,
-    ("rtx", "3080"): 760.3,  # 10 GB (the 12 GB card: 912)
-    ("rtx", "3070"): 448.0,
-    ("rtx", "3060"): 360.0,  # 12 GB
-    ("titan", "rtx"): 672.0,
-    ("rtx", "2080", "ti"): 616.0,
-    ("t4",): 320.0,
-    ("v100",): 900.0,  # SXM2 (32 GB SXM3: 900 too)
-    ("v100", "pcie"): 900.0,
-    ("v100s",): 1134.0,
-    ("p100",): 732.0,  # SXM2 and PCIe 16 GB
-    ("p100", "pcie"): 732.0,
-    ("p40",): 347.0,
-}
+MEMORY_BANDWIDTH_GBPS: dict[tuple[str, ...], float] = {k: v[1] for k, v in CARD_PEAKS.items()}
 """GPU name words → peak memory bandwidth, GB/s (one card)."""
 
 VARIANT_WORDS = frozenset({"ti", "super", "d", "laptop", "mobile", "max", "q"})
@@ -416,16 +374,17 @@ def no_grad_forward_flops_per_token(spec: ModelSpec, *, attention_span: float) -
     return 2.0 * linear_matmul_params(spec) + attention_forward_flops(spec, attention_span)
 
 
+def no_grad_forwards(objective: str, reference: str | None) -> int:
+    """The no-grad forwards a micro-batch of ``objective`` runs beside the policy's: the
+    reference's (``reference`` "adapters" or "copy") and KTO's KL forward; 0 for SFT and GRPO
+    and for a precomputed reference (its pass runs once before training)."""
+    if objective not in PREFERENCE_OBJECTIVES:
+        return 0
+    return (1 if reference in ("adapters", "copy") else 0) + (1 if objective == "kto" else 0)
+
+
 def objective_flops_factor(
-    spec: ModelSpec,
-    *,
-    objective: str,
-    reference: str,
-    method: str,
-    activation_checkpointing: bool,
-    attention_span: float,
-    lora_r: int = 16,
-    lora_targets: str | list[str] = "all-linear",
+    spec: ModelSpec, *, objective: str, reference: str, attention_span: float, **train: Any
 ) -> float:
     """A step's model FLOPs ÷ what `flops_per_token` counts for its trained tokens (≥ 1).
 
@@ -437,13 +396,12 @@ def objective_flops_factor(
     "copy"); precompute's pass runs once before training and is priced apart
     (`homelab_dp.planning.objective_cost`). SFT and ORPO: 1.0. ``attention_span``: the mean keys
     a query attends to (`causal_span` of one sequence: a pair's sequences never attend to each
-    other).
+    other). ``train``: `flops_per_token`'s other keywords (method, activation_checkpointing,
+    lora_r, lora_targets).
     """
-    forwards = (1 if reference in ("adapters", "copy") else 0) + (1 if objective == "kto" else 0)
-    if objective not in ("dpo", "orpo", "kto") or forwards == 0:
+    forwards = no_grad_forwards(objective, reference)
+    if forwards == 0:
         return 1.0
-    train = flops_per_token(spec, method=method, activation_checkpointing=activation_checkpointing,
-                            attention_span=attention_span, lora_r=lora_r,
-                            lora_targets=lora_targets)  # fmt: skip
+    train = flops_per_token(spec, attention_span=attention_span, **train)
     extra = forwards * no_grad_forward_flops_per_token(spec, attention_span=attention_span)
     return (train + extra) / train

@@ -364,19 +364,14 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
             f"{source}: {listed}: must be one integer for model_type={model_type!r}, got a list",
             hint="config.json must be the model's published Hugging Face config; re-download it",
         )
-    if model_type == "gpt2":
-        return _gpt2(cfg, source)
-    if model_type == "phi3":
-        return _phi3(cfg, source)
-    if model_type in LLAMA_LIKE:
-        return _llama_like(cfg, model_type, source)
-    if model_type == "gemma3":
-        return _gemma3_wrapper(cfg, source)
-    if model_type == "deepseek_v2":
-        return _deepseek_v2(cfg, source)
-    if model_type in MOE_FAMILIES:
-        return _moe(cfg, model_type, source)
-    return _dense(cfg, model_type, source)
+    # A family of its own first (DeepSeek-V2 is also a MoE family), then the groups of families.
+    own = {"gpt2": _gpt2, "phi3": _phi3, "gemma3": _gemma3_wrapper, "deepseek_v2": _deepseek_v2}
+    if model_type in own:
+        return own[model_type](cfg, source)
+    group = (
+        _llama_like if model_type in LLAMA_LIKE else _moe if model_type in MOE_FAMILIES else _dense
+    )
+    return group(cfg, model_type, source)
 
 
 def _decoder_sizes(cfg: dict[str, Any], source: str) -> tuple[int, int, int, int, int, int, int]:

@@ -27,6 +27,7 @@ from homelab_dp.planning.flops import (
     causal_span,
     flops_per_token,
     no_grad_forward_flops_per_token,
+    no_grad_forwards,
     objective_flops_factor,
 )
 from homelab_dp.planning.memory.objective_memory import (
@@ -124,11 +125,7 @@ def objective_cost(
           "attention_span": span, "lora_r": lora_r, "lora_targets": lora_targets}  # fmt: skip
     factor = objective_flops_factor(spec, objective=shape.objective, reference=shape.reference,
                                     **kw)  # type: ignore[arg-type]  # fmt: skip
-    forwards = 0
-    if shape.objective in PREFERENCE_OBJECTIVES:
-        forwards = (1 if shape.reference in ("adapters", "copy") else 0) + (
-            1 if shape.objective == "kto" else 0
-        )
+    forwards = no_grad_forwards(shape.objective, shape.reference)
     share = None
     if shape.reference == "precompute":
         train = flops_per_token(spec, **kw)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ same cards idle (`PlanHardware.idle`) and these words say what that plan would b
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -98,20 +98,9 @@ class Option(Protocol):
     def offload_cost(self) -> OffloadCost | None: ...
 
 
-class Evaluate(Protocol):
-    """The planner's `evaluate`: budget one (method, distribution, checkpointing) option."""
-
-    def __call__(
-        self,
-        spec: ModelSpec,
-        preset: Preset,
-        hw: PlanHardware,
-        method: str,
-        dist: str,
-        ckpt: bool,
-        calibration: HardwareCalibration | None = None,
-        **kw: Any,
-    ) -> Option: ...
+Evaluate = Callable[..., Option]
+"""The planner's `evaluate` (its signature is the planner's own): budget one (method,
+distribution, checkpointing) option."""
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,20 @@ def prompt_size_problem(texts: list[str], what: str, context: int) -> str | None
     return None
 
 
+def request_size_problem(
+    prompt: str | None, messages: list[dict[str, str]] | None, context: int
+) -> tuple[str, str] | None:
+    """`prompt_size_problem` of a request's prompt or, without one, its messages' contents:
+    (the problem, the field it is in: "prompt" or "messages"); None when it may fit. The
+    serving front and the replica both check it."""
+    if prompt is not None:
+        texts, where = [prompt], "prompt"
+    else:
+        texts, where = [m["content"] for m in messages or []], "messages"
+    problem = prompt_size_problem(texts, where, context)
+    return None if problem is None else (problem, where)
+
+
 LOGITS_BYTES = 4
 """Logits are fp32 whatever the weights' dtype (transformers upcasts them for sampling)."""
 

@@ -32,6 +32,22 @@ STATE = "state"
 RETRY = "retry"
 DEVICES = "devices"
 
+OBJECTIVE_FIGURES = (
+    "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll",
+    "log_odds_ratio",
+)  # fmt: skip
+"""A preference objective's figures (`StepEvent` and `EvalEvent` alike, None for another
+objective): DPO/KTO rewards, ORPO's nll and log odds. Listed, not found by reflection: the live
+view and the metric loggers show a new event field only when it is named here."""
+GRPO_FIGURES = (
+    "reward", "reward_std", "completion_length", "completion_length_min",
+    "completion_length_max", "completion_truncated", "clipped", "kl", "generation_s",
+)  # fmt: skip
+"""GRPO's step figures (`StepEvent`, None for another objective): the mean reward and its
+spread, the completions' length (mean, min, max, share cut at the limit), the clipped share, the
+KL and the seconds spent generating; each reward function's mean is ``reward_<name>`` beside
+them."""
+
 
 @dataclass(kw_only=True)
 class Event:

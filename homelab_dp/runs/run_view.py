@@ -23,6 +23,8 @@ from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.folder.run_state import current_state
 from homelab_dp.runs.model_ref import model_doc
 from homelab_dp.runs.run_events import (
+    GRPO_FIGURES,
+    OBJECTIVE_FIGURES,
     CheckpointEvent,
     DevicesEvent,
     EndEvent,
@@ -43,19 +45,6 @@ STRAGGLER_RATIO = 1.2
 """A rank is slow when its step time is more than 20% over the median of all ranks."""
 STRAGGLER_STEPS = 3
 """…for this many logged steps in a row."""
-OBJECTIVE_FIGURES = (
-    "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll",
-    "log_odds_ratio",
-)  # fmt: skip
-"""A preference objective's figures (`runs.run_events.StepEvent`): DPO/KTO rewards, ORPO's nll
-and log odds; step and eval events carry the same names, None for objectives without them."""
-GRPO_FIGURES = (
-    "reward", "reward_std", "completion_length", "completion_length_min",
-    "completion_length_max", "completion_truncated", "clipped", "kl", "generation_s",
-)  # fmt: skip
-"""GRPO's step figures (`runs.run_events.StepEvent`): the mean reward and its spread, the
-completions' length (mean, min, max, share cut at the limit), the clipped share, the KL and the
-seconds spent generating; each reward function's mean is ``reward_<name>`` beside them."""
 STEP_FIGURES = (*OBJECTIVE_FIGURES, *GRPO_FIGURES)
 """The objective figures of step events: the preference ones and GRPO's."""
 SCALING_STEPS = 5

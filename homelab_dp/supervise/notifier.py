@@ -236,19 +236,29 @@ def notify(command: str, run_dir: Path, status: str, summary: str) -> bool:
         argv: list[str] | str = [exe, f"homelab-dp: run {status}", summary]
     else:
         argv = command  # the user's command as typed; run data only in env and stdin
+    ok = run_logged(argv, "the notifier", tail=500, shell=isinstance(argv, str),
+                    stdin=(summary + "\n").encode(), env=env, timeout=NOTIFY_TIMEOUT_S)  # fmt: skip
+    if ok:
+        log(f"notified ({status})")
+    return ok
+
+
+def run_logged(argv: list[str] | str, what: str, *, tail: int, **bounded: Any) -> bool:
+    """`run_bounded` (``bounded``: its keywords, ``timeout`` among them) with its failures
+    logged under ``what`` ("the notifier"): not runnable (OSError; a NUL in the command itself),
+    killed at the timeout (its whole process group), or a non-zero exit with the last ``tail``
+    characters of its output. True when it exited 0; never raises for the command's failure."""
     try:
-        done = run_bounded(argv, shell=isinstance(argv, str), stdin=(summary + "\n").encode(),
-                           env=env, timeout=NOTIFY_TIMEOUT_S)  # fmt: skip
-    except (OSError, ValueError) as exc:  # not runnable; a NUL in the command itself
-        log(f"the notifier failed: {clean_text(str(exc), 500)}")
+        done = run_bounded(argv, **bounded)
+    except (OSError, ValueError) as exc:
+        log(f"{what} failed: {clean_text(str(exc), 500)}")
         return False
     if done.returncode is None:
-        log(f"the notifier was killed after {NOTIFY_TIMEOUT_S:.0f} s (its whole process group)")
+        log(f"{what} was killed after {bounded['timeout']:.0f} s (its whole process group)")
         return False
     if done.returncode != 0:
-        log(f"the notifier exited {done.returncode}: {done.text[-500:]}")
+        log(f"{what} exited {done.returncode}: {done.text[-tail:]}")
         return False
-    log(f"notified ({status})")
     return True
 
 
@@ -261,15 +271,5 @@ def run_bench(run_dir: Path, tasks: list[str], *, trust_code: bool = False) -> b
     argv = [sys.executable, "-m", "homelab_dp.cli", "bench", str(run_dir), "--tasks",
             ",".join(tasks), "--json"] + ["--trust-task-code"] * trust_code  # fmt: skip
     log(f"benchmarks: {clean_text(' '.join(argv[3:]), 4096)}")
-    try:
-        done = run_bounded(argv, timeout=BENCH_TIMEOUT_S, grace=BENCH_GRACE_S)
-    except (OSError, ValueError) as exc:
-        log(f"the benchmarks failed: {clean_text(str(exc), 500)}")
-        return False
-    if done.returncode is None:
-        log(f"the benchmarks were killed after {BENCH_TIMEOUT_S:.0f} s")
-        return False
-    if done.returncode != 0:
-        log(f"the benchmarks exited {done.returncode}: {done.text[-1500:]}")
-        return False
-    return True
+    return run_logged(argv, "the benchmark run", tail=1500, timeout=BENCH_TIMEOUT_S,
+                      grace=BENCH_GRACE_S)  # fmt: skip

@@ -7,7 +7,7 @@ out complete lines, so a line being written is picked up on the next poll.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +32,24 @@ class JsonlTail:
         data = self._partial + chunk
         lines = data.split(b"\n")
         self._partial = lines.pop()  # "" when the chunk ended on a newline
-        out = []
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except (ValueError, RecursionError):  # not JSON (or not UTF-8): a torn line from a
-                continue  # crash mid-write, or damage (nesting too deep); the next one is whole
-            if isinstance(value, dict):
-                out.append(value)
-        return out
+        return json_objects(lines)
+
+
+def json_objects(lines: Iterable[bytes | str]) -> list[dict[str, Any]]:
+    """The lines that are JSON objects, in order; blank lines, other JSON values and lines that
+    are not JSON (or not UTF-8: a torn line from a crash mid-write, or damage such as nesting
+    too deep) are left out."""
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
 
 
 class RunTail:

@@ -7,10 +7,11 @@ complete file or none: ``prompt_index``, ``completion``, ``reward`` (the weighte
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from homelab_dp.runs.folder.jsonl_tail import json_objects
 
 ROLLOUTS = "rollouts"
 """The run folder's rollouts folder (none with ``grpo.rollouts = false``)."""
@@ -44,13 +45,5 @@ def latest_rollouts(run_dir: Path) -> Rollouts | None:
             text = path.read_text(encoding="utf-8")
         except (ValueError, OSError):
             continue
-        rows = []
-        for line in text.splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-        return Rollouts(step, tuple(rows), str(path))
+        return Rollouts(step, tuple(json_objects(text.splitlines())), str(path))
     return None

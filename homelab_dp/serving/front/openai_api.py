@@ -33,7 +33,7 @@ from homelab_dp.planning.serve_plan import (
     MAX_STOP_CHARS,
     MIN_TEMPERATURE,
     SEED_RANGE,
-    prompt_size_problem,
+    request_size_problem,
 )
 
 Kind = Literal["completion", "chat"]
@@ -376,13 +376,9 @@ def check_prompt_size(generation: Generation, context: int | None) -> None:
     replica checks the same)."""
     if not context:
         return
-    if generation.prompt is not None:
-        texts, where = [generation.prompt], "prompt"
-    else:
-        texts, where = [m["content"] for m in generation.messages or []], "messages"
-    problem = prompt_size_problem(texts, where, context)
-    if problem:
-        raise ApiError(problem, param=where)
+    found = request_size_problem(generation.prompt, generation.messages, context)
+    if found:
+        raise ApiError(found[0], param=found[1])
 
 
 def check_model(generation: Generation, served: str) -> None:

@@ -73,7 +73,7 @@ from homelab_dp.planning.serve_plan import (
     MAX_STOP_CHARS,
     MIN_TEMPERATURE,
     SEED_RANGE,
-    prompt_size_problem,
+    request_size_problem,
 )
 from homelab_dp.runs.folder.run_folder import write_json_atomic
 from homelab_dp.serving.replica.prompt_templates import Template, prompt_ids
@@ -236,13 +236,9 @@ def parse_body(body: Any) -> GenerateBody:
 def check_size(body: GenerateBody, context: int) -> None:
     """`BadRequest` for a prompt too large for ``context`` tokens by its size alone
     (`planning.serve_plan.prompt_size_problem`), so that no tokenizer spends seconds on it."""
-    if body.prompt is not None:
-        texts, source = [body.prompt], "prompt"
-    else:
-        texts, source = [m["content"] for m in body.messages or []], "messages"
-    problem = prompt_size_problem(texts, source, context)
-    if problem:
-        raise BadRequest(problem, source)
+    found = request_size_problem(body.prompt, body.messages, context)
+    if found:
+        raise BadRequest(*found)
 
 
 def check_length(prompt_tokens: int, max_tokens: int | None, context: int, source: str) -> int:

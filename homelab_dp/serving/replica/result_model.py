@@ -162,6 +162,12 @@ def base_kind(ref: ModelRef, device: torch.device, dtype: torch.dtype) -> str:
     return DTYPE_NAMES[dtype]
 
 
+def load_error(what: str, exc: BaseException, hint: str) -> HomelabError:
+    """``what`` failed because of ``exc`` (its first line, else its type), as the user's error."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return HomelabError(f"{what} ({reason})", hint=hint)
+
+
 def load_for_inference(
     ref: ModelRef, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> Loaded:
@@ -206,11 +212,9 @@ def load_for_inference(
             # forward generation calls as any other).
             model = model.get_base_model() if base == "nf4" else model.merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - whatever the reason, this folder does not load
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise HomelabError(
-            f"{ref.path}: cannot load the model ({reason})",
-            hint="point at a complete model folder (config.json, safetensors weights, tokenizer)",
-        ) from None
+        raise load_error(f"{ref.path}: cannot load the model", exc,
+                         "point at a complete model folder (config.json, safetensors weights, "
+                         "tokenizer)") from None  # fmt: skip
     if base != "nf4":  # a quantized model is placed by device_map (and cannot be moved)
         model.to(dev)  # the device only: a dtype here would cast the fp32 buffers too
     model.eval()
@@ -254,11 +258,9 @@ def load_merged(
             with exact_targets(adapter):
                 model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - whatever the reason, these folders do not load
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise HomelabError(
-            f"{adapter or weights}: cannot load the model to export ({reason})",
-            hint="the run's result or its base model is damaged or missing; check the folders",
-        ) from None
+        raise load_error(f"{adapter or weights}: cannot load the model to export", exc,
+                         "the run's result or its base model is damaged or missing; check the "
+                         "folders") from None  # fmt: skip
     if isinstance(wanted, torch.dtype):
         restore_dtypes(model, loaded, wanted)
     model.eval()

@@ -47,6 +47,8 @@ from typing import Any, Protocol
 from homelab_dp import json_safe
 from homelab_dp.runs.folder.jsonl_tail import JsonlTail, file_size
 from homelab_dp.runs.run_events import (
+    GRPO_FIGURES,
+    OBJECTIVE_FIGURES,
     EndEvent,
     ErrorEvent,
     EvalEvent,
@@ -185,20 +187,6 @@ def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[name] = str(value)[:500]  # MLflow's oldest limit on a value's length
     return out
-
-
-OBJECTIVE_FIGURES = (
-    "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "nll",
-    "log_odds_ratio",
-)  # fmt: skip
-"""A preference objective's figures, in step and eval events alike (None for another one):
-listed, not found by reflection, so a new event field is logged only when it is named here."""
-GRPO_FIGURES = (
-    "reward", "reward_std", "completion_length", "completion_length_min",
-    "completion_length_max", "completion_truncated", "clipped", "kl", "generation_s",
-)  # fmt: skip
-"""GRPO's step figures (None for another objective); each reward function's mean is logged as
-``train/reward_<name>``."""
 
 
 def step_scalars(event: StepEvent) -> dict[str, float]:

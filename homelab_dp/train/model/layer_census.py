@@ -269,12 +269,7 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
         n: lin for n, lin in linears.items() if ".experts." in f".{n}." and "shared" not in n
     }
     if unfused and not experts:
-        ids = Counter(n.split("experts.")[1].split(".")[0] for n in unfused)
-        count, fused = len(ids), False
-        first = next(iter(ids))
-        experts = [
-            lin for n, lin in unfused.items() if n.split("experts.")[1].split(".")[0] == first
-        ]
+        (count, experts), fused = unfused_experts(unfused), False
     stacked = _stacked_2d(module, biases, hidden) if not experts and not unfused else None
     if stacked is not None:  # DBRX: each expert's rows stacked in a 2-D parameter
         count, experts = stacked
@@ -308,6 +303,16 @@ def _moe_block(prefix: str, module: nn.Module, hidden: int, top_k: int, aux: flo
         count=count, top_k=top_k, linears=tuple(experts), layers=0, fused=fused,
         router_params=router, shared=shared, shared_gate_params=shared_gate, aux_loss_coef=aux,
     )  # fmt: skip
+
+
+def unfused_experts(unfused: dict[str, Linear]) -> tuple[int, list[Linear]]:
+    """Per-expert nn.Linear modules (``experts.N.<linear>``, name → linear): the number of
+    experts (their distinct N) and the first expert's linears."""
+    ids = Counter(n.split("experts.")[1].split(".")[0] for n in unfused)
+    first = next(iter(ids))
+    return len(ids), [
+        lin for n, lin in unfused.items() if n.split("experts.")[1].split(".")[0] == first
+    ]
 
 
 def _stacked_2d(
@@ -543,23 +548,34 @@ def describe_groups(
         g.count for g in blocks if any(m.kind == "sliding_attention" for m in g.kind.mixers)
     )
     window = int(_attr(text, "sliding_window", default=0) or 0) if sliding else 0
+    return ModelSpec(
+        **config_fields(model, text, wrapper=wrapper),
+        layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        intermediate=intermediate, tied_embeddings=tied, linears=tuple(distinct.values()),
+        embedding_params=embedding, lm_head_params=head, norm_params_per_layer=0,
+        final_norm_params=final_norm, other_params_per_layer=0, experts=experts,
+        dense_mlp=dense_mlp, sliding_window=window if sliding else 0,
+        sliding_layers=sliding if window else 0, vision_params=vision,
+        blocks=blocks, extras=out_extras, outer_quantized=outer_quantized(model, layers),
+    )  # fmt: skip
+
+
+def config_fields(model: nn.Module, text: Any, *, wrapper: bool) -> dict[str, Any]:
+    """The `ModelSpec` fields a census reads from the config alone, the same for both
+    censuses: the model type (a multimodal wrapper's own), vocabulary, positions, attention
+    dropout, the checkpoint's quantization method, and whether the logits are needed in full
+    (a soft cap or a scale on them)."""
     quant = _attr(text, "quantization_config") or _get(model.config, "quantization_config")
     if isinstance(quant, dict):
         quant = quant.get("quant_method")
     softcap = _attr(text, "final_logit_softcapping", "logit_softcapping")
     scale = _attr(text, "logits_scaling", "logit_scale", default=1.0)
-    return ModelSpec(
-        model_type=str(text.model_type if not wrapper else model.config.model_type),
-        layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        intermediate=intermediate, vocab=_vocab(model, text),
-        max_positions=int(_attr(text, "max_position_embeddings", default=0) or 0),
-        tied_embeddings=tied, linears=tuple(distinct.values()), embedding_params=embedding,
-        lm_head_params=head, norm_params_per_layer=0, final_norm_params=final_norm,
-        other_params_per_layer=0, source="meta-device",
-        attention_dropout=float(_attr(text, "attention_dropout", default=0.0) or 0.0),
-        experts=experts, dense_mlp=dense_mlp, sliding_window=window if sliding else 0,
-        sliding_layers=sliding if window else 0, vision_params=vision,
-        quantization=None if quant is None else str(quant),
-        full_logits=softcap is not None or float(scale or 1.0) != 1.0,
-        blocks=blocks, extras=out_extras, outer_quantized=outer_quantized(model, layers),
-    )  # fmt: skip
+    return {
+        "model_type": str(text.model_type if not wrapper else model.config.model_type),
+        "vocab": _vocab(model, text),
+        "max_positions": int(_attr(text, "max_position_embeddings", default=0) or 0),
+        "source": "meta-device",
+        "attention_dropout": float(_attr(text, "attention_dropout", default=0.0) or 0.0),
+        "quantization": None if quant is None else str(quant),
+        "full_logits": softcap is not None or float(scale or 1.0) != 1.0,
+    }

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +47,12 @@ from homelab_dp.train.model.layer_census import (
     _is_attention,
     _is_norm,
     _numel,
-    _vocab,
+    config_fields,
     describe_groups,
     hidden_size,
     layer_groups,
     outer_quantized,
+    unfused_experts,
 )
 
 
@@ -75,12 +75,7 @@ def _layer_parts(layer: nn.Module, hidden: int) -> dict[str, Any]:
     # Per-expert nn.Linear (unfused): experts.N.<linear>, counted by their distinct N.
     unfused = {n: lin for n, lin in _all_linears(layer).items() if ".experts." in f".{n}."}
     if unfused and not experts:
-        ids = Counter(n.split("experts.")[1].split(".")[0] for n in unfused)
-        count, fused = len(ids), False
-        first = next(iter(ids))
-        experts = [
-            lin for n, lin in unfused.items() if n.split("experts.")[1].split(".")[0] == first
-        ]
+        (count, experts), fused = unfused_experts(unfused), False
     for bias_name, width in expert_biases.items():  # fused biases join their linear
         for i, lin in enumerate(experts):
             if bias_name.startswith(lin.name) and lin.d_out == width and not lin.bias:
@@ -285,29 +280,17 @@ def _describe(model: nn.Module, text: Any, *, wrapper: bool, source: str) -> Mod
         if types
         else (len(parts) if window else 0)
     )
-    quant = getattr(text, "quantization_config", None) or getattr(
-        model.config, "quantization_config", None
-    )
-    if isinstance(quant, dict):
-        quant = quant.get("quant_method")
-    softcap = _attr(text, "final_logit_softcapping", "logit_softcapping")
-    scale = _attr(text, "logits_scaling", "logit_scale", default=1.0)
     return ModelSpec(
-        model_type=str(text.model_type if not wrapper else model.config.model_type),
+        **config_fields(model, text, wrapper=wrapper),
         layers=len(parts), hidden=hidden, heads=heads,
         kv_heads=int(_attr(text, "num_key_value_heads", default=heads)), head_dim=head_dim,
         intermediate=int(_attr(text, "moe_intermediate_size", "intermediate_size", default=4 * hidden)
                          if experts else _attr(text, "intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden),
-        vocab=_vocab(model, text), max_positions=int(_attr(text, "max_position_embeddings", default=0)),
         tied_embeddings=tied, linears=tuple(common.values()), embedding_params=embedding,
         lm_head_params=head, norm_params_per_layer=norms, final_norm_params=final_norm,
-        other_params_per_layer=other, source="meta-device",
-        attention_dropout=float(_attr(text, "attention_dropout", default=0.0) or 0.0),
-        experts=experts, dense_mlp=dense_mlp, sliding_window=window if sliding else 0,
-        sliding_layers=sliding if window else 0, vision_params=vision,
-        quantization=None if quant is None else str(quant),
-        full_logits=softcap is not None or float(scale or 1.0) != 1.0,
-        outer_quantized=outer_quantized(model, layers),
+        other_params_per_layer=other, experts=experts, dense_mlp=dense_mlp,
+        sliding_window=window if sliding else 0, sliding_layers=sliding if window else 0,
+        vision_params=vision, outer_quantized=outer_quantized(model, layers),
     )  # fmt: skip
 
 

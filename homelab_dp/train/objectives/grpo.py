@@ -46,7 +46,6 @@ from homelab_dp.presets.reward_specs import reward_specs
 from homelab_dp.runs.folder.rollouts import rollout_path
 from homelab_dp.train.loop.metrics import all_gather_flat
 from homelab_dp.train.loop.sample_answers import _eos_ids, evaluating
-from homelab_dp.train.objectives.dpo import backward
 from homelab_dp.train.objectives.grpo_generation import (
     Group,
     generate_group,
@@ -59,6 +58,7 @@ from homelab_dp.train.objectives.grpo_losses import (
     masked_sum,
     token_losses,
 )
+from homelab_dp.train.objectives.preference_step import backward
 from homelab_dp.train.objectives.reward_functions import RewardError, Rewards
 from homelab_dp.user_files.private_write import write_whole
 

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from homelab_dp.train.objectives.dpo import backward
 from homelab_dp.train.objectives.pair_batch import batch_of, forward_logps
 from homelab_dp.train.objectives.preference_losses import kto_loss
+from homelab_dp.train.objectives.preference_step import PreferenceStep, float64_sums
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
-class KtoObjective:
+class KtoObjective(PreferenceStep):
     """`train.objectives.objective.Objective` of KTO (see the module docstring)."""
 
     name = "kto"
@@ -37,12 +37,9 @@ class KtoObjective:
         self.kl = 0.0
         """The step's KL estimate (`begin_step`)."""
 
-    def units(self, data: Any) -> torch.Tensor:
-        """``[n_blocks, 3]``: completions, desirable ones, undesirable ones."""
-        return self.eval_units(data.pairs)
-
     def eval_units(self, pairs: Any) -> torch.Tensor:
-        """Completions, desirable and undesirable completions per block of ``pairs``."""
+        """``[n_blocks, 3]``: completions, desirable and undesirable completions per block of
+        ``pairs``."""
         good = (pairs.desirable == 1).sum(1)
         bad = (pairs.desirable == 0).sum(1)
         return torch.stack([pairs.n_pairs, good, bad], 1).to(torch.float64)
@@ -68,10 +65,10 @@ class KtoObjective:
         """The step's KL estimate over the whole effective batch."""
         self.kl = self.kl_estimate(model, data.pairs, micro_idx, rank)
 
-    def parts(
+    def kto_parts(
         self, model: Any, pairs: Any, idx: torch.Tensor, device: Any, kl: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(per-completion losses, rewards, desirable flags) of the blocks ``idx``."""
+        """(per-completion losses, rewards, desirable flags) of the blocks ``idx`` at ``kl``."""
         batch = batch_of(pairs, idx, device, flat=model.flat_batches)
         ref = self.reference.logps(model, pairs, batch)
         logps, _ = forward_logps(model.strategy.model, batch, autocast=model.autocast,
@@ -80,23 +77,29 @@ class KtoObjective:
         losses, rewards = kto_loss(logps[0::2], ref[0::2], want, kl, beta=self.beta)
         return losses, rewards, want
 
-    def micro_step(
-        self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Forward, the loss scaled by world / the step's completions, backward."""
-        losses, rewards, want = self.parts(model, data.pairs, idx, rank.device, self.kl)
-        if probe is not None:
-            probe.mark("forward")
-        total = losses.sum()
-        backward(total * (rank.world / max(float(counts[0]), 1.0)), model.scaler)
-        if probe is not None:
-            probe.mark("backward")
-        return _sums(total, rewards, want)
+    def parts(
+        self, model: Any, pairs: Any, idx: torch.Tensor, device: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`kto_parts` at the step's KL estimate (`begin_step`)."""
+        return self.kto_parts(model, pairs, idx, device, self.kl)
 
-    def eval_sums(self, model: Any, pairs: Any, idx: torch.Tensor, device: Any) -> torch.Tensor:
-        """The metric sums of ``idx`` (the KL term taken as 0: no batch to estimate it on)."""
-        return _sums(*self.parts(model, pairs, idx, device, 0.0))
+    def eval_parts(
+        self, model: Any, pairs: Any, idx: torch.Tensor, device: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`kto_parts` with the KL term taken as 0: no batch to estimate it on."""
+        return self.kto_parts(model, pairs, idx, device, 0.0)
+
+    def step_loss(
+        self, parts: tuple[Any, ...], counts: Sequence[float], world: int
+    ) -> torch.Tensor:
+        """The completions' loss sum scaled by world / the step's completions."""
+        return parts[0].sum() * (world / max(float(counts[0]), 1.0))
+
+    def sums(self, *parts: Any) -> torch.Tensor:
+        """[loss, desirable rewards, undesirable rewards] summed, one float64 vector."""
+        losses, rewards, want = parts
+        good = want.bool()
+        return float64_sums(losses.sum(), rewards[good].sum(), rewards[~good].sum())
 
     def fields(self, sums: Sequence[float], counts: Sequence[float]) -> dict[str, float | None]:
         """Mean loss; mean desirable and undesirable rewards and their difference."""
@@ -108,10 +111,3 @@ class KtoObjective:
         margin = chosen - rejected if chosen is not None and rejected is not None else None
         return {"loss": sums[0] / n, "rewards_chosen": chosen, "rewards_rejected": rejected,
                 "reward_margin": margin}  # fmt: skip
-
-
-def _sums(total: torch.Tensor, rewards: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    good = want.bool()
-    return torch.stack([total.detach().to(torch.float64),
-                        rewards[good].sum().to(torch.float64),
-                        rewards[~good].sum().to(torch.float64)])  # fmt: skip

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from homelab_dp.train.objectives.dpo import backward
 from homelab_dp.train.objectives.pair_batch import batch_of, forward_logps
 from homelab_dp.train.objectives.preference_losses import orpo_loss
+from homelab_dp.train.objectives.preference_step import PreferenceStep, float64_sums
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
-class OrpoObjective:
+class OrpoObjective(PreferenceStep):
     """`train.objectives.objective.Objective` of ORPO (see the module docstring)."""
 
     name = "orpo"
@@ -31,16 +31,9 @@ class OrpoObjective:
     def __init__(self, orpo_lambda: float) -> None:
         self.orpo_lambda = orpo_lambda
 
-    def units(self, data: Any) -> torch.Tensor:
-        """``[n_blocks, 2]``: pairs, chosen target tokens."""
-        return self.eval_units(data.pairs)
-
     def eval_units(self, pairs: Any) -> torch.Tensor:
-        """Pairs and chosen target tokens per block of ``pairs``."""
+        """``[n_blocks, 2]``: pairs and chosen target tokens per block of ``pairs``."""
         return torch.stack([pairs.n_pairs, pairs.chosen_targets()], 1).to(torch.float64)
-
-    def begin_step(self, model: Any, data: Any, rank: Any, micro_idx: list[Any]) -> None:
-        """Nothing to agree on before the micro-steps."""
 
     def parts(
         self, model: Any, pairs: Any, idx: torch.Tensor, device: Any
@@ -53,23 +46,18 @@ class OrpoObjective:
         term, log_odds = orpo_loss(avg[0::2], avg[1::2], orpo_lambda=self.orpo_lambda)
         return -logps[0::2].sum(), term, log_odds
 
-    def micro_step(
-        self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Forward, NLL per chosen token + the mean odds-ratio term (global counts), backward."""
-        nll, term, log_odds = self.parts(model, data.pairs, idx, rank.device)
-        if probe is not None:
-            probe.mark("forward")
+    def step_loss(
+        self, parts: tuple[Any, ...], counts: Sequence[float], world: int
+    ) -> torch.Tensor:
+        """world · (NLL per chosen token + the mean odds-ratio term), of the step's global counts."""
+        nll, term, _ = parts
         pairs, tokens = max(float(counts[0]), 1.0), max(float(counts[1]), 1.0)
-        backward(rank.world * (nll / tokens + term.sum() / pairs), model.scaler)
-        if probe is not None:
-            probe.mark("backward")
-        return _sums(nll, term, log_odds)
+        return world * (nll / tokens + term.sum() / pairs)
 
-    def eval_sums(self, model: Any, pairs: Any, idx: torch.Tensor, device: Any) -> torch.Tensor:
-        """The metric sums of the blocks ``idx`` without a backward (evaluation)."""
-        return _sums(*self.parts(model, pairs, idx, device))
+    def sums(self, *parts: Any) -> torch.Tensor:
+        """[chosen NLL, odds-ratio terms, log odds ratios] summed, one float64 vector."""
+        nll, term, log_odds = parts
+        return float64_sums(nll, term.detach().sum(), log_odds.sum())
 
     def fields(self, sums: Sequence[float], counts: Sequence[float]) -> dict[str, float | None]:
         """Loss = NLL per chosen token + mean odds-ratio term; nll; mean log odds ratio."""
@@ -78,8 +66,3 @@ class OrpoObjective:
             return {"loss": float("nan")}
         nll = sums[0] / tokens
         return {"loss": nll + sums[1] / pairs, "nll": nll, "log_odds_ratio": sums[2] / pairs}
-
-
-def _sums(nll: torch.Tensor, term: torch.Tensor, log_odds: torch.Tensor) -> torch.Tensor:
-    return torch.stack([nll.detach().to(torch.float64), term.detach().sum().to(torch.float64),
-                        log_odds.sum().to(torch.float64)])  # fmt: skip

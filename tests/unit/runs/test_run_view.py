@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
+from homelab_dp.runs.run_events import GRPO_FIGURES, OBJECTIVE_FIGURES, EvalEvent, StepEvent
 from homelab_dp.runs.run_view import STRAGGLER_STEPS, RunView
 
 
@@ -115,3 +118,15 @@ def test_straggler_detector_reports_each_rank_once_per_episode() -> None:
     d.update([1.0, 1.0, 1.0])  # recovered
     assert d.flagged == {}
     assert [d.update(slow) for _ in range(STRAGGLER_STEPS)][-1] == [2]
+
+
+def test_the_figure_lists_name_the_events_own_optional_fields() -> None:
+    """One list of each objective's figures (run_events) for the view and the metric loggers:
+    every name is an optional float of the events that carry it."""
+    step = {f.name: f.type for f in fields(StepEvent)}
+    evals = {f.name: f.type for f in fields(EvalEvent)}
+    for name in OBJECTIVE_FIGURES:
+        assert step[name] == evals[name] == "float | None", name
+    for name in GRPO_FIGURES:
+        assert step[name] == "float | None" and name not in evals, name
+    assert not set(OBJECTIVE_FIGURES) & set(GRPO_FIGURES)

@@ -304,6 +304,28 @@ def test_kto_split_is_exact_with_the_kl_of_the_whole_batch(model: Model) -> None
     assert fields["rewards_chosen"] is not None and fields["rewards_rejected"] is not None
 
 
+def test_kto_eval_sums_are_the_step_sums_with_the_kl_term_at_zero(model: Model) -> None:
+    """The eval worker's and the validator's KTO sums: one float64 vector per call (the
+    per-completion losses summed, as in training), equal to a micro-step's at z = 0."""
+    perturbed(model)
+    raw = random_pairs(4, seed=11)
+    data = Data(pair_data([block([p], 20, False, desirable=[d]) for p, d in zip(raw, [1, 0, 0, 1],
+                                                                               strict=True)],
+                          False))  # fmt: skip
+    kto = KtoObjective(AdapterReference(), beta=0.1)
+    kto.kl = 0.5  # a step's estimate: evaluation must not use it
+    cpu, idx = torch.device("cpu"), torch.tensor([0, 1, 2, 3])
+    with torch.no_grad():
+        got = kto.eval_sums(model, data.pairs, idx, cpu)
+    kto.kl = 0.0
+    counts = kto.units(data).sum(0).tolist()
+    want = kto.micro_step(model, data, idx, counts, Rank(cpu, 0, 1, 4))
+    grads(model)  # the micro-step's gradients dropped
+    assert got.shape == want.shape == (3,)
+    assert torch.allclose(got, want, rtol=0, atol=TOL)
+    assert float(got[1]) != 0.0 and float(got[2]) != 0.0  # both kinds of completion counted
+
+
 def test_sft_objective_keeps_the_token_loss(model: Model) -> None:
     sft = SftObjective()
 
