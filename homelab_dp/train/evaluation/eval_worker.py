@@ -1,13 +1,13 @@
 """The evaluation worker: one process per rank, started by torchrun (never by hand).
 
-    torchrun … -m homelab_dp.train.evaluation.evaluation JOB_FILE
+    torchrun … -m homelab_dp.train.evaluation.eval_worker JOB_FILE
 
 `homelab_dp.app.evaluate` writes JOB_FILE (its module docstring lists the keys) and starts
 torchrun. Each rank joins the group (gloo on the CPU, nccl on ``cuda:LOCAL_RANK``), tokenizes
 the data with the data pipeline (one sample per row, truncated to ``seq_len``: the front end
 checked the same), loads the model — a full folder, or a base with its PEFT adapter on top (no
 merge) — puts the chunked loss head in place of lm_head (no full logits; full cross-entropy
-where the model changes its logits after lm_head) and runs `train.evaluation.evaluation.evaluate` on each
+where the model changes its logits after lm_head) and runs `train.evaluation.eval_worker.evaluate` on each
 group of samples of about one length (`length_groups`: less padding computed, the same sums).
 Rank 0 writes the result as JSON to ``result_path``.
 
@@ -36,7 +36,7 @@ Validation while training: when to evaluate, the best eval loss, and early stopp
 
 The eval data (``data.eval_path`` or the held-out ``data.eval_fraction``, `homelab_dp.data.eval_split`)
 is evaluated every ``train.eval_every`` optimizer steps and at the last step, on every rank
-(`homelab_dp.train.evaluation.evaluation.evaluate`: each rank a shard, the token-weighted sums all-reduced),
+(`homelab_dp.train.evaluation.eval_worker.evaluate`: each rank a shard, the token-weighted sums all-reduced),
 so every rank holds the same loss and takes the same decisions without another collective:
 whether this is the best loss so far (``train.keep_best`` then keeps its checkpoint) and
 whether the loss has gone ``train.early_stopping_patience`` evaluations without improving (the
@@ -537,7 +537,7 @@ class Validator:
         self, blocks: Any, every: int, patience: int, *, objective: Any = None, pairs: Any = None
     ) -> None:
         self.blocks = blocks
-        """`train.evaluation.evaluation.EvalBlocks`: every rank holds all of them and evaluates its share."""
+        """`train.evaluation.eval_worker.EvalBlocks`: every rank holds all of them and evaluates its share."""
         self.objective = objective
         """With ``pairs``: the `train.objectives.objective.Objective` whose loss is evaluated."""
         self.pairs = pairs
