@@ -37,6 +37,7 @@ import torch
 
 from homelab_dp.data.preference_blocks import PairBlock, load_pairs, pair_blocks_of
 from homelab_dp.presets.preset import DataSection
+from homelab_dp.train.evaluation.eval_loss import rank_batches
 from homelab_dp.train.evaluation.eval_worker import (
     DTYPE_NAMES,
     base_of,
@@ -44,7 +45,6 @@ from homelab_dp.train.evaluation.eval_worker import (
     forward_tokens,
     join_group,
     load_model,
-    rank_batches,
     run_worker,
 )
 from homelab_dp.train.objectives.preference_losses import dpo_loss, sequence_log_probs

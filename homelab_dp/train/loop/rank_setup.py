@@ -33,7 +33,7 @@ from homelab_dp.planning.recurrent_packing import packing_decision, recurrent_ki
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
 from homelab_dp.runs.run_spec import RunSpec
-from homelab_dp.train.evaluation.eval_worker import EvalBlocks, eval_blocks
+from homelab_dp.train.evaluation.eval_loss import EvalBlocks, eval_blocks
 from homelab_dp.train.loop.checkpoints import find_usable, load_checkpoint
 from homelab_dp.train.loop.memtrack import WorkerMemory
 from homelab_dp.train.loop.metrics import all_gather_flat, peak_memory_kind
@@ -177,7 +177,7 @@ class Data:
     """The seeded global sample order (`train.parallelism.strategy.SampleOrder`)."""
     total_steps: int
     eval: Any = None
-    """`train.evaluation.eval_worker.EvalBlocks` of the eval data (`data.eval_split`), or None without any;
+    """`train.evaluation.eval_loss.EvalBlocks` of the eval data (`data.eval_split`), or None without any;
     for preference data its rows (the sample prompts come from them)."""
     pairs: Any = None
     """Preference data (dpo, orpo, kto): `train.objectives.pair_batch.PairData` of the training
@@ -489,7 +489,7 @@ class Position:
     resumed_from: str | None = None
     last_loss: float | None = None
     eval_state: dict[str, Any] | None = None
-    """The checkpoint's validation record (`train.evaluation.eval_worker.Validator.state`)."""
+    """The checkpoint's validation record (`train.evaluation.validator.Validator.state`)."""
     objective_state: dict[str, Any] | None = None
     """What the objective saved with the checkpoint (GRPO: the batch its next step reuses)."""
 

@@ -38,7 +38,7 @@ import torch
 from homelab_dp import safe_files
 from homelab_dp.data.token_cache import cache_root
 from homelab_dp.errors import HomelabError
-from homelab_dp.train.evaluation.eval_worker import rank_batches
+from homelab_dp.train.evaluation.eval_loss import rank_batches
 from homelab_dp.train.objectives.pair_batch import PairBatch, PairData, batch_of, forward_logps
 
 log = logging.getLogger("homelab_dp.worker")
