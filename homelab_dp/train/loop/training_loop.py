@@ -57,8 +57,8 @@ from homelab_dp.train.evaluation.validator import Validator
 from homelab_dp.train.loop.checkpoints import mark_best, save_checkpoint, save_result
 from homelab_dp.train.loop.divergence import SkippedSteps, check_loss, require_finite_weights
 from homelab_dp.train.loop.length_groups import group_by_length
-from homelab_dp.train.loop.metrics import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.loop.rank_setup import SetUp
+from homelab_dp.train.loop.rank_stats import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.loop.sample_answers import Sampler
 from homelab_dp.train.model.packed_attention import take_route_counts
 from homelab_dp.train.parallelism.comm_timing import comm_event_fields
