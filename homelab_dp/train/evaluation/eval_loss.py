@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from homelab_dp.data.blocks import IGNORE_INDEX
-from homelab_dp.train.loop.layer_compile import to_device
+from homelab_dp.train.loop.device_copy import to_device
 from homelab_dp.train.model.loss import token_loss_sum
 
 

@@ -35,9 +35,10 @@ from homelab_dp.runs.run_events import StartEvent, WarningEvent
 from homelab_dp.runs.run_spec import RunSpec
 from homelab_dp.train.evaluation.eval_loss import EvalBlocks, eval_blocks
 from homelab_dp.train.loop.checkpoints import find_usable, load_checkpoint
-from homelab_dp.train.loop.layer_compile import compile_layers, compile_wanted, enable_tf32
+from homelab_dp.train.loop.layer_compile import compile_layers, compile_wanted
 from homelab_dp.train.loop.memtrack import WorkerMemory
 from homelab_dp.train.loop.rank_stats import all_gather_flat, peak_memory_kind
+from homelab_dp.train.loop.tf32 import enable_tf32
 from homelab_dp.train.model.attention import attention_choice
 from homelab_dp.train.model.loss import install_loss_head, unsupported_reason
 from homelab_dp.train.model.packed_attention import watch_positions

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from homelab_dp.train.loop.layer_compile import to_device
+from homelab_dp.train.loop.device_copy import to_device
 from homelab_dp.train.loop.length_groups import trimmed_width
 from homelab_dp.train.model.loss import token_loss_sum
 
