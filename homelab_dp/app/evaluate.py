@@ -55,8 +55,9 @@ from homelab_dp.data.sources import read_source, resolve_source
 from homelab_dp.data.token_cache import TokenizerRef
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
 from homelab_dp.hub.hub_models import looks_like_hub_id
+from homelab_dp.planning.plan_hardware import PlanDevice, PlanHardware
 from homelab_dp.presets.preset import DataSection, ModelSection, Preset, TrainSection
-from homelab_dp.probe.hardware import HardwareReport, PlanDevice, PlanHardware
+from homelab_dp.probe.hardware import HardwareReport
 from homelab_dp.probe.visible_gpus import cuda_device_env
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg

@@ -31,7 +31,8 @@ from typing import Any
 
 from homelab_dp import safe_files
 from homelab_dp.errors import HardwareSpecError
-from homelab_dp.probe.hardware import GpuLink, PlanHardware, pcie_bytes_per_s
+from homelab_dp.planning.plan_hardware import PlanHardware
+from homelab_dp.probe.hardware import GpuLink, pcie_bytes_per_s
 
 NVLINK_GB_PER_LINK: dict[tuple[int, int], tuple[str, float]] = {
     (6, 0): ("NVLink 1", 20.0),  # P100

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.render.text import duration
 
 SAMPLE_WIDTH = 60

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp import json_safe, safe_files
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.memory.device_memory import COMPONENTS, Budget, Overhead, TrainShape
-from homelab_dp.probe.hardware import format_bytes
 
 FILE_VERSION = 1
 KEEP_PER_FINGERPRINT = 50

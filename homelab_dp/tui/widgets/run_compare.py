@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Static
 
-from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.render.compare import order_text
 from homelab_dp.render.text import duration
 
