@@ -23,13 +23,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from homelab_dp.byte_units import GiB, format_bytes
 from homelab_dp.planning.memory.layer_kinds import KERNELS, installed_kernels
 from homelab_dp.probe.hardware import (
     BF16_MIN_CAPABILITY,
-    GiB,
     GpuInfo,
     HardwareReport,
-    format_bytes,
     mig_off,
     mig_on,
     mig_slice,

@@ -11,13 +11,13 @@ the cache misses, comes from transformers, which imports torch on the CPU; CUDA 
 touched.)
 
 `run_eval` writes the job as JSON into a private temporary folder (0700), starts
-``torchrun … -m homelab_dp.train.evaluation.evaluation ARGS_FILE`` in its own session with every output
+``torchrun … -m homelab_dp.train.evaluation.eval_worker ARGS_FILE`` in its own session with every output
 in files there (no pipe from the workers), waits, and reads the result rank 0 wrote. The folder
 goes afterwards, unless the evaluation failed: the error then quotes the failing rank's log and
 names the folder. Ctrl-C (or SIGTERM) stops torchrun and its workers (none is left behind) and
 is re-raised as KeyboardInterrupt.
 
-The job file (read by `homelab_dp.train.evaluation.evaluation`): ``model_path``, ``base_path`` (an
+The job file (read by `homelab_dp.train.evaluation.eval_worker`): ``model_path``, ``base_path`` (an
 adapter's base or null), ``tokenizer_path``, ``trust_remote_code``, ``dtype`` (the run's preset
 dtype or auto), ``quantized`` (``nf4`` for a QLoRA result: its base is loaded so), ``device`` (cpu | cuda), ``data_path`` (a path or a dataset id), ``split``,
 ``format`` (as given: it keys the token cache), ``seq_len``, ``result_path`` and ``error_dir``.
@@ -55,14 +55,15 @@ from homelab_dp.data.sources import read_source, resolve_source
 from homelab_dp.data.token_cache import TokenizerRef
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
 from homelab_dp.hub.hub_models import looks_like_hub_id
+from homelab_dp.planning.plan_hardware import PlanDevice, PlanHardware
 from homelab_dp.presets.preset import DataSection, ModelSection, Preset, TrainSection
-from homelab_dp.probe.hardware import HardwareReport, PlanDevice, PlanHardware
+from homelab_dp.probe.hardware import HardwareReport
 from homelab_dp.probe.visible_gpus import cuda_device_env
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg
 from homelab_dp.supervise.launcher import torchrun_command
 
-EVAL_MODULE = "homelab_dp.train.evaluation.evaluation"
+EVAL_MODULE = "homelab_dp.train.evaluation.eval_worker"
 PAIR_EVAL_MODULE = "homelab_dp.train.evaluation.pair_evaluation"
 DEFAULT_SEQ_LEN = 2048
 """The longest default sequence for a model that did not come from a run."""
@@ -462,7 +463,7 @@ def prepare(model: str, data: str, fmt: str = "auto", seq_len: int | None = None
 
 
 def job_document(job: EvalJob, folder: Path) -> dict[str, Any]:
-    """What `homelab_dp.train.evaluation.evaluation` reads (see the module docstring); for pairs also what
+    """What `homelab_dp.train.evaluation.eval_worker` reads (see the module docstring); for pairs also what
     `homelab_dp.train.evaluation.pair_evaluation` reads."""
     ref = job.ref
     doc = {

@@ -20,6 +20,7 @@ from typing import Any
 
 from homelab_dp.app.model_specs import model_spec
 from homelab_dp.app.task_files import check_tasks
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.errors import HardwareSpecError, ModelSpecError, PresetError
 from homelab_dp.hub.hub_models import looks_like_hub_id
 from homelab_dp.planning.links import (
@@ -39,6 +40,7 @@ from homelab_dp.planning.memory.memory_calibration import (
     torch_version,
 )
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_hardware import PlanDevice, PlanHardware, parse_gpus_spec
 from homelab_dp.planning.plan_result import Fit
 from homelab_dp.planning.planner import Plan, plan, with_host
 from homelab_dp.planning.recurrent_packing import model_recurrent_kinds, packing_decision
@@ -53,13 +55,9 @@ from homelab_dp.probe.hardware import (
     GpuInfo,
     GpuProcess,
     HardwareReport,
-    PlanDevice,
-    PlanHardware,
-    format_bytes,
     mig_off,
     mig_on,
     mig_slice,
-    parse_gpus_spec,
     trained_pcie_link,
 )
 from homelab_dp.runs.folder.run_index import known_runs

@@ -43,11 +43,12 @@ from homelab_dp.errors import (
     RunStateError,
 )
 from homelab_dp.hub.hub_models import ModelOrigin
+from homelab_dp.planning.plan_hardware import PlanHardware
 from homelab_dp.planning.plan_result import Fit
 from homelab_dp.planning.planner import Plan
 from homelab_dp.presets.preset import Preset
 from homelab_dp.presets.preset_store import open_preset
-from homelab_dp.probe.hardware import HardwareReport, PlanHardware
+from homelab_dp.probe.hardware import HardwareReport
 from homelab_dp.runs import run_queue as waiting_room
 from homelab_dp.runs.folder.jsonl_tail import RunTail, file_size
 from homelab_dp.runs.folder.run_folder import (

@@ -20,8 +20,10 @@ from pathlib import Path
 
 from homelab_dp.app.model_specs import model_spec
 from homelab_dp.app.plan import Planned
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.errors import HardwareSpecError, HomelabError
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_hardware import PlanDevice, PlanHardware, parse_gpus_spec
 from homelab_dp.planning.serve_plan import (
     CANNOT_HELP,
     DEFAULT_CONCURRENT,
@@ -31,15 +33,7 @@ from homelab_dp.planning.serve_plan import (
     plan_serving,
 )
 from homelab_dp.probe import nvml
-from homelab_dp.probe.hardware import (
-    HardwareReport,
-    PlanDevice,
-    PlanHardware,
-    format_bytes,
-    mig_off,
-    mig_on,
-    parse_gpus_spec,
-)
+from homelab_dp.probe.hardware import HardwareReport, mig_off, mig_on
 from homelab_dp.runs.model_ref import ModelRef, resolve_model_arg
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")

@@ -22,8 +22,8 @@ import importlib.metadata
 import importlib.util
 from collections.abc import Sequence
 
+from homelab_dp.planning.plan_hardware import PlanHardware
 from homelab_dp.presets.preset import Preset
-from homelab_dp.probe.hardware import PlanHardware
 
 FLASH_MIN_CAPABILITY = (8, 0)
 """The oldest compute capability FlashAttention-2 runs on (Ampere)."""

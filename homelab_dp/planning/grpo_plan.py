@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.flops import (
     causal_span,
     memory_bandwidth,
@@ -65,9 +66,9 @@ from homelab_dp.planning.memory.grpo_memory import kv_cache_bytes
 from homelab_dp.planning.memory.objective_memory import preference_head_bytes
 from homelab_dp.planning.memory.train_shape import TrainShape, compute_width
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_hardware import PlanHardware
 from homelab_dp.planning.speed_calibration import CPU_THREAD_SCALING
 from homelab_dp.presets.preset import Preset
-from homelab_dp.probe.hardware import PlanHardware, format_bytes
 
 CUDA_DECODE_BANDWIDTH_SHARE = 0.8
 """Share of a card's peak memory bandwidth a decode step's reads achieve: large sequential

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.errors import HardwareSpecError
-from homelab_dp.probe.hardware import GpuLink, PlanHardware, pcie_bytes_per_s
+from homelab_dp.planning.plan_hardware import PlanHardware
+from homelab_dp.probe.hardware import GpuLink, pcie_bytes_per_s
 from homelab_dp.user_files.paths import cache_home, ensure_private_dir
 from homelab_dp.user_files.private_write import read_back, write_private
 

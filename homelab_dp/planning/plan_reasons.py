@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.attention_rule import attention_reason, packing_reasons
 from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.planning.memory.device_memory import (
@@ -51,17 +52,10 @@ from homelab_dp.planning.memory.memory_calibration import HardwareCalibration
 from homelab_dp.planning.memory.offload_cost import OffloadCost, cost_words, offload_words
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.objective_cost import ObjectiveCost
+from homelab_dp.planning.plan_hardware import PlanDevice, PlanHardware, free_margin
 from homelab_dp.planning.sequence_split import degree_of
 from homelab_dp.presets.preset import Preset
-from homelab_dp.probe.hardware import (
-    BF16_MIN_CAPABILITY,
-    GpuProcess,
-    PlanDevice,
-    PlanHardware,
-    format_bytes,
-    format_capability,
-    free_margin,
-)
+from homelab_dp.probe.hardware import BF16_MIN_CAPABILITY, GpuProcess, format_capability
 
 PLAIN = {
     "full": "full fine-tune",

@@ -18,10 +18,10 @@ from homelab_dp.planning.memory.memory_calibration import (
 from homelab_dp.planning.memory.offload_cost import OffloadCost
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.objective_cost import ObjectiveCost
+from homelab_dp.planning.plan_hardware import PlanHardware
 from homelab_dp.planning.plan_reasons import LrAdvice
 from homelab_dp.planning.seq_len_finder import SeqLenFinder
 from homelab_dp.planning.time_model import Prediction
-from homelab_dp.probe.hardware import PlanHardware
 
 if TYPE_CHECKING:
     from homelab_dp.planning.grpo_plan import GrpoMemory

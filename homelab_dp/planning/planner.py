@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.errors import PresetError
 from homelab_dp.planning import grpo_plan
 from homelab_dp.planning import sequence_split as split
@@ -85,6 +86,7 @@ from homelab_dp.planning.objective_cost import (
     objective_cost,
     resolve_reference,
 )
+from homelab_dp.planning.plan_hardware import PlanHardware
 from homelab_dp.planning.plan_reasons import (
     choice_reasons,
     fit_advice,
@@ -99,12 +101,7 @@ from homelab_dp.planning.plan_reasons import (
 )
 from homelab_dp.planning.plan_result import SAFETY_MARGIN, Candidate, Fit, Plan
 from homelab_dp.presets.preset import Preset
-from homelab_dp.probe.hardware import (
-    BF16_MIN_CAPABILITY,
-    PlanHardware,
-    format_bytes,
-    format_capability,
-)
+from homelab_dp.probe.hardware import BF16_MIN_CAPABILITY, format_capability
 from homelab_dp.vocabulary import DISTRIBUTIONS, METHODS, SHARDED
 
 FP16_SHARDING_NOTE = (

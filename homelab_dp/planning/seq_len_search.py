@@ -14,6 +14,7 @@ from homelab_dp.planning import sequence_split as split
 from homelab_dp.planning.memory.memory_calibration import HardwareCalibration
 from homelab_dp.planning.memory.mlp_tiles import tiled_mlp_refusal
 from homelab_dp.planning.model_spec import ModelSpec
+from homelab_dp.planning.plan_hardware import PlanHardware
 from homelab_dp.planning.plan_result import SAFETY_MARGIN, Candidate
 from homelab_dp.planning.planner import (
     _decide,
@@ -31,7 +32,6 @@ from homelab_dp.planning.seq_len_finder import (
     search_seq_len,
 )
 from homelab_dp.presets.preset import Preset
-from homelab_dp.probe.hardware import PlanHardware
 from homelab_dp.vocabulary import DISTRIBUTIONS, METHODS
 
 

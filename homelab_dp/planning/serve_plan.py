@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.memory.device_memory import (
     CPU_FRAGMENTATION,
     CPU_RUNTIME_BYTES,
@@ -36,7 +37,6 @@ from homelab_dp.planning.memory.device_memory import (
 )
 from homelab_dp.planning.model_spec import ATTENTION_KINDS, Mixer, ModelSpec
 from homelab_dp.planning.plan_reasons import count
-from homelab_dp.probe.hardware import format_bytes
 
 ServeKind = Literal["cuda", "cpu"]
 

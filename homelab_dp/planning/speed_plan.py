@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning import grpo_plan
 from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.planning.links import LinkSpeed
@@ -21,7 +22,6 @@ from homelab_dp.planning.planner import supported, train_shape
 from homelab_dp.planning.speed_calibration import ComputeRate
 from homelab_dp.planning.time_model import GOOD_EFFICIENCY, Prediction, predict
 from homelab_dp.presets.preset import Preset
-from homelab_dp.probe.hardware import format_bytes
 
 RateOf = Callable[[str, bool], ComputeRate]
 """(method, activation checkpointing) → the compute rate to price it at

@@ -55,9 +55,9 @@ from homelab_dp.planning.memory.train_shape import (
 )
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.objective_cost import sequence_len, shape_flops_factor
+from homelab_dp.planning.plan_hardware import PlanHardware
 from homelab_dp.planning.sequence_split import all_to_all_bytes
 from homelab_dp.planning.speed_calibration import ComputeRate
-from homelab_dp.probe.hardware import PlanHardware
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's bucket size (``bucket_cap_mb`` 25): the last bucket's all-reduce is exposed."""

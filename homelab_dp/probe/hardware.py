@@ -1,33 +1,19 @@
-"""What the machine has (probe results) and what a plan is made for (planning hardware).
+"""What the machine has, as the probe reports it: its cards (memory, capability, MIG slices,
+the processes on them), their links and the host.
 
-Pure data and parsing; the probing itself lives in `homelab_dp.probe`.
+Pure data; the probing itself lives in `homelab_dp.probe.nvml` and `homelab_dp.probe.cpu_host`.
+What a plan is made for is `homelab_dp.planning.plan_hardware`.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
-
-from homelab_dp.errors import HardwareSpecError
-
-GiB = 1024**3
-MiB = 1024**2
 
 BF16_MIN_CAPABILITY = (8, 0)
 """The oldest compute capability with bf16 arithmetic (Ampere); older cards compute in fp16."""
 
 DeviceKind = Literal["cuda", "cpu"]
-
-FREE_MARGIN_MIN = 256 * MiB
-FREE_MARGIN_SHARE = 0.02
-"""A local card's budget keeps this much of its free memory back (the larger of the two):
-other processes' memory moves between the probe and the run's peak."""
-
-
-def free_margin(total: int) -> int:
-    """What a plan leaves of a local card's free memory: max(256 MiB, 2% of the card)."""
-    return max(FREE_MARGIN_MIN, int(FREE_MARGIN_SHARE * total))
 
 
 @dataclass(frozen=True)
@@ -201,105 +187,6 @@ class HardwareReport:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class PlanDevice:
-    """One device a plan budgets for."""
-
-    name: str
-    memory_bytes: int
-    compute_capability: tuple[int, int] | None = None
-    """(major, minor) from the probe or a what-if ``--gpus 2x11GiB@7.5``; None on the CPU and
-    where it is not known (the planner then assumes bf16 works, and says so)."""
-    free_bytes: int | None = None
-    """A local card's free memory at probe time; None for what-if cards and the CPU, whose
-    whole memory is budgeted."""
-    processes: tuple[GpuProcess, ...] | None = None
-    """What holds memory on a local card (None: not known, e.g. a what-if card)."""
-    pcie_gen: int | None = None
-    pcie_width: int | None = None
-    """The PCIe link the card trains at (`trained_pcie_link`); None: not known (a what-if
-    card, or NVML did not say), and an offloading plan then assumes one, saying so."""
-
-    def budget(self, margin: float) -> int:
-        """What a plan may use here: ``margin`` (the planner's safety margin) of the memory,
-        and on a local card no more than its free memory less `free_margin`."""
-        whole = int(margin * self.memory_bytes)
-        if self.free_bytes is None:
-            return whole
-        return max(0, min(whole, self.free_bytes - free_margin(self.memory_bytes)))
-
-    @property
-    def held_bytes(self) -> int:
-        """Memory in use by others at probe time (0 for a what-if card or the CPU)."""
-        return 0 if self.free_bytes is None else max(0, self.memory_bytes - self.free_bytes)
-
-
-@dataclass(frozen=True)
-class PlanHardware:
-    """The devices a plan is made for: one process (rank) per device."""
-
-    kind: DeviceKind
-    devices: tuple[PlanDevice, ...]
-    source: str = "probe"
-    """Where the devices came from: "probe", "--gpus <spec>", "preset"."""
-    indices: tuple[int, ...] = field(default=())
-    """The planned GPUs by NVML index (PCI bus order, as `homelab-dp probe` numbers them), one
-    per device, when planned from the probe; empty otherwise."""
-    uuids: tuple[str, ...] = field(default=())
-    """The same GPUs by NVML UUID, one per index, when NVML gave every one (else empty): what
-    the run puts in CUDA_VISIBLE_DEVICES, so the workers see exactly these cards. A MIG
-    slice is named by its ``MIG-...`` UUID (the card's own UUID shows CUDA no device)."""
-    notes: tuple[str, ...] = field(default=())
-    """What choosing the devices decided that the plan should say (a MIG slice planned in
-    place of its card); the plan's reasons start with these."""
-
-    @property
-    def world_size(self) -> int:
-        return len(self.devices)
-
-    @property
-    def min_memory(self) -> int:
-        """The smallest device's memory: mixed cards are limited by the smallest."""
-        return min(d.memory_bytes for d in self.devices)
-
-    def budget(self, margin: float) -> int:
-        """What each device may use: the smallest `PlanDevice.budget` (every rank gets the
-        same share)."""
-        return min(d.budget(margin) for d in self.devices)
-
-    def limited(self, margin: float) -> tuple[int, ...]:
-        """Positions of the local cards whose budget is cut by what other processes hold."""
-        return tuple(
-            i for i, d in enumerate(self.devices) if d.budget(margin) < int(margin * d.memory_bytes)
-        )
-
-    def idle(self) -> PlanHardware:
-        """The same devices with nothing else on them: every card budgeted whole."""
-        devices = tuple(replace(d, free_bytes=None, processes=None) for d in self.devices)
-        return replace(self, devices=devices)
-
-    def below_capability(self, capability: tuple[int, int]) -> tuple[int, ...]:
-        """Positions of the devices whose known compute capability is below ``capability``."""
-        return tuple(
-            i
-            for i, d in enumerate(self.devices)
-            if d.compute_capability is not None and d.compute_capability < capability
-        )
-
-    def unknown_capability(self) -> tuple[int, ...]:
-        """Positions of the GPUs whose compute capability is not known (none on the CPU)."""
-        if self.kind != "cuda":
-            return ()
-        return tuple(i for i, d in enumerate(self.devices) if d.compute_capability is None)
-
-    def label(self, position: int) -> str:
-        """A device for people: "GPU 1 (Tesla P40)" when planned from the probe, else its name."""
-        name = self.devices[position].name
-        if position < len(self.indices):
-            return f"GPU {self.indices[position]} ({name})"
-        return name
-
-
 PCIE_GB_PER_S_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 """Usable GB/s per lane and direction after line coding (8b/10b to gen 2, 128b/130b to gen 5)."""
 
@@ -322,107 +209,3 @@ def pcie_bytes_per_s(gen: int, width: int, efficiency: float = 1.0) -> float:
 def format_capability(capability: tuple[int, int] | None) -> str:
     """(8, 6) -> "8.6"; None -> "unknown"."""
     return "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t)?\s*$", re.IGNORECASE)
-_UNIT = {
-    None: GiB,
-    "g": GiB,
-    "gib": GiB,
-    "gb": GiB,
-    "m": MiB,
-    "mib": MiB,
-    "mb": MiB,
-    "t": 1024 * GiB,
-    "tib": 1024 * GiB,
-    "tb": 1024 * GiB,
-}
-_GPUS_HINT = (
-    "use e.g. --gpus 2x24GiB, --gpus 24GiB,12GiB, --gpus 4x80GiB, --gpus 2x11GiB@7.5 "
-    "or --gpus cpu:2"
-)
-
-
-def parse_size(text: str) -> int:
-    """Parse "24GiB", "24", "11.5G", "512MiB" into bytes (binary units; a bare number is GiB)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(text)
-    unit = m.group(2).lower() if m.group(2) else None
-    value = float(m.group(1)) * _UNIT[unit]
-    if value <= 0:
-        raise ValueError(text)
-    return int(value)
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: 1.5 GiB, 300 MiB, 12 KiB."""
-    for unit, size in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if abs(n) < 10 * size else f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def parse_gpus_spec(spec: str, host_ram: int) -> PlanHardware:
-    """Parse a what-if `--gpus` spec.
-
-    ``2x24GiB`` two cards of 24 GiB; ``24GiB,12GiB`` a mixed pair; ``cpu:2`` two CPU processes
-    sharing the host RAM (``host_ram`` bytes); ``cpu:2:64GiB`` the same with 64 GiB of RAM.
-
-    A card's CUDA compute capability may follow its size after ``@``: ``2x11GiB@7.5`` two RTX
-    2080 Ti, ``24GiB@8.6,24GiB@6.1`` an RTX 3090 beside a Tesla P40. It decides the dtype that
-    ``model.dtype = "auto"`` gives (bf16 from 8.0, else fp16); without it the capability is
-    unknown and bf16 is assumed.
-    """
-    text = spec.strip()
-    if not text:
-        raise HardwareSpecError("--gpus: empty spec", _GPUS_HINT)
-    if text.lower().startswith("cpu"):
-        m = re.match(r"^cpu(?::(\d+))?(?::(.+))?$", text, re.IGNORECASE)
-        if not m:
-            raise HardwareSpecError(f"--gpus: cannot read {spec!r}", _GPUS_HINT)
-        nproc = int(m.group(1) or 1)
-        if nproc < 1:
-            raise HardwareSpecError(f"--gpus: {spec!r} asks for {nproc} processes", _GPUS_HINT)
-        ram = host_ram
-        if m.group(2):
-            try:
-                ram = parse_size(m.group(2))
-            except ValueError:
-                raise HardwareSpecError(
-                    f"--gpus: cannot read the RAM size {m.group(2)!r} in {spec!r}", _GPUS_HINT
-                ) from None
-        per_proc = ram // nproc
-        devices = tuple(PlanDevice(f"cpu process {i}", per_proc) for i in range(nproc))
-        return PlanHardware("cpu", devices, source=f"--gpus {spec}")
-    devices: list[PlanDevice] = []
-    for part in text.split(","):
-        part = part.strip()
-        m = re.match(r"^(?:(\d+)\s*[x×*]\s*)?(.+)$", part, re.IGNORECASE)
-        if not m or not part:
-            raise HardwareSpecError(f"--gpus: cannot read {part!r} in {spec!r}", _GPUS_HINT)
-        count = int(m.group(1)) if m.group(1) else 1
-        size_text, at, cc_text = m.group(2).partition("@")
-        capability = None
-        if at:
-            cc = re.match(r"^\s*(\d+)\.(\d+)\s*$", cc_text)
-            if not cc or int(cc.group(1)) < 1:
-                raise HardwareSpecError(
-                    f"--gpus: cannot read the compute capability {cc_text!r} in {spec!r} "
-                    "(major.minor, e.g. 8.6)",
-                    _GPUS_HINT,
-                )
-            capability = (int(cc.group(1)), int(cc.group(2)))
-        try:
-            size = parse_size(size_text)
-        except ValueError:
-            raise HardwareSpecError(
-                f"--gpus: cannot read the memory size {size_text!r} in {spec!r}", _GPUS_HINT
-            ) from None
-        if count < 1 or count > 64:
-            raise HardwareSpecError(
-                f"--gpus: {count} cards in {spec!r} is out of range (1 to 64)", _GPUS_HINT
-            )
-        name = f"what-if {format_bytes(size)}"
-        devices.extend(PlanDevice(name, size, capability) for _ in range(count))
-    return PlanHardware("cuda", tuple(devices), source=f"--gpus {spec}")

@@ -9,8 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from homelab_dp.app.measure import MeasureReport
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.memory.device_memory import PHASES
-from homelab_dp.probe.hardware import format_bytes
 
 
 def render_measure(report: MeasureReport) -> Any:

@@ -10,12 +10,13 @@ from rich.table import Table
 from rich.text import Text
 
 from homelab_dp.app.plan import Planned, planned_samples
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.memory.device_memory import COMPONENTS
 from homelab_dp.planning.memory.offload_cost import ASSUMED_MFU, offload_words, seconds
+from homelab_dp.planning.plan_hardware import PlanHardware
 from homelab_dp.planning.plan_reasons import PLAIN, count, holders
 from homelab_dp.planning.planner import SAFETY_MARGIN, Plan
 from homelab_dp.planning.seq_len_finder import SeqLenFinder
-from homelab_dp.probe.hardware import PlanHardware, format_bytes
 from homelab_dp.render.preset_results import expected_text
 from homelab_dp.render.text import duration
 from homelab_dp.runs.preset_results import PresetRuns

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.text import Text
 
-from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.render.text import duration, num
 from homelab_dp.runs.preset_results import PresetRuns
 

@@ -6,12 +6,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.probe.hardware import (
     BF16_MIN_CAPABILITY,
     GpuInfo,
     HardwareReport,
     HostInfo,
-    format_bytes,
     format_capability,
 )
 from homelab_dp.render.text import gauge, load_style, na

@@ -15,7 +15,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.render.text import duration, gauge, memory_gauge, mfu_text, num
 from homelab_dp.runs.folder.rollouts import Rollouts
 from homelab_dp.runs.run_view import DeviceView, RunView

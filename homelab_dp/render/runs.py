@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.text import Text
 
-from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.render.run_view import (
     STATUS_STYLE,
     comm_text,

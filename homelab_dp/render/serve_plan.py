@@ -10,10 +10,10 @@ from rich.table import Table
 from rich.text import Text
 
 from homelab_dp.app.serve import ServePlanned
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.model_spec import ModelSpec
 from homelab_dp.planning.plan_reasons import count
 from homelab_dp.planning.serve_plan import ServePlan
-from homelab_dp.probe.hardware import format_bytes
 
 
 def kv_formula(spec: ModelSpec, plan: ServePlan) -> str:

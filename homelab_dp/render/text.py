@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from homelab_dp.probe.hardware import format_bytes
+from homelab_dp.byte_units import format_bytes
 
 
 def na(value: object, unit: str = "") -> str:

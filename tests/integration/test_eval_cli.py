@@ -207,7 +207,7 @@ def test_data_of_every_kind_training_reads(tiny_model, data_dir, tmp_path, monke
 
     from homelab_dp.app.evaluate import job_document, prepare
     from homelab_dp.data import token_cache
-    from homelab_dp.train.evaluation.evaluation import load_blocks
+    from homelab_dp.train.evaluation.eval_worker import load_blocks
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     jsonl = data_dir / "ragged-12.jsonl"
@@ -280,7 +280,7 @@ def test_ctrl_c_stops_the_workers_and_leaves_nothing(tiny_model, data_dir, tmp_p
         workers = [
             c
             for c in lines
-            if "homelab_dp.train.evaluation.evaluation" in c
+            if "homelab_dp.train.evaluation.eval_worker" in c
             and "homelab_dp.supervise.torchrun_agent" not in c
         ]
         if len(workers) == 2:
@@ -307,7 +307,7 @@ def test_length_groups_cut_only_padding() -> None:
     """Each sample keeps its tokens, mask, positions and targets; groups are 64-token multiples
     (never past the block), longest first."""
     from homelab_dp.data.blocks import Example, build_blocks
-    from homelab_dp.train.evaluation.evaluation import length_groups
+    from homelab_dp.train.evaluation.eval_worker import length_groups
 
     examples = [Example(list(range(n)), [-100, *range(1, n)]) for n in (5, 70, 130, 200, 300)]
     blocks = build_blocks(examples, 256, False, 0)

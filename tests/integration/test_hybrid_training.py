@@ -128,7 +128,7 @@ def test_the_result_evaluates_as_its_export(
     family: str, runs: Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The runs evaluate their result on the training data at the last step (the validation
-    `eval` shares, `train.evaluation.evaluation.evaluate`); `eval` of the merged export says the same, and
+    `eval` shares, `train.evaluation.eval_loss.evaluate`); `eval` of the merged export says the same, and
     both beat the base model (step 1's loss: the base model on every sample). For Qwen3.5
     `eval` of the run folder itself (its adapter on the base) too."""
     one, two = runs[family]["1"], runs[family]["2"]

@@ -1,7 +1,7 @@
 """Validation while training, end to end through the real console script, torchrun and gloo.
 
 - eval events every ``train.eval_every`` steps and at the end, with the same loss on 1 and 2
-  processes, equal to `homelab_dp.train.evaluation.evaluation` on the final model computed here, and shown
+  processes, equal to `homelab_dp.train.evaluation.eval_loss` on the final model computed here, and shown
   by the follower's lines and by ``status`` (text and ``--json``);
 - ``train.keep_best`` keeps the best checkpoint beside the newest, and early stopping ends the
   run after ``train.early_stopping_patience`` evaluations without a lower loss, as completed;
@@ -132,13 +132,13 @@ def read_preset(path: Path) -> Any:
 
 
 def _evaluate_here(final: Path, preset: Any) -> Any:
-    """`train.evaluation.evaluation.evaluate` on the saved result, one process, the eval blocks as built by
+    """`train.evaluation.eval_loss.evaluate` on the saved result, one process, the eval blocks as built by
     the data layer for this preset."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from homelab_dp.data.eval_split import load_train_eval
-    from homelab_dp.train.evaluation.evaluation import eval_blocks, evaluate
+    from homelab_dp.train.evaluation.eval_loss import eval_blocks, evaluate
 
     tokenizer = AutoTokenizer.from_pretrained(final)
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)

@@ -111,7 +111,7 @@ def test_the_event_log_writes_a_nan_loss_as_null(tmp_path: Path) -> None:
     import torch
 
     from homelab_dp.runs.run_events import StepEvent
-    from homelab_dp.train.loop.metrics import EventLog
+    from homelab_dp.train.loop.event_log import EventLog
 
     log = EventLog(tmp_path / "events.jsonl", enabled=True)
     log.write(StepEvent(step=3, loss=torch.tensor(math.nan), lr=math.inf))

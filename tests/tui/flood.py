@@ -13,8 +13,9 @@ from homelab_dp.tui.tui_app import HomelabApp
 
 KEY_LIVENESS_S = 10.0
 """Liveness guard on one key press: a key unanswered this long means the UI is stuck. Not a
-latency target: the typical figure is well under a second even while 500 events a second
-arrive on a loaded 2-core machine (``python benchmarks/tui_latency.py``)."""
+latency target: ``python benchmarks/tui_latency.py`` measured a median of 0.98 s idle and 2.9 s
+while 500 events a second arrive, 5.0 s at the most, on the 2-core development machine at load
+average 17 (docs/benchmarks.md, "TUI key latency", 2026-12-05)."""
 
 SWITCHES = (("5", "runs"), ("4", "monitor"))
 """Key presses that switch screens and the mode each one leads to (Runs, then back)."""

@@ -11,9 +11,9 @@ import pytest
 from textual.widgets import Input, Select
 
 from homelab_dp.app.runs import RunController
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.plan_result import Fit
 from homelab_dp.presets.preset_store import user_presets_dir
-from homelab_dp.probe.hardware import GiB
 from homelab_dp.tui.screens.launch import LaunchScreen
 from homelab_dp.tui.screens.monitor import MonitorScreen
 from homelab_dp.tui.screens.plan import field_id

@@ -16,7 +16,14 @@ import homelab_dp
 
 PACKAGE = Path(homelab_dp.__file__).parent
 PURE_PARTS = ("presets", "planning", "runs", "data", "hub", "serving/front", "user_files")
-PURE_MODULES = ("probe/hardware.py", "errors.py", "vocabulary.py", "json_safe.py", "safe_files.py")
+PURE_MODULES = (
+    "probe/hardware.py",
+    "errors.py",
+    "vocabulary.py",
+    "json_safe.py",
+    "safe_files.py",
+    "byte_units.py",
+)
 
 
 def _name(path: Path) -> str:
@@ -37,7 +44,7 @@ HEAVY = ("torch", "textual", "rich", "pynvml", "transformers", "peft", "bitsandb
 def test_the_pure_parts_have_the_expected_modules() -> None:
     for name in ("planning.model_spec", "planning.memory.device_memory", "planning.planner",
                  "presets.preset", "runs.run_spec", "runs.folder.run_state", "probe.hardware",
-                 "serving.front.openai_api"):  # fmt: skip
+                 "serving.front.openai_api", "byte_units", "planning.plan_hardware"):  # fmt: skip
         assert f"homelab_dp.{name}" in MODULES
 
 

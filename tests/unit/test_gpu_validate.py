@@ -394,7 +394,7 @@ def test_the_package_plans_and_loads_its_gpu_paths_without_the_absent_packages(t
         "for name in ('textual', 'bitsandbytes', 'datasets', 'tomli_w'):\n"
         "    sys.modules[name] = None  # importing any of them now raises ImportError\n"
         "import importlib\n"
-        "for m in ('homelab_dp.train.loop.worker', 'homelab_dp.train.evaluation.evaluation', 'homelab_dp.app.serve',\n"
+        "for m in ('homelab_dp.train.loop.worker', 'homelab_dp.train.evaluation.eval_worker', 'homelab_dp.app.serve',\n"
         "          'homelab_dp.app.measure', 'homelab_dp.app.evaluate', 'homelab_dp.app.runs',\n"
         "          'homelab_dp.serving.replica.transformers_replica'):\n"
         "    importlib.import_module(m)\n"

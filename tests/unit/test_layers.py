@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "safe_files",
         "nf4_quantization",
         "peft_targets",
+        "byte_units",
     ),
     ("user_files",),
     ("hub", "probe"),

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.memory.device_memory import COMPONENTS, Budget, Overhead, TrainShape
-from homelab_dp.probe.hardware import format_bytes
 from homelab_dp.user_files.fingerprint_store import (
     KEEP_PER_FINGERPRINT,
     Check,

@@ -19,11 +19,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from homelab_dp.byte_units import format_bytes
 from homelab_dp.planning.flops import causal_span, flops_per_token, peak_flops
 from homelab_dp.planning.memory.device_memory import Budget
 from homelab_dp.planning.memory.train_shape import TrainShape, lora_targets_of
 from homelab_dp.planning.model_spec import ModelSpec
-from homelab_dp.probe.hardware import PlanHardware, format_bytes, pcie_bytes_per_s
+from homelab_dp.planning.plan_hardware import PlanHardware
+from homelab_dp.probe.hardware import pcie_bytes_per_s
 
 PCIE_EFFICIENCY = 0.8
 """Assumed share of a PCIe link's line rate that pinned host copies reach."""

@@ -2,13 +2,13 @@
 
     torchrun … -m homelab_dp.train.evaluation.pair_evaluation JOB_FILE
 
-`homelab_dp.app.evaluate` writes JOB_FILE (the SFT eval's keys, `homelab_dp.train.evaluation.evaluation`,
+`homelab_dp.app.evaluate` writes JOB_FILE (the SFT eval's keys, `homelab_dp.train.evaluation.eval_worker`,
 plus ``reference``, ``beta``, ``loss_type`` and ``label_smoothing``) when ``--data`` holds
 preference pairs. Each rank joins the group, reads the pairs from the token cache the front end
 filled (`homelab_dp.data.preference_blocks.load_pairs`, one pair per block: two padded rows,
 chosen and rejected, with their attention mask; pairs whose chosen and rejected responses are
 the same tokens are left out, as training leaves them out), loads the model as the SFT eval
-does (`train.evaluation.evaluation.load_model`) and its reference:
+does (`train.evaluation.eval_worker.load_model`) and its reference:
 
 - ``reference`` null: the model itself with its adapters disabled (an adapter result: the base
   it was trained from, NF4 for a QLoRA run, exactly as training computed the reference);
@@ -22,7 +22,7 @@ fp64; one all-reduce gives the means over every pair, whatever the split: ``loss
 ``rewards_chosen``, ``rewards_rejected``, ``reward_margin`` (their difference) and
 ``reward_accuracy`` (the share of pairs whose chosen reward is strictly the higher, TRL's rule).
 Rank 0 writes the result JSON to ``result_path``; a failing rank writes ``error_dir/rank-N.json``
-(`train.evaluation.evaluation.main`'s contract: exit 2 for bad input, 1 for anything else).
+(`train.evaluation.eval_worker.main`'s contract: exit 2 for bad input, 1 for anything else).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ import torch
 
 from homelab_dp.data.preference_blocks import PairBlock, load_pairs, pair_blocks_of
 from homelab_dp.presets.preset import DataSection
-from homelab_dp.train.evaluation.evaluation import (
+from homelab_dp.train.evaluation.eval_loss import rank_batches
+from homelab_dp.train.evaluation.eval_worker import (
     DTYPE_NAMES,
     base_of,
     eval_dtype,
     forward_tokens,
     join_group,
     load_model,
-    rank_batches,
     run_worker,
 )
 from homelab_dp.train.objectives.preference_losses import dpo_loss, sequence_log_probs
@@ -217,7 +217,7 @@ def pair_evaluate_job(job: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank; returns the process exit code (`train.evaluation.evaluation.run_worker`:
+    """Entry point of one rank; returns the process exit code (`train.evaluation.eval_worker.run_worker`:
     the SFT eval worker's contract)."""
     return run_worker(argv, pair_evaluate_job, "the pair eval worker",
                       "use `homelab-dp eval MODEL --data PAIRS`")  # fmt: skip

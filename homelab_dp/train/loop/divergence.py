@@ -3,7 +3,7 @@
 Three checks, each where the figure it reads is already on the host:
 
 - **The loss** (`check_loss`): the token-weighted loss of a logged step, after the one
-  all-gather that logging makes anyway (`train.loop.metrics.RankStats`). Every rank gets the same
+  all-gather that logging makes anyway (`train.loop.rank_stats.RankStats`). Every rank gets the same
   rows, so every rank ends at the same step. No other step reads it: checking every step would
   add a device sync to steps that have none.
 - **The weights** (`require_finite_weights`): before a checkpoint is written, one flag per rank

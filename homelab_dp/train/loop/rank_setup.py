@@ -34,11 +34,12 @@ from homelab_dp.planning.recurrent_packing import packing_decision, recurrent_ki
 from homelab_dp.presets.preset import Preset
 from homelab_dp.runs.run_events import StartEvent, WarningEvent
 from homelab_dp.runs.run_spec import RunSpec
-from homelab_dp.train.evaluation.evaluation import EvalBlocks, eval_blocks
+from homelab_dp.train.evaluation.eval_loss import EvalBlocks, eval_blocks
 from homelab_dp.train.loop.checkpoints import find_usable, load_checkpoint
+from homelab_dp.train.loop.layer_compile import compile_layers, compile_wanted
 from homelab_dp.train.loop.memtrack import WorkerMemory
-from homelab_dp.train.loop.metrics import all_gather_flat, peak_memory_kind
-from homelab_dp.train.loop.speed import compile_layers, compile_wanted, enable_tf32
+from homelab_dp.train.loop.rank_stats import all_gather_flat, peak_memory_kind
+from homelab_dp.train.loop.tf32 import enable_tf32
 from homelab_dp.train.model.attention import attention_choice
 from homelab_dp.train.model.loss import install_loss_head, unsupported_reason
 from homelab_dp.train.model.packed_attention import watch_positions
@@ -179,7 +180,7 @@ class Data:
     """The seeded global sample order (`train.parallelism.strategy.SampleOrder`)."""
     total_steps: int
     eval: Any = None
-    """`train.evaluation.evaluation.EvalBlocks` of the eval data (`data.eval_split`), or None without any;
+    """`train.evaluation.eval_loss.EvalBlocks` of the eval data (`data.eval_split`), or None without any;
     for preference data its rows (the sample prompts come from them)."""
     pairs: Any = None
     """Preference data (dpo, orpo, kto): `train.objectives.pair_batch.PairData` of the training
@@ -491,7 +492,7 @@ class Position:
     resumed_from: str | None = None
     last_loss: float | None = None
     eval_state: dict[str, Any] | None = None
-    """The checkpoint's validation record (`train.evaluation.evaluation.Validator.state`)."""
+    """The checkpoint's validation record (`train.evaluation.validator.Validator.state`)."""
     objective_state: dict[str, Any] | None = None
     """What the objective saved with the checkpoint (GRPO: the batch its next step reuses)."""
 

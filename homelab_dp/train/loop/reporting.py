@@ -1,7 +1,7 @@
 """Rank 0's curves where users look: TensorBoard event files in the run folder, W&B, MLflow.
 
 ``[log] report_to`` names the loggers (default ``["tensorboard"]``; ``[]`` for none). They are
-fed from rank 0's event stream: `train.loop.metrics.EventLog` hands each event it writes to
+fed from rank 0's event stream: `train.loop.event_log.EventLog` hands each event it writes to
 `Reporting.event`, so the curves hold exactly the figures of ``events.jsonl``:
 
 - a ``step`` event: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,

@@ -16,7 +16,7 @@ read at the start of the next, so it never waits on the GPU: a stop lands at the
 after the signal at the latest. ``HOMELAB_DP_STOP_AT_STEP=k`` (tests only) votes to stop at
 boundary k, so the run stops once exactly k optimizer steps are done.
 
-Validation (`train.evaluation.evaluation`): with eval data, every rank evaluates it every
+Validation (`train.evaluation.validator`): with eval data, every rank evaluates it every
 ``train.eval_every`` steps and at the last (rank 0 writes an ``eval`` event); a new best loss
 with ``train.keep_best`` gets its checkpoint kept (`train.loop.checkpoints.mark_best`), and
 ``train.early_stopping_patience`` evaluations without one end the run as "early_stopped": a
@@ -53,12 +53,12 @@ from homelab_dp.runs.run_events import (
 )
 from homelab_dp.runs.run_spec import RunSpec
 from homelab_dp.runs.run_view import StragglerDetector
-from homelab_dp.train.evaluation.evaluation import Validator
+from homelab_dp.train.evaluation.validator import Validator
 from homelab_dp.train.loop.checkpoints import mark_best, save_checkpoint, save_result
 from homelab_dp.train.loop.divergence import SkippedSteps, check_loss, require_finite_weights
 from homelab_dp.train.loop.length_groups import group_by_length
-from homelab_dp.train.loop.metrics import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.loop.rank_setup import SetUp
+from homelab_dp.train.loop.rank_stats import RankStats, StepFlops, peak_memory_kind
 from homelab_dp.train.loop.sample_answers import Sampler
 from homelab_dp.train.model.packed_attention import take_route_counts
 from homelab_dp.train.parallelism.comm_timing import comm_event_fields
@@ -284,7 +284,7 @@ class Trainer:
         return "completed", step
 
     def _validate(self, step: int) -> Any:
-        """Evaluate (every rank) and write the ``eval`` event; the `train.evaluation.evaluation.Verdict`
+        """Evaluate (every rank) and write the ``eval`` event; the `train.evaluation.validator.Verdict`
         (best so far, early stop). Every rank has the same loss, so every rank decides alike."""
         v = self.validator
         assert v is not None

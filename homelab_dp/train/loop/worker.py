@@ -46,7 +46,7 @@ from homelab_dp.errors import HomelabError
 from homelab_dp.runs.folder.run_folder import read_run_spec
 from homelab_dp.runs.run_events import ErrorEvent
 from homelab_dp.runs.run_spec import RunSpec
-from homelab_dp.train.loop.metrics import EventLog
+from homelab_dp.train.loop.event_log import EventLog
 from homelab_dp.train.loop.rank_guard import RankGuard, oom_advice
 from homelab_dp.train.loop.rank_setup import set_up, start_event
 from homelab_dp.train.loop.reporting import open_reporting

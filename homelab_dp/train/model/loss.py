@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from homelab_dp.planning.memory.device_memory import chunk_tokens
-from homelab_dp.train.loop.speed import to_device
+from homelab_dp.train.loop.device_copy import to_device
 
 IGNORE_INDEX = -100
 _SOFTCAP_KEYS = ("final_logit_softcapping", "logit_softcapping", "logit_softcap")

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from homelab_dp.errors import RunStateError
 from homelab_dp.presets.reward_specs import reward_specs
 from homelab_dp.runs.folder.rollouts import rollout_path
-from homelab_dp.train.loop.metrics import all_gather_flat
+from homelab_dp.train.loop.rank_stats import all_gather_flat
 from homelab_dp.train.loop.sample_answers import _eos_ids, evaluating
 from homelab_dp.train.objectives.grpo_generation import (
     Group,

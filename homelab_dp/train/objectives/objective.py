@@ -75,7 +75,7 @@ class Objective(Protocol):
 
 class PairEvaluation(Protocol):
     """What a preference objective adds for the in-training evaluation of held-out pairs
-    (`train.evaluation.evaluation.evaluate_pairs`); SFT's eval is the token loss (`train.evaluation.evaluation`)."""
+    (`train.evaluation.eval_loss.evaluate_pairs`); SFT's eval is the token loss (`train.evaluation.eval_loss`)."""
 
     def eval_units(self, pairs: Any) -> torch.Tensor:
         """Per-block unit counts of `train.objectives.pair_batch.PairData`, as `units`."""

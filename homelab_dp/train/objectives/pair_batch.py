@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from homelab_dp.train.loop.speed import to_device
+from homelab_dp.train.loop.device_copy import to_device
 from homelab_dp.train.objectives.preference_losses import IGNORE_INDEX, sequence_log_probs
 
 

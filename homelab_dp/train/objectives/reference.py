@@ -37,7 +37,7 @@ import torch
 
 from homelab_dp import safe_files
 from homelab_dp.errors import HomelabError
-from homelab_dp.train.evaluation.evaluation import rank_batches
+from homelab_dp.train.evaluation.eval_loss import rank_batches
 from homelab_dp.train.objectives.pair_batch import PairBatch, PairData, batch_of, forward_logps
 from homelab_dp.user_files.paths import cache_home
 from homelab_dp.user_files.private_write import write_private

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from homelab_dp.train.loop.device_copy import to_device
 from homelab_dp.train.loop.length_groups import trimmed_width
-from homelab_dp.train.loop.speed import to_device
 from homelab_dp.train.model.loss import token_loss_sum
 
 if TYPE_CHECKING:

@@ -260,7 +260,7 @@ def attach_fsdp(modules: Sequence[Any], device: torch.device) -> CommTimer:
 
 
 def comm_event_fields(rows: Sequence[Sequence[float]], world: int) -> dict[str, float | None]:
-    """The step event's ``comm_seconds`` and ``compute_seconds`` from `train.loop.metrics.RankStats`
+    """The step event's ``comm_seconds`` and ``compute_seconds`` from `train.loop.rank_stats.RankStats`
     rows (``[*sums, step_time_s, peak, comm_s, exposed_s]``): means over ranks; None for both
     with one process (nothing was communicated, and the step time says the rest)."""
     if world <= 1 or not rows:

@@ -10,8 +10,9 @@ import pytest
 
 from homelab_dp.app import doctor
 from homelab_dp.app.doctor import Check, install_hint, wheel_tag
+from homelab_dp.byte_units import GiB
 from homelab_dp.probe.fake_nvml import load_recording
-from homelab_dp.probe.hardware import GiB, HardwareReport
+from homelab_dp.probe.hardware import HardwareReport
 from homelab_dp.probe.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
 from homelab_dp.probe.nvml import probe
 from homelab_dp.render.doctor import checks_panel, render_doctor, summary

@@ -4,11 +4,12 @@ memory-efficient kernel runs instead of the math one), the saved key/value are q
 
 from __future__ import annotations
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.memory.device_memory import TrainShape, activation_bytes, kv_repeated
 from homelab_dp.planning.model_spec import load_model_spec
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import train_shape
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.conftest import ROOT
 
 LLAMA3_8B = load_model_spec(ROOT / "assets/configs/meta-llama-3-8b")  # 32 query, 8 kv heads

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.memory.device_memory import MiB, Overhead, TrainShape, assumed_overhead
 from homelab_dp.planning.memory.memory_calibration import (
     KEEP_PER_FINGERPRINT,
@@ -19,9 +20,9 @@ from homelab_dp.planning.memory.memory_calibration import (
     fingerprint,
 )
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import measurement_key, plan
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.unit.planning.test_planner import SMOLLM_135M
 
 CPU_FP = "cpu | Test CPU | torch 2.13.0+cpu"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.batch_shape import accumulation_for
 from homelab_dp.planning.micro_batch_search import search_micro_batch
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import (
     SAFETY_MARGIN,
     evaluate,
@@ -14,7 +16,6 @@ from homelab_dp.planning.planner import (
 )
 from homelab_dp.planning.planner import plan_largest_micro_batch as plan_finder
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.unit.planning.test_planner import LLAMA3_8B, SMOLLM_135M
 
 

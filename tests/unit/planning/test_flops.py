@@ -206,7 +206,7 @@ def test_the_worker_counts_real_tokens_against_the_cards_peak(in_repo: Path) -> 
     import torch
 
     from homelab_dp.planning.model_spec import load_model_spec
-    from homelab_dp.train.loop.metrics import StepFlops, device_peak_flops
+    from homelab_dp.train.loop.rank_stats import StepFlops, device_peak_flops
 
     assert device_peak_flops(torch.device("cpu")) is None
     preset = open_preset("tiny-demo", ["lora.r=4"])

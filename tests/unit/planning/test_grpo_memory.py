@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.memory.device_memory import loss_head_bytes
 from homelab_dp.planning.memory.grpo_memory import (
     completion_logits_bytes,
@@ -17,9 +18,9 @@ from homelab_dp.planning.memory.grpo_memory import (
 )
 from homelab_dp.planning.memory.train_shape import plain_logits
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import train_shape
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.conftest import run_cli
 from tests.unit.planning.test_model_spec import PUBLISHED
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning import grpo_plan
 from homelab_dp.planning.batch_shape import accumulation_for
 from homelab_dp.planning.flops import (
@@ -17,10 +18,10 @@ from homelab_dp.planning.flops import (
 )
 from homelab_dp.planning.memory.device_memory import NF4_BYTES_PER_PARAM, layer_activation_bytes
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import evaluate, plan, plan_largest_micro_batch, train_shape
 from homelab_dp.planning.speed_calibration import record_speed
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.conftest import run_cli
 from tests.unit.planning.test_model_spec import PUBLISHED
 

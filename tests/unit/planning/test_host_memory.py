@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from homelab_dp.app.plan import host_available
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.memory.device_memory import TrainShape, budget
 from homelab_dp.planning.memory.host_memory import (
     CHECKPOINT_BYTES_PER_PARAM,
@@ -12,9 +13,10 @@ from homelab_dp.planning.memory.host_memory import (
     host_budget,
 )
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import plan, with_host
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, HardwareReport, HostInfo, parse_gpus_spec
+from homelab_dp.probe.hardware import HardwareReport, HostInfo
 from homelab_dp.render.plan import host_line
 from tests.unit.planning.test_model_spec import PUBLISHED
 

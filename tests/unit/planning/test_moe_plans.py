@@ -255,11 +255,12 @@ def test_qlora_with_adapters_on_nf4_experts_is_refused_before_launch() -> None:
     """Issue 32, point 6: under QLoRA the routed experts are NF4 stacks with no 3-D weight for
     peft, so adapters named on them would not exist: a pinned QLoRA is refused with a hint, and
     method = "auto" never picks QLoRA for such targets."""
+    from homelab_dp.byte_units import GiB
     from homelab_dp.errors import PresetError
     from homelab_dp.planning.model_spec import load_model_spec
+    from homelab_dp.planning.plan_hardware import parse_gpus_spec
     from homelab_dp.planning.planner import allowed_options, plan
     from homelab_dp.presets.preset import preset_from_dict
-    from homelab_dp.probe.hardware import GiB, parse_gpus_spec
     from tests.conftest import ROOT
 
     spec = load_model_spec(ROOT / "assets/configs/qwen3-30b-a3b")

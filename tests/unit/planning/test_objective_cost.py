@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from homelab_dp.byte_units import GiB, format_bytes
 from homelab_dp.planning.flops import (
     causal_span,
     flops_per_token,
@@ -18,9 +19,9 @@ from homelab_dp.planning.objective_cost import (
     sequence_len,
     shape_flops_factor,
 )
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import plan, plan_objective, train_shape
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, format_bytes, parse_gpus_spec
 from tests.unit.planning.test_model_spec import PUBLISHED
 
 SMOL = spec_from_config(PUBLISHED["SmolLM-135M"][0])

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.memory.device_memory import (
     TrainShape,
     activation_bytes,
@@ -19,9 +20,9 @@ from homelab_dp.planning.memory.objective_memory import (
     reference_forward_bytes,
 )
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import plan, train_shape
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.unit.planning.test_model_spec import PUBLISHED
 
 LLAMA3_8B = spec_from_config(PUBLISHED["Meta-Llama-3-8B"][0])

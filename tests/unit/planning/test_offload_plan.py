@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.errors import PresetError
 from homelab_dp.planning.memory.device_memory import (
     NF4_BYTES_PER_PARAM,
@@ -23,16 +24,10 @@ from homelab_dp.planning.memory.host_memory import (
 )
 from homelab_dp.planning.memory.offload_cost import ASSUMED_MFU, PCIE_EFFICIENCY, plan_link
 from homelab_dp.planning.model_spec import load_model_spec
+from homelab_dp.planning.plan_hardware import PlanDevice, PlanHardware, parse_gpus_spec
 from homelab_dp.planning.planner import measurement_key, plan, plan_largest_micro_batch, with_host
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import (
-    GiB,
-    GpuInfo,
-    PlanDevice,
-    PlanHardware,
-    parse_gpus_spec,
-    trained_pcie_link,
-)
+from homelab_dp.probe.hardware import GpuInfo, trained_pcie_link
 from homelab_dp.render.plan import render_plan
 from tests.conftest import ROOT
 

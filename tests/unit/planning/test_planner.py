@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.errors import HardwareSpecError, PresetError
 from homelab_dp.planning.memory.device_memory import (
     NF4_BYTES_PER_PARAM,
@@ -14,9 +15,9 @@ from homelab_dp.planning.memory.device_memory import (
     chunk_peak_bytes,
 )
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import plan, plan_largest_micro_batch
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.unit.planning.test_model_spec import FAMILY_CONFIGS as PUBLISHED_SMALL
 from tests.unit.planning.test_model_spec import PUBLISHED
 

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.flops import peak_flops
 from homelab_dp.planning.links import pair_link
 from homelab_dp.planning.memory.train_shape import TrainShape
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import PlanDevice, PlanHardware
 from homelab_dp.planning.speed_calibration import ComputeRate
 from homelab_dp.planning.time_model import predict, step_flops_per_token
-from homelab_dp.probe.hardware import GiB, GpuLink, PlanDevice, PlanHardware
+from homelab_dp.probe.hardware import GpuLink
 
 # transformers' configs of the released GPT-2 checkpoints (the fields the planner reads).
 GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,

@@ -9,15 +9,16 @@ from dataclasses import asdict
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.planning.memory.device_memory import activation_bytes
 from homelab_dp.planning.memory.mlp_tiles import mlp_tile_tokens, mlp_tiles, tiled_mlp_refusal
 from homelab_dp.planning.model_spec import load_model_spec
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import evaluate, plan, train_shape
 from homelab_dp.planning.seq_len_finder import PART_WORDS, search_seq_len
 from homelab_dp.planning.seq_len_search import find_seq_len, tree_choice
 from homelab_dp.presets.preset import Preset
 from homelab_dp.presets.preset_store import open_preset
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.conftest import ROOT
 
 CONFIGS = ROOT / "assets" / "configs"

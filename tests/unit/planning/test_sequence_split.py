@@ -7,14 +7,15 @@ from dataclasses import replace
 
 import pytest
 
+from homelab_dp.byte_units import GiB
 from homelab_dp.errors import PresetError
 from homelab_dp.planning import sequence_split as split
 from homelab_dp.planning.model_layers import LayerGroup, LayerKind, Mixer
 from homelab_dp.planning.model_spec import spec_from_config
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import plan
 from homelab_dp.planning.time_model import comm_parts
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from tests.unit.planning.test_model_spec import PUBLISHED
 
 LLAMA3_8B = spec_from_config(PUBLISHED["Meta-Llama-3-8B"][0])  # 32 heads, 8 KV heads

@@ -10,12 +10,12 @@ import pytest
 from rich.console import Console
 
 from homelab_dp.app.serve import plan_serve
+from homelab_dp.byte_units import GiB
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.memory.device_memory import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES
 from homelab_dp.planning.model_spec import load_model_spec
 from homelab_dp.planning.serve_plan import CANNOT_HELP, ServeDevice, plan_serving
 from homelab_dp.probe.fake_nvml import FAKE_ENV
-from homelab_dp.probe.hardware import GiB
 from homelab_dp.render.serve_plan import render_serve_plan, serve_plan_text
 from tests.conftest import DATA, ROOT
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.app.plan import gloo_measurement, make_plan, plan_link
+from homelab_dp.byte_units import GiB
 from homelab_dp.errors import HardwareSpecError
 from homelab_dp.planning.links import (
     HOST_BOUNCE_EFFICIENCY,
@@ -22,6 +23,7 @@ from homelab_dp.planning.links import (
 from homelab_dp.planning.memory.device_memory import comm_bytes_per_step
 from homelab_dp.planning.memory.memory_calibration import torch_version
 from homelab_dp.planning.model_spec import load_model_spec
+from homelab_dp.planning.plan_hardware import parse_gpus_spec
 from homelab_dp.planning.planner import train_shape
 from homelab_dp.planning.speed_calibration import (
     DEFAULT_GPU_FACTOR,
@@ -30,7 +32,6 @@ from homelab_dp.planning.speed_calibration import (
 )
 from homelab_dp.planning.time_model import comm_parts, cpu_threads
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.probe.hardware import GiB, parse_gpus_spec
 from homelab_dp.runs.run_view import view_of
 from tests.conftest import DATA, ROOT, run_cli
 

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.app.plan import make_plan
+from homelab_dp.byte_units import GiB, MiB
+from homelab_dp.planning.plan_hardware import free_margin
 from homelab_dp.planning.planner import SAFETY_MARGIN
 from homelab_dp.presets.preset_store import open_preset
 from homelab_dp.probe.fake_nvml import FAKE_ENV, FakeNvml, load_recording
-from homelab_dp.probe.hardware import GiB, GpuProcess, MiB, free_margin
+from homelab_dp.probe.hardware import GpuProcess
 from homelab_dp.probe.nvml import probe
 from homelab_dp.render.plan import decision_text
 from tests.conftest import DATA

@@ -12,10 +12,11 @@ import pytest
 from homelab_dp.app import doctor
 from homelab_dp.app.doctor import torch_mismatch
 from homelab_dp.app.plan import make_plan
+from homelab_dp.byte_units import GiB
 from homelab_dp.errors import HardwareSpecError
 from homelab_dp.presets.preset_store import open_preset
 from homelab_dp.probe.fake_nvml import FAKE_ENV, FakeNvml, load_recording
-from homelab_dp.probe.hardware import GiB, MigInfo, MigSlice
+from homelab_dp.probe.hardware import MigInfo, MigSlice
 from homelab_dp.probe.machine_facts import BnbFacts, DiskFacts, Facts, TorchDevice, TorchFacts
 from homelab_dp.probe.nvml import probe
 from homelab_dp.probe.visible_gpus import visibility

@@ -153,7 +153,7 @@ def test_a_qlora_moe_result_is_served_and_evaluated_on_nf4_experts(moe_adapter) 
     from transformers import AutoModelForCausalLM
 
     from homelab_dp.nf4_quantization import is_fused_experts, quantize_experts
-    from homelab_dp.train.evaluation.evaluation import load_model as load_eval_model
+    from homelab_dp.train.evaluation.eval_worker import load_model as load_eval_model
     from homelab_dp.train.model.lora import disable_cpu_bf16_repack
 
     base, adapter = moe_adapter

@@ -1,7 +1,7 @@
 """The communication timer (`train.parallelism.comm_timing`): its arithmetic, and on two real gloo processes
 DDP's hooked all-reduce (the same gradients as DDP's built-in one, every bucket timed, nothing on
 a ``no_sync`` micro-step) and FSDP2's timed gathers and reduce-scatters, read through the step
-log's one all-gather (`train.loop.metrics.RankStats`)."""
+log's one all-gather (`train.loop.rank_stats.RankStats`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.loop.metrics import RankStats
+from homelab_dp.train.loop.rank_stats import RankStats
 from homelab_dp.train.model.trainable_model import load_model
 from homelab_dp.train.parallelism.comm_timing import (
     ALL_GATHER,

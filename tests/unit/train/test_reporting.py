@@ -23,7 +23,7 @@ from homelab_dp.cli.main import main
 from homelab_dp.presets.preset import LogSection, Preset
 from homelab_dp.runs.run_events import EndEvent, EvalEvent, SampleEvent, StepEvent, WarningEvent
 from homelab_dp.runs.run_spec import Launch, Resolved, RunSpec
-from homelab_dp.train.loop.metrics import EventLog
+from homelab_dp.train.loop.event_log import EventLog
 from homelab_dp.train.loop.reporting import (
     DeviceSamples,
     Reporting,

@@ -18,7 +18,7 @@ from homelab_dp.data.sample_prompts import read_sample_prompts
 from homelab_dp.data.tokenize import format_instruction, tokenize_records
 from homelab_dp.errors import DataError
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.train.evaluation.evaluation import eval_blocks
+from homelab_dp.train.evaluation.eval_loss import eval_blocks
 from homelab_dp.train.loop.sample_answers import (
     Sampler,
     choose_prompts,

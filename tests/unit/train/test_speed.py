@@ -9,7 +9,8 @@ import torch
 
 from homelab_dp.errors import PresetError
 from homelab_dp.presets.preset import preset_from_dict
-from homelab_dp.train.loop.speed import compile_layers, compile_wanted, enable_tf32
+from homelab_dp.train.loop.layer_compile import compile_layers, compile_wanted
+from homelab_dp.train.loop.tf32 import enable_tf32
 
 
 def test_auto_compiles_only_full_and_lora_on_cuda_with_triton() -> None:

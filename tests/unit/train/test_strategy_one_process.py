@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from homelab_dp.measure.memcheck import single_rank_group
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_spec import Resolved
-from homelab_dp.train.loop.speed import to_device
+from homelab_dp.train.loop.device_copy import to_device
 from homelab_dp.train.model.trainable_model import load_model
 from homelab_dp.train.parallelism.strategy import (
     _no_forward_buffer_sync,

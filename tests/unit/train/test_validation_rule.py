@@ -1,5 +1,5 @@
 """Validation while training without processes: the schedule and the early-stopping rule
-(`train.evaluation.evaluation.Validator`), the view of eval events (`runs.run_view`) and their lines
+(`train.evaluation.validator.Validator`), the view of eval events (`runs.run_view`) and their lines
 (`render`). The runs themselves: tests/integration/test_validation.py."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from rich.console import Console
 from homelab_dp.render.run_view import eval_line, event_line, live_panel
 from homelab_dp.render.runs import status_lines
 from homelab_dp.runs.run_view import RunView
-from homelab_dp.train.evaluation.evaluation import EvalResult, Validator
+from homelab_dp.train.evaluation.eval_loss import EvalResult
+from homelab_dp.train.evaluation.validator import Validator
 
 
 def result(loss: float, tokens: int = 100) -> EvalResult:

@@ -1,69 +1,24 @@
-"""The worker's event writer (``events.jsonl``) and the per-step statistics of every rank.
+"""The per-step statistics of every rank: the one all-gather of a logged step (metric sums,
+step time, peak memory, communication) and MFU.
 
-Rank 0 appends one JSON object a line — a typed event of `homelab_dp.runs.run_events` (start, micro,
-step, straggler, warning, checkpoint, memory, end), its names and fields listed there — and
-flushes every line because the controller tails the file. Any rank may write ``error``.
+What they become is written by `train.loop.event_log.EventLog`.
 """
 
 from __future__ import annotations
 
-import os
 import resource
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from homelab_dp import json_safe
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.flops import causal_span, flops_per_token, mfu, peak_flops
-from homelab_dp.runs.run_events import Event
 from homelab_dp.train.model.model_census import any_model_spec
 from homelab_dp.train.parallelism.comm_timing import NO_COMM, CommSplit
 
 if TYPE_CHECKING:
     from homelab_dp.runs.run_spec import RunSpec
-
-
-class EventLog:
-    """Appends events to ``events.jsonl``; a no-op on ranks other than 0 unless ``force``.
-
-    ``sink`` (rank 0: `train.loop.reporting.Reporting`, the run's loggers) also gets every event
-    written, so TensorBoard & co. show exactly the figures of the file."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path = path
-        self.enabled = enabled
-        self.sink: Any = None
-
-    def write(self, event: Event, force: bool = False) -> dict[str, Any]:
-        """Write one event line (flushed at once) and return its object; ``force`` writes on any
-        rank (an error: a single O_APPEND write, so lines of several ranks never interleave)."""
-        doc = event.to_json()
-        if self.enabled or force:
-            line = (json_safe.dumps(doc, default=_jsonable) + "\n").encode("utf-8")
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line)  # one write per line: atomic with O_APPEND
-            finally:
-                os.close(fd)
-        if self.enabled and self.sink is not None:
-            self.sink.event(event)
-        return doc
-
-    def close(self) -> None:
-        """Flush and close the loggers (after the end, a failure or a stop)."""
-        if self.sink is not None:
-            self.sink.close()
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def peak_memory_kind(device: torch.device) -> str:
