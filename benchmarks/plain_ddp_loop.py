@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from homelab_dp.data.blocks import load_dataset
+from homelab_dp.data.eval_split import load_dataset
 from homelab_dp.presets.preset import DataSection
 
 

@@ -176,7 +176,8 @@ def tokenized(data: Path, model: Path, seq_len: int) -> list[tuple[list[int], li
     """
     from transformers import AutoTokenizer
 
-    from homelab_dp.data.blocks import IGNORE_INDEX, read_records, tokenize_records
+    from homelab_dp.data.samples import read_records
+    from homelab_dp.data.tokenize import IGNORE_INDEX, tokenize_records
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     examples = tokenize_records(read_records(data, "instruction"), "instruction", tokenizer)

@@ -48,10 +48,10 @@ from pathlib import Path
 from typing import Any
 
 from homelab_dp.data.blocks import build_blocks
-from homelab_dp.data.preference_blocks import load_pairs, pair_blocks_of
-from homelab_dp.data.records import FORMATS, PREFERENCE_FORMATS, detect_format, format_from_keys
-from homelab_dp.data.samples import load_examples
-from homelab_dp.data.sources import read_source, resolve_source
+from homelab_dp.data.preference_blocks import pair_blocks_of
+from homelab_dp.data.records import FORMATS, PREFERENCE_FORMATS, format_from_keys
+from homelab_dp.data.samples import detect_format, load_examples, load_pairs, read_source
+from homelab_dp.data.sources import resolve_source
 from homelab_dp.data.token_cache import TokenizerRef
 from homelab_dp.errors import DataError, HardwareSpecError, HomelabError, RunFailedError
 from homelab_dp.hub.hub_models import looks_like_hub_id

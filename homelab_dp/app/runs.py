@@ -169,10 +169,10 @@ def check_data(
     into the token cache (`homelab_dp.data.token_cache`), where every rank of the run reads
     them instead of tokenizing again."""
     from homelab_dp.data.blocks import attention_span
-    from homelab_dp.data.eval_split import load_train_eval
-    from homelab_dp.data.preference_blocks import identical_warning, load_preference_train_eval
+    from homelab_dp.data.eval_split import load_preference_train_eval, load_train_eval
+    from homelab_dp.data.preference_blocks import identical_warning
     from homelab_dp.data.sample_prompts import read_sample_prompts
-    from homelab_dp.data.samples import source_of
+    from homelab_dp.data.sources import source_of
     from homelab_dp.data.token_cache import TokenizerRef
 
     # Before the tokenizer loads: a typo in a path or id is named at once.

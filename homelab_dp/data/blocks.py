@@ -1,8 +1,10 @@
 """Training blocks from tokenized samples: packing and padding (no torch).
 
-The data pipeline: a dataset (`homelab_dp.data.sources`) → validated records
-(`homelab_dp.data.records`) → tokenized samples (`homelab_dp.data.tokenize`, loss masks; kept in
-the token cache, `homelab_dp.data.token_cache`, through `homelab_dp.data.samples`) → blocks (here).
+The data pipeline (`homelab_dp.data.samples`): a dataset (`homelab_dp.data.sources`) → its
+records read (`homelab_dp.data.reading`), columns renamed (`homelab_dp.data.columns`) and
+checked (`homelab_dp.data.records`) → tokenized samples (`homelab_dp.data.tokenize`, loss masks;
+kept in the token cache, `homelab_dp.data.token_cache`) → blocks (here, called by
+`homelab_dp.data.eval_split` for the training and eval data).
 Every problem is a `DataError` naming the file, row or line and field, raised by the preflight
 before anything is launched; each worker builds the same blocks from the cached samples. Blocks
 are plain lists; the worker turns them into tensors.
@@ -38,15 +40,11 @@ import heapq
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from homelab_dp.data.records import FORMATS, detect_format, read_records
-from homelab_dp.data.samples import load_examples
+from homelab_dp.data.records import FORMATS
 from homelab_dp.data.tokenize import IGNORE_INDEX, Example, format_instruction, tokenize_records
 from homelab_dp.errors import DataError
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "FORMATS",
@@ -55,12 +53,8 @@ __all__ = [
     "Example",
     "best_fit_decreasing",
     "build_blocks",
-    "detect_format",
     "format_instruction",
     "blocks_of",
-    "load_dataset",
-    "load_examples",
-    "read_records",
     "summarize",
     "tokenize_records",
 ]
@@ -214,29 +208,6 @@ def summarize(blocks: Sequence[Block]) -> dict[str, float]:
         "padding_tokens": size - tokens,
         "fill": tokens / size if size else 0.0,
     }
-
-
-def load_dataset(
-    data_cfg: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    seq_len_limit: int | None,
-    min_blocks: int,
-) -> list[Block]:
-    """Read, check, tokenize (or read from the token cache) and block a dataset as the
-    preset's [data] section says.
-
-    ``data_cfg`` is a `homelab_dp.presets.preset.DataSection` (path, split, columns, format,
-    seq_len, pack); ``seq_len_limit`` is the model's position limit (None: unknown);
-    ``min_blocks`` is world_size × micro_batch. Raises DataError (file[:line] or row, field,
-    hint) for a missing or empty file, a bad record, records that do not fit the format, chat
-    without an assistant turn, seq_len beyond the model's positions, nothing with loss, or
-    fewer blocks than needed.
-    """
-    data = load_examples(data_cfg, tokenizer, seq_len_limit=seq_len_limit)
-    return blocks_of(
-        data.examples, data_cfg, data.fmt, data.pad_id, where=data.label, min_blocks=min_blocks
-    )
 
 
 def blocks_of(

@@ -1,9 +1,9 @@
 """Preference data as training blocks: pairs (DPO, ORPO) and labelled completions (KTO); no torch.
 
-The pipeline mirrors SFT's (`homelab_dp.data.blocks`): a data set (`homelab_dp.data.sources`,
-any file, folder or Hub id) → validated records (`homelab_dp.data.records`, formats
-``preference`` and ``kto``) → tokenized pairs (`homelab_dp.data.tokenize.tokenize_pairs`, kept
-in the token cache, `homelab_dp.data.token_cache.write_pairs`) → `PairBlock` s (here).
+The pairs come down the same pipeline as SFT's samples (`homelab_dp.data.samples.load_pairs`:
+source, records, columns, format checks ``preference`` and ``kto``, tokens, token cache); this
+module only cuts them into `PairBlock` s, as `homelab_dp.data.blocks` cuts samples, and
+`homelab_dp.data.eval_split.load_preference_train_eval` calls it for the training and eval data.
 
 A pair is a prompt and two responses (chosen, rejected); a KTO record is a prompt, one
 completion and its label (desirable or not), and a second, mismatched "KL" completion: the same
@@ -25,37 +25,20 @@ the target of position t) and are -100 outside the responses.
   padded, with an attention mask.
 
 Pairs whose chosen and rejected responses are the same tokens carry no signal: they are left
-out and counted (`PreferenceTrainEval.identical`; `identical_warning` says it once).
+out and counted (`homelab_dp.data.eval_split.PreferenceTrainEval.identical`;
+`identical_warning` says it once).
 """
 
 from __future__ import annotations
 
-import logging
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from homelab_dp.data import token_cache
 from homelab_dp.data.blocks import best_fit_decreasing
-from homelab_dp.data.eval_split import split_indices
-from homelab_dp.data.records import check_columns, check_format_name
-from homelab_dp.data.samples import check_seq_len, source_of
-from homelab_dp.data.sources import read_source
-from homelab_dp.data.token_cache import loaded
-from homelab_dp.data.tokenize import IGNORE_INDEX, PairExample, eos_id, tokenize_pairs
+from homelab_dp.data.tokenize import IGNORE_INDEX, PairExample
 from homelab_dp.errors import DataError
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-log = logging.getLogger("homelab_dp.data")
-
-PAIR_OBJECTIVES = ("dpo", "orpo")
-"""The objectives that train on chosen/rejected pairs (data format ``preference``)."""
-KTO_OBJECTIVES = ("kto",)
-"""The objectives that train on labelled completions (data format ``kto``)."""
 
 
 @dataclass
@@ -89,121 +72,8 @@ class PairBlock:
         return len(self.input_ids[0]) if self.input_ids else 0
 
 
-@dataclass
-class PreferenceTrainEval:
-    """The preference blocks to train and evaluate on (`load_preference_train_eval`)."""
-
-    train: list[PairBlock]
-    eval: list[PairBlock]
-    """Empty: no eval data."""
-    fmt: str = ""
-    """The data's format: ``preference`` or ``kto``."""
-    cache: tuple[str, ...] = ()
-    """How this process had each data set's pairs: ``hit`` (token cache) or ``built``, the
-    training data first."""
-    identical: int = 0
-    """Pairs left out because chosen and rejected are the same tokens (training and eval data)."""
-    held_out: int = 0
-    """Pairs (KTO: records) held out by data.eval_fraction, else 0."""
-    label: str = ""
-    """What messages call the training data (its file, or ``FOLDER (split NAME)``)."""
-
-
 Seq = tuple[list[int], list[int]]
 """One sequence of a block: its inputs and their (shifted) targets, of the same length."""
-
-
-def objective_format(objective: str) -> str:
-    """The data format a preference objective trains on: ``preference`` or ``kto``."""
-    return "kto" if objective in KTO_OBJECTIVES else "preference"
-
-
-def check_objective_format(objective: str, fmt: str, where: str) -> None:
-    """A DataError when the data's format ``fmt`` is not what ``objective`` trains on, naming
-    the objective to set for this data."""
-    need = objective_format(objective)
-    if fmt == need:
-        return
-    what = {
-        "preference": "preference pairs (chosen, rejected)",
-        "kto": "KTO records (prompt, completion, label)",
-    }
-    if fmt == "preference":
-        hint = 'set train.objective = "dpo" (or "orpo") for pairs'
-    elif fmt == "kto":
-        hint = 'set train.objective = "kto" for labelled completions'
-    else:
-        hint = 'set train.objective = "sft" (the default) to fine-tune on this data'
-    accepted = (
-        '{"prompt","chosen","rejected"} or {"chosen": [messages], "rejected": [messages]}'
-        if need == "preference"
-        else '{"prompt","completion","label": true|false}'
-    )
-    raise DataError(
-        f"{where}: train.objective {objective} needs {what[need]}, but the data is "
-        f"{what.get(fmt, fmt + ' format')}",
-        hint=f"{hint}, or give records {accepted} (data.columns maps other names)",
-    )
-
-
-@dataclass
-class LoadedPairs:
-    """A data set's tokenized pairs (one per record, in data order) and how they were had."""
-
-    pairs: list[PairExample]
-    fmt: str
-    """``preference`` or ``kto``."""
-    pad_id: int
-    label: str
-    """What errors call the data (the file, or ``FOLDER (split NAME)``)."""
-    cache: str
-    """``hit`` (read from the token cache) or ``built`` (tokenized here, then cached)."""
-    key: str
-
-
-def load_pairs(
-    data_cfg: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    objective: str,
-    seq_len_limit: int | None,
-    eval_data: bool = False,
-    field: str = "data.path",
-) -> LoadedPairs:
-    """The tokenized pairs of data.path (or data.eval_path) for ``objective``, from the token
-    cache when it has them (``tokenizer`` may be a `TokenizerRef`: loaded only on a miss), as
-    `homelab_dp.data.samples.load_examples` does for SFT. The data's format must be the one
-    the objective trains on (`check_objective_format`), checked before anything is tokenized.
-    Raises DataError naming the file and line or row of any bad record."""
-    check_seq_len(data_cfg, seq_len_limit)
-    fmt = str(getattr(data_cfg, "format", "auto"))
-    check_format_name(fmt)
-    columns = check_columns(getattr(data_cfg, "columns", None) or {})
-    source = source_of(data_cfg, eval_data=eval_data, field=field)
-    if fmt != "auto":  # a named format is checked before any file is read
-        check_objective_format(objective, fmt, f"data.format {fmt}")
-    key = token_cache.cache_key(
-        tokenizer, source.identity(), format=fmt, columns=columns, split=source.split, kind="pairs"
-    )
-    cached = token_cache.read_pairs(key)
-    if cached is not None:
-        check_objective_format(objective, cached.fmt, source.label)
-        token_cache.note_use(cached.folder, "hit")
-        log.info("data: %d pairs of %s from the token cache %s", len(cached.pairs), source.label,
-                 cached.folder)  # fmt: skip
-        return LoadedPairs(cached.pairs, cached.fmt, cached.pad_id, source.label, "hit", key)
-    started = time.perf_counter()
-    records, wheres, resolved = read_source(source, fmt, columns)
-    check_objective_format(objective, resolved, source.label)
-    tokenizer = loaded(tokenizer)  # a miss: only now is a `TokenizerRef` loaded
-    pad = tokenizer.pad_token_id
-    pad_id = int(pad) if pad is not None else eos_id(tokenizer)
-    pairs = tokenize_pairs(records, resolved, tokenizer, where=wheres)
-    folder = token_cache.write_pairs(key, pairs, resolved, about=source.label, pad_id=pad_id)
-    token_cache.note_use(folder, "built")
-    log.info("data: tokenized %d pairs of %s in %.2f s into the token cache %s", len(pairs),
-             source.label, time.perf_counter() - started, folder)  # fmt: skip
-    return LoadedPairs(pairs, resolved, pad_id, source.label, "built", key)
 
 
 def sequence_of(prompt: list[int], response: list[int], seq_len: int, where: str) -> Seq:
@@ -370,52 +240,3 @@ def identical_warning(count: int, label: str) -> str:
         f"warning: {label}: {count} pair{s} with identical chosen and rejected responses "
         f"left out of training (no preference signal)"
     )
-
-
-def load_preference_train_eval(
-    data_cfg: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    objective: str,
-    seed: int,
-    seq_len_limit: int | None,
-    min_blocks: int,
-) -> PreferenceTrainEval:
-    """The training blocks (at least ``min_blocks``) and eval blocks of a [data] section for
-    a preference ``objective`` (dpo, orpo: pairs; kto: labelled completions), mirroring
-    `homelab_dp.data.eval_split.load_train_eval`: data.eval_fraction holds out pairs (records)
-    by ``seed`` before blocks are cut; data.eval_path is read as the training data. KTO's
-    mismatched completions are drawn by ``seed`` within each split. Raises DataError (file:line
-    or row, hint) for bad records, a format the objective does not train on, a prompt that
-    leaves no room for a response, or too few blocks."""
-    data = load_pairs(data_cfg, tokenizer, objective=objective, seq_len_limit=seq_len_limit)
-    pairs, fmt, pad, path = data.pairs, data.fmt, data.pad_id, data.label
-    fraction = float(getattr(data_cfg, "eval_fraction", 0.0) or 0.0)
-    eval_path = str(getattr(data_cfg, "eval_path", "") or "")
-    common = dict(fmt=fmt, label=path)
-    if fraction > 0:
-        train_idx, held = split_indices(len(pairs), fraction, seed)
-        if not train_idx:
-            raise DataError(
-                f"data.eval_fraction: {fraction} of the {len(pairs)} pair(s) of {path} "
-                "leaves none to train on",
-                hint="add data or lower data.eval_fraction",
-            )
-        where = f"{path} (after holding out {len(held)} pair(s) for data.eval_fraction)"
-        train, same = pair_blocks_of([pairs[i] for i in train_idx], data_cfg, fmt, pad,
-                                     seed=seed, where=where, min_blocks=min_blocks)  # fmt: skip
-        held_where = f"{path} (the {len(held)} pair(s) held out by data.eval_fraction)"
-        evals, same_eval = pair_blocks_of([pairs[i] for i in held], data_cfg, fmt, pad,
-                                          seed=seed, where=held_where, min_blocks=1)  # fmt: skip
-        return PreferenceTrainEval(train, evals, cache=(data.cache,), identical=same + same_eval,
-                                   held_out=len(held), **common)  # fmt: skip
-    train, same = pair_blocks_of(pairs, data_cfg, fmt, pad, seed=seed, where=path,
-                                 min_blocks=min_blocks)  # fmt: skip
-    if not eval_path:
-        return PreferenceTrainEval(train, [], cache=(data.cache,), identical=same, **common)
-    ev = load_pairs(data_cfg, tokenizer, objective=objective, seq_len_limit=seq_len_limit,
-                    eval_data=True)  # fmt: skip
-    evals, same_eval = pair_blocks_of(ev.pairs, data_cfg, ev.fmt, pad, seed=seed,
-                                      where=ev.label, min_blocks=1)  # fmt: skip
-    return PreferenceTrainEval(train, evals, cache=(data.cache, ev.cache),
-                               identical=same + same_eval, **common)  # fmt: skip

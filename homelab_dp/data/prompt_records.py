@@ -14,14 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.data.records import (
-    _json_lines,
-    _message_problems,
-    _open_text,
-    check_columns,
-    rename_columns,
-)
-from homelab_dp.data.sources import BUILDERS, _rows, resolve_source
+from homelab_dp.data.columns import check_columns, rename
+from homelab_dp.data.reading import read_file
+from homelab_dp.data.records import message_problems, read_problems
+from homelab_dp.data.sources import BUILDERS, resolve_source
 from homelab_dp.errors import DataError
 
 MAX_PROBLEMS = 5
@@ -63,7 +59,7 @@ def prompt_problems(record: dict, where: str) -> list[str]:
 
 
 def _chat_problems(messages: Any, name: str, where: str) -> list[str]:
-    problems = _message_problems(messages, name, where)
+    problems = message_problems(messages, name, where)
     if not problems and messages[-1]["role"] == "assistant":
         problems.append(f"{where}: field '{name}' ends with an assistant turn; a prompt ends "
                         "before the answer the model generates")  # fmt: skip
@@ -89,23 +85,14 @@ def read_prompts(path: str, split: str = "train",
     wheres: list[str] = []
     problems: list[str] = []
     for f in source.files():
-        if f.suffix.lower() in BUILDERS:
-            rows, where = _rows(f, renames)
-            values += rows
-            wheres += where
-            continue
-        if f.suffix.lower() != ".jsonl":
+        if f.suffix.lower() not in (*BUILDERS, ".jsonl"):
             raise DataError(f"{f}: GRPO prompts come from .jsonl, .json, .csv or .parquet files",
                             hint='write one {"prompt": ...} object a line')  # fmt: skip
-        got, lines, bad = _json_lines(f, _open_text(f))
-        problems += bad
-        for value, n in zip(got, lines, strict=True):
-            value, problem = rename_columns(value, renames, f"{f}:{n}") if renames else (value, "")
-            if problem:
-                problems.append(problem)
-                continue
-            values.append(value)
-            wheres.append(f"{f}:{n}")
+        raw = rename(read_file(f), renames)
+        problems += read_problems(raw)
+        kept = [e for e in raw.entries if e.value is not None]
+        values += [e.value for e in kept]
+        wheres += [e.where for e in kept]
     records = []
     for value, where in zip(values, wheres, strict=True):
         found = prompt_problems(value, where)

@@ -1,24 +1,23 @@
-"""Reading and validating dataset files (part of `homelab_dp.data.blocks`; import from there).
+"""Checking records against their format (no torch): the fourth step of the data pipeline.
 
-Pure standard library: the parent process checks a dataset before anything is launched.
-
-Accepted files:
-
-- ``.txt``: format text, one document per paragraph; paragraphs are separated by blank lines.
-- anything else (``.jsonl`` …): JSON lines, one object a line; blank lines are skipped.
+`homelab_dp.data.samples` finds the source (`homelab_dp.data.sources`), reads each file's
+records (`homelab_dp.data.reading`), renames their columns (`homelab_dp.data.columns`), and
+then checks them here (`check_file`): the format is told from the first record's keys when
+data.format is auto, every record is checked against it, and the records come back in the form
+tokenizing takes (`homelab_dp.data.tokenize`). Pure standard library: the parent process checks
+a dataset before anything is launched.
 
 Fields per format (extra keys are ignored):
 
 ==============  ===========================================================================
-text            ``text``: non-empty string
+text            ``text``: non-empty string (a ``.txt`` file: one record per paragraph)
 completion      ``prompt``: string; ``completion``: non-empty string
 instruction     ``instruction``: non-empty string; ``output``: non-empty string;
                 ``input``: optional string (missing or null means none)
 chat            ``messages``: non-empty list of ``{"role", "content"}``, role one of
                 system / user / assistant, content a string; at least one assistant turn
 sharegpt        ``conversations``: non-empty list of ``{"from", "value"}``, from one of
-                human / gpt / system; at least one gpt turn (read as chat,
-                `homelab_dp.data.records`)
+                human / gpt / system; at least one gpt turn (read as chat)
 preference      ``chosen`` and ``rejected``: non-empty strings with a ``prompt`` string (without
                 one, the text both share, as in the raw HH-RLHF layout), or
                 lists of chat messages that share every turn but the last, an assistant turn
@@ -28,37 +27,25 @@ kto             ``prompt``: string; ``completion``: non-empty string; ``label``:
                 (also "true"/"false"/1/0, as a CSV file holds it)
 ==============  ===========================================================================
 
-``data.columns`` renames columns to these fields first (`homelab_dp.data.records`). Every
-problem names ``file:line`` (``file row N`` for the columnar files of `homelab_dp.data.sources`,
-which check their rows with `check_records`) and the field; all records are checked, the first
-problem is reported with the count of the others.
-
-Record layouts before the format checks: column mapping and ShareGPT conversations.
-
-Pure standard library. ``data.columns`` maps a format's field to the data's column
-(``{instruction = "question", output = "answer"}``): each record's column is renamed to the
-field before the format is detected or checked, in every kind of file.
+Every problem names ``file:line`` (``file row N`` for the columnar files) and the field; all
+records of a file are checked, the first problem is reported with the count of the others.
 
 ShareGPT records (``{"conversations": [{"from": "human" | "gpt" | "system", "value": ...}]}``)
 are checked as they are, so a problem names ``conversations[i].from``, and then converted to
 the chat format's OpenAI messages (``human`` → user, ``gpt`` → assistant). Turns already
 written as ``{"role", "content"}`` inside ``conversations`` are taken as they are.
+
+A preference objective's data must be in the format it trains on (`check_objective_format`):
+pairs for DPO and ORPO, labelled completions for KTO.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
-from homelab_dp import safe_files
+from homelab_dp.data.reading import RawRecords
+from homelab_dp.data.reading import kind_of as _kind
 from homelab_dp.errors import DataError
-
-FIELDS = (
-    "text", "prompt", "completion", "instruction", "input", "output", "messages",
-    "conversations", "chosen", "rejected", "label",
-)  # fmt: skip
-"""The fields ``data.columns`` may map (every format's keys)."""
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -71,112 +58,6 @@ SHAREGPT_ROLES = {
 }
 """ShareGPT's ``from`` values and the chat role each becomes."""
 
-
-def check_columns(columns: Mapping[str, str]) -> dict[str, str]:
-    """``data.columns`` as a plain dict, or a DataError naming an unknown field or a column
-    mapped twice."""
-    columns = dict(columns or {})
-    for name, column in columns.items():
-        if name not in FIELDS:
-            raise DataError(
-                f"data.columns.{name}: not a field of any format",
-                hint=f"map one of {', '.join(FIELDS)} to your data's column, "
-                'e.g. {instruction = "question", output = "answer"}',
-            )
-        if not isinstance(column, str) or not column:
-            raise DataError(f"data.columns.{name}: must name a column", hint='e.g. "question"')
-    seen: dict[str, str] = {}
-    for name, column in columns.items():
-        if column in seen:
-            raise DataError(
-                f"data.columns: column {column!r} is mapped to both {seen[column]} and {name}",
-                hint="map each column to one field",
-            )
-        seen[column] = name
-    return columns
-
-
-def rename_columns(record: dict, columns: Mapping[str, str], where: str) -> tuple[dict, str]:
-    """The record with each mapped column renamed to its field, and a problem ("" if none):
-    a mapped column the record lacks."""
-    if not columns:
-        return record, ""
-    out = dict(record)
-    for name, column in columns.items():
-        if column not in out:
-            return record, f"{where}: column {column!r} (data.columns.{name}) missing"
-        value = out.pop(column)
-        out[name] = value
-    return out, ""
-
-
-def rename_row(row: dict, columns: Mapping[str, str]) -> dict:
-    """A columnar file's row with its mapped columns renamed (a null cell was left out of the
-    row: its field is then missing, as the format checks say)."""
-    if not columns:
-        return row
-    field_of = {column: name for name, column in columns.items()}
-    # A column already named like a mapped field gives way to the mapping.
-    return {field_of.get(k, k): v for k, v in row.items() if k in field_of or k not in columns}
-
-
-def missing_columns(names: list[str], columns: Mapping[str, str], where: str) -> None:
-    """A DataError for the first mapped column a file's header lacks (columnar files)."""
-    for name, column in columns.items():
-        if column not in names:
-            raise DataError(
-                f"{where}: no column {column!r} (data.columns.{name}); "
-                f"its columns: {', '.join(names) or 'none'}",
-                hint="fix data.columns to name one of the file's columns",
-            )
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a value")
-
-
-def sharegpt_problems(record: dict, where: str) -> list[str]:
-    """Every problem of a ShareGPT record (empty: it converts to a chat record)."""
-    turns = record.get("conversations")
-    if "conversations" not in record or turns is None:
-        return [f"{where}: field 'conversations' missing"]
-    if not isinstance(turns, list) or not turns:
-        what = "empty" if isinstance(turns, list) else _kind(turns)
-        return [f"{where}: field 'conversations' must be a non-empty list, got {what}"]
-    problems = []
-    roles = []
-    for i, turn in enumerate(turns):
-        field = f"conversations[{i}]"
-        if not isinstance(turn, dict):
-            problems.append(f"{where}: field '{field}' must be an object, got {_kind(turn)}")
-            continue
-        who, key = (turn.get("from"), "from") if "from" in turn else (turn.get("role"), "role")
-        if who not in SHAREGPT_ROLES:
-            got = "missing" if key not in turn else repr(who)
-            problems.append(
-                f"{where}: field '{field}.from' is {got}; expected one of human, gpt, system"
-            )
-        else:
-            roles.append(SHAREGPT_ROLES[who])
-        text_key = "value" if "value" in turn or "content" not in turn else "content"
-        if not isinstance(turn.get(text_key), str):
-            got = "missing" if text_key not in turn else _kind(turn[text_key])
-            problems.append(f"{where}: field '{field}.{text_key}' must be a string, got {got}")
-    if not problems and "assistant" not in roles:
-        problems.append(f"{where}: field 'conversations' has no gpt turn, so nothing to learn from")
-    return problems
-
-
-def sharegpt_to_chat(record: dict) -> dict:
-    """A checked ShareGPT record as a chat record (``{"messages": [{role, content}]}``)."""
-    messages = []
-    for turn in record["conversations"]:
-        who = turn["from"] if "from" in turn else turn["role"]
-        text = turn["value"] if "value" in turn or "content" not in turn else turn["content"]
-        messages.append({"role": SHAREGPT_ROLES[who], "content": text})
-    return {"messages": messages}
-
-
 FORMATS = ("text", "completion", "instruction", "chat")
 """The formats samples are tokenized in (`homelab_dp.data.tokenize`)."""
 PREFERENCE_FORMATS = ("preference", "kto")
@@ -185,10 +66,10 @@ completions."""
 LAYOUTS = (*FORMATS, "sharegpt", *PREFERENCE_FORMATS)
 """What data.format may name besides auto: ShareGPT records are read as chat."""
 ROLES = ("system", "user", "assistant")
-MAX_RECORD_BYTES = 8 * 2**20
-"""The largest record read (one JSON line, or one paragraph of a .txt file): 8 MiB, some 2
-million tokens, far beyond any seq_len. A larger one is refused naming its file:line before the
-file is read whole (its tokens would take gigabytes in the preflight)."""
+PAIR_OBJECTIVES = ("dpo", "orpo")
+"""The objectives that train on chosen/rejected pairs (data format ``preference``)."""
+KTO_OBJECTIVES = ("kto",)
+"""The objectives that train on labelled completions (data format ``kto``)."""
 _ACCEPTED = (
     '{"text"} | {"prompt","completion"} | {"instruction","input","output"} | {"messages"} '
     '| {"conversations"} | {"prompt","chosen","rejected"} | {"prompt","completion","label"}'
@@ -199,92 +80,30 @@ _FORMAT_HINT = (
 )
 
 
-def check_record_sizes(path: Path, limit: int = MAX_RECORD_BYTES) -> None:
-    """A DataError naming ``file:line`` for the first record over ``limit`` bytes: a JSON line,
-    or a paragraph of a ``.txt`` file. Reads the file in pieces of at most ``limit`` + 1 bytes
-    (a longer line is over the limit by its first piece), so memory stays bounded whatever the
-    file holds."""
-    paragraphs = path.suffix.lower() == ".txt"
-    size, start = 0, 1
-    with open(path, "rb") as fh:
-        for number, line in enumerate(iter(lambda: fh.readline(limit + 1), b""), start=1):
-            if paragraphs and not line.strip():  # a blank line ends a paragraph
-                size = 0
-                continue
-            if size == 0 or not paragraphs:
-                size, start = 0, number
-            size += len(line)
-            if size > limit:
-                raise DataError(
-                    f"{path}:{start}: the record is over {limit // 2**20} MiB "
-                    "(the limit on one record)",
-                    hint="split it into smaller records (a long text into paragraphs or several "
-                    "lines); a record far longer than data.seq_len is truncated anyway",
-                )
+def sharegpt_problems(record: dict, where: str) -> list[str]:
+    """Every problem of a ShareGPT record (empty: it converts to a chat record)."""
+    turns = record.get("conversations")
+    if "conversations" not in record or turns is None:
+        return [f"{where}: field 'conversations' missing"]
+    problems = message_problems(turns, "conversations", where, sharegpt=True)
+    if not problems and all(_sharegpt_role(t) != "assistant" for t in turns):
+        problems.append(f"{where}: field 'conversations' has no gpt turn, so nothing to learn from")
+    return problems
 
 
-def _open_text(path: Path) -> str:
-    """The file's text, or a DataError for a missing, unreadable or empty file."""
-    if not path.exists():
-        raise DataError(
-            f"{path}: no such data file", hint="check data.path (a local .jsonl or .txt file)"
-        )
-    if not path.is_file():
-        raise DataError(f"{path}: not a file", hint="data.path must name a .jsonl or .txt file")
-    check_record_sizes(path)  # before the file is read whole: one huge line is refused cheaply
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise DataError(
-            f"{path}:{line}: not UTF-8 text", hint="save the dataset as UTF-8"
-        ) from None
-    if not text.strip():
-        raise DataError(
-            f"{path}: the file is empty",
-            hint="a dataset needs at least one record (one JSON object a line)",
-        )
-    return text
+def _sharegpt_role(turn: dict) -> str:
+    """The chat role of a checked ShareGPT turn (``from``, or ``role`` when it has no ``from``)."""
+    return SHAREGPT_ROLES[turn["from"] if "from" in turn else turn["role"]]
 
 
-def _parsed_lines(path: Path, text: str) -> Iterator[tuple[int, dict | None, str | None]]:
-    """Each non-blank line: its number, and its object or what is wrong with it."""
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = safe_files.parse(line)
-        except safe_files.BadJson as exc:  # nested 100,000 deep, a 5,000-digit integer too
-            yield number, None, f"{path}:{number}: not valid JSON ({exc.reason})"
-            continue
-        if not isinstance(value, dict):
-            yield number, None, f"{path}:{number}: expected a JSON object, got {_kind(value)}"
-            continue
-        yield number, value, None
-
-
-def _json_lines(path: Path, text: str) -> tuple[list[Any], list[int], list[str]]:
-    """Parse every non-blank line; return values, their line numbers and the problems found."""
-    values, lines, problems = [], [], []
-    for number, value, problem in _parsed_lines(path, text):
-        if problem is not None:
-            problems.append(problem)
-        else:
-            values.append(value)
-            lines.append(number)
-    return values, lines, problems
-
-
-def _kind(value: Any) -> str:
-    return {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "true/false",
-        int: "a number",
-        float: "a number",
-    }.get(type(value), "null")
+def sharegpt_to_chat(record: dict) -> dict:
+    """A checked ShareGPT record as a chat record (``{"messages": [{role, content}]}``)."""
+    messages = []
+    for turn in record["conversations"]:
+        who = turn["from"] if "from" in turn else turn["role"]
+        text = turn["value"] if "value" in turn or "content" not in turn else turn["content"]
+        messages.append({"role": SHAREGPT_ROLES[who], "content": text})
+    return {"messages": messages}
 
 
 def format_from_keys(keys: list[str]) -> str | None:
@@ -307,27 +126,6 @@ def format_from_keys(keys: list[str]) -> str | None:
     if "text" in keys:
         return "text"
     return None
-
-
-def detect_format(path: Path, columns: dict[str, str] | None = None) -> str:
-    """The format of a dataset file: ``.txt`` is text; otherwise from the first record's keys
-    (after ``columns``, data.columns).
-
-    Raises DataError for a missing or empty file, a bad first line, or keys that fit no format
-    (naming the keys found and the accepted ones).
-    """
-    path = Path(path)
-    text = _open_text(path)
-    if path.suffix.lower() == ".txt":
-        return "text"
-    for number, value, problem in _parsed_lines(path, text):
-        if value is None:  # the first record decides: a bad one is reported at once
-            raise DataError(str(problem), hint="each line must be one JSON object")
-        value, problem = rename_columns(value, columns or {}, f"{path}:{number}")
-        if problem:
-            raise DataError(problem, hint="fix data.columns to name the data's own keys")
-        return format_of(list(value), f"{path}:{number}")
-    raise AssertionError("unreachable: _open_text rejects blank files")
 
 
 def format_of(keys: list[str], where: str) -> str:
@@ -357,7 +155,7 @@ def _check_chat(record: dict, where: str) -> list[str]:
     messages = record.get("messages")
     if "messages" not in record:
         return [f"{where}: field 'messages' missing"]
-    problems = _message_problems(messages, "messages", where)
+    problems = message_problems(messages, "messages", where)
     if not problems and not any(m["role"] == "assistant" for m in messages):
         roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
         problems.append(
@@ -367,8 +165,9 @@ def _check_chat(record: dict, where: str) -> list[str]:
     return problems
 
 
-def _message_problems(messages: Any, name: str, where: str) -> list[str]:
-    """Every problem of a list of chat messages in field ``name`` (each ``{role, content}``)."""
+def message_problems(messages: Any, name: str, where: str, *, sharegpt: bool = False) -> list[str]:
+    """Every problem of a list of chat messages in field ``name``: each ``{role, content}``,
+    or with ``sharegpt`` a ShareGPT turn (``{from, value}``, or ``{role, content}`` as is)."""
     if not isinstance(messages, list) or not messages:
         what = "empty" if isinstance(messages, list) else _kind(messages)
         return [f"{where}: field '{name}' must be a non-empty list, got {what}"]
@@ -378,15 +177,26 @@ def _message_problems(messages: Any, name: str, where: str) -> list[str]:
         if not isinstance(message, dict):
             problems.append(f"{where}: field '{field}' must be an object, got {_kind(message)}")
             continue
-        role = message.get("role")
-        if role not in ROLES:
-            got = "missing" if "role" not in message else repr(role)
-            problems.append(
-                f"{where}: field '{field}.role' is {got}; expected one of {', '.join(ROLES)}"
+        if sharegpt:
+            key = "from" if "from" in message else "role"
+            text_key = "value" if "value" in message or "content" not in message else "content"
+            known, shown, expected = SHAREGPT_ROLES, "from", "human, gpt, system"
+        else:
+            key, text_key, known, shown, expected = (
+                "role",
+                "content",
+                ROLES,
+                "role",
+                ", ".join(ROLES),
             )
-        if not isinstance(message.get("content"), str):
-            got = "missing" if "content" not in message else _kind(message["content"])
-            problems.append(f"{where}: field '{field}.content' must be a string, got {got}")
+        if message.get(key) not in known:
+            got = "missing" if key not in message else repr(message.get(key))
+            problems.append(
+                f"{where}: field '{field}.{shown}' is {got}; expected one of {expected}"
+            )
+        if not isinstance(message.get(text_key), str):
+            got = "missing" if text_key not in message else _kind(message[text_key])
+            problems.append(f"{where}: field '{field}.{text_key}' must be a string, got {got}")
     return problems
 
 
@@ -431,11 +241,11 @@ def preference_problems(record: dict, where: str) -> list[str]:
             f"{where}: fields 'chosen' and 'rejected' must both be strings or both lists of "
             f"chat messages, got {_kind(record['chosen'])} and {_kind(record['rejected'])}"
         ]
-    problems = _message_problems(record["chosen"], "chosen", where)
-    problems += _message_problems(record["rejected"], "rejected", where)
+    problems = message_problems(record["chosen"], "chosen", where)
+    problems += message_problems(record["rejected"], "rejected", where)
     prompt = record.get("prompt")
     if isinstance(prompt, list):
-        problems += _message_problems(prompt, "prompt", where)
+        problems += message_problems(prompt, "prompt", where)
     elif prompt is not None and not isinstance(prompt, str):
         problems.append(f"{where}: field 'prompt' must be a string or chat messages, "
                         f"got {_kind(prompt)}")  # fmt: skip
@@ -562,38 +372,6 @@ def check_format_name(fmt: str) -> None:
         )
 
 
-def read_with_lines(
-    path: Path, fmt: str, columns: dict[str, str] | None = None
-) -> tuple[list[dict], list[int], str]:
-    """Validated records, the line each starts on, and the format (``auto`` resolved; ShareGPT
-    records come back as chat records, format ``chat``). ``columns``: data.columns."""
-    path = Path(path)
-    check_format_name(fmt)
-    text = _open_text(path)
-    if path.suffix.lower() == ".txt":
-        if fmt not in ("auto", "text"):
-            raise DataError(
-                f"{path}: a .txt file holds plain text, but data.format is {fmt!r}",
-                hint='set data.format = "text" (or auto), or use a .jsonl file for this format',
-            )
-        return _paragraphs(text)
-    if fmt == "auto":
-        fmt = detect_format(path, columns)
-    values, lines, problems = _json_lines(path, text)
-    if columns:
-        kept: list[tuple[dict, int]] = []
-        for value, number in zip(values, lines, strict=True):
-            value, problem = rename_columns(value, columns, f"{path}:{number}")
-            if problem:  # reported once, not again as the field it was mapped to
-                problems.append(problem)
-            else:
-                kept.append((value, number))
-        values, lines = [v for v, _ in kept], [n for _, n in kept]
-    wheres = [f"{path}:{n}" for n in lines]
-    records, fmt = check_records(values, wheres, fmt, problems=problems, label="the file")
-    return records, lines, fmt
-
-
 def check_records(
     values: list[dict], wheres: list[str], fmt: str, *, problems: list[str] | None = None,
     label: str = "the data",
@@ -639,24 +417,80 @@ def _needs(fmt: str) -> str:
     }[fmt]
 
 
-def _paragraphs(text: str) -> tuple[list[dict], list[int], str]:
-    """A .txt file as text records: one per blank-line-separated paragraph."""
-    records: list[dict] = []
-    lines: list[int] = []
-    current: list[str] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            if not current:
-                lines.append(number)
-            current.append(line.rstrip())
-        elif current:
-            records.append({"text": "\n".join(current)})
-            current = []
-    if current:
-        records.append({"text": "\n".join(current)})
-    return records, lines, "text"
+def check_file(raw: RawRecords, fmt: str) -> tuple[list[dict], list[str], str, str]:
+    """A file's renamed records checked against ``fmt`` (auto: told from the first record's
+    keys). Returns the records in the form tokenizing takes, where each is, the format they
+    were checked in (``sharegpt`` stays itself: a folder's next file is read in it) and the
+    format they are tokenized in (ShareGPT: ``chat``). The first problem (JSON lines that do
+    not parse, then mapped columns missing, then the format's) is raised with the count of the
+    others."""
+    if raw.paragraphs:
+        if fmt not in ("auto", "text"):
+            raise DataError(
+                f"{raw.path}: a .txt file holds plain text, but data.format is {fmt!r}",
+                hint='set data.format = "text" (or auto), or use a .jsonl file for this format',
+            )
+        return [e.value or {} for e in raw.entries], [e.where for e in raw.entries], "text", "text"
+    if fmt == "auto":
+        fmt = first_format(raw)
+    kept = [e for e in raw.entries if e.value is not None]
+    problems = read_problems(raw)
+    records, final = check_records([e.value or {} for e in kept], [e.where for e in kept], fmt,
+                                   problems=problems, label="the file")  # fmt: skip
+    return records, [e.where for e in kept], fmt, final
 
 
-def read_records(path: Path, fmt: str) -> list[dict]:
-    """Validated records of a dataset file (``fmt`` may be ``auto``); DataError on problems."""
-    return read_with_lines(Path(path), fmt)[0]
+def read_problems(raw: RawRecords) -> list[str]:
+    """What reading and renaming found wrong with a file's records, in the order they are
+    reported: the JSON lines that do not parse, then the records that lack a mapped column."""
+    found: dict[str, list[str]] = {"json": [], "columns": []}
+    for e in raw.entries:
+        if e.kind in found:
+            found[e.kind].append(e.problem)
+    return found["json"] + found["columns"]
+
+
+def first_format(raw: RawRecords) -> str:
+    """The format a file's first record's keys tell (a ``.txt`` file is text); a DataError
+    when that record does not parse, lacks a mapped column or fits no format."""
+    if raw.paragraphs:
+        return "text"
+    first = raw.entries[0]  # reading refuses a file without a record
+    if first.kind == "json":  # the first record decides: a bad one is reported at once
+        raise DataError(first.problem, hint="each line must be one JSON object")
+    if first.kind == "columns":
+        raise DataError(first.problem, hint="fix data.columns to name the data's own keys")
+    return format_of(list(first.value or {}), first.where)
+
+
+def objective_format(objective: str) -> str:
+    """The data format a preference objective trains on: ``preference`` or ``kto``."""
+    return "kto" if objective in KTO_OBJECTIVES else "preference"
+
+
+def check_objective_format(objective: str, fmt: str, where: str) -> None:
+    """A DataError when the data's format ``fmt`` is not what ``objective`` trains on, naming
+    the objective to set for this data."""
+    need = objective_format(objective)
+    if fmt == need:
+        return
+    what = {
+        "preference": "preference pairs (chosen, rejected)",
+        "kto": "KTO records (prompt, completion, label)",
+    }
+    if fmt == "preference":
+        hint = 'set train.objective = "dpo" (or "orpo") for pairs'
+    elif fmt == "kto":
+        hint = 'set train.objective = "kto" for labelled completions'
+    else:
+        hint = 'set train.objective = "sft" (the default) to fine-tune on this data'
+    accepted = (
+        '{"prompt","chosen","rejected"} or {"chosen": [messages], "rejected": [messages]}'
+        if need == "preference"
+        else '{"prompt","completion","label": true|false}'
+    )
+    raise DataError(
+        f"{where}: train.objective {objective} needs {what[need]}, but the data is "
+        f"{what.get(fmt, fmt + ' format')}",
+        hint=f"{hint}, or give records {accepted} (data.columns maps other names)",
+    )

@@ -286,23 +286,36 @@ def write(key: str, examples: Sequence[Example], fmt: str, about: str, pad_id: i
     cache folder that cannot be written leaves the samples uncached. Returns the folder."""
     import pyarrow as pa
 
-    folder = cache_root() / key
-    meta = {"format": fmt, "count": str(len(examples)), "data": about,
-            "version": str(CACHE_VERSION), "pad_id": str(pad_id)}  # fmt: skip
-    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+    ints = pa.list_(pa.int32())
+    schema = pa.schema([("input_ids", ints), ("labels", ints)])
     table = pa.table(
         [
-            pa.array([e.input_ids for e in examples], type=pa.list_(pa.int32())),
-            pa.array([e.labels for e in examples], type=pa.list_(pa.int32())),
+            pa.array([e.input_ids for e in examples], type=ints),
+            pa.array([e.labels for e in examples], type=ints),
         ],
         schema=schema,
     )
-    meta["digest"] = _digest(table, ("input_ids", "labels"))
+    return _write_table(key, FILE, table, ("input_ids", "labels"), fmt, about, pad_id)
+
+
+def _write_table(
+    key: str, name: str, table: Any, columns: tuple[str, ...], fmt: str, about: str, pad_id: int
+) -> Path:
+    """``table`` stored as the entry's file ``name`` with its metadata (the format, the row
+    count, what the data was, the cache version, the padding id and the digest of
+    ``columns``): written to a temporary name and renamed into place; a folder that cannot be
+    written leaves it uncached. Returns the folder."""
+    import pyarrow as pa
+
+    folder = cache_root() / key
+    meta = {"format": fmt, "count": str(table.num_rows), "data": about,
+            "version": str(CACHE_VERSION), "pad_id": str(pad_id)}  # fmt: skip
+    meta["digest"] = _digest(table, columns)
     table = table.replace_schema_metadata(meta)
     schema = table.schema
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with replacing(folder / FILE) as sink, pa.ipc.new_file(sink, schema) as writer:
+        with replacing(folder / name) as sink, pa.ipc.new_file(sink, schema) as writer:
             writer.write_table(table, max_chunksize=4096)
     except OSError:
         pass  # not cached: tokenized again next time
@@ -330,10 +343,7 @@ def write_pairs(key: str, pairs: Sequence[PairExample], fmt: str, about: str, pa
     ``desirable`` (int8), renamed into place. Returns the folder."""
     import pyarrow as pa
 
-    folder = cache_root() / key
     ints = pa.list_(pa.int32())
-    meta = {"format": fmt, "count": str(len(pairs)), "data": about,
-            "version": str(CACHE_VERSION), "pad_id": str(pad_id)}  # fmt: skip
     schema = pa.schema(
         [("prompt", ints), ("chosen", ints), ("rejected", ints), ("where", pa.string()),
          ("desirable", pa.int8())],
@@ -348,16 +358,7 @@ def write_pairs(key: str, pairs: Sequence[PairExample], fmt: str, about: str, pa
         ],
         schema=schema,
     )
-    meta["digest"] = _digest(table, PAIR_COLUMNS)
-    table = table.replace_schema_metadata(meta)
-    schema = table.schema
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with replacing(folder / PAIRS_FILE) as sink, pa.ipc.new_file(sink, schema) as writer:
-            writer.write_table(table, max_chunksize=4096)
-    except OSError:
-        pass  # not cached: tokenized again next time
-    return folder
+    return _write_table(key, PAIRS_FILE, table, PAIR_COLUMNS, fmt, about, pad_id)
 
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected", "where", "desirable")
@@ -382,6 +383,27 @@ def read_pairs(key: str) -> CachedPairs | None:
         PairExample(*row) for row in zip(prompt, chosen, rejected, where, desirable, strict=True)
     ]
     return CachedPairs(pairs, meta["format"], int(meta["pad_id"]), cache_root() / key)
+
+
+def lookup(tokenizer: PreTrainedTokenizerBase, identity: Any, *, kind: str,
+           **data: Any) -> tuple[str, Cached | CachedPairs | None]:  # fmt: skip
+    """The key of a data set's entry (`cache_key`; preference data, ``kind="pairs"``, keyed
+    apart) and the entry when there is one (`read`, `read_pairs`)."""
+    if kind == "pairs":
+        key = cache_key(tokenizer, identity, **data, kind="pairs")
+        return key, read_pairs(key)
+    key = cache_key(tokenizer, identity, **data)
+    return key, read(key)
+
+
+def store(key: str, items: Sequence[Any], *, kind: str, fmt: str, about: str,
+          pad_id: int) -> Path:  # fmt: skip
+    """Write a data set's samples (`write`) or pairs (``kind="pairs"``, `write_pairs`) under
+    ``key`` and note that this process built them. Returns the folder."""
+    save = write_pairs if kind == "pairs" else write
+    folder = save(key, items, fmt, about=about, pad_id=pad_id)
+    note_use(folder, "built")
+    return folder
 
 
 def note_use(folder: Path, use: str) -> None:

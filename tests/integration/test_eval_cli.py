@@ -60,7 +60,7 @@ def direct_loss(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from homelab_dp.data.blocks import tokenize_records
-    from homelab_dp.data.records import read_with_lines
+    from homelab_dp.data.samples import read_with_lines
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     records, _, fmt = read_with_lines(data, "auto")

@@ -88,7 +88,8 @@ def block_counts(model: Path, data: Path) -> dict[bool, int]:
     """Blocks packed and padded, as the worker builds them; checks that nothing is truncated."""
     from transformers import AutoTokenizer
 
-    from homelab_dp.data.blocks import load_dataset, summarize
+    from homelab_dp.data.blocks import summarize
+    from homelab_dp.data.eval_split import load_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     blocks = {

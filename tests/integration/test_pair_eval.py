@@ -76,7 +76,7 @@ def direct(policy_dir: Path, reference_dir: Path, pairs: Path) -> dict[str, floa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from homelab_dp.data.preference_blocks import load_pairs
+    from homelab_dp.data.samples import load_pairs
     from homelab_dp.presets.preset import DataSection
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)

@@ -126,7 +126,7 @@ def test_orpo_full_finetune_first_step_equals_a_direct_computation(orpo_run: Pat
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from homelab_dp.data.preference_blocks import load_preference_train_eval
+    from homelab_dp.data.eval_split import load_preference_train_eval
     from homelab_dp.runs.folder.run_folder import read_run_spec
     from homelab_dp.train.parallelism.strategy import SampleOrder
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.data.records import read_with_lines
 from homelab_dp.data.sample_prompts import MAX_FILE_BYTES, read_sample_prompts
-from homelab_dp.data.sources import read_source, resolve_source
+from homelab_dp.data.samples import read_source, read_with_lines
+from homelab_dp.data.sources import resolve_source
 from homelab_dp.errors import DataError
 
 from ..conftest import ROOT, run_cli

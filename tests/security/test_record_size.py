@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.data.records import MAX_RECORD_BYTES, read_with_lines
+from homelab_dp.data.reading import MAX_RECORD_BYTES
+from homelab_dp.data.samples import read_with_lines
 from homelab_dp.errors import DataError
 
 from ..conftest import ROOT

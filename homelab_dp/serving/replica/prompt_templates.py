@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from homelab_dp.data.blocks import format_instruction
-from homelab_dp.data.records import detect_format
+from homelab_dp.data.samples import detect_format
 from homelab_dp.errors import DataError
 from homelab_dp.runs.model_ref import ModelRef
 

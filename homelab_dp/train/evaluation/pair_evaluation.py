@@ -5,7 +5,7 @@
 `homelab_dp.app.evaluate` writes JOB_FILE (the SFT eval's keys, `homelab_dp.train.evaluation.eval_worker`,
 plus ``reference``, ``beta``, ``loss_type`` and ``label_smoothing``) when ``--data`` holds
 preference pairs. Each rank joins the group, reads the pairs from the token cache the front end
-filled (`homelab_dp.data.preference_blocks.load_pairs`, one pair per block: two padded rows,
+filled (`homelab_dp.data.samples.load_pairs`, one pair per block: two padded rows,
 chosen and rejected, with their attention mask; pairs whose chosen and rejected responses are
 the same tokens are left out, as training leaves them out), loads the model as the SFT eval
 does (`train.evaluation.eval_worker.load_model`) and its reference:
@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from homelab_dp.data.preference_blocks import PairBlock, load_pairs, pair_blocks_of
+from homelab_dp.data.preference_blocks import PairBlock, pair_blocks_of
+from homelab_dp.data.samples import load_pairs
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.train.evaluation.eval_loss import rank_batches
 from homelab_dp.train.evaluation.eval_worker import (

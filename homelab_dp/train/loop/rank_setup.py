@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from homelab_dp.data.blocks import IGNORE_INDEX
-from homelab_dp.data.eval_split import load_train_eval
-from homelab_dp.data.preference_blocks import load_preference_train_eval
+from homelab_dp.data.eval_split import load_preference_train_eval, load_train_eval
 from homelab_dp.errors import HomelabError, RunStateError
 from homelab_dp.planning.batch_shape import BatchShape
 from homelab_dp.planning.recurrent_packing import packing_decision, recurrent_kinds

@@ -17,13 +17,12 @@ from homelab_dp.data.blocks import (
     Example,
     best_fit_decreasing,
     build_blocks,
-    detect_format,
     format_instruction,
-    load_dataset,
-    read_records,
     summarize,
     tokenize_records,
 )
+from homelab_dp.data.eval_split import load_dataset
+from homelab_dp.data.samples import detect_format, read_records
 from homelab_dp.errors import DataError
 from homelab_dp.presets.preset import DataSection
 

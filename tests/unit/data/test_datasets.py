@@ -17,8 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from homelab_dp.data import token_cache
-from homelab_dp.data.blocks import load_dataset
-from homelab_dp.data.eval_split import load_train_eval
+from homelab_dp.data.eval_split import load_dataset, load_train_eval
 from homelab_dp.data.samples import load_examples
 from homelab_dp.errors import DataError
 from homelab_dp.presets.preset import DataSection

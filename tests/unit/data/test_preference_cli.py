@@ -2,7 +2,7 @@
 line (or the objective to set), a ``hint:``, no traceback, nothing spawned, no run folder.
 
 The preflight (`app.runs.check_data`) loads dpo/orpo/kto data through the preference loader
-(`data.preference_blocks.load_preference_train_eval`), so every case runs."""
+(`data.eval_split.load_preference_train_eval`), so every case runs."""
 
 from __future__ import annotations
 

@@ -13,16 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from homelab_dp.data import token_cache
-from homelab_dp.data.eval_split import load_train_eval
-from homelab_dp.data.preference_blocks import (
-    PairBlock,
-    identical_warning,
-    kto_partners,
-    load_pairs,
-    load_preference_train_eval,
-)
-from homelab_dp.data.records import format_from_keys, read_with_lines
-from homelab_dp.data.sources import read_source, resolve_source
+from homelab_dp.data.eval_split import load_preference_train_eval, load_train_eval
+from homelab_dp.data.preference_blocks import PairBlock, identical_warning, kto_partners
+from homelab_dp.data.records import format_from_keys
+from homelab_dp.data.samples import load_pairs, read_source, read_with_lines
+from homelab_dp.data.sources import resolve_source
 from homelab_dp.data.tokenize import IGNORE_INDEX, PairExample, tokenize_pairs, tokenize_records
 from homelab_dp.errors import DataError
 from homelab_dp.presets.preset import DataSection

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from homelab_dp.data.blocks import load_dataset
-from homelab_dp.data.eval_split import held_out_count, load_train_eval, split_indices
+from homelab_dp.data.eval_split import held_out_count, load_dataset, load_train_eval, split_indices
 from homelab_dp.errors import DataError
 from homelab_dp.presets.preset import DataSection
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from homelab_dp.data.blocks import build_blocks, tokenize_records
-from homelab_dp.data.records import read_with_lines
+from homelab_dp.data.samples import read_with_lines
 from homelab_dp.train.evaluation.eval_loss import eval_blocks, evaluate, rank_batches
 from homelab_dp.train.model.loss import install_loss_head
 from tests.integration.conftest import DEMO_DATA, DEMO_MODEL

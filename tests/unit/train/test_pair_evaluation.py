@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from homelab_dp.data.preference_blocks import load_pairs, pair_blocks_of
+from homelab_dp.data.preference_blocks import pair_blocks_of
+from homelab_dp.data.samples import load_pairs
 from homelab_dp.presets.preset import DataSection
 from homelab_dp.train.evaluation.pair_evaluation import evaluate_pairs, pair_tensors
 from tests.conftest import ROOT
