@@ -71,7 +71,7 @@ class DpoObjective:
 
     def micro_step(
         self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
+        probe: Any = None, rows: Sequence[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Forward, the loss scaled by world / the step's pairs, backward; the metric sums."""
         losses, chosen, rejected = self.pair_losses(model, data.pairs, idx, rank.device)

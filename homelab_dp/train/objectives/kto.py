@@ -82,7 +82,7 @@ class KtoObjective:
 
     def micro_step(
         self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
+        probe: Any = None, rows: Sequence[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Forward, the loss scaled by world / the step's completions, backward."""
         losses, rewards, want = self.parts(model, data.pairs, idx, rank.device, self.kl)

@@ -55,7 +55,7 @@ class OrpoObjective:
 
     def micro_step(
         self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
+        probe: Any = None, rows: Sequence[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Forward, NLL per chosen token + the mean odds-ratio term (global counts), backward."""
         nll, term, log_odds = self.parts(model, data.pairs, idx, rank.device)
