@@ -143,7 +143,9 @@ class Trainer:
             [self.units, self.data.real_tokens.to(torch.float64)[:, None]], dim=1
         )
         """``units`` and the real tokens per block side by side (float64: whole numbers below
-        2^53 sum exactly), so a step's counts are one sum and one read to the host."""
+        2^53 sum exactly, in any order)."""
+        self.step_rows: list[list[float]] = self.step_counts.tolist()
+        """`step_counts` on the host, read once: a step's counts are sums in Python, no read."""
         self.stragglers = StragglerDetector()
         self.memory_kind = peak_memory_kind(self.rank.device)
         self.votes = StopVotes()
@@ -224,11 +226,14 @@ class Trainer:
             whole = d.order.indices(first, r.effective)
             if d.grouped:  # unpacked rows of a recurrent model: similar lengths together
                 whole = group_by_length(whole, d.real_tokens)
-            micro_idx = [
-                whole[s.start - first : s.stop - first]
-                for s in rank_slices(at, r.micro, r.data_world, r.accum, r.data_rank)
-            ]
-            *counts, real = self.step_counts[whole].sum(0).tolist()
+                rows = whole.tolist()
+            else:  # the same indices as Python ints, read once an epoch
+                rows = d.order.rows(first, r.effective)
+            slices = rank_slices(at, r.micro, r.data_world, r.accum, r.data_rank)
+            micro_idx = [whole[s.start - first : s.stop - first] for s in slices]
+            micro_rows = [rows[s.start - first : s.stop - first] for s in slices]
+            step_rows = [self.step_rows[i] for i in rows]
+            *counts, real = (sum(col) for col in zip(*step_rows, strict=True))
             tokens = int(real)
             obj = self.objective
             obj.begin_step(m, d, r, micro_idx)
@@ -237,7 +242,7 @@ class Trainer:
                 if self.guard.beat(step + 1, k):  # orphaned (agent gone): stop gracefully
                     self.stop.requested = True
                 with m.strategy.accumulate(final=k == r.accum - 1):
-                    sums += obj.micro_step(m, d, idx, counts, r, probe=probe)
+                    sums += obj.micro_step(m, d, idx, counts, r, probe=probe, rows=micro_rows[k])
                 if r.accum > 1 and r.rank == 0:
                     self.events.write(
                         MicroEvent(step=step + 1, micro_step=k + 1, grad_accum=r.accum)
@@ -327,9 +332,13 @@ class Trainer:
         now = time.time()
         # The step's communication was read off the strategy's timer only now (a logged step).
         comm = self.model.strategy.comm.read()
-        rows = self.stats.gather(sums, time.perf_counter() - t0, comm)
+        # The grad norm (every rank's is the global one) rides with the sums: one read.
+        norm = torch.as_tensor(grad_norm).detach().reshape(1).to(dev, torch.float64)
+        mine = torch.cat([sums.detach().reshape(-1).to(torch.float64), norm])
+        rows = self.stats.gather(mine, time.perf_counter() - t0, comm)
         n = len(self.objective.metrics)
         totals = [sum(row[j] for row in rows) for j in range(n)]
+        grad_norm_value = rows[0][n]
         fields = self.objective.fields(totals, counts)
         loss = fields.pop("loss")
 
@@ -346,16 +355,16 @@ class Trainer:
         self.events.write(StepEvent(
             step=step, total_steps=self.data.total_steps,
             epoch=step * r.effective / self.data.n_blocks, loss=self.last_loss, lr=lr,
-            grad_norm=float(grad_norm), tokens_per_s=tokens_per_s,
+            grad_norm=grad_norm_value, tokens_per_s=tokens_per_s,
             samples_per_s=(step - last_step) * r.effective / span, micro_batch=r.micro,
             grad_accum=r.accum, world_size=r.world, effective_batch=r.effective,
-            step_time_s=now - wall0, rank_step_times_s=[row[n] for row in rows],
-            peak_memory_bytes=[int(row[n + 1]) for row in rows], peak_memory_kind=self.memory_kind,
+            step_time_s=now - wall0, rank_step_times_s=[row[n + 1] for row in rows],
+            peak_memory_bytes=[int(row[n + 2]) for row in rows], peak_memory_kind=self.memory_kind,
             tokens=self.tokens, samples=step * r.effective, mfu=self.flops.mfu(tokens_per_s),
             aux_loss=aux_loss, attention_routes=routes, **fields,
             **comm_event_fields(rows, r.world),
         ))  # fmt: skip
-        for slow in self.stragglers.update([row[n] for row in rows]):
+        for slow in self.stragglers.update([row[n + 1] for row in rows]):
             self.events.write(
                 StragglerEvent(step=step, rank=slow, message=self.stragglers.flagged[slow])
             )

@@ -15,6 +15,17 @@ FlashAttention's route in transformers does). A padded row (a 2D mask, padding a
 gets its real tokens as one segment and the padding as another. Anything else (a mask that is
 not causal, a custom overlay, a KV cache, left padding) goes to SDPA's mask unchanged.
 
+**Segments known on the host** (`known_segments`, the worker's packed SFT micro-steps): the
+samples of a block are found once for the data set where the blocks are built
+(`block_segments`: a sample starts where the positions do not continue, transformers' packing
+rule). For the forward whose ``position_ids`` is that very tensor, the mask step checks them
+against its own read once per mask kind (`_mask_kind`: the mask function's code and settings)
+and, found equal, takes them from then on without reading anything; found unequal (a rule
+beyond causal attention and the positions' restarts), it reads every forward as before. The
+same forward's packing check in transformers (``find_packed_sequence_indices``, a ``bool`` of a
+device tensor) is skipped too: the host knows whether any row holds several samples. So a
+packed micro-step makes no host sync before its backward.
+
 **The attention step** (`packed_attention_forward`, per layer): with `PackedSegments`, one
 attention per sample, so no mask and no repeated key/value heads are allocated and no work is
 spent on the zeros of a block-diagonal mask:
@@ -52,11 +63,13 @@ transformers' SDPA function unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +93,13 @@ _positions: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar
 them to transformers' mask builder (gpt-oss): set by `watch_positions`' hook."""
 _routes: Counter[str] = Counter()
 """Calls per route since the last `take_route_counts` (this process)."""
+_known: contextvars.ContextVar[tuple[torch.Tensor, PackedSegments] | None] = contextvars.ContextVar(
+    "homelab_packed_known", default=None
+)
+"""The forward's ``position_ids`` and the segments the host already knows for them
+(`known_segments`)."""
+_trusted: dict[Any, bool] = {}
+"""Per mask kind (`_mask_kind`): whether its segments were found equal to the host's."""
 
 
 def take_route_counts() -> dict[str, int]:
@@ -115,6 +135,71 @@ class PackedSegments:
             cu[1:] = torch.tensor(flat, dtype=torch.int32).cumsum(0)
             self._cu["cu"] = cu.to(self.device, non_blocking=True)
         return self._cu["cu"]
+
+
+def block_segments(positions: torch.Tensor, rows: int = 1024) -> list[tuple[int, ...]]:
+    """Segment lengths of every block of ``positions`` (``[n_blocks, seq]``, on the host): a
+    segment starts where the positions do not continue (transformers' packing rule, so a block's
+    padding run is a segment too). Made once for a data set; ``rows`` blocks at a time."""
+    out: list[tuple[int, ...]] = []
+    seq = int(positions.shape[-1])
+    for at in range(0, int(positions.shape[0]), rows):
+        part = positions[at : at + rows]
+        starts = torch.ones(part.shape[0], seq + 1, dtype=torch.bool)
+        starts[:, 1:seq] = (part[:, 1:] - part[:, :-1]) != 1
+        where = starts.nonzero()  # row-major: each row's starts in order, then its end (seq)
+        cols = where[:, 1].tolist()
+        counts = starts.sum(1).tolist()
+        i = 0
+        for n in counts:
+            edges = cols[i : i + n]
+            out.append(tuple(b - a for a, b in zip(edges[:-1], edges[1:], strict=True)))
+            i += n
+    return out
+
+
+@contextlib.contextmanager
+def known_segments(positions: torch.Tensor, segments: PackedSegments) -> Iterator[None]:
+    """While inside, the mask step of a forward whose ``position_ids`` is ``positions`` (this
+    very tensor) takes ``segments``, found on the host where the blocks were built, instead of
+    reading them from the device (a host sync a forward). The mask step checks them once per mask
+    kind (`_mask_kind`: its code and settings) against the mask function's own and, where they
+    differ (a rule beyond causal attention and the positions' restarts), reads every forward's
+    own as before."""
+    token = _known.set((positions, segments))
+    try:
+        yield
+    finally:
+        _known.reset(token)
+
+
+def _mask_kind(fn: Any) -> Any:
+    """What a mask function computes apart from its data: its code, and its closure's functions
+    (recursively) and plain settings (window, chunk sizes); tensors in it count as data. None
+    for anything else (never trusted)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells: list[Any] = []
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            return None
+        items = value if isinstance(value, tuple | list) else (value,)
+        for v in items:
+            if isinstance(v, torch.Tensor):
+                cells.append(("tensor", v.dim()))
+            elif v is None or isinstance(v, bool | int | float | str | torch.device | torch.dtype):
+                cells.append(v)
+            elif callable(v):
+                kind = _mask_kind(v)
+                if kind is None:
+                    return None
+                cells.append(kind)
+            else:
+                return None
+    return code, tuple(cells)
 
 
 def segments_from_starts(starts: list[list[bool]]) -> tuple[tuple[int, ...], ...]:
@@ -165,6 +250,29 @@ def packed_mask(
     device = kwargs.get("device") or (
         attention_mask.device if attention_mask is not None else torch.device("cpu")
     )
+    known = _known.get()
+    if known is not None and attention_mask is None:
+        positions, segments = known
+        if positions is _positions.get() and len(segments.lengths) == batch_size:
+            kind = _mask_kind(mask_function)
+            key = (kind, batch_size, q_length)
+            if kind is not None and _trusted.get(key):
+                return segments
+            found = _read_mask(batch_size, q_length, mask_function, attention_mask, device, sdpa)
+            if kind is not None and key not in _trusted:
+                same = isinstance(found, PackedSegments) and found.lengths == segments.lengths
+                _trusted[key] = same
+            return found
+    return _read_mask(batch_size, q_length, mask_function, attention_mask, device, sdpa)
+
+
+def _read_mask(
+    batch_size: int, q_length: int, mask_function: Any, attention_mask: torch.Tensor | None,
+    device: Any, sdpa: Any,
+) -> Any:  # fmt: skip
+    """`packed_mask`'s segments read from the mask function on the device (one host sync);
+    ``sdpa()`` where the mask is not causal or the padding is not at the end."""
+    kv_length = q_length
     b = torch.arange(batch_size, device=device)[:, None]
     h = torch.zeros(1, 1, dtype=torch.long, device=device)
     j = torch.arange(1, q_length, device=device)[None, :]
@@ -248,10 +356,12 @@ class _CpuPerSample(torch.autograd.Function):
         b, heads, s, d = query.shape
         out = query.new_empty(b, s, heads, d)
         lse: torch.Tensor | None = None
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         for r, at, n in _spans(lengths):
-            o, lse_piece = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                *(t[r : r + 1, :, at : at + n] for t in (query, key, value)), 0.0, True,
-                scale=scale,
+            span = slice(at, at + n)
+            o, lse_piece = flash(
+                query[r : r + 1, :, span], key[r : r + 1, :, span], value[r : r + 1, :, span],
+                0.0, True, scale=scale,
             )  # fmt: skip
             if lse is None:
                 lse = query.new_empty(b, heads, s, dtype=lse_piece.dtype)
@@ -265,10 +375,12 @@ class _CpuPerSample(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         query, key, value, out, lse = ctx.saved_tensors
         gq, gk, gv = (torch.empty_like(t) for t in (query, key, value))
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         for r, at, n in _spans(ctx.lengths):
             span = slice(at, at + n)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad[r : r + 1, span].transpose(1, 2), *(t[r : r + 1, :, span] for t in (query, key, value)),
+            dq, dk, dv = flash_backward(
+                grad[r : r + 1, span].transpose(1, 2), query[r : r + 1, :, span],
+                key[r : r + 1, :, span], value[r : r + 1, :, span],
                 out[r : r + 1, span].transpose(1, 2), lse[r : r + 1, :, span].contiguous(),
                 0.0, True, scale=ctx.scale,
             )  # fmt: skip
@@ -501,16 +613,38 @@ def watch_positions(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _packing_found_on_host(find: Any) -> Any:
+    """transformers' ``find_packed_sequence_indices`` (``find``) that, for the positions of
+    `known_segments`, skips its "is anything packed?" check, a host sync a forward: the host
+    knows (its segments, found by the same rule on the same positions). The same result."""
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        known = _known.get()
+        if known is None or known[0] is not position_ids:
+            return find(position_ids)
+        if all(len(row) == 1 for row in known[1].lengths):
+            return None
+        first = position_ids[:, :1] - 1
+        return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+    find_packed_sequence_indices.__wrapped__ = find  # type: ignore[attr-defined]
+    return find_packed_sequence_indices
+
+
 def register() -> str:
     """Register ``homelab_packed`` in transformers' attention and mask registries (once per
-    process; before a model loads with it). Returns its name."""
+    process; before a model loads with it), and its packing check that reads nothing for
+    `known_segments`' positions. Returns its name."""
     global _registered
     with _lock:
         if not _registered:
-            from transformers import AttentionInterface
+            from transformers import AttentionInterface, masking_utils
             from transformers.masking_utils import AttentionMaskInterface
 
             AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
             AttentionMaskInterface.register(PACKED_ATTENTION, packed_mask)
+            find = getattr(masking_utils, "find_packed_sequence_indices", None)
+            if find is not None and not hasattr(find, "__wrapped__"):
+                masking_utils.find_packed_sequence_indices = _packing_found_on_host(find)
             _registered = True
     return PACKED_ATTENTION

@@ -271,7 +271,7 @@ class GrpoObjective:
 
     def micro_step(
         self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
+        probe: Any = None, rows: Sequence[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The clipped token losses of the micro-batch's completions over the whole batch's
         denominator × world, backward; [loss sum, clipped tokens, KL sum, tokens]."""

@@ -63,9 +63,10 @@ class Objective(Protocol):
 
     def micro_step(
         self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
+        probe: Any = None, rows: Sequence[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Forward, scaled loss and backward of the blocks ``idx``; the detached metric sums."""
+        """Forward, scaled loss and backward of the blocks ``idx``; the detached metric sums.
+        ``rows`` is ``idx`` as Python ints (the loop has them without a read)."""
         ...
 
     def fields(self, sums: Sequence[float], counts: Sequence[float]) -> dict[str, float | None]:

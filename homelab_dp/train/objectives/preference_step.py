@@ -63,9 +63,10 @@ class PreferenceStep:
 
     def micro_step(
         self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
+        probe: Any = None, rows: Sequence[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Forward, the loss scaled by the step's global counts, backward; the metric sums."""
+        """Forward, the loss scaled by the step's global counts, backward; the metric sums.
+        ``rows`` (``idx`` as Python ints) is not needed here."""
         parts = self.parts(model, data.pairs, idx, rank.device)
         if probe is not None:
             probe.mark("forward")

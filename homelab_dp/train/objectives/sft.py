@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from homelab_dp.train.loop.device_copy import to_device
 from homelab_dp.train.loop.length_groups import trimmed_width
 from homelab_dp.train.model.loss import token_loss_sum
+from homelab_dp.train.model.packed_attention import PackedSegments, block_segments, known_segments
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -26,6 +27,10 @@ class SftObjective:
     name = "sft"
     metrics = ("loss_sum",)
 
+    def __init__(self) -> None:
+        self._segments: list[tuple[int, ...]] | None = None
+        """Packed data: each block's sample lengths (`block_segments`), made at the first step."""
+
     def units(self, data: Any) -> torch.Tensor:
         """Target tokens per block, as a ``[n_blocks, 1]`` float64 column."""
         import torch
@@ -37,9 +42,11 @@ class SftObjective:
 
     def micro_step(
         self, model: Any, data: Any, idx: torch.Tensor, counts: Sequence[float], rank: Any,
-        probe: Any = None,
+        probe: Any = None, rows: Sequence[int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """`micro_step` of the blocks ``idx``, scaled by world / the step's target tokens."""
+        """`micro_step` of the blocks ``idx``, scaled by world / the step's target tokens.
+        ``rows`` (``idx`` as Python ints) lets a packed micro-batch's samples come from the
+        host (`block_segments`, made once) rather than from a read of the device a forward."""
         dev = rank.device
         # Packed blocks go without a mask: the positions restart at each sample and
         # transformers masks attention to within each one from them.
@@ -50,6 +57,11 @@ class SftObjective:
         ids, labels, positions = (data.input_ids[idx, :width], data.labels[idx, :width],
                                   data.positions[idx, :width])  # fmt: skip
         split = getattr(rank, "split", None)
+        segments = None
+        if data.packed and split is None and rows is not None:
+            if self._segments is None:
+                self._segments = block_segments(data.positions)
+            segments = PackedSegments(tuple(self._segments[i] for i in rows), dev)
         split_context: Any = contextlib.nullcontext()
         if split is not None:  # this rank's slice of every sequence; attention sees them whole
             split_context = split.active(positions, mask)
@@ -60,7 +72,7 @@ class SftObjective:
                 model.strategy, to_device(ids, dev), mask, labels, scale,
                 positions=to_device(positions, dev), autocast=model.autocast,
                 loss_dtype=model.loss_dtype, scaler=model.scaler, probe=probe,
-                loss_head=model.loss_head, flat=model.flat_batches,
+                loss_head=model.loss_head, flat=model.flat_batches, segments=segments,
             )  # fmt: skip
         return loss.reshape(1)
 
@@ -72,7 +84,7 @@ class SftObjective:
 def micro_step(
     strategy: Any, input_ids: Any, mask: Any, labels: Any, scale: float, *, autocast: Any,
     loss_dtype: Any, positions: Any = None, scaler: Any = None, probe: Any = None,
-    loss_head: Any = None, flat: bool = False,
+    loss_head: Any = None, flat: bool = False, segments: PackedSegments | None = None,
 ) -> Any:  # fmt: skip
     """Forward, loss and backward of one micro-batch; returns the detached sum of token losses.
 
@@ -84,6 +96,7 @@ def micro_step(
     through the backward pass. ``mask`` is None for packed blocks, whose ``positions`` restart
     at every sample; ``flat`` sends a packed micro-batch as one row (FlashAttention's varlen
     route). ``probe`` (a `memtrack.MemoryProbe`, or None) marks the end of each phase.
+    ``segments``: the packed rows' sample lengths, known on the host (`known_segments`).
 
     A MoE model with a router aux loss (``strategy.aux_coef`` > 0) returns its router logits
     and its aux loss (over this micro-batch's real tokens: the mask excludes padding; a packed
@@ -95,10 +108,15 @@ def micro_step(
 
     if flat:  # exact: every row starts a sample at position 0
         input_ids, positions, labels = (t.reshape(1, -1) for t in (input_ids, positions, labels))
+        if segments is not None:
+            segments = PackedSegments((sum(segments.lengths, ()),), segments.device)
     targets = loss_head.targets(labels) if loss_head is not None else contextlib.nullcontext()
+    known: Any = contextlib.nullcontext()
+    if segments is not None and positions is not None:
+        known = known_segments(positions, segments)
     aux_coef = getattr(strategy, "aux_coef", 0.0)
     router = {"output_router_logits": True} if aux_coef else {}
-    with autocast(), targets:
+    with autocast(), targets, known:
         output = strategy.model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False,
             **router,

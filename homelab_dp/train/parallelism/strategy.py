@@ -395,6 +395,7 @@ class SampleOrder:
         self.n = n_blocks
         self.seed = seed
         self._perms: dict[int, torch.Tensor] = {}
+        self._lists: dict[int, list[int]] = {}
 
     def perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
@@ -418,6 +419,19 @@ class SampleOrder:
     def blocks(self, start: int, count: int) -> list[int]:
         """Block indices at stream positions [start, start + count)."""
         return self.indices(start, count).tolist()
+
+    def rows(self, start: int, count: int) -> list[int]:
+        """`blocks` from each epoch's permutation read to the host once (the training loop's
+        block indices, no read a step)."""
+        out, p, end = [], start, start + count
+        while p < end:
+            epoch, at = divmod(p, self.n)
+            if epoch not in self._lists:
+                self._lists = {epoch: self.perm(epoch).tolist()}  # keep one epoch
+            take = min(end - p, self.n - at)
+            out += self._lists[epoch][at : at + take]
+            p += take
+        return out
 
 
 def rank_slices(step: int, micro: int, world: int, accum: int, rank: int) -> list[range]:

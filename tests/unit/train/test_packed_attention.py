@@ -387,3 +387,53 @@ def test_one_rule_keeps_sinks_on_every_load() -> None:
     assert attention_implementation("cpu", "fp32", model_type="gpt_oss") == PACKED_ATTENTION
     assert has_sinks("gpt_oss") and not has_sinks("llama")
     assert inference_attention("gpt_oss") == "eager" and inference_attention("llama") is None
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Counts the host reads (``tolist``, ``item``, ``__bool__``) of a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if getattr(func, "__name__", "") in ("tolist", "item", "__bool__"):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_known_segments_spare_the_forward_its_reads_once_checked(monkeypatch) -> None:
+    """Segments found on the host (`block_segments`) stand in for the mask step's read once one
+    forward checked them against the mask function's own; a hint that disagrees is never used."""
+    from homelab_dp.train.model import packed_attention as pa
+
+    monkeypatch.setattr(pa, "_trusted", {})
+    model = pa.watch_positions(tiny("llama", PACKED_ATTENTION))
+    ids, pos, _ = packed_batch()
+    padded = pos.clone()
+    padded[1, 26:] = torch.arange(6)  # the last sample cut by a padding run: a segment too
+    assert pa.block_segments(pos) == list(ROWS)
+    assert pa.block_segments(padded, rows=1) == [ROWS[0], (20, 6, 6)]
+    assert pa.block_segments(torch.arange(5).expand(3, 5)) == [(5,)] * 3
+    want = model(input_ids=ids, position_ids=pos, use_cache=False).logits.detach()
+
+    def forward(lengths: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, int]:
+        reads = _Reads()
+        with pa.known_segments(pos, PackedSegments(lengths, pos.device)), reads:
+            out = model(input_ids=ids, position_ids=pos, use_cache=False).logits.detach()
+        return out, reads.n
+
+    first, checked = forward(ROWS)  # read once, found equal
+    again, unread = forward(ROWS)
+    assert checked >= 1 and unread == 0
+    assert torch.equal(first, want) and torch.equal(again, want)
+    monkeypatch.setattr(pa, "_trusted", {})
+    wrong = ((32,), (16, 16))
+    for _ in range(2):  # found unequal: every forward reads its own, the hint is not used
+        out, reads = forward(wrong)
+        assert reads >= 1 and torch.equal(out, want)
+    # Other positions than the hint's tensor (an equal copy too) are read as before.
+    reads = _Reads()
+    with pa.known_segments(pos.clone(), PackedSegments(ROWS, pos.device)), reads:
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    assert reads.n >= 1

@@ -155,5 +155,6 @@ def test_sample_order_indices_slice_each_epoch_as_the_position_by_position_order
             got = order.indices(start, count)
             assert got.dtype == torch.long and got.tolist() == want
             assert order.blocks(start, count) == want
+            assert order.rows(start, count) == want  # the loop's: a read once an epoch
     assert sorted(order.indices(14, 7).tolist()) == list(range(7))  # one whole epoch
     assert order.indices(14, 7).tolist() != order.indices(7, 7).tolist()  # reshuffled
