@@ -42,7 +42,7 @@ from tests.integration.conftest import (
     run_together,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("results")]  # tests/conftest.py
 TOL = 1e-12  # test_equivalence's: fp64 summation order
 BOUND = 0.10  # measure against the plan
 STEPS = 4
