@@ -31,7 +31,7 @@ from tests.integration.conftest import (
     run_together,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("results")]  # tests/conftest.py
 TOL = 1e-12  # test_equivalence's: fp64 summation order (measured below 1e-15)
 
 # family: (method, distribution, lora.target_modules or None)

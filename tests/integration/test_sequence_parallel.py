@@ -32,7 +32,7 @@ from tests.integration.conftest import (
     run_together,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("results")]  # tests/conftest.py
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "assets" / "data" / "tiny-text.jsonl"
 SEQ = 2048
