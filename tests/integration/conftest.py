@@ -157,7 +157,8 @@ def _waited(run_dir: Path, proc: subprocess.Popen[bytes]) -> int:
 def run(run_dir: Path, nproc: int, *, stop_at: int | None = None, resume: bool = False) -> int:
     """Run to the end (or to a test stop after ``stop_at`` steps) under the real launcher, on
     ``nproc`` processes (another count than the spec's: resuming on fewer or more processes)."""
-    return _waited(run_dir, _launch(run_dir, nproc, stop_at=stop_at, resume=resume))
+    kw: dict[str, Any] = {"stop_at": stop_at, "resume": resume}
+    return run_together((run_dir, nproc, kw))[0]
 
 
 def run_together(*runs: tuple[Path, int, dict[str, Any]]) -> list[int]:
@@ -166,8 +167,16 @@ def run_together(*runs: tuple[Path, int, dict[str, Any]]) -> list[int]:
     then its one worker) leaves a core idle, and every launch spends most of its time starting
     (imports, the rendezvous): two runs side by side take less time than one after the other.
     Only for runs whose claims are about their results, never their timings."""
-    procs = [(rd, _launch(rd, nproc, **kw)) for rd, nproc, kw in runs]
-    return [_waited(rd, proc) for rd, proc in procs]
+    procs: list[tuple[Path, subprocess.Popen[bytes]]] = []
+    try:
+        for rd, nproc, kw in runs:
+            procs.append((rd, _launch(rd, nproc, **kw)))
+        return [_waited(rd, proc) for rd, proc in procs]
+    finally:  # Ctrl-C or a failed start: no run left behind (each is in its own session)
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
 
 
 def run_detached(*argv: str, guard_s: float) -> Path:
