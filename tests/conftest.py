@@ -43,12 +43,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Everything but the unit tests is one xdist group (`--dist loadgroup` in pyproject): the
-    integration tests' runs, servers and TUI sessions take one worker, one at a time, in order;
-    the unit tests go to whichever worker is free (in practice, the other)."""
+    """Everything but the unit tests, the tests marked ``beside`` and the modules that name
+    their own group is one xdist group (`--dist loadgroup` in pyproject): the integration
+    tests' runs, servers and TUI sessions take one worker, one at a time, in order. A module
+    of runs whose claims are their results (no timing, no server) names the group
+    ``results`` (``pytestmark``): the other worker takes it first, then, like the first
+    worker once its group is done, whatever unit and ``beside`` tests are left."""
     unit = Path(__file__).parent / "unit"
     for item in items:
-        if unit not in item.path.parents:
+        if unit in item.path.parents or item.get_closest_marker("beside"):
+            continue
+        if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group("one-at-a-time"))
 
 

@@ -1,6 +1,6 @@
 """Helpers for the torchrun integration tests: a tiny model, small data sets, and real runs.
 
-Every run goes through the real launcher (`run_foreground` → torchrun → the worker, gloo on the
+Every run goes through the real launcher (`launch` → torchrun → the worker, gloo on the
 CPU); nothing of ours is mocked. The tiny model (hidden 32, 2 layers, the demo tokenizer) is
 built once per session.
 """
@@ -25,7 +25,7 @@ from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.folder.run_folder import create_run_dir, read_run_spec, write_run_spec
 from homelab_dp.runs.folder.run_state import read_state
 from homelab_dp.runs.run_spec import Launch, Rendezvous, Resolved, RunSpec
-from homelab_dp.supervise.launcher import run_foreground
+from homelab_dp.supervise.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "assets" / "models" / "tiny-llama"
@@ -136,17 +136,47 @@ def make_run(
     return create_run_dir(spec, root)
 
 
-def run(run_dir: Path, nproc: int, *, stop_at: int | None = None, resume: bool = False) -> int:
-    """Run to the end (or to a test stop after ``stop_at`` steps) under the real launcher, on
-    ``nproc`` processes (another count than the spec's: resuming on fewer or more processes)."""
+def _launch(
+    run_dir: Path, nproc: int, *, stop_at: int | None = None, resume: bool = False
+) -> subprocess.Popen[bytes]:
+    """`run`'s launch, not waited for."""
     spec = read_run_spec(run_dir)
     if spec.launch.nproc_per_node != nproc:
         write_run_spec(run_dir, replace(spec, launch=replace(spec.launch, nproc_per_node=nproc)))
     env = {} if stop_at is None else {"HOMELAB_DP_STOP_AT_STEP": str(stop_at)}
-    rc = run_foreground(run_dir, resume=resume, extra_env=env)
+    return launch(run_dir, resume=resume, extra_env=env)
+
+
+def _waited(run_dir: Path, proc: subprocess.Popen[bytes]) -> int:
+    rc = proc.wait()
     if rc != 0:
         print((run_dir / "logs" / "launcher.log").read_text(encoding="utf-8")[-6000:])
     return rc
+
+
+def run(run_dir: Path, nproc: int, *, stop_at: int | None = None, resume: bool = False) -> int:
+    """Run to the end (or to a test stop after ``stop_at`` steps) under the real launcher, on
+    ``nproc`` processes (another count than the spec's: resuming on fewer or more processes)."""
+    kw: dict[str, Any] = {"stop_at": stop_at, "resume": resume}
+    return run_together((run_dir, nproc, kw))[0]
+
+
+def run_together(*runs: tuple[Path, int, dict[str, Any]]) -> list[int]:
+    """Independent runs at once, each ``(run_dir, nproc, run's keywords)`` started as `run`
+    starts it; their exit codes. On the test machine's 2 cores a 1-process run (its agent,
+    then its one worker) leaves a core idle, and every launch spends most of its time starting
+    (imports, the rendezvous): two runs side by side take less time than one after the other.
+    Only for runs whose claims are about their results, never their timings."""
+    procs: list[tuple[Path, subprocess.Popen[bytes]]] = []
+    try:
+        for rd, nproc, kw in runs:
+            procs.append((rd, _launch(rd, nproc, **kw)))
+        return [_waited(rd, proc) for rd, proc in procs]
+    finally:  # Ctrl-C or a failed start: no run left behind (each is in its own session)
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
 
 
 def run_detached(*argv: str, guard_s: float) -> Path:

@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from homelab_dp.runs.folder.run_folder import read_run_spec, write_run_spec
-from tests.integration.conftest import bitwise_equal, events, final_weights, make_run, run
+from tests.integration.conftest import (
+    bitwise_equal,
+    events,
+    final_weights,
+    make_run,
+    run,
+    run_together,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +64,9 @@ def test_qlora_adamw8bit_merge_and_resume(tiny_model: Path, data_dir: Path, tmp_
     train = {"optimizer": "adamw8bit", "merge": True, "max_steps": 4}
     full = _with_eval(make_run(tmp_path, tiny_model, data, name="full", method="qlora", lr=1e-2,
                                train=train), held_out)  # fmt: skip
-    assert run(full, 2) == 0
+    stopped = _with_eval(make_run(tmp_path, tiny_model, data, name="stop", method="qlora",
+                                  lr=1e-2, train=train), held_out)  # fmt: skip
+    assert run_together((full, 2, {}), (stopped, 2, {"stop_at": 2})) == [0, 0]
     _check_adapter(full, tiny_model)
     _check_eval_on_nf4(full, held_out)
     merged = AutoModelForCausalLM.from_pretrained(full / "final" / "merged").state_dict()
@@ -65,9 +74,6 @@ def test_qlora_adamw8bit_merge_and_resume(tiny_model: Path, data_dir: Path, tmp_
     q = "model.layers.0.self_attn.q_proj.weight"
     assert float((merged[q] - base[q]).abs().max()) > 0
 
-    stopped = _with_eval(make_run(tmp_path, tiny_model, data, name="stop", method="qlora",
-                                  lr=1e-2, train=train), held_out)  # fmt: skip
-    assert run(stopped, 2, stop_at=2) == 0
     assert events(stopped, "end")[-1]["reason"] == "stopped"
     assert run(stopped, 2, resume=True) == 0
     assert events(stopped, "start")[-1]["start_step"] == 2

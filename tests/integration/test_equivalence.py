@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import events, final_weights, make_run, max_abs_diff, run
+from tests.integration.conftest import events, final_weights, make_run, max_abs_diff, run_together
 
 pytestmark = pytest.mark.slow
 TOL = 1e-12  # measured: ~6e-16 (fp64 summation order); a mean of micro-batch means is ~1e-4 off
@@ -24,13 +24,14 @@ def references(tiny_model: Path, data_dir: Path, tmp_path_factory: pytest.TempPa
     """One process: micro 4, and micro 2 × accumulation 2 (plain DDP of world size 1)."""
     root = tmp_path_factory.mktemp("eq-ref")
     data = data_dir / "ragged-16.jsonl"
-    out = {}
-    for name, micro, accum in (("m4", 4, 1), ("m2a2", 2, 2)):
-        rd = make_run(
+    dirs = {
+        name: make_run(
             root, tiny_model, data, name=name, world=1, micro=micro, accum=accum, dtype="fp64"
         )
-        assert run(rd, 1) == 0
-        out[name] = final_weights(rd)
+        for name, micro, accum in (("m4", 4, 1), ("m2a2", 2, 2))
+    }
+    assert run_together(*((rd, 1, {}) for rd in dirs.values())) == [0, 0]
+    out = {name: final_weights(rd) for name, rd in dirs.items()}
     assert max_abs_diff(out["m4"], out["m2a2"]) < TOL
     return out
 
@@ -46,10 +47,11 @@ def test_two_ranks_match_one_process(
     # Accumulation under every distribution; without it (micro 2) where the wrapper differs most
     # from one process (DDP's reducer, FSDP's full sharding): each run costs seconds of CI.
     shapes = ((2, 1), (1, 2)) if distribution in ("ddp", "fsdp-full") else ((1, 2),)
-    for micro, accum in shapes:
-        rd = make_run(tmp_path, tiny_model, data, name=f"{distribution}-{micro}x{accum}",
-                      distribution=distribution, micro=micro, accum=accum, dtype="fp64")  # fmt: skip
-        assert run(rd, 2) == 0
+    dirs = [make_run(tmp_path, tiny_model, data, name=f"{distribution}-{micro}x{accum}",
+                     distribution=distribution, micro=micro, accum=accum, dtype="fp64")
+            for micro, accum in shapes]  # fmt: skip
+    assert run_together(*((rd, 2, {}) for rd in dirs)) == [0] * len(dirs)
+    for rd in dirs:
         weights = final_weights(rd)
         for ref in references.values():
             assert max_abs_diff(weights, ref) < TOL

@@ -25,7 +25,7 @@ from tests.integration.conftest import (
     final_weights,
     make_run,
     max_abs_diff,
-    run,
+    run_together,
 )
 
 pytestmark = pytest.mark.slow
@@ -33,15 +33,26 @@ SLACK = 64 * 1024  # the rotary buffers, the batch, the probe's own small tensor
 TOL = 1e-12  # fp64: summation order only (as in test_equivalence.py)
 
 
-def _load_peaks(root: Path, model: Path, data: Path, distribution: str, method: str) -> list[int]:
-    """Each rank's live tensor bytes at the peak of the load phase (one measured step)."""
-    rd = make_run(root, model, data, name=f"{method}-{distribution}", distribution=distribution,
-                  method=method, train={"max_steps": 1})  # fmt: skip
-    write_run_spec(rd, replace(read_run_spec(rd), measure_steps=1))
-    assert run(rd, 2) == 0
-    memory = events(rd, "memory")[-1]
-    assert memory["kind"] == "live_tensor_bytes" and [r["rank"] for r in memory["ranks"]] == [0, 1]
-    return [r["phases"]["load"]["peak_bytes"] for r in memory["ranks"]]
+def _load_peaks(root: Path, model: Path, data: Path, *runs: tuple[str, str]) -> list[list[int]]:
+    """Each run's ranks' live tensor bytes at the peak of the load phase (one measured step),
+    per ``(distribution, method)``; the runs two at a time side by side (`run_together`: a
+    tensor count, not a timing)."""
+    dirs = []
+    for distribution, method in runs:
+        rd = make_run(root, model, data, name=f"{method}-{distribution}",
+                      distribution=distribution, method=method,
+                      train={"max_steps": 1})  # fmt: skip
+        write_run_spec(rd, replace(read_run_spec(rd), measure_steps=1))
+        dirs.append(rd)
+    for pair in (dirs[i : i + 2] for i in range(0, len(dirs), 2)):
+        assert run_together(*((rd, 2, {}) for rd in pair)) == [0] * len(pair)
+    peaks = []
+    for rd in dirs:
+        memory = events(rd, "memory")[-1]
+        assert memory["kind"] == "live_tensor_bytes"
+        assert [r["rank"] for r in memory["ranks"]] == [0, 1]
+        peaks.append([r["phases"]["load"]["peak_bytes"] for r in memory["ranks"]])
+    return peaks
 
 
 def test_fsdp_never_holds_the_model_on_more_than_one_rank(
@@ -54,20 +65,21 @@ def test_fsdp_never_holds_the_model_on_more_than_one_rank(
     model = 4 * sum(numels)  # fp32 weights
     largest = 4 * max(numels)
     data = data_dir / "ragged-16.jsonl"
+    sharded = ("fsdp-full", "fsdp-grad-op")
+    ddp, *fsdp, lora = _load_peaks(tmp_path, tiny_model, data, ("ddp", "full"),
+                                   *((d, "full") for d in sharded), ("fsdp-full", "lora"))  # fmt: skip
 
-    ddp = _load_peaks(tmp_path, tiny_model, data, "ddp", "full")
     print(f"ddp: model {model} B, load peak rank 0 {ddp[0]} B, rank 1 {ddp[1]} B")
     assert all(peak >= model for peak in ddp), (ddp, model)
 
-    for distribution in ("fsdp-full", "fsdp-grad-op"):
-        rank0, rank1 = _load_peaks(tmp_path, tiny_model, data, distribution, "full")
+    for distribution, (rank0, rank1) in zip(sharded, fsdp, strict=True):
         print(f"{distribution}: model {model} B, largest tensor {largest} B, "
               f"load peak rank 0 {rank0} B, rank 1 {rank1} B")  # fmt: skip
         assert model / 2 <= rank1 <= model / 2 + SLACK, (rank1, model)
         assert model <= rank0 <= model + largest / 2 + SLACK, (rank0, model, largest)
 
     # LoRA: the frozen base (fp32 on the CPU) is sharded the same way; the adapters are tiny.
-    rank0, rank1 = _load_peaks(tmp_path, tiny_model, data, "fsdp-full", "lora")
+    rank0, rank1 = lora
     print(f"lora fsdp-full: load peak rank 0 {rank0} B, rank 1 {rank1} B")
     assert model / 2 <= rank1 <= model / 2 + 2 * SLACK, (rank1, model)
     assert model <= rank0 <= model + largest / 2 + 2 * SLACK, (rank0, model, largest)
@@ -101,13 +113,11 @@ def test_sharded_load_trains_as_ddp_tied_weights_and_adapters(
     (full fine-tune) and for LoRA adapters drawn from the seeded generator on rank 0 only."""
     model = tied_model if method == "full" else tiny_model
     data = data_dir / "ragged-16.jsonl"
-    out = {}
-    for distribution in ("ddp", "fsdp-full"):
-        rd = make_run(tmp_path, model, data, name=f"{method}-{distribution}", method=method,
-                      distribution=distribution, dtype="fp64", lr=1e-2)  # fmt: skip
-        assert run(rd, 2) == 0
-        out[distribution] = final_weights(rd)
-    ddp, fsdp = out["ddp"], out["fsdp-full"]
+    dirs = [make_run(tmp_path, model, data, name=f"{method}-{distribution}", method=method,
+                     distribution=distribution, dtype="fp64", lr=1e-2)
+            for distribution in ("ddp", "fsdp-full")]  # fmt: skip
+    assert run_together(*((rd, 2, {}) for rd in dirs)) == [0, 0]
+    ddp, fsdp = (final_weights(rd) for rd in dirs)
     if method == "full":  # still tied; FSDP's gathered result writes the lm_head out as well
         assert "lm_head.weight" not in ddp
         assert bitwise_equal(

@@ -39,9 +39,10 @@ from tests.integration.conftest import (
     max_abs_diff,
     run,
     run_detached,
+    run_together,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("results")]  # tests/conftest.py
 TOL = 1e-12  # test_equivalence's: fp64 summation order
 BOUND = 0.10  # measure against the plan
 STEPS = 4
@@ -84,8 +85,8 @@ class Runs:
                                            lr=1e-2 if method == "full" else 3e-2,
                                            train={"max_steps": STEPS, "sample_every": "off"},
                                            data_extra={"eval_path": str(self.data)})  # fmt: skip
-            assert run(out["1"], 1) == 0
-            assert run(out["2"], 2, stop_at=STOP) == 0
+            # the uninterrupted 1-process run beside the 2-process run's first leg
+            assert run_together((out["1"], 1, {}), (out["2"], 2, {"stop_at": STOP})) == [0, 0]
             assert run(out["2"], 2, resume=True) == 0
             self.made[family] = out
         return self.made[family]

@@ -28,10 +28,10 @@ from tests.integration.conftest import (
     final_weights,
     make_run,
     max_abs_diff,
-    run,
+    run_together,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("results")]  # tests/conftest.py
 TOL = 1e-12  # test_equivalence's: fp64 summation order (measured below 1e-15)
 
 # family: (method, distribution, lora.target_modules or None)
@@ -102,8 +102,8 @@ def _run_pair(family: str, root: Path, data: Path) -> dict[str, Path]:
         if family in PACKED:  # the default data.pack: the worker's packing check must pass
             preset = replace(preset, data=replace(preset.data, pack=True))
         write_run_spec(rd, replace(spec, preset=preset))
-        assert run(rd, nproc) == 0
         out[str(nproc)] = rd
+    assert run_together((out["2"], 2, {}), (out["1"], 1, {})) == [0, 0]
     return out
 
 

@@ -25,7 +25,7 @@ import tomllib
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.folder.run_folder import create_run_dir
 from homelab_dp.runs.run_spec import Launch, Rendezvous, Resolved, RunSpec
-from tests.integration.conftest import ROOT, events, final_weights, max_abs_diff, run
+from tests.integration.conftest import ROOT, events, final_weights, max_abs_diff, run, run_together
 
 pytestmark = pytest.mark.slow
 STEPS, STOP = 6, 3
@@ -64,9 +64,8 @@ def worker_log(run_dir: Path) -> str:
 def dpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dpo")
     one = make_pref_run(root, "one", world=1, accum=4)  # micro 2 × 4: effective batch 8
-    assert run(one, 1) == 0
     two = make_pref_run(root, "two", world=2, accum=2, reference="precompute")
-    assert run(two, 2, stop_at=STOP) == 0
+    assert run_together((one, 1, {}), (two, 2, {"stop_at": STOP})) == [0, 0]
     stopped = events(two)
     assert run(two, 2, resume=True) == 0
     return {"one": one, "two": two, "stopped_events": stopped}  # type: ignore[dict-item]

@@ -26,6 +26,7 @@ from tests.integration.conftest import (
     make_run,
     max_abs_diff,
     run,
+    run_together,
 )
 
 pytestmark = pytest.mark.slow
@@ -73,16 +74,18 @@ def test_ddp_resume_is_bitwise_mid_epoch_and_at_epoch_boundary(
 
     n = events(full, "start")[0]["samples"]
     assert n == 11
-    for k, (epoch, offset) in ((2, (0, 8)), (3, (1, 12 - n))):
-        # The k = 3 run also turns train.deterministic on: torch's deterministic-only mode in
-        # every rank (no op of a CPU run lacks a deterministic kernel) gives the same bits on the
-        # CPU, exact already, as the uninterrupted run without the switch.
-        train = {**TRAIN, "deterministic": k == 3}
-        rd = make_run(tmp_path, tiny_model, data, name=f"stop{k}", distribution="ddp", train=train)
-        assert run(rd, 2, stop_at=k) == 0
+    stops = {2: (0, 8), 3: (1, 12 - n)}  # step: (epoch, offset) of its checkpoint
+    # The k = 3 run also turns train.deterministic on: torch's deterministic-only mode in every
+    # rank (no op of a CPU run lacks a deterministic kernel) gives the same bits on the CPU,
+    # exact already, as the uninterrupted run without the switch.
+    dirs = {k: make_run(tmp_path, tiny_model, data, name=f"stop{k}", distribution="ddp",
+                        train={**TRAIN, "deterministic": k == 3})
+            for k in stops}  # fmt: skip
+    assert run_together(*((rd, 2, {"stop_at": k}) for k, rd in dirs.items())) == [0, 0]
+    for k, rd in dirs.items():
         _stopped(rd, k)
         trainer = json.loads((rd / "checkpoints" / f"step-{k}" / "trainer.json").read_text())
-        assert (trainer["step"], trainer["epoch"], trainer["offset"]) == (k, epoch, offset)
+        assert (trainer["step"], trainer["epoch"], trainer["offset"]) == (k, *stops[k])
         if k == 2:
             on_one = copy_run(rd, tmp_path, "stop2-on-1-rank")
         # An incomplete newer checkpoint (no marker) must be skipped.
@@ -90,14 +93,15 @@ def test_ddp_resume_is_bitwise_mid_epoch_and_at_epoch_boundary(
         (rd / "checkpoints" / "step-5" / "shard-00001-model-00001-of-00001.safetensors").write_text(
             ""
         )
-        assert run(rd, 2, resume=True) == 0
+    resumed = [(rd, 2, {"resume": True}) for rd in dirs.values()]
+    assert run_together(*resumed, (on_one, 1, {"resume": True})) == [0, 0, 0]
+    for k, rd in dirs.items():
         _resumed_from(rd, k)
         assert bitwise_equal(final_weights(rd), reference)
         log = (rd / "logs" / "launcher.log").read_text(encoding="utf-8")
         on = log.count("deterministic algorithms on (train.deterministic)")
         assert on == (4 if k == 3 else 0)  # 2 ranks × (the stopped run + the resumed run)
 
-    assert run(on_one, 1, resume=True) == 0
     start = _resumed_from(on_one, 2)
     assert (start["world_size"], start["grad_accum"], start["effective_batch"]) == (1, 2, 4)
     assert max_abs_diff(final_weights(on_one), reference) < FP32_TOL
@@ -108,16 +112,14 @@ def test_fsdp_resume_bitwise_and_on_one_process(
 ) -> None:
     data = data_dir / "ragged-12.jsonl"
     full = _setup(tmp_path, tiny_model, data, "fsdp-full", "full")
-    assert run(full, 2) == 0
-    reference = final_weights(full)
     rd = _setup(tmp_path, tiny_model, data, "fsdp-full", "stop")
-    assert run(rd, 2, stop_at=2) == 0
+    assert run_together((full, 2, {}), (rd, 2, {"stop_at": 2})) == [0, 0]
+    reference = final_weights(full)
     _stopped(rd, 2)
     on_one = copy_run(rd, tmp_path, "stop-on-1-rank")
-    assert run(rd, 2, resume=True) == 0
+    assert run_together((rd, 2, {"resume": True}), (on_one, 1, {"resume": True})) == [0, 0]
     _resumed_from(rd, 2)
     assert bitwise_equal(final_weights(rd), reference)
-    assert run(on_one, 1, resume=True) == 0
     _resumed_from(on_one, 2)
     assert max_abs_diff(final_weights(on_one), reference) < FP32_TOL
 

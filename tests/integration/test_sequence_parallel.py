@@ -29,9 +29,10 @@ from tests.integration.conftest import (
     make_run,
     max_abs_diff,
     run,
+    run_together,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("results")]  # tests/conftest.py
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "assets" / "data" / "tiny-text.jsonl"
 SEQ = 2048
@@ -72,10 +73,9 @@ def runs(long_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         "data_extra": {"eval_fraction": 0.2},
     }  # evaluated after the last step
     one = make_run(root, long_model, TEXT, name="one", world=1, **common)
-    assert run(one, 1) == 0
     two = make_run(root, long_model, TEXT, name="split", world=2, sequence_parallel=2,
                    distribution="zero1", train={"checkpoint_every": 1}, **common)  # fmt: skip
-    assert run(two, 2, stop_at=2) == 0
+    assert run_together((one, 1, {}), (two, 2, {"stop_at": 2})) == [0, 0]
     assert events(two, "end")[-1]["reason"] == "stopped"
     assert run(two, 2, resume=True) == 0
     return {"one": one, "split": two}

@@ -44,6 +44,8 @@ from homelab_dp.user_files.fingerprint_store import MAX_FILE_BYTES
 
 from ..conftest import ROOT
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 QWEN = ROOT / "assets" / "configs" / "qwen2-0.5b"
 CPU_FP = "cpu | Test CPU | torch 2.13.0+cpu"
 MODEL = {"model_type": "llama", "params": 10, "layers": 1, "hidden": 4, "vocab": 8}

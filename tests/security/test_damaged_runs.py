@@ -24,6 +24,8 @@ from homelab_dp.runs.folder.run_index import index_path, register
 
 from ..conftest import DATA, ROOT
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 COMPLETED = DATA / "bad_input" / "runs" / "completed-run"
 
 

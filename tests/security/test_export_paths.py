@@ -24,6 +24,8 @@ import pytest
 from homelab_dp.cli import main
 from tests.integration.conftest import DEMO_DATA, DEMO_MODEL, make_run
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 
 def _tree(root: Path) -> list[tuple[str, int]]:
     """Every path under ``root`` (links not followed) with its size: what was written."""

@@ -23,6 +23,8 @@ from homelab_dp.errors import ModelSpecError
 from homelab_dp.planning.model_spec import spec_to_dict
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 QWEN35 = {"model_type": "qwen3_5_text", "vocab_size": 128, "hidden_size": 64, "head_dim": 16,

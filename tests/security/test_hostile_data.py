@@ -24,6 +24,8 @@ from homelab_dp.errors import DataError
 
 from ..conftest import ROOT, run_cli
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 DEEP = 100_000
 DIGITS = 5_000
 HOSTILE = {

@@ -23,6 +23,8 @@ from homelab_dp.presets.preset import load_preset
 
 from ..conftest import DATA, ROOT
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 TINY = ROOT / "presets" / "tiny-demo.toml"
 COMPLETED = DATA / "bad_input" / "runs" / "completed-run"
 

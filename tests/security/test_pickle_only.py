@@ -22,6 +22,8 @@ from homelab_dp.cli import main
 from tests.conftest import write_preset
 from tests.integration.conftest import DEMO_DATA, DEMO_MODEL, make_run
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 # A pickle whose load would run code: it must never reach torch.load (nor does this test).
 PAYLOAD = b"\x80\x04cos\nsystem\n(S'touch /tmp/homelab-dp-pickle-ran'\ntR."
 

@@ -17,6 +17,8 @@ from homelab_dp.errors import DataError
 
 from ..conftest import ROOT
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 BIG = 30 * 2**20  # over the limit, and fast to write
 
 

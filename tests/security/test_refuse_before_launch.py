@@ -28,6 +28,8 @@ from homelab_dp.train.model.lora import lora_targets
 from tests.conftest import DATA, ROOT, run_cli
 from tests.integration.conftest import DEMO_MODEL
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 CONFIGS = ROOT / "assets" / "configs"
 DENSE = hand_written_spec(CONFIGS / "qwen2-0.5b")
 MOE = hand_written_spec(CONFIGS / "qwen3-30b-a3b")

@@ -24,6 +24,8 @@ from homelab_dp.runs.model_ref import config_folder, run_result
 from tests.conftest import run_cli
 from tests.integration.conftest import DEMO_DATA, DEMO_MODEL, make_run
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 FULL = "20260101-000000-full-aaaa"
 OTHER = "20260101-000001-full-bbbb"
 LORA = "20260102-000000-sft-cccc"

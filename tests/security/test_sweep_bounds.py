@@ -18,6 +18,8 @@ from homelab_dp.errors import PresetError
 from homelab_dp.presets.preset_store import open_preset
 from tests.conftest import ROOT, run_cli
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 BIG = ROOT / "assets" / "configs" / "meta-llama-3-70b"
 REFUSE_S = 20.0
 """Liveness bound for a refusal that plans nothing (checking 10^6 values one by one, as the old

@@ -28,6 +28,8 @@ from homelab_dp.errors import HomelabError
 from tests.conftest import DATA, run_cli
 from tests.integration.conftest import DEMO_MODEL
 
+pytestmark = pytest.mark.beside  # in-process (or one short child): on the free worker
+
 ARITH = DATA / "bench" / "tiny_arith.jsonl"
 BASE = f"""task: t
 dataset_path: json
