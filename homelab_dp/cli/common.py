@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from homelab_dp import json_safe
 from homelab_dp.render.errors import error_lines
@@ -29,6 +30,28 @@ class Parser(argparse.ArgumentParser):
         hint = f"see `{self.prog} --help`"
         sys.stderr.write(error_lines([f"{self.prog}: {message}"], hint) + "\n")
         raise SystemExit(EXIT_BAD_INPUT)
+
+
+N = TypeVar("N", int, float)
+
+
+def number_type(
+    convert: Callable[[str], N], ok: Callable[[N], bool], kind: str, bound: str
+) -> Callable[[str], N]:
+    """An argparse ``type=`` that reads a number with ``convert`` and keeps it when ``ok``;
+    otherwise "'TEXT' is not KIND" or "VALUE is not BOUND" (argparse shows either as the
+    option's error, exit 2)."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{value} is not {bound}")
+        return value
+
+    return parse
 
 
 def add_runs_option(parser: argparse.ArgumentParser, *, top: bool = False) -> None:

@@ -12,38 +12,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from homelab_dp.cli.common import EXIT_OK, print_json, print_rich
+from homelab_dp.cli.common import EXIT_OK, number_type, print_json, print_rich
 from homelab_dp.errors import HomelabError
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
-    return value
-
-
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is not above 0 and at most 1")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
-    return value
+_positive = number_type(int, lambda v: v >= 1, "a whole number", "a positive number")
+_share = number_type(float, lambda v: 0 < v <= 1, "a number", "above 0 and at most 1")
+_seconds = number_type(  # NaN fails the bound too
+    float, lambda v: 0 < v < float("inf"), "a number", "a positive number of seconds"
+)
 
 
 def register(sub: Any) -> None:
