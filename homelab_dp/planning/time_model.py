@@ -60,7 +60,21 @@ from homelab_dp.planning.sequence_split import all_to_all_bytes
 from homelab_dp.planning.speed_calibration import ComputeRate
 
 DDP_BUCKET_BYTES = 25 * 2**20
-"""DDP's bucket size (``bucket_cap_mb`` 25): the last bucket's all-reduce is exposed."""
+"""DDP's bucket size on CUDA (``bucket_cap_mb`` 25): the last bucket's all-reduce is exposed."""
+
+
+def ddp_bucket_cap(device_kind: str, grad_bytes: float) -> float:
+    """DDP's bucket size, one rule for the worker (`homelab_dp.train.parallelism.strategy`)
+    and this model: 25 MiB on CUDA, where NCCL all-reduces a bucket on its own stream while
+    backward goes on; on the CPU one bucket for every gradient, so one all-reduce after
+    backward. gloo's threads run on the cores backward computes on, so a bucket sent early
+    hides nothing and only interrupts the compute: one bucket measured 2.2–2.6% more
+    tokens/s than 25 MiB buckets (`benchmarks/vs_hf_trainer.py --trees`, 2 processes)."""
+    if device_kind == "cuda":
+        return float(DDP_BUCKET_BYTES)
+    return float(max(DDP_BUCKET_BYTES, math.ceil(grad_bytes / 2**20 + 1) * 2**20))
+
+
 UNKNOWN_PEAK_FLOPS = 71e12
 """A card the peak table does not know (a what-if card) is priced as an RTX 3090 (71 TFLOPS
 dense bf16 with fp32 accumulate), and the assumption says so."""
@@ -95,8 +109,9 @@ class CommPart:
     """Collectives per issue (buckets, layers): each costs the link's latency."""
 
 
-def comm_parts(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
-    """What one device sends per optimizer step, by collective (ring factor included).
+def comm_parts(spec: ModelSpec, shape: TrainShape, device_kind: str = "cuda") -> list[CommPart]:
+    """What one device sends per optimizer step, by collective (ring factor included);
+    ``device_kind`` sets DDP's buckets (`ddp_bucket_cap`).
 
     The same bytes as `homelab_dp.planning.memory.device_memory.comm_bytes_per_step`, split so
     that each can be overlapped its own way, with one addition: LoRA under FSDP also gathers
@@ -110,9 +125,10 @@ def comm_parts(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
     layers = max(1, spec.layers)
     split = _sequence_exchange(spec, shape)
     if shape.distribution in ("ddp", "zero1"):
-        buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
+        bucket = ddp_bucket_cap(device_kind, grads)
+        buckets = max(1, math.ceil(grads / bucket))
         out = [CommPart("all-reduce", 2 * ring * grads, False, "backward",
-                        last_bucket_bytes(spec, shape) / grads, buckets)]  # fmt: skip
+                        last_bucket_bytes(spec, shape, bucket) / grads, buckets)]  # fmt: skip
         if shape.distribution == "zero1":
             out.append(CommPart("all-gather (after the step)", ring * spec.params * 4.0, False,
                                 "none", 1.0, 1))  # fmt: skip
@@ -145,7 +161,9 @@ def _sequence_exchange(spec: ModelSpec, shape: TrainShape) -> list[CommPart]:
                      4 * passes * max(1, spec.layers))]  # fmt: skip
 
 
-def last_bucket_bytes(spec: ModelSpec, shape: TrainShape) -> float:
+def last_bucket_bytes(
+    spec: ModelSpec, shape: TrainShape, bucket: float = DDP_BUCKET_BYTES
+) -> float:
     """Gradient bytes of DDP's last bucket, whose all-reduce starts only when backward ends.
 
     DDP fills its buckets in reverse parameter order, so the input embeddings (the first
@@ -154,7 +172,7 @@ def last_bucket_bytes(spec: ModelSpec, shape: TrainShape) -> float:
     bucket is therefore the larger of a bucket and the embeddings (GPT-2 124M: 31% of its
     gradients); LoRA trains no embedding."""
     grads = trainable_params(spec, shape) * 4.0
-    last = float(DDP_BUCKET_BYTES)
+    last = float(bucket)
     if shape.method == "full":
         last = max(last, spec.embedding_params * 4.0)
     return min(grads, last)
@@ -297,7 +315,7 @@ def predict(
     micro_compute = per_token * micro_tokens / slow.flops_per_s if slow.flops_per_s else math.inf
     compute = micro_compute * shape.grad_accum
     c_fwd, c_bwd = micro_compute * fwd_share, micro_compute * (1 - fwd_share)
-    parts = comm_parts(spec, shape)
+    parts = comm_parts(spec, shape, hw.kind)
     comm = exposed = 0.0
     # gloo on the CPU shares the cores the compute uses; without P2P, NCCL's copies through
     # host memory hide behind nothing either (fitted on published runs: docs/planning.md).

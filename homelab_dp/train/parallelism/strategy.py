@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from homelab_dp.errors import HomelabError
 from homelab_dp.planning.batch_shape import BatchShape
+from homelab_dp.planning.time_model import ddp_bucket_cap
 from homelab_dp.presets.preset import TrainSection
 from homelab_dp.runs.run_spec import Resolved
 from homelab_dp.train.model.lora import is_experts
@@ -200,6 +201,8 @@ def wrap_model(
             device_ids=ids,
             # The gradients live in the all-reduce buckets: no second flat copy of them.
             gradient_as_bucket_view=True,
+            # CUDA: 25 MiB buckets that overlap backward; the CPU: one (`ddp_bucket_cap`).
+            bucket_cap_mb=ddp_bucket_cap(device.type, _grad_bytes(model)) / 2**20,
             # No buffer broadcast before every forward: the supported families' buffers
             # (rotary inv_freq, Gemma's embed_scale; no running statistics) are computed from
             # the config, identical on every rank, and never change in training.
@@ -274,6 +277,11 @@ def _no_forward_buffer_sync() -> dict[str, bool]:
 def world_size() -> int:
     """Processes in the default group (1 when none is initialised)."""
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients DDP all-reduces (the trainable parameters')."""
+    return sum(p.numel() * p.element_size() for p in _trainable(model))
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:

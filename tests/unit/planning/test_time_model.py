@@ -30,7 +30,7 @@ from homelab_dp.planning.speed_calibration import (
     SpeedStore,
     record_speed,
 )
-from homelab_dp.planning.time_model import comm_parts, cpu_threads
+from homelab_dp.planning.time_model import comm_parts, cpu_threads, ddp_bucket_cap
 from homelab_dp.presets.preset import preset_from_dict
 from homelab_dp.runs.run_view import view_of
 from tests.conftest import DATA, ROOT, run_cli
@@ -195,6 +195,20 @@ def test_the_cpu_overlaps_nothing_and_shares_its_cores(monkeypatch: pytest.Monke
     assert pred.assumptions["link"]["kind"] == "gloo"
 
 
+def test_ddp_buckets_overlap_on_cuda_and_are_one_on_the_cpu() -> None:
+    # CUDA: DDP's 25 MiB buckets, several for a 0.5B model; the CPU: one bucket holds every
+    # gradient, so one all-reduce (one latency) after backward, as the worker wraps DDP
+    grads = SPEC.params * 4.0
+    assert ddp_bucket_cap("cuda", grads) == 25 * 2**20
+    assert ddp_bucket_cap("cpu", grads) >= grads and ddp_bucket_cap("cpu", 1e6) == 25 * 2**20
+    shape = train_shape(_preset(method="full"), parse_gpus_spec("2x80GiB", 64 * GiB), "full",
+                        "ddp", False)  # fmt: skip
+    (cuda,) = comm_parts(SPEC, shape, "cuda")
+    (cpu,) = comm_parts(SPEC, shape, "cpu")
+    assert cuda.collectives == -(-grads // (25 * 2**20)) > 1 and cpu.collectives == 1
+    assert cpu.bytes_per_step == cuda.bytes_per_step and cpu.exposed_share == 1.0
+
+
 def test_a_measured_speed_replaces_the_default(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -286,12 +300,11 @@ def test_one_cpu_measure_predicts_one_process_and_extrapolates_two(
     assert two.assumptions["link"]["source"] == "measured"
     # each process computes its half with one thread, at the measured 2-thread process's speed
     # ÷ √2 (`CPU_THREAD_SCALING` 0.5 until two thread counts are measured), then all-reduces the
-    # fp32 gradients over gloo without overlap
+    # fp32 gradients over gloo without overlap, in one bucket (`ddp_bucket_cap`): one latency
     per_token = 1 / 2000.0
     assert two.compute_seconds == pytest.approx(two.tokens_per_step / 2 * per_token * 2**0.5)
-    sync = SPEC.params * 4 / 5e8 + two.assumptions["link"]["latency_s"] * -(
-        -SPEC.params * 4 // (25 * 2**20)
-    )
+    assert SPEC.params * 4 > 25 * 2**20  # on CUDA this would be several buckets
+    sync = SPEC.params * 4 / 5e8 + two.assumptions["link"]["latency_s"]
     assert two.comm_seconds == pytest.approx(sync, rel=1e-3)
     assert two.tokens_per_s == pytest.approx(two.tokens_per_step / (two.compute_seconds + sync))
     # once a 2-process run recorded its own (1 thread per process) speed, that is used
