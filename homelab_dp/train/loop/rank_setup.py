@@ -40,6 +40,7 @@ from homelab_dp.train.loop.memtrack import WorkerMemory
 from homelab_dp.train.loop.rank_stats import all_gather_flat, peak_memory_kind
 from homelab_dp.train.loop.tf32 import enable_tf32
 from homelab_dp.train.model.attention import attention_choice
+from homelab_dp.train.model.last_mlp_rows import row_skip_refusal, skip_untargeted_rows
 from homelab_dp.train.model.loss import install_loss_head, unsupported_reason
 from homelab_dp.train.model.packed_attention import watch_positions
 from homelab_dp.train.model.packing_check import check_model
@@ -406,6 +407,16 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
     loss_head = install_loss_head(loaded.model)
     if loss_head is None:
         log.warning("full cross-entropy: %s", unsupported_reason(loaded.model))
+    compiling = compile_wanted(train.compile, device.type, resolved.method)
+    refusal = row_skip_refusal(
+        loaded.model, loaded.decoder_layers, loss_head,
+        checkpointing=bool(resolved.activation_checkpointing), compiling=compiling,
+        sequence_split=rank.split is not None,
+    )  # fmt: skip
+    if refusal is None:  # the last layer's MLP on the rows with a loss target only
+        skip_untargeted_rows(loaded.decoder_layers[-1], loss_head)
+    else:
+        log.info("the last layer's MLP runs on every row: %s", refusal)
     copied = None
     if not sharded and reference_kind(spec.preset, resolved.method) == "copy":
         copied = frozen_copy(loaded.model)  # before the wrapper: no DDP hooks on the copy
@@ -422,7 +433,7 @@ def build_model(spec: RunSpec, rank: Rank, total_steps: int, memory: Any = None)
         log.info(
             "data.pack: packed block == samples one by one (max logit diff %.3g)", packing.max_diff
         )
-    if compile_wanted(train.compile, device.type, resolved.method):
+    if compiling:
         n = compile_layers(loaded.decoder_layers, strict=train.compile is True)
         log.info("compiling %d decoder layers (train.compile = %s)", n, train.compile)
     if enable_tf32(device, resolved.dtype):

@@ -182,6 +182,7 @@ class ChunkedLossHead(nn.Module):
         self.bias = head.bias  # a Parameter, or None (registered as such)
         self.chunk = chunk or chunk_tokens(head.out_features)
         self._labels: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def targets(self, labels: torch.Tensor) -> Iterator[None]:
@@ -192,7 +193,20 @@ class ChunkedLossHead(nn.Module):
         try:
             yield
         finally:
-            self._labels = None
+            self._labels = self._rows = None
+
+    def target_rows(self) -> torch.Tensor | None:
+        """Within ``targets``: the flat row numbers whose label is not -100, on the labels'
+        device (found once a block), else None (`train.model.last_mlp_rows` reads them)."""
+        if self._labels is None:
+            return None
+        if self._rows is None:
+            self._rows = (self._labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+        return self._rows
+
+    def label_count(self) -> int:
+        """Within ``targets``: how many labels (rows) the block has; 0 outside."""
+        return 0 if self._labels is None else self._labels.numel()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits, or within ``targets`` the 0-dim sum of token cross-entropies."""
