@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from homelab_dp.train.model.lora import is_experts, is_router
+from homelab_dp.train.model.lora import is_moe
 from homelab_dp.train.model.loss import ChunkedLossHead
 
 
@@ -53,7 +53,7 @@ def row_skip_refusal(
         return "sequence parallelism: each rank holds a shard of the sequence"
     if not layers or not isinstance(getattr(layers[-1], "mlp", None), nn.Module):
         return "the last decoder layer has no mlp"
-    if any(is_experts(m) or is_router(n, m) for n, m in model.named_modules()):
+    if is_moe(model):
         return "a MoE model: routing and its load-balancing loss see every token"
     return None
 

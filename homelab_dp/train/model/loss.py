@@ -73,19 +73,24 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
     return t.to(dtype)
 
 
+def target_rows(labels: torch.Tensor) -> torch.Tensor:
+    """The flat row numbers of ``labels`` that are not -100, on the labels' device. Host labels
+    (the worker's) give them without a device sync; labels on the device cost one (``nonzero``
+    must know its size)."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Sum of token cross-entropies of ``hidden @ weight.T + bias``, chunk by chunk."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        labels: torch.Tensor, chunk: int,
+        labels: torch.Tensor, chunk: int, rows: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
         device_type = hidden.device.type
         autocast_dtype = _compute_dtype(device_type)
-        # Host labels (the worker's) give the target rows without a device sync; labels on
-        # the device cost one (``nonzero`` must know its size).
-        rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        rows = target_rows(labels) if rows is None else rows
         y = to_device(labels.index_select(0, rows), hidden.device)
         rows = to_device(rows, hidden.device)
         h = _cast(hidden.index_select(0, rows), autocast_dtype)
@@ -152,21 +157,22 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             gh.index_copy_(0, rows, gh_rows.to(ctx.hidden_dtype))
         gw = gw.to(ctx.weight_dtype) if gw is not None else None
         gb = gb.to(ctx.bias_dtype) if gb is not None else None
-        return gh, gw, gb, None, None
+        return gh, gw, gb, None, None, None
 
 
 def chunked_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-    chunk: int | None = None,
+    chunk: int | None = None, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """0-dim sum of the token cross-entropies of ``hidden @ weight.T + bias`` over the labels
-    that are not -100; ``labels`` has ``hidden``'s shape without the last dimension."""
+    that are not -100; ``labels`` has ``hidden``'s shape without the last dimension. ``rows``:
+    their `target_rows` when the caller has them already."""
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
     chunk = chunk or chunk_tokens(weight.shape[0])
     flat = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)  # left where it is: on the host it costs no device sync
-    return _ChunkedCrossEntropy.apply(flat, weight, bias, labels, chunk)
+    return _ChunkedCrossEntropy.apply(flat, weight, bias, labels, chunk, rows)
 
 
 class ChunkedLossHead(nn.Module):
@@ -196,12 +202,12 @@ class ChunkedLossHead(nn.Module):
             self._labels = self._rows = None
 
     def target_rows(self) -> torch.Tensor | None:
-        """Within ``targets``: the flat row numbers whose label is not -100, on the labels'
-        device (found once a block), else None (`train.model.last_mlp_rows` reads them)."""
+        """Within ``targets``: the labels' `target_rows`, found once a block for the loss and
+        `train.model.last_mlp_rows`; None outside."""
         if self._labels is None:
             return None
         if self._rows is None:
-            self._rows = (self._labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+            self._rows = target_rows(self._labels)
         return self._rows
 
     def label_count(self) -> int:
@@ -213,7 +219,7 @@ class ChunkedLossHead(nn.Module):
         if self._labels is None:
             return F.linear(hidden_states, self.weight, self.bias)
         return chunked_cross_entropy(
-            hidden_states, self.weight, self.bias, self._labels, self.chunk
+            hidden_states, self.weight, self.bias, self._labels, self.chunk, self.target_rows()
         )
 
     def extra_repr(self) -> str:

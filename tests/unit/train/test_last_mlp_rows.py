@@ -82,12 +82,17 @@ def test_the_loss_and_every_gradient_equal_the_whole_mlps_with_only_target_rows_
     assert seen == [labels.numel()] and logits.shape == (*ids.shape, model.config.vocab_size)
 
 
-def test_a_block_without_targets_still_gives_every_parameter_its_zero_gradient() -> None:
+def _skipping():
+    """The tiny model with the skip installed, the rows its last MLP receives, and a batch."""
     model = _tiny_llama()
     head = install_loss_head(model)
     skip_untargeted_rows(model.model.layers[-1], head)
     seen = _rows_into(model.model.layers[-1].mlp.down_proj)
-    ids, labels = _batch(model.config.vocab_size)
+    return model, head, seen, *_batch(model.config.vocab_size)
+
+
+def test_a_block_without_targets_still_gives_every_parameter_its_zero_gradient() -> None:
+    model, head, seen, ids, labels = _skipping()
     labels[:] = -100
     loss, grads = _loss_and_grads(model, head, ids, labels)
     assert seen == [0] and float(loss) == 0.0
@@ -99,11 +104,7 @@ def test_a_block_without_targets_still_gives_every_parameter_its_zero_gradient()
 
 
 def test_labels_of_other_rows_leave_the_mlp_whole() -> None:
-    model = _tiny_llama()
-    head = install_loss_head(model)
-    skip_untargeted_rows(model.model.layers[-1], head)
-    seen = _rows_into(model.model.layers[-1].mlp.down_proj)
-    ids, labels = _batch(model.config.vocab_size)
+    model, head, seen, ids, labels = _skipping()
     with head.targets(labels[:, :10]), torch.no_grad():  # not this forward's rows
         model.model(input_ids=ids)
     assert seen == [ids.numel()]
