@@ -17,9 +17,9 @@ collective — and the keeper ends it rather than letting it hang.
 
 Which rank stalled: in a data-parallel step every rank waits for the slowest at the next
 collective, so the heartbeats alone often agree. The process states tell the rest: a rank in
-state T (stopped) or D (uninterruptible I/O) is the culprit; otherwise the rank whose heartbeat
-is behind the others'; otherwise every local rank is waiting in a collective (for a rank on
-another node, or a collective that never completes).
+state T (stopped) or D (uninterruptible I/O, held for a quarter second) is the culprit;
+otherwise the rank whose heartbeat is behind the others'; otherwise every local rank is waiting
+in a collective (for a rank on another node, or a collective that never completes).
 
 Stdlib and psutil only: the keeper imports no torch.
 """
@@ -60,6 +60,21 @@ def _process_state(pid: int | None) -> str:
         return "unknown"
 
 
+def _settled_state(pid: int | None, samples: int = 6, gap_s: float = 0.05) -> str:
+    """The process state, with a D (disk-sleep) reading confirmed over ``samples`` readings.
+
+    A healthy process passes through D for milliseconds at a time (paging in, a write that
+    reaches the disk), so one D reading says nothing; a rank stuck in I/O stays in D.
+    """
+    state = _process_state(pid)
+    for _ in range(samples - 1):
+        if state != psutil.STATUS_DISK_SLEEP:
+            break
+        time.sleep(gap_s)
+        state = _process_state(pid)
+    return state
+
+
 _CULPRIT_STATES = {
     psutil.STATUS_STOPPED: "its process is stopped (state T, e.g. SIGSTOP or a debugger)",
     psutil.STATUS_TRACING_STOP: "its process is stopped by a tracer (state t)",
@@ -93,7 +108,7 @@ def describe_stall(
     tail = f"no rank made progress for {limit}"
     if busy:  # others still beat in a long phase: only the silent ones made no progress
         tail = f"no progress on rank {', '.join(map(str, candidates))} for {limit}"
-    states = {r: _process_state(beats[r].get("pid")) for r in candidates}
+    states = {r: _settled_state(beats[r].get("pid")) for r in candidates}
     for rank in candidates:
         why = _CULPRIT_STATES.get(states[rank])
         if why:

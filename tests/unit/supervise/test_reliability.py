@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 
 from homelab_dp.runs.folder.heartbeats import heartbeat_dir, write_heartbeat
@@ -98,8 +99,12 @@ def test_watchdog_arms_on_training_and_fires_after_its_limit(tmp_path: Path) -> 
 
 
 def test_the_stalled_rank_is_the_stopped_one_else_the_one_behind(tmp_path: Path) -> None:
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )
     try:
+        assert sleeper.stdout is not None and sleeper.stdout.readline() == b"up\n"  # started
         beats = {0: {"rank": 0, "pid": os.getpid(), "step": 5, "micro": 1},
                  1: {"rank": 1, "pid": sleeper.pid, "step": 5, "micro": 0}}  # fmt: skip
         behind = describe_stall(beats, 12.0, 10)
@@ -120,6 +125,30 @@ def test_the_stalled_rank_is_the_stopped_one_else_the_one_behind(tmp_path: Path)
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_passing_disk_sleep_is_not_a_culprit_and_a_lasting_one_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A healthy process passes through state D for milliseconds (paging, a write): one D
+    reading must not name it; a rank that stays in D is the stalled one (psutil is the OS
+    boundary, so its readings are the fake)."""
+    readings: list[str] = []
+
+    def status(self: psutil.Process) -> str:
+        if self.pid != os.getpid():
+            return psutil.STATUS_SLEEPING
+        return readings.pop(0) if len(readings) > 1 else readings[0]
+
+    monkeypatch.setattr(psutil.Process, "status", status)
+    beats = {0: {"rank": 0, "pid": 999_999_999, "step": 5, "micro": 1},
+             1: {"rank": 1, "pid": os.getpid(), "step": 5, "micro": 1}}  # fmt: skip
+    readings[:] = [psutil.STATUS_DISK_SLEEP, psutil.STATUS_RUNNING]
+    passing = describe_stall(beats, 12.0, 10)
+    assert "state D" not in passing.message and passing.rank == 0  # rank 0's pid is gone
+    readings[:] = [psutil.STATUS_DISK_SLEEP]
+    lasting = describe_stall(beats, 12.0, 10)
+    assert lasting.rank == 1 and "uninterruptible I/O (state D)" in lasting.message
 
 
 SUMMARY = """homelab_dp.train.loop.worker FAILED
