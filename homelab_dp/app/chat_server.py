@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,11 @@ _LIVE: set[ChatServer] = set()
 
 class ServerFailed(Exception):
     """The server exited or answered with an error; the message says why in one line."""
+
+    def __init__(self, message: str, *, lost: bool = False) -> None:
+        """``lost``: the connection failed (the server may be exiting), not an error answer."""
+        super().__init__(message)
+        self.lost = lost
 
 
 class ChatServer:
@@ -103,6 +108,15 @@ class ChatServer:
         """The exit code once the server has exited, else None."""
         return None if self.proc is None else self.proc.poll()
 
+    async def wait_exit(self, timeout_s: float) -> int | None:
+        """The exit code once the server has exited, waiting up to ``timeout_s`` for it (a
+        killed process is reaped only after the kernel has torn down its memory, which takes
+        a while for a loaded model on busy cores); None if it still runs."""
+        deadline = time.monotonic() + timeout_s
+        while (code := self.exited()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return code
+
     def why(self) -> str:
         """Why a server that exited did, from its log: the first error line (the cause; a
         replica's own comes before the server's summary) and the last line, when they differ."""
@@ -162,10 +176,37 @@ class LocalServer:
     def stream(
         self, messages: list[dict[str, str]], *, temperature: float, max_tokens: int
     ) -> AsyncIterator[str]:
-        """The answer to ``messages``, its text pieces as they come; ServerFailed on an error."""
-        return stream_chat(
+        """The answer to ``messages``, its text pieces as they come; ServerFailed on an error,
+        and as soon as the server's process has exited (a dying server can leave a request
+        waiting on its socket)."""
+        pieces = stream_chat(
             self.http, self.server.url, messages, temperature=temperature, max_tokens=max_tokens
         )
+        return _until_exit(self.server, pieces)
+
+
+async def _until_exit(server: ChatServer, pieces: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    """``pieces`` as they come, checking every `HEALTH_POLL_S` while none comes that the
+    server still runs; ServerFailed (``lost``) once it has exited."""
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(pieces))
+            while not (await asyncio.wait({step}, timeout=HEALTH_POLL_S))[0]:
+                if (code := server.exited()) is not None:
+                    step.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, ServerFailed):
+                        await step
+                    raise ServerFailed(
+                        f"the server exited: {server.why() or f'exit code {code}'}", lost=True
+                    )
+            try:
+                piece = step.result()
+            except StopAsyncIteration:
+                return
+            yield piece
+    finally:
+        with contextlib.suppress(ServerFailed, RuntimeError):
+            await pieces.aclose()
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -187,7 +228,7 @@ async def stream_chat(
     *,
     temperature: float,
     max_tokens: int,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """The answer's text pieces as the server streams them; ServerFailed on an error."""
     body: dict[str, Any] = {"messages": messages, "temperature": temperature,
                             "max_tokens": max_tokens, "stream": True}  # fmt: skip
@@ -211,7 +252,7 @@ async def stream_chat(
                     if piece:
                         yield piece
     except aiohttp.ClientError as exc:
-        raise ServerFailed(f"the server stopped answering ({exc})") from None
+        raise ServerFailed(f"the server stopped answering ({exc})", lost=True) from None
 
 
 def _error_text(body: str, status: int) -> str:

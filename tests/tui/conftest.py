@@ -109,13 +109,18 @@ def capture_notifications(app: HomelabApp) -> list[tuple[str, str]]:
 
 
 async def wait_for(
-    pilot: Pilot, condition: Callable[[], object], timeout: float = 10.0, what: str = ""
+    pilot: Pilot,
+    condition: Callable[[], object],
+    timeout: float = 10.0,
+    what: str | Callable[[], str] = "",
 ) -> None:
-    """Let the app run until ``condition()`` is true (thread workers finish on their own time)."""
+    """Let the app run until ``condition()`` is true (thread workers finish on their own time).
+    ``what`` names the wait in the failure; a callable is asked then (what the app showed)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout} s waiting for {said or condition}")
         await pilot.pause(0.05)
     await pilot.pause()
 

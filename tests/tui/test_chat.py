@@ -165,7 +165,8 @@ async def test_quitting_the_app_stops_the_server(
         state = lambda: screen.states.get("pane-model", "")  # noqa: E731
         # A liveness bound like the start's: on busy CI cores the failed turn took over 30 s.
         await wait_for(pilot, lambda: state().startswith("error") and not screen.busy,
-                       timeout=START_S, what="the error")  # fmt: skip
+                       timeout=START_S, what=lambda: f"the error (busy {screen.busy}, "
+                       f"state {state()!r}, workers {list(screen.workers)})")  # fmt: skip
         assert "the server exited" in state() and screen.servers == {}
         assert len(model.history) == 2  # the failed turn is not sent with the next prompt
         await pilot.press(*"Once more", "enter")  # a new server starts

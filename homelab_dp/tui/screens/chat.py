@@ -24,7 +24,7 @@ from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.widgets import Checkbox, Footer, Header, Input, Label, Select, Static
 
-from homelab_dp.app.chat_server import ChatServer, LocalServer, ServerFailed
+from homelab_dp.app.chat_server import STOP_WAIT_S, ChatServer, LocalServer, ServerFailed
 from homelab_dp.app.chat_session import chat_targets, server_cards
 from homelab_dp.app.follow import Following
 from homelab_dp.app.runs import RunController
@@ -315,6 +315,10 @@ class ChatScreen(Screen[None]):
             self._error(exc)
         except ServerFailed:
             pass  # shown on the state line by _wait
+        except Exception as exc:  # a fault of ours: shown, not left as a pane that never answers
+            for pane_id in self.servers:
+                self._state(pane_id, f"error: {type(exc).__name__}: {exc}")
+            raise
         finally:
             self.busy = False
 
@@ -332,8 +336,10 @@ class ChatScreen(Screen[None]):
                 pane.add(piece)
         except ServerFailed as exc:
             pane.finish(error=str(exc))
-            await asyncio.sleep(0.5)  # a server that died mid-answer: say why, start anew next
-            if server.exited() is not None and self.servers.get(pane_id) is server:
+            # A lost connection is a server dying (or dead): say why, start anew next time. An
+            # error answer comes from a live server, which keeps running.
+            exited = await server.wait_exit(STOP_WAIT_S if exc.lost else 0)
+            if exited is not None and self.servers.get(pane_id) is server:
                 del self.servers[pane_id]
                 self._state(pane_id, f"error: the server exited: {server.why()}")
                 self._reap([server])

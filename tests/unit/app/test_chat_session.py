@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 
+import aiohttp
 import pytest
 
-from homelab_dp.app.chat_server import ServerFailed
+from homelab_dp.app.chat_server import ChatServer, LocalServer, ServerFailed
 from homelab_dp.app.chat_session import ChatSession
 from homelab_dp.errors import HomelabError
 
@@ -65,3 +69,35 @@ def test_an_in_process_answer_and_a_refused_message() -> None:
     with pytest.raises(HomelabError):
         session.ask("far too long", shown.append)
     assert [t["content"] for t in session.turns] == ["hello", "hi"]
+
+
+def test_an_answer_stops_waiting_once_the_server_process_has_exited(tmp_path: Path) -> None:
+    """A server killed while its socket is still open leaves a request unanswered: the stream
+    watches the process and fails as soon as it is gone, rather than wait forever."""
+
+    async def scenario() -> str:
+        silent = await asyncio.start_server(  # accepts and never answers, as a dying server can
+            lambda reader, writer: None, "127.0.0.1", 0
+        )
+        server = ChatServer("unused", log=tmp_path / "server.log", cpu=True)
+        server.port = silent.sockets[0].getsockname()[1]
+        server.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        (tmp_path / "server.log").write_text("error: the model ran out of memory\n")
+        try:
+            async with aiohttp.ClientSession() as http:
+                messages = [{"role": "user", "content": "hi"}]
+                stream = LocalServer(server, http).stream(messages, temperature=0, max_tokens=4)
+                pending = asyncio.ensure_future(anext(stream))
+                await asyncio.sleep(1.0)
+                assert not pending.done()  # the live server is waited for
+                server.proc.kill()
+                with pytest.raises(ServerFailed) as failed:
+                    await asyncio.wait_for(pending, 30)  # liveness: it fails within a poll
+                return str(failed.value)
+        finally:
+            server.proc.kill()
+            server.proc.wait()
+            silent.close()
+
+    message = asyncio.run(scenario())
+    assert message == "the server exited: error: the model ran out of memory"
