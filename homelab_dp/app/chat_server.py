@@ -110,8 +110,8 @@ class ChatServer:
 
     async def wait_exit(self, timeout_s: float) -> int | None:
         """The exit code once the server has exited, waiting up to ``timeout_s`` for it (a
-        killed process is reaped only after the kernel has torn down its memory, which takes
-        a while for a loaded model on busy cores); None if it still runs."""
+        connection can fail before its dying process can be reaped, and on busy cores that
+        takes a moment); None if it still runs."""
         deadline = time.monotonic() + timeout_s
         while (code := self.exited()) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
