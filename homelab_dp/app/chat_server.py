@@ -130,12 +130,16 @@ class ChatServer:
         first = next((line for line in lines if line.startswith("error:")), lines[-1])
         return first if first == lines[-1] else f"{first} · {lines[-1]}"
 
+    def exit_message(self, code: int) -> str:
+        """One line for a server that exited with ``code``: why, from its log, else the code."""
+        return f"the server exited: {self.why() or f'exit code {code}'}"
+
     async def wait_ready(self, session: aiohttp.ClientSession) -> None:
         """Poll /health until a replica is ready; ServerFailed if the server exits first."""
         while True:
             code = self.exited()
             if code is not None:
-                raise ServerFailed(f"the server exited: {self.why() or f'exit code {code}'}")
+                raise ServerFailed(self.exit_message(code))
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 timeout = aiohttp.ClientTimeout(total=2)
                 async with session.get(f"{self.url}/health", timeout=timeout) as resp:
@@ -196,9 +200,7 @@ async def _until_exit(server: ChatServer, pieces: AsyncGenerator[str, None]) -> 
                     step.cancel()
                     with contextlib.suppress(asyncio.CancelledError, ServerFailed):
                         await step
-                    raise ServerFailed(
-                        f"the server exited: {server.why() or f'exit code {code}'}", lost=True
-                    )
+                    raise ServerFailed(server.exit_message(code), lost=True)
             try:
                 piece = step.result()
             except StopAsyncIteration:

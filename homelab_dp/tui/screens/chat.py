@@ -341,7 +341,7 @@ class ChatScreen(Screen[None]):
             exited = await server.wait_exit(STOP_WAIT_S if exc.lost else 0)
             if exited is not None and self.servers.get(pane_id) is server:
                 del self.servers[pane_id]
-                self._state(pane_id, f"error: the server exited: {server.why()}")
+                self._state(pane_id, f"error: {server.exit_message(exited)}")
                 self._reap([server])
             return
         pane.finish()
