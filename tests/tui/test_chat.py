@@ -18,7 +18,7 @@ from homelab_dp.tui.screens.chat import ChatScreen
 from homelab_dp.tui.tui_app import HomelabApp
 from homelab_dp.tui.widgets.chat_pane import ChatPane
 from tests.integration.conftest import DEMO_MODEL
-from tests.tui.conftest import RUN_ID, copy_run, open_app, wait_for
+from tests.tui.conftest import RUN_ID, copy_run, open_app, plain, wait_for
 
 CHAT_RUN = "20250302-090000-tiny-llama-full-c4a7"
 START_S = 240.0  # liveness bound: two servers load torch and the model on 2 busy cores (~20 s)
@@ -166,7 +166,9 @@ async def test_quitting_the_app_stops_the_server(
         # A liveness bound like the start's: on busy CI cores the failed turn took over 30 s.
         await wait_for(pilot, lambda: state().startswith("error") and not screen.busy,
                        timeout=START_S, what=lambda: f"the error (busy {screen.busy}, "
-                       f"state {state()!r}, workers {list(screen.workers)})")  # fmt: skip
+                       f"state {state()!r}, workers {list(screen.workers)}, killed pid "
+                       f"{pids[0]}, history {model.history}, transcript "
+                       f"{plain(app, '#pane-model .chat-transcript')[-300:]!r})")  # fmt: skip
         assert "the server exited" in state() and screen.servers == {}
         assert len(model.history) == 2  # the failed turn is not sent with the next prompt
         await pilot.press(*"Once more", "enter")  # a new server starts
